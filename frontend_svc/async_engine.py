@@ -1,0 +1,117 @@
+"""AsyncEngine: the frontend's engine (vLLM's AsyncLLM): add a request, stream its deltas.
+
+n > 1 is fanned out here into n engine requests (child i gets seed + i when a seed is set) whose
+deltas are merged by `index`; the engine core never sees n > 1. A caller that stops consuming
+(client cancel, deadline) aborts every unfinished child in the core, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
+from frontend_svc.requests import CompletionDelta, EngineRequest
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Multiplexes generate() calls over one EngineCoreClient."""
+
+    def __init__(self, core_addr: str, output_processor: OutputProcessor) -> None:
+        self.output_processor = output_processor
+        self.client = EngineCoreClient(core_addr, self._on_outputs, self._on_disconnect)
+
+    async def start(self, timeout: float) -> EngineInfo:
+        return await self.client.connect(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.client.is_connected
+
+    @property
+    def num_running(self) -> int:
+        return len(self.output_processor.states)
+
+    def _on_outputs(self, outputs: CoreOutputs) -> None:
+        to_abort = self.output_processor.process_outputs(outputs)
+        self.client.abort_requests(to_abort)
+
+    def _on_disconnect(self, reason: str) -> None:
+        self.output_processor.fail_all(f"lost the engine core at {self.client.core_addr} "
+                                       f"({reason}); retry the request")
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas of all `request.params.n` completions until every one finished."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        children = self._add(request, queue)
+        remaining = set(children)
+        try:
+            while remaining:
+                for item in _drain(await queue.get(), queue):
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+                    if item.is_finished:
+                        remaining.discard(children[item.index])
+        finally:
+            if remaining:
+                for handle in remaining:
+                    self.output_processor.remove_request(handle)
+                self.client.abort_requests(sorted(remaining))
+
+    def _add(self, request: EngineRequest, queue: asyncio.Queue[Any]) -> dict[int, int]:
+        """Register and send the n child requests; returns index -> handle."""
+        params = request.params
+        children: dict[int, int] = {}
+        batch: list[tuple[int, EngineRequest]] = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child = EngineRequest(
+                request.request_id if params.n == 1 else f"{request.request_id}-{index}",
+                request.prompt_token_ids, params.replace(n=1, seed=seed),
+                request.eos_token_id, request.priority, request.cache_salt)
+            handle = self.client.next_handle()
+            self.output_processor.add_request(handle, index, child.params,
+                                              len(request.prompt_token_ids), queue)
+            children[index] = handle
+            batch.append((handle, child))
+        try:
+            self.client.add_requests(batch)
+        except EngineUnavailable:
+            for handle in children.values():
+                self.output_processor.remove_request(handle)
+            raise
+        return children
+
+    async def close(self) -> None:
+        self.output_processor.fail_all("the frontend is shutting down")
+        await self.client.close()
+
+
+def _drain(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:
+    """The first item plus everything already queued, consecutive deltas of one index merged
+    (a slow consumer gets fewer, larger messages instead of falling behind)."""
+    items = [first]
+    while not queue.empty():
+        item = queue.get_nowait()
+        last = items[-1]
+        if (isinstance(item, CompletionDelta) and isinstance(last, CompletionDelta)
+                and last.index == item.index and not last.is_finished):
+            items[-1] = _merge(last, item)
+        else:
+            items.append(item)
+    return items
+
+
+def _merge(a: CompletionDelta, b: CompletionDelta) -> CompletionDelta:
+    b.token_ids = a.token_ids + b.token_ids
+    b.text = a.text + b.text
+    b.logprobs = a.logprobs + b.logprobs
+    b.prompt_logprobs = a.prompt_logprobs + b.prompt_logprobs
+    return b

@@ -1,0 +1,158 @@
+"""EngineCoreClient: one bidirectional stream to the engine core, all requests multiplexed.
+
+Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
+coalesced into one wire message. A reader task hands every step's outputs to `on_outputs`. When
+the stream breaks, `on_disconnect` fails the requests in flight (they end with UNAVAILABLE, never
+hang) and the client reconnects with exponential backoff: Handshake, then a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import grpc
+
+from frontend_svc import convert
+from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.output_processor import EngineUnavailable
+from frontend_svc.requests import EngineRequest
+from splitserve.core.v1 import core_service_pb2 as core_pb2
+from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve.service_host import SERVER_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+OutputsCallback = Callable[[CoreOutputs], None]
+DisconnectCallback = Callable[[str], None]
+
+
+class EngineCoreClient:
+    """The frontend's end of EngineCoreService.EngineStream."""
+
+    def __init__(self, core_addr: str, on_outputs: OutputsCallback,
+                 on_disconnect: DisconnectCallback, max_backoff: float = 5.0) -> None:
+        self.core_addr = core_addr
+        self.on_outputs = on_outputs
+        self.on_disconnect = on_disconnect
+        self.max_backoff = max_backoff
+        self.engine_info: EngineInfo | None = None
+        self.num_reconnects = 0
+        self._handles = itertools.count(1)
+        self._channel = grpc.aio.insecure_channel(core_addr, options=SERVER_OPTIONS)
+        self._stub = core_grpc.EngineCoreServiceStub(self._channel)
+        self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
+        self._connected = asyncio.Event()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connected.is_set()
+
+    def next_handle(self) -> int:
+        """A handle never used before on this client (handles are never reused)."""
+        return next(self._handles)
+
+    async def connect(self, timeout: float) -> EngineInfo:
+        """Handshake (retrying until `timeout`), open the stream, keep it open from now on."""
+        info = await asyncio.wait_for(self._handshake_until_ok(), timeout)
+        self._supervisor = asyncio.create_task(self._supervise())
+        await asyncio.wait_for(self._connected.wait(), timeout)
+        return info
+
+    async def _handshake_until_ok(self) -> EngineInfo:
+        delay = 0.1
+        while True:
+            try:
+                reply = await self._stub.Handshake(
+                    core_pb2.HandshakeRequest(client_name=self._client_name), timeout=5.0)
+                self.engine_info = convert.engine_info_from_proto(reply.engine_info)
+                return self.engine_info
+            except grpc.RpcError as err:
+                logger.info("engine core at %s not ready (%s); retrying in %.1f s",
+                            self.core_addr, err.code().name, delay)
+            await asyncio.sleep(delay)
+            delay = min(self.max_backoff, delay * 2)
+
+    async def _supervise(self) -> None:
+        """Keep one stream open; after a break, reconnect with backoff."""
+        while True:
+            reason = await self._run_stream()
+            self._connected.clear()
+            self.on_disconnect(reason)
+            self.num_reconnects += 1
+            logger.warning("stream to engine core %s broke (%s); reconnecting", self.core_addr,
+                           reason)
+            await self._handshake_until_ok()
+
+    async def _run_stream(self) -> str:
+        self._outbox = asyncio.Queue()
+        call = self._stub.EngineStream()
+        writer = asyncio.create_task(self._write(call))
+        self._connected.set()
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return "the engine core closed the stream"
+                self.on_outputs(convert.core_outputs_from_proto(msg.outputs))
+        except grpc.RpcError as err:
+            return f"{err.code().name}: {err.details()}"
+        finally:
+            writer.cancel()
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
+        while True:
+            first = await self._outbox.get()
+            batch = [first]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get_nowait())
+            for msg in _coalesce(batch):
+                await call.write(msg)
+
+    def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
+        """Queue requests (with their handles) for the core; raises EngineUnavailable when the
+        stream is down."""
+        if not self.is_connected:
+            raise EngineUnavailable(f"the engine core at {self.core_addr} is unreachable; "
+                                    "retry shortly")
+        add = core_pb2.AddRequests(
+            requests=[convert.engine_request_to_proto(h, r) for h, r in requests])
+        self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
+
+    def abort_requests(self, handles: list[int]) -> None:
+        """Queue an abort; a no-op while disconnected (the core already dropped them)."""
+        if handles and self.is_connected:
+            abort = core_pb2.AbortRequests(request_handles=handles)
+            self._outbox.put_nowait(core_pb2.EngineStreamRequest(abort=abort))
+
+    async def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await self._channel.close()
+
+
+def _coalesce(batch: list[core_pb2.EngineStreamRequest]) -> list[core_pb2.EngineStreamRequest]:
+    """Merge runs of adds (or of aborts) into one message each, keeping their order."""
+    merged: list[core_pb2.EngineStreamRequest] = []
+    for msg in batch:
+        kind = msg.WhichOneof("payload")
+        last = merged[-1] if merged else None
+        if last is not None and last.WhichOneof("payload") == kind == "add":
+            last.add.requests.extend(msg.add.requests)
+        elif last is not None and last.WhichOneof("payload") == kind == "abort":
+            last.abort.request_handles.extend(msg.abort.request_handles)
+        else:
+            merged.append(msg)
+    return merged

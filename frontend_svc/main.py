@@ -1,0 +1,74 @@
+"""frontend_svc entry point: parse flags once, load the tokenizer, connect to the core, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.config import FrontendConfig, parse_config
+from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
+from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.sampling_params import Limits
+from frontend_svc.server import GenerationServicer
+from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve.log_config import configure_logging
+from splitserve.service_host import ServiceHost
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "splitserve.frontend.v1.GenerationService"
+
+
+async def _track_readiness(host: ServiceHost, engine: AsyncEngine) -> None:
+    """Readiness follows the stream to the core: NOT_SERVING while it is down."""
+    was_ready: bool | None = None
+    while True:
+        if engine.is_ready != was_ready:
+            was_ready = engine.is_ready
+            await host.set_ready(was_ready)
+        await asyncio.sleep(0.2)
+
+
+async def serve(config: FrontendConfig) -> int:
+    model = config.model
+    if not model:
+        from splitserve.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    tokenizer = load_tokenizer(model)
+    engine = AsyncEngine(config.core_addr, OutputProcessor(backend_decoder(tokenizer)))
+    host = ServiceHost(name="frontend", host=config.host, port=config.port,
+                       service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    servicer = GenerationServicer(engine, tokenizer)
+    gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    await host.start()
+    try:
+        info = await engine.start(config.core_connect_timeout)
+    except TimeoutError:
+        await host.fail(f"engine core at {config.core_addr} not reachable after "
+                        f"{config.core_connect_timeout:.0f} s")
+        await host.shutdown()
+        return 1
+    limits = Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                    max_logprobs=config.max_logprobs, max_n=config.max_n,
+                    max_stop_strings=config.max_stop_strings)
+    servicer.attach(InputProcessor(tokenizer, limits, generation_eos_ids(model)), info,
+                    config.served_model_name or info.served_model_name)
+    logger.info("serving %s (max_model_len %d) via engine core %s", info.served_model_name,
+                info.max_model_len, config.core_addr)
+    tracker = asyncio.create_task(_track_readiness(host, engine))
+    code = await host.run_until_stopped()
+    tracker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tracker
+    await engine.close()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level, "frontend")
+    return asyncio.run(serve(config))

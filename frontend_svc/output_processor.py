@@ -1,0 +1,159 @@
+"""OutputProcessor: turn the core's per-step token ids into per-completion text deltas.
+
+One loop over each step's outputs: detokenize incrementally, check stop strings (also across
+token boundaries), hold back text that could still become a stop string, convert logprobs, and
+hand each delta to its request's queue. Requests a stop string finished are returned so the
+caller can abort them in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
+from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.stop_strings import find_stop_string
+
+
+class EngineUnavailable(Exception):
+    """The engine core cannot be reached or failed; in-flight requests end with this."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Frontend-side state of one engine request (one completion index)."""
+
+    handle: int
+    index: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    queue: asyncio.Queue[Any]
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_sent_chars: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    is_finished: bool = False
+    stats: Any = None
+
+
+class OutputProcessor:
+    """Owns the RequestStates of live requests, keyed by their core handle."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.states: dict[int, RequestState] = {}
+
+    def add_request(self, handle: int, index: int, params: SamplingParams,
+                    num_prompt_tokens: int, queue: asyncio.Queue[Any]) -> RequestState:
+        detok = IncrementalDetokenizer(self.decoder, params.skip_special_tokens)
+        state = RequestState(handle, index, params, num_prompt_tokens, queue, detok)
+        self.states[handle] = state
+        return state
+
+    def remove_request(self, handle: int) -> None:
+        self.states.pop(handle, None)
+
+    def fail_all(self, message: str) -> None:
+        """Every live request ends with EngineUnavailable(message)."""
+        for state in self.states.values():
+            state.queue.put_nowait(EngineUnavailable(message))
+        self.states.clear()
+
+    def process_outputs(self, outputs: CoreOutputs) -> list[int]:
+        """Apply one step's outputs; return handles finished here that the core still runs."""
+        to_abort: list[int] = []
+        details = outputs.details
+        offset = 0
+        for handle, count in zip(outputs.handles, outputs.num_new_tokens, strict=True):
+            token_ids = outputs.new_token_ids[offset:offset + count]
+            offset += count
+            state = self.states.get(handle)
+            if state is None:
+                continue
+            detail = details.pop(handle, None)
+            if self._update(state, token_ids, detail):
+                to_abort.append(handle)
+        for handle, detail in details.items():  # details without new tokens (e.g. an abort)
+            state = self.states.get(handle)
+            if state is not None and self._update(state, [], detail):
+                to_abort.append(handle)
+        return to_abort
+
+    def _update(self, state: RequestState, token_ids: list[int],
+                detail: CoreOutputDetail | None) -> bool:
+        """Update one request; True when a stop string finished it (the core must abort it)."""
+        state.num_output_tokens += len(token_ids)
+        finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
+        if detail is not None and detail.num_cached_tokens is not None:
+            state.num_cached_tokens = detail.num_cached_tokens
+        stop_str = self._detokenize(state, token_ids, detail, finish)
+        if stop_str is not None:
+            finish = FinishReason.STOP
+        delta = self._make_delta(state, token_ids, detail, finish, stop_str)
+        if delta is not None:
+            state.queue.put_nowait(delta)
+        if finish != FinishReason.UNSPECIFIED:
+            state.is_finished = True
+            self.states.pop(state.handle, None)
+        return stop_str is not None and (detail is None or not detail.finish_reason)
+
+    def _detokenize(self, state: RequestState, token_ids: list[int],
+                    detail: CoreOutputDetail | None, finish: FinishReason) -> str | None:
+        """Extend state.text; return the stop string that matched, if any."""
+        params = state.params
+        text_ids = token_ids
+        is_stop_token = finish == FinishReason.STOP and not params.include_stop_str_in_output
+        if is_stop_token and token_ids:
+            text_ids = token_ids[:-1]  # a stop token's own text is not part of the output
+        new_text = state.detokenizer.step(text_ids) if text_ids else ""
+        if finish != FinishReason.UNSPECIFIED:
+            new_text += state.detokenizer.flush()
+        state.text += new_text
+        if not params.stop or not new_text or state.num_output_tokens <= params.min_tokens:
+            return None
+        found = find_stop_string(state.text, len(new_text), params.stop,
+                                 params.include_stop_str_in_output)
+        if found is None:
+            return None
+        matched, keep = found
+        state.text = state.text[:keep]
+        return matched
+
+    def _make_delta(self, state: RequestState, token_ids: list[int],
+                    detail: CoreOutputDetail | None, finish: FinishReason,
+                    stop_str: str | None) -> CompletionDelta | None:
+        is_finished = finish != FinishReason.UNSPECIFIED
+        end = len(state.text) if is_finished else len(state.text) - state.params.stop_buffer_length
+        text = state.text[state.num_sent_chars:end] if end > state.num_sent_chars else ""
+        state.num_sent_chars += len(text)
+        logprobs = self._logprobs(detail.new_logprobs) if detail and detail.new_logprobs else []
+        prompt_logprobs = (self._logprobs(detail.prompt_logprobs)
+                           if detail and detail.prompt_logprobs else [])
+        if not (token_ids or text or is_finished or prompt_logprobs):
+            return None
+        return CompletionDelta(
+            index=state.index, token_ids=token_ids, text=text,
+            prompt_tokens=state.num_prompt_tokens, completion_tokens=state.num_output_tokens,
+            cached_tokens=state.num_cached_tokens, finish_reason=finish,
+            stop_token_id=detail.stop_token_id if detail and stop_str is None else None,
+            stop_str=stop_str, error_message=detail.error_message if detail else "",
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:
+        """Columnar table -> per-position entries with each token's own text."""
+        width = table.num_top + 1
+        decode = self.decoder.decode
+        rows: list[TokenLogprobs] = []
+        for pos in range(table.num_positions):
+            base = pos * width
+            entries = [Logprob(table.token_ids[base + col], table.logprobs[base + col], col,
+                               decode([table.token_ids[base + col]], False))
+                       for col in range(width)]
+            entries[0].rank = table.ranks[pos]
+            rows.append(TokenLogprobs(chosen=entries[0], top=entries[1:]))
+        return rows

@@ -1,0 +1,97 @@
+"""Domain types a request passes through in the frontend: prompt in, engine request, deltas out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from frontend_svc.sampling_params import SamplingParams
+
+
+class FinishReason(IntEnum):
+    """Why a completion stopped; values equal the proto FinishReason numbers."""
+
+    UNSPECIFIED = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A prompt as the client sent it: exactly one of text, token_ids or chat is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: tuple[ChatTurn, ...] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """A validated-to-be public Generate call."""
+
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request ready for the engine core (n = 1; n > 1 is fanned out into several)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    chosen: Logprob
+    top: list[Logprob]
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What is new for one completion (index) since its previous delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    stop_token_id: int | None = None
+    stop_str: str | None = None
+    error_message: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason != FinishReason.UNSPECIFIED

@@ -1,0 +1,217 @@
+"""`splitserve up`: start worker ranks, engine core and frontend as child processes on loopback.
+
+The launcher waits until every child reports SERVING on its readiness health check, prints one
+`READY ...` line, optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM stops
+every child; a child that dies takes the launcher down with a non-zero exit naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.flags import FlagParser, non_negative_int, positive_int
+from splitserve.log_config import LOG_LEVELS
+
+LOOPBACK = "127.0.0.1"
+STOP_GRACE_SECONDS = 15.0
+READINESS = {
+    "worker": "splitserve.worker.v1.WorkerService",
+    "core": "splitserve.core.v1.EngineCoreService",
+    "frontend": "splitserve.frontend.v1.GenerationService",
+}
+
+
+@dataclass
+class Child:
+    """One service process started by the launcher."""
+
+    name: str
+    kind: str
+    address: str
+    metrics_url: str
+    process: subprocess.Popen[bytes]
+
+
+class LaunchError(RuntimeError):
+    """A child failed to start or died."""
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(
+        prog="splitserve up",
+        description="Start the whole stack on loopback. Any other `splitserve core` flag "
+        "(e.g. --max-model-len, --max-num-seqs, --dtype) is passed to the engine core.",
+    )
+    p.add_argument("--model", default="", help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
+    p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
+    p.add_argument("--port", type=non_negative_int, default=50051, help="frontend port (0: any)")
+    p.add_argument("--sample-prompt", default="",
+                   help="after READY, stream one answer to this prompt to stdout")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    return p
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback right now (all sockets held open together, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spawn(name: str, kind: str, argv: list[str], address: str, metrics_port: int) -> Child:
+    cmd = [sys.executable, "-m", f"{kind}_svc", *argv]
+    process = subprocess.Popen(cmd)
+    return Child(name, kind, address, f"http://{LOOPBACK}:{metrics_port}/metrics", process)
+
+
+def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) -> list[Child]:
+    """Start workers, core and frontend; they find each other through the ports chosen here."""
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    ports = free_ports(2 * world + 5)
+    common = ["--log-level", args.log_level]
+    workers = [
+        _spawn(f"worker[{rank}]", "worker",
+               ["--host", LOOPBACK, "--port", str(ports[rank]),
+                "--metrics-port", str(ports[world + rank]), *common],
+               f"{LOOPBACK}:{ports[rank]}", ports[world + rank])
+        for rank in range(world)
+    ]
+    core_port, core_metrics, dist_port, fe_metrics, fe_port = ports[2 * world:]
+    core_addr = f"{LOOPBACK}:{core_port}"
+    core = _spawn("core", "core", [
+        "--model", model, "--host", LOOPBACK, "--port", str(core_port),
+        "--metrics-port", str(core_metrics),
+        "--worker-addrs", ",".join(w.address for w in workers),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+        "--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}", *common, *core_flags,
+    ], core_addr, core_metrics)
+    port = args.port or fe_port
+    frontend = _spawn("frontend", "frontend", [
+        "--model", model, "--core-addr", core_addr, "--host", args.host, "--port", str(port),
+        "--metrics-port", str(fe_metrics), *common,
+    ], f"{args.host}:{port}", fe_metrics)
+    return [*workers, core, frontend]
+
+
+def is_ready(child: Child) -> bool:
+    """True when the child's readiness health check answers SERVING."""
+    host, port = child.address.rsplit(":", 1)
+    target = f"{LOOPBACK if host in ('0.0.0.0', '') else host}:{port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=READINESS[child.kind]),
+                               timeout=1.0)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def check_alive(children: Sequence[Child]) -> None:
+    for child in children:
+        code = child.process.poll()
+        if code is not None:
+            raise LaunchError(f"{child.name} exited with code {code}")
+
+
+def wait_ready(children: Sequence[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        check_alive(children)
+        pending = [c for c in pending if not is_ready(c)]
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(c.name for c in pending)
+            raise LaunchError(f"not ready after {timeout:.0f} s: {names}")
+        if pending:
+            time.sleep(0.25)
+
+
+def stop_children(children: Sequence[Child]) -> None:
+    """SIGTERM frontend first, then core, then workers; SIGKILL whatever outlives the grace."""
+    for child in reversed(children):
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+def ready_line(children: Sequence[Child]) -> str:
+    by_kind = {kind: [c for c in children if c.kind == kind] for kind in READINESS}
+    return (f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
+            f"workers={','.join(c.address for c in by_kind['worker'])} "
+            f"metrics={','.join(c.metrics_url for c in children)}")
+
+
+def stream_sample(address: str, prompt: str) -> None:
+    from splitserve.generate_client import build_parser as generate_parser
+    from splitserve.generate_client import build_request, print_stream, stream_text
+
+    args = generate_parser().parse([prompt, "--max-tokens", "48"], {})
+    print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
+    print_stream(stream_text(address, build_request(args), 120.0), sys.stdout)
+
+
+def _serve(children: list[Child], args: argparse.Namespace) -> int:
+    wait_ready(children, args.startup_timeout)
+    print(ready_line(children), flush=True)
+    if args.sample_prompt:
+        stream_sample(children[-1].address, args.sample_prompt)
+    while True:
+        check_alive(children)
+        time.sleep(0.25)
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = build_parser()
+    env = os.environ if environ is None else environ
+    args, core_flags = parser.parse_known_env(argv, env)
+    model = args.model
+    if not model:
+        from splitserve.default_model import ensure_default_model
+
+        model = str(ensure_default_model(env))
+    children: list[Child] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        children = start_children(args, model, core_flags)
+        return _serve(children, args)
+    except KeyboardInterrupt:
+        print("splitserve up: stopping", file=sys.stderr)
+        return 0
+    except (LaunchError, grpc.RpcError) as err:
+        message = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        print(f"splitserve up: {message}; stopping everything", file=sys.stderr)
+        return 1
+    finally:
+        stop_children(children)

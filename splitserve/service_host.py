@@ -1,0 +1,140 @@
+"""Start-up plumbing shared by the three services: one grpc.aio server with the standard health
+service, server reflection, a Prometheus `/metrics` endpoint and a graceful SIGTERM.
+
+Health semantics (Kubernetes gRPC probes understand both):
+- liveness is the empty service name "": SERVING while the process runs, NOT_SERVING once it shuts
+  down or has failed;
+- readiness is per named service (e.g. "splitserve.core.v1.EngineCoreService"): NOT_SERVING until
+  the service says it is ready, and again whenever it cannot serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.so_reuseport", 0),
+)
+LIVENESS = ""
+ShutdownHook = Callable[[], Awaitable[None]]
+
+
+class ServiceHost:
+    """Runs one service's grpc.aio server until SIGTERM/SIGINT or a fatal error."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        host: str,
+        port: int,
+        service_names: Sequence[str],
+        metrics_port: int | None = None,
+        registry: CollectorRegistry | None = None,
+        grace_seconds: float = 10.0,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.service_names = list(service_names)
+        self.metrics_port = metrics_port
+        self.registry = registry
+        self.grace_seconds = grace_seconds
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.health = health.aio.HealthServicer()
+        self.bound_port = 0
+        self.metrics_bound_port: int | None = None
+        self.exit_code = 0
+        self._stop = asyncio.Event()
+        self._metrics_server: object | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.bound_port}"
+
+    async def start(self) -> int:
+        """Bind and start; liveness SERVING, readiness NOT_SERVING. Returns the bound port."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.bound_port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.bound_port == 0:
+            raise OSError(f"{self.name}: cannot bind {self.host}:{self.port}")
+        await self.server.start()
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        for service in self.service_names:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._start_metrics()
+        logger.info("%s listening on %s", self.name, self.address)
+        return self.bound_port
+
+    def _start_metrics(self) -> None:
+        if self.metrics_port is None:
+            return
+        kwargs = {"registry": self.registry} if self.registry is not None else {}
+        server, _ = start_http_server(self.metrics_port, addr=self.host, **kwargs)
+        self._metrics_server = server
+        self.metrics_bound_port = int(server.server_address[1])
+        logger.info("%s metrics on http://%s:%d/metrics", self.name, self.host,
+                    self.metrics_bound_port)
+
+    async def set_ready(self, is_ready: bool, service: str | None = None) -> None:
+        """Set readiness of one named service (default: all of them)."""
+        status = (health_pb2.HealthCheckResponse.SERVING if is_ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in [service] if service else self.service_names:
+            await self.health.set(name, status)
+
+    def request_stop(self, exit_code: int = 0) -> None:
+        """Ask the host to shut down (call from the event loop thread)."""
+        self.exit_code = max(self.exit_code, exit_code)
+        self._stop.set()
+
+    async def fail(self, message: str) -> None:
+        """A fatal error: mark everything NOT_SERVING, log, and stop with exit code 1."""
+        logger.error("%s: fatal: %s", self.name, message)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_ready(False)
+        self.request_stop(1)
+
+    async def run_until_stopped(self, on_shutdown: ShutdownHook | None = None) -> int:
+        """Serve until SIGTERM/SIGINT or `request_stop`; then stop gracefully. Returns the exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self._stop.wait()
+        await self.shutdown(on_shutdown)
+        return self.exit_code
+
+    async def shutdown(self, on_shutdown: ShutdownHook | None = None) -> None:
+        """Stop accepting, let the service finish or abort in-flight work, close the server."""
+        logger.info("%s shutting down", self.name)
+        await self.health.enter_graceful_shutdown()
+        if on_shutdown is not None:
+            try:
+                await asyncio.wait_for(on_shutdown(), timeout=self.grace_seconds)
+            except Exception:
+                logger.exception("%s: shutdown hook failed", self.name)
+                self.exit_code = max(self.exit_code, 1)
+        await self.server.stop(grace=self.grace_seconds)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+        logger.info("%s stopped", self.name)

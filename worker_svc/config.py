@@ -1,0 +1,49 @@
+"""worker_svc configuration: flags with SPLITSERVE_* environment fallbacks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from splitserve.flags import FlagParser, non_negative_int
+from splitserve.log_config import LOG_LEVELS
+
+DEFAULT_PORT = 50071
+DEFAULT_METRICS_PORT = 9402
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything worker_svc needs at start-up; what to load arrives later in LoadModel."""
+
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    device: str = "auto"
+    torch_threads: int = 0
+    log_level: str = "info"
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(prog="splitserve worker",
+                   description="Run one worker rank; the engine core tells it what to load.")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="Prometheus /metrics port (-1 disables)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: cuda when available)")
+    p.add_argument("--torch-threads", type=non_negative_int, default=0,
+                   help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    return p
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    args = build_parser().parse(argv, os.environ if environ is None else environ)
+    values = vars(args)
+    values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
+    return WorkerConfig(**values)
