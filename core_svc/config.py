@@ -40,6 +40,7 @@ class CoreConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT
     engine_id: str = "0"
     worker_connect_timeout: float = 600.0
+    execute_timeout: float = 300.0
     log_level: str = "info"
 
     @property
@@ -89,6 +90,8 @@ def build_parser() -> FlagParser:
     p.add_argument("--engine-id", default="0", help="metrics label `engine`")
     p.add_argument("--worker-connect-timeout", type=float, default=600.0,
                    help="seconds to wait for the workers to come up and load")
+    p.add_argument("--execute-timeout", type=float, default=300.0,
+                   help="seconds one engine step may take before the workers count as failed")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 

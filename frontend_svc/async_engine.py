@@ -50,7 +50,7 @@ class AsyncEngine:
         """Stream deltas of all `request.params.n` completions until every one finished."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         children = self._add(request, queue)
-        remaining = set(children)
+        remaining = set(children.values())
         try:
             while remaining:
                 for item in _drain(await queue.get(), queue):

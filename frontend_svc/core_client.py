@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -30,17 +31,23 @@ logger = logging.getLogger(__name__)
 
 OutputsCallback = Callable[[CoreOutputs], None]
 DisconnectCallback = Callable[[str], None]
+RttCallback = Callable[[float], None]
 
 
 class EngineCoreClient:
     """The frontend's end of EngineCoreService.EngineStream."""
 
     def __init__(self, core_addr: str, on_outputs: OutputsCallback,
-                 on_disconnect: DisconnectCallback, max_backoff: float = 5.0) -> None:
+                 on_disconnect: DisconnectCallback, max_backoff: float = 5.0,
+                 ping_interval: float = 1.0, on_rtt: RttCallback | None = None) -> None:
         self.core_addr = core_addr
         self.on_outputs = on_outputs
         self.on_disconnect = on_disconnect
         self.max_backoff = max_backoff
+        self.ping_interval = ping_interval
+        self.on_rtt = on_rtt
+        self._pings: dict[int, float] = {}
+        self._ping_ids = itertools.count(1)
         self.engine_info: EngineInfo | None = None
         self.num_reconnects = 0
         self._handles = itertools.count(1)
@@ -93,22 +100,41 @@ class EngineCoreClient:
 
     async def _run_stream(self) -> str:
         self._outbox = asyncio.Queue()
+        self._pings.clear()
         call = self._stub.EngineStream()
-        writer = asyncio.create_task(self._write(call))
+        tasks = [asyncio.create_task(self._write(call)), asyncio.create_task(self._ping())]
         self._connected.set()
         try:
             while True:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
                     return "the engine core closed the stream"
-                self.on_outputs(convert.core_outputs_from_proto(msg.outputs))
+                if msg.HasField("pong"):
+                    self._on_pong(msg.pong.ping_id)
+                else:
+                    self.on_outputs(convert.core_outputs_from_proto(msg.outputs))
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"
         finally:
-            writer.cancel()
             call.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _ping(self) -> None:
+        """Time the hop to the core in this process's clock (the core echoes off its loop)."""
+        while True:
+            await asyncio.sleep(self.ping_interval)
+            ping_id = next(self._ping_ids)
+            self._pings[ping_id] = time.monotonic()
+            self._outbox.put_nowait(core_pb2.EngineStreamRequest(
+                ping=core_pb2.Ping(ping_id=ping_id)))
+
+    def _on_pong(self, ping_id: int) -> None:
+        sent = self._pings.pop(ping_id, None)
+        if sent is not None and self.on_rtt is not None:
+            self.on_rtt(time.monotonic() - sent)
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
         while True:

@@ -107,6 +107,13 @@ class ServiceHost:
         self.exit_code = max(self.exit_code, exit_code)
         self._stop.set()
 
+    async def set_unhealthy(self, message: str) -> None:
+        """The service can no longer serve but keeps running (so clients get clear errors):
+        readiness and liveness turn NOT_SERVING, and an orchestrator restarts it."""
+        logger.error("%s: %s", self.name, message)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.set_ready(False)
+
     async def fail(self, message: str) -> None:
         """A fatal error: mark everything NOT_SERVING, log, and stop with exit code 1."""
         logger.error("%s: fatal: %s", self.name, message)

@@ -288,6 +288,7 @@ class EngineStreamRequest(_message.Message):
 
     ADD_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    PING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add(self) -> Global___AddRequests:
         """New requests."""
@@ -296,41 +297,98 @@ class EngineStreamRequest(_message.Message):
     def abort(self) -> Global___AbortRequests:
         """Requests to stop."""
 
+    @_builtins.property
+    def ping(self) -> Global___Ping:
+        """A latency probe; the core answers with a Pong at once, off the engine loop."""
+
     def __init__(
         self,
         *,
         add: Global___AddRequests | None = ...,
         abort: Global___AbortRequests | None = ...,
+        ping: Global___Ping | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___EngineStreamRequest: _TypeAlias = EngineStreamRequest  # noqa: Y015
 
 @_typing.final
+class Ping(_message.Message):
+    """Ping asks the engine core to echo it, so the frontend can time the hop."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PING_ID_FIELD_NUMBER: _builtins.int
+    ping_id: _builtins.int
+    """Identifier chosen by the frontend, echoed in the Pong."""
+    def __init__(
+        self,
+        *,
+        ping_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ping_id", b"ping_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ping: _TypeAlias = Ping  # noqa: Y015
+
+@_typing.final
+class Pong(_message.Message):
+    """Pong echoes a Ping."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PING_ID_FIELD_NUMBER: _builtins.int
+    ping_id: _builtins.int
+    """The Ping's identifier."""
+    def __init__(
+        self,
+        *,
+        ping_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ping_id", b"ping_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pong: _TypeAlias = Pong  # noqa: Y015
+
+@_typing.final
 class EngineStreamResponse(_message.Message):
-    """EngineStreamResponse is one message from the engine core to a frontend."""
+    """EngineStreamResponse is one message from the engine core to a frontend:
+    either outputs or a pong.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUTS_FIELD_NUMBER: _builtins.int
+    PONG_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def outputs(self) -> Global___EngineCoreOutputs:
         """Outputs of one engine step for this frontend's requests."""
+
+    @_builtins.property
+    def pong(self) -> Global___Pong:
+        """The answer to a Ping; set instead of outputs."""
 
     def __init__(
         self,
         *,
         outputs: Global___EngineCoreOutputs | None = ...,
+        pong: Global___Pong | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,40 @@
+"""worker_svc entry point: parse flags once, serve WorkerService until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from splitserve.log_config import configure_logging
+from splitserve.service_host import ServiceHost
+from splitserve.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from worker_svc.config import WorkerConfig, parse_config
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = "splitserve.worker.v1.WorkerService"
+
+
+async def serve(config: WorkerConfig) -> int:
+    import torch
+
+    from worker_svc.server import WorkerServicer
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    host = ServiceHost(name="worker", host=config.host, port=config.port,
+                       service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    servicer = WorkerServicer(device=config.device)
+    worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
+    await host.start()
+    # A worker is ready as soon as it can take the core's start-up calls.
+    await host.set_ready(True)
+    code = await host.run_until_stopped()
+    await servicer.close()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level, "worker")
+    return asyncio.run(serve(config))
