@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.stack import Stack
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +25,11 @@ def tokenizer(default_model_dir: Path) -> Any:
     from frontend_svc.input_processor import load_tokenizer
 
     return load_tokenizer(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def stack(default_model_dir: Path) -> Iterator[Stack]:
+    """A TP=1 stack (worker, core, frontend processes) serving the default model."""
+    running = Stack(default_model_dir).start()
+    yield running
+    running.stop()

@@ -1,0 +1,59 @@
+"""A real splitserve stack (worker, core and frontend processes on loopback) for end-to-end tests."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from splitserve.core.v1 import core_service_pb2 as core_pb2
+from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve.launcher import Child, start_children, stop_children, wait_ready
+
+KV_BYTES = str(64 * 1024 * 1024)
+
+
+class Stack:
+    """Processes started with the launcher's own wiring; stopped by PID."""
+
+    def __init__(self, model: Path, tp: int = 1, pp: int = 1, core_flags: list[str] | None = None):
+        self.model = model
+        self.tp, self.pp = tp, pp
+        self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
+        self.children: list[Child] = []
+
+    def start(self, timeout: float = 240.0) -> Stack:
+        args = argparse.Namespace(tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+                                  host="127.0.0.1", port=0, log_level="warning")
+        self.children = start_children(args, str(self.model), self.core_flags)
+        try:
+            wait_ready(self.children, timeout)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        stop_children(self.children)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    @property
+    def frontend(self) -> str:
+        return self.child("frontend").address
+
+    @property
+    def core(self) -> str:
+        return self.child("core").address
+
+    def workers(self) -> Iterator[Child]:
+        return (c for c in self.children if c.kind == "worker")
+
+    def scheduler_stats(self) -> core_pb2.SchedulerStats:
+        with grpc.insecure_channel(self.core) as channel:
+            stub = core_grpc.EngineCoreServiceStub(channel)
+            reply = stub.GetSchedulerStats(core_pb2.GetSchedulerStatsRequest(), timeout=10)
+            return reply.scheduler_stats
