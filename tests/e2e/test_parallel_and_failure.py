@@ -1,0 +1,75 @@
+"""A TP=2 stack, and a worker rank that dies while serving."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from tests.e2e.client import generate, join, text_request
+from tests.e2e.stack import Stack
+from tests.e2e.test_generate import PROMPT, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def test_tp2_stack_matches_transformers(default_model_dir: Path, hf_model: Any,
+                                        tokenizer: Any) -> None:
+    stack = Stack(default_model_dir, tp=2).start()
+    try:
+        assert len(list(stack.workers())) == 2
+        result = generate(stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=24,
+                                                       ignore_eos=True))[0]
+        assert result.token_ids == hf_greedy(hf_model, tokenizer.encode(PROMPT), 24)
+    finally:
+        stack.stop()
+
+
+def _readiness(addr: str, service: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        return int(health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(
+        default_model_dir: Path) -> None:
+    stack = Stack(default_model_dir).start()
+    try:
+        errors: list[grpc.RpcError] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            request = text_request(PROMPT, max_tokens=1900, ignore_eos=True)
+            with grpc.insecure_channel(stack.frontend) as channel:
+                call = gen_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+                try:
+                    for _ in call:
+                        started.set()
+                except grpc.RpcError as err:
+                    errors.append(err)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert started.wait(60)
+        killed_at = time.monotonic()
+        next(stack.workers()).process.send_signal(signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive()
+        assert time.monotonic() - killed_at < 30
+        assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker rank 0" in (errors[0].details() or "")
+        core_service = "splitserve.core.v1.EngineCoreService"
+        assert _readiness(stack.core, core_service) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as later:
+            join(gen_grpc.GenerationServiceStub(grpc.insecure_channel(stack.frontend)).Generate(
+                text_request(PROMPT, max_tokens=2), timeout=30))
+        assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.stop()
