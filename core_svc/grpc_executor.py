@@ -57,7 +57,7 @@ class GrpcExecutor:
         self.output_rank = output_rank
         self.execute_timeout = execute_timeout
         self._on_failure = on_failure
-        self._calls: list[grpc.aio.StreamStreamCall] = []  # type: ignore[type-arg]
+        self._calls: list[grpc.aio.StreamStreamCall] = []
         self._outboxes: list[asyncio.Queue[bytes]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: concurrent.futures.Future[worker_pb2.ModelRunnerOutput] | None = None
@@ -103,7 +103,7 @@ class GrpcExecutor:
         for outbox in self._outboxes:
             outbox.put_nowait(payload)
 
-    async def _write(self, rank: int, call: grpc.aio.StreamStreamCall,  # type: ignore[type-arg]
+    async def _write(self, rank: int, call: grpc.aio.StreamStreamCall,
                      outbox: asyncio.Queue[bytes]) -> None:
         try:
             while True:
@@ -113,7 +113,7 @@ class GrpcExecutor:
         except Exception as exc:  # a broken stream: the reader reports the cause too
             self._fail(f"worker rank {rank} ({self._addrs[rank]}): cannot send: {exc!r}")
 
-    async def _read(self, rank: int, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
+    async def _read(self, rank: int, call: grpc.aio.StreamStreamCall) -> None:
         try:
             while True:
                 reply = await call.read()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -48,7 +49,8 @@ class WorkerPool:
         self.channels = [grpc.aio.insecure_channel(a, options=SERVER_OPTIONS) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
 
-    async def _call_all(self, name: str, requests: list[object], timeout: float) -> list[object]:
+    async def _call_all(self, name: str, requests: Sequence[object],
+                        timeout: float) -> list[object]:
         calls = [getattr(stub, name)(req, timeout=timeout)
                  for stub, req in zip(self.stubs, requests, strict=True)]
         results = await asyncio.gather(*calls, return_exceptions=True)

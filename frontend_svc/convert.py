@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from collections.abc import Callable
+from typing import cast
 
-from splitserve.common.v1 import types_pb2
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from frontend_svc.engine_types import (
     CoreOutputDetail,
@@ -24,6 +23,9 @@ from frontend_svc.requests import (
     TokenLogprobs,
 )
 from frontend_svc.sampling_params import SamplingParams
+from splitserve.common.v1 import types_pb2
+from splitserve.core.v1 import core_service_pb2 as core_pb2
+from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
 
 _OPTIONAL_DEFAULTS = {
     "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "skip_special_tokens": True,
@@ -34,12 +36,13 @@ _OPTIONAL_NONE = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 
 def sampling_params_from_proto(msg: types_pb2.SamplingParams) -> SamplingParams:
     """Proto -> domain, honouring `optional` presence (unset takes vLLM's default)."""
+    has_field = cast(Callable[[str], bool], msg.HasField)  # field names come from this module
     values: dict[str, object] = {
-        name: getattr(msg, name) if msg.HasField(name) else default
+        name: getattr(msg, name) if has_field(name) else default
         for name, default in _OPTIONAL_DEFAULTS.items()
     }
     for name in _OPTIONAL_NONE:
-        values[name] = getattr(msg, name) if msg.HasField(name) else None
+        values[name] = getattr(msg, name) if has_field(name) else None
     return SamplingParams(
         n=msg.n or 1, top_k=msg.top_k, min_p=msg.min_p, presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty, stop=tuple(msg.stop),

@@ -136,7 +136,7 @@ class EngineCoreClient:
         if sent is not None and self.on_rtt is not None:
             self.on_rtt(time.monotonic() - sent)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             first = await self._outbox.get()
             batch = [first]

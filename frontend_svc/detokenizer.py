@@ -20,7 +20,7 @@ class Decoder(Protocol):
 
 def backend_decoder(tokenizer: Any) -> Decoder:
     """The fast (Rust) tokenizer behind an HF tokenizer when there is one: ~0.5 us per window."""
-    return getattr(tokenizer, "backend_tokenizer", None) or tokenizer  # type: ignore[no-any-return]
+    return getattr(tokenizer, "backend_tokenizer", None) or tokenizer
 
 
 class IncrementalDetokenizer:

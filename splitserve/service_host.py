@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class ServiceHost:
     def _start_metrics(self) -> None:
         if self.metrics_port is None:
             return
-        kwargs = {"registry": self.registry} if self.registry is not None else {}
-        server, _ = start_http_server(self.metrics_port, addr=self.host, **kwargs)
+        registry = self.registry if self.registry is not None else REGISTRY
+        server, _ = start_http_server(self.metrics_port, addr=self.host, registry=registry)
         self._metrics_server = server
         self.metrics_bound_port = int(server.server_address[1])
         logger.info("%s metrics on http://%s:%d/metrics", self.name, self.host,

@@ -1,0 +1,215 @@
+"""Per-step CPU cost of the engine core: `python -m benchmarks.scheduler`.
+
+Drives EngineCore.step() with a trivial executor that plays the workers (it tracks only
+token counts and samples one fixed token per request whose scheduled tokens reach its
+end). `us_per_step` is the step's wall time minus that fake worker's own work, i.e. what
+the engine core costs; with `with_proto: true` it also includes converting the
+SchedulerOutput to the worker proto and serialising it, parsing and converting the
+ModelRunnerOutput reply, and converting and serialising every client's outputs. Adding
+requests (prompt hashing) is timed separately as `add_us_per_request`.
+Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from core_svc import convert
+from core_svc.engine_core import EngineCore
+from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
+from core_svc.request import Request
+from core_svc.sampling import SamplingParams
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.scheduler_output import SchedulerOutput
+from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+
+TOKEN = 7
+DECODE_PARAMS = SamplingParams(ignore_eos=True)
+
+
+class TrivialExecutor:
+    """Plays the workers with minimal work; `worker_s` is the time it spent doing so."""
+
+    def __init__(self, with_proto: bool) -> None:
+        self.with_proto = with_proto
+        self.num_tokens: dict[int, int] = {}
+        self.worker_s = 0.0
+
+    def shutdown(self) -> None:
+        pass
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.with_proto:
+            convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
+        start = time.perf_counter()
+        output = self._sample(scheduler_output)
+        wire = b""
+        if self.with_proto:
+            wire = convert.model_runner_output_to_proto(output).SerializeToString()
+        self.worker_s += time.perf_counter() - start
+        if self.with_proto:
+            msg = worker_pb2.ModelRunnerOutput.FromString(wire)
+            return convert.model_runner_output_from_proto(msg)
+        return output
+
+    def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        num_tokens = self.num_tokens
+        for handle in so.finished_req_handles:
+            del num_tokens[handle]
+        for new in so.scheduled_new_reqs:
+            num_tokens[new.req_handle] = len(new.prompt_token_ids)
+        cached = so.scheduled_cached_reqs
+        for handle, n in zip(cached.resumed_req_handles, cached.num_resumed_token_ids, strict=True):
+            num_tokens[handle] = n
+        for handle, n in zip(cached.req_handles, cached.num_new_token_ids, strict=True):
+            num_tokens[handle] += n
+        handles = [r.req_handle for r in so.scheduled_new_reqs] + cached.req_handles
+        computed = [r.num_computed_tokens for r in so.scheduled_new_reqs]
+        computed += cached.num_computed_tokens
+        sampled = [
+            h
+            for h, c, n in zip(handles, computed, so.num_scheduled_tokens, strict=True)
+            if c + n >= num_tokens[h]
+        ]
+        return ModelRunnerOutput(so.step_id, sampled, [TOKEN] * len(sampled))
+
+
+@dataclass
+class Case:
+    name: str
+    running: int
+    num_blocks: int
+    measure_steps: int
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 8192
+    prompt_len: int = 64
+    long_prompt_len: int = 0
+    shared_prefixes: int = 0
+    arrivals_per_step: int = 0
+
+
+CASES = [
+    Case("decode_256", 256, num_blocks=40_000, measure_steps=1000),
+    Case("decode_1024", 1024, num_blocks=80_000, measure_steps=400),
+    Case("decode_256_with_32k_prefill", 256, num_blocks=50_000, measure_steps=600,
+         max_model_len=65_536, long_prompt_len=32_768),
+    Case("decode_1024_with_32k_prefill", 1024, num_blocks=90_000, measure_steps=300,
+         max_model_len=65_536, long_prompt_len=32_768),
+    Case("prefix_cache_heavy", 256, num_blocks=40_000, measure_steps=600, prompt_len=32,
+         shared_prefixes=8, arrivals_per_step=8),
+]  # fmt: skip
+
+
+class Workload:
+    """Creates the requests of a case; `arrivals()` is what to add before a step."""
+
+    def __init__(self, case: Case, engine: EngineCore) -> None:
+        self.case = case
+        self.engine = engine
+        self.rng = random.Random(0)
+        self.next_handle = 0
+        self.long_handle: int | None = None
+        self.prefixes = [self.tokens(1024) for _ in range(case.shared_prefixes)]
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 32_000) for _ in range(n)]
+
+    def request(self, prompt: list[int], params: SamplingParams) -> Request:
+        self.next_handle += 1
+        handle = self.next_handle
+        return Request(1, handle, f"bench-{handle}", prompt, params)
+
+    def initial(self) -> Iterator[Request]:
+        if self.case.shared_prefixes:
+            return
+        for _ in range(self.case.running):
+            yield self.request(self.tokens(self.case.prompt_len), DECODE_PARAMS)
+
+    def arrivals(self) -> Iterator[Request]:
+        case = self.case
+        live = self.engine.client_requests.get(1, {})
+        if case.long_prompt_len and (self.long_handle is None or self.long_handle not in live):
+            request = self.request(self.tokens(case.long_prompt_len), SamplingParams(max_tokens=1))
+            self.long_handle = request.client_handle
+            yield request
+        for _ in range(case.arrivals_per_step):
+            prompt = self.rng.choice(self.prefixes) + self.tokens(case.prompt_len)
+            yield self.request(prompt, SamplingParams(max_tokens=32, ignore_eos=True))
+
+
+def run_case(case: Case, with_proto: bool) -> dict[str, object]:
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=2048,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        max_model_len=case.max_model_len,
+    )
+    executor = TrivialExecutor(with_proto)
+    engine = EngineCore(scheduler_config, CacheConfig(num_blocks=case.num_blocks), executor)
+    workload = Workload(case, engine)
+    for request in workload.initial():
+        engine.add_request(request)
+    publish = _publisher(with_proto)
+    add_s, num_added, step_s = 0.0, 0, []
+    warmup_steps = 40 + case.running * case.prompt_len // case.max_num_batched_tokens
+    gc.collect()
+    for i in range(warmup_steps + case.measure_steps):
+        arrivals = list(workload.arrivals())
+        start = time.perf_counter()
+        for request in arrivals:
+            engine.add_request(request)
+            num_added += 1
+        added = time.perf_counter()
+        worker_s = executor.worker_s
+        publish(engine.step())
+        end = time.perf_counter()
+        if i >= warmup_steps:
+            add_s += added - start
+            step_s.append(end - added - (executor.worker_s - worker_s))
+    stats = engine.make_stats()
+    step_us = sorted(s * 1e6 for s in step_s)
+    return {
+        "case": case.name,
+        "with_proto": with_proto,
+        "running": stats.num_running_reqs,
+        "steps": len(step_us),
+        "us_per_step": round(statistics.fmean(step_us), 1),
+        "p50_us": round(step_us[len(step_us) // 2], 1),
+        "p99_us": round(step_us[int(len(step_us) * 0.99)], 1),
+        "add_us_per_request": round(add_s * 1e6 / max(num_added, 1), 1) if num_added else None,
+        "tokens_per_step": stats.num_scheduled_tokens,
+        "kv_cache_usage": round(stats.kv_cache_usage, 3),
+        "prefix_cache_hit_rate": round(
+            stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), 3
+        ),
+    }
+
+
+def _publisher(with_proto: bool) -> Callable[[dict[int, EngineCoreOutputs]], None]:
+    def publish(outputs: dict[int, EngineCoreOutputs]) -> None:
+        if with_proto:
+            for engine_outputs in outputs.values():
+                convert.engine_core_outputs_to_proto(engine_outputs).SerializeToString()
+
+    return publish
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", help="run only these cases")
+    args = parser.parse_args()
+    for case in CASES:
+        if args.case and case.name not in args.case:
+            continue
+        for with_proto in (False, True):
+            print(json.dumps(run_case(case, with_proto)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

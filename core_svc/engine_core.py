@@ -1,0 +1,214 @@
+"""EngineCore: the scheduler, the KV-cache manager and an executor, stepped in lockstep
+(vLLM's EngineCore). Single-threaded: EngineCoreProc drives it from one thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from core_svc.engine_outputs import merge_outputs
+from core_svc.executor import Executor, ExecutorError
+from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from core_svc.request import Request, RequestStatus
+from core_svc.scheduler import Scheduler
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Adds, aborts and steps requests of any number of clients.
+
+    A request is known to its client by (client_id, client_handle) and to the workers by
+    `req_handle`, which EngineCore assigns in arrival order. Once an executor step fails
+    the engine is failed for good: every request finishes with ERROR and later adds are
+    refused the same way.
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.executor = executor
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_manager)
+        self.client_requests: dict[int, dict[int, Request]] = {}
+        """client_id -> client_handle -> live request."""
+        self.is_failed = False
+        self.failure_message = ""
+        self._next_req_handle = 1
+        self._pending_outputs: dict[int, EngineCoreOutputs] = {}
+        """Outputs of requests refused at add, returned by the next step()."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it (finished with ERROR in the next step's outputs)."""
+        request.req_handle = self._next_req_handle
+        self._next_req_handle += 1
+        request.resolve_max_tokens(self.scheduler_config.max_model_len)
+        error = self._rejection_reason(request)
+        if error is not None:
+            self._reject(request, error)
+            return
+        self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
+        self.scheduler.add_request(request)
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        max_model_len = self.scheduler_config.max_model_len
+        sampling_params = request.sampling_params
+        num_prompt_tokens = request.num_prompt_tokens
+        if self.is_failed:
+            return f"engine failed: {self.failure_message}"
+        if request.client_handle in self.client_requests.get(request.client_id, {}):
+            return f"request handle {request.client_handle} is already in use by this client"
+        if num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if num_prompt_tokens >= max_model_len:
+            return (
+                f"the prompt ({num_prompt_tokens} tokens) leaves no room to generate within "
+                f"max_model_len={max_model_len}"
+            )
+        if sampling_params.n != 1:
+            return f"n must be 1 in the engine core, got {sampling_params.n}"
+        if request.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {request.max_tokens}"
+        max_num_tokens = min(num_prompt_tokens + request.max_tokens, max_model_len)
+        block_size = self.cache_config.block_size
+        num_blocks_needed = -(-max_num_tokens // block_size)
+        num_usable_blocks = self.kv_cache_manager.block_pool.num_usable_blocks
+        if num_blocks_needed > num_usable_blocks:
+            return (
+                f"the request may need {max_num_tokens} tokens of KV cache, more than the "
+                f"{num_usable_blocks * block_size} the cache holds"
+            )
+        return None
+
+    def _reject(self, request: Request, error: str) -> None:
+        logger.warning("refusing request %s: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        outputs = self._pending_outputs.setdefault(request.client_id, EngineCoreOutputs())
+        outputs.details.append(
+            EngineCoreOutput(
+                request_handle=request.client_handle,
+                finish_reason=FinishReason.ERROR,
+                error_message=error,
+            )
+        )
+
+    def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
+        """Stop live requests of a client and free their blocks; unknown handles are no-ops.
+        Aborted requests produce no further output."""
+        live = self.client_requests.get(client_id)
+        if not live:
+            return
+        requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
+        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)
+        if not live:
+            del self.client_requests[client_id]
+
+    def abort_client(self, client_id: int) -> None:
+        """Stop every live request of a client (its stream closed)."""
+        live = self.client_requests.pop(client_id, None)
+        self._pending_outputs.pop(client_id, None)
+        if live:
+            self.scheduler.finish_requests(list(live.values()), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Whether step() has anything to do: requests to run, finished handles to tell
+        the workers about, or outputs of refused requests to return."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or (self.scheduler.has_finished_requests() and not self.is_failed)
+            or bool(self._pending_outputs)
+        )
+
+    def step(self, before_update: Callable[[], None] | None = None) -> dict[int, EngineCoreOutputs]:
+        """Schedule, execute and apply one step; returns the outputs per client_id.
+
+        `before_update` runs after the executor returned and before the outputs are made:
+        the busy loop applies aborts that arrived during the step there.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, {}
+        if not self.is_failed and (
+            self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        ):
+            scheduler_output = self.scheduler.schedule()
+            try:
+                model_runner_output = self.executor.execute_model(scheduler_output)
+                error = model_runner_output.error_message
+                if error is None and model_runner_output.step_id != scheduler_output.step_id:
+                    error = (
+                        f"got the output of step {model_runner_output.step_id} "
+                        f"for step {scheduler_output.step_id}"
+                    )
+            except ExecutorError as exc:
+                error = str(exc) or type(exc).__name__
+            if before_update is not None:
+                before_update()
+            if error is None:
+                step_outputs = self.scheduler.update_from_output(
+                    scheduler_output, model_runner_output
+                )
+            else:
+                step_outputs = self.fail(f"executor failed: {error}")
+            self._forget_finished(step_outputs)
+            merge_outputs(outputs, step_outputs)
+        if outputs:
+            stats = self.make_stats()
+            now = time.monotonic()
+            for engine_outputs in outputs.values():
+                engine_outputs.timestamp = now
+                engine_outputs.step_index = self.scheduler.step_id
+                engine_outputs.scheduler_stats = stats
+        return outputs
+
+    def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        for client_id, engine_outputs in outputs.items():
+            live = self.client_requests.get(client_id)
+            if live is None:
+                continue
+            for detail in engine_outputs.details:
+                if detail.finish_reason is not None:
+                    live.pop(detail.request_handle, None)
+            if not live:
+                del self.client_requests[client_id]
+
+    def fail(self, message: str) -> dict[int, EngineCoreOutputs]:
+        """Enter the failed state: every request finishes with ERROR and `message`."""
+        logger.error("engine core failed: %s", message)
+        self.is_failed = True
+        self.failure_message = message
+        return self.scheduler.finish_all(RequestStatus.FINISHED_ERROR, message)
+
+    def make_stats(self) -> SchedulerStats:
+        scheduler = self.scheduler
+        pool = self.kv_cache_manager.block_pool
+        prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            kv_cache_usage=pool.get_usage(),
+            prefix_cache_queries=prefix_cache_stats.queries,
+            prefix_cache_hits=prefix_cache_stats.hits,
+            num_preemptions=scheduler.num_preemptions,
+            step_counter=scheduler.step_id,
+            num_scheduled_tokens=scheduler.num_scheduled_tokens,
+            num_used_blocks=pool.get_num_used_blocks(),
+            num_total_blocks=pool.num_usable_blocks,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,157 @@
+"""EngineCoreProc: the engine core's busy loop on its own thread (vLLM's run_busy_loop).
+
+Network handlers only enqueue commands; the loop thread owns the EngineCore. Each
+iteration (1) drains every pending command, blocking on the queue when there is nothing
+to step, then (2) runs one step and hands each client's outputs to `output_sink`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from core_svc.engine_core import EngineCore
+from core_svc.outputs import EngineCoreOutputs, SchedulerStats
+from core_svc.request import Request
+
+logger = logging.getLogger(__name__)
+
+OutputSink = Callable[[int, EngineCoreOutputs], None]
+"""Receives (client_id, outputs) on the loop thread; must not block for long."""
+
+
+class CommandKind(Enum):
+    ADD = 1
+    ABORT = 2
+    CLOSE_CLIENT = 3
+    SHUTDOWN = 4
+
+
+@dataclass(slots=True)
+class EngineCommand:
+    """One input of the loop, in the order the network handlers enqueued it."""
+
+    kind: CommandKind
+    client_id: int = 0
+    requests: list[Request] = field(default_factory=list)
+    client_handles: list[int] = field(default_factory=list)
+
+
+class EngineCoreProc:
+    """Runs an EngineCore on a thread; every public method is thread-safe.
+
+    Aborts (and closed clients) also go to a side list under a lock. The lock makes
+    "drain the queue, clear the side list" atomic, so whatever is on the side list when a
+    step's executor call returns arrived during that step; the loop applies it before the
+    step's outputs are made, and an aborted request emits nothing more. The same command,
+    met again in the queue, is then a no-op.
+    """
+
+    def __init__(
+        self,
+        engine_core: EngineCore,
+        output_sink: OutputSink,
+        input_queue: queue.Queue[EngineCommand] | None = None,
+    ) -> None:
+        self.engine_core = engine_core
+        self._output_sink = output_sink
+        self._input_queue: queue.Queue[EngineCommand] = input_queue or queue.Queue()
+        self._lock = threading.Lock()
+        self._step_aborts: list[EngineCommand] = []
+        self._stats = engine_core.make_stats()
+        self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def latest_stats(self) -> SchedulerStats:
+        """Scheduler snapshot taken by the loop after its latest iteration."""
+        return self._stats
+
+    def add_requests(self, client_id: int, requests: list[Request]) -> None:
+        self._input_queue.put(EngineCommand(CommandKind.ADD, client_id, requests=requests))
+
+    def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
+        command = EngineCommand(CommandKind.ABORT, client_id, client_handles=list(client_handles))
+        self._put_abort(command)
+
+    def close_client(self, client_id: int) -> None:
+        """The client's stream closed: abort all of its requests."""
+        self._put_abort(EngineCommand(CommandKind.CLOSE_CLIENT, client_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the current iteration, stop the loop and shut the executor down."""
+        self._input_queue.put(EngineCommand(CommandKind.SHUTDOWN))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine_core.shutdown()
+
+    def _put_abort(self, command: EngineCommand) -> None:
+        with self._lock:
+            self._input_queue.put(command)
+            self._step_aborts.append(command)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._run_once():
+                    return
+            except Exception as exc:
+                logger.exception("engine core loop error")
+                try:
+                    self._route(self.engine_core.fail(f"engine core loop error: {exc!r}"))
+                except Exception:
+                    logger.exception("engine core could not fail cleanly; the loop stops")
+                    return
+
+    def _run_once(self) -> bool:
+        """One iteration; False once a shutdown command was met."""
+        engine_core = self.engine_core
+        commands = [] if engine_core.has_work() else [self._input_queue.get()]
+        with self._lock:
+            while True:
+                try:
+                    commands.append(self._input_queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._step_aborts.clear()
+        for command in commands:
+            if command.kind is CommandKind.SHUTDOWN:
+                return False
+            self._apply(command)
+        if engine_core.has_work():
+            self._route(engine_core.step(self._apply_step_aborts))
+        self._stats = engine_core.make_stats()
+        return True
+
+    def _apply(self, command: EngineCommand) -> None:
+        engine_core = self.engine_core
+        if command.kind is CommandKind.ADD:
+            for request in command.requests:
+                engine_core.add_request(request)
+        elif command.kind is CommandKind.ABORT:
+            engine_core.abort_requests(command.client_id, command.client_handles)
+        elif command.kind is CommandKind.CLOSE_CLIENT:
+            engine_core.abort_client(command.client_id)
+
+    def _apply_step_aborts(self) -> None:
+        with self._lock:
+            aborts, self._step_aborts = self._step_aborts, []
+        for command in aborts:
+            self._apply(command)
+
+    def _route(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        for client_id, engine_outputs in outputs.items():
+            try:
+                self._output_sink(client_id, engine_outputs)
+            except Exception:
+                logger.exception("output sink failed for client %d", client_id)

@@ -1,0 +1,392 @@
+"""The vLLM V1 scheduler: one token budget per step shared by prefill chunks and decodes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from core_svc.block_hash import BlockHasher
+from core_svc.block_pool import KVCacheBlock
+from core_svc.engine_outputs import make_final_outputs, make_step_outputs, merge_outputs
+from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ModelRunnerOutput
+from core_svc.request import Request, RequestStatus
+from core_svc.request_queue import create_request_queue
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from core_svc.stop_check import check_stop
+
+logger = logging.getLogger(__name__)
+
+_FINISHED = RequestStatus.FINISHED_STOPPED
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Decides, every step, how many tokens each request computes.
+
+    There is no prefill or decode phase: each request has `num_computed_tokens` and the
+    scheduler hands out tokens so it catches up with `num_tokens`, within one token
+    budget per step. That one rule covers chunked prefill, prefix hits, resumption after
+    preemption and decoding. Running requests are served first (preempting the last
+    ones by recompute when blocks run out); waiting requests are admitted with what is
+    left, unless something was preempted this step.
+
+    Invariants: every request in `requests` is in exactly one of `running` (status
+    RUNNING) or `waiting` (WAITING or PREEMPTED, 0 computed tokens, no blocks).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.policy = scheduler_config.policy
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.kv_cache_manager = kv_cache_manager
+        self.block_hasher = BlockHasher(cache_config.block_size)
+        self.requests: dict[int, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_handles: list[int] = []
+        """Handles the workers know and must drop, sent with the next SchedulerOutput."""
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+        """Tokens scheduled in the latest step."""
+        self._scheduled_reqs: list[Request] = []
+        """The latest step's requests, in num_scheduled_tokens order."""
+
+    def add_request(self, request: Request) -> None:
+        if self.enable_caching:
+            self.block_hasher.extend(
+                request.block_hashes, request.all_token_ids, request.cache_salt
+            )
+        self.requests[request.req_handle] = request
+        self.waiting.add_request(request)
+        request.record_event(EngineCoreEventType.QUEUED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_handles)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step and advance num_computed_tokens optimistically by it."""
+        now = time.monotonic()
+        self.step_id += 1
+        output = SchedulerOutput(step_id=self.step_id)
+        output.finished_req_handles, self.finished_req_handles = self.finished_req_handles, []
+        cached = output.scheduled_cached_reqs
+        running_reqs: list[Request] = []
+        num_scheduled_running: list[int] = []
+        token_budget, preempted = self._schedule_running(
+            cached, running_reqs, num_scheduled_running
+        )
+        new_reqs: list[Request] = []
+        resumed_reqs: list[Request] = []
+        num_scheduled_new: list[int] = []
+        num_scheduled_resumed: list[int] = []
+        if not preempted:
+            self._schedule_waiting(
+                output, new_reqs, num_scheduled_new, resumed_reqs, num_scheduled_resumed,
+                token_budget, now,
+            )  # fmt: skip
+        num_scheduled = output.num_scheduled_tokens
+        num_scheduled += num_scheduled_new
+        num_scheduled += num_scheduled_running
+        num_scheduled += num_scheduled_resumed
+        output.total_num_scheduled_tokens = self.num_scheduled_tokens = sum(num_scheduled)
+        self._scheduled_reqs = [*new_reqs, *running_reqs, *resumed_reqs]
+        return output
+
+    def _schedule_running(
+        self,
+        cached: CachedRequestData,
+        scheduled_reqs: list[Request],
+        num_scheduled: list[int],
+    ) -> tuple[int, bool]:
+        """Pass 1 over RUNNING requests, writing their diffs straight into `cached` (the hot
+        path of a decode-heavy step); returns the budget left and whether it preempted."""
+        token_budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        handles, computed_col = cached.req_handles, cached.num_computed_tokens
+        num_block_ids, block_ids = cached.num_new_block_ids, cached.new_block_ids
+        num_token_ids, token_ids = cached.num_new_token_ids, cached.new_token_ids
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            all_token_ids = request.all_token_ids
+            num_tokens = len(all_token_ids)
+            num_new_tokens = num_tokens - num_computed
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens > max_model_len - 1 - num_computed:
+                num_new_tokens = max_model_len - 1 - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens <= 0:
+                i += 1
+                continue
+            blocks = allocate_slots(request, num_new_tokens)
+            if blocks is None:
+                preempted = True
+                blocks, token_budget, i = self._preempt_until_allocated(
+                    request, num_new_tokens, cached, scheduled_reqs, num_scheduled, token_budget, i
+                )
+                if blocks is None:
+                    break
+            handles.append(request.req_handle)
+            computed_col.append(num_computed)
+            if blocks:
+                num_block_ids.append(len(blocks))
+                block_ids += [block.block_id for block in blocks]
+            else:
+                num_block_ids.append(0)
+            num_sent = request.num_sent_token_ids
+            num_token_ids.append(num_tokens - num_sent)
+            if num_tokens - num_sent == 1:
+                token_ids.append(all_token_ids[-1])
+            else:
+                token_ids += all_token_ids[num_sent:]
+            request.num_sent_token_ids = num_tokens
+            request.num_computed_tokens = num_computed + num_new_tokens
+            scheduled_reqs.append(request)
+            num_scheduled.append(num_new_tokens)
+            token_budget -= num_new_tokens
+            i += 1
+        return token_budget, preempted
+
+    def _preempt_until_allocated(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: CachedRequestData,
+        scheduled_reqs: list[Request],
+        num_scheduled: list[int],
+        token_budget: int,
+        index: int,
+    ) -> tuple[Sequence[KVCacheBlock] | None, int, int]:
+        """Preempt victims until the request's slots fit. Returns its new blocks (None when
+        it had to preempt itself), the budget and its index in `running`, both adjusted
+        when a victim scheduled earlier in this step is taken back out of it."""
+        while True:
+            victim, victim_index = self._pop_victim(scheduled_reqs)
+            if victim_index >= 0:
+                cached.remove_entry(victim_index)
+                del scheduled_reqs[victim_index]
+                token_budget += num_scheduled.pop(victim_index)
+                index -= 1
+            self._preempt(victim)
+            if victim is request:
+                return None, token_budget, index
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if blocks is not None:
+                return blocks, token_budget, index
+
+    def _pop_victim(self, scheduled_reqs: list[Request]) -> tuple[Request, int]:
+        """FCFS: the last running request; priority: the lowest-ranked (largest (priority,
+        arrival)) one, which may already be scheduled this step (its index there, or -1)."""
+        if self.policy == "fcfs":
+            return self.running.pop(), -1
+        victim = max(self.running, key=lambda r: (r.priority, r.req_handle))
+        self.running.remove(victim)
+        return victim, next((j for j, r in enumerate(scheduled_reqs) if r is victim), -1)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the blocks, start over from the waiting queue front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(
+        self,
+        output: SchedulerOutput,
+        new_reqs: list[Request],
+        num_scheduled_new: list[int],
+        resumed_reqs: list[Request],
+        num_scheduled_resumed: list[int],
+        token_budget: int,
+        now: float,
+    ) -> None:
+        """Pass 2: admit waiting requests while budget and sequence slots last; the first
+        that does not fit (its whole sequence must fit) stops it."""
+        kv = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek_request()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            blocks = kv.allocate_slots(
+                request, num_new_tokens, num_hit_tokens, hit_blocks, full_sequence_must_fit=True
+            )
+            if blocks is None:
+                break
+            self.waiting.pop_request()
+            kv.record_prefix_cache_stats(request, num_hit_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
+            self.running.append(request)
+            if request.is_known_to_workers:
+                resumed_reqs.append(request)
+                num_scheduled_resumed.append(num_new_tokens)
+            else:
+                new_reqs.append(request)
+                num_scheduled_new.append(num_new_tokens)
+            self._add_admitted_req_data(output, request, num_new_tokens)
+            token_budget -= num_new_tokens
+
+    def _add_admitted_req_data(
+        self, output: SchedulerOutput, request: Request, num_new_tokens: int
+    ) -> None:
+        """A new request goes in full; a resumed one replaces its block list and tokens."""
+        block_ids = self.kv_cache_manager.get_block_ids(request)
+        if request.is_known_to_workers:
+            output.scheduled_cached_reqs.add_resumed(
+                request.req_handle, request.num_computed_tokens, block_ids, request.all_token_ids
+            )
+        else:
+            output.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_handle=request.req_handle,
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    stop_token_ids=request.stop_token_ids,
+                )
+            )
+            request.is_known_to_workers = True
+        request.num_sent_token_ids = len(request.all_token_ids)
+        request.num_computed_tokens += num_new_tokens
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply one step's sampled tokens and free the requests that finished; returns the
+        outputs per client_id. Requests aborted while the step ran are skipped. A request
+        whose scheduled tokens reached its end but sampled nothing (a broken output rank)
+        finishes with ERROR instead of stalling."""
+        sampled_reqs: list[Request] = []
+        sampled_token_ids: list[int] = []
+        finished: list[Request] = []
+        failed = self._append_sampled_tokens(
+            scheduler_output, model_runner_output, sampled_reqs, sampled_token_ids, finished
+        )
+        outputs = make_step_outputs(sampled_reqs, sampled_token_ids, model_runner_output)
+        if failed:
+            logger.error("step %d: no sampled token for %d requests", self.step_id, len(failed))
+            merge_outputs(outputs, make_final_outputs(failed))
+            finished += failed
+        if finished:
+            for request in finished:
+                self._free_request(request)
+            self.running = [r for r in self.running if r.status < _FINISHED]
+        return outputs
+
+    def _append_sampled_tokens(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        sampled_reqs: list[Request],
+        sampled_token_ids: list[int],
+        finished: list[Request],
+    ) -> list[Request]:
+        """Per scheduled request: cache blocks that became full, then append its sampled
+        token, extend its block hashes and check stops. Returns the requests that should
+        have sampled and did not, finished with ERROR."""
+        sampled = dict(
+            zip(
+                model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=False
+            )
+        )
+        block_size = self.block_size
+        max_model_len = self.max_model_len
+        cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
+        extend_hashes = self.block_hasher.extend
+        finished_status = _FINISHED
+        failed: list[Request] = []
+        for request, num_new_tokens in zip(
+            self._scheduled_reqs, scheduler_output.num_scheduled_tokens, strict=False
+        ):
+            if request.status >= finished_status:
+                continue
+            num_computed = request.num_computed_tokens
+            all_token_ids = request.all_token_ids
+            if cache_blocks and num_computed % block_size < num_new_tokens:
+                cache_blocks(request, num_computed)  # a block became full this step
+            if num_computed < len(all_token_ids):
+                continue  # a prefill chunk: nothing sampled
+            token = sampled.get(request.req_handle)
+            if token is None:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error_message = f"step {self.step_id}: the output rank sampled no token"
+                failed.append(request)
+                continue
+            request.output_token_ids.append(token)
+            all_token_ids.append(token)
+            if cache_blocks and len(all_token_ids) % block_size == 0:
+                extend_hashes(request.block_hashes, all_token_ids, request.cache_salt)
+            if (
+                token in request.all_stop_token_ids
+                or len(request.output_token_ids) >= request.max_tokens
+            ) and check_stop(request, max_model_len):
+                finished.append(request)
+            sampled_reqs.append(request)
+            sampled_token_ids.append(token)
+        return failed
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.req_handle, None)
+        if request.is_known_to_workers:
+            self.finished_req_handles.append(request.req_handle)
+
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        """Finish unfinished requests with a final status (abort, error) and free them."""
+        removed_running = False
+        removed_waiting = []
+        for request in requests:
+            if request.is_finished:
+                continue
+            if request.status == _RUNNING:
+                removed_running = True
+            else:
+                removed_waiting.append(request)
+            request.status = status
+            self._free_request(request)
+        if removed_running:
+            self.running = [r for r in self.running if r.status < _FINISHED]
+        if removed_waiting:
+            self.waiting.remove_requests(removed_waiting)
+
+    def finish_all(self, status: RequestStatus, error_message: str) -> dict[int, EngineCoreOutputs]:
+        """Finish every request (engine failure); one detail per request per client."""
+        requests = list(self.requests.values())
+        for request in requests:
+            request.error_message = error_message
+        self.finish_requests(requests, status)
+        return make_final_outputs(requests)

@@ -1,0 +1,62 @@
+"""Scheduler and KV-cache configuration of the engine core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """How many requests and tokens one engine step may carry."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks and decodes together)."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + output) in tokens."""
+    policy: SchedulingPolicy = "fcfs"
+    """"fcfs": arrival order; "priority": lower `priority` first, ties by arrival."""
+    long_prefill_token_threshold: int = 0
+    """When > 0, most tokens one request may compute in one step."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """Shape of the paged KV cache the workers allocated.
+
+    Block 0 is reserved as the null block (never handed to a request), so a request can
+    use at most `num_blocks - 1` blocks; workers may point padding slots at it.
+    """
+
+    num_blocks: int
+    """KV blocks on every worker rank, the null block included."""
+    block_size: int = 16
+    """Tokens per block."""
+    enable_prefix_caching: bool = True
+    """Share full blocks between requests with the same prefix."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )

@@ -1,0 +1,85 @@
+"""One engine step as sent to every worker rank (worker.v1.SchedulerOutput), in domain form.
+
+Ranks keep per-request state, so a request travels in full once (NewRequestData) and
+afterwards only as column-wise diffs (CachedRequestData).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core_svc.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request sent to the ranks for the first time; `block_ids` are all of its blocks."""
+
+    req_handle: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Already-known requests scheduled again, column by column.
+
+    Entry i of each per-request column belongs to req_handles[i]; the flattened columns
+    (new_block_ids, new_token_ids) are cut by their num_* companions. Resumed requests are
+    in req_handles too (their new_block_ids replace the rank's block list) and are listed
+    again in resumed_req_handles with all their token ids.
+    """
+
+    req_handles: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_new_block_ids: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    num_new_token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    resumed_req_handles: list[int] = field(default_factory=list)
+    num_resumed_token_ids: list[int] = field(default_factory=list)
+    resumed_all_token_ids: list[int] = field(default_factory=list)
+
+    def add_resumed(
+        self, req_handle: int, num_computed_tokens: int, block_ids: list[int], token_ids: list[int]
+    ) -> None:
+        """Append a resumed request: all its block ids and all its token ids."""
+        self.req_handles.append(req_handle)
+        self.num_computed_tokens.append(num_computed_tokens)
+        self.num_new_block_ids.append(len(block_ids))
+        self.new_block_ids += block_ids
+        self.num_new_token_ids.append(0)
+        self.resumed_req_handles.append(req_handle)
+        self.num_resumed_token_ids.append(len(token_ids))
+        self.resumed_all_token_ids += token_ids
+
+    def remove_entry(self, index: int) -> None:
+        """Drop entry `index` (a non-resumed request) and its slices of the flat columns."""
+        block_start = sum(self.num_new_block_ids[:index])
+        del self.new_block_ids[block_start : block_start + self.num_new_block_ids[index]]
+        token_start = sum(self.num_new_token_ids[:index])
+        del self.new_token_ids[token_start : token_start + self.num_new_token_ids[index]]
+        for column in (
+            self.req_handles,
+            self.num_computed_tokens,
+            self.num_new_block_ids,
+            self.num_new_token_ids,
+        ):
+            del column[index]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: num_scheduled_tokens has one entry per scheduled_new_reqs, then one per
+    scheduled_cached_reqs.req_handles; finished_req_handles were freed since the last step."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_req_handles: list[int] = field(default_factory=list)

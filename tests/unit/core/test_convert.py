@@ -1,0 +1,129 @@
+"""Protobuf <-> domain conversions of the engine core."""
+
+from __future__ import annotations
+
+from core_svc import convert
+from core_svc.outputs import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsTable,
+    ModelRunnerOutput,
+    SchedulerStats,
+    StepTimings,
+)
+from core_svc.sampling import SamplingParams
+from splitserve.common.v1 import types_pb2
+from splitserve.core.v1 import core_service_pb2 as core_pb2
+from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from tests.unit.core.fake_executor import make_engine, make_request
+
+
+def test_unset_sampling_fields_take_vllm_defaults() -> None:
+    params = convert.sampling_params_from_proto(types_pb2.SamplingParams())
+    assert params == SamplingParams()
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.n == 1
+    assert params.max_tokens is None and params.logprobs is None and params.seed is None
+    assert params.skip_special_tokens and params.spaces_between_special_tokens
+
+
+def test_zero_valued_optional_fields_stay_zero() -> None:
+    msg = types_pb2.SamplingParams(
+        temperature=0.0, max_tokens=1, logprobs=0, prompt_logprobs=0, seed=0,
+        skip_special_tokens=False, spaces_between_special_tokens=False, top_k=-1,
+    )  # fmt: skip
+    params = convert.sampling_params_from_proto(msg)
+    assert params.is_greedy and params.top_k == 0
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs, params.seed) == (1, 0, 0, 0)
+    assert not params.skip_special_tokens and not params.spaces_between_special_tokens
+    assert params.skip_reading_prefix_cache
+
+
+def test_sampling_params_round_trip() -> None:
+    params = SamplingParams(
+        temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, seed=1234, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.25, stop=("\n\n", "END"),
+        stop_token_ids=(5, 6), ignore_eos=True, max_tokens=77, min_tokens=3, logprobs=2,
+        prompt_logprobs=1, skip_special_tokens=False, include_stop_str_in_output=True,
+        logit_bias={7: 1.5, 8: -100.0}, allowed_token_ids=(1, 2, 3),
+        spaces_between_special_tokens=False,
+    )  # fmt: skip
+    wire = convert.sampling_params_to_proto(params).SerializeToString()
+    assert convert.sampling_params_from_proto(types_pb2.SamplingParams.FromString(wire)) == params
+
+
+def test_request_from_proto() -> None:
+    msg = core_pb2.EngineCoreRequest(
+        request_id="abc", request_handle=42, prompt_token_ids=[1, 2, 3], eos_token_id=0,
+        cache_salt="s", priority=-2, sampling_params=types_pb2.SamplingParams(max_tokens=5),
+    )  # fmt: skip
+    request = convert.request_from_proto(msg, client_id=9, arrival_time=12.5)
+    assert (request.client_id, request.client_handle, request.request_id) == (9, 42, "abc")
+    assert request.prompt_token_ids == request.all_token_ids == [1, 2, 3]
+    assert request.eos_token_id == 0 and request.stop_token_ids == (0,)
+    assert (request.cache_salt, request.priority, request.arrival_time) == ("s", -2, 12.5)
+    assert request.max_tokens == 5 and request.req_handle == -1
+    msg.ClearField("eos_token_id")
+    assert convert.request_from_proto(msg, client_id=9).eos_token_id is None
+
+
+def test_engine_core_outputs_round_trip() -> None:
+    outputs = EngineCoreOutputs(
+        request_handles=[3, 4], num_new_tokens=[1, 2], new_token_ids=[10, 11, 12],
+        details=[
+            EngineCoreOutput(
+                request_handle=3, finish_reason=FinishReason.STOP, stop_token_id=0,
+                new_logprobs=LogprobsTable(1, [10, 9], [-0.25, -2.0], [1]),
+                prompt_logprobs=LogprobsTable(0, [5], [-1.0], [3]),
+                events=[EngineCoreEvent(EngineCoreEventType.QUEUED, 1.5),
+                        EngineCoreEvent(EngineCoreEventType.SCHEDULED, 2.5)],
+                num_cached_tokens=0,
+            ),
+            EngineCoreOutput(request_handle=4, finish_reason=FinishReason.ERROR, error_message="x"),
+        ],
+        timestamp=123.25, step_index=7,
+        scheduler_stats=SchedulerStats(1, 2, 0.5, 100, 40, 3, 7, 12, 8, 16),
+    )  # fmt: skip
+    wire = convert.engine_core_outputs_to_proto(outputs).SerializeToString()
+    back = convert.engine_core_outputs_from_proto(core_pb2.EngineCoreOutputs.FromString(wire))
+    assert back == outputs
+
+
+def test_scheduler_output_of_a_real_step_round_trips() -> None:
+    engine, executor = make_engine(num_blocks=7)
+    engine.add_request(make_request(1, list(range(8)), max_tokens=8, temperature=0.0, seed=3))
+    engine.add_request(make_request(2, list(range(100, 108)), max_tokens=8, logit_bias={1: 2.0}))
+    while engine.has_work():
+        engine.step()
+    assert any(so.scheduled_cached_reqs.resumed_req_handles for so in executor.seen)
+    assert any(so.finished_req_handles for so in executor.seen)
+    for so in executor.seen:
+        wire = convert.scheduler_output_to_proto(so).SerializeToString()
+        msg = worker_pb2.SchedulerOutput.FromString(wire)
+        assert convert.scheduler_output_from_proto(msg) == so
+
+
+def test_model_runner_output_round_trip_and_error_status() -> None:
+    output = ModelRunnerOutput(
+        step_id=5, req_handles=[1, 2], sampled_token_ids=[7, 8],
+        logprobs={1: LogprobsTable(0, [7], [-0.5], [1])},
+        prompt_logprobs={2: LogprobsTable(0, [3, 4], [-1.0, -2.0], [2, 5])},
+        rank=3, timings=StepTimings(0.25, 0.5, 0.125, 1.0), num_used_kv_blocks=9,
+    )  # fmt: skip
+    wire = convert.model_runner_output_to_proto(output).SerializeToString()
+    msg = worker_pb2.ModelRunnerOutput.FromString(wire)
+    assert msg.status == worker_pb2.STEP_STATUS_OK
+    assert convert.model_runner_output_from_proto(msg) == output
+    failed = worker_pb2.ModelRunnerOutput(step_id=5, status=worker_pb2.STEP_STATUS_ERROR, rank=1)
+    assert convert.model_runner_output_from_proto(failed).error_message == "rank 1 failed step 5"
+    failed.error_message = "CUDA error"
+    assert convert.model_runner_output_from_proto(failed).error_message == "CUDA error"
+
+
+def test_scheduler_stats_to_proto() -> None:
+    stats = SchedulerStats(1, 2, 0.25, 100, 40, 3, 7, 12, 8, 16)
+    msg = convert.scheduler_stats_to_proto(stats)
+    assert msg.kv_cache_usage == 0.25 and msg.num_total_blocks == 16
+    assert convert.scheduler_stats_from_proto(msg) == stats

@@ -1,0 +1,237 @@
+"""EngineCore: aborts, refusals, executor failure, events, logprobs and stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core_svc.engine_core import EngineCore
+from core_svc.outputs import EngineCoreEventType, FinishReason, ModelRunnerOutput
+from core_svc.request import RequestStatus
+from core_svc.scheduler_output import SchedulerOutput
+from tests.unit.core.fake_executor import (
+    ClientView,
+    FakeExecutor,
+    make_engine,
+    make_request,
+    run_to_completion,
+)
+
+
+def used_blocks(engine: EngineCore) -> int:
+    return engine.make_stats().num_used_blocks
+
+
+def assert_idle(engine: EngineCore) -> None:
+    stats = engine.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_used_blocks) == (0, 0, 0)
+    assert stats.kv_cache_usage == 0.0
+    assert engine.client_requests == {}
+
+
+def test_abort_waiting_request_never_reaches_workers() -> None:
+    engine, executor = make_engine(max_num_seqs=1)
+    engine.add_request(make_request(1, [1, 2, 3], max_tokens=3))
+    engine.add_request(make_request(2, [4, 5, 6], max_tokens=3))
+    view = ClientView()
+    view.absorb(engine.step())
+    engine.abort_requests(1, [2])
+    run_to_completion(engine, view)
+    assert (1, 2) not in view.tokens and (1, 2) not in view.details
+    handles = {h for so in executor.seen for h in so.finished_req_handles}
+    assert handles == {1}
+    assert_idle(engine)
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_blocks() -> None:
+    engine, executor = make_engine(max_num_batched_tokens=8)
+    engine.add_request(make_request(2, [1], max_tokens=50))
+    engine.add_request(make_request(1, list(range(30)), max_tokens=5))
+    view = ClientView()
+    view.absorb(engine.step())
+    view.absorb(engine.step())
+    assert len(view.tokens[(1, 2)]) == 2
+    assert engine.client_requests[1][1].num_computed_tokens == 14
+    engine.abort_requests(1, [1, 2])
+    assert_idle(engine)
+    run_to_completion(engine, view)
+    assert sorted(executor.seen[-1].finished_req_handles) == [1, 2]
+    assert view.finished == {}
+
+
+def test_abort_preempted_request_tells_the_workers() -> None:
+    engine, executor = make_engine(num_blocks=7)
+    engine.add_request(make_request(1, list(range(8)), max_tokens=8))
+    engine.add_request(make_request(2, list(range(100, 108)), max_tokens=8))
+    view = ClientView()
+    while engine.make_stats().num_preemptions == 0:
+        view.absorb(engine.step())
+    victim = engine.client_requests[1][2]
+    assert victim.status == RequestStatus.PREEMPTED
+    engine.abort_requests(1, [2])
+    run_to_completion(engine, view)
+    assert 2 in {h for so in executor.seen for h in so.finished_req_handles}
+    assert (1, 2) not in view.finished
+    assert_idle(engine)
+
+
+def test_abort_of_finished_or_unknown_handles_is_a_no_op() -> None:
+    engine, _ = make_engine()
+    engine.add_request(make_request(1, [1, 2], max_tokens=1))
+    view = run_to_completion(engine)
+    assert view.finished == {(1, 1): FinishReason.LENGTH}
+    engine.abort_requests(1, [1, 99])
+    engine.abort_requests(42, [1])
+    engine.abort_client(42)
+    assert not engine.has_work()
+    assert_idle(engine)
+
+
+def test_abort_client_stops_only_that_client() -> None:
+    engine, _ = make_engine()
+    for client_id in (1, 2):
+        for handle in (1, 2):
+            engine.add_request(make_request(handle, [handle, 7], client_id=client_id, max_tokens=4))
+    view = ClientView()
+    view.absorb(engine.step())
+    engine.abort_client(1)
+    run_to_completion(engine, view)
+    assert set(view.finished) == {(2, 1), (2, 2)}
+    assert len(view.tokens[(1, 1)]) == 1
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "message"),
+    [
+        ([], {}, "empty"),
+        (list(range(16)), {}, "max_model_len"),
+        (list(range(20)), {}, "max_model_len"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"n": 2}, "n must be 1"),
+        ([1, 2], {"max_tokens": 14}, "KV cache"),
+    ],
+)
+def test_invalid_requests_finish_with_error(
+    prompt: list[int], sampling: dict[str, Any], message: str
+) -> None:
+    engine, executor = make_engine(max_model_len=16, num_blocks=4, block_size=4)  # 12 slots
+    engine.add_request(make_request(1, prompt, **sampling))
+    assert engine.has_work()
+    outputs = engine.step()
+    (detail,) = outputs[1].details
+    assert detail.finish_reason == FinishReason.ERROR
+    assert message in detail.error_message
+    assert executor.seen == []
+    assert not engine.has_work()
+
+
+def test_duplicate_live_handle_is_refused_without_touching_the_original() -> None:
+    engine, _ = make_engine()
+    engine.add_request(make_request(1, [1, 2, 3], max_tokens=3))
+    engine.add_request(make_request(1, [4, 5, 6], max_tokens=3))
+    outputs = engine.step()
+    errors = [d for d in outputs[1].details if d.finish_reason == FinishReason.ERROR]
+    assert len(errors) == 1 and "already in use" in errors[0].error_message
+    view = run_to_completion(engine)
+    assert view.finished == {(1, 1): FinishReason.LENGTH}
+    assert len(view.tokens[(1, 1)]) == 2
+
+
+def test_executor_failure_fails_every_request_and_the_engine() -> None:
+    engine, executor = make_engine()
+    engine.add_request(make_request(1, [1, 2, 3], max_tokens=10))
+    engine.add_request(make_request(2, [4, 5, 6], client_id=2, max_tokens=10))
+    executor.fail_at_step = 3
+    view = run_to_completion(engine)
+    assert view.finished == {(1, 1): FinishReason.ERROR, (2, 2): FinishReason.ERROR}
+    assert "rank 0 lost" in view.details[(1, 1)][-1].error_message
+    assert engine.is_failed and "rank 0 lost" in engine.failure_message
+    assert_idle(engine)
+    steps = len(executor.seen)
+    engine.add_request(make_request(3, [1, 2], max_tokens=2))
+    outputs = engine.step()
+    assert outputs[1].details[0].finish_reason == FinishReason.ERROR
+    assert "engine failed" in outputs[1].details[0].error_message
+    assert len(executor.seen) == steps
+
+
+class ErrorStatusExecutor(FakeExecutor):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput(step_id=scheduler_output.step_id, error_message="CUDA OOM")
+
+
+def test_error_status_output_fails_the_engine() -> None:
+    engine, _ = make_engine()
+    engine.executor = ErrorStatusExecutor(4, 64)
+    engine.add_request(make_request(1, [1, 2, 3]))
+    outputs = engine.step()
+    assert outputs[1].details[0].finish_reason == FinishReason.ERROR
+    assert "CUDA OOM" in outputs[1].details[0].error_message
+    assert engine.is_failed
+
+
+class SilentExecutor(FakeExecutor):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput(step_id=scheduler_output.step_id)
+
+
+def test_missing_sampled_token_fails_the_request_instead_of_stalling() -> None:
+    engine, _ = make_engine()
+    engine.executor = SilentExecutor(4, 64)
+    engine.add_request(make_request(1, [1, 2, 3]))
+    outputs = engine.step()
+    (detail,) = outputs[1].details
+    assert detail.finish_reason == FinishReason.ERROR
+    assert "sampled no token" in detail.error_message
+    assert not engine.is_failed
+    run_to_completion(engine)
+    assert_idle(engine)
+
+
+def test_events_first_token_facts_and_logprobs() -> None:
+    engine, _ = make_engine()
+    engine.add_request(
+        make_request(1, [1, 2, 3, 4, 5], max_tokens=3, logprobs=0, prompt_logprobs=0)
+    )
+    view = run_to_completion(engine)
+    details = view.details[(1, 1)]
+    assert len(details) == 3, "logprobs ride in a detail with every token"
+    first = details[0]
+    assert [e.type for e in first.events] == [
+        EngineCoreEventType.QUEUED,
+        EngineCoreEventType.SCHEDULED,
+    ]
+    assert first.events[0].timestamp <= first.events[1].timestamp
+    assert first.num_cached_tokens == 0
+    assert first.prompt_logprobs is not None and first.prompt_logprobs.token_ids == [2, 3, 4, 5]
+    assert all(d.new_logprobs is not None for d in details)
+    assert details[1].events == [] and details[1].num_cached_tokens is None
+
+
+def test_plain_decode_tokens_need_no_details() -> None:
+    engine, _ = make_engine()
+    engine.add_request(make_request(1, [1, 2, 3], max_tokens=4))
+    view = run_to_completion(engine)
+    assert len(view.tokens[(1, 1)]) == 4
+    assert len(view.details[(1, 1)]) == 2  # the first token and the finish
+
+
+def test_stats_are_cumulative() -> None:
+    engine, executor = make_engine(num_blocks=33)
+    engine.add_request(make_request(1, list(range(9)), max_tokens=4))
+    engine.step()
+    stats = engine.make_stats()
+    assert stats.num_running_reqs == 1 and stats.num_waiting_reqs == 0
+    assert stats.step_counter == 1 and stats.num_scheduled_tokens == 9
+    assert stats.num_used_blocks == 3 and stats.num_total_blocks == 32
+    assert stats.kv_cache_usage == 3 / 32
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9, 0)
+    run_to_completion(engine)
+    engine.add_request(make_request(2, list(range(9)), max_tokens=1))
+    run_to_completion(engine)
+    stats = engine.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
+    assert stats.step_counter == len(executor.seen)
+    assert engine.reset_prefix_cache()
