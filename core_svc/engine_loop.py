@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,6 +22,9 @@ from core_svc.request import Request
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[int, EngineCoreOutputs], None]
+StatsSink = Callable[[SchedulerStats, float | None], None]
+"""Called on the loop thread after every iteration with the scheduler snapshot and the step's
+duration in seconds (None when the iteration ran no step); feeds the metrics."""
 """Receives (client_id, outputs) on the loop thread; must not block for long."""
 
 
@@ -56,9 +60,11 @@ class EngineCoreProc:
         engine_core: EngineCore,
         output_sink: OutputSink,
         input_queue: queue.Queue[EngineCommand] | None = None,
+        on_stats: StatsSink | None = None,
     ) -> None:
         self.engine_core = engine_core
         self._output_sink = output_sink
+        self._on_stats = on_stats
         self._input_queue: queue.Queue[EngineCommand] = input_queue or queue.Queue()
         self._lock = threading.Lock()
         self._step_aborts: list[EngineCommand] = []
@@ -128,9 +134,15 @@ class EngineCoreProc:
             if command.kind is CommandKind.SHUTDOWN:
                 return False
             self._apply(command)
+        step_seconds = None
         if engine_core.has_work():
-            self._route(engine_core.step(self._apply_step_aborts))
+            started = time.perf_counter()
+            outputs = engine_core.step(self._apply_step_aborts)
+            step_seconds = time.perf_counter() - started
+            self._route(outputs)
         self._stats = engine_core.make_stats()
+        if self._on_stats is not None:
+            self._on_stats(self._stats, step_seconds)
         return True
 
     def _apply(self, command: EngineCommand) -> None:

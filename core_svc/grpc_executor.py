@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -50,8 +51,10 @@ class GrpcExecutor:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, channels: list[grpc.aio.Channel],
                  addrs: list[str], output_rank: int, execute_timeout: float,
-                 on_failure: Callable[[str], None]) -> None:
+                 on_failure: Callable[[str], None],
+                 on_timing: Callable[[float, float], None] | None = None) -> None:
         self._loop = loop
+        self._on_timing = on_timing
         self._channels = channels
         self._addrs = addrs
         self.output_rank = output_rank
@@ -84,6 +87,7 @@ class GrpcExecutor:
         pending: concurrent.futures.Future[worker_pb2.ModelRunnerOutput] = (
             concurrent.futures.Future())
         self._pending = pending
+        sent = time.perf_counter()
         self._loop.call_soon_threadsafe(self._broadcast, _frame_execute_request(body))
         try:
             reply = pending.result(timeout=self.execute_timeout)
@@ -94,6 +98,8 @@ class GrpcExecutor:
             raise ExecutorError(message) from None
         except ExecutorError:
             raise
+        if self._on_timing is not None:
+            self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
         if reply.step_id != scheduler_output.step_id:
             raise ExecutorError(f"worker rank {self.output_rank} answered step {reply.step_id} "
                                 f"to step {scheduler_output.step_id}")

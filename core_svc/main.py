@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from core_svc.config import CoreConfig, parse_config
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.grpc_executor import GrpcExecutor
+from core_svc.metrics import CoreMetrics
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import EngineCoreServicer
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
@@ -56,6 +58,15 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
                 info.max_concurrency)
 
 
+def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]:
+    """Labels of vllm:cache_config_info (vLLM's CacheConfig field names)."""
+    return {"engine": config.engine_id, "block_size": str(config.block_size),
+            "cache_dtype": "auto", "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "num_gpu_blocks": str(facts.num_kv_blocks),
+            "kv_cache_memory_bytes": str(facts.kv_cache_bytes_per_rank)}
+
+
 def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) -> EngineCore:
     scheduler = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -75,7 +86,7 @@ async def serve(config: CoreConfig) -> int:
     pool = WorkerPool(config.worker_addrs)
     try:
         await pool.wait_until_reachable(config.worker_connect_timeout)
-        facts = await pool.bring_up(config, config.model)
+        facts = await pool.bring_up(config, config.model, served_model_name(config))
     except WorkerBringUpError as err:
         await host.fail(str(err))
         await host.shutdown()
@@ -83,15 +94,21 @@ async def serve(config: CoreConfig) -> int:
         return 1
     info = engine_info(config, facts)
     log_kv_cache(config, facts, info)
+    metrics = CoreMetrics(host.registry, info.served_model_name, config.engine_id,
+                          cache_config_labels(config, facts))
 
     def on_failure(message: str) -> None:
         loop.create_task(host.set_unhealthy(f"engine failed: {message}"))
 
     output_rank = config.world_size - config.tensor_parallel_size
     executor = GrpcExecutor(loop, pool.channels, config.worker_addrs, output_rank,
-                            config.execute_timeout, on_failure)
+                            config.execute_timeout, on_failure, metrics.observe_worker_step)
     await executor.open()
-    proc = EngineCoreProc(build_engine(config, facts, executor), servicer.output_sink)
+    servicer.set_metrics(metrics)
+    proc = EngineCoreProc(build_engine(config, facts, executor), servicer.output_sink,
+                          on_stats=metrics.observe_stats)
+    gc.collect()
+    gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
     proc.start()
     servicer.attach(proc, info)
     await host.set_ready(True)

@@ -14,11 +14,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
 from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
 from splitserve.core.v1 import core_service_pb2 as core_pb2
 from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
@@ -30,12 +32,17 @@ _STREAM_CLOSED = object()
 class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
     """Handshake, EngineStream and GetSchedulerStats over one EngineCoreProc."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 metrics: CoreMetrics | None = None) -> None:
         self._loop = loop
+        self._metrics = metrics
         self._client_ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[object]] = {}
         self._proc: EngineCoreProc | None = None
         self._info: core_pb2.EngineInfo | None = None
+
+    def set_metrics(self, metrics: CoreMetrics) -> None:
+        self._metrics = metrics
 
     def attach(self, proc: EngineCoreProc, info: core_pb2.EngineInfo) -> None:
         """Start serving streams (the engine is up)."""
@@ -54,7 +61,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         """Called on the busy-loop thread: hand outputs to the client's stream, never block."""
         queue = self._queues.get(client_id)
         if queue is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, outputs)
+            self._loop.call_soon_threadsafe(queue.put_nowait, (outputs, time.perf_counter()))
 
     async def _require(self, context: grpc.aio.ServicerContext) -> tuple[EngineCoreProc,
                                                                          core_pb2.EngineInfo]:
@@ -87,6 +94,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         client_id = next(self._client_ids)
         queue: asyncio.Queue[object] = asyncio.Queue()
         self._queues[client_id] = queue
+        if self._metrics is not None:
+            self._metrics.streams.set(len(self._queues))
         reader = asyncio.create_task(self._read(client_id, proc, request_iterator, queue))
         logger.info("stream %d opened by %s", client_id, context.peer())
         try:
@@ -97,11 +106,15 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 if isinstance(item, core_pb2.EngineStreamResponse):  # a pong
                     yield item
                     continue
-                assert isinstance(item, EngineCoreOutputs)
+                outputs, handed_at = cast(tuple[EngineCoreOutputs, float], item)
                 yield core_pb2.EngineStreamResponse(
-                    outputs=convert.engine_core_outputs_to_proto(item))
+                    outputs=convert.engine_core_outputs_to_proto(outputs))
+                if self._metrics is not None:
+                    self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
         finally:
             self._queues.pop(client_id, None)
+            if self._metrics is not None:
+                self._metrics.streams.set(len(self._queues))
             proc.close_client(client_id)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -82,7 +82,8 @@ class WorkerPool:
                         reply.device_name, reply.hostname, reply.pid)
         return replies
 
-    async def bring_up(self, config: CoreConfig, model_path: str) -> ModelFacts:
+    async def bring_up(self, config: CoreConfig, model_path: str,
+                       served_model_name: str) -> ModelFacts:
         """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
         world = config.world_size
         loads = [worker_pb2.LoadModelRequest(
@@ -92,7 +93,8 @@ class WorkerPool:
             distributed_init_method=config.distributed_init_method, seed=config.seed,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs) for rank in range(world)]
+            max_num_seqs=config.max_num_seqs, served_model_name=served_model_name,
+            engine_id=config.engine_id) for rank in range(world)]
         loaded = await self._call_all("LoadModel", loads, config.worker_connect_timeout)
         first = loaded[0]
         assert isinstance(first, worker_pb2.LoadModelResponse)

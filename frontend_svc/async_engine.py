@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
 
@@ -25,7 +27,12 @@ class AsyncEngine:
 
     def __init__(self, core_addr: str, output_processor: OutputProcessor) -> None:
         self.output_processor = output_processor
-        self.client = EngineCoreClient(core_addr, self._on_outputs, self._on_disconnect)
+        self.client = EngineCoreClient(core_addr, self._on_outputs, self._on_disconnect,
+                                       on_rtt=self._on_rtt)
+
+    @property
+    def metrics(self) -> FrontendMetrics | None:
+        return self.output_processor.metrics
 
     async def start(self, timeout: float) -> EngineInfo:
         return await self.client.connect(timeout)
@@ -39,17 +46,30 @@ class AsyncEngine:
         return len(self.output_processor.states)
 
     def _on_outputs(self, outputs: CoreOutputs) -> None:
+        started = time.perf_counter()
         to_abort = self.output_processor.process_outputs(outputs)
         self.client.abort_requests(to_abort)
+        if self.metrics is not None:
+            self.metrics.output_processing.observe(time.perf_counter() - started)
+
+    def _on_rtt(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.core_rtt.observe(seconds)
 
     def _on_disconnect(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reconnects.inc()
         self.output_processor.fail_all(f"lost the engine core at {self.client.core_addr} "
                                        f"({reason}); retry the request")
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
-        """Stream deltas of all `request.params.n` completions until every one finished."""
+    async def generate(self, request: EngineRequest,
+                       arrival: float | None = None) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas of all `request.params.n` completions until every one finished.
+        `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        children = self._add(request, queue)
+        if self.metrics is not None:
+            self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
+        children = self._add(request, queue, arrival or time.monotonic())
         remaining = set(children.values())
         try:
             while remaining:
@@ -65,7 +85,8 @@ class AsyncEngine:
                     self.output_processor.remove_request(handle)
                 self.client.abort_requests(sorted(remaining))
 
-    def _add(self, request: EngineRequest, queue: asyncio.Queue[Any]) -> dict[int, int]:
+    def _add(self, request: EngineRequest, queue: asyncio.Queue[Any],
+             arrival: float) -> dict[int, int]:
         """Register and send the n child requests; returns index -> handle."""
         params = request.params
         children: dict[int, int] = {}
@@ -78,7 +99,7 @@ class AsyncEngine:
                 request.eos_token_id, request.priority, request.cache_salt)
             handle = self.client.next_handle()
             self.output_processor.add_request(handle, index, child.params,
-                                              len(request.prompt_token_ids), queue)
+                                              len(request.prompt_token_ids), queue, arrival)
             children[index] = handle
             batch.append((handle, child))
         try:

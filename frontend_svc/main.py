@@ -11,6 +11,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.sampling_params import Limits
 from frontend_svc.server import GenerationServicer
@@ -52,11 +53,14 @@ async def serve(config: FrontendConfig) -> int:
                         f"{config.core_connect_timeout:.0f} s")
         await host.shutdown()
         return 1
+    served_name = config.served_model_name or info.served_model_name
+    engine.output_processor.metrics = FrontendMetrics(host.registry, served_name, info.engine_id,
+                                                      info.max_model_len)
     limits = Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                     max_logprobs=config.max_logprobs, max_n=config.max_n,
                     max_stop_strings=config.max_stop_strings)
     servicer.attach(InputProcessor(tokenizer, limits, generation_eos_ids(model)), info,
-                    config.served_model_name or info.served_model_name)
+                    served_name)
     logger.info("serving %s (max_model_len %d) via engine core %s", info.served_model_name,
                 info.max_model_len, config.core_addr)
     tracker = asyncio.create_task(_track_readiness(host, engine))

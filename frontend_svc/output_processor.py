@@ -9,11 +9,13 @@ caller can abort them in the core.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.stop_strings import find_stop_string
@@ -38,31 +40,51 @@ class RequestState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     is_finished: bool = False
-    stats: Any = None
+    stats: RequestStats | None = None
 
 
 class OutputProcessor:
     """Owns the RequestStates of live requests, keyed by their core handle."""
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, metrics: FrontendMetrics | None = None) -> None:
         self.decoder = decoder
+        self.metrics = metrics
         self.states: dict[int, RequestState] = {}
 
     def add_request(self, handle: int, index: int, params: SamplingParams,
-                    num_prompt_tokens: int, queue: asyncio.Queue[Any]) -> RequestState:
+                    num_prompt_tokens: int, queue: asyncio.Queue[Any],
+                    arrival: float | None = None) -> RequestState:
         detok = IncrementalDetokenizer(self.decoder, params.skip_special_tokens)
         state = RequestState(handle, index, params, num_prompt_tokens, queue, detok)
+        if self.metrics is not None:
+            state.stats = RequestStats(arrival or time.monotonic(), num_prompt_tokens)
         self.states[handle] = state
+        self._count_in_flight()
         return state
 
     def remove_request(self, handle: int) -> None:
-        self.states.pop(handle, None)
+        """Forget a request the caller gave up on (counted as aborted)."""
+        state = self.states.pop(handle, None)
+        if state is not None:
+            self._finish_stats(state, FinishReason.ABORT)
+            self._count_in_flight()
 
     def fail_all(self, message: str) -> None:
         """Every live request ends with EngineUnavailable(message)."""
         for state in self.states.values():
             state.queue.put_nowait(EngineUnavailable(message))
+            self._finish_stats(state, FinishReason.ERROR)
         self.states.clear()
+        self._count_in_flight()
+
+    def _finish_stats(self, state: RequestState, reason: FinishReason) -> None:
+        if self.metrics is not None and state.stats is not None and not state.is_finished:
+            state.is_finished = True
+            self.metrics.on_finish(state.stats, reason)
+
+    def _count_in_flight(self) -> None:
+        if self.metrics is not None:
+            self.metrics.in_flight.set(len(self.states))
 
     def process_outputs(self, outputs: CoreOutputs) -> list[int]:
         """Apply one step's outputs; return handles finished here that the core still runs."""
@@ -76,19 +98,23 @@ class OutputProcessor:
             if state is None:
                 continue
             detail = details.pop(handle, None)
-            if self._update(state, token_ids, detail):
+            if self._update(state, token_ids, detail, outputs.timestamp):
                 to_abort.append(handle)
         for handle, detail in details.items():  # details without new tokens (e.g. an abort)
             state = self.states.get(handle)
-            if state is not None and self._update(state, [], detail):
+            if state is not None and self._update(state, [], detail, outputs.timestamp):
                 to_abort.append(handle)
+        self._count_in_flight()
         return to_abort
 
     def _update(self, state: RequestState, token_ids: list[int],
-                detail: CoreOutputDetail | None) -> bool:
+                detail: CoreOutputDetail | None, core_ts: float) -> bool:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
         finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
+        if self.metrics is not None and state.stats is not None:
+            self.metrics.on_output(state.stats, len(token_ids), core_ts,
+                                   detail.events if detail else None)
         if detail is not None and detail.num_cached_tokens is not None:
             state.num_cached_tokens = detail.num_cached_tokens
         stop_str = self._detokenize(state, token_ids, detail, finish)
@@ -98,6 +124,7 @@ class OutputProcessor:
         if delta is not None:
             state.queue.put_nowait(delta)
         if finish != FinishReason.UNSPECIFIED:
+            self._finish_stats(state, finish)
             state.is_finished = True
             self.states.pop(state.handle, None)
         return stop_str is not None and (detail is None or not detail.finish_reason)

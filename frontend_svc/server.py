@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,6 +47,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb2.GenerateResponse]:
+        arrival = time.monotonic()
         inputs, _, _ = await self._ready(context)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
@@ -54,7 +56,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
-            async for delta in self.engine.generate(engine_request):
+            async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"the engine failed while serving request {request_id}: "

@@ -19,7 +19,15 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+from splitserve.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,16 @@ LIVENESS = ""
 ShutdownHook = Callable[[], Awaitable[None]]
 
 
+def new_registry() -> CollectorRegistry:
+    """A registry of this service's own (tests run several services in one process), with the
+    standard process, platform and GC collectors."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 class ServiceHost:
     """Runs one service's grpc.aio server until SIGTERM/SIGINT or a fatal error."""
 
@@ -46,18 +64,17 @@ class ServiceHost:
         port: int,
         service_names: Sequence[str],
         metrics_port: int | None = None,
-        registry: CollectorRegistry | None = None,
         grace_seconds: float = 10.0,
-        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.name = name
         self.host = host
         self.port = port
         self.service_names = list(service_names)
         self.metrics_port = metrics_port
-        self.registry = registry
+        self.registry = new_registry()
         self.grace_seconds = grace_seconds
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=[GrpcServerMetrics(self.registry)])
         self.health = health.aio.HealthServicer()
         self.bound_port = 0
         self.metrics_bound_port: int | None = None
@@ -88,8 +105,7 @@ class ServiceHost:
     def _start_metrics(self) -> None:
         if self.metrics_port is None:
             return
-        registry = self.registry if self.registry is not None else REGISTRY
-        server, _ = start_http_server(self.metrics_port, addr=self.host, registry=registry)
+        server, _ = start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
         self._metrics_server = server
         self.metrics_bound_port = int(server.server_address[1])
         logger.info("%s metrics on http://%s:%d/metrics", self.name, self.host,

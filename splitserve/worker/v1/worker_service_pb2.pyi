@@ -132,6 +132,8 @@ class LoadModelRequest(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Folder of a Hugging Face checkpoint (config.json, *.safetensors)."""
     dtype: _builtins.str
@@ -160,6 +162,10 @@ class LoadModelRequest(_message.Message):
     """Most tokens in one step; sizes the rank's step buffers."""
     max_num_seqs: _builtins.int
     """Most requests in one step; sizes the rank's step buffers."""
+    served_model_name: _builtins.str
+    """Model name for the rank's metrics label model_name."""
+    engine_id: _builtins.str
+    """Engine identifier for the rank's metrics label engine."""
     def __init__(
         self,
         *,
@@ -174,10 +180,12 @@ class LoadModelRequest(_message.Message):
         attention_backend: _builtins.str = ...,
         max_num_batched_tokens: _builtins.int = ...,
         max_num_seqs: _builtins.int = ...,
+        served_model_name: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "seed", b"seed", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the engine core: vLLM's scheduler metrics, plus the core<->worker hop.
+
+vLLM names, types, labels (`model_name`, `engine`) and buckets, so existing dashboards, alerts
+and autoscalers work unchanged. Counters are declared without `_total`; the client adds it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from core_svc.outputs import SchedulerStats
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+               0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LABELS = ["model_name", "engine"]
+
+
+class CoreMetrics:
+    """Metric objects bound to this engine's labels."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
+                 cache_config: dict[str, str]) -> None:
+        values = (model_name, engine)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Number of tokens per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        info = Gauge("vllm:cache_config_info", "Information of the KV cache config.",
+                     sorted(cache_config), registry=registry)
+        info.labels(**cache_config).set(1)
+        self.step_seconds = histogram(
+            "splitserve_core_step_seconds",
+            "Engine step time (schedule, workers, update) on the core's clock.", STEP_BUCKETS)
+        self.worker_rtt_seconds = histogram(
+            "splitserve_core_worker_rtt_seconds",
+            "Per step: time from sending a SchedulerOutput to every rank to receiving the "
+            "output rank's ModelRunnerOutput.", STEP_BUCKETS)
+        self.worker_hop_seconds = histogram(
+            "splitserve_core_worker_hop_seconds",
+            "Per step: the core<->worker round trip minus the worker's own step time "
+            "(serialisation, gRPC and transport in both directions).", HOP_BUCKETS)
+        self.output_send_seconds = histogram(
+            "splitserve_core_output_send_seconds",
+            "Per message: time from the engine loop handing a frontend its step outputs to "
+            "the message being written to that frontend's stream.", HOP_BUCKETS)
+        self.streams = gauge("splitserve_core_frontend_streams", "Open frontend EngineStreams.")
+        self._last = SchedulerStats()
+
+    def observe_stats(self, stats: SchedulerStats, step_seconds: float | None) -> None:
+        """Called after every loop iteration with the scheduler's cumulative snapshot."""
+        last = self._last
+        if step_seconds is not None:
+            self.step_seconds.observe(step_seconds)
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries > last.prefix_cache_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        if stats.prefix_cache_hits > last.prefix_cache_hits:
+            self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        if stats.num_preemptions > last.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.step_counter > last.step_counter and stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        self._last = stats
+
+    def observe_worker_step(self, rtt_seconds: float, worker_seconds: float) -> None:
+        self.worker_rtt_seconds.observe(rtt_seconds)
+        self.worker_hop_seconds.observe(max(0.0, rtt_seconds - worker_seconds))
