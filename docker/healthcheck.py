@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Container health check of a splitserve service: one grpc.health.v1 Check, exit 0 if SERVING.
+
+The image's HEALTHCHECK runs it with no arguments. It then finds out which service the
+container runs from the main process's command line (/proc/1/cmdline: `splitserve frontend|core|
+worker [--port N]`, or `python -m frontend_svc|core_svc|worker_svc`), falls back to the
+SPLITSERVE_PORT environment variable and the service's default port, and checks that service's
+readiness (the named health service). Kubernetes does not use this: the Helm chart declares
+native gRPC probes instead.
+
+    splitserve-healthcheck                       # readiness of the service in this container
+    splitserve-healthcheck --liveness            # liveness (health service "")
+    splitserve-healthcheck --addr 127.0.0.1:50061 --service splitserve.core.v1.EngineCoreService
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_PORTS = {"frontend": 50051, "core": 50061, "worker": 50071}
+READINESS = {
+    "frontend": "splitserve.frontend.v1.GenerationService",
+    "core": "splitserve.core.v1.EngineCoreService",
+    "worker": "splitserve.worker.v1.WorkerService",
+}
+
+
+def read_cmdline(pid: int = 1) -> list[str]:
+    """The argv of process `pid` ([] when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def role_of(argv: Sequence[str]) -> str | None:
+    """frontend, core or worker, from a service's command line."""
+    for arg in argv:
+        name = arg.removesuffix("_svc")
+        if name in DEFAULT_PORTS:
+            return name
+    return None
+
+
+def port_of(argv: Sequence[str], environ: Mapping[str, str], role: str | None) -> int:
+    """The service's gRPC port: --port on its command line, else SPLITSERVE_PORT, else default."""
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--port="):
+            return int(arg.split("=", 1)[1])
+    if environ.get("SPLITSERVE_PORT", "").isdigit():
+        return int(environ["SPLITSERVE_PORT"])
+    return DEFAULT_PORTS.get(role or "", DEFAULT_PORTS["frontend"])
+
+
+def check(addr: str, service: str, timeout: float) -> bool:
+    """True when the health service at `addr` answers SERVING for `service`."""
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as err:
+        print(f"{addr} {service or '(liveness)'}: {err.code().name}", file=sys.stderr)
+        return False
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{addr} {service or '(liveness)'}: {status}")
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(prog="splitserve-healthcheck", description=__doc__.split("\n")[0])
+    p.add_argument("--addr", default="", help="HOST:PORT to check (default: this container's)")
+    p.add_argument("--service", default=None, help="health service name (default: readiness)")
+    p.add_argument("--liveness", action="store_true", help="check the liveness service \"\"")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    args = p.parse_args(argv)
+    cmdline = read_cmdline()
+    role = role_of(cmdline)
+    addr = args.addr or f"127.0.0.1:{port_of(cmdline, env, role)}"
+    if args.liveness:
+        service = ""
+    elif args.service is not None:
+        service = args.service
+    else:
+        service = READINESS.get(role or "", "")
+    return 0 if check(addr, service, args.timeout) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Render the splitserve Helm chart in-process (helm-python-sdk) and look into the manifests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "splitserve"
+CI_DIR = CHART_DIR / "ci"
+RELEASE = "splitserve"
+NAMESPACE = "llm"
+KUBE_VERSION = "1.30.0"
+CLUSTER_DOMAIN = "cluster.local"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+
+Doc = dict[str, Any]
+
+
+def ci_values_files() -> list[Path]:
+    """The chart-testing values files (ci/*-values.yaml)."""
+    return sorted(CI_DIR.glob("*-values.yaml"))
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    loaded = yaml.safe_load(path.read_text()) or {}
+    assert isinstance(loaded, dict), f"{path} is not a mapping"
+    return loaded
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` merged into a copy of `base` (mappings recursively, everything else replaced)."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def render_files(
+    values: Mapping[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE
+) -> dict[str, str]:
+    """`helm template`: template path -> rendered text (user values over the chart defaults)."""
+    import helm_python as helm
+
+    with helm.Chart.load(str(CHART_DIR)) as chart:
+        rendered: dict[str, str] = chart.render(
+            dict(values or {}), name=name, namespace=namespace, is_install=True)
+    return rendered
+
+
+@dataclass
+class Manifests:
+    """The parsed documents of one rendering."""
+
+    docs: list[Doc]
+    namespace: str = NAMESPACE
+    release: str = RELEASE
+
+    def of_kind(self, kind: str) -> list[Doc]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> Doc:
+        for doc in self.of_kind(kind):
+            if doc["metadata"]["name"] == name:
+                return doc
+        raise KeyError(f"no {kind} named {name!r}; have "
+                       f"{[d['metadata']['name'] for d in self.of_kind(kind)]}")
+
+    def workloads(self) -> list[Doc]:
+        return [d for d in self.docs if d["kind"] in WORKLOAD_KINDS]
+
+    def workload(self, component: str) -> Doc:
+        """The Deployment / StatefulSet of a component (frontend, core, worker)."""
+        found = [w for w in self.workloads() if component_of(w) == component]
+        assert len(found) == 1, f"expected one {component} workload, found {len(found)}"
+        return found[0]
+
+    def containers(self) -> Iterator[tuple[Doc, Doc]]:
+        """(workload, container) for every container of every workload."""
+        for workload in self.workloads():
+            spec = workload["spec"]["template"]["spec"]
+            for container in [*spec.get("initContainers", []), *spec["containers"]]:
+                yield workload, container
+
+    def configmap_data(self, name: str) -> dict[str, str]:
+        data = self.get("ConfigMap", name).get("data") or {}
+        return {str(k): str(v) for k, v in data.items()}
+
+
+def component_of(doc: Doc) -> str:
+    return str(doc["metadata"].get("labels", {}).get("app.kubernetes.io/component", ""))
+
+
+def pod_spec(workload: Doc) -> Doc:
+    spec: Doc = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def only_container(workload: Doc) -> Doc:
+    containers = pod_spec(workload)["containers"]
+    assert len(containers) == 1, f"{workload['metadata']['name']} has {len(containers)} containers"
+    container: Doc = containers[0]
+    return container
+
+
+def container_port(container: Doc, name: str) -> int:
+    for port in container.get("ports", []):
+        if port.get("name") == name:
+            return int(port["containerPort"])
+    raise KeyError(f"container {container['name']} has no port named {name!r}")
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """Value of `--flag VALUE` or `--flag=VALUE` in an argument list (last one wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def render(
+    values: Mapping[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE
+) -> Manifests:
+    """Render and parse every Kubernetes document (NOTES.txt and empty documents left out)."""
+    docs: list[Doc] = []
+    for path, text in sorted(render_files(values, name=name, namespace=namespace).items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                assert isinstance(doc, dict) and "kind" in doc, f"{path}: not a manifest: {doc!r}"
+                docs.append(doc)
+    return Manifests(docs, namespace=namespace, release=name)
+
+
+def render_values_file(path: Path, extra: Mapping[str, Any] | None = None) -> Manifests:
+    return render(deep_merge(load_values(path), extra or {}))

@@ -1,0 +1,550 @@
+"""What the rendered chart must mean, beyond being valid Kubernetes: probes, security, rank layout
+and DNS wiring, GPU resources, network directions, monitoring objects, and that the services'
+own flag parsers accept every container's command line and environment."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from core_svc.config import build_parser as core_parser
+from core_svc.config import parse_config as parse_core
+from frontend_svc.config import build_parser as frontend_parser
+from frontend_svc.config import parse_config as parse_frontend
+from splitserve.flags import FlagParser, env_name
+from tests.helm.chart_render import (
+    CHART_DIR,
+    CLUSTER_DOMAIN,
+    Doc,
+    Manifests,
+    component_of,
+    container_port,
+    flag_value,
+    only_container,
+    pod_spec,
+    render,
+)
+from worker_svc.config import build_parser as worker_parser
+from worker_svc.config import parse_config as parse_worker
+
+READINESS = {
+    "frontend": "splitserve.frontend.v1.GenerationService",
+    "core": "splitserve.core.v1.EngineCoreService",
+    "worker": "splitserve.worker.v1.WorkerService",
+}
+PARSERS: dict[str, Callable[[], FlagParser]] = {
+    "frontend": frontend_parser, "core": core_parser, "worker": worker_parser}
+# Environment the chart sets that is not a flag: paths of writable places and library switches.
+NON_FLAG_ENV = {"HOME", "TMPDIR", "SPLITSERVE_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE",
+                "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
+REQUIRED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                   "app.kubernetes.io/managed-by", "app.kubernetes.io/version",
+                   "app.kubernetes.io/part-of", "helm.sh/chart")
+
+
+def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it (envFrom ConfigMaps, then env)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(manifests.configmap_data(source["configMapRef"]["name"]))
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            env[var["name"]] = manifests.configmap_data(ref["name"])[ref["key"]]
+    return env
+
+
+def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def pod_labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+# -- labels, selectors ------------------------------------------------------------------------
+
+
+def test_every_object_carries_the_standard_labels(gpu_manifests: Manifests) -> None:
+    for doc in gpu_manifests.docs:
+        labels = doc["metadata"].get("labels", {})
+        missing = [k for k in REQUIRED_LABELS if k not in labels]
+        assert not missing, f"{doc['kind']}/{doc['metadata']['name']} lacks {missing}"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_every_selector_selects_pods_of_the_release(gpu_manifests: Manifests) -> None:
+    pods = [pod_labels(w) for w in gpu_manifests.workloads()]
+    for svc in gpu_manifests.of_kind("Service"):
+        assert any(labels_match(svc["spec"]["selector"], p) for p in pods), svc["metadata"]
+    for pdb in gpu_manifests.of_kind("PodDisruptionBudget"):
+        assert any(labels_match(pdb["spec"]["selector"]["matchLabels"], p) for p in pods)
+    for workload in gpu_manifests.workloads():
+        assert labels_match(workload["spec"]["selector"]["matchLabels"], pod_labels(workload))
+    hpa = gpu_manifests.of_kind("HorizontalPodAutoscaler")[0]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert gpu_manifests.get(target["kind"], target["name"]) is gpu_manifests.workload("frontend")
+
+
+def test_service_target_ports_exist_on_the_selected_pods(gpu_manifests: Manifests) -> None:
+    for svc in gpu_manifests.of_kind("Service"):
+        for workload in gpu_manifests.workloads():
+            if not labels_match(svc["spec"]["selector"], pod_labels(workload)):
+                continue
+            container = only_container(workload)
+            for port in svc["spec"]["ports"]:
+                target = port["targetPort"]
+                if isinstance(target, str):
+                    container_port(container, target)  # raises when missing
+                else:
+                    assert target in [p["containerPort"] for p in container["ports"]]
+
+
+# -- pods: security, probes, volumes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests"])
+def test_pods_are_locked_down(fixture: str, request: pytest.FixtureRequest) -> None:
+    manifests: Manifests = request.getfixturevalue(fixture)
+    for workload, container in manifests.containers():
+        spec = pod_spec(workload)
+        pod_sc = spec["securityContext"]
+        assert pod_sc["runAsNonRoot"] is True and pod_sc["runAsUser"] != 0
+        assert pod_sc["seccompProfile"]["type"] == "RuntimeDefault"
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert not sc.get("capabilities", {}).get("add")
+        assert sc.get("privileged", False) is False
+        assert spec["automountServiceAccountToken"] is False
+        # Service links would put e.g. SPLITSERVE_PORT=tcp://10.0.0.7:80 (from any Service named
+        # "splitserve" in the namespace) into the environment, which the services parse as --port.
+        assert spec["enableServiceLinks"] is False
+        assert spec["serviceAccountName"] == manifests.of_kind("ServiceAccount")[0]["metadata"]["name"]
+
+
+@pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests"])
+def test_every_container_has_native_grpc_probes_on_its_grpc_port(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    manifests: Manifests = request.getfixturevalue(fixture)
+    for workload, container in manifests.containers():
+        component = component_of(workload)
+        grpc_port = container_port(container, "grpc")
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = container[kind]
+            assert set(probe) & {"exec", "httpGet", "tcpSocket"} == set(), f"{component} {kind}"
+            assert probe["grpc"]["port"] == grpc_port, f"{component} {kind}"
+        assert container["livenessProbe"]["grpc"].get("service", "") == ""
+        assert container["readinessProbe"]["grpc"]["service"] == READINESS[component]
+
+
+def test_startup_probes_leave_time_for_loading_the_model(default_manifests: Manifests) -> None:
+    for component in ("frontend", "core"):
+        probe = only_container(default_manifests.workload(component))["startupProbe"]
+        # The frontend and core turn ready only once every rank has loaded the model.
+        assert probe["grpc"]["service"] == READINESS[component]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60, component
+    worker = only_container(default_manifests.workload("worker"))
+    assert worker["startupProbe"]["grpc"].get("service", "") == ""
+    liveness = worker["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60
+
+
+def test_writable_paths_are_emptydirs_and_the_rest_is_read_only(
+    default_manifests: Manifests,
+) -> None:
+    for workload, container in default_manifests.containers():
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        env = container_env(default_manifests, container)
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+        for var in ("HOME", "SPLITSERVE_CACHE_DIR", "HF_HOME", "TMPDIR"):
+            path = env[var]
+            mount = max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")),
+                        key=len, default=None)
+            assert mount is not None, f"{var}={path} is on the read-only root filesystem"
+            assert "emptyDir" in volumes[mounts[mount]["name"]], f"{var}={path}"
+            assert not mounts[mount].get("readOnly", False)
+
+
+def test_workers_get_a_memory_backed_dev_shm(gpu_manifests: Manifests) -> None:
+    worker = gpu_manifests.workload("worker")
+    volumes = {v["name"]: v for v in pod_spec(worker)["volumes"]}
+    mount = next(m for m in only_container(worker)["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert volumes[mount["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
+# -- rank layout and wiring -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
+def test_worker_ranks_match_the_cores_worker_addrs(tp: int, pp: int) -> None:
+    m = render({"parallelism": {"tensorParallelSize": tp, "pipelineParallelSize": pp}})
+    sts = m.workload("worker")
+    assert sts["kind"] == "StatefulSet"
+    assert sts["spec"]["replicas"] == tp * pp
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    headless = m.get("Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    worker = only_container(sts)
+    core_args = only_container(m.workload("core"))["args"]
+    # Pod ordinal = rank: "<sts>-<rank>.<headless service>.<namespace>.svc.<domain>".
+    expected = [
+        f"{sts['metadata']['name']}-{rank}.{headless['metadata']['name']}.{m.namespace}"
+        f".svc.{CLUSTER_DOMAIN}:{container_port(worker, 'grpc')}"
+        for rank in range(tp * pp)
+    ]
+    assert flag_value(core_args, "--worker-addrs") == ",".join(expected)
+    assert flag_value(core_args, "--tensor-parallel-size") == str(tp)
+    assert flag_value(core_args, "--pipeline-parallel-size") == str(pp)
+    rank0_host = expected[0].rsplit(":", 1)[0]
+    assert flag_value(core_args, "--distributed-init-method") == (
+        f"tcp://{rank0_host}:{container_port(worker, 'dist')}")
+    assert "dist" in [p["name"] for p in headless["spec"]["ports"]]
+    assert sts["spec"]["template"]["metadata"]["annotations"]["splitserve.io/parallelism"] == (
+        f"tp={tp},pp={pp}")
+
+
+def test_frontend_dials_the_core_service(default_manifests: Manifests) -> None:
+    m = default_manifests
+    core_svc = m.get("Service", "splitserve-core")
+    core_addr = flag_value(only_container(m.workload("frontend"))["args"], "--core-addr")
+    port = core_svc["spec"]["ports"][0]
+    assert core_addr == f"splitserve-core.{m.namespace}.svc.{CLUSTER_DOMAIN}:{port['port']}"
+    assert labels_match(core_svc["spec"]["selector"], pod_labels(m.workload("core")))
+    assert port["targetPort"] == "grpc"
+
+
+def test_exactly_one_engine_core_that_never_overlaps_itself(gpu_manifests: Manifests) -> None:
+    core = gpu_manifests.workload("core")
+    assert core["kind"] == "Deployment"
+    assert core["spec"]["replicas"] == 1
+    assert core["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_frontend_replicas_or_hpa(default_manifests: Manifests, gpu_manifests: Manifests) -> None:
+    assert default_manifests.workload("frontend")["spec"]["replicas"] == 2
+    assert not default_manifests.of_kind("HorizontalPodAutoscaler")
+    # With the HPA on, the Deployment leaves replicas to it.
+    assert "replicas" not in gpu_manifests.workload("frontend")["spec"]
+    hpa = gpu_manifests.of_kind("HorizontalPodAutoscaler")[0]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (3, 12)
+
+
+@pytest.mark.parametrize("fixture", ["default_manifests", "cpu_manifests", "gpu_manifests"])
+def test_service_flag_parsers_accept_every_container(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Run the services' real flag parsers on each container's args and environment."""
+    m: Manifests = request.getfixturevalue(fixture)
+    parsers: dict[str, Callable[..., Any]] = {
+        "frontend": parse_frontend, "core": parse_core, "worker": parse_worker}
+    for workload, container in m.containers():
+        command = container["command"]
+        assert command[0] == "splitserve" and command[1] == component_of(workload)
+        config = parsers[command[1]](container["args"], environ=container_env(m, container))
+        assert config.port == container_port(container, "grpc")
+        assert config.metrics_port == container_port(container, "metrics")
+    core = parse_core(only_container(m.workload("core"))["args"],
+                      environ=container_env(m, only_container(m.workload("core"))))
+    assert core.world_size == m.workload("worker")["spec"]["replicas"]
+
+
+def test_configmap_holds_only_known_settings(gpu_manifests: Manifests) -> None:
+    known = {env_name(a.dest) for make in PARSERS.values() for a in make()._actions
+             if a.option_strings}
+    data = gpu_manifests.configmap_data("splitserve-config")
+    unknown = set(data) - known - NON_FLAG_ENV
+    assert not unknown, f"ConfigMap keys no service reads: {sorted(unknown)}"
+    assert data["SPLITSERVE_DEVICE"] == "cuda"
+    assert data["SPLITSERVE_SERVED_MODEL_NAME"] == "llama-3.1-70b-instruct"
+    for workload, container in gpu_manifests.containers():
+        refs = [s["configMapRef"]["name"] for s in container["envFrom"]]
+        assert refs == ["splitserve-config"], workload["metadata"]["name"]
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert len(annotations["checksum/config"]) == 64
+
+
+def test_big_numbers_are_not_rendered_in_float_notation() -> None:
+    m = render({"core": {"kvCacheMemoryBytes": 8589934592, "seed": 1234567890123}})
+    data = m.configmap_data("splitserve-config")
+    assert data["SPLITSERVE_KV_CACHE_MEMORY_BYTES"] == "8589934592"
+    assert data["SPLITSERVE_SEED"] == "1234567890123"
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+
+def test_gpu_workers_get_one_gpu_each_and_the_cuda_image(gpu_manifests: Manifests) -> None:
+    sts = gpu_manifests.workload("worker")
+    assert sts["spec"]["replicas"] == 4
+    worker = only_container(sts)
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["limits"]["memory"] == "96Gi"
+    assert worker["image"] == "registry.example.com/ml/splitserve:0.1.0-cuda"
+    spec = pod_spec(sts)
+    assert spec["runtimeClassName"] == "nvidia"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
+        spec["tolerations"])
+    for component in ("frontend", "core"):
+        container = only_container(gpu_manifests.workload(component))
+        assert container["image"] == "registry.example.com/ml/splitserve:0.1.0-cpu"
+        assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+
+
+def test_cpu_values_have_no_gpu(cpu_manifests: Manifests) -> None:
+    for _, container in cpu_manifests.containers():
+        assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {}))
+        assert container["image"].endswith(":0.1.0-cpu")
+    assert cpu_manifests.configmap_data("splitserve-config")["SPLITSERVE_DEVICE"] == "cpu"
+
+
+def test_gpu_default_image_tag_is_the_cuda_variant() -> None:
+    m = render({"worker": {"gpu": {"enabled": True}}})
+    assert only_container(m.workload("worker"))["image"] == "ghcr.io/splitserve/splitserve:0.1.0-cuda"
+    assert only_container(m.workload("core"))["image"] == "ghcr.io/splitserve/splitserve:0.1.0-cpu"
+
+
+# -- model volume -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["pvc", "hostPath"])
+def test_every_pod_sees_the_model_at_the_path_the_core_sends(source: str) -> None:
+    values: dict[str, Any] = {"model": {"source": source, "mountPath": "/models",
+                                        "subPath": "llama", "pvc": {"existingClaim": "models"}}}
+    m = render(values)
+    for workload, container in m.containers():
+        mount = next(x for x in container["volumeMounts"] if x["mountPath"] == "/models")
+        assert mount["readOnly"] is True
+        volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+        if source == "pvc":
+            assert volume["persistentVolumeClaim"]["claimName"] == "models"
+        else:
+            assert volume["hostPath"]["path"] == "/var/lib/splitserve/models"
+    for component in ("frontend", "core"):
+        args = only_container(m.workload(component))["args"]
+        assert flag_value(args, "--model") == "/models/llama", component
+
+
+def test_embedded_model_passes_no_model_path(default_manifests: Manifests) -> None:
+    for component in ("frontend", "core"):
+        assert "--model" not in only_container(default_manifests.workload(component))["args"]
+
+
+def test_created_model_claim_survives_uninstall() -> None:
+    m = render({"model": {"source": "pvc", "pvc": {"create": True, "size": "500Gi"}}})
+    pvc = m.of_kind("PersistentVolumeClaim")[0]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "500Gi"
+    volume = next(v for v in pod_spec(m.workload("worker"))["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+# -- network policy ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A traffic endpoint: a pod (labels, namespace, named ports) or a client outside the cluster."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    namespace: str | None = None  # None: outside the cluster
+    ports: Mapping[str, int] = field(default_factory=dict)
+
+
+def _peer_matches(rule_peers: list[Doc] | None, peer: Peer, policy_ns: str) -> bool:
+    if rule_peers is None:
+        return True
+    for p in rule_peers:
+        if "ipBlock" in p:
+            return True
+        if peer.namespace is None:
+            continue
+        ns_sel = p.get("namespaceSelector")
+        ns_ok = (peer.namespace == policy_ns if ns_sel is None else labels_match(
+            ns_sel.get("matchLabels", {}), {"kubernetes.io/metadata.name": peer.namespace}))
+        pod_sel = p.get("podSelector")
+        pod_ok = pod_sel is None or labels_match(pod_sel.get("matchLabels", {}), peer.labels)
+        if ns_ok and pod_ok:
+            return True
+    return False
+
+
+def _port_matches(rule_ports: list[Doc] | None, port: int, target: Peer) -> bool:
+    if rule_ports is None:
+        return True
+    for p in rule_ports:
+        wanted = p["port"]
+        if wanted == port or (isinstance(wanted, str) and target.ports.get(wanted) == port):
+            return True
+    return False
+
+
+def allowed(m: Manifests, src: Peer, dst: Peer, port: int) -> bool:
+    """Would the chart's NetworkPolicies let `src` open a connection to `dst`:`port`?"""
+    policies = m.of_kind("NetworkPolicy")
+
+    def side(direction: str, subject: Peer, other: Peer) -> bool:
+        selecting = [p for p in policies if subject.namespace == m.namespace
+                     and direction in p["spec"]["policyTypes"]
+                     and labels_match(p["spec"]["podSelector"]["matchLabels"], subject.labels)]
+        if not selecting:
+            return True
+        key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+        return any(_peer_matches(rule.get(peers_key), other, m.namespace)
+                   and _port_matches(rule.get("ports"), port, dst)
+                   for policy in selecting for rule in policy["spec"].get(key, []))
+
+    return side("Egress", src, dst) and side("Ingress", dst, src)
+
+
+def peers(m: Manifests) -> dict[str, Peer]:
+    found = {}
+    for workload in m.workloads():
+        container = only_container(workload)
+        found[component_of(workload)] = Peer(
+            pod_labels(workload), m.namespace,
+            {p["name"]: p["containerPort"] for p in container["ports"]})
+    found["client"] = Peer()
+    found["monitoring"] = Peer({"app": "prometheus"}, "monitoring")
+    found["ingress"] = Peer({"app": "nginx"}, "ingress-nginx")
+    found["other-pod"] = Peer({"app": "other"}, m.namespace)
+    return found
+
+
+def test_network_policy_directions_by_default(default_manifests: Manifests) -> None:
+    m = default_manifests
+    p = peers(m)
+    fe, core, wk = p["frontend"].ports, p["core"].ports, p["worker"].ports
+    assert allowed(m, p["client"], p["frontend"], fe["grpc"])
+    assert not allowed(m, p["client"], p["core"], core["grpc"])
+    assert not allowed(m, p["client"], p["worker"], wk["grpc"])
+    assert not allowed(m, p["other-pod"], p["core"], core["grpc"])
+    assert allowed(m, p["frontend"], p["core"], core["grpc"])
+    assert not allowed(m, p["frontend"], p["core"], 12345)
+    assert not allowed(m, p["frontend"], p["worker"], wk["grpc"])
+    assert allowed(m, p["core"], p["worker"], wk["grpc"])
+    assert not allowed(m, p["core"], p["worker"], wk["dist"])
+    assert not allowed(m, p["worker"], p["core"], core["grpc"])
+    for port in (wk["grpc"], wk["dist"], 40123):  # TCPStore, gloo/NCCL ports are dynamic
+        assert allowed(m, p["worker"], p["worker"], port)
+    for name in ("frontend", "core", "worker"):
+        assert allowed(m, p["monitoring"], p[name], p[name].ports["metrics"])
+        assert not allowed(m, p["monitoring"], p[name], p[name].ports["grpc"]) or name == "frontend"
+
+
+def test_network_policy_with_restricted_clients_and_egress(gpu_manifests: Manifests) -> None:
+    m = gpu_manifests
+    p = peers(m)
+    fe, core, wk = p["frontend"].ports, p["core"].ports, p["worker"].ports
+    assert allowed(m, p["ingress"], p["frontend"], fe["grpc"])
+    assert not allowed(m, p["client"], p["frontend"], fe["grpc"])
+    assert not allowed(m, p["other-pod"], p["frontend"], fe["grpc"])
+    assert allowed(m, p["frontend"], p["core"], core["grpc"])
+    assert allowed(m, p["core"], p["worker"], wk["grpc"])
+    assert allowed(m, p["worker"], p["worker"], 40123)
+    # Egress is closed in the other directions too.
+    assert not allowed(m, p["core"], p["frontend"], fe["grpc"])
+    assert not allowed(m, p["worker"], p["frontend"], fe["grpc"])
+    assert not allowed(m, p["frontend"], p["worker"], wk["grpc"])
+    dns = Peer({"k8s-app": "kube-dns"}, "kube-system")
+    for name in ("frontend", "core", "worker"):
+        assert allowed(m, p[name], dns, 53)
+        assert not allowed(m, p[name], p["client"], 443)
+        assert allowed(m, p["monitoring"], p[name], p[name].ports["metrics"])
+
+
+# -- monitoring -------------------------------------------------------------------------------
+
+
+def test_service_monitor_scrapes_every_pod_metrics_port(gpu_manifests: Manifests) -> None:
+    m = gpu_manifests
+    monitor = m.of_kind("ServiceMonitor")[0]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selected = [s for s in m.of_kind("Service")
+                if labels_match(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert [s["metadata"]["name"] for s in selected] == ["splitserve-metrics"]
+    svc = selected[0]
+    endpoint_port = monitor["spec"]["endpoints"][0]["port"]
+    svc_port = next(p for p in svc["spec"]["ports"] if p["name"] == endpoint_port)
+    scraped = {component_of(w) for w in m.workloads()
+               if labels_match(svc["spec"]["selector"], pod_labels(w))}
+    assert scraped == {"frontend", "core", "worker"}
+    for workload in m.workloads():
+        container_port(only_container(workload), svc_port["targetPort"])
+
+
+def test_grafana_dashboards_configmap_packages_every_dashboard(gpu_manifests: Manifests) -> None:
+    cm = gpu_manifests.get("ConfigMap", "splitserve-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"]["grafana_folder"] == "LLM"
+    files = sorted(p.name for p in (CHART_DIR / "dashboards").glob("*.json"))
+    assert files and sorted(cm["data"]) == files
+    for name, text in cm["data"].items():
+        dashboard = json.loads(text)
+        assert dashboard["title"] and isinstance(dashboard["panels"], list), name
+        assert text == (CHART_DIR / "dashboards" / name).read_text()
+
+
+def test_monitoring_objects_are_optional(default_manifests: Manifests) -> None:
+    kinds = {d["kind"] for d in default_manifests.docs}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule", "Ingress", "Secret"}
+    m = render({"grafanaDashboard": {"enabled": False}, "metrics": {"enabled": False},
+                "networkPolicy": {"enabled": False}})
+    names = {(d["kind"], d["metadata"]["name"]) for d in m.docs}
+    assert ("ConfigMap", "splitserve-dashboards") not in names
+    assert ("Service", "splitserve-metrics") not in names
+    assert not m.of_kind("NetworkPolicy")
+
+
+# -- disruption, ingress, TLS -----------------------------------------------------------------
+
+
+def test_disruption_budgets(default_manifests: Manifests) -> None:
+    budgets = {component_of(p): p["spec"] for p in default_manifests.of_kind("PodDisruptionBudget")}
+    assert budgets["frontend"]["maxUnavailable"] == 1
+    # Losing any rank or the core stops the engine: voluntary evictions are blocked by default.
+    assert budgets["core"]["maxUnavailable"] == 0
+    assert budgets["worker"]["maxUnavailable"] == 0
+
+
+def test_ingress_with_tls_secret(gpu_manifests: Manifests) -> None:
+    ingress = gpu_manifests.of_kind("Ingress")[0]
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == (
+        "GRPC")
+    assert ingress["spec"]["tls"] == [{"secretName": "splitserve-tls", "hosts": ["llm.example.com"]}]
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "splitserve-frontend", "port": {"name": "grpc"}}
+
+
+def test_tls_secrets_are_created_from_values() -> None:
+    cert, key = "-----BEGIN CERTIFICATE-----\nabc\n", "-----BEGIN PRIVATE KEY-----\ndef\n"
+    m = render({"tlsSecrets": [{"name": "llm-tls", "certificate": cert, "key": key}]})
+    secret = m.get("Secret", "llm-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    assert base64.b64decode(secret["data"]["tls.crt"]).decode() == cert
+    assert base64.b64decode(secret["data"]["tls.key"]).decode() == key
+
+
+def test_scheduling_knobs_reach_the_pods(gpu_manifests: Manifests) -> None:
+    worker = pod_spec(gpu_manifests.workload("worker"))
+    assert worker["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert "podAffinity" in worker["affinity"]
+    frontend = pod_spec(gpu_manifests.workload("frontend"))
+    assert frontend["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert frontend["imagePullSecrets"] == [{"name": "regcred"}]
+    env = only_container(gpu_manifests.workload("worker"))["env"]
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in env

@@ -1,0 +1,224 @@
+"""Every rendered manifest passes `kubernetes-validate --strict` for Kubernetes 1.30; the
+Prometheus Operator objects (no schema there) pass a structural schema of their own."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from tests.helm.chart_render import (
+    KUBE_VERSION,
+    Doc,
+    Manifests,
+    ci_values_files,
+    load_values,
+    render,
+)
+
+# Everything optional switched on at once, so that every template is validated.
+KITCHEN_SINK: dict[str, Any] = {
+    "commonLabels": {"team": "llm"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "serviceAccount": {"annotations": {"iam.example.com/role": "splitserve"}},
+    "extraEnv": [{"name": "EXTRA", "value": "1"}],
+    "model": {"source": "pvc", "subPath": "m", "pvc": {"create": True, "storageClassName": "fast"}},
+    "parallelism": {"tensorParallelSize": 4, "pipelineParallelSize": 2},
+    "frontend": {
+        "service": {"type": "LoadBalancer", "nodePort": 30051, "annotations": {"a": "b"}},
+        "autoscaling": {"enabled": True, "targetMemoryUtilizationPercentage": 80,
+                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0}}},
+        "ingress": {"enabled": True, "className": "nginx", "hosts": ["llm.example.com"],
+                    "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
+        "extraVolumes": [{"name": "extra", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+        "priorityClassName": "high",
+        "podAnnotations": {"x": "y"},
+        "podLabels": {"tier": "api"},
+        "extraArgs": ["--max-n", "8"],
+    },
+    "core": {"extraEnv": [{"name": "CORE_EXTRA", "value": "1"}], "kvCacheMemoryBytes": 8589934592},
+    "worker": {"gpu": {"enabled": True}, "runtimeClassName": "nvidia",
+               "extraArgs": ["--log-level", "debug"],
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                "effect": "NoSchedule"}]},
+    "networkPolicy": {"restrictEgress": True,
+                      "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"},
+                                   "relabelings": [{"action": "labeldrop", "regex": "tmp"}]},
+                "prometheusRule": {"enabled": True, "additionalRules": [
+                    {"alert": "Extra", "expr": "vector(1) > 2", "for": "1m"}]}},
+    "grafanaDashboard": {"namespace": "monitoring", "annotations": {"grafana_folder": "LLM"}},
+    "tlsSecrets": [{"name": "llm-tls", "certificate": "-----BEGIN CERTIFICATE-----\nx\n",
+                    "key": "-----BEGIN PRIVATE KEY-----\ny\n"}],
+}
+
+CASES = (
+    [pytest.param(None, id="defaults"), pytest.param(KITCHEN_SINK, id="kitchen-sink")]
+    + [pytest.param(load_values(p), id=p.name) for p in ci_values_files()]
+)
+
+DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
+LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+METADATA = {"type": "object", "required": ["name", "labels"],
+            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                           "labels": LABELS}}
+# The parts of the Prometheus Operator CRDs (monitoring.coreos.com/v1) the chart uses.
+SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": METADATA,
+        "spec": {
+            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+            "properties": {
+                "selector": {"type": "object", "required": ["matchLabels"],
+                             "properties": {"matchLabels": LABELS}},
+                "namespaceSelector": {"type": "object", "properties": {
+                    "matchNames": {"type": "array", "items": {"type": "string"}},
+                    "any": {"type": "boolean"}}, "additionalProperties": False},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "targetLabels": {"type": "array", "items": {"type": "string"}},
+                "jobLabel": {"type": "string"},
+                "endpoints": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["port"], "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"}, "path": {"type": "string"},
+                        "scheme": {"enum": ["http", "https"]}, "interval": DURATION,
+                        "scrapeTimeout": DURATION,
+                        "relabelings": {"type": "array", "items": {"type": "object"}},
+                        "metricRelabelings": {"type": "array", "items": {"type": "object"}}}}},
+            },
+        },
+    },
+}
+RULE = {
+    "type": "object", "additionalProperties": False,
+    "oneOf": [{"required": ["alert", "expr"]}, {"required": ["record", "expr"]}],
+    "properties": {
+        "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+        "record": {"type": "string"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": DURATION,
+        "labels": LABELS,
+        "annotations": LABELS,
+    },
+}
+PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": METADATA,
+        "spec": {"type": "object", "required": ["groups"], "additionalProperties": False,
+                 "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+                     "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string"}, "interval": DURATION,
+                                    "rules": {"type": "array", "items": RULE}}}}}},
+    },
+}
+CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
+
+
+def validate_doc(doc: Doc) -> None:
+    import kubernetes_validate  # type: ignore[import-untyped]
+
+    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
+    else:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_every_manifest_passes_kubernetes_validate_strict(values: dict[str, Any] | None) -> None:
+    failures = []
+    for doc in render(values).docs:
+        try:
+            validate_doc(doc)
+        except Exception as err:  # collect every failure, not just the first
+            failures.append(f"{doc['kind']}/{doc['metadata']['name']}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_kitchen_sink_renders_every_optional_object() -> None:
+    kinds = {d["kind"] for d in render(KITCHEN_SINK).docs}
+    assert {"HorizontalPodAutoscaler", "Ingress", "Secret", "PersistentVolumeClaim",
+            "ServiceMonitor", "PrometheusRule"} <= kinds
+
+
+def test_validation_catches_a_bad_manifest(default_manifests: Manifests) -> None:
+    """The validator is not a no-op: a corrupted Deployment and ServiceMonitor are rejected."""
+    import kubernetes_validate
+
+    deployment = yaml.safe_load(yaml.safe_dump(default_manifests.of_kind("Deployment")[0]))
+    deployment["spec"]["template"]["spec"]["containers"][0]["bogusField"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_doc(deployment)
+    monitor = render({"metrics": {"serviceMonitor": {"enabled": True}}}).of_kind("ServiceMonitor")
+    monitor[0]["spec"]["endpoints"][0]["interval"] = "soon"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_doc(monitor[0])
+
+
+def _balanced(expr: str) -> bool:
+    pairs = {")": "(", "]": "[", "}": "{"}
+    stack: list[str] = []
+    for ch in re.sub(r'"[^"]*"', "", expr):
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in pairs and (not stack or stack.pop() != pairs[ch]):
+            return False
+    return not stack
+
+
+def test_prometheus_rule_alerts_cover_the_vllm_signals() -> None:
+    rule = render({"metrics": {"prometheusRule": {"enabled": True}}}).of_kind("PrometheusRule")[0]
+    rules = rule["spec"]["groups"][0]["rules"]
+    exprs = {r["alert"]: r["expr"] for r in rules}
+    assert "vllm:e2e_request_latency_seconds_bucket" in exprs["SplitserveHighE2ELatencyP99"]
+    assert "histogram_quantile(0.99" in exprs["SplitserveHighE2ELatencyP99"]
+    assert "vllm:kv_cache_usage_perc" in exprs["SplitserveKVCacheAlmostFull"]
+    assert exprs["SplitserveKVCacheAlmostFull"].endswith("> 0.95")
+    assert "vllm:num_requests_waiting" in exprs["SplitserveRequestsWaiting"]
+    assert "rate(vllm:num_preemptions_total" in exprs["SplitserveHighPreemptionRate"]
+    for name, expr in exprs.items():
+        assert _balanced(expr), f"{name}: unbalanced brackets in {expr!r}"
+        # Scoped to this release's series.
+        assert 'service="splitserve-metrics"' in expr and 'namespace="llm"' in expr, name
+    for r in rules:
+        assert r["labels"]["severity"] in {"info", "warning", "critical"}
+        assert "{{ $labels" in r["annotations"]["summary"] or r["alert"] == "SplitserveTargetDown"
+
+
+def test_prometheus_rule_thresholds_and_switches_come_from_values() -> None:
+    rule = render({"metrics": {"prometheusRule": {"enabled": True, "alerts": {
+        "kvCacheUsage": {"threshold": 0.9, "for": "2m"},
+        "preemptionRate": {"enabled": False}}}}}).of_kind("PrometheusRule")[0]
+    rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert rules["SplitserveKVCacheAlmostFull"]["expr"].endswith("> 0.9")
+    assert rules["SplitserveKVCacheAlmostFull"]["for"] == "2m"
+    assert "SplitserveHighPreemptionRate" not in rules
+
+
+def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
+    """promtool (Debian `prometheus`, installed by .ci/run) parses every expression."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    rule = render({"metrics": {"prometheusRule": {"enabled": True}}}).of_kind("PrometheusRule")[0]
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rule["spec"]))
+    result = subprocess.run([promtool, "check", "rules", str(rules_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
