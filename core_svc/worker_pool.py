@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class WorkerPool:
                        served_model_name: str) -> ModelFacts:
         """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
         world = config.world_size
+        rendezvous_id = uuid.uuid4().hex
         loads = [worker_pb2.LoadModelRequest(
             model_path=model_path, dtype=config.dtype, rank=rank,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -94,7 +96,7 @@ class WorkerPool:
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, served_model_name=served_model_name,
-            engine_id=config.engine_id) for rank in range(world)]
+            engine_id=config.engine_id, rendezvous_id=rendezvous_id) for rank in range(world)]
         loaded = await self._call_all("LoadModel", loads, config.worker_connect_timeout)
         first = loaded[0]
         assert isinstance(first, worker_pb2.LoadModelResponse)

@@ -9,7 +9,6 @@ hang) and the client reconnects with exponential backoff: Handshake, then a new 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -119,8 +118,9 @@ class EngineCoreClient:
             call.cancel()
             for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # asyncio.wait, not `await task` under suppress(CancelledError): a cancellation of
+            # this (supervisor) task arriving here must propagate, not be swallowed.
+            await asyncio.wait(tasks)
 
     async def _ping(self) -> None:
         """Time the hop to the core in this process's clock (the core echoes off its loop)."""
@@ -164,8 +164,7 @@ class EngineCoreClient:
     async def close(self) -> None:
         if self._supervisor is not None:
             self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+            await asyncio.wait([self._supervisor], timeout=5.0)
         await self._channel.close()
 
 

@@ -24,7 +24,7 @@ async def serve(config: WorkerConfig) -> int:
         torch.set_num_threads(config.torch_threads)
     host = ServiceHost(name="worker", host=config.host, port=config.port,
                        service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
-    servicer = WorkerServicer(device=config.device)
+    servicer = WorkerServicer(device=config.device, registry=host.registry)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     await host.start()
     # A worker is ready as soon as it can take the core's start-up calls.

@@ -207,9 +207,6 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(reason="worker_svc refuses a second LoadModel ('a model is already loaded on "
-                   "this rank'), so a restarted engine-core pod cannot bring the ranks up again",
-                   strict=False)
 def test_engine_recovers_when_the_core_pod_restarts(
     tmp_path: Path, default_model_dir: Path
 ) -> None:

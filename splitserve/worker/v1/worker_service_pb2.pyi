@@ -134,6 +134,7 @@ class LoadModelRequest(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Folder of a Hugging Face checkpoint (config.json, *.safetensors)."""
     dtype: _builtins.str
@@ -166,6 +167,11 @@ class LoadModelRequest(_message.Message):
     """Model name for the rank's metrics label model_name."""
     engine_id: _builtins.str
     """Engine identifier for the rank's metrics label engine."""
+    rendezvous_id: _builtins.str
+    """Identifier of this bring-up, fresh each time an engine core starts: the
+    ranks rendezvous under it, so a restarted core never meets the previous
+    bring-up's rendezvous state. Empty means "default".
+    """
     def __init__(
         self,
         *,
@@ -182,10 +188,11 @@ class LoadModelRequest(_message.Message):
         max_num_seqs: _builtins.int = ...,
         served_model_name: _builtins.str = ...,
         engine_id: _builtins.str = ...,
+        rendezvous_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

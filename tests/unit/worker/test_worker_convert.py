@@ -1,0 +1,85 @@
+"""Protobuf <-> worker types: defaults of unset fields, columnar diffs, outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitserve.common.v1 import types_pb2
+from splitserve.worker.v1 import worker_service_pb2 as pb
+from worker_svc import convert
+from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
+
+
+def test_unset_sampling_fields_take_vllm_defaults() -> None:
+    options = convert.sampling_options_from_proto(types_pb2.SamplingParams())
+    assert (options.temperature, options.top_p, options.top_k) == (1.0, 1.0, 0)
+    assert options.repetition_penalty == 1.0
+    assert options.seed is None and options.logprobs is None and options.prompt_logprobs is None
+
+
+def test_set_sampling_fields_survive_including_zeros() -> None:
+    params = types_pb2.SamplingParams(
+        temperature=0.0, top_p=0.5, top_k=-1, min_p=0.1, seed=0, repetition_penalty=1.3,
+        logprobs=0, prompt_logprobs=3, logit_bias={4: -2.5}, allowed_token_ids=[1, 2],
+        min_tokens=3, presence_penalty=0.5, frequency_penalty=-0.5,
+    )
+    o = convert.sampling_options_from_proto(params)
+    assert o.is_greedy and o.top_p == 0.5 and o.top_k == 0 and o.seed == 0
+    assert o.min_p == pytest.approx(0.1) and o.repetition_penalty == pytest.approx(1.3)
+    assert (o.logprobs, o.prompt_logprobs, o.min_tokens) == (0, 3, 3)
+    assert o.logit_bias == {4: -2.5} and o.allowed_token_ids == (1, 2)
+    assert (o.presence_penalty, o.frequency_penalty) == (0.5, -0.5)
+
+
+def test_scheduler_output_columns() -> None:
+    msg = pb.SchedulerOutput(
+        step_id=9,
+        scheduled_new_reqs=[pb.NewRequestData(req_handle=1, prompt_token_ids=[5, 6],
+                                              block_ids=[3], num_computed_tokens=0,
+                                              stop_token_ids=[1])],
+        scheduled_cached_reqs=pb.CachedRequestData(
+            req_handles=[2, 3], num_computed_tokens=[7, 0], num_new_block_ids=[0, 2],
+            new_block_ids=[8, 9], num_new_token_ids=[1, 0], new_token_ids=[44],
+            resumed_req_handles=[3], num_resumed_token_ids=[3], resumed_all_token_ids=[1, 2, 3],
+        ),
+        num_scheduled_tokens=[2, 1, 3], total_num_scheduled_tokens=6, finished_req_handles=[4],
+    )
+    step = convert.scheduler_output_from_proto(msg)
+    assert step.step_id == 9 and step.num_reqs == 3
+    new = step.scheduled_new_reqs[0]
+    assert new.prompt_token_ids.tolist() == [5, 6] and new.stop_token_ids.tolist() == [1]
+    cached = step.scheduled_cached_reqs
+    assert cached.new_block_ids.tolist() == [8, 9] and cached.resumed_req_handles.tolist() == [3]
+    assert cached.resumed_all_token_ids.dtype == np.int64
+    assert step.num_scheduled_tokens.tolist() == [2, 1, 3]
+    assert step.finished_req_handles.tolist() == [4]
+
+
+def test_output_to_proto_flattens_tables() -> None:
+    table = LogprobsTable(1, np.array([[5, 5], [6, 2]]), np.array([[-0.1, -0.1], [-2.0, -0.5]],
+                          np.float32), np.array([1, 3]))
+    out = ModelRunnerOutput(
+        step_id=3, rank=1, req_handles=np.array([10, 11]), sampled_token_ids=np.array([5, 6]),
+        logprobs={10: table}, prompt_logprobs={11: table},
+        timings=StepTimings(0.1, 0.2, 0.3, 0.7), num_used_kv_blocks=4,
+    )
+    msg = convert.model_runner_output_to_proto(out)
+    assert msg.status == pb.STEP_STATUS_OK and (msg.step_id, msg.rank) == (3, 1)
+    assert list(msg.req_handles) == [10, 11] and list(msg.sampled_token_ids) == [5, 6]
+    assert list(msg.logprobs[0].table.token_ids) == [5, 5, 6, 2]
+    assert list(msg.logprobs[0].table.ranks) == [1, 3]
+    assert msg.prompt_logprobs[0].req_handle == 11
+    assert msg.timings.total_seconds == pytest.approx(0.7) and msg.num_used_kv_blocks == 4
+
+
+def test_load_model_request_validation() -> None:
+    config = convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
+    assert (config.dtype, config.tensor_parallel_size, config.attention_backend) == ("auto", 1, "auto")
+    with pytest.raises(ValueError, match="dtype"):
+        convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m", dtype="int8"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        convert.load_model_config_from_proto(
+            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa"))
+    with pytest.raises(ValueError, match="model_path"):
+        convert.load_model_config_from_proto(pb.LoadModelRequest())

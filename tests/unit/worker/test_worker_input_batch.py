@@ -1,0 +1,181 @@
+"""InputBatch: state updates from step diffs and vectorized input preparation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.fixtures.step_driver import GREEDY, ids
+from worker_svc.input_batch import InputBatch
+from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+BS = 4
+NULL = 999
+
+
+def make_batch(capacity: int = 2) -> InputBatch:
+    return InputBatch(
+        max_model_len=64, block_size=BS, vocab_size=100, null_block_id=NULL, capacity=capacity,
+        sampling=SamplingStates(capacity, 100, torch.device("cpu")),
+    )
+
+
+def new(handle: int, prompt: list[int], blocks: list[int], computed: int = 0) -> NewRequestData:
+    return NewRequestData(handle, f"r{handle}", ids(prompt), GREEDY, ids(blocks), computed)
+
+
+def step(step_id: int, new_reqs: list[NewRequestData], sched: list[int],
+         cached: CachedRequestData | None = None, finished: tuple[int, ...] = ()) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=step_id,
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached or CachedRequestData(),
+        num_scheduled_tokens=ids(sched),
+        total_num_scheduled_tokens=sum(sched),
+        finished_req_handles=ids(list(finished)),
+    )
+
+
+def cached(handles: list[int], computed: list[int], new_blocks: list[list[int]],
+           new_tokens: list[list[int]], resumed: dict[int, list[int]] | None = None) -> CachedRequestData:
+    resumed = resumed or {}
+    return CachedRequestData(
+        req_handles=ids(handles),
+        num_computed_tokens=ids(computed),
+        num_new_block_ids=ids([len(b) for b in new_blocks]),
+        new_block_ids=ids([x for b in new_blocks for x in b]),
+        num_new_token_ids=ids([len(t) for t in new_tokens]),
+        new_token_ids=ids([x for t in new_tokens for x in t]),
+        resumed_req_handles=ids(list(resumed)),
+        num_resumed_token_ids=ids([len(t) for t in resumed.values()]),
+        resumed_all_token_ids=ids([x for t in resumed.values() for x in t]),
+    )
+
+
+def test_mixed_batch_inputs() -> None:
+    batch = make_batch()
+    # Request 7: a 6-token prompt chunked as 4 + 2; request 8: prefix hit of 4 tokens.
+    s1 = step(1, [new(7, [10, 11, 12, 13, 14, 15], [3, 5]), new(8, [20, 21, 22, 23, 24], [6, 2], 4)],
+              [4, 1])
+    rows, fresh = batch.update_states(s1)
+    inputs = batch.prepare_inputs(s1, rows)
+    assert inputs.input_ids.tolist() == [10, 11, 12, 13, 24]
+    assert inputs.positions.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.slot_mapping.tolist() == [12, 13, 14, 15, 2 * BS + 0]
+    assert inputs.query_start_loc.tolist() == [0, 4, 5]
+    assert inputs.seq_lens.tolist() == [4, 5]
+    assert inputs.block_tables.tolist() == [[3, NULL], [6, 2]]
+    # Request 7's chunk ends mid-prompt: only request 8 samples, from its last token.
+    assert inputs.logits_indices.tolist() == [4]
+    assert inputs.sampling_reqs.tolist() == [1]
+    assert inputs.req_handles.tolist() == [7, 8]
+    # Fresh blocks exclude request 8's prefix-hit block 6.
+    assert sorted(fresh.tolist()) == [2, 3, 5]
+    batch.finish_step(inputs)
+
+    # Step 2: request 7 finishes its prompt, request 8 decodes its sampled token 50.
+    s2 = step(2, [], [2, 1], cached([7, 8], [4, 5], [[], []], [[], [50]]))
+    rows, fresh = batch.update_states(s2)
+    inputs = batch.prepare_inputs(s2, rows)
+    assert inputs.input_ids.tolist() == [14, 15, 50]
+    assert inputs.positions.tolist() == [4, 5, 5]
+    assert inputs.slot_mapping.tolist() == [5 * BS, 5 * BS + 1, 2 * BS + 1]
+    assert inputs.logits_indices.tolist() == [1, 2]
+    assert len(fresh) == 0
+
+
+def test_append_then_resume_replaces_blocks_and_tokens() -> None:
+    batch = make_batch()
+    s1 = step(1, [new(1, [5, 6, 7], [0])], [3])
+    rows, _ = batch.update_states(s1)
+    batch.finish_step(batch.prepare_inputs(s1, rows))
+    s2 = step(2, [], [1], cached([1], [3], [[4]], [[8]]))
+    rows, fresh = batch.update_states(s2)
+    row = int(rows[0])
+    assert batch.block_table[row, :2].tolist() == [0, 4] and fresh.tolist() == [4]
+    assert batch.token_ids[row, :4].tolist() == [5, 6, 7, 8]
+    batch.finish_step(batch.prepare_inputs(s2, rows))
+    # Preempted, then resumed: new blocks replace the list, tokens are rebuilt.
+    s3 = step(3, [], [6], cached([1], [0], [[9, 11]], [[30]], resumed={1: [5, 6, 7, 8, 30, 31]}))
+    rows, fresh = batch.update_states(s3)
+    assert batch.num_blocks[row] == 2 and batch.block_table[row, :2].tolist() == [9, 11]
+    assert batch.token_ids[row, :6].tolist() == [5, 6, 7, 8, 30, 31]
+    assert batch.num_tokens[row] == 6 and sorted(fresh.tolist()) == [9, 11]
+    inputs = batch.prepare_inputs(s3, rows)
+    assert inputs.positions.tolist() == list(range(6))
+    assert inputs.logits_indices.tolist() == [5]
+
+
+def test_finished_requests_are_dropped_and_rows_reused() -> None:
+    batch = make_batch(capacity=1)
+    batch.update_states(step(1, [new(1, [5], [0])], [1]))
+    batch.update_states(step(2, [new(2, [6], [1])], [1]))  # grows past capacity 1
+    assert batch.num_reqs == 2 and batch.capacity == 2
+    batch.update_states(step(3, [], [], finished=(1, 12345)))  # unknown handles are ignored
+    assert set(batch.handle_to_row) == {2}
+    with pytest.raises(ValueError, match="unknown"):
+        batch.update_states(step(4, [], [1], cached([1], [1], [[]], [[3]])))
+
+
+def test_num_used_blocks_counts_shared_blocks_once() -> None:
+    batch = make_batch()
+    s1 = step(1, [new(1, list(range(8)), [0, 1]), new(2, list(range(6)), [0, 3], 4)], [8, 2])
+    rows, _ = batch.update_states(s1)
+    batch.finish_step(batch.prepare_inputs(s1, rows))
+    assert batch.num_used_blocks() == 3
+
+
+@pytest.mark.parametrize(
+    ("sched", "blocks", "message"),
+    [([5], [0, 1], "scheduled"), ([4], [], "blocks"), ([0], [0, 1], "no tokens")],
+)
+def test_malformed_schedules_are_refused(sched: list[int], blocks: list[int], message: str) -> None:
+    batch = make_batch()
+    s = step(1, [new(1, [1, 2, 3, 4], blocks)], sched)
+    rows, _ = batch.update_states(s)
+    with pytest.raises(ValueError, match=message):
+        batch.prepare_inputs(s, rows)
+
+
+def test_prompt_longer_than_max_model_len_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_batch().update_states(step(1, [new(1, list(range(65)), list(range(17)))], [65]))
+
+
+def test_positions_are_vectorized_over_many_requests() -> None:
+    batch = make_batch(capacity=64)
+    rng = np.random.default_rng(0)
+    reqs, sched = [], []
+    for h in range(50):
+        n = int(rng.integers(1, 9))
+        reqs.append(new(h, [h] * n, [2 * h, 2 * h + 1]))
+        sched.append(n)
+    s = step(1, reqs, sched)
+    rows, _ = batch.update_states(s)
+    inputs = batch.prepare_inputs(s, rows)
+    expected_pos = np.concatenate([np.arange(n) for n in sched])
+    assert np.array_equal(inputs.positions, expected_pos)
+    req_of_token = np.repeat(np.arange(50), sched)
+    assert np.array_equal(inputs.input_ids, req_of_token)
+    expected_slots = (2 * req_of_token + expected_pos // BS) * BS + expected_pos % BS
+    assert np.array_equal(inputs.slot_mapping, expected_slots)
+    assert np.array_equal(inputs.logits_indices, np.cumsum(sched) - 1)
+
+
+@pytest.mark.parametrize(
+    ("request_data", "message"),
+    [
+        (new(1, [1, 2], [NULL]), "block ids outside"),
+        (new(1, [1, 100], [0]), "outside the vocabulary"),
+        (new(1, [1, 2], [0], computed=2), "computed tokens"),
+    ],
+)
+def test_out_of_range_ids_are_refused(request_data: NewRequestData, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_batch().update_states(step(1, [request_data], [2]))

@@ -1,0 +1,164 @@
+"""WorkerServicer over a real grpc.aio server on a loopback ephemeral port."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from splitserve.common.v1 import types_pb2
+from splitserve.worker.v1 import worker_service_pb2 as pb
+from splitserve.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from tests.fixtures.checkpoints import CheckpointCache, load_reference
+from tests.fixtures.parity import reference_generate
+from worker_svc.server import WorkerServicer
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [7, 8, 9, 10, 11]
+BLOCK_SIZE = 4
+
+
+def first_step() -> pb.ExecuteRequest:
+    new = pb.NewRequestData(
+        req_handle=5, request_id="r5", prompt_token_ids=PROMPT, block_ids=[0, 1],
+        sampling_params=types_pb2.SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
+    )
+    return pb.ExecuteRequest(scheduler_output=pb.SchedulerOutput(
+        step_id=1, scheduled_new_reqs=[new], num_scheduled_tokens=[5], total_num_scheduled_tokens=5,
+    ))
+
+
+def decode_step(step_id: int, token: int, num_computed: int) -> pb.ExecuteRequest:
+    cached = pb.CachedRequestData(
+        req_handles=[5], num_computed_tokens=[num_computed], num_new_block_ids=[0],
+        num_new_token_ids=[1], new_token_ids=[token],
+    )
+    return pb.ExecuteRequest(scheduler_output=pb.SchedulerOutput(
+        step_id=step_id, scheduled_cached_reqs=cached, num_scheduled_tokens=[1],
+        total_num_scheduled_tokens=1,
+    ))
+
+
+def open_stream(stub: pb_grpc.WorkerServiceAsyncStub) -> Any:
+    """The Execute stream (grpc-stubs types its call as needing a request iterator)."""
+    execute: Any = stub.Execute
+    return execute()
+
+
+async def read_output(call: Any) -> pb.ModelRunnerOutput:
+    response = await call.read()
+    assert isinstance(response, pb.ExecuteResponse)
+    return response.model_runner_output
+
+
+async def expect_code(call: object, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    assert info.value.code() == code, info.value.details()
+    return str(info.value.details())
+
+
+async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
+    server = grpc.aio.server()
+    servicer = WorkerServicer(device="cpu", registry=registry)
+    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
+            described = await stub.Describe(pb.DescribeRequest())
+            assert described.device_type == "cpu" and "torch" in described.attention_backends
+            await expect_code(stub.GetKvCapacity(pb.GetKvCapacityRequest(block_size=4)),
+                              grpc.StatusCode.FAILED_PRECONDITION)
+            early = open_stream(stub)
+            await early.write(first_step())
+            await expect_code(early.read(), grpc.StatusCode.FAILED_PRECONDITION)
+            details = await expect_code(
+                stub.LoadModel(pb.LoadModelRequest(model_path=str(model), dtype="float8")),
+                grpc.StatusCode.INVALID_ARGUMENT)
+            assert "float8" in details
+            loaded = await stub.LoadModel(pb.LoadModelRequest(
+                model_path=str(model), served_model_name="tiny", engine_id="e0"))
+            assert (loaded.architecture, loaded.dtype, loaded.num_layers) == (
+                "LlamaForCausalLM", "float32", 2)
+            await expect_code(stub.LoadModel(pb.LoadModelRequest(model_path=str(model))),
+                              grpc.StatusCode.FAILED_PRECONDITION)
+            capacity = await stub.GetKvCapacity(pb.GetKvCapacityRequest(
+                block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20))
+            assert capacity.num_blocks == (1 << 20) // capacity.bytes_per_block - 1
+            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
+            return await run_steps(stub)
+    finally:
+        await servicer.close()
+        await server.stop(None)
+
+
+async def run_steps(stub: pb_grpc.WorkerServiceAsyncStub) -> list[int]:
+    call = open_stream(stub)
+    await call.write(first_step())
+    out = await read_output(call)
+    assert out.status == pb.STEP_STATUS_OK and out.step_id == 1
+    assert list(out.req_handles) == [5] and out.num_used_kv_blocks == 2
+    assert out.timings.total_seconds >= out.timings.forward_seconds > 0
+    (logprobs,) = out.logprobs
+    assert logprobs.table.num_top_logprobs == 2 and len(logprobs.table.token_ids) == 3
+    assert list(logprobs.table.ranks) == [1]  # greedy picks the most likely token
+    (prompt_logprobs,) = out.prompt_logprobs
+    assert list(prompt_logprobs.table.token_ids)[::2] == PROMPT[1:]
+    tokens = [out.sampled_token_ids[0]]
+    for step_id in (2, 3):
+        await call.write(decode_step(step_id, tokens[-1], 4 + step_id - 1))
+        out = await read_output(call)
+        assert out.status == pb.STEP_STATUS_OK and not out.prompt_logprobs
+        tokens.append(out.sampled_token_ids[0])
+    await call.write(decode_step(5, tokens[-1], 7))  # step 4 is missing
+    gap = await read_output(call)
+    assert gap.status == pb.STEP_STATUS_ERROR and "consecutive" in gap.error_message
+    await call.write(decode_step(4, tokens[-1], 7))
+    after = await read_output(call)
+    assert after.status == pb.STEP_STATUS_ERROR and "has failed" in after.error_message
+    await call.done_writing()
+    return tokens
+
+
+def test_servicer_lifecycle_over_grpc(worker_checkpoints: CheckpointCache) -> None:
+    model = worker_checkpoints.get("llama")
+    registry = CollectorRegistry()
+    tokens = asyncio.run(scenario(model, registry))
+    assert tokens == reference_generate(load_reference(model), PROMPT, 3)
+    labels = {"model_name": "tiny", "engine": "e0", "rank": "0"}
+    assert registry.get_sample_value("splitserve_worker_steps_total", labels) == 3
+    assert registry.get_sample_value("splitserve_worker_kv_blocks_used", labels) == 2
+
+
+async def failing_step(model: Path) -> pb.ModelRunnerOutput:
+    server = grpc.aio.server()
+    servicer = WorkerServicer(device="cpu")
+    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
+            await stub.LoadModel(pb.LoadModelRequest(model_path=str(model)))
+            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
+            call = open_stream(stub)
+            await call.write(decode_step(1, 3, 5))  # a request this rank never saw
+            output = await read_output(call)
+            await call.done_writing()
+            return output
+    finally:
+        await servicer.close()
+        await server.stop(None)
+
+
+def test_step_exception_becomes_error_output(worker_checkpoints: CheckpointCache) -> None:
+    out = asyncio.run(failing_step(worker_checkpoints.get("llama")))
+    assert out.status == pb.STEP_STATUS_ERROR and out.step_id == 1
+    assert "request handle 5 is unknown" in out.error_message

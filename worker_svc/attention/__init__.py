@@ -1,0 +1,19 @@
+"""Paged attention backends: torch (reference), our Triton kernel, flash-attn's paged API."""
+
+from worker_svc.attention.backend import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    AttentionInputs,
+    available_backends,
+    backend_class,
+    select_backend,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionInputs",
+    "available_backends",
+    "backend_class",
+    "select_backend",
+]

@@ -1,0 +1,163 @@
+"""The attention backend interface and the automatic choice between backends.
+
+A backend owns the layout of one layer's paged KV cache and does two things per layer: write
+the step's keys and values into the cache at `slot_mapping`, then attend each query token
+over its request's cached context (read through the request's block table), causally.
+Per-step index work happens once in `build_metadata`; `forward` runs once per layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+BACKEND_NAMES = ("torch", "triton", "flash_attn")
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionInputs:
+    """What every backend needs to know about a step, on the host.
+
+    Requests occupy consecutive token ranges `query_start_loc[i]:query_start_loc[i + 1]`; the
+    query of request i is its last `query_lens[i]` tokens of `seq_lens[i]`. Rows of
+    `block_tables` are padded with `null_block_id`, a zeroed block no request owns.
+    """
+
+    query_start_loc: IntArray
+    seq_lens: IntArray
+    block_tables: IntArray
+    slot_mapping: IntArray
+    block_size: int
+    null_block_id: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> IntArray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_lens.max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
+
+
+class AttentionBackend(ABC):
+    """One paged-attention implementation, built for one model shard's head layout."""
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def unsupported_reason(
+        cls, device: torch.device, block_size: int | None, dtype: torch.dtype | None = None
+    ) -> str | None:
+        """Why this backend cannot run here (None when it can); None arguments = not known yet."""
+        return None
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache; dimension 0 is (key, value)."""
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs) -> object:
+        """Device-side indices for the step, shared by every layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """Write key/value [T, kv_heads, D] into the cache, attend query [T, heads, D] -> [T, heads, D]."""
+
+
+def is_importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name == "torch":
+        from worker_svc.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend
+    if name == "triton":
+        from worker_svc.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend
+    if name == "flash_attn":
+        from worker_svc.attention.flash_attn_backend import FlashAttnBackend
+
+        return FlashAttnBackend
+    raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKEND_NAMES}")
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that can run on `device` (block size not yet considered)."""
+    return [n for n in BACKEND_NAMES if backend_class(n).unsupported_reason(device, None) is None]
+
+
+def select_backend(
+    requested: str,
+    device: torch.device,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """Resolve "auto" (flash_attn, else triton, else torch) or check an explicit choice.
+
+    "auto" on CUDA prefers flash_attn, whose paged API needs a block size that is a multiple of
+    256; before the block size is known it picks flash_attn provisionally and the KV cache
+    initialization resolves again.
+    """
+    if requested in ("", "auto"):
+        if device.type != "cuda":
+            return "torch"
+        for name in BACKEND_NAMES:
+            if backend_class(name).unsupported_reason(device, block_size, dtype) is None:
+                return name
+        return "torch"
+    reason = backend_class(requested).unsupported_reason(device, block_size, dtype)
+    if reason is not None:
+        raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
+    return requested

@@ -1,0 +1,196 @@
+"""Reference paged attention in plain torch (CPU and CUDA).
+
+Cache layout per layer: [2, num_blocks, num_kv_heads, block_size, head_dim] ("head-major"
+blocks). With that layout one `index_select` over rows of [num_blocks * num_kv_heads,
+block_size * head_dim] gathers a request's context straight into the [kv_heads, seq, head_dim]
+layout that the matmuls want, without a transpose copy.
+
+Decode requests (one query token) are batched: their contexts are gathered into a padded
+[num_decodes * kv_heads, max_seq, head_dim] batch, and the query heads that share a KV head
+form the rows of one small matmul (no GQA expansion). Padded keys get a -inf bias; they come
+from the null block or from positions past seq_len, both finite (blocks are zeroed on
+assignment), so the masked products are exact zeros. Prefill chunks run one request at a
+time through `scaled_dot_product_attention`, reading prior context from the cache when there
+is any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.backend import AttentionBackend, AttentionInputs, IntArray
+
+
+def head_major_write_index(slots: IntArray, block_size: int, num_kv_heads: int) -> IntArray:
+    """Rows of the cache's [-1, head_dim] view where token t, KV head h goes: [t * kv_heads + h]."""
+    heads = np.arange(num_kv_heads, dtype=np.int64)
+    block_rows = (slots // block_size) * num_kv_heads
+    offsets = (slots % block_size)[:, None]
+    return ((block_rows[:, None] + heads[None, :]) * block_size + offsets).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Requests with a single query token, attended together."""
+
+    token_index: torch.Tensor | None  # None when every token of the step is a decode
+    gather_index: torch.Tensor  # [num_decodes * kv_heads * num_blocks] cache rows
+    bias: torch.Tensor  # [num_decodes * kv_heads, queries_per_kv, max_seq]: 0 or -inf
+    num_decodes: int
+    max_seq_len: int  # padded to whole blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """One request with several query tokens; `gather_index` is None without prior context."""
+
+    start: int
+    end: int
+    gather_index: torch.Tensor | None
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+
+
+@dataclass(frozen=True, slots=True)
+class TorchAttentionMetadata:
+    """Per-step cache rows to write, the batched decodes and the prefill spans."""
+
+    write_index: torch.Tensor  # [num_tokens * kv_heads] rows of the cache's [-1, head_dim] view
+    decode: DecodeBatch | None
+    prefills: list[PrefillSpan]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Gather-then-matmul paged attention; the correctness reference for the other backends."""
+
+    name = "torch"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+    def _to_device(self, array: IntArray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def _gather_rows(self, block_tables: IntArray) -> IntArray:
+        """Rows of the [num_blocks * kv_heads, block_size * head_dim] view, ordered
+        [request, kv_head, block] so the gather lands as [request, kv_head, seq, head_dim]."""
+        heads = np.arange(self.num_kv_heads, dtype=np.int64)
+        rows = block_tables[:, None, :] * self.num_kv_heads + heads[None, :, None]
+        return rows.reshape(-1)
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        write = head_major_write_index(inputs.slot_mapping, inputs.block_size, self.num_kv_heads)
+        query_lens = inputs.query_lens
+        is_decode = query_lens == 1
+        decode = self._decode_batch(inputs, np.flatnonzero(is_decode)) if is_decode.any() else None
+        prefills = [self._prefill_span(inputs, int(i)) for i in np.flatnonzero(~is_decode)]
+        return TorchAttentionMetadata(self._to_device(write), decode, prefills)
+
+    def _decode_batch(self, inputs: AttentionInputs, reqs: IntArray) -> DecodeBatch:
+        bs = inputs.block_size
+        seq_lens = inputs.seq_lens[reqs]
+        num_blocks = -(-int(seq_lens.max()) // bs)
+        tables = inputs.block_tables[reqs, :num_blocks]
+        max_seq = num_blocks * bs
+        is_pad = np.arange(max_seq)[None, :] >= seq_lens[:, None]
+        bias = torch.zeros(len(reqs), max_seq, dtype=self.dtype)
+        bias.masked_fill_(torch.from_numpy(is_pad), float("-inf"))
+        bias = bias[:, None, None, :].expand(
+            len(reqs), self.num_kv_heads, self.num_queries_per_kv, max_seq
+        )
+        all_decode = len(reqs) == inputs.num_tokens
+        token_index = None if all_decode else self._to_device(inputs.query_start_loc[reqs])
+        return DecodeBatch(
+            token_index=token_index,
+            gather_index=self._to_device(self._gather_rows(tables)),
+            bias=bias.reshape(-1, self.num_queries_per_kv, max_seq).to(self.device),
+            num_decodes=len(reqs),
+            max_seq_len=max_seq,
+        )
+
+    def _prefill_span(self, inputs: AttentionInputs, req: int) -> PrefillSpan:
+        start, end = int(inputs.query_start_loc[req]), int(inputs.query_start_loc[req + 1])
+        seq_len = int(inputs.seq_lens[req])
+        num_context = seq_len - (end - start)
+        if num_context == 0:
+            return PrefillSpan(start, end, None, None)
+        num_blocks = -(-seq_len // inputs.block_size)
+        gather = self._gather_rows(inputs.block_tables[req : req + 1, :num_blocks])
+        key_pos = np.arange(num_blocks * inputs.block_size)
+        query_pos = np.arange(num_context, seq_len)
+        mask = key_pos[None, :] <= query_pos[:, None]  # causal, aligned bottom-right
+        return PrefillSpan(
+            start, end, self._to_device(gather), torch.from_numpy(mask).to(self.device)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchAttentionMetadata)
+        rows = kv_cache.view(2, -1, self.head_dim)
+        rows[0].index_copy_(0, metadata.write_index, key.reshape(-1, self.head_dim))
+        rows[1].index_copy_(0, metadata.write_index, value.reshape(-1, self.head_dim))
+        decode = metadata.decode
+        if decode is not None and decode.token_index is None and not metadata.prefills:
+            return self._decode(query, kv_cache, decode)
+        out = torch.empty_like(query)
+        if metadata.decode is not None:
+            index = metadata.decode.token_index
+            assert index is not None
+            out[index] = self._decode(query[index], kv_cache, metadata.decode)
+        for span in metadata.prefills:
+            out[span.start : span.end] = self._prefill(query, key, value, kv_cache, span)
+        return out
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
+        key, value = self._gather(kv_cache, batch.gather_index, n * kvh)
+        q = query.reshape(n * kvh, g, d)
+        scores = torch.baddbmm(batch.bias, q, key.transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.bmm(probs, value).view(n, kvh * g, d)
+
+    def _gather(
+        self, kv_cache: torch.Tensor, gather_index: torch.Tensor, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [num_rows, seq, head_dim] of the blocks in `gather_index`.
+
+        One index_select per cache half along dim 0 (measured 2-4x faster than along dim 1)."""
+        block_rows = kv_cache.shape[1] * kv_cache.shape[2]
+        width = kv_cache.shape[3] * self.head_dim
+        key = kv_cache[0].view(block_rows, width).index_select(0, gather_index)
+        value = kv_cache[1].view(block_rows, width).index_select(0, gather_index)
+        return key.view(num_rows, -1, self.head_dim), value.view(num_rows, -1, self.head_dim)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
+    ) -> torch.Tensor:
+        q = query[span.start : span.end].transpose(0, 1)
+        if span.gather_index is None:
+            k = key[span.start : span.end].transpose(0, 1)
+            v = value[span.start : span.end].transpose(0, 1)
+        else:
+            k, v = self._gather(kv_cache, span.gather_index, self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_queries_per_kv > 1,
+        )
+        return out[0].transpose(0, 1)

@@ -1,0 +1,181 @@
+"""Protobuf <-> the worker's own types; with server.py, the only module that sees `*_pb2`.
+
+Repeated integer fields are copied column-wise into numpy arrays (one C-level pass each),
+and outputs go back through `extend(array.tolist())`, so a step costs a handful of bulk copies
+rather than Python work per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf.internal.containers import RepeatedScalarFieldContainer
+
+from splitserve.common.v1 import types_pb2
+from splitserve.worker.v1 import worker_service_pb2 as pb
+from worker_svc.kv_cache import KvCapacity
+from worker_svc.models.model_config import parse_dtype
+from worker_svc.outputs import LogprobsTable, ModelRunnerOutput
+from worker_svc.scheduler_output import (
+    CachedRequestData,
+    IntArray,
+    NewRequestData,
+    SamplingOptions,
+    SchedulerOutput,
+)
+from worker_svc.worker import LoadedModel, LoadModelConfig, WorkerDescription
+
+ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn")
+
+
+def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
+    return np.array(list(field), dtype=np.int64)
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def sampling_options_from_proto(params: types_pb2.SamplingParams) -> SamplingOptions:
+    """vLLM defaults for unset optional fields; top_k -1 or 0 disables the filter."""
+    return SamplingOptions(
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        top_k=max(params.top_k, 0),
+        min_p=params.min_p,
+        seed=params.seed if params.HasField("seed") else None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=(
+            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+        ),
+        min_tokens=params.min_tokens,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=tuple(params.allowed_token_ids),
+    )
+
+
+def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
+    return NewRequestData(
+        req_handle=req.req_handle,
+        request_id=req.request_id,
+        prompt_token_ids=_column(req.prompt_token_ids),
+        sampling=sampling_options_from_proto(req.sampling_params),
+        block_ids=_column(req.block_ids),
+        num_computed_tokens=req.num_computed_tokens,
+        stop_token_ids=_column(req.stop_token_ids),
+    )
+
+
+def cached_requests_from_proto(cached: pb.CachedRequestData) -> CachedRequestData:
+    return CachedRequestData(
+        req_handles=_column(cached.req_handles),
+        num_computed_tokens=_column(cached.num_computed_tokens),
+        num_new_block_ids=_column(cached.num_new_block_ids),
+        new_block_ids=_column(cached.new_block_ids),
+        num_new_token_ids=_column(cached.num_new_token_ids),
+        new_token_ids=_column(cached.new_token_ids),
+        resumed_req_handles=_column(cached.resumed_req_handles),
+        num_resumed_token_ids=_column(cached.num_resumed_token_ids),
+        resumed_all_token_ids=_column(cached.resumed_all_token_ids),
+    )
+
+
+def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=msg.step_id,
+        scheduled_new_reqs=[new_request_from_proto(r) for r in msg.scheduled_new_reqs],
+        scheduled_cached_reqs=cached_requests_from_proto(msg.scheduled_cached_reqs),
+        num_scheduled_tokens=_column(msg.num_scheduled_tokens),
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_handles=_column(msg.finished_req_handles),
+    )
+
+
+def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
+    """Decode and validate; ValueError names the offending field."""
+    if req.dtype not in ("", "auto"):
+        parse_dtype(req.dtype)
+    if req.attention_backend not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"unknown attention_backend {req.attention_backend!r}; choose one of "
+                         "auto, torch, triton, flash_attn")
+    return LoadModelConfig(
+        model_path=req.model_path,
+        dtype=req.dtype or "auto",
+        rank=req.rank,
+        tensor_parallel_size=req.tensor_parallel_size or 1,
+        pipeline_parallel_size=req.pipeline_parallel_size or 1,
+        distributed_init_method=req.distributed_init_method,
+        seed=req.seed,
+        max_model_len=req.max_model_len,
+        attention_backend=req.attention_backend or "auto",
+        max_num_batched_tokens=req.max_num_batched_tokens,
+        max_num_seqs=req.max_num_seqs,
+        rendezvous_id=req.rendezvous_id,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def description_to_proto(d: WorkerDescription) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        device_type=d.device_type, device_name=d.device_name,
+        total_memory_bytes=d.total_memory_bytes, free_memory_bytes=d.free_memory_bytes,
+        hostname=d.hostname, pid=d.pid, torch_version=d.torch_version,
+        attention_backends=d.attention_backends,
+    )
+
+
+def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
+    return pb.LoadModelResponse(
+        architecture=m.architecture, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
+        dtype=m.dtype, weight_bytes=m.weight_bytes, load_seconds=m.load_seconds,
+        attention_backend=m.attention_backend, num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+    )
+
+
+def kv_capacity_to_proto(c: KvCapacity) -> pb.GetKvCapacityResponse:
+    return pb.GetKvCapacityResponse(
+        available_bytes=c.available_bytes, bytes_per_block=c.bytes_per_block,
+        num_blocks=c.num_blocks,
+    )
+
+
+def logprobs_table_to_proto(table: LogprobsTable) -> types_pb2.LogprobsTable:
+    msg = types_pb2.LogprobsTable(num_top_logprobs=table.num_top_logprobs)
+    msg.token_ids.extend(table.token_ids.reshape(-1).tolist())
+    msg.logprobs.extend(table.logprobs.reshape(-1).tolist())
+    msg.ranks.extend(table.ranks.tolist())
+    return msg
+
+
+def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
+    if out.error_message is not None:
+        return error_output_to_proto(out.step_id, out.rank, out.error_message)
+    msg = pb.ModelRunnerOutput(
+        step_id=out.step_id,
+        status=pb.STEP_STATUS_OK,
+        rank=out.rank,
+        num_used_kv_blocks=out.num_used_kv_blocks,
+        timings=pb.StepTimings(
+            prepare_inputs_seconds=out.timings.prepare_inputs_seconds,
+            forward_seconds=out.timings.forward_seconds,
+            sample_seconds=out.timings.sample_seconds,
+            total_seconds=out.timings.total_seconds,
+        ),
+    )
+    msg.req_handles.extend(out.req_handles.tolist())
+    msg.sampled_token_ids.extend(out.sampled_token_ids.tolist())
+    for handle, table in out.logprobs.items():
+        msg.logprobs.add(req_handle=handle, table=logprobs_table_to_proto(table))
+    for handle, table in out.prompt_logprobs.items():
+        msg.prompt_logprobs.add(req_handle=handle, table=logprobs_table_to_proto(table))
+    return msg
+
+
+def error_output_to_proto(step_id: int, rank: int, message: str) -> pb.ModelRunnerOutput:
+    return pb.ModelRunnerOutput(
+        step_id=step_id, status=pb.STEP_STATUS_ERROR, error_message=message, rank=rank
+    )

@@ -1,0 +1,91 @@
+"""The paged KV cache of one rank: one tensor per decoder layer of its pipeline stage.
+
+Each layer's tensor has the attention backend's layout with (key, value) in dimension 0 and
+the block index in dimension 1. One extra block at index `num_blocks`, the null block, is
+zeroed and never handed out: padded block-table entries point at it. Blocks the engine core
+assigns afresh are zeroed before use too, so a backend that reads whole blocks (the torch
+reference) never meets uninitialised memory (which could hold NaN bit patterns); the rest of
+the cache is allocated with `torch.empty`, i.e. lazily on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from worker_svc.attention.backend import AttentionBackend
+
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSpec:
+    """Per-rank shape of the cache: this stage's layers and this TP rank's KV heads."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+@dataclass(frozen=True, slots=True)
+class KvCapacity:
+    """How many blocks fit: available_bytes // bytes_per_block."""
+
+    available_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+
+
+def kv_capacity(spec: KvCacheSpec, block_size: int, available_bytes: int) -> KvCapacity:
+    """Capacity of `available_bytes`, keeping one block back for the null block."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    per_block = spec.bytes_per_block(block_size)
+    available_bytes = max(0, available_bytes)
+    return KvCapacity(available_bytes, per_block, max(0, available_bytes // per_block - 1))
+
+
+class PagedKVCache:
+    """Per-layer KV tensors of `num_blocks` blocks (+ the null block) of `block_size` tokens."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        spec: KvCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.null_block_id = num_blocks
+        shape = backend.kv_cache_shape(num_blocks + 1, block_size)
+        self.layers = [
+            torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.zero_blocks(np.array([self.null_block_id]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def zero_blocks(self, block_ids: npt.NDArray[np.int64]) -> None:
+        if not len(block_ids):
+            return
+        if int(block_ids.max()) >= self.num_blocks + 1 or int(block_ids.min()) < 0:
+            raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+        index = torch.from_numpy(block_ids).to(self.layers[0].device)
+        for layer in self.layers:
+            layer.index_fill_(1, index, 0.0)

@@ -1,0 +1,146 @@
+"""Tensor-parallel linear layers.
+
+`ColumnParallelLinear` splits the output features across TP ranks and may fuse several
+projections (q/k/v, gate/up) into one matmul: each fused part is split separately, so rank r
+holds [q_r; k_r; v_r]. `RowParallelLinear` splits the input features and all-reduces the partial
+sums. The pair column -> row needs one all-reduce per block, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.distributed import ParallelState
+from worker_svc.layers.tensor_source import TensorSource, copy_checked, read_cols, read_rows
+
+
+def cpu_packing_available() -> bool:
+    """Whether oneDNN can pre-pack linear weights here (a CPU fast path of torch's mkldnn ops)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a CPU weight [out, in], or None where packing is unsupported.
+
+    Measured on the 2-core avx512_bf16 host: 2x faster matmuls for 1-32 rows, ~10% for 2048
+    rows, in bfloat16 and float32 alike."""
+    if weight.device.type != "cpu" or not cpu_packing_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        return None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _divide(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
+    return size // tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b, W split by output rows; fused parts keep their own slices.
+
+    Invariant: `weight` rows are [part_0 shard, part_1 shard, ...] for this rank.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp_rank = parallel.tp_rank
+        self.part_sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
+        self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
+        out = sum(self.part_sizes)
+        self.weight = _param((out, input_size), dtype, device)
+        self.bias = _param((out,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.packed, self.bias)
+
+    def pack(self) -> None:
+        """Switch to the packed weight (after loading); the dense copy is released."""
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
+        """Load this rank's slice of fused part `part` (e.g. 0=q, 1=k, 2=v) of `param_name`."""
+        target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {param_name} this layer does not use")
+        size = self.part_sizes[part]
+        loaded = read_rows(source, self.tp_rank * size, size)
+        copy_checked(target.narrow(0, self.part_offsets[part], size), loaded, param_name)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b, W split by input columns; x arrives already split."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size_per_rank = _divide(input_size, parallel.tp_size, "input size")
+        self.weight = _param((output_size, self.input_size_per_rank), dtype, device)
+        self.bias = _param((output_size,), dtype, device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return linear(x, self.weight, self.packed, self.bias)
+        y = self.parallel.all_reduce(linear(x, self.weight, self.packed, None))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def pack(self) -> None:
+        """Switch to the packed weight (after loading); the dense copy is released."""
+        self.packed = pack_weight(self.weight)
+        if self.packed is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
+        if param_name == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias this layer does not use")
+            copy_checked(self.bias, source[:], "bias")
+            return
+        size = self.input_size_per_rank
+        copy_checked(self.weight, read_cols(source, self.parallel.tp_rank * size, size), param_name)

@@ -1,0 +1,32 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.layers.tensor_source import TensorSource, copy_checked
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.normalized_shape = (size,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (norm(x + residual), x + residual); the first layer passes residual=None."""
+        residual = x if residual is None else residual.add_(x)
+        return self.forward(residual), residual
+
+    def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
+        copy_checked(self.weight, source[:], param_name)

@@ -1,0 +1,48 @@
+"""A checkpoint tensor that can be read in part (a tensor-parallel slice) without loading it whole."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class TensorSource(Protocol):
+    """What safetensors' `safe_open(...).get_slice(name)` returns; also a wrapped torch.Tensor."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+
+
+class InMemoryTensor:
+    """A `TensorSource` over a tensor already in memory (tests, tied weights)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def read_rows(source: TensorSource, start: int, size: int) -> torch.Tensor:
+    """Rows [start, start + size) of a 1-D or 2-D checkpoint tensor."""
+    return source[start : start + size]
+
+
+def read_cols(source: TensorSource, start: int, size: int) -> torch.Tensor:
+    """Columns [start, start + size) of a 2-D checkpoint tensor."""
+    return source[:, start : start + size]
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """Copy `loaded` into `target` (casting dtype), refusing a shape mismatch."""
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, "
+            f"expected {tuple(target.shape)}"
+        )
+    target.copy_(loaded)

@@ -1,0 +1,266 @@
+"""ModelRunner: one engine step on one rank — update state, prepare inputs, forward, sample.
+
+    SchedulerOutput --update_states--> InputBatch rows --prepare_inputs--> StepInputs
+        --> attention metadata (once) --> model stage forward (PP: recv / send hidden states)
+        --> last stage: logits at logits_indices (+ prompt positions) --> Sampler
+        --> ModelRunnerOutput (output rank only)
+
+Every rank runs the same steps in the same order; tensor-parallel ranks of the last stage
+sample identically (all-gathered logits, identically seeded generators), so each keeps a
+consistent copy of every request's state. Sampled tokens reach the rank's state through the
+next step's diff (CachedRequestData.new_token_ids), as on every other rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from worker_svc.attention.backend import AttentionBackend, AttentionInputs
+from worker_svc.distributed import ParallelState
+from worker_svc.input_batch import InputBatch, StepInputs
+from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
+from worker_svc.logprobs import split_tables
+from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
+from worker_svc.prompt_logprobs import PromptLogprobsCollector
+from worker_svc.sampler import Sampler, SamplerOutput
+from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs steps for one loaded model shard; `initialize_kv_cache` must come first."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.parallel = parallel
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = model.config.vocab_size
+        self.sampler = Sampler(device, seed)
+        self.kv_cache_spec = KvCacheSpec(
+            num_layers=len(model.layers),
+            num_kv_heads=backend.num_kv_heads,
+            head_dim=backend.head_dim,
+            dtype=dtype,
+        )
+        self.kv_cache: PagedKVCache | None = None
+        self.batch: InputBatch | None = None
+        self.prompt_logprobs = PromptLogprobsCollector()
+
+    def switch_backend(self, backend_cls: type[AttentionBackend]) -> None:
+        """Replace the attention backend (before the cache exists: layouts differ)."""
+        if self.kv_cache is not None:
+            raise RuntimeError("cannot switch attention backend after the KV cache exists")
+        old = self.backend
+        self.backend = backend_cls(
+            old.num_heads, old.num_kv_heads, old.head_dim, dtype=self.dtype, device=self.device
+        )
+        for layer in self.model.layers:
+            layer.self_attn.backend = self.backend
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the cache and the per-request tables; returns the cache's bytes."""
+        self.kv_cache = PagedKVCache(
+            self.backend, self.kv_cache_spec, num_blocks, block_size, self.device
+        )
+        self.batch = InputBatch(
+            max_model_len=self.max_model_len,
+            block_size=block_size,
+            vocab_size=self.vocab_size,
+            null_block_id=self.kv_cache.null_block_id,
+            capacity=max(self.max_num_seqs, 1),
+            sampling=SamplingStates(max(self.max_num_seqs, 1), self.vocab_size, self.device),
+        )
+        return self.kv_cache.nbytes
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run a dummy prefill and decode once, so first-use costs (oneDNN primitives, allocator
+        growth) are paid before serving. Single rank only: collectives would need every rank."""
+        assert self.kv_cache is not None
+        if self.parallel.world_size > 1:
+            return
+        scratch = PagedKVCache(self.backend, self.kv_cache_spec, 1 + 9 // self.kv_cache.block_size,
+                               self.kv_cache.block_size, self.device)
+        scratch.zero_blocks(np.arange(scratch.num_blocks))
+        self._dummy_step(scratch, 0, 8, num_logits=1)
+        self._dummy_step(scratch, 8, 9, num_logits=1)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, block_size: int) -> int:
+        """Run one dummy step of `num_tokens` tokens (and `max_num_seqs` logits rows) in a
+        scratch cache, for peak-memory profiling; returns the scratch cache's bytes."""
+        scratch = PagedKVCache(self.backend, self.kv_cache_spec, -(-num_tokens // block_size),
+                               block_size, self.device)
+        self._dummy_step(scratch, 0, num_tokens, num_logits=min(num_tokens, self.max_num_seqs))
+        return scratch.nbytes
+
+    def _dummy_step(self, cache: PagedKVCache, start: int, end: int, num_logits: int) -> None:
+        """Forward positions [start, end) of one request whose first `start` tokens sit in
+        blocks 0, 1, ... of `cache`; then logits and an argmax for the last `num_logits`."""
+        num_blocks = -(-end // cache.block_size)
+        positions = np.arange(start, end)
+        inputs = StepInputs(
+            rows=np.zeros(1, np.int64), req_handles=np.zeros(1, np.int64),
+            input_ids=np.zeros(end - start, np.int64), positions=positions,
+            slot_mapping=positions, query_start_loc=np.array([0, end - start]),
+            seq_lens=np.array([end]), block_tables=np.arange(num_blocks)[None, :],
+            logits_indices=np.array([end - start - 1]), sampling_reqs=np.zeros(1, np.int64),
+        )
+        hidden = self._forward(inputs, cache)
+        assert hidden is not None
+        self.model.compute_logits(hidden[-num_logits:]).softmax(dim=-1).argmax(dim=-1)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; returns the output on the output rank, None elsewhere."""
+        if self.batch is None or self.kv_cache is None:
+            raise RuntimeError("initialize_kv_cache must run before execute")
+        started = time.perf_counter()
+        batch = self.batch
+        rows, fresh_blocks = batch.update_states(step)
+        self.prompt_logprobs.forget(step.finished_req_handles.tolist())
+        if len(fresh_blocks):
+            self.kv_cache.zero_blocks(fresh_blocks)
+        if not len(rows):
+            return self._output(step, started, None, None, {}, StepTimings())
+        inputs = batch.prepare_inputs(step, rows)
+        plan = self.prompt_logprobs.plan(batch, inputs) if self.parallel.is_last_stage else None
+        prepared = time.perf_counter()
+
+        hidden = self._forward(inputs, self.kv_cache)
+        batch.finish_step(inputs)
+        if hidden is None:  # not the last pipeline stage
+            return None
+        num_sampling = len(inputs.logits_indices)
+        index = inputs.logits_indices
+        if plan is not None:
+            index = np.concatenate([index, plan.token_index])
+        logits = self.model.compute_logits(hidden[self._to_device(index)])
+        self._synchronize()
+        forwarded = time.perf_counter()
+
+        sampler_output = None
+        if num_sampling:
+            metadata = batch.sampling.build(
+                inputs.rows[inputs.sampling_reqs], batch.token_ids, batch.num_prompt_tokens,
+                batch.num_tokens,
+            )
+            sampler_output = self.sampler(logits[:num_sampling], metadata)
+        if plan is not None:
+            self.prompt_logprobs.collect(plan, logits[num_sampling:])
+        sampled_handles = set(inputs.req_handles[inputs.sampling_reqs].tolist())
+        prompt_tables = self.prompt_logprobs.take_finished(plan, sampled_handles)
+        timings = StepTimings(
+            prepare_inputs_seconds=prepared - started,
+            forward_seconds=forwarded - prepared,
+            sample_seconds=time.perf_counter() - forwarded,
+        )
+        return self._output(step, started, inputs, sampler_output, prompt_tables, timings)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor | None:
+        """This stage's forward; returns final hidden states on the last stage, else None."""
+        attn_inputs = AttentionInputs(
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            slot_mapping=inputs.slot_mapping,
+            block_size=kv_cache.block_size,
+            null_block_id=kv_cache.null_block_id,
+        )
+        ctx = self.model.step_context(
+            self._to_device(inputs.positions), self.backend.build_metadata(attn_inputs)
+        )
+        parallel = self.parallel
+        hidden = residual = None
+        input_ids = None
+        if parallel.is_first_stage:
+            input_ids = self._to_device(inputs.input_ids)
+        else:
+            shape = (inputs.num_tokens, self.model.config.hidden_size)
+            hidden, residual = parallel.recv_from_prev_stage(2, shape, self.dtype, self.device)
+        hidden, residual = self.model(input_ids, ctx, kv_cache.layers, hidden, residual)
+        if parallel.is_last_stage:
+            return hidden
+        assert residual is not None
+        parallel.send_to_next_stage([hidden, residual])
+        return None
+
+    # -- output --------------------------------------------------------------------------------
+
+    def _output(
+        self,
+        step: SchedulerOutput,
+        started: float,
+        inputs: StepInputs | None,
+        sampler_output: SamplerOutput | None,
+        prompt_tables: dict[int, LogprobsTable],
+        timings: StepTimings,
+    ) -> ModelRunnerOutput | None:
+        if not self.parallel.is_output_rank:
+            return None
+        handles = np.zeros(0, np.int64)
+        tokens = np.zeros(0, np.int64)
+        logprobs: dict[int, LogprobsTable] = {}
+        if inputs is not None and sampler_output is not None:
+            handles = inputs.req_handles[inputs.sampling_reqs]
+            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64)
+            logprobs = self._sample_logprobs(inputs, handles, sampler_output)
+        assert self.batch is not None
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            rank=self.parallel.rank,
+            req_handles=handles,
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_tables,
+            timings=StepTimings(
+                timings.prepare_inputs_seconds,
+                timings.forward_seconds,
+                timings.sample_seconds,
+                total_seconds=time.perf_counter() - started,
+            ),
+            num_used_kv_blocks=self.batch.num_used_blocks(),
+        )
+
+    def _sample_logprobs(
+        self, inputs: StepInputs, handles: np.ndarray, sampler_output: SamplerOutput
+    ) -> dict[int, LogprobsTable]:
+        if sampler_output.logprobs is None:
+            return {}
+        assert self.batch is not None
+        num_tops = self.batch.sampling.num_logprobs[inputs.rows[inputs.sampling_reqs]]
+        wanted = np.flatnonzero(num_tops >= 0)
+        ids, values, ranks = (t[torch.from_numpy(wanted)] for t in sampler_output.logprobs)
+        tables = split_tables(ids, values, ranks, [1] * len(wanted), num_tops[wanted].tolist())
+        return dict(zip(handles[wanted].tolist(), tables, strict=True))

@@ -1,0 +1,1 @@
+"""Our own decoder models (no transformers modelling code) and the architecture registry."""

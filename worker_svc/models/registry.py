@@ -1,0 +1,28 @@
+"""Which `architectures` from config.json we can serve, and with which model class."""
+
+from __future__ import annotations
+
+from worker_svc.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+
+
+class UnsupportedArchitectureError(ValueError):
+    """config.json names an architecture we have no model code for."""
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported architectures: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        ) from None

@@ -1,0 +1,55 @@
+"""Where each Hugging Face Llama-family checkpoint tensor goes in our fused modules."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+# HF sub-module -> (our sub-module, fused part)
+_LAYER_MODULES: dict[str, tuple[str, int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "self_attn.q_norm": ("self_attn.q_norm", 0),
+    "self_attn.k_norm": ("self_attn.k_norm", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+    "input_layernorm": ("input_layernorm", 0),
+    "post_attention_layernorm": ("post_attention_layernorm", 0),
+}
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTarget:
+    """A destination: decoder layer (None = a top-level module), sub-module, parameter, part."""
+
+    layer: int | None
+    module: str
+    param: str
+    part: int = 0
+
+
+def resolve_weight_name(name: str, tie_word_embeddings: bool) -> list[WeightTarget]:
+    """Targets of checkpoint tensor `name` (empty for tensors we ignore); ValueError if unknown."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return []
+    if name == "model.embed_tokens.weight":
+        targets = [WeightTarget(None, "embed_tokens", "weight")]
+        if tie_word_embeddings:
+            targets.append(WeightTarget(None, "lm_head", "weight"))
+        return targets
+    if name == "model.norm.weight":
+        return [WeightTarget(None, "norm", "weight")]
+    if name == "lm_head.weight":
+        return [WeightTarget(None, "lm_head", "weight")]
+    match = _LAYER.match(name)
+    if match and match.group(2) in _LAYER_MODULES:
+        module, part = _LAYER_MODULES[match.group(2)]
+        return [WeightTarget(int(match.group(1)), module, match.group(3), part)]
+    raise ValueError(f"checkpoint tensor {name!r} has no place in a Llama-family model")

@@ -1,0 +1,111 @@
+"""The worker's own view of one engine step (the protobuf SchedulerOutput, decoded once).
+
+Only `convert.py` turns protobuf into these types; the model runner, input batch and sampler
+see nothing else. Repeated integer fields stay columnar as numpy arrays, so a step with many
+requests costs a few array copies rather than per-token Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int64]
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (argmax), as in vLLM."""
+
+
+def _empty() -> IntArray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """How one request samples; the defaults disable every filter and penalty.
+
+    `top_k` 0 disables top-k; `logprobs` / `prompt_logprobs` are None when not asked for and
+    -1 for the whole vocabulary.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the ranks see for the first time.
+
+    Invariant: `num_computed_tokens` tokens of the prompt already have KV in `block_ids`
+    (a prefix-cache hit); the step computes from that position on.
+    """
+
+    req_handle: int
+    request_id: str
+    prompt_token_ids: IntArray
+    sampling: SamplingOptions
+    block_ids: IntArray
+    num_computed_tokens: int = 0
+    stop_token_ids: IntArray = field(default_factory=_empty)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """Already-known requests scheduled again, column by column.
+
+    Entry i of every per-request column belongs to `req_handles[i]`; the flat columns
+    (`new_block_ids`, `new_token_ids`, `resumed_all_token_ids`) are cut by their `num_*`
+    companions. Resumed requests (a subset of `req_handles`) replace their block list with
+    their new block ids and rebuild their tokens from `resumed_all_token_ids`.
+    """
+
+    req_handles: IntArray = field(default_factory=_empty)
+    num_computed_tokens: IntArray = field(default_factory=_empty)
+    num_new_block_ids: IntArray = field(default_factory=_empty)
+    new_block_ids: IntArray = field(default_factory=_empty)
+    num_new_token_ids: IntArray = field(default_factory=_empty)
+    new_token_ids: IntArray = field(default_factory=_empty)
+    resumed_req_handles: IntArray = field(default_factory=_empty)
+    num_resumed_token_ids: IntArray = field(default_factory=_empty)
+    resumed_all_token_ids: IntArray = field(default_factory=_empty)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_handles)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One engine step, identical on every rank.
+
+    `num_scheduled_tokens` has one entry per scheduled request: first the new requests, then
+    the cached ones, in that order; this is also the order of the step's outputs.
+    """
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: IntArray = field(default_factory=_empty)
+    total_num_scheduled_tokens: int = 0
+    finished_req_handles: IntArray = field(default_factory=_empty)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled_new_reqs) + self.scheduled_cached_reqs.num_reqs
