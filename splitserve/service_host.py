@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,10 +25,10 @@ from prometheus_client import (
     GCCollector,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
 )
 
 from splitserve.grpc_metrics import GrpcServerMetrics
+from splitserve.metrics_http import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ServiceHost:
         self.metrics_bound_port: int | None = None
         self.exit_code = 0
         self._stop = asyncio.Event()
-        self._metrics_server: object | None = None
+        self._metrics_server: WSGIServer | None = None
 
     @property
     def address(self) -> str:
@@ -105,7 +106,7 @@ class ServiceHost:
     def _start_metrics(self) -> None:
         if self.metrics_port is None:
             return
-        server, _ = start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
+        server = start_metrics_server(self.registry, self.host, self.metrics_port)
         self._metrics_server = server
         self.metrics_bound_port = int(server.server_address[1])
         logger.info("%s metrics on http://%s:%d/metrics", self.name, self.host,
@@ -159,5 +160,5 @@ class ServiceHost:
                 self.exit_code = max(self.exit_code, 1)
         await self.server.stop(grace=self.grace_seconds)
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()  # type: ignore[attr-defined]
+            self._metrics_server.shutdown()
         logger.info("%s stopped", self.name)

@@ -94,8 +94,11 @@ def test_worker_refuses_out_of_order_calls(worker_checkpoints: CheckpointCache) 
     with pytest.raises(WorkerStateError):
         worker.get_kv_capacity(16, 0.9, 0)
     worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
-    with pytest.raises(WorkerStateError):
-        worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
+    worker.initialize_kv_cache(8, 16)
+    assert worker.is_kv_cache_ready
+    # A restarted engine core loads again: the rank starts over (KV cache to be re-sized).
+    worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
+    assert not worker.is_kv_cache_ready
     capacity = worker.get_kv_capacity(16, 0.9, 0)
     # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes, 4 GiB default on CPU
     assert capacity.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4

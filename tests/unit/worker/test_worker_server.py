@@ -87,8 +87,8 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
                 model_path=str(model), served_model_name="tiny", engine_id="e0"))
             assert (loaded.architecture, loaded.dtype, loaded.num_layers) == (
                 "LlamaForCausalLM", "float32", 2)
-            await expect_code(stub.LoadModel(pb.LoadModelRequest(model_path=str(model))),
-                              grpc.StatusCode.FAILED_PRECONDITION)
+            reloaded = await stub.LoadModel(pb.LoadModelRequest(model_path=str(model)))
+            assert reloaded.architecture == "LlamaForCausalLM"  # a restarted core may reload
             capacity = await stub.GetKvCapacity(pb.GetKvCapacityRequest(
                 block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20))
             assert capacity.num_blocks == (1 << 20) // capacity.bytes_per_block - 1
