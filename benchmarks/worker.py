@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve.default_model import default_cache_dir, write_random_llama
+from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
@@ -40,31 +40,8 @@ from worker_svc.scheduler_output import (
 )
 from worker_svc.worker import LoadModelConfig, Worker
 
-BENCH_CONFIG: dict[str, object] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "dtype": "bfloat16",
-}
-VOCAB_SIZE = 32000
 BLOCK_SIZE = 16
 GREEDY = SamplingOptions(temperature=0.0)
-
-
-def ensure_checkpoint(folder: Path) -> Path:
-    if not (folder / "model.safetensors").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        write_random_llama(folder, BENCH_CONFIG, vocab_size=VOCAB_SIZE, seed=0)
-    return folder
 
 
 def copy_bandwidth(num_bytes: int = 1 << 28, repeats: int = 10) -> float:
@@ -195,7 +172,7 @@ def bench_serve_like(session: Session, num_prompts: int, prompt_len: int, output
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = ensure_checkpoint(Path(args.model_dir or default_cache_dir() / "bench-llama-100m"))
+    folder = ensure_bench_model(Path(args.model_dir) if args.model_dir else None)
     for dtype in args.dtypes:
         bandwidth = copy_bandwidth()
         emit({"bench": "copy_bandwidth", "gb_per_s": bandwidth / 1e9,

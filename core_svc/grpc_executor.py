@@ -1,20 +1,22 @@
 """GrpcExecutor: broadcast each SchedulerOutput to every worker rank over its Execute stream and
 take the ModelRunnerOutput from the output rank.
 
-`execute_model` runs on the engine's busy-loop thread: it serialises the step once, hands the
-bytes to the event loop (which writes them to every rank's stream) and blocks until the output
-rank answers. Reader tasks watch every rank: an error reply, a closed stream or a broken
-connection on ANY rank fails the executor at once (the pending step raises ExecutorError and
-`on_failure` tells the server to turn readiness off) instead of waiting for a timeout.
+The step's critical path stays on the engine's busy-loop thread and in gRPC's C core: the step
+is serialised once, the same bytes go to every rank's stream, and the busy-loop thread blocks
+reading the output rank's reply. Nothing on that path waits for the asyncio loop that serves the
+frontends (which may be busy sending the previous step's outputs). One watcher thread per other
+rank reads its stream: an error reply, a closed stream or a broken connection on ANY rank fails
+the executor at once (the pending step raises ExecutorError and `on_failure` reports it) instead
+of waiting for a timeout; a watchdog cancels a step that outlives `execute_timeout`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -22,10 +24,12 @@ from core_svc import convert
 from core_svc.executor import ExecutorError
 from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve.service_host import SERVER_OPTIONS
 from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
 
 logger = logging.getLogger(__name__)
 EXECUTE_METHOD = "/splitserve.worker.v1.WorkerService/Execute"
+_CLOSE = b""
 
 
 def _frame_execute_request(scheduler_output: bytes) -> bytes:
@@ -46,118 +50,121 @@ def _identity(payload: bytes) -> bytes:
     return payload
 
 
+class _RankStream:
+    """One rank's Execute stream: an outbox feeding gRPC, and its replies."""
+
+    def __init__(self, rank: int, addr: str) -> None:
+        self.rank, self.addr = rank, addr
+        self.channel = grpc.insecure_channel(addr, options=SERVER_OPTIONS)
+        method = self.channel.stream_stream(
+            EXECUTE_METHOD, request_serializer=_identity,
+            response_deserializer=worker_pb2.ExecuteResponse.FromString)
+        self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.replies: Iterator[worker_pb2.ExecuteResponse] = method(iter(self.outbox.get, _CLOSE))
+
+    def close(self) -> None:
+        self.outbox.put(_CLOSE)
+        self.replies.cancel()  # type: ignore[attr-defined]
+        self.channel.close()
+
+
 class GrpcExecutor:
     """Executor over gRPC; see the module docstring."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, channels: list[grpc.aio.Channel],
-                 addrs: list[str], output_rank: int, execute_timeout: float,
+    def __init__(self, addrs: list[str], output_rank: int, execute_timeout: float,
                  on_failure: Callable[[str], None],
                  on_timing: Callable[[float, float], None] | None = None) -> None:
-        self._loop = loop
-        self._on_timing = on_timing
-        self._channels = channels
         self._addrs = addrs
         self.output_rank = output_rank
         self.execute_timeout = execute_timeout
         self._on_failure = on_failure
-        self._calls: list[grpc.aio.StreamStreamCall] = []
-        self._outboxes: list[asyncio.Queue[bytes]] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._pending: concurrent.futures.Future[worker_pb2.ModelRunnerOutput] | None = None
+        self._on_timing = on_timing
+        self._streams: list[_RankStream] = []
+        self._lock = threading.Lock()
+        self._step_started: float | None = None
+        self._stopped = threading.Event()
         self.failure: str | None = None
 
-    async def open(self) -> None:
-        """Open one Execute stream per rank (call on the event loop)."""
-        for rank, channel in enumerate(self._channels):
-            method = channel.stream_stream(
-                EXECUTE_METHOD, request_serializer=_identity,
-                response_deserializer=worker_pb2.ExecuteResponse.FromString)
-            call = method()
-            outbox: asyncio.Queue[bytes] = asyncio.Queue()
-            self._calls.append(call)
-            self._outboxes.append(outbox)
-            self._tasks.append(asyncio.create_task(self._write(rank, call, outbox)))
-            self._tasks.append(asyncio.create_task(self._read(rank, call)))
+    def open(self) -> None:
+        """Open one Execute stream per rank; start the watchers and the watchdog."""
+        self._streams = [_RankStream(rank, addr) for rank, addr in enumerate(self._addrs)]
+        for stream in self._streams:
+            if stream.rank != self.output_rank:
+                threading.Thread(target=self._watch, args=(stream,), daemon=True,
+                                 name=f"watch-rank-{stream.rank}").start()
+        threading.Thread(target=self._watchdog, daemon=True, name="step-watchdog").start()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank (busy-loop thread); raise ExecutorError on any failure."""
         if self.failure is not None:
             raise ExecutorError(self.failure)
         body = convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
-        pending: concurrent.futures.Future[worker_pb2.ModelRunnerOutput] = (
-            concurrent.futures.Future())
-        self._pending = pending
+        payload = _frame_execute_request(body)
         sent = time.perf_counter()
-        self._loop.call_soon_threadsafe(self._broadcast, _frame_execute_request(body))
-        try:
-            reply = pending.result(timeout=self.execute_timeout)
-        except concurrent.futures.TimeoutError:
-            message = (f"step {scheduler_output.step_id} got no answer from worker rank "
-                       f"{self.output_rank} within {self.execute_timeout:.0f} s")
-            self._loop.call_soon_threadsafe(self._fail, message)
-            raise ExecutorError(message) from None
-        except ExecutorError:
-            raise
+        self._step_started = time.monotonic()
+        for stream in self._streams:
+            stream.outbox.put(payload)
+        reply = self._read_output_rank()
+        self._step_started = None
         if self._on_timing is not None:
             self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
+        if reply.status == worker_pb2.STEP_STATUS_ERROR:
+            self._fail(f"worker rank {reply.rank} failed step {reply.step_id}: "
+                       f"{reply.error_message}")
+            raise ExecutorError(self.failure or reply.error_message)
         if reply.step_id != scheduler_output.step_id:
-            raise ExecutorError(f"worker rank {self.output_rank} answered step {reply.step_id} "
-                                f"to step {scheduler_output.step_id}")
+            self._fail(f"worker rank {self.output_rank} answered step {reply.step_id} to step "
+                       f"{scheduler_output.step_id}")
+            raise ExecutorError(self.failure or "step out of order")
         return convert.model_runner_output_from_proto(reply)
 
-    def _broadcast(self, payload: bytes) -> None:
-        for outbox in self._outboxes:
-            outbox.put_nowait(payload)
-
-    async def _write(self, rank: int, call: grpc.aio.StreamStreamCall,
-                     outbox: asyncio.Queue[bytes]) -> None:
+    def _read_output_rank(self) -> worker_pb2.ModelRunnerOutput:
+        stream = self._streams[self.output_rank]
         try:
-            while True:
-                await call.write(await outbox.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a broken stream: the reader reports the cause too
-            self._fail(f"worker rank {rank} ({self._addrs[rank]}): cannot send: {exc!r}")
+            return next(stream.replies).model_runner_output
+        except StopIteration:
+            self._fail(f"worker rank {stream.rank} ({stream.addr}) closed its stream")
+        except grpc.RpcError as err:
+            self._fail(f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
+                       f"{err.code().name}: {err.details()}")
+        raise ExecutorError(self.failure or "executor failed")
 
-    async def _read(self, rank: int, call: grpc.aio.StreamStreamCall) -> None:
+    def _watch(self, stream: _RankStream) -> None:
+        """Read a non-output rank: it only ever answers to report an error."""
         try:
-            while True:
-                reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    self._fail(f"worker rank {rank} ({self._addrs[rank]}) closed its stream")
-                    return
+            for reply in stream.replies:
                 out = reply.model_runner_output
                 if out.status == worker_pb2.STEP_STATUS_ERROR:
-                    self._fail(f"worker rank {rank} ({self._addrs[rank]}) failed step "
+                    self._fail(f"worker rank {stream.rank} ({stream.addr}) failed step "
                                f"{out.step_id}: {out.error_message}")
                     return
-                pending = self._pending
-                if rank == self.output_rank and pending is not None and not pending.done():
-                    pending.set_result(out)
+            self._fail(f"worker rank {stream.rank} ({stream.addr}) closed its stream")
         except grpc.RpcError as err:
-            self._fail(f"worker rank {rank} ({self._addrs[rank]}) is unreachable: "
+            self._fail(f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
                        f"{err.code().name}: {err.details()}")
-        except asyncio.CancelledError:
-            raise
+
+    def _watchdog(self) -> None:
+        while not self._stopped.wait(1.0):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.execute_timeout:
+                self._fail(f"a step got no answer from worker rank {self.output_rank} within "
+                           f"{self.execute_timeout:.0f} s")
 
     def _fail(self, message: str) -> None:
-        """First failure wins: fail the pending step and report once (event-loop thread)."""
-        if self.failure is not None:
-            return
-        self.failure = message
+        """First failure wins: report it once and cancel the output rank's stream, which wakes a
+        step blocked on it (any thread)."""
+        with self._lock:
+            if self.failure is not None or self._stopped.is_set():
+                return
+            self.failure = message
         logger.error("executor failed: %s", message)
-        pending = self._pending
-        if pending is not None and not pending.done():
-            pending.set_exception(ExecutorError(message))
         self._on_failure(message)
+        self._streams[self.output_rank].replies.cancel()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
-        """Close the streams (any thread)."""
-        self._loop.call_soon_threadsafe(self._close)
-
-    def _close(self) -> None:
-        self.failure = self.failure or "the executor was shut down"
-        for task in self._tasks:
-            task.cancel()
-        for call in self._calls:
-            call.cancel()
+        """Close every stream (any thread)."""
+        self._stopped.set()
+        with self._lock:
+            self.failure = self.failure or "the executor was shut down"
+        for stream in self._streams:
+            stream.close()

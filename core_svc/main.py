@@ -97,13 +97,14 @@ async def serve(config: CoreConfig) -> int:
     metrics = CoreMetrics(host.registry, info.served_model_name, config.engine_id,
                           cache_config_labels(config, facts))
 
-    def on_failure(message: str) -> None:
-        loop.create_task(host.set_unhealthy(f"engine failed: {message}"))
+    def on_failure(message: str) -> None:  # any thread
+        loop.call_soon_threadsafe(
+            lambda: loop.create_task(host.set_unhealthy(f"engine failed: {message}")))
 
     output_rank = config.world_size - config.tensor_parallel_size
-    executor = GrpcExecutor(loop, pool.channels, config.worker_addrs, output_rank,
-                            config.execute_timeout, on_failure, metrics.observe_worker_step)
-    await executor.open()
+    executor = GrpcExecutor(config.worker_addrs, output_rank, config.execute_timeout,
+                            on_failure, metrics.observe_worker_step)
+    executor.open()
     servicer.set_metrics(metrics)
     proc = EngineCoreProc(build_engine(config, facts, executor), servicer.output_sink,
                           on_stats=metrics.observe_stats)

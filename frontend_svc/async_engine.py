@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client import ClientFactory, CoreClient, EngineCoreClient
 from frontend_svc.engine_types import CoreOutputs, EngineInfo
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
@@ -25,10 +25,14 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """Multiplexes generate() calls over one EngineCoreClient."""
 
-    def __init__(self, core_addr: str, output_processor: OutputProcessor) -> None:
+    def __init__(self, core_addr: str, output_processor: OutputProcessor,
+                 client_factory: ClientFactory | None = None) -> None:
         self.output_processor = output_processor
-        self.client = EngineCoreClient(core_addr, self._on_outputs, self._on_disconnect,
-                                       on_rtt=self._on_rtt)
+        if client_factory is None:
+            self.client: CoreClient = EngineCoreClient(
+                core_addr, self._on_outputs, self._on_disconnect, on_rtt=self._on_rtt)
+        else:
+            self.client = client_factory(self._on_outputs, self._on_disconnect, self._on_rtt)
 
     @property
     def metrics(self) -> FrontendMetrics | None:

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -31,6 +32,29 @@ logger = logging.getLogger(__name__)
 OutputsCallback = Callable[[CoreOutputs], None]
 DisconnectCallback = Callable[[str], None]
 RttCallback = Callable[[float], None]
+
+
+class CoreClient(Protocol):
+    """What AsyncEngine needs from its link to the engine core (gRPC here; in-process in the
+    hop benchmark)."""
+
+    core_addr: str
+
+    @property
+    def is_connected(self) -> bool: ...
+
+    def next_handle(self) -> int: ...
+
+    async def connect(self, timeout: float) -> EngineInfo: ...
+
+    def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
+
+    def abort_requests(self, handles: list[int]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+ClientFactory = Callable[[OutputsCallback, DisconnectCallback, RttCallback], CoreClient]
 
 
 class EngineCoreClient:

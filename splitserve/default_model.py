@@ -82,7 +82,8 @@ def _corpus(num_lines: int, seed: int) -> Iterator[str]:
 
 
 def write_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0) -> None:
-    """Train a byte-level BPE tokenizer on the synthetic corpus and save it in HF format."""
+    """Train a byte-level BPE tokenizer on the synthetic corpus and save it in HF format. When
+    the corpus supports fewer merges than `vocab_size`, `<|extra_N|>` tokens fill the rest."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,6 +98,9 @@ def write_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(20000, seed), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
     )
@@ -105,12 +109,15 @@ def write_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0) -> None:
     fast.save_pretrained(str(path))
 
 
-def write_random_llama(path: Path, config: Mapping[str, object], vocab_size: int, seed: int) -> None:
-    """Write config.json and model.safetensors of a random-weight Llama (plain torch, no modelling code)."""
+def write_random_llama(path: Path, config: Mapping[str, object], vocab_size: int, seed: int,
+                       dtype: str = "float32") -> None:
+    """Write config.json and model.safetensors of a random-weight Llama (plain torch, no
+    modelling code), its tensors stored as `dtype`."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = dict(config, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    cfg = dict(config, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+               dtype=dtype)
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])  # type: ignore[call-overload]
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
     head_dim = hidden // heads
@@ -133,7 +140,8 @@ def write_random_llama(path: Path, config: Mapping[str, object], vocab_size: int
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     tensors["model.norm.weight"] = torch.ones(hidden)
     tensors["lm_head.weight"] = normal(vocab_size, hidden)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    stored = {name: t.to(getattr(torch, dtype)) for name, t in tensors.items()}
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     generation = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
