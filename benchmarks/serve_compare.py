@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -160,17 +161,31 @@ def run_phase(name: str) -> dict[str, float]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+def median_rows(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating gRPC / in-process rounds (this machine's speed drifts; "
+                        "medians over interleaved rounds compare like with like)")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     model = str(ensure_bench_model())
     if args.phase:
         print(json.dumps(PHASES[args.phase](model)), flush=True)
         return 0
-    names = [n for n in PHASES if not (args.skip_transformers and n == "transformers_fp32")]
-    rows = {name: run_phase(name) for name in names}
+    rows: dict[str, dict[str, float]] = {}
+    if not args.skip_transformers:
+        rows["transformers_fp32"] = run_phase("transformers_fp32")
+    rounds: dict[str, list[dict[str, float]]] = {"splitserve_grpc": [],
+                                                 "splitserve_in_process": []}
+    for _ in range(args.rounds):
+        for name, results in rounds.items():
+            results.append(run_phase(name))
+    rows |= {name: median_rows(results) for name, results in rounds.items()}
     for name, row in rows.items():
         print(json.dumps({"run": name, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
     if "transformers_fp32" in rows:

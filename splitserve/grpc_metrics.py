@@ -1,18 +1,21 @@
-"""A grpc.aio server interceptor counting RPCs by service, method and status code."""
+"""Server interceptors counting RPCs by service, method and status code (grpc.aio and sync)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 Behavior = Callable[..., Any]
+Recorder = Callable[[Any, BaseException | None], None]
+UNARY_KINDS = ("unary_unary", "stream_unary")
+STREAM_KINDS = ("unary_stream", "stream_stream")
 
 
-class GrpcServerMetrics(grpc.aio.ServerInterceptor):
+class RpcCounters:
     """`splitserve_grpc_server_started_total` and `splitserve_grpc_server_handled_total`."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -23,31 +26,24 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                                "RPCs completed on this server, by status code.",
                                [*labels, "grpc_code"], registry=registry)
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        record = self._recorder(service, method)
-        for kind in ("unary_unary", "stream_unary"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: _wrap_unary(behavior, record)})
-        for kind in ("unary_stream", "stream_stream"):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return handler._replace(**{kind: _wrap_stream(behavior, record)})
-        return handler
-
-    def _recorder(self, service: str, method: str) -> Callable[[Any, BaseException | None], None]:
+    def recorder(self, full_method: str) -> Recorder:
+        """Count a started RPC; the returned function counts its completion."""
+        service, _, method = full_method.lstrip("/").partition("/")
         self.started.labels(service, method).inc()
 
         def record(context: Any, exc: BaseException | None) -> None:
             self.handled.labels(service, method, _code_name(context, exc)).inc()
         return record
+
+    def wrap(self, handler: Any, full_method: str, unary: Callable[[Behavior, Recorder], Behavior],
+             stream: Callable[[Behavior, Recorder], Behavior]) -> Any:
+        record = self.recorder(full_method)
+        for kind, wrapper in [*((k, unary) for k in UNARY_KINDS),
+                              *((k, stream) for k in STREAM_KINDS)]:
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrapper(behavior, record)})
+        return handler
 
 
 def _code_name(context: Any, exc: BaseException | None) -> str:
@@ -56,12 +52,46 @@ def _code_name(context: Any, exc: BaseException | None) -> str:
         return code.name
     if exc is None:
         return "OK"
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return "CANCELLED"
     return "UNKNOWN"
 
 
-def _wrap_unary(behavior: Behavior, record: Callable[[Any, BaseException | None], None]) -> Behavior:
+class GrpcServerMetrics(grpc.aio.ServerInterceptor):
+    """For grpc.aio servers."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counters = RpcCounters(registry)
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return self.counters.wrap(handler, handler_call_details.method, _wrap_async_unary,
+                                  _wrap_async_stream)
+
+
+class SyncGrpcServerMetrics(grpc.ServerInterceptor):
+    """For synchronous grpc servers."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counters = RpcCounters(registry)
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return self.counters.wrap(handler, handler_call_details.method, _wrap_sync_unary,
+                                  _wrap_sync_stream)
+
+
+def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
     async def wrapper(request: Any, context: Any) -> Any:
         try:
             result = await behavior(request, context)
@@ -73,11 +103,34 @@ def _wrap_unary(behavior: Behavior, record: Callable[[Any, BaseException | None]
     return wrapper
 
 
-def _wrap_stream(behavior: Behavior, record: Callable[[Any, BaseException | None], None]) -> Behavior:
+def _wrap_async_stream(behavior: Behavior, record: Recorder) -> Behavior:
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             async for item in behavior(request, context):
                 yield item
+        except BaseException as exc:
+            record(context, exc)
+            raise
+        record(context, None)
+    return wrapper
+
+
+def _wrap_sync_unary(behavior: Behavior, record: Recorder) -> Behavior:
+    def wrapper(request: Any, context: Any) -> Any:
+        try:
+            result = behavior(request, context)
+        except BaseException as exc:
+            record(context, exc)
+            raise
+        record(context, None)
+        return result
+    return wrapper
+
+
+def _wrap_sync_stream(behavior: Behavior, record: Recorder) -> Behavior:
+    def wrapper(request: Any, context: Any) -> Iterator[Any]:
+        try:
+            yield from behavior(request, context)
         except BaseException as exc:
             record(context, exc)
             raise

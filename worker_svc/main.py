@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
 from splitserve.log_config import configure_logging
-from splitserve.service_host import ServiceHost
+from splitserve.sync_service_host import SyncServiceHost
 from splitserve.worker.v1 import worker_service_pb2_grpc as worker_grpc
 from worker_svc.config import WorkerConfig, parse_config
 
@@ -15,26 +14,24 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.worker.v1.WorkerService"
 
 
-async def serve(config: WorkerConfig) -> int:
+def serve(config: WorkerConfig) -> int:
     import torch
 
     from worker_svc.server import WorkerServicer
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    host = ServiceHost(name="worker", host=config.host, port=config.port,
-                       service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    host = SyncServiceHost(name="worker", host=config.host, port=config.port,
+                           service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
     servicer = WorkerServicer(device=config.device, registry=host.registry)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
-    await host.start()
+    host.start()
     # A worker is ready as soon as it can take the core's start-up calls.
-    await host.set_ready(True)
-    code = await host.run_until_stopped()
-    await servicer.close()
-    return code
+    host.set_ready(True)
+    return host.run_until_stopped(on_shutdown=servicer.close)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level, "worker")
-    return asyncio.run(serve(config))
+    return serve(config)

@@ -1,24 +1,27 @@
-"""WorkerServicer: the grpc.aio face of one rank.
+"""WorkerServicer: the gRPC face of one rank, on a synchronous server.
 
-All model work (loading, KV allocation, steps, shutdown) runs on one dedicated thread, in call
-order, so the event loop stays free for health checks and the model never sees two threads.
-Execute is the bidirectional step stream: each ExecuteRequest runs in order; the output rank
-answers every step, other ranks answer only with errors. A failed step poisons the rank (its
-per-request state may be half-updated): every later step is answered with the same error.
+Every RPC runs on a thread of its own (splitserve.sync_service_host.ThreadPerRpcExecutor) that
+ends with it. torch's OpenMP thread team belongs to the thread that starts it, and a second live
+team roughly halves CPU throughput, so the model must only ever be driven from one live thread:
+unary calls (LoadModel, KV sizing and warm-up) run one at a time on their short-lived threads,
+and an Execute stream runs each step inline on its own thread — no hand-off between the
+network and the model on the step path. Execute is the bidirectional step stream: each
+ExecuteRequest runs in order; the output rank answers every step, other ranks answer only with
+errors. A failed step poisons the rank (its per-request state may be half-updated): every later
+step is answered with the same error.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import functools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.worker.v1 import worker_service_pb2 as pb
@@ -44,7 +47,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(
         self, device: str = "auto", rank_hint: int = 0, registry: CollectorRegistry | None = None
     ) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-model")
+        self._lock = threading.Lock()
         self._worker = Worker(device, rank_hint)
         self._registry = registry
         self._metrics: WorkerMetrics | None = None
@@ -56,14 +59,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def worker(self) -> Worker:
         return self._worker
 
-    async def _on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
-
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` on the model thread, turning our exceptions into gRPC status codes."""
+    def _call(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` (alone), turning our exceptions into gRPC status codes."""
         try:
-            return await self._on_model_thread(fn, *args)
+            with self._lock:
+                return fn(*args)
         except WorkerStateError as e:
             status, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except (ValueError, FileNotFoundError) as e:
@@ -71,27 +71,27 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         except Exception as e:  # noqa: BLE001 (reported to the caller, logged here)
             logger.exception("worker call %s failed", getattr(fn, "__name__", fn))
             status, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        await _abort(context, status, message)
+        _abort(context, status, message)
 
-    async def Describe(
-        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    def Describe(
+        self, request: pb.DescribeRequest, context: grpc.ServicerContext
     ) -> pb.DescribeResponse:
-        description = await self._call(context, self._worker.describe)
+        description = self._call(context, self._worker.describe)
         return convert.description_to_proto(description)
 
-    async def LoadModel(
-        self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext
+    def LoadModel(
+        self, request: pb.LoadModelRequest, context: grpc.ServicerContext
     ) -> pb.LoadModelResponse:
         try:
             config = convert.load_model_config_from_proto(request)
         except ValueError as e:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
         logger.info("loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
                     config.model_path or "the embedded default model",
                     config.rank, config.tensor_parallel_size, config.pipeline_parallel_size,
                     config.dtype)
-        loaded = await self._call(context, self._worker.load_model, config)
+        loaded = self._call(context, self._worker.load_model, config)
         if self._registry is not None and self._metrics is None:
             self._metrics = WorkerMetrics(
                 self._registry, request.served_model_name or config.model_path,
@@ -102,33 +102,34 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     loaded.weight_bytes / 1e6, loaded.load_seconds, loaded.attention_backend)
         return convert.loaded_model_to_proto(loaded)
 
-    async def GetKvCapacity(
-        self, request: pb.GetKvCapacityRequest, context: grpc.aio.ServicerContext
+    def GetKvCapacity(
+        self, request: pb.GetKvCapacityRequest, context: grpc.ServicerContext
     ) -> pb.GetKvCapacityResponse:
-        capacity = await self._call(
+        capacity = self._call(
             context, self._worker.get_kv_capacity, request.block_size,
             request.gpu_memory_utilization, request.kv_cache_memory_bytes,
         )
         return convert.kv_capacity_to_proto(capacity)
 
-    async def InitializeKvCache(
-        self, request: pb.InitializeKvCacheRequest, context: grpc.aio.ServicerContext
+    def InitializeKvCache(
+        self, request: pb.InitializeKvCacheRequest, context: grpc.ServicerContext
     ) -> pb.InitializeKvCacheResponse:
-        nbytes = await self._call(
+        nbytes = self._call(
             context, self._worker.initialize_kv_cache, request.num_blocks, request.block_size
         )
         return pb.InitializeKvCacheResponse(kv_cache_bytes=nbytes)
 
-    async def Execute(
-        self,
-        request_iterator: AsyncIterator[pb.ExecuteRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ExecuteResponse]:
+    def Execute(
+        self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecuteResponse]:
         if not self._worker.is_kv_cache_ready:
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                         "Execute needs LoadModel and InitializeKvCache first")
-        async for request in request_iterator:
-            response = await self._on_model_thread(self._execute_step, request)
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   "Execute needs LoadModel and InitializeKvCache first")
+        if self._worker.device.type == "cuda":
+            torch.cuda.set_device(self._worker.device)  # the current device is per thread
+        for request in request_iterator:
+            with self._lock:
+                response = self._execute_step(request)
             if response is not None:
                 yield response
 
@@ -161,20 +162,19 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         output = dataclasses.replace(output, timings=timings)
         return pb.ExecuteResponse(model_runner_output=convert.model_runner_output_to_proto(output))
 
-    async def close(self, timeout_seconds: float = 30.0) -> None:
-        """Release the model and the process group, then stop the model thread. A model thread
-        stuck in a collective (a peer rank died) is abandoned after `timeout_seconds`."""
+    def close(self) -> None:
+        """Release the model and the process group. Waits for a running step at most briefly:
+        a step stuck in a collective (a peer rank died) must not hold shutdown."""
         if self._is_closed:
             return
         self._is_closed = True
-        try:
-            await asyncio.wait_for(self._on_model_thread(self._worker.shutdown), timeout_seconds)
-        except TimeoutError:
-            logger.warning("the model thread did not finish within %.0fs; abandoning it",
-                           timeout_seconds)
-            self._thread.shutdown(wait=False, cancel_futures=True)
+        if not self._lock.acquire(timeout=30.0):
+            logger.warning("a step is still running after 30 s; closing without releasing it")
             return
-        self._thread.shutdown(wait=True)
+        try:
+            self._worker.shutdown()
+        finally:
+            self._lock.release()
 
     shutdown = close
 
@@ -185,6 +185,6 @@ def _error_response(step_id: int, rank: int, message: str) -> pb.ExecuteResponse
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("context.abort returned")  # grpc.aio raises; keeps mypy informed
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("context.abort returned")  # grpc raises; keeps mypy informed

@@ -1,4 +1,5 @@
-"""WorkerServicer over a real grpc.aio server on a loopback ephemeral port."""
+"""WorkerServicer over a real (synchronous) gRPC server on a loopback ephemeral port, driven by a
+grpc.aio client as the engine core would."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.v1 import types_pb2
+from splitserve.sync_service_host import ThreadPerRpcExecutor
 from splitserve.worker.v1 import worker_service_pb2 as pb
 from splitserve.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from tests.fixtures.checkpoints import CheckpointCache, load_reference
@@ -63,12 +65,17 @@ async def expect_code(call: object, code: grpc.StatusCode) -> str:
     return str(info.value.details())
 
 
-async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
-    server = grpc.aio.server()
-    servicer = WorkerServicer(device="cpu", registry=registry)
+def start_server(servicer: WorkerServicer) -> tuple[grpc.Server, int]:
+    server = grpc.server(ThreadPerRpcExecutor())
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server.start()
+    return server, port
+
+
+async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
+    servicer = WorkerServicer(device="cpu", registry=registry)
+    server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
@@ -95,8 +102,8 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
             await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
             return await run_steps(stub)
     finally:
-        await servicer.close()
-        await server.stop(None)
+        servicer.close()
+        server.stop(None)
 
 
 async def run_steps(stub: pb_grpc.WorkerServiceAsyncStub) -> list[int]:
@@ -138,11 +145,8 @@ def test_servicer_lifecycle_over_grpc(worker_checkpoints: CheckpointCache) -> No
 
 
 async def failing_step(model: Path) -> pb.ModelRunnerOutput:
-    server = grpc.aio.server()
     servicer = WorkerServicer(device="cpu")
-    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
@@ -154,8 +158,8 @@ async def failing_step(model: Path) -> pb.ModelRunnerOutput:
             await call.done_writing()
             return output
     finally:
-        await servicer.close()
-        await server.stop(None)
+        servicer.close()
+        server.stop(None)
 
 
 def test_step_exception_becomes_error_output(worker_checkpoints: CheckpointCache) -> None:
