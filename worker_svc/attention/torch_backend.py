@@ -135,9 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: object,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
-        rows = kv_cache.view(2, -1, self.head_dim)
-        rows[0].index_copy_(0, metadata.write_index, key.reshape(-1, self.head_dim))
-        rows[1].index_copy_(0, metadata.write_index, value.reshape(-1, self.head_dim))
+        self.write_kv_rows(kv_cache, metadata.write_index, key, value)
         decode = metadata.decode
         if decode is not None and decode.token_index is None and not metadata.prefills:
             return self._decode(query, kv_cache, decode)

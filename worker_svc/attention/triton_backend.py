@@ -79,9 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
         from worker_svc.attention.triton_kernels import paged_attention_kernel
 
         assert isinstance(metadata, TritonAttentionMetadata)
-        rows = kv_cache.view(2, -1, self.head_dim)
-        rows[0].index_copy_(0, metadata.write_index, key.reshape(-1, self.head_dim))
-        rows[1].index_copy_(0, metadata.write_index, value.reshape(-1, self.head_dim))
+        self.write_kv_rows(kv_cache, metadata.write_index, key, value)
         out = torch.empty_like(query)
         group = self.num_queries_per_kv
         block_m = max(BLOCK_M, _next_power_of_2(group))
