@@ -78,12 +78,19 @@ class EngineCoreClient:
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
         self._connected = asyncio.Event()
+        self._state_changed = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
 
     @property
     def is_connected(self) -> bool:
         return self._connected.is_set()
+
+    async def wait_state_change(self) -> bool:
+        """Wait until the stream goes up or down; returns whether it is up now."""
+        await self._state_changed.wait()
+        self._state_changed.clear()
+        return self.is_connected
 
     def next_handle(self) -> int:
         """A handle never used before on this client (handles are never reused)."""
@@ -115,6 +122,7 @@ class EngineCoreClient:
         while True:
             reason = await self._run_stream()
             self._connected.clear()
+            self._state_changed.set()
             self.on_disconnect(reason)
             self.num_reconnects += 1
             logger.warning("stream to engine core %s broke (%s); reconnecting", self.core_addr,
@@ -127,6 +135,7 @@ class EngineCoreClient:
         call = self._stub.EngineStream()
         tasks = [asyncio.create_task(self._write(call)), asyncio.create_task(self._ping())]
         self._connected.set()
+        self._state_changed.set()
         try:
             while True:
                 msg = await call.read()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.config import FrontendConfig, parse_config
+from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
 from frontend_svc.metrics import FrontendMetrics
@@ -23,14 +24,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.frontend.v1.GenerationService"
 
 
-async def _track_readiness(host: ServiceHost, engine: AsyncEngine) -> None:
+async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
     """Readiness follows the stream to the core: NOT_SERVING while it is down."""
-    was_ready: bool | None = None
+    await host.set_ready(client.is_connected)
     while True:
-        if engine.is_ready != was_ready:
-            was_ready = engine.is_ready
-            await host.set_ready(was_ready)
-        await asyncio.sleep(0.2)
+        await host.set_ready(await client.wait_state_change())
 
 
 async def serve(config: FrontendConfig) -> int:
@@ -63,7 +61,8 @@ async def serve(config: FrontendConfig) -> int:
                     served_name)
     logger.info("serving %s (max_model_len %d) via engine core %s", info.served_model_name,
                 info.max_model_len, config.core_addr)
-    tracker = asyncio.create_task(_track_readiness(host, engine))
+    assert isinstance(engine.client, EngineCoreClient)
+    tracker = asyncio.create_task(_track_readiness(host, engine.client))
     code = await host.run_until_stopped()
     tracker.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -73,3 +73,22 @@ def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(
         assert later.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         stack.stop()
+
+
+def test_frontend_readiness_follows_the_core(default_model_dir: Path) -> None:
+    stack = Stack(default_model_dir).start()
+    try:
+        frontend_service = "splitserve.frontend.v1.GenerationService"
+        assert _readiness(stack.frontend, frontend_service) == health_pb2.HealthCheckResponse.SERVING
+        stack.child("core").process.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _readiness(stack.frontend, frontend_service) != (
+                health_pb2.HealthCheckResponse.NOT_SERVING):
+            assert time.monotonic() < deadline, "frontend readiness never dropped"
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stack.frontend, text_request(PROMPT, max_tokens=2), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert _readiness(stack.frontend, "") == health_pb2.HealthCheckResponse.SERVING  # alive
+    finally:
+        stack.stop()
