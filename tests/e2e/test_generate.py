@@ -177,3 +177,28 @@ def test_grpcurl_drives_generate_through_reflection(stack: Stack) -> None:
     assert sum(len(m.get("tokenIds", m.get("token_ids", []))) for m in messages) == 4
     assert messages[-1].get("finishReason", messages[-1].get("finish_reason")) == (
         "FINISH_REASON_LENGTH")
+
+
+def test_logprobs_and_prompt_logprobs_reach_the_client(stack: Stack, hf_model: Any,
+                                                       tokenizer: Any) -> None:
+    import torch
+
+    request = text_request(PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3,
+                           prompt_logprobs=2)
+    with grpc.insecure_channel(stack.frontend) as channel:
+        responses = list(gen_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
+    tokens = [t for r in responses for t in r.token_ids]
+    rows = [row for r in responses for row in r.logprobs]
+    assert [row.chosen.token_id for row in rows] == tokens
+    assert all(row.chosen.rank == 1 and len(row.top) == 3 for row in rows)  # greedy: rank 1
+    assert all(row.top[0].token_id == row.chosen.token_id for row in rows)
+    prompt_ids = tokenizer.encode(PROMPT)
+    prompt_rows = [row for r in responses for row in r.prompt_logprobs]
+    assert [row.chosen.token_id for row in prompt_rows] == prompt_ids[1:]
+    assert responses[0].prompt_logprobs and not any(r.prompt_logprobs for r in responses[1:])
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    for pos, row in enumerate(prompt_rows):
+        expected = float(reference[pos, prompt_ids[pos + 1]])
+        assert abs(row.chosen.logprob - expected) < 1e-3
+        assert row.chosen.decoded_token == tokenizer.decode([row.chosen.token_id])
