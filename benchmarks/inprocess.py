@@ -98,14 +98,10 @@ class InProcessCoreClient:
 
 @dataclass
 class InProcessEngine:
-    """A running in-process engine and the pieces to stop it."""
+    """A running in-process engine (it lives as long as its process)."""
 
     engine: AsyncEngine
     inputs: InputProcessor
-    proc: EngineCoreProc
-
-    def stop(self) -> None:
-        self.proc.stop(10.0)
 
 
 async def start_in_process(model: str, dtype: str, max_num_seqs: int,
@@ -155,7 +151,7 @@ async def start_in_process(model: str, dtype: str, max_num_seqs: int,
     await engine.start(timeout=10)
     proc.start()
     inputs = InputProcessor(tokenizer, Limits(loaded.max_model_len, loaded.vocab_size))
-    return InProcessEngine(engine, inputs, proc)
+    return InProcessEngine(engine, inputs)
 
 
 async def serve(model: str, port: int, dtype: str, max_num_seqs: int,

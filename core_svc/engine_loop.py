@@ -134,13 +134,15 @@ class EngineCoreProc:
             if command.kind is CommandKind.SHUTDOWN:
                 return False
             self._apply(command)
-        step_seconds = None
+        step_seconds, stats = None, None
         if engine_core.has_work():
             started = time.perf_counter()
             outputs = engine_core.step(self._apply_step_aborts)
             step_seconds = time.perf_counter() - started
             self._route(outputs)
-        self._stats = engine_core.make_stats()
+            # step() already snapshotted the scheduler for its outputs; reuse it.
+            stats = next((o.scheduler_stats for o in outputs.values()), None)
+        self._stats = stats or engine_core.make_stats()
         if self._on_stats is not None:
             self._on_stats(self._stats, step_seconds)
         return True
