@@ -91,6 +91,18 @@ class PrometheusServer:
             time.sleep(0.5)
         return value
 
+    def settled(self, expr: str, timeout: float = 30.0) -> float:
+        """`sum(expr)` once two reads a scrape interval apart agree (no scrape still pending)."""
+        deadline = time.monotonic() + timeout
+        value = self.value(expr)
+        while time.monotonic() < deadline:
+            time.sleep(1.1)
+            again = self.value(expr)
+            if again == value:
+                return value
+            value = again
+        return value
+
     def targets_up(self) -> dict[str, str]:
         with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10) as reply:
             active = json.load(reply)["data"]["activeTargets"]

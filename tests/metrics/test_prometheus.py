@@ -129,7 +129,7 @@ def test_scheduler_metrics_are_sane(served: tuple[Stack, PrometheusServer], seen
 def test_splitserve_hop_and_worker_metrics(served: tuple[Stack, PrometheusServer],
                                            seen: Seen) -> None:
     _, prom = served
-    steps = prom.value(f"splitserve_core_worker_rtt_seconds_count{SEL}")
+    steps = prom.settled(f"splitserve_core_worker_rtt_seconds_count{SEL}")
     assert steps >= prom.value(f"vllm:iteration_tokens_total_count{SEL}") > 0
     assert prom.value(f"splitserve_core_worker_hop_seconds_count{SEL}") == steps
     assert prom.value(f"splitserve_core_step_seconds_count{SEL}") == steps
@@ -140,11 +140,11 @@ def test_splitserve_hop_and_worker_metrics(served: tuple[Stack, PrometheusServer
     assert prom.wait_for(f"clamp_max(splitserve_frontend_core_rtt_seconds_count{SEL}, 1)", 1) == 1
     for phase in ("prepare_inputs", "forward", "sample", "total"):
         expr = f'splitserve_worker_step_seconds_count{{model_name="{MODEL}",phase="{phase}"}}'
-        assert prom.value(expr) == steps, phase
-    assert prom.value(f"splitserve_worker_kv_blocks_used{SEL}") == 0
+        assert prom.wait_for(expr, steps) == steps, phase  # another target: scrapes differ
+    assert prom.wait_for(f"splitserve_worker_kv_blocks_used{SEL}", 0) == 0
     generate_ok = ('splitserve_grpc_server_handled_total{grpc_method="Generate",'
                    'grpc_code="OK"}')
-    assert prom.value(generate_ok) == 9
+    assert prom.wait_for(generate_ok, 9) == 9
     assert prom.value(f"splitserve_core_frontend_streams{SEL}") == 1
     assert prom.value(f"splitserve_frontend_core_reconnects_total{SEL}") == 0
 
