@@ -6,6 +6,7 @@ PY := $(CURDIR)/$(VENV)/bin/python
 BIN := $(CURDIR)/$(VENV)/bin
 PROTO_FILES := $(shell cd protos && find splitserve -name '*.proto' | sort)
 PROTO_OUT ?= .
+PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
 .PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench clean
@@ -39,20 +40,24 @@ lint: setup-dev
 	$(BIN)/mypy
 	cd protos && $(BIN)/buf lint
 
-# Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/.
+# Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the
+# splitserve_contracts package (protos/python_package.py moves it there and fixes its imports).
 proto: setup-dev
+	mkdir -p $(PROTO_TMP)
 	$(PY) -m grpc_tools.protoc -I protos \
 		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
-		--python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
-		--mypy_out=quiet:$(PROTO_OUT) --mypy_grpc_out=quiet:$(PROTO_OUT) $(PROTO_FILES)
+		--python_out=$(PROTO_TMP) --grpc_python_out=$(PROTO_TMP) \
+		--mypy_out=quiet:$(PROTO_TMP) --mypy_grpc_out=quiet:$(PROTO_TMP) $(PROTO_FILES)
+	$(PY) protos/python_package.py $(PROTO_TMP) $(PROTO_OUT)
+	rm -rf $(PROTO_TMP)
 
 # Fail when the committed generated code differs from what `make proto` would write.
 proto-check: setup-dev
 	@tmp=$$(mktemp -d) && \
 	$(MAKE) --no-print-directory proto PROTO_OUT=$$tmp >/dev/null && \
-	diff -r -x __init__.py -x __pycache__ $$tmp/splitserve splitserve \
-		| grep -v '^Only in splitserve' | (! grep .) && rm -rf $$tmp && \
+	diff -r -x __init__.py -x __pycache__ $$tmp/splitserve_contracts splitserve_contracts \
+		| grep -v '^Only in splitserve_contracts' | (! grep .) && rm -rf $$tmp && \
 	echo "proto-check: generated code is up to date" || \
 	(echo "proto-check: generated code is stale; run make proto" && rm -rf $$tmp && false)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve.default_model import default_cache_dir, write_random_llama, write_tokenizer
+from splitserve_runtime.default_model import default_cache_dir, write_random_llama, write_tokenizer
 
 BENCH_CONFIG: dict[str, object] = {
     "architectures": ["LlamaForCausalLM"],

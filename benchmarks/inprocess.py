@@ -160,7 +160,7 @@ async def serve(model: str, port: int, dtype: str, max_num_seqs: int,
     import grpc
 
     from frontend_svc.server import GenerationServicer
-    from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+    from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 
     engine = await start_in_process(model, dtype, max_num_seqs, max_num_batched_tokens,
                                     kv_cache_bytes)

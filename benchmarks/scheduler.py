@@ -28,7 +28,7 @@ from core_svc.request import Request
 from core_svc.sampling import SamplingParams
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
-from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 TOKEN = 7
 DECODE_PARAMS = SamplingParams(ignore_eos=True)

@@ -7,8 +7,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.flags import FlagParser, address_list, non_negative_int, positive_int
-from splitserve.log_config import LOG_LEVELS
+from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
+from splitserve_runtime.log_config import LOG_LEVELS
 
 DEFAULT_PORT = 50061
 DEFAULT_METRICS_PORT = 9401

@@ -20,9 +20,9 @@ from core_svc.outputs import (
 from core_svc.request import Request
 from core_svc.sampling import SamplingParams
 from core_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from splitserve.common.v1 import types_pb2
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 
 def sampling_params_from_proto(msg: types_pb2.SamplingParams) -> SamplingParams:

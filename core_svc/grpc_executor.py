@@ -24,8 +24,8 @@ from core_svc import convert
 from core_svc.executor import ExecutorError
 from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
-from splitserve.service_host import SERVER_OPTIONS
-from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_runtime.service_host import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 EXECUTE_METHOD = "/splitserve.worker.v1.WorkerService/Execute"

@@ -16,10 +16,10 @@ from core_svc.metrics import CoreMetrics
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import EngineCoreServicer
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
-from splitserve.log_config import configure_logging
-from splitserve.service_host import ServiceHost
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.service_host import ServiceHost
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.core.v1.EngineCoreService"

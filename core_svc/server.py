@@ -22,8 +22,8 @@ from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
 logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import grpc
 
 from core_svc.config import CoreConfig
-from splitserve.service_host import SERVER_OPTIONS
-from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
-from splitserve.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from splitserve_runtime.service_host import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3

@@ -23,9 +23,9 @@ from frontend_svc.requests import (
     TokenLogprobs,
 )
 from frontend_svc.sampling_params import SamplingParams
-from splitserve.common.v1 import types_pb2
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 
 _OPTIONAL_DEFAULTS = {
     "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "skip_special_tokens": True,

@@ -23,9 +23,9 @@ from frontend_svc import convert
 from frontend_svc.engine_types import CoreOutputs, EngineInfo
 from frontend_svc.output_processor import EngineUnavailable
 from frontend_svc.requests import EngineRequest
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
-from splitserve.service_host import SERVER_OPTIONS
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.service_host import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.sampling_params import Limits
 from frontend_svc.server import GenerationServicer
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
-from splitserve.log_config import configure_logging
-from splitserve.service_host import ServiceHost
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.service_host import ServiceHost
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.frontend.v1.GenerationService"
@@ -34,7 +34,7 @@ async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
 async def serve(config: FrontendConfig) -> int:
     model = config.model
     if not model:
-        from splitserve.default_model import ensure_default_model
+        from splitserve_runtime.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     tokenizer = load_tokenizer(model)

@@ -10,10 +10,10 @@ from typing import TextIO
 
 import grpc
 
-from splitserve.common.v1 import types_pb2
-from splitserve.flags import FlagParser, non_negative_int, positive_int
-from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 

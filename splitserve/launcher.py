@@ -21,8 +21,8 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.flags import FlagParser, non_negative_int, positive_int
-from splitserve.log_config import LOG_LEVELS
+from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
+from splitserve_runtime.log_config import LOG_LEVELS
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args, core_flags = parser.parse_known_env(argv, env)
     model = args.model
     if not model:
-        from splitserve.default_model import ensure_default_model
+        from splitserve_runtime.default_model import ensure_default_model
 
         model = str(ensure_default_model(env))
     children: list[Child] = []

@@ -14,7 +14,7 @@ from tests.e2e.stack import Stack
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model, built once per test session in a private cache."""
-    from splitserve.default_model import ensure_default_model
+    from splitserve_runtime.default_model import ensure_default_model
 
     cache = tmp_path_factory.mktemp("splitserve-cache")
     return ensure_default_model({"SPLITSERVE_CACHE_DIR": str(cache)})

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from splitserve.flags import FlagParser, non_negative_int
-from splitserve.log_config import LOG_LEVELS
+from splitserve_runtime.flags import FlagParser, non_negative_int
+from splitserve_runtime.log_config import LOG_LEVELS
 
 DEFAULT_PORT = 50071
 DEFAULT_METRICS_PORT = 9402

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
-from splitserve.common.v1 import types_pb2
-from splitserve.worker.v1 import worker_service_pb2 as pb
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.models.model_config import parse_dtype
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from splitserve.log_config import configure_logging
-from splitserve.sync_service_host import SyncServiceHost
-from splitserve.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.sync_service_host import SyncServiceHost
 from worker_svc.config import WorkerConfig, parse_config
 
 logger = logging.getLogger(__name__)

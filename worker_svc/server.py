@@ -1,6 +1,6 @@
 """WorkerServicer: the gRPC face of one rank, on a synchronous server.
 
-Every RPC runs on a thread of its own (splitserve.sync_service_host.ThreadPerRpcExecutor) that
+Every RPC runs on a thread of its own (splitserve_runtime.sync_service_host.ThreadPerRpcExecutor) that
 ends with it. torch's OpenMP thread team belongs to the thread that starts it, and a second live
 team roughly halves CPU throughput, so the model must only ever be driven from one live thread:
 unary calls (LoadModel, KV sizing and warm-up) run one at a time on their short-lived threads,
@@ -24,8 +24,8 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from splitserve.worker.v1 import worker_service_pb2 as pb
-from splitserve.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.worker import Worker, WorkerStateError

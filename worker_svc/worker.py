@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.default_model import ensure_default_model
+from splitserve_runtime.default_model import ensure_default_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity

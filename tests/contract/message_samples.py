@@ -7,10 +7,10 @@ from types import ModuleType
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from splitserve.common.v1 import types_pb2
-from splitserve.core.v1 import core_service_pb2
-from splitserve.frontend.v1 import generation_service_pb2
-from splitserve.worker.v1 import worker_service_pb2
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2
 
 CONTRACT_MODULES: tuple[ModuleType, ...] = (
     types_pb2, core_service_pb2, worker_service_pb2, generation_service_pb2)

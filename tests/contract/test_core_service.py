@@ -21,8 +21,8 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
 from frontend_svc.sampling_params import SamplingParams
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from tests.unit.core.fake_executor import default_token_fn, make_engine
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 128

@@ -50,7 +50,7 @@ def test_golden_wire_bytes(name: str) -> None:
 
 
 def test_optional_presence_survives_the_wire() -> None:
-    from splitserve.common.v1 import types_pb2
+    from splitserve_contracts.common.v1 import types_pb2
 
     zero_temp = types_pb2.SamplingParams(temperature=0.0)
     decoded = types_pb2.SamplingParams.FromString(zero_temp.SerializeToString())

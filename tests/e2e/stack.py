@@ -8,9 +8,9 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve.launcher import Child, start_children, stop_children, wait_ready
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
 KV_BYTES = str(64 * 1024 * 1024)
 

@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from splitserve.common.v1 import types_pb2
-from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.e2e.client import Completion, generate, join, text_request
 from tests.e2e.stack import Stack
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.e2e.client import generate, join, text_request
 from tests.e2e.stack import Stack
 from tests.e2e.test_generate import PROMPT, hf_greedy

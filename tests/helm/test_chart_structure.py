@@ -16,7 +16,7 @@ from core_svc.config import build_parser as core_parser
 from core_svc.config import parse_config as parse_core
 from frontend_svc.config import build_parser as frontend_parser
 from frontend_svc.config import parse_config as parse_frontend
-from splitserve.flags import FlagParser, env_name
+from splitserve_runtime.flags import FlagParser, env_name
 from tests.helm.chart_render import (
     CHART_DIR,
     CLUSTER_DOMAIN,

@@ -392,7 +392,7 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     assert "splitserve = splitserve.cli:main" in entry_points
     for module in ("frontend_svc/__main__.py", "core_svc/__main__.py", "worker_svc/__main__.py",
-                   "splitserve/frontend/v1/generation_service_pb2.py"):
+                   "splitserve_contracts/frontend/v1/generation_service_pb2.py"):
         assert module in names, module
 
 

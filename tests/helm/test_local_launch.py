@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from splitserve.common.v1 import types_pb2
-from splitserve.frontend.v1 import generation_service_pb2 as gen_pb2
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.helm.chart_render import (
     CHART_DIR,
     CI_DIR,

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from splitserve import dashboard
-from splitserve.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.e2e.client import Completion, generate, text_request
 from tests.e2e.stack import Stack
 from tests.metrics.prometheus_server import PrometheusServer

@@ -15,9 +15,9 @@ from core_svc.outputs import (
     StepTimings,
 )
 from core_svc.sampling import SamplingParams
-from splitserve.common.v1 import types_pb2
-from splitserve.core.v1 import core_service_pb2 as core_pb2
-from splitserve.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from tests.unit.core.fake_executor import make_engine, make_request
 
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from splitserve.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+from splitserve_runtime.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
 
 
 def digest(folder: Path) -> dict[str, str]:

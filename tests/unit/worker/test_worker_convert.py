@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitserve.common.v1 import types_pb2
-from splitserve.worker.v1 import worker_service_pb2 as pb
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from splitserve.common.v1 import types_pb2
-from splitserve.sync_service_host import ThreadPerRpcExecutor
-from splitserve.worker.v1 import worker_service_pb2 as pb
-from splitserve.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.sync_service_host import ThreadPerRpcExecutor
 from tests.fixtures.checkpoints import CheckpointCache, load_reference
 from tests.fixtures.parity import reference_generate
 from worker_svc.server import WorkerServicer

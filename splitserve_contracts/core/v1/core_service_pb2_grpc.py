@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.core.v1 import core_service_pb2 as splitserve_dot_core_dot_v1_dot_core__service__pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as splitserve_dot_core_dot_v1_dot_core__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

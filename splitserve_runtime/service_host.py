@@ -27,8 +27,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from splitserve.grpc_metrics import GrpcServerMetrics
-from splitserve.metrics_http import start_metrics_server
+from splitserve_runtime.grpc_metrics import GrpcServerMetrics
+from splitserve_runtime.metrics_http import start_metrics_server
 
 logger = logging.getLogger(__name__)
 

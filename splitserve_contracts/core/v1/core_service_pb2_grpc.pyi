@@ -5,7 +5,7 @@ The contract between a frontend and the engine core (vLLM's P0 <-> P1 hop)."""
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from splitserve.core.v1 import core_service_pb2 as _core_service_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as _core_service_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

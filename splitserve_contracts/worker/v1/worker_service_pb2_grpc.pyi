@@ -7,7 +7,7 @@ The contract between the engine core and each worker rank (vLLM's executor
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from splitserve.worker.v1 import worker_service_pb2 as _worker_service_pb2
+from splitserve_contracts.worker.v1 import worker_service_pb2 as _worker_service_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -9,7 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
-from splitserve.common.v1 import types_pb2 as _types_pb2
+from splitserve_contracts.common.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

@@ -7,7 +7,7 @@ language.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from splitserve.frontend.v1 import generation_service_pb2 as _generation_service_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as _generation_service_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

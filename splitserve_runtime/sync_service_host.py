@@ -20,9 +20,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.grpc_metrics import SyncGrpcServerMetrics
-from splitserve.metrics_http import start_metrics_server
-from splitserve.service_host import LIVENESS, SERVER_OPTIONS, new_registry
+from splitserve_runtime.grpc_metrics import SyncGrpcServerMetrics
+from splitserve_runtime.metrics_http import start_metrics_server
+from splitserve_runtime.service_host import LIVENESS, SERVER_OPTIONS, new_registry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.frontend.v1 import generation_service_pb2 as splitserve_dot_frontend_dot_v1_dot_generation__service__pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as splitserve_dot_frontend_dot_v1_dot_generation__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
