@@ -37,6 +37,7 @@ test: setup-dev lint proto-check
 
 lint: setup-dev
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	cd protos && $(BIN)/buf lint
 

@@ -46,11 +46,13 @@ class InProcessExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         step = worker_convert.scheduler_output_from_proto(
-            core_convert.scheduler_output_to_proto(scheduler_output))
+            core_convert.scheduler_output_to_proto(scheduler_output)
+        )
         output = self.worker.execute(step)
         assert output is not None, "a single rank is always the output rank"
         return core_convert.model_runner_output_from_proto(
-            worker_convert.model_runner_output_to_proto(output))
+            worker_convert.model_runner_output_to_proto(output)
+        )
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -61,8 +63,13 @@ class InProcessCoreClient:
 
     core_addr = "in-process"
 
-    def __init__(self, proc: EngineCoreProc, info: EngineInfo, on_outputs: OutputsCallback,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        proc: EngineCoreProc,
+        info: EngineInfo,
+        on_outputs: OutputsCallback,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.proc, self.info = proc, info
         self.on_outputs, self._loop = on_outputs, loop
         self._handles = itertools.count(1)
@@ -79,8 +86,15 @@ class InProcessCoreClient:
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
         now = time.monotonic()
-        self.proc.add_requests(CLIENT_ID, [core_convert.request_from_proto(
-            frontend_convert.engine_request_to_proto(h, r), CLIENT_ID, now) for h, r in requests])
+        self.proc.add_requests(
+            CLIENT_ID,
+            [
+                core_convert.request_from_proto(
+                    frontend_convert.engine_request_to_proto(h, r), CLIENT_ID, now
+                )
+                for h, r in requests
+            ],
+        )
 
     def abort_requests(self, handles: list[int]) -> None:
         if handles:
@@ -90,7 +104,8 @@ class InProcessCoreClient:
         """The core's output sink (busy-loop thread) -> the frontend's loop."""
         msg = core_convert.engine_core_outputs_to_proto(outputs)
         self._loop.call_soon_threadsafe(
-            self.on_outputs, frontend_convert.core_outputs_from_proto(msg))
+            self.on_outputs, frontend_convert.core_outputs_from_proto(msg)
+        )
 
     async def close(self) -> None:
         return None
@@ -104,9 +119,14 @@ class InProcessEngine:
     inputs: InputProcessor
 
 
-async def start_in_process(model: str, dtype: str, max_num_seqs: int,
-                           max_num_batched_tokens: int, kv_cache_bytes: int,
-                           block_size: int = 16) -> InProcessEngine:
+async def start_in_process(
+    model: str,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_bytes: int,
+    block_size: int = 16,
+) -> InProcessEngine:
     """Load the model and start the core loop, as `splitserve up` would, in this process.
 
     torch's OpenMP thread teams belong to the thread that starts them, and a second team runs
@@ -117,9 +137,14 @@ async def start_in_process(model: str, dtype: str, max_num_seqs: int,
     box: list[tuple[LoadedModel, int]] = []
 
     def load() -> None:
-        loaded = worker.load_model(LoadModelConfig(
-            model, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens))
+        loaded = worker.load_model(
+            LoadModelConfig(
+                model,
+                dtype=dtype,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+        )
         blocks = worker.get_kv_capacity(block_size, 0.9, kv_cache_bytes).num_blocks
         worker.initialize_kv_cache(blocks, block_size)
         box.append((loaded, blocks))
@@ -128,11 +153,27 @@ async def start_in_process(model: str, dtype: str, max_num_seqs: int,
     loader.start()
     loader.join()
     loaded, num_blocks = box[0]
-    core = EngineCore(SchedulerConfig(max_num_seqs, max_num_batched_tokens, loaded.max_model_len),
-                      CacheConfig(num_blocks, block_size), InProcessExecutor(worker))
-    info = EngineInfo("bench", model, loaded.max_model_len, loaded.vocab_size, block_size,
-                      num_blocks, 1, 1, loaded.dtype, max_num_seqs, max_num_batched_tokens, True,
-                      "0", 0.0)
+    core = EngineCore(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, loaded.max_model_len),
+        CacheConfig(num_blocks, block_size),
+        InProcessExecutor(worker),
+    )
+    info = EngineInfo(
+        "bench",
+        model,
+        loaded.max_model_len,
+        loaded.vocab_size,
+        block_size,
+        num_blocks,
+        1,
+        1,
+        loaded.dtype,
+        max_num_seqs,
+        max_num_batched_tokens,
+        True,
+        "0",
+        0.0,
+    )
     tokenizer = load_tokenizer(model)
     loop = asyncio.get_running_loop()
     clients: list[InProcessCoreClient] = []
@@ -142,8 +183,9 @@ async def start_in_process(model: str, dtype: str, max_num_seqs: int,
 
     proc = EngineCoreProc(core, sink)
 
-    def factory(on_outputs: OutputsCallback, on_disconnect: DisconnectCallback,
-                on_rtt: RttCallback) -> InProcessCoreClient:
+    def factory(
+        on_outputs: OutputsCallback, on_disconnect: DisconnectCallback, on_rtt: RttCallback
+    ) -> InProcessCoreClient:
         clients.append(InProcessCoreClient(proc, info, on_outputs, loop))
         return clients[0]
 
@@ -154,16 +196,23 @@ async def start_in_process(model: str, dtype: str, max_num_seqs: int,
     return InProcessEngine(engine, inputs)
 
 
-async def serve(model: str, port: int, dtype: str, max_num_seqs: int,
-                max_num_batched_tokens: int, kv_cache_bytes: int) -> None:
+async def serve(
+    model: str,
+    port: int,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_bytes: int,
+) -> None:
     """Serve GenerationService from an in-process engine on 127.0.0.1:port until killed."""
     import grpc
 
     from frontend_svc.server import GenerationServicer
     from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 
-    engine = await start_in_process(model, dtype, max_num_seqs, max_num_batched_tokens,
-                                    kv_cache_bytes)
+    engine = await start_in_process(
+        model, dtype, max_num_seqs, max_num_batched_tokens, kv_cache_bytes
+    )
     info = await engine.engine.client.connect(1.0)
     servicer = GenerationServicer(engine.engine, engine.inputs.tokenizer)
     servicer.attach(engine.inputs, info, info.served_model_name)
@@ -185,8 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.model, args.port, args.dtype, args.max_num_seqs,
-                      args.max_num_batched_tokens, args.kv_cache_memory_bytes))
+    asyncio.run(
+        serve(
+            args.model,
+            args.port,
+            args.dtype,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.kv_cache_memory_bytes,
+        )
+    )
     return 0
 
 

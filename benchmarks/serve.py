@@ -67,12 +67,15 @@ GenerateFn = Callable[[list[int], Workload], AsyncIterator[int]]
 def random_prompts(workload: Workload) -> list[list[int]]:
     rng = random.Random(workload.seed)
     low = 3  # skip the special tokens at the start of the vocabulary
-    return [[rng.randrange(low, workload.vocab_size) for _ in range(workload.input_len)]
-            for _ in range(workload.num_prompts)]
+    return [
+        [rng.randrange(low, workload.vocab_size) for _ in range(workload.input_len)]
+        for _ in range(workload.num_prompts)
+    ]
 
 
-async def _one(generate: GenerateFn, prompt: list[int], workload: Workload,
-               on_done: Callable[[], None]) -> RequestResult:
+async def _one(
+    generate: GenerateFn, prompt: list[int], workload: Workload, on_done: Callable[[], None]
+) -> RequestResult:
     result = RequestResult(sent=time.perf_counter())
     try:
         async for num_new in generate(prompt, workload):
@@ -85,8 +88,9 @@ async def _one(generate: GenerateFn, prompt: list[int], workload: Workload,
     return result
 
 
-async def run_workload(generate: GenerateFn, workload: Workload,
-                       progress: bool = True) -> tuple[list[RequestResult], float]:
+async def run_workload(
+    generate: GenerateFn, workload: Workload, progress: bool = True
+) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals or all at once); returns results and duration."""
     from tqdm import tqdm
 
@@ -112,8 +116,11 @@ def _stats(values: list[float], prefix: str) -> dict[str, float]:
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
-    return {f"mean_{prefix}_ms": statistics.fmean(values) * 1e3,
-            f"p50_{prefix}_ms": pct(0.5) * 1e3, f"p99_{prefix}_ms": pct(0.99) * 1e3}
+    return {
+        f"mean_{prefix}_ms": statistics.fmean(values) * 1e3,
+        f"p50_{prefix}_ms": pct(0.5) * 1e3,
+        f"p99_{prefix}_ms": pct(0.99) * 1e3,
+    }
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
@@ -121,9 +128,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     output_tokens = sum(r.num_tokens for r in ok)
     summary: dict[str, float] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
-        "total_output_tokens": output_tokens}
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_output_tokens": output_tokens,
+    }
     summary |= _stats([r.ttft for r in ok], "ttft")
     summary |= _stats([t for r in ok if (t := r.tpot) is not None], "tpot")
     summary |= _stats(itls, "itl")
@@ -136,11 +147,14 @@ def grpc_generate(addr: str) -> tuple[GenerateFn, Callable[[], Awaitable[None]]]
     stub = gen_grpc.GenerationServiceStub(channel)
 
     async def generate(prompt: list[int], workload: Workload) -> AsyncIterator[int]:
-        params = types_pb2.SamplingParams(max_tokens=workload.output_len,
-                                          ignore_eos=workload.ignore_eos,
-                                          temperature=workload.temperature)
-        request = gen_pb2.GenerateRequest(prompt_token_ids=gen_pb2.TokenIds(ids=prompt),
-                                          sampling_params=params)
+        params = types_pb2.SamplingParams(
+            max_tokens=workload.output_len,
+            ignore_eos=workload.ignore_eos,
+            temperature=workload.temperature,
+        )
+        request = gen_pb2.GenerateRequest(
+            prompt_token_ids=gen_pb2.TokenIds(ids=prompt), sampling_params=params
+        )
         async for response in stub.Generate(request):
             yield len(response.token_ids)
 
@@ -150,19 +164,26 @@ def grpc_generate(addr: str) -> tuple[GenerateFn, Callable[[], Awaitable[None]]]
 async def vocab_size_of(addr: str) -> int:
     async with grpc.aio.insecure_channel(addr) as channel:
         info = await gen_grpc.GenerationServiceStub(channel).GetModelInfo(
-            gen_pb2.GetModelInfoRequest(), timeout=30)
+            gen_pb2.GetModelInfoRequest(), timeout=30
+        )
         return int(info.vocab_size)
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(prog="splitserve bench serve",
-                   description="Benchmark a running frontend (like `vllm bench serve`).")
+    p = FlagParser(
+        prog="splitserve bench serve",
+        description="Benchmark a running frontend (like `vllm bench serve`).",
+    )
     p.add_argument("--addr", default="127.0.0.1:50051", help="frontend HOST:PORT")
     p.add_argument("--num-prompts", type=positive_int, default=32)
     p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens")
     p.add_argument("--output-len", type=positive_int, default=64, help="tokens to generate")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (inf: all at once)",
+    )
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=non_negative_int, default=0)
@@ -178,9 +199,16 @@ def print_table(title: str, summary: Mapping[str, float]) -> None:
 
 async def _amain(argv: Sequence[str] | None) -> int:
     args = build_parser().parse(argv, os.environ)
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.request_rate,
-                        not args.no_ignore_eos, args.temperature,
-                        await vocab_size_of(args.addr), args.seed)
+    workload = Workload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.request_rate,
+        not args.no_ignore_eos,
+        args.temperature,
+        await vocab_size_of(args.addr),
+        args.seed,
+    )
     generate, close = grpc_generate(args.addr)
     results, duration = await run_workload(generate, workload)
     await close()

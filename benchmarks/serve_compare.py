@@ -55,16 +55,25 @@ def transformers_baseline(model: str) -> dict[str, float]:
         ids = torch.tensor(prompts)
         started = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=2,
+            )
         return time.perf_counter() - started
 
     run(random_prompts(W2)[:1], 4)  # warm-up
     w1_seconds = run(random_prompts(W1), W1.output_len)
     ttft = min(run(random_prompts(W2), 1) for _ in range(2))
     total = run(random_prompts(W2), W2.output_len)
-    return {"w1_output_throughput": W1.num_prompts * W1.output_len / w1_seconds,
-            "w2_ttft_ms": ttft * 1e3, "w2_tpot_ms": (total - ttft) / (W2.output_len - 1) * 1e3}
+    return {
+        "w1_output_throughput": W1.num_prompts * W1.output_len / w1_seconds,
+        "w2_ttft_ms": ttft * 1e3,
+        "w2_tpot_ms": (total - ttft) / (W2.output_len - 1) * 1e3,
+    }
 
 
 W2_REPEATS = 5
@@ -75,23 +84,42 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
     shared 2-core machine), reporting the run with the median TPOT."""
     await run_workload(generate, Workload(2, 32, 8, vocab_size=VOCAB_SIZE), progress=False)
     w1 = summarize(*await run_workload(generate, W1))
-    w2_runs = [summarize(*await run_workload(generate, replace(W2, seed=W2.seed + i),
-                                             progress=False)) for i in range(W2_REPEATS)]
+    w2_runs = [
+        summarize(*await run_workload(generate, replace(W2, seed=W2.seed + i), progress=False))
+        for i in range(W2_REPEATS)
+    ]
     w2 = sorted(w2_runs, key=lambda r: r["mean_tpot_ms"])[W2_REPEATS // 2]
     assert not w1["failed"] and not any(r["failed"] for r in w2_runs)
-    return {"w1_output_throughput": w1["output_throughput"], "w1_mean_ttft_ms": w1["mean_ttft_ms"],
-            "w1_mean_tpot_ms": w1["mean_tpot_ms"], "w2_ttft_ms": w2["mean_ttft_ms"],
-            "w2_tpot_ms": w2["mean_tpot_ms"], "w2_p99_itl_ms": w2["p99_itl_ms"],
-            "w2_tpot_min_ms": min(r["mean_tpot_ms"] for r in w2_runs),
-            "w2_tpot_max_ms": max(r["mean_tpot_ms"] for r in w2_runs)}
+    return {
+        "w1_output_throughput": w1["output_throughput"],
+        "w1_mean_ttft_ms": w1["mean_ttft_ms"],
+        "w1_mean_tpot_ms": w1["mean_tpot_ms"],
+        "w2_ttft_ms": w2["mean_ttft_ms"],
+        "w2_tpot_ms": w2["mean_tpot_ms"],
+        "w2_p99_itl_ms": w2["p99_itl_ms"],
+        "w2_tpot_min_ms": min(r["mean_tpot_ms"] for r in w2_runs),
+        "w2_tpot_max_ms": max(r["mean_tpot_ms"] for r in w2_runs),
+    }
 
 
 async def grpc_stack(model: str) -> dict[str, float]:
-    args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                              host="127.0.0.1", port=0, log_level="warning")
-    flags = ["--dtype", DTYPE, "--max-num-seqs", str(MAX_NUM_SEQS),
-             "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    args = argparse.Namespace(
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+    )
+    flags = [
+        "--dtype",
+        DTYPE,
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens",
+        str(MAX_NUM_BATCHED_TOKENS),
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+    ]
     children = start_children(args, model, flags)
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
@@ -106,10 +134,25 @@ async def grpc_stack(model: str) -> dict[str, float]:
 async def in_process(model: str) -> dict[str, float]:
     """The in-process engine behind the same public gRPC API, in its own process."""
     port = free_ports(1)[0]
-    server = subprocess.Popen([
-        sys.executable, "-m", "benchmarks.inprocess", "--model", model, "--port", str(port),
-        "--dtype", DTYPE, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens",
-        str(MAX_NUM_BATCHED_TOKENS), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.inprocess",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--dtype",
+            DTYPE,
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS),
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
+        ]
+    )
     addr = f"127.0.0.1:{port}"
     try:
         await wait_serving(addr, server)
@@ -135,15 +178,22 @@ async def wait_serving(addr: str, server: subprocess.Popen[bytes]) -> None:
     raise TimeoutError(f"the in-process server at {addr} never answered")
 
 
-def verdicts(hf: dict[str, float], grpc: dict[str, float], local: dict[str, float]) -> dict[str, Any]:
+def verdicts(
+    hf: dict[str, float], grpc: dict[str, float], local: dict[str, float]
+) -> dict[str, Any]:
     w1_ratio = grpc["w1_output_throughput"] / hf["w1_output_throughput"]
     w2_ratio = grpc["w2_tpot_ms"] / hf["w2_tpot_ms"]
     w1_hop = 1 - grpc["w1_output_throughput"] / local["w1_output_throughput"]
     w2_hop = grpc["w2_tpot_ms"] / local["w2_tpot_ms"] - 1
-    return {"w1_vs_transformers": round(w1_ratio, 3), "w1_target_met": w1_ratio >= 1.5,
-            "w2_tpot_vs_transformers": round(w2_ratio, 3), "w2_target_met": w2_ratio <= 0.6,
-            "w1_hop_cost": round(w1_hop, 4), "w2_hop_cost": round(w2_hop, 4),
-            "hop_target_met": max(w1_hop, w2_hop) <= 0.05}
+    return {
+        "w1_vs_transformers": round(w1_ratio, 3),
+        "w1_target_met": w1_ratio >= 1.5,
+        "w2_tpot_vs_transformers": round(w2_ratio, 3),
+        "w2_target_met": w2_ratio <= 0.6,
+        "w1_hop_cost": round(w1_hop, 4),
+        "w2_hop_cost": round(w2_hop, 4),
+        "hop_target_met": max(w1_hop, w2_hop) <= 0.05,
+    }
 
 
 PHASES = {
@@ -156,8 +206,12 @@ PHASES = {
 def run_phase(name: str) -> dict[str, float]:
     """Each phase in a fresh interpreter: torch thread pools from one run (e.g. transformers on
     the main thread) must not slow the next."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.serve_compare", "--phase", name],
-                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.serve_compare", "--phase", name],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
@@ -168,9 +222,13 @@ def median_rows(rounds: list[dict[str, float]]) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating gRPC / in-process rounds (this machine's speed drifts; "
-                        "medians over interleaved rounds compare like with like)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternating gRPC / in-process rounds (this machine's speed drifts; "
+        "medians over interleaved rounds compare like with like)",
+    )
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     model = str(ensure_bench_model())
@@ -180,8 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {}
     if not args.skip_transformers:
         rows["transformers_fp32"] = run_phase("transformers_fp32")
-    rounds: dict[str, list[dict[str, float]]] = {"splitserve_grpc": [],
-                                                 "splitserve_in_process": []}
+    rounds: dict[str, list[dict[str, float]]] = {"splitserve_grpc": [], "splitserve_in_process": []}
     for _ in range(args.rounds):
         for name, results in rounds.items():
             results.append(run_phase(name))
@@ -189,8 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, row in rows.items():
         print(json.dumps({"run": name, **{k: round(v, 2) for k, v in row.items()}}), flush=True)
     if "transformers_fp32" in rows:
-        print(json.dumps(verdicts(rows["transformers_fp32"], rows["splitserve_grpc"],
-                                  rows["splitserve_in_process"])), flush=True)
+        print(
+            json.dumps(
+                verdicts(
+                    rows["transformers_fp32"],
+                    rows["splitserve_grpc"],
+                    rows["splitserve_in_process"],
+                )
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -80,14 +80,20 @@ class Session:
         self.next_block += count
         return ids
 
-    def execute(self, new: list[NewRequestData], sched: list[int],
-                cached: CachedRequestData | None = None,
-                finished: Sequence[int] = ()) -> tuple[ModelRunnerOutput, float]:
+    def execute(
+        self,
+        new: list[NewRequestData],
+        sched: list[int],
+        cached: CachedRequestData | None = None,
+        finished: Sequence[int] = (),
+    ) -> tuple[ModelRunnerOutput, float]:
         self.step_id += 1
         step = SchedulerOutput(
-            step_id=self.step_id, scheduled_new_reqs=new,
+            step_id=self.step_id,
+            scheduled_new_reqs=new,
             scheduled_cached_reqs=cached or CachedRequestData(),
-            num_scheduled_tokens=arr(sched), total_num_scheduled_tokens=sum(sched),
+            num_scheduled_tokens=arr(sched),
+            total_num_scheduled_tokens=sum(sched),
             finished_req_handles=arr(finished),
         )
         started = time.perf_counter()
@@ -98,24 +104,37 @@ class Session:
 
     def new_request(self, prompt: np.ndarray, num_computed: int, reserve: int) -> NewRequestData:
         self.next_handle += 1
-        return NewRequestData(self.next_handle, f"b{self.next_handle}", prompt, GREEDY,
-                              self.blocks(len(prompt) + reserve), num_computed)
+        return NewRequestData(
+            self.next_handle,
+            f"b{self.next_handle}",
+            prompt,
+            GREEDY,
+            self.blocks(len(prompt) + reserve),
+            num_computed,
+        )
 
 
-def decode_cached(handles: list[int], num_computed: list[int], tokens: np.ndarray) -> CachedRequestData:
+def decode_cached(
+    handles: list[int], num_computed: list[int], tokens: np.ndarray
+) -> CachedRequestData:
     n = len(handles)
     return CachedRequestData(
-        req_handles=arr(handles), num_computed_tokens=arr(num_computed),
-        num_new_block_ids=np.zeros(n, np.int64), new_block_ids=np.zeros(0, np.int64),
-        num_new_token_ids=np.ones(n, np.int64), new_token_ids=tokens.astype(np.int64),
+        req_handles=arr(handles),
+        num_computed_tokens=arr(num_computed),
+        num_new_block_ids=np.zeros(n, np.int64),
+        new_block_ids=np.zeros(0, np.int64),
+        num_new_token_ids=np.ones(n, np.int64),
+        new_token_ids=tokens.astype(np.int64),
     )
 
 
 def bench_decode(session: Session, batch_size: int, context: int, steps: int) -> dict[str, float]:
     """B requests whose `context - 1` tokens are 'cached' (a prefix hit), then decode steps."""
     rng = np.random.default_rng(batch_size)
-    news = [session.new_request(rng.integers(3, VOCAB_SIZE, context), context - 1, steps + 4)
-            for _ in range(batch_size)]
+    news = [
+        session.new_request(rng.integers(3, VOCAB_SIZE, context), context - 1, steps + 4)
+        for _ in range(batch_size)
+    ]
     out, _ = session.execute(news, [1] * batch_size)
     handles = [n.req_handle for n in news]
     times, parts = [], []
@@ -145,12 +164,15 @@ def bench_prefill(session: Session, num_tokens: int, repeats: int) -> float:
     return 1e3 * statistics.median(times[1:])
 
 
-def bench_serve_like(session: Session, num_prompts: int, prompt_len: int, output_len: int,
-                     budget: int) -> dict[str, float]:
+def bench_serve_like(
+    session: Session, num_prompts: int, prompt_len: int, output_len: int, budget: int
+) -> dict[str, float]:
     """Prefill in steps of `budget` tokens, then decode everyone to `output_len` tokens."""
     rng = np.random.default_rng(1)
-    news = [session.new_request(rng.integers(3, VOCAB_SIZE, prompt_len), 0, output_len)
-            for _ in range(num_prompts)]
+    news = [
+        session.new_request(rng.integers(3, VOCAB_SIZE, prompt_len), 0, output_len)
+        for _ in range(num_prompts)
+    ]
     per_step = budget // prompt_len
     started = time.perf_counter()
     last: dict[int, int] = {}
@@ -175,14 +197,23 @@ def run(args: argparse.Namespace) -> None:
     folder = ensure_bench_model(Path(args.model_dir) if args.model_dir else None)
     for dtype in args.dtypes:
         bandwidth = copy_bandwidth()
-        emit({"bench": "copy_bandwidth", "gb_per_s": bandwidth / 1e9,
-              "threads": torch.get_num_threads()})
+        emit(
+            {
+                "bench": "copy_bandwidth",
+                "gb_per_s": bandwidth / 1e9,
+                "threads": torch.get_num_threads(),
+            }
+        )
         worker = Worker("cpu")
-        loaded = worker.load_model(LoadModelConfig(str(folder), dtype=dtype,
-                                                   max_num_batched_tokens=2048, max_num_seqs=256))
+        loaded = worker.load_model(
+            LoadModelConfig(str(folder), dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=256)
+        )
         runner = worker.runner
         assert runner is not None and runner.model.embed_tokens is not None
-        embed_bytes = runner.model.embed_tokens.weight.numel() * runner.model.embed_tokens.weight.element_size()
+        embed_bytes = (
+            runner.model.embed_tokens.weight.numel()
+            * runner.model.embed_tokens.weight.element_size()
+        )
         read_bytes = loaded.weight_bytes - embed_bytes  # a step gathers a few embedding rows only
         num_blocks = 256 * (args.context + args.steps + 8) // BLOCK_SIZE + 256
         worker.initialize_kv_cache(num_blocks, BLOCK_SIZE)
@@ -193,19 +224,44 @@ def run(args: argparse.Namespace) -> None:
         base = {"dtype": loaded.dtype, "weight_bytes_read": read_bytes, "floor_ms": floor_ms}
         for batch_size in args.batch_sizes:
             result = bench_decode(session, batch_size, args.context, args.steps)
-            emit({"bench": "decode", **base, "batch_size": batch_size, "context": args.context,
-                  **result, "tokens_per_s": batch_size / result["step_ms"] * 1e3})
+            emit(
+                {
+                    "bench": "decode",
+                    **base,
+                    "batch_size": batch_size,
+                    "context": args.context,
+                    **result,
+                    "tokens_per_s": batch_size / result["step_ms"] * 1e3,
+                }
+            )
         prefill_ms = bench_prefill(session, args.prefill_tokens, repeats=2)
-        emit({"bench": "prefill", **base, "tokens": args.prefill_tokens, "step_ms": prefill_ms,
-              "tokens_per_s": args.prefill_tokens / prefill_ms * 1e3})
-        emit({"bench": "serve_like", "dtype": loaded.dtype, "num_prompts": 32, "prompt_len": 256,
-              "output_len": 64, **bench_serve_like(session, 32, 256, 64, budget=2048)})
+        emit(
+            {
+                "bench": "prefill",
+                **base,
+                "tokens": args.prefill_tokens,
+                "step_ms": prefill_ms,
+                "tokens_per_s": args.prefill_tokens / prefill_ms * 1e3,
+            }
+        )
+        emit(
+            {
+                "bench": "serve_like",
+                "dtype": loaded.dtype,
+                "num_prompts": 32,
+                "prompt_len": 256,
+                "output_len": 64,
+                **bench_serve_like(session, 32, 256, 64, budget=2048),
+            }
+        )
         worker.shutdown()
 
 
 def emit(record: dict[str, object]) -> None:
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}),
-          flush=True)
+    print(
+        json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}),
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

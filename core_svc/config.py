@@ -50,48 +50,112 @@ class CoreConfig:
 
 def build_parser() -> FlagParser:
     p = FlagParser(prog="splitserve core", description="Run the engine core service (vLLM's P1).")
-    p.add_argument("--model", default="", help="checkpoint folder the workers load "
-                   "(default: the embedded tiny model)")
-    p.add_argument("--worker-addrs", type=address_list, default=[],
-                   help="worker ranks as HOST:PORT,... in rank order (rank = pp_rank*tp + tp_rank)")
-    p.add_argument("--served-model-name", default="", help="model name reported to clients and in "
-                   "metrics (default: the model folder's name)")
-    p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks per pipeline stage")
-    p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1,
-                   help="pipeline stages")
-    p.add_argument("--max-model-len", type=non_negative_int, default=0,
-                   help="longest sequence in tokens (0: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256,
-                   help="most requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096,
-                   help="token budget of one engine step")
+    p.add_argument(
+        "--model",
+        default="",
+        help="checkpoint folder the workers load (default: the embedded tiny model)",
+    )
+    p.add_argument(
+        "--worker-addrs",
+        type=address_list,
+        default=[],
+        help="worker ranks as HOST:PORT,... in rank order (rank = pp_rank*tp + tp_rank)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="model name reported to clients and in metrics (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per pipeline stage",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size", "--pp", type=positive_int, default=1, help="pipeline stages"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=non_negative_int,
+        default=0,
+        help="longest sequence in tokens (0: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="most requests running at once"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=4096,
+        help="token budget of one engine step",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share full KV blocks between requests with the same prefix")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory a worker may use (weights + activations + KV)")
-    p.add_argument("--kv-cache-memory-bytes", type=non_negative_int, default=0,
-                   help="KV-cache bytes per worker; 0 derives it (CUDA) or uses 4 GiB (CPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="compute dtype of the workers")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full KV blocks between requests with the same prefix",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory a worker may use (weights + activations + KV)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=non_negative_int,
+        default=0,
+        help="KV-cache bytes per worker; 0 derives it (CUDA) or uses 4 GiB (CPU)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype of the workers",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the workers' default generator")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="order of waiting requests")
-    p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "triton", "flash_attn"], help="workers' attention")
-    p.add_argument("--distributed-init-method", default="",
-                   help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
-                   "(default: rank 0's host, port 29500)")
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="order of waiting requests",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "flash_attn"],
+        help="workers' attention",
+    )
+    p.add_argument(
+        "--distributed-init-method",
+        default="",
+        help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
+        "(default: rank 0's host, port 29500)",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="Prometheus /metrics port (-1 disables)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    )
     p.add_argument("--engine-id", default="0", help="metrics label `engine`")
-    p.add_argument("--worker-connect-timeout", type=float, default=600.0,
-                   help="seconds to wait for the workers to come up and load")
-    p.add_argument("--execute-timeout", type=float, default=300.0,
-                   help="seconds one engine step may take before the workers count as failed")
+    p.add_argument(
+        "--worker-connect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the workers to come up and load",
+    )
+    p.add_argument(
+        "--execute-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one engine step may take before the workers count as failed",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 
@@ -104,9 +168,11 @@ def parse_config(
     args = parser.parse(argv, os.environ if environ is None else environ)
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     if args.worker_addrs and len(args.worker_addrs) != world:
-        parser.error(f"--worker-addrs lists {len(args.worker_addrs)} workers but "
-                     f"--tp {args.tensor_parallel_size} x --pp {args.pipeline_parallel_size} "
-                     f"needs {world}")
+        parser.error(
+            f"--worker-addrs lists {len(args.worker_addrs)} workers but "
+            f"--tp {args.tensor_parallel_size} x --pp {args.pipeline_parallel_size} "
+            f"needs {world}"
+        )
     if not args.worker_addrs:
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

@@ -57,8 +57,10 @@ class _RankStream:
         self.rank, self.addr = rank, addr
         self.channel = grpc.insecure_channel(addr, options=SERVER_OPTIONS)
         method = self.channel.stream_stream(
-            EXECUTE_METHOD, request_serializer=_identity,
-            response_deserializer=worker_pb2.ExecuteResponse.FromString)
+            EXECUTE_METHOD,
+            request_serializer=_identity,
+            response_deserializer=worker_pb2.ExecuteResponse.FromString,
+        )
         self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.replies: Iterator[worker_pb2.ExecuteResponse] = method(iter(self.outbox.get, _CLOSE))
 
@@ -71,9 +73,14 @@ class _RankStream:
 class GrpcExecutor:
     """Executor over gRPC; see the module docstring."""
 
-    def __init__(self, addrs: list[str], output_rank: int, execute_timeout: float,
-                 on_failure: Callable[[str], None],
-                 on_timing: Callable[[float, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        addrs: list[str],
+        output_rank: int,
+        execute_timeout: float,
+        on_failure: Callable[[str], None],
+        on_timing: Callable[[float, float], None] | None = None,
+    ) -> None:
         self._addrs = addrs
         self.output_rank = output_rank
         self.execute_timeout = execute_timeout
@@ -90,8 +97,12 @@ class GrpcExecutor:
         self._streams = [_RankStream(rank, addr) for rank, addr in enumerate(self._addrs)]
         for stream in self._streams:
             if stream.rank != self.output_rank:
-                threading.Thread(target=self._watch, args=(stream,), daemon=True,
-                                 name=f"watch-rank-{stream.rank}").start()
+                threading.Thread(
+                    target=self._watch,
+                    args=(stream,),
+                    daemon=True,
+                    name=f"watch-rank-{stream.rank}",
+                ).start()
         threading.Thread(target=self._watchdog, daemon=True, name="step-watchdog").start()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -109,12 +120,15 @@ class GrpcExecutor:
         if self._on_timing is not None:
             self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
         if reply.status == worker_pb2.STEP_STATUS_ERROR:
-            self._fail(f"worker rank {reply.rank} failed step {reply.step_id}: "
-                       f"{reply.error_message}")
+            self._fail(
+                f"worker rank {reply.rank} failed step {reply.step_id}: {reply.error_message}"
+            )
             raise ExecutorError(self.failure or reply.error_message)
         if reply.step_id != scheduler_output.step_id:
-            self._fail(f"worker rank {self.output_rank} answered step {reply.step_id} to step "
-                       f"{scheduler_output.step_id}")
+            self._fail(
+                f"worker rank {self.output_rank} answered step {reply.step_id} to step "
+                f"{scheduler_output.step_id}"
+            )
             raise ExecutorError(self.failure or "step out of order")
         return convert.model_runner_output_from_proto(reply)
 
@@ -125,8 +139,10 @@ class GrpcExecutor:
         except StopIteration:
             self._fail(f"worker rank {stream.rank} ({stream.addr}) closed its stream")
         except grpc.RpcError as err:
-            self._fail(f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
-                       f"{err.code().name}: {err.details()}")
+            self._fail(
+                f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
+                f"{err.code().name}: {err.details()}"
+            )
         raise ExecutorError(self.failure or "executor failed")
 
     def _watch(self, stream: _RankStream) -> None:
@@ -135,20 +151,26 @@ class GrpcExecutor:
             for reply in stream.replies:
                 out = reply.model_runner_output
                 if out.status == worker_pb2.STEP_STATUS_ERROR:
-                    self._fail(f"worker rank {stream.rank} ({stream.addr}) failed step "
-                               f"{out.step_id}: {out.error_message}")
+                    self._fail(
+                        f"worker rank {stream.rank} ({stream.addr}) failed step "
+                        f"{out.step_id}: {out.error_message}"
+                    )
                     return
             self._fail(f"worker rank {stream.rank} ({stream.addr}) closed its stream")
         except grpc.RpcError as err:
-            self._fail(f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
-                       f"{err.code().name}: {err.details()}")
+            self._fail(
+                f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
+                f"{err.code().name}: {err.details()}"
+            )
 
     def _watchdog(self) -> None:
         while not self._stopped.wait(1.0):
             started = self._step_started
             if started is not None and time.monotonic() - started > self.execute_timeout:
-                self._fail(f"a step got no answer from worker rank {self.output_rank} within "
-                           f"{self.execute_timeout:.0f} s")
+                self._fail(
+                    f"a step got no answer from worker rank {self.output_rank} within "
+                    f"{self.execute_timeout:.0f} s"
+                )
 
     def _fail(self, message: str) -> None:
         """First failure wins: report it once and cancel the output rank's stream, which wakes a

@@ -36,50 +36,85 @@ def served_model_name(config: CoreConfig) -> str:
 def engine_info(config: CoreConfig, facts: ModelFacts) -> core_pb2.EngineInfo:
     usable_tokens = (facts.num_kv_blocks - 1) * config.block_size  # block 0 is the null block
     return core_pb2.EngineInfo(
-        served_model_name=served_model_name(config), model_path=config.model,
-        max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
-        block_size=config.block_size, num_kv_blocks=facts.num_kv_blocks,
+        served_model_name=served_model_name(config),
+        model_path=config.model,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        block_size=config.block_size,
+        num_kv_blocks=facts.num_kv_blocks,
         tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size, dtype=facts.dtype,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching, engine_id=config.engine_id,
-        max_concurrency=usable_tokens / facts.max_model_len)
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        dtype=facts.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        engine_id=config.engine_id,
+        max_concurrency=usable_tokens / facts.max_model_len,
+    )
 
 
 def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInfo) -> None:
     tokens = (facts.num_kv_blocks - 1) * config.block_size
-    logger.info("model %s (%s, %s, attention %s): max_model_len %d, vocab %d",
-                info.served_model_name, facts.architecture, facts.dtype,
-                facts.attention_backend, facts.max_model_len, facts.vocab_size)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB per rank",
-                facts.num_kv_blocks, config.block_size, tokens,
-                facts.kv_cache_bytes_per_rank / GIB)
-    logger.info("maximum concurrency for %d-token requests: %.2fx", facts.max_model_len,
-                info.max_concurrency)
+    logger.info(
+        "model %s (%s, %s, attention %s): max_model_len %d, vocab %d",
+        info.served_model_name,
+        facts.architecture,
+        facts.dtype,
+        facts.attention_backend,
+        facts.max_model_len,
+        facts.vocab_size,
+    )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB per rank",
+        facts.num_kv_blocks,
+        config.block_size,
+        tokens,
+        facts.kv_cache_bytes_per_rank / GIB,
+    )
+    logger.info(
+        "maximum concurrency for %d-token requests: %.2fx",
+        facts.max_model_len,
+        info.max_concurrency,
+    )
 
 
 def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]:
     """Labels of vllm:cache_config_info (vLLM's CacheConfig field names)."""
-    return {"engine": config.engine_id, "block_size": str(config.block_size),
-            "cache_dtype": "auto", "enable_prefix_caching": str(config.enable_prefix_caching),
-            "gpu_memory_utilization": str(config.gpu_memory_utilization),
-            "num_gpu_blocks": str(facts.num_kv_blocks),
-            "kv_cache_memory_bytes": str(facts.kv_cache_bytes_per_rank)}
+    return {
+        "engine": config.engine_id,
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_gpu_blocks": str(facts.num_kv_blocks),
+        "kv_cache_memory_bytes": str(facts.kv_cache_bytes_per_rank),
+    }
 
 
 def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) -> EngineCore:
     scheduler = SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=facts.max_model_len, policy=config.scheduling_policy)  # type: ignore[arg-type]
-    cache = CacheConfig(num_blocks=facts.num_kv_blocks, block_size=config.block_size,
-                        enable_prefix_caching=config.enable_prefix_caching)
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=facts.max_model_len,
+        policy=config.scheduling_policy,  # type: ignore[arg-type]
+    )
+    cache = CacheConfig(
+        num_blocks=facts.num_kv_blocks,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
     return EngineCore(scheduler, cache, executor)
 
 
 async def serve(config: CoreConfig) -> int:
     loop = asyncio.get_running_loop()
-    host = ServiceHost(name="core", host=config.host, port=config.port,
-                       service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    host = ServiceHost(
+        name="core",
+        host=config.host,
+        port=config.port,
+        service_names=[SERVICE_NAME],
+        metrics_port=config.metrics_port,
+    )
     servicer = EngineCoreServicer(loop)
     core_grpc.add_EngineCoreServiceServicer_to_server(servicer, host.server)
     await host.start()
@@ -94,20 +129,28 @@ async def serve(config: CoreConfig) -> int:
         return 1
     info = engine_info(config, facts)
     log_kv_cache(config, facts, info)
-    metrics = CoreMetrics(host.registry, info.served_model_name, config.engine_id,
-                          cache_config_labels(config, facts))
+    metrics = CoreMetrics(
+        host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
+    )
 
     def on_failure(message: str) -> None:  # any thread
         loop.call_soon_threadsafe(
-            lambda: loop.create_task(host.set_unhealthy(f"engine failed: {message}")))
+            lambda: loop.create_task(host.set_unhealthy(f"engine failed: {message}"))
+        )
 
     output_rank = config.world_size - config.tensor_parallel_size
-    executor = GrpcExecutor(config.worker_addrs, output_rank, config.execute_timeout,
-                            on_failure, metrics.observe_worker_step)
+    executor = GrpcExecutor(
+        config.worker_addrs,
+        output_rank,
+        config.execute_timeout,
+        on_failure,
+        metrics.observe_worker_step,
+    )
     executor.open()
     servicer.set_metrics(metrics)
-    proc = EngineCoreProc(build_engine(config, facts, executor), servicer.output_sink,
-                          on_stats=metrics.observe_stats)
+    proc = EngineCoreProc(
+        build_engine(config, facts, executor), servicer.output_sink, on_stats=metrics.observe_stats
+    )
     gc.collect()
     gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
     proc.start()

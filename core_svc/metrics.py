@@ -11,18 +11,60 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from core_svc.outputs import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
-               0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
-                0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+HOP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 LABELS = ["model_name", "engine"]
 
 
 class CoreMetrics:
     """Metric objects bound to this engine's labels."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
-                 cache_config: dict[str, str]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        engine: str,
+        cache_config: dict[str, str],
+    ) -> None:
         values = (model_name, engine)
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -37,32 +79,49 @@ class CoreMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
-                                          "Number of tokens per engine step.",
-                                          ITERATION_TOKEN_BUCKETS)
-        info = Gauge("vllm:cache_config_info", "Information of the KV cache config.",
-                     sorted(cache_config), registry=registry)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Number of tokens per engine step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache config.",
+            sorted(cache_config),
+            registry=registry,
+        )
         info.labels(**cache_config).set(1)
         self.step_seconds = histogram(
             "splitserve_core_step_seconds",
-            "Engine step time (schedule, workers, update) on the core's clock.", STEP_BUCKETS)
+            "Engine step time (schedule, workers, update) on the core's clock.",
+            STEP_BUCKETS,
+        )
         self.worker_rtt_seconds = histogram(
             "splitserve_core_worker_rtt_seconds",
             "Per step: time from sending a SchedulerOutput to every rank to receiving the "
-            "output rank's ModelRunnerOutput.", STEP_BUCKETS)
+            "output rank's ModelRunnerOutput.",
+            STEP_BUCKETS,
+        )
         self.worker_hop_seconds = histogram(
             "splitserve_core_worker_hop_seconds",
             "Per step: the core<->worker round trip minus the worker's own step time "
-            "(serialisation, gRPC and transport in both directions).", HOP_BUCKETS)
+            "(serialisation, gRPC and transport in both directions).",
+            HOP_BUCKETS,
+        )
         self.output_send_seconds = histogram(
             "splitserve_core_output_send_seconds",
             "Per message: time from the engine loop handing a frontend its step outputs to "
-            "the message being written to that frontend's stream.", HOP_BUCKETS)
+            "the message being written to that frontend's stream.",
+            HOP_BUCKETS,
+        )
         self.streams = gauge("splitserve_core_frontend_streams", "Open frontend EngineStreams.")
         self._last = SchedulerStats()
 

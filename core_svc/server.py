@@ -32,8 +32,7 @@ _STREAM_CLOSED = object()
 class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
     """Handshake, EngineStream and GetSchedulerStats over one EngineCoreProc."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 metrics: CoreMetrics | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: CoreMetrics | None = None) -> None:
         self._loop = loop
         self._metrics = metrics
         self._client_ids = itertools.count(1)
@@ -63,12 +62,15 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         if queue is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, (outputs, time.perf_counter()))
 
-    async def _require(self, context: grpc.aio.ServicerContext) -> tuple[EngineCoreProc,
-                                                                         core_pb2.EngineInfo]:
+    async def _require(
+        self, context: grpc.aio.ServicerContext
+    ) -> tuple[EngineCoreProc, core_pb2.EngineInfo]:
         if self._proc is None or self._info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the engine core is still starting (loading the model on the "
-                                "workers); retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine core is still starting (loading the model on the "
+                "workers); retry shortly",
+            )
         assert self._proc is not None and self._info is not None
         return self._proc, self._info
 
@@ -87,7 +89,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
 
     async def EngineStream(  # noqa: N802
-        self, request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
+        self,
+        request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[core_pb2.EngineStreamResponse]:
         proc, _ = await self._require(context)
@@ -108,7 +111,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     continue
                 outputs, handed_at = cast(tuple[EngineCoreOutputs, float], item)
                 yield core_pb2.EngineStreamResponse(
-                    outputs=convert.engine_core_outputs_to_proto(outputs))
+                    outputs=convert.engine_core_outputs_to_proto(outputs)
+                )
                 if self._metrics is not None:
                     self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
         finally:
@@ -121,22 +125,29 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 await reader
             logger.info("stream %d closed; its requests were aborted", client_id)
 
-    async def _read(self, client_id: int, proc: EngineCoreProc,
-                    request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
-                    queue: asyncio.Queue[object]) -> None:
+    async def _read(
+        self,
+        client_id: int,
+        proc: EngineCoreProc,
+        request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
+        queue: asyncio.Queue[object],
+    ) -> None:
         """Move the client's adds and aborts, in order, onto the engine's input queue."""
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("payload")
                 if kind == "add":
                     now = time.monotonic()
-                    proc.add_requests(client_id, [convert.request_from_proto(r, client_id, now)
-                                                  for r in msg.add.requests])
+                    proc.add_requests(
+                        client_id,
+                        [convert.request_from_proto(r, client_id, now) for r in msg.add.requests],
+                    )
                 elif kind == "abort":
                     proc.abort_requests(client_id, list(msg.abort.request_handles))
                 elif kind == "ping":
-                    queue.put_nowait(core_pb2.EngineStreamResponse(
-                        pong=core_pb2.Pong(ping_id=msg.ping.ping_id)))
+                    queue.put_nowait(
+                        core_pb2.EngineStreamResponse(pong=core_pb2.Pong(ping_id=msg.ping.ping_id))
+                    )
         except grpc.RpcError:
             pass
         finally:

@@ -50,15 +50,20 @@ class WorkerPool:
         self.channels = [grpc.aio.insecure_channel(a, options=SERVER_OPTIONS) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
 
-    async def _call_all(self, name: str, requests: Sequence[object],
-                        timeout: float) -> list[object]:
-        calls = [getattr(stub, name)(req, timeout=timeout)
-                 for stub, req in zip(self.stubs, requests, strict=True)]
+    async def _call_all(
+        self, name: str, requests: Sequence[object], timeout: float
+    ) -> list[object]:
+        calls = [
+            getattr(stub, name)(req, timeout=timeout)
+            for stub, req in zip(self.stubs, requests, strict=True)
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for rank, result in enumerate(results):
             if isinstance(result, grpc.RpcError):
-                raise WorkerBringUpError(f"worker rank {rank} ({self.addrs[rank]}) failed {name}: "
-                                         f"{result.code().name}: {result.details()}")
+                raise WorkerBringUpError(
+                    f"worker rank {rank} ({self.addrs[rank]}) failed {name}: "
+                    f"{result.code().name}: {result.details()}"
+                )
             if isinstance(result, BaseException):
                 raise result
         return results
@@ -76,43 +81,71 @@ class WorkerPool:
                     if time.monotonic() > deadline:
                         raise WorkerBringUpError(
                             f"worker rank {rank} at {self.addrs[rank]} unreachable after "
-                            f"{timeout:.0f} s ({err.code().name})") from err
+                            f"{timeout:.0f} s ({err.code().name})"
+                        ) from err
                     await asyncio.sleep(0.2)
         for rank, reply in enumerate(replies):
-            logger.info("worker rank %d: %s %s on %s (pid %d)", rank, reply.device_type,
-                        reply.device_name, reply.hostname, reply.pid)
+            logger.info(
+                "worker rank %d: %s %s on %s (pid %d)",
+                rank,
+                reply.device_type,
+                reply.device_name,
+                reply.hostname,
+                reply.pid,
+            )
         return replies
 
-    async def bring_up(self, config: CoreConfig, model_path: str,
-                       served_model_name: str) -> ModelFacts:
+    async def bring_up(
+        self, config: CoreConfig, model_path: str, served_model_name: str
+    ) -> ModelFacts:
         """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
         world = config.world_size
         rendezvous_id = uuid.uuid4().hex
-        loads = [worker_pb2.LoadModelRequest(
-            model_path=model_path, dtype=config.dtype, rank=rank,
-            tensor_parallel_size=config.tensor_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            distributed_init_method=config.distributed_init_method, seed=config.seed,
-            max_model_len=config.max_model_len, attention_backend=config.attention_backend,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, served_model_name=served_model_name,
-            engine_id=config.engine_id, rendezvous_id=rendezvous_id) for rank in range(world)]
+        loads = [
+            worker_pb2.LoadModelRequest(
+                model_path=model_path,
+                dtype=config.dtype,
+                rank=rank,
+                tensor_parallel_size=config.tensor_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
+                distributed_init_method=config.distributed_init_method,
+                seed=config.seed,
+                max_model_len=config.max_model_len,
+                attention_backend=config.attention_backend,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                served_model_name=served_model_name,
+                engine_id=config.engine_id,
+                rendezvous_id=rendezvous_id,
+            )
+            for rank in range(world)
+        ]
         loaded = await self._call_all("LoadModel", loads, config.worker_connect_timeout)
         first = loaded[0]
         assert isinstance(first, worker_pb2.LoadModelResponse)
         max_model_len = min(r.max_model_len for r in loaded)  # type: ignore[attr-defined]
         capacity_req = worker_pb2.GetKvCapacityRequest(
-            block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+            block_size=config.block_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        )
         capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
         num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
         _check_fits(num_blocks, config.block_size, max_model_len)
-        init = worker_pb2.InitializeKvCacheRequest(num_blocks=num_blocks,
-                                                   block_size=config.block_size)
+        init = worker_pb2.InitializeKvCacheRequest(
+            num_blocks=num_blocks, block_size=config.block_size
+        )
         inited = await self._call_all("InitializeKvCache", [init] * world, 600.0)
         kv_bytes = max(r.kv_cache_bytes for r in inited)  # type: ignore[attr-defined]
-        return ModelFacts(first.architecture, first.vocab_size, max_model_len, first.dtype,
-                          first.attention_backend, num_blocks, kv_bytes)
+        return ModelFacts(
+            first.architecture,
+            first.vocab_size,
+            max_model_len,
+            first.dtype,
+            first.attention_backend,
+            num_blocks,
+            kv_bytes,
+        )
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -125,4 +158,5 @@ def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
         raise WorkerBringUpError(
             f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}) but "
             f"max_model_len is {max_model_len}: lower --max-model-len or give the KV cache more "
-            "memory (--kv-cache-memory-bytes / --gpu-memory-utilization)")
+            "memory (--kv-cache-memory-bytes / --gpu-memory-utilization)"
+        )

@@ -67,7 +67,8 @@ def check(addr: str, service: str, timeout: float) -> bool:
     try:
         with grpc.insecure_channel(addr) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
     except grpc.RpcError as err:
         print(f"{addr} {service or '(liveness)'}: {err.code().name}", file=sys.stderr)
         return False
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     p = argparse.ArgumentParser(prog="splitserve-healthcheck", description=__doc__.split("\n")[0])
     p.add_argument("--addr", default="", help="HOST:PORT to check (default: this container's)")
     p.add_argument("--service", default=None, help="health service name (default: readiness)")
-    p.add_argument("--liveness", action="store_true", help="check the liveness service \"\"")
+    p.add_argument("--liveness", action="store_true", help='check the liveness service ""')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     args = p.parse_args(argv)
     cmdline = read_cmdline()

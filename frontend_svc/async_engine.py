@@ -25,12 +25,17 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """Multiplexes generate() calls over one EngineCoreClient."""
 
-    def __init__(self, core_addr: str, output_processor: OutputProcessor,
-                 client_factory: ClientFactory | None = None) -> None:
+    def __init__(
+        self,
+        core_addr: str,
+        output_processor: OutputProcessor,
+        client_factory: ClientFactory | None = None,
+    ) -> None:
         self.output_processor = output_processor
         if client_factory is None:
             self.client: CoreClient = EngineCoreClient(
-                core_addr, self._on_outputs, self._on_disconnect, on_rtt=self._on_rtt)
+                core_addr, self._on_outputs, self._on_disconnect, on_rtt=self._on_rtt
+            )
         else:
             self.client = client_factory(self._on_outputs, self._on_disconnect, self._on_rtt)
 
@@ -63,11 +68,13 @@ class AsyncEngine:
     def _on_disconnect(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.reconnects.inc()
-        self.output_processor.fail_all(f"lost the engine core at {self.client.core_addr} "
-                                       f"({reason}); retry the request")
+        self.output_processor.fail_all(
+            f"lost the engine core at {self.client.core_addr} ({reason}); retry the request"
+        )
 
-    async def generate(self, request: EngineRequest,
-                       arrival: float | None = None) -> AsyncIterator[CompletionDelta]:
+    async def generate(
+        self, request: EngineRequest, arrival: float | None = None
+    ) -> AsyncIterator[CompletionDelta]:
         """Stream deltas of all `request.params.n` completions until every one finished.
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -89,8 +96,9 @@ class AsyncEngine:
                     self.output_processor.remove_request(handle)
                 self.client.abort_requests(sorted(remaining))
 
-    def _add(self, request: EngineRequest, queue: asyncio.Queue[Any],
-             arrival: float) -> dict[int, int]:
+    def _add(
+        self, request: EngineRequest, queue: asyncio.Queue[Any], arrival: float
+    ) -> dict[int, int]:
         """Register and send the n child requests; returns index -> handle."""
         params = request.params
         children: dict[int, int] = {}
@@ -99,11 +107,16 @@ class AsyncEngine:
             seed = None if params.seed is None else params.seed + index
             child = EngineRequest(
                 request.request_id if params.n == 1 else f"{request.request_id}-{index}",
-                request.prompt_token_ids, params.replace(n=1, seed=seed),
-                request.eos_token_id, request.priority, request.cache_salt)
+                request.prompt_token_ids,
+                params.replace(n=1, seed=seed),
+                request.eos_token_id,
+                request.priority,
+                request.cache_salt,
+            )
             handle = self.client.next_handle()
-            self.output_processor.add_request(handle, index, child.params,
-                                              len(request.prompt_token_ids), queue, arrival)
+            self.output_processor.add_request(
+                handle, index, child.params, len(request.prompt_token_ids), queue, arrival
+            )
             children[index] = handle
             batch.append((handle, child))
         try:
@@ -126,8 +139,12 @@ def _drain(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:
     while not queue.empty():
         item = queue.get_nowait()
         last = items[-1]
-        if (isinstance(item, CompletionDelta) and isinstance(last, CompletionDelta)
-                and last.index == item.index and not last.is_finished):
+        if (
+            isinstance(item, CompletionDelta)
+            and isinstance(last, CompletionDelta)
+            and last.index == item.index
+            and not last.is_finished
+        ):
             items[-1] = _merge(last, item)
         else:
             items.append(item)

@@ -31,24 +31,44 @@ class FrontendConfig:
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(prog="splitserve frontend",
-                   description="Run the public gRPC frontend (vLLM's P0).")
-    p.add_argument("--model", default="", help="checkpoint folder holding the tokenizer "
-                   "(default: the embedded tiny model)")
+    p = FlagParser(
+        prog="splitserve frontend", description="Run the public gRPC frontend (vLLM's P0)."
+    )
+    p.add_argument(
+        "--model",
+        default="",
+        help="checkpoint folder holding the tokenizer (default: the embedded tiny model)",
+    )
     p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
-    p.add_argument("--served-model-name", default="",
-                   help="model name for clients (default: what the engine core reports)")
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="model name for clients (default: what the engine core reports)",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="Prometheus /metrics port (-1 disables)")
-    p.add_argument("--max-logprobs", type=non_negative_int, default=20,
-                   help="largest logprobs / prompt_logprobs a request may ask for")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=non_negative_int,
+        default=20,
+        help="largest logprobs / prompt_logprobs a request may ask for",
+    )
     p.add_argument("--max-n", type=positive_int, default=64, help="largest n a request may ask for")
-    p.add_argument("--max-stop-strings", type=positive_int, default=32,
-                   help="most stop strings per request")
-    p.add_argument("--core-connect-timeout", type=float, default=900.0,
-                   help="seconds to wait for the engine core at start-up")
+    p.add_argument(
+        "--max-stop-strings", type=positive_int, default=32, help="most stop strings per request"
+    )
+    p.add_argument(
+        "--core-connect-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the engine core at start-up",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 

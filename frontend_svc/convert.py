@@ -28,7 +28,10 @@ from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 
 _OPTIONAL_DEFAULTS = {
-    "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0, "skip_special_tokens": True,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
 }
 _OPTIONAL_NONE = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
@@ -44,11 +47,18 @@ def sampling_params_from_proto(msg: types_pb2.SamplingParams) -> SamplingParams:
     for name in _OPTIONAL_NONE:
         values[name] = getattr(msg, name) if has_field(name) else None
     return SamplingParams(
-        n=msg.n or 1, top_k=msg.top_k, min_p=msg.min_p, presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty, stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens, include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=dict(msg.logit_bias), allowed_token_ids=tuple(msg.allowed_token_ids),
+        n=msg.n or 1,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=tuple(msg.allowed_token_ids),
         **values,  # type: ignore[arg-type]
     )
 
@@ -100,9 +110,13 @@ def prompt_from_proto(msg: gen_pb2.GenerateRequest | gen_pb2.TokenizeRequest) ->
 
 
 def generate_input_from_proto(msg: gen_pb2.GenerateRequest, request_id: str) -> GenerateInput:
-    return GenerateInput(request_id=request_id, prompt=prompt_from_proto(msg),
-                         params=sampling_params_from_proto(msg.sampling_params),
-                         priority=msg.priority, cache_salt=msg.cache_salt)
+    return GenerateInput(
+        request_id=request_id,
+        prompt=prompt_from_proto(msg),
+        params=sampling_params_from_proto(msg.sampling_params),
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+    )
 
 
 def _logprob_to_proto(src: Logprob, dst: types_pb2.Logprob) -> None:
@@ -122,11 +136,17 @@ def _token_logprobs_to_proto(
 
 def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateResponse:
     msg = gen_pb2.GenerateResponse(
-        request_id=request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text,
+        request_id=request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
         finish_reason=int(delta.finish_reason),  # type: ignore[arg-type]
-        usage=gen_pb2.Usage(prompt_tokens=delta.prompt_tokens,
-                            completion_tokens=delta.completion_tokens,
-                            cached_tokens=delta.cached_tokens))
+        usage=gen_pb2.Usage(
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=delta.completion_tokens,
+            cached_tokens=delta.cached_tokens,
+        ),
+    )
     if delta.stop_str is not None:
         msg.stop_str = delta.stop_str
     elif delta.stop_token_id is not None:
@@ -140,8 +160,12 @@ def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateR
 
 def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineCoreRequest:
     msg = core_pb2.EngineCoreRequest(
-        request_id=req.request_id, request_handle=handle, prompt_token_ids=req.prompt_token_ids,
-        cache_salt=req.cache_salt, priority=req.priority)
+        request_id=req.request_id,
+        request_handle=handle,
+        prompt_token_ids=req.prompt_token_ids,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
+    )
     if req.eos_token_id is not None:
         msg.eos_token_id = req.eos_token_id
     sampling_params_to_proto(req.params, msg.sampling_params)
@@ -149,36 +173,51 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
 
 
 def _table_from_proto(msg: types_pb2.LogprobsTable) -> LogprobsTable:
-    return LogprobsTable(msg.num_top_logprobs, list(msg.token_ids), list(msg.logprobs),
-                         list(msg.ranks))
+    return LogprobsTable(
+        msg.num_top_logprobs, list(msg.token_ids), list(msg.logprobs), list(msg.ranks)
+    )
 
 
 def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
     return CoreOutputDetail(
-        handle=d.request_handle, finish_reason=d.finish_reason,
+        handle=d.request_handle,
+        finish_reason=d.finish_reason,
         stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
         new_logprobs=_table_from_proto(d.new_logprobs) if d.HasField("new_logprobs") else None,
-        prompt_logprobs=(_table_from_proto(d.prompt_logprobs)
-                         if d.HasField("prompt_logprobs") else None),
+        prompt_logprobs=(
+            _table_from_proto(d.prompt_logprobs) if d.HasField("prompt_logprobs") else None
+        ),
         events=[(e.type, e.timestamp) for e in d.events],
         num_cached_tokens=d.num_cached_tokens if d.HasField("num_cached_tokens") else None,
-        error_message=d.error_message)
+        error_message=d.error_message,
+    )
 
 
 def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
     return CoreOutputs(
-        handles=list(msg.request_handles), num_new_tokens=list(msg.num_new_tokens),
+        handles=list(msg.request_handles),
+        num_new_tokens=list(msg.num_new_tokens),
         new_token_ids=list(msg.new_token_ids),
         details={d.request_handle: _detail_from_proto(d) for d in msg.details},
-        timestamp=msg.timestamp, step_index=msg.step_index)
+        timestamp=msg.timestamp,
+        step_index=msg.step_index,
+    )
 
 
 def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(
-        served_model_name=msg.served_model_name, model_path=msg.model_path,
-        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, block_size=msg.block_size,
-        num_kv_blocks=msg.num_kv_blocks, tensor_parallel_size=msg.tensor_parallel_size,
-        pipeline_parallel_size=msg.pipeline_parallel_size, dtype=msg.dtype,
-        max_num_seqs=msg.max_num_seqs, max_num_batched_tokens=msg.max_num_batched_tokens,
-        enable_prefix_caching=msg.enable_prefix_caching, engine_id=msg.engine_id,
-        max_concurrency=msg.max_concurrency)
+        served_model_name=msg.served_model_name,
+        model_path=msg.model_path,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        block_size=msg.block_size,
+        num_kv_blocks=msg.num_kv_blocks,
+        tensor_parallel_size=msg.tensor_parallel_size,
+        pipeline_parallel_size=msg.pipeline_parallel_size,
+        dtype=msg.dtype,
+        max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        enable_prefix_caching=msg.enable_prefix_caching,
+        engine_id=msg.engine_id,
+        max_concurrency=msg.max_concurrency,
+    )

@@ -60,9 +60,15 @@ ClientFactory = Callable[[OutputsCallback, DisconnectCallback, RttCallback], Cor
 class EngineCoreClient:
     """The frontend's end of EngineCoreService.EngineStream."""
 
-    def __init__(self, core_addr: str, on_outputs: OutputsCallback,
-                 on_disconnect: DisconnectCallback, max_backoff: float = 5.0,
-                 ping_interval: float = 1.0, on_rtt: RttCallback | None = None) -> None:
+    def __init__(
+        self,
+        core_addr: str,
+        on_outputs: OutputsCallback,
+        on_disconnect: DisconnectCallback,
+        max_backoff: float = 5.0,
+        ping_interval: float = 1.0,
+        on_rtt: RttCallback | None = None,
+    ) -> None:
         self.core_addr = core_addr
         self.on_outputs = on_outputs
         self.on_disconnect = on_disconnect
@@ -108,12 +114,17 @@ class EngineCoreClient:
         while True:
             try:
                 reply = await self._stub.Handshake(
-                    core_pb2.HandshakeRequest(client_name=self._client_name), timeout=5.0)
+                    core_pb2.HandshakeRequest(client_name=self._client_name), timeout=5.0
+                )
                 self.engine_info = convert.engine_info_from_proto(reply.engine_info)
                 return self.engine_info
             except grpc.RpcError as err:
-                logger.info("engine core at %s not ready (%s); retrying in %.1f s",
-                            self.core_addr, err.code().name, delay)
+                logger.info(
+                    "engine core at %s not ready (%s); retrying in %.1f s",
+                    self.core_addr,
+                    err.code().name,
+                    delay,
+                )
             await asyncio.sleep(delay)
             delay = min(self.max_backoff, delay * 2)
 
@@ -125,8 +136,9 @@ class EngineCoreClient:
             self._state_changed.set()
             self.on_disconnect(reason)
             self.num_reconnects += 1
-            logger.warning("stream to engine core %s broke (%s); reconnecting", self.core_addr,
-                           reason)
+            logger.warning(
+                "stream to engine core %s broke (%s); reconnecting", self.core_addr, reason
+            )
             await self._handshake_until_ok()
 
     async def _run_stream(self) -> str:
@@ -161,8 +173,9 @@ class EngineCoreClient:
             await asyncio.sleep(self.ping_interval)
             ping_id = next(self._ping_ids)
             self._pings[ping_id] = time.monotonic()
-            self._outbox.put_nowait(core_pb2.EngineStreamRequest(
-                ping=core_pb2.Ping(ping_id=ping_id)))
+            self._outbox.put_nowait(
+                core_pb2.EngineStreamRequest(ping=core_pb2.Ping(ping_id=ping_id))
+            )
 
     def _on_pong(self, ping_id: int) -> None:
         sent = self._pings.pop(ping_id, None)
@@ -182,10 +195,12 @@ class EngineCoreClient:
         """Queue requests (with their handles) for the core; raises EngineUnavailable when the
         stream is down."""
         if not self.is_connected:
-            raise EngineUnavailable(f"the engine core at {self.core_addr} is unreachable; "
-                                    "retry shortly")
+            raise EngineUnavailable(
+                f"the engine core at {self.core_addr} is unreachable; retry shortly"
+            )
         add = core_pb2.AddRequests(
-            requests=[convert.engine_request_to_proto(h, r) for h, r in requests])
+            requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
+        )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
 
     def abort_requests(self, handles: list[int]) -> None:

@@ -48,10 +48,10 @@ class IncrementalDetokenizer:
         ids, skip = self._ids, self._skip_special
         if self._read_offset == len(ids):
             return ""
-        prefix = self._decoder.decode(ids[self._prefix_offset:self._read_offset], skip)
-        text = self._decoder.decode(ids[self._prefix_offset:], skip)
+        prefix = self._decoder.decode(ids[self._prefix_offset : self._read_offset], skip)
+        text = self._decoder.decode(ids[self._prefix_offset :], skip)
         if len(text) <= len(prefix) or (text.endswith(REPLACEMENT_CHAR) and not is_final):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
-        return text[len(prefix):]
+        return text[len(prefix) :]

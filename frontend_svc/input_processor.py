@@ -73,7 +73,8 @@ class InputProcessor:
         messages = [{"role": t.role, "content": t.content} for t in chat]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as exc:  # jinja errors: a template that rejects these roles, etc.
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
         return str(text)
@@ -91,19 +92,28 @@ class InputProcessor:
         if call.prompt.token_ids is not None:
             _check_prompt_ids(prompt.token_ids, self.limits.vocab_size)
         if num_prompt >= max_len:
-            raise InvalidRequest(f"the prompt has {num_prompt} tokens but max_model_len is "
-                                 f"{max_len}; shorten it to at most {max_len - 1} tokens")
+            raise InvalidRequest(
+                f"the prompt has {num_prompt} tokens but max_model_len is "
+                f"{max_len}; shorten it to at most {max_len - 1} tokens"
+            )
         max_tokens = params.max_tokens or max_len - num_prompt
         if num_prompt + max_tokens > max_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({max_len}); set max_tokens to at most {max_len - num_prompt}")
+                f"({max_len}); set max_tokens to at most {max_len - num_prompt}"
+            )
         stop_ids = params.stop_token_ids
         if not params.ignore_eos:
             stop_ids = tuple(dict.fromkeys(stop_ids + self.extra_eos_ids))
         params = params.replace(max_tokens=max_tokens, stop_token_ids=stop_ids)
-        return EngineRequest(call.request_id, prompt.token_ids, params, self.eos_token_id,
-                             call.priority, call.cache_salt)
+        return EngineRequest(
+            call.request_id,
+            prompt.token_ids,
+            params,
+            self.eos_token_id,
+            call.priority,
+            call.cache_salt,
+        )
 
 
 def _check_prompt_present(prompt: PromptInput) -> None:
@@ -118,5 +128,7 @@ def _check_prompt_present(prompt: PromptInput) -> None:
 def _check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     for i, token_id in enumerate(ids):
         if token_id >= vocab_size:
-            raise InvalidRequest(f"prompt_token_ids[{i}] = {token_id} is outside the vocabulary "
-                                 f"(valid ids: 0..{vocab_size - 1})")
+            raise InvalidRequest(
+                f"prompt_token_ids[{i}] = {token_id} is outside the vocabulary "
+                f"(valid ids: 0..{vocab_size - 1})"
+            )

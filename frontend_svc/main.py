@@ -39,28 +39,43 @@ async def serve(config: FrontendConfig) -> int:
         model = str(ensure_default_model())
     tokenizer = load_tokenizer(model)
     engine = AsyncEngine(config.core_addr, OutputProcessor(backend_decoder(tokenizer)))
-    host = ServiceHost(name="frontend", host=config.host, port=config.port,
-                       service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    host = ServiceHost(
+        name="frontend",
+        host=config.host,
+        port=config.port,
+        service_names=[SERVICE_NAME],
+        metrics_port=config.metrics_port,
+    )
     servicer = GenerationServicer(engine, tokenizer)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     await host.start()
     try:
         info = await engine.start(config.core_connect_timeout)
     except TimeoutError:
-        await host.fail(f"engine core at {config.core_addr} not reachable after "
-                        f"{config.core_connect_timeout:.0f} s")
+        await host.fail(
+            f"engine core at {config.core_addr} not reachable after "
+            f"{config.core_connect_timeout:.0f} s"
+        )
         await host.shutdown()
         return 1
     served_name = config.served_model_name or info.served_model_name
-    engine.output_processor.metrics = FrontendMetrics(host.registry, served_name, info.engine_id,
-                                                      info.max_model_len)
-    limits = Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                    max_logprobs=config.max_logprobs, max_n=config.max_n,
-                    max_stop_strings=config.max_stop_strings)
-    servicer.attach(InputProcessor(tokenizer, limits, generation_eos_ids(model)), info,
-                    served_name)
-    logger.info("serving %s (max_model_len %d) via engine core %s", info.served_model_name,
-                info.max_model_len, config.core_addr)
+    engine.output_processor.metrics = FrontendMetrics(
+        host.registry, served_name, info.engine_id, info.max_model_len
+    )
+    limits = Limits(
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        max_logprobs=config.max_logprobs,
+        max_n=config.max_n,
+        max_stop_strings=config.max_stop_strings,
+    )
+    servicer.attach(InputProcessor(tokenizer, limits, generation_eos_ids(model)), info, served_name)
+    logger.info(
+        "serving %s (max_model_len %d) via engine core %s",
+        info.served_model_name,
+        info.max_model_len,
+        config.core_addr,
+    )
     assert isinstance(engine.client, EngineCoreClient)
     tracker = asyncio.create_task(_track_readiness(host, engine.client))
     code = await host.run_until_stopped()

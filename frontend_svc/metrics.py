@@ -17,15 +17,94 @@ from frontend_svc.engine_types import EVENT_QUEUED, EVENT_SCHEDULED
 from frontend_svc.requests import FinishReason
 
 LABELS = ["model_name", "engine"]
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 N_BUCKETS = (1, 2, 5, 10, 20)
-HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
-               0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+HOP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -58,8 +137,9 @@ class RequestStats:
 class FrontendMetrics:
     """Metric objects bound to the served model's labels."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, engine: str, max_model_len: int
+    ) -> None:
         values = (model_name, engine)
         lengths = buckets_1_2_5(max_model_len)
 
@@ -70,62 +150,103 @@ class FrontendMetrics:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.")
-        self.request_success = Counter("vllm:request_success",
-                                       "Count of successfully processed requests.",
-                                       [*LABELS, "finished_reason"], registry=registry)
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=registry,
+        )
         self._values = values
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
-                                               "Number of prefill tokens processed.", lengths)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths
+        )
         self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths)
-        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
-                                  N_BUCKETS)
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.",
-                                           lengths)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.",
-                              ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    REQUEST_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.",
-                                        REQUEST_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      REQUEST_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     REQUEST_BUCKETS)
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            lengths,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_BUCKETS,
+        )
         self.core_rtt = histogram(
             "splitserve_frontend_core_rtt_seconds",
             "Round trip of a ping over the frontend<->core EngineStream, on the frontend's clock.",
-            HOP_BUCKETS)
+            HOP_BUCKETS,
+        )
         self.output_processing = histogram(
             "splitserve_frontend_output_processing_seconds",
             "Per message from the core: time to detokenize, check stops and hand deltas to "
-            "requests.", HOP_BUCKETS)
-        self.reconnects = counter("splitserve_frontend_core_reconnects",
-                                  "Times the stream to the engine core broke and was reopened.")
-        self.in_flight = Gauge("splitserve_frontend_requests_in_flight",
-                               "Engine requests this frontend is streaming.", LABELS,
-                               registry=registry).labels(*values)
+            "requests.",
+            HOP_BUCKETS,
+        )
+        self.reconnects = counter(
+            "splitserve_frontend_core_reconnects",
+            "Times the stream to the engine core broke and was reopened.",
+        )
+        self.in_flight = Gauge(
+            "splitserve_frontend_requests_in_flight",
+            "Engine requests this frontend is streaming.",
+            LABELS,
+            registry=registry,
+        ).labels(*values)
 
     def on_request(self, n: int, max_tokens: int) -> None:
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
 
-    def on_output(self, stats: RequestStats, num_tokens: int, core_ts: float,
-                  events: list[tuple[int, float]] | None) -> None:
+    def on_output(
+        self,
+        stats: RequestStats,
+        num_tokens: int,
+        core_ts: float,
+        events: list[tuple[int, float]] | None,
+    ) -> None:
         """One step's output for one request."""
         for kind, ts in events or ():
             if kind == EVENT_QUEUED and stats.queued_ts is None:

@@ -51,9 +51,15 @@ class OutputProcessor:
         self.metrics = metrics
         self.states: dict[int, RequestState] = {}
 
-    def add_request(self, handle: int, index: int, params: SamplingParams,
-                    num_prompt_tokens: int, queue: asyncio.Queue[Any],
-                    arrival: float | None = None) -> RequestState:
+    def add_request(
+        self,
+        handle: int,
+        index: int,
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        queue: asyncio.Queue[Any],
+        arrival: float | None = None,
+    ) -> RequestState:
         detok = IncrementalDetokenizer(self.decoder, params.skip_special_tokens)
         state = RequestState(handle, index, params, num_prompt_tokens, queue, detok)
         if self.metrics is not None:
@@ -92,7 +98,7 @@ class OutputProcessor:
         details = outputs.details
         offset = 0
         for handle, count in zip(outputs.handles, outputs.num_new_tokens, strict=True):
-            token_ids = outputs.new_token_ids[offset:offset + count]
+            token_ids = outputs.new_token_ids[offset : offset + count]
             offset += count
             state = self.states.get(handle)
             if state is None:
@@ -107,14 +113,20 @@ class OutputProcessor:
         self._count_in_flight()
         return to_abort
 
-    def _update(self, state: RequestState, token_ids: list[int],
-                detail: CoreOutputDetail | None, core_ts: float) -> bool:
+    def _update(
+        self,
+        state: RequestState,
+        token_ids: list[int],
+        detail: CoreOutputDetail | None,
+        core_ts: float,
+    ) -> bool:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
         finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
         if self.metrics is not None and state.stats is not None:
-            self.metrics.on_output(state.stats, len(token_ids), core_ts,
-                                   detail.events if detail else None)
+            self.metrics.on_output(
+                state.stats, len(token_ids), core_ts, detail.events if detail else None
+            )
         if detail is not None and detail.num_cached_tokens is not None:
             state.num_cached_tokens = detail.num_cached_tokens
         stop_str = self._detokenize(state, token_ids, detail, finish)
@@ -129,8 +141,13 @@ class OutputProcessor:
             self.states.pop(state.handle, None)
         return stop_str is not None and (detail is None or not detail.finish_reason)
 
-    def _detokenize(self, state: RequestState, token_ids: list[int],
-                    detail: CoreOutputDetail | None, finish: FinishReason) -> str | None:
+    def _detokenize(
+        self,
+        state: RequestState,
+        token_ids: list[int],
+        detail: CoreOutputDetail | None,
+        finish: FinishReason,
+    ) -> str | None:
         """Extend state.text; return the stop string that matched, if any."""
         params = state.params
         text_ids = token_ids
@@ -143,33 +160,47 @@ class OutputProcessor:
         state.text += new_text
         if not params.stop or not new_text or state.num_output_tokens <= params.min_tokens:
             return None
-        found = find_stop_string(state.text, len(new_text), params.stop,
-                                 params.include_stop_str_in_output)
+        found = find_stop_string(
+            state.text, len(new_text), params.stop, params.include_stop_str_in_output
+        )
         if found is None:
             return None
         matched, keep = found
         state.text = state.text[:keep]
         return matched
 
-    def _make_delta(self, state: RequestState, token_ids: list[int],
-                    detail: CoreOutputDetail | None, finish: FinishReason,
-                    stop_str: str | None) -> CompletionDelta | None:
+    def _make_delta(
+        self,
+        state: RequestState,
+        token_ids: list[int],
+        detail: CoreOutputDetail | None,
+        finish: FinishReason,
+        stop_str: str | None,
+    ) -> CompletionDelta | None:
         is_finished = finish != FinishReason.UNSPECIFIED
         end = len(state.text) if is_finished else len(state.text) - state.params.stop_buffer_length
-        text = state.text[state.num_sent_chars:end] if end > state.num_sent_chars else ""
+        text = state.text[state.num_sent_chars : end] if end > state.num_sent_chars else ""
         state.num_sent_chars += len(text)
         logprobs = self._logprobs(detail.new_logprobs) if detail and detail.new_logprobs else []
-        prompt_logprobs = (self._logprobs(detail.prompt_logprobs)
-                           if detail and detail.prompt_logprobs else [])
+        prompt_logprobs = (
+            self._logprobs(detail.prompt_logprobs) if detail and detail.prompt_logprobs else []
+        )
         if not (token_ids or text or is_finished or prompt_logprobs):
             return None
         return CompletionDelta(
-            index=state.index, token_ids=token_ids, text=text,
-            prompt_tokens=state.num_prompt_tokens, completion_tokens=state.num_output_tokens,
-            cached_tokens=state.num_cached_tokens, finish_reason=finish,
+            index=state.index,
+            token_ids=token_ids,
+            text=text,
+            prompt_tokens=state.num_prompt_tokens,
+            completion_tokens=state.num_output_tokens,
+            cached_tokens=state.num_cached_tokens,
+            finish_reason=finish,
             stop_token_id=detail.stop_token_id if detail and stop_str is None else None,
-            stop_str=stop_str, error_message=detail.error_message if detail else "",
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            stop_str=stop_str,
+            error_message=detail.error_message if detail else "",
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:
         """Columnar table -> per-position entries with each token's own text."""
@@ -178,9 +209,15 @@ class OutputProcessor:
         rows: list[TokenLogprobs] = []
         for pos in range(table.num_positions):
             base = pos * width
-            entries = [Logprob(table.token_ids[base + col], table.logprobs[base + col], col,
-                               decode([table.token_ids[base + col]], False))
-                       for col in range(width)]
+            entries = [
+                Logprob(
+                    table.token_ids[base + col],
+                    table.logprobs[base + col],
+                    col,
+                    decode([table.token_ids[base + col]], False),
+                )
+                for col in range(width)
+            ]
             entries[0].rank = table.ranks[pos]
             rows.append(TokenLogprobs(chosen=entries[0], top=entries[1:]))
         return rows

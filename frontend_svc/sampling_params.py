@@ -72,12 +72,16 @@ def _check(is_ok: bool, message: str) -> None:
 
 
 def _check_token_ids(name: str, ids: tuple[int, ...] | list[int], limits: Limits) -> None:
-    _check(len(ids) <= limits.max_token_id_list,
-           f"{name} has {len(ids)} entries; at most {limits.max_token_id_list} are allowed")
+    _check(
+        len(ids) <= limits.max_token_id_list,
+        f"{name} has {len(ids)} entries; at most {limits.max_token_id_list} are allowed",
+    )
     for i, token_id in enumerate(ids):
-        _check(0 <= token_id < limits.vocab_size,
-               f"{name}[{i}] = {token_id} is outside the vocabulary (valid ids: 0.."
-               f"{limits.vocab_size - 1})")
+        _check(
+            0 <= token_id < limits.vocab_size,
+            f"{name}[{i}] = {token_id} is outside the vocabulary (valid ids: 0.."
+            f"{limits.vocab_size - 1})",
+        )
 
 
 def validate_ranges(p: SamplingParams, limits: Limits) -> None:
@@ -87,22 +91,34 @@ def validate_ranges(p: SamplingParams, limits: Limits) -> None:
     _check(0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}")
     _check(p.top_k >= -1, f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {p.top_k}")
     _check(0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}")
-    _check(-2.0 <= p.presence_penalty <= 2.0,
-           f"presence_penalty must be in [-2, 2], got {p.presence_penalty}")
-    _check(-2.0 <= p.frequency_penalty <= 2.0,
-           f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}")
-    _check(p.repetition_penalty > 0.0,
-           f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    _check(p.max_tokens is None or p.max_tokens >= 1,
-           f"max_tokens must be >= 1, got {p.max_tokens}")
-    _check(p.max_tokens is None or p.min_tokens <= p.max_tokens,
-           f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+    _check(
+        -2.0 <= p.presence_penalty <= 2.0,
+        f"presence_penalty must be in [-2, 2], got {p.presence_penalty}",
+    )
+    _check(
+        -2.0 <= p.frequency_penalty <= 2.0,
+        f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}",
+    )
+    _check(
+        p.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"
+    )
+    _check(
+        p.max_tokens is None or p.max_tokens >= 1, f"max_tokens must be >= 1, got {p.max_tokens}"
+    )
+    _check(
+        p.max_tokens is None or p.min_tokens <= p.max_tokens,
+        f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
+    )
     for name, value in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
-        _check(value is None or 0 <= value <= limits.max_logprobs,
-               f"{name} must be in [0, {limits.max_logprobs}], got {value}")
-    _check(not (p.n > 1 and p.is_greedy),
-           f"n = {p.n} with greedy sampling (temperature 0) would return {p.n} identical "
-           "completions; set temperature > 0 or n = 1")
+        _check(
+            value is None or 0 <= value <= limits.max_logprobs,
+            f"{name} must be in [0, {limits.max_logprobs}], got {value}",
+        )
+    _check(
+        not (p.n > 1 and p.is_greedy),
+        f"n = {p.n} with greedy sampling (temperature 0) would return {p.n} identical "
+        "completions; set temperature > 0 or n = 1",
+    )
     _check_stop_strings(p, limits)
     _check_token_ids("stop_token_ids", p.stop_token_ids, limits)
     _check_token_ids("allowed_token_ids", p.allowed_token_ids, limits)
@@ -110,12 +126,15 @@ def validate_ranges(p: SamplingParams, limits: Limits) -> None:
 
 
 def _check_stop_strings(p: SamplingParams, limits: Limits) -> None:
-    _check(len(p.stop) <= limits.max_stop_strings,
-           f"{len(p.stop)} stop strings given; at most {limits.max_stop_strings} are allowed")
+    _check(
+        len(p.stop) <= limits.max_stop_strings,
+        f"{len(p.stop)} stop strings given; at most {limits.max_stop_strings} are allowed",
+    )
     for i, text in enumerate(p.stop):
-        _check(0 < len(text) <= limits.max_stop_string_chars,
-               f"stop[{i}] must have 1..{limits.max_stop_string_chars} characters, "
-               f"got {len(text)}")
+        _check(
+            0 < len(text) <= limits.max_stop_string_chars,
+            f"stop[{i}] must have 1..{limits.max_stop_string_chars} characters, got {len(text)}",
+        )
 
 
 def normalize(p: SamplingParams) -> SamplingParams:

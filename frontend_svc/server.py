@@ -35,12 +35,14 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         """Start answering: called once the engine core's facts are known."""
         self._attached = (inputs, info, served_model_name)
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[InputProcessor, EngineInfo,
-                                                                        str]:
+    async def _ready(
+        self, context: grpc.aio.ServicerContext
+    ) -> tuple[InputProcessor, EngineInfo, str]:
         if self._attached is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the frontend is starting and not yet connected to the engine "
-                                "core; retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the frontend is starting and not yet connected to the engine core; retry shortly",
+            )
         assert self._attached is not None
         return self._attached
 
@@ -51,16 +53,17 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs, _, _ = await self._ready(context)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            engine_request = inputs.process(
-                convert.generate_input_from_proto(request, request_id))
+            engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"the engine failed while serving request {request_id}: "
-                                        f"{delta.error_message or 'unknown error'}; retry it")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the engine failed while serving request {request_id}: "
+                        f"{delta.error_message or 'unknown error'}; retry it",
+                    )
                 yield convert.delta_to_proto(request_id, delta)
         except EngineUnavailable as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
@@ -71,15 +74,17 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs, info, _ = await self._ready(context)
         prompt = convert.prompt_from_proto(request)
         if prompt.text is None and prompt.chat is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "set `prompt` text or `chat` to tokenize")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "set `prompt` text or `chat` to tokenize"
+            )
         try:
             ids = inputs.tokenize(prompt).token_ids
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         tokens = self.tokenizer.convert_ids_to_tokens(ids)
-        return gen_pb2.TokenizeResponse(token_ids=ids, tokens=tokens,
-                                        max_model_len=info.max_model_len)
+        return gen_pb2.TokenizeResponse(
+            token_ids=ids, tokens=tokens, max_model_len=info.max_model_len
+        )
 
     async def Detokenize(  # noqa: N802
         self, request: gen_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
@@ -88,9 +93,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         ids = list(request.token_ids)
         bad = [i for i in ids if i >= info.vocab_size]
         if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token id {bad[0]} is outside the vocabulary (valid ids: "
-                                f"0..{info.vocab_size - 1})")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"token id {bad[0]} is outside the vocabulary (valid ids: "
+                f"0..{info.vocab_size - 1})",
+            )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = self.tokenizer.decode(ids, skip_special_tokens=skip)
         return gen_pb2.DetokenizeResponse(text=text)
@@ -101,12 +108,18 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs, info, served_model_name = await self._ready(context)
         tok = self.tokenizer
         reply = gen_pb2.GetModelInfoResponse(
-            served_model_name=served_model_name, model_path=info.model_path,
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-            has_chat_template=inputs.has_chat_template, dtype=info.dtype,
+            served_model_name=served_model_name,
+            model_path=info.model_path,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            has_chat_template=inputs.has_chat_template,
+            dtype=info.dtype,
             tensor_parallel_size=info.tensor_parallel_size,
-            pipeline_parallel_size=info.pipeline_parallel_size, block_size=info.block_size,
-            num_kv_blocks=info.num_kv_blocks, max_num_seqs=info.max_num_seqs)
+            pipeline_parallel_size=info.pipeline_parallel_size,
+            block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            max_num_seqs=info.max_num_seqs,
+        )
         if tok.eos_token_id is not None:
             reply.eos_token_id = tok.eos_token_id
         if tok.bos_token_id is not None:

@@ -21,7 +21,9 @@ AREAS = ("common", "core", "frontend", "worker")
 _AREA = "|".join(AREAS)
 # Import statements in .py and .pyi files, and the module name protobuf registers classes under.
 _IMPORT = re.compile(rf"^(from|import) splitserve\.({_AREA})\.v1\b", re.MULTILINE)
-_MODULE_NAME = re.compile(rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')splitserve\.({_AREA})\.v1\.")
+_MODULE_NAME = re.compile(
+    rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')splitserve\.({_AREA})\.v1\."
+)
 # Type stubs refer to other modules by their full dotted path (they hold no serialized bytes).
 _STUB_REFERENCE = re.compile(rf"\bsplitserve\.({_AREA})\.v1\.")
 

@@ -22,8 +22,11 @@ def build_parser() -> FlagParser:
     p = FlagParser(prog="splitserve generate", description="Stream a completion to stdout.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--addr", default=DEFAULT_ADDR, help="frontend HOST:PORT")
-    p.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message rendered with the chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message rendered with the chat template",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--min-tokens", type=non_negative_int, default=0)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
@@ -41,8 +44,13 @@ def build_parser() -> FlagParser:
 def build_request(args: argparse.Namespace) -> gen_pb2.GenerateRequest:
     """Turn parsed `generate` flags into a GenerateRequest."""
     params = types_pb2.SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, top_k=args.top_k,
-        min_p=args.min_p, stop=args.stop, ignore_eos=args.ignore_eos,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     for name in ("temperature", "top_p", "seed"):
         value = getattr(args, name)

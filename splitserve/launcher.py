@@ -59,8 +59,11 @@ def build_parser() -> FlagParser:
     p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
     p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
     p.add_argument("--port", type=non_negative_int, default=50051, help="frontend port (0: any)")
-    p.add_argument("--sample-prompt", default="",
-                   help="after READY, stream one answer to this prompt to stdout")
+    p.add_argument(
+        "--sample-prompt",
+        default="",
+        help="after READY, stream one answer to this prompt to stdout",
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
@@ -90,27 +93,71 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
     ports = free_ports(2 * world + 5)
     common = ["--log-level", args.log_level]
     workers = [
-        _spawn(f"worker[{rank}]", "worker",
-               ["--host", LOOPBACK, "--port", str(ports[rank]),
-                "--metrics-port", str(ports[world + rank]), *common],
-               f"{LOOPBACK}:{ports[rank]}", ports[world + rank])
+        _spawn(
+            f"worker[{rank}]",
+            "worker",
+            [
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(ports[rank]),
+                "--metrics-port",
+                str(ports[world + rank]),
+                *common,
+            ],
+            f"{LOOPBACK}:{ports[rank]}",
+            ports[world + rank],
+        )
         for rank in range(world)
     ]
-    core_port, core_metrics, dist_port, fe_metrics, fe_port = ports[2 * world:]
+    core_port, core_metrics, dist_port, fe_metrics, fe_port = ports[2 * world :]
     core_addr = f"{LOOPBACK}:{core_port}"
-    core = _spawn("core", "core", [
-        "--model", model, "--host", LOOPBACK, "--port", str(core_port),
-        "--metrics-port", str(core_metrics),
-        "--worker-addrs", ",".join(w.address for w in workers),
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
-        "--pipeline-parallel-size", str(args.pipeline_parallel_size),
-        "--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}", *common, *core_flags,
-    ], core_addr, core_metrics)
+    core = _spawn(
+        "core",
+        "core",
+        [
+            "--model",
+            model,
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(core_port),
+            "--metrics-port",
+            str(core_metrics),
+            "--worker-addrs",
+            ",".join(w.address for w in workers),
+            "--tensor-parallel-size",
+            str(args.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(args.pipeline_parallel_size),
+            "--distributed-init-method",
+            f"tcp://{LOOPBACK}:{dist_port}",
+            *common,
+            *core_flags,
+        ],
+        core_addr,
+        core_metrics,
+    )
     port = args.port or fe_port
-    frontend = _spawn("frontend", "frontend", [
-        "--model", model, "--core-addr", core_addr, "--host", args.host, "--port", str(port),
-        "--metrics-port", str(fe_metrics), *common,
-    ], f"{args.host}:{port}", fe_metrics)
+    frontend = _spawn(
+        "frontend",
+        "frontend",
+        [
+            "--model",
+            model,
+            "--core-addr",
+            core_addr,
+            "--host",
+            args.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(fe_metrics),
+            *common,
+        ],
+        f"{args.host}:{port}",
+        fe_metrics,
+    )
     return [*workers, core, frontend]
 
 
@@ -121,8 +168,9 @@ def is_ready(child: Child) -> bool:
     try:
         with grpc.insecure_channel(target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=READINESS[child.kind]),
-                               timeout=1.0)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=READINESS[child.kind]), timeout=1.0
+            )
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:
         return False
@@ -164,9 +212,11 @@ def stop_children(children: Sequence[Child]) -> None:
 
 def ready_line(children: Sequence[Child]) -> str:
     by_kind = {kind: [c for c in children if c.kind == kind] for kind in READINESS}
-    return (f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
-            f"workers={','.join(c.address for c in by_kind['worker'])} "
-            f"metrics={','.join(c.metrics_url for c in children)}")
+    return (
+        f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
+        f"workers={','.join(c.address for c in by_kind['worker'])} "
+        f"metrics={','.join(c.metrics_url for c in children)}"
+    )
 
 
 def stream_sample(address: str, prompt: str) -> None:

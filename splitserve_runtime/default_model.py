@@ -104,20 +104,24 @@ def write_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
     )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 
-def write_random_llama(path: Path, config: Mapping[str, object], vocab_size: int, seed: int,
-                       dtype: str = "float32") -> None:
+def write_random_llama(
+    path: Path, config: Mapping[str, object], vocab_size: int, seed: int, dtype: str = "float32"
+) -> None:
     """Write config.json and model.safetensors of a random-weight Llama (plain torch, no
     modelling code), its tensors stored as `dtype`."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = dict(config, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-               dtype=dtype)
+    cfg = dict(
+        config, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype=dtype
+    )
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])  # type: ignore[call-overload]
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
     head_dim = hidden // heads

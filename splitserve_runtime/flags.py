@@ -66,9 +66,7 @@ class FlagParser(argparse.ArgumentParser):
             action.help = f"{action.help} {note}" if action.help else note
         return action
 
-    def parse(
-        self, argv: Sequence[str] | None, environ: Mapping[str, str]
-    ) -> argparse.Namespace:
+    def parse(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
         """Parse `argv`, taking defaults for absent flags from `environ`."""
         self._apply_environ(environ)
         return self.parse_args(argv)

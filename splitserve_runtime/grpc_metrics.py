@@ -20,11 +20,18 @@ class RpcCounters:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["grpc_service", "grpc_method"]
-        self.started = Counter("splitserve_grpc_server_started", "RPCs started on this server.",
-                               labels, registry=registry)
-        self.handled = Counter("splitserve_grpc_server_handled",
-                               "RPCs completed on this server, by status code.",
-                               [*labels, "grpc_code"], registry=registry)
+        self.started = Counter(
+            "splitserve_grpc_server_started",
+            "RPCs started on this server.",
+            labels,
+            registry=registry,
+        )
+        self.handled = Counter(
+            "splitserve_grpc_server_handled",
+            "RPCs completed on this server, by status code.",
+            [*labels, "grpc_code"],
+            registry=registry,
+        )
 
     def recorder(self, full_method: str) -> Recorder:
         """Count a started RPC; the returned function counts its completion."""
@@ -33,13 +40,21 @@ class RpcCounters:
 
         def record(context: Any, exc: BaseException | None) -> None:
             self.handled.labels(service, method, _code_name(context, exc)).inc()
+
         return record
 
-    def wrap(self, handler: Any, full_method: str, unary: Callable[[Behavior, Recorder], Behavior],
-             stream: Callable[[Behavior, Recorder], Behavior]) -> Any:
+    def wrap(
+        self,
+        handler: Any,
+        full_method: str,
+        unary: Callable[[Behavior, Recorder], Behavior],
+        stream: Callable[[Behavior, Recorder], Behavior],
+    ) -> Any:
         record = self.recorder(full_method)
-        for kind, wrapper in [*((k, unary) for k in UNARY_KINDS),
-                              *((k, stream) for k in STREAM_KINDS)]:
+        for kind, wrapper in [
+            *((k, unary) for k in UNARY_KINDS),
+            *((k, stream) for k in STREAM_KINDS),
+        ]:
             behavior = getattr(handler, kind)
             if behavior is not None:
                 return handler._replace(**{kind: wrapper(behavior, record)})
@@ -64,14 +79,16 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         self.counters = RpcCounters(registry)
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return self.counters.wrap(handler, handler_call_details.method, _wrap_async_unary,
-                                  _wrap_async_stream)
+        return self.counters.wrap(
+            handler, handler_call_details.method, _wrap_async_unary, _wrap_async_stream
+        )
 
 
 class SyncGrpcServerMetrics(grpc.ServerInterceptor):
@@ -81,14 +98,16 @@ class SyncGrpcServerMetrics(grpc.ServerInterceptor):
         self.counters = RpcCounters(registry)
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = continuation(handler_call_details)
         if handler is None:
             return handler
-        return self.counters.wrap(handler, handler_call_details.method, _wrap_sync_unary,
-                                  _wrap_sync_stream)
+        return self.counters.wrap(
+            handler, handler_call_details.method, _wrap_sync_unary, _wrap_sync_stream
+        )
 
 
 def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
@@ -100,6 +119,7 @@ def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
             raise
         record(context, None)
         return result
+
     return wrapper
 
 
@@ -112,6 +132,7 @@ def _wrap_async_stream(behavior: Behavior, record: Recorder) -> Behavior:
             record(context, exc)
             raise
         record(context, None)
+
     return wrapper
 
 
@@ -124,6 +145,7 @@ def _wrap_sync_unary(behavior: Behavior, record: Recorder) -> Behavior:
             raise
         record(context, None)
         return result
+
     return wrapper
 
 
@@ -135,4 +157,5 @@ def _wrap_sync_stream(behavior: Behavior, record: Recorder) -> Behavior:
             record(context, exc)
             raise
         record(context, None)
+
     return wrapper

@@ -31,12 +31,14 @@ def classic_text_app(registry: CollectorRegistry) -> Wsgi:
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         return app({**environ, "HTTP_ACCEPT": CLASSIC_TEXT}, start_response)
+
     return serve
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
     """Serve /metrics on host:port (0 picks a port) in a daemon thread; returns the server."""
-    server = make_server(host, port, classic_text_app(registry), ThreadingWSGIServer,
-                         handler_class=_QuietHandler)
+    server = make_server(
+        host, port, classic_text_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
+    )
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -74,8 +74,9 @@ class ServiceHost:
         self.metrics_port = metrics_port
         self.registry = new_registry()
         self.grace_seconds = grace_seconds
-        self.server = grpc.aio.server(options=SERVER_OPTIONS,
-                                      interceptors=[GrpcServerMetrics(self.registry)])
+        self.server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=[GrpcServerMetrics(self.registry)]
+        )
         self.health = health.aio.HealthServicer()
         self.bound_port = 0
         self.metrics_bound_port: int | None = None
@@ -109,13 +110,17 @@ class ServiceHost:
         server = start_metrics_server(self.registry, self.host, self.metrics_port)
         self._metrics_server = server
         self.metrics_bound_port = int(server.server_address[1])
-        logger.info("%s metrics on http://%s:%d/metrics", self.name, self.host,
-                    self.metrics_bound_port)
+        logger.info(
+            "%s metrics on http://%s:%d/metrics", self.name, self.host, self.metrics_bound_port
+        )
 
     async def set_ready(self, is_ready: bool, service: str | None = None) -> None:
         """Set readiness of one named service (default: all of them)."""
-        status = (health_pb2.HealthCheckResponse.SERVING if is_ready
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in [service] if service else self.service_names:
             await self.health.set(name, status)
 

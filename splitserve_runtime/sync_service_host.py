@@ -52,15 +52,26 @@ class ThreadPerRpcExecutor(Executor):
 class SyncServiceHost:
     """Runs one service's synchronous gRPC server until SIGTERM/SIGINT."""
 
-    def __init__(self, *, name: str, host: str, port: int, service_names: Sequence[str],
-                 metrics_port: int | None = None, grace_seconds: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        host: str,
+        port: int,
+        service_names: Sequence[str],
+        metrics_port: int | None = None,
+        grace_seconds: float = 10.0,
+    ) -> None:
         self.name, self.host, self.port = name, host, port
         self.service_names = list(service_names)
         self.metrics_port = metrics_port
         self.grace_seconds = grace_seconds
         self.registry = new_registry()
-        self.server = grpc.server(ThreadPerRpcExecutor(), options=SERVER_OPTIONS,
-                                  interceptors=[SyncGrpcServerMetrics(self.registry)])
+        self.server = grpc.server(
+            ThreadPerRpcExecutor(),
+            options=SERVER_OPTIONS,
+            interceptors=[SyncGrpcServerMetrics(self.registry)],
+        )
         self.health = health.HealthServicer()
         self.bound_port = 0
         self._stop = threading.Event()
@@ -87,6 +98,7 @@ class SyncServiceHost:
 
     def run_until_stopped(self, on_shutdown: Callable[[], None] | None = None) -> int:
         """Serve until SIGTERM/SIGINT (call from the main thread); stop gracefully; exit code."""
+
         def on_signal(signum: int, frame: FrameType | None) -> None:
             self._stop.set()
 

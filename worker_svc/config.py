@@ -26,16 +26,30 @@ class WorkerConfig:
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(prog="splitserve worker",
-                   description="Run one worker rank; the engine core tells it what to load.")
+    p = FlagParser(
+        prog="splitserve worker",
+        description="Run one worker rank; the engine core tells it what to load.",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="Prometheus /metrics port (-1 disables)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the model runs (auto: cuda when available)")
-    p.add_argument("--torch-threads", type=non_negative_int, default=0,
-                   help="CPU threads for torch (0: torch's default)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (auto: cuda when available)",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=non_negative_int,
+        default=0,
+        help="CPU threads for torch (0: torch's default)",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 

@@ -97,8 +97,10 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
     if req.dtype not in ("", "auto"):
         parse_dtype(req.dtype)
     if req.attention_backend not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(f"unknown attention_backend {req.attention_backend!r}; choose one of "
-                         "auto, torch, triton, flash_attn")
+        raise ValueError(
+            f"unknown attention_backend {req.attention_backend!r}; choose one of "
+            "auto, torch, triton, flash_attn"
+        )
     return LoadModelConfig(
         model_path=req.model_path,
         dtype=req.dtype or "auto",
@@ -120,25 +122,36 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
 
 def description_to_proto(d: WorkerDescription) -> pb.DescribeResponse:
     return pb.DescribeResponse(
-        device_type=d.device_type, device_name=d.device_name,
-        total_memory_bytes=d.total_memory_bytes, free_memory_bytes=d.free_memory_bytes,
-        hostname=d.hostname, pid=d.pid, torch_version=d.torch_version,
+        device_type=d.device_type,
+        device_name=d.device_name,
+        total_memory_bytes=d.total_memory_bytes,
+        free_memory_bytes=d.free_memory_bytes,
+        hostname=d.hostname,
+        pid=d.pid,
+        torch_version=d.torch_version,
         attention_backends=d.attention_backends,
     )
 
 
 def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
     return pb.LoadModelResponse(
-        architecture=m.architecture, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
-        dtype=m.dtype, weight_bytes=m.weight_bytes, load_seconds=m.load_seconds,
-        attention_backend=m.attention_backend, num_layers=m.num_layers,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        dtype=m.dtype,
+        weight_bytes=m.weight_bytes,
+        load_seconds=m.load_seconds,
+        attention_backend=m.attention_backend,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
     )
 
 
 def kv_capacity_to_proto(c: KvCapacity) -> pb.GetKvCapacityResponse:
     return pb.GetKvCapacityResponse(
-        available_bytes=c.available_bytes, bytes_per_block=c.bytes_per_block,
+        available_bytes=c.available_bytes,
+        bytes_per_block=c.bytes_per_block,
         num_blocks=c.num_blocks,
     )
 

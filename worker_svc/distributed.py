@@ -115,16 +115,23 @@ class Rendezvous:
         self._store: dist.TCPStore | None = None
         self._key: tuple[str, int, bool] | None = None
 
-    def store(self, init_method: str, rank: int, rendezvous_id: str,
-              timeout: timedelta) -> dist.Store:
+    def store(
+        self, init_method: str, rank: int, rendezvous_id: str, timeout: timedelta
+    ) -> dist.Store:
         parsed = urlparse(init_method)
         if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
-            raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got "
-                             f"{init_method!r}")
+            raise ValueError(
+                f"distributed_init_method must be tcp://HOST:PORT, got {init_method!r}"
+            )
         key = (parsed.hostname, parsed.port, rank == 0)
         if self._store is None or self._key != key:
-            self._store = dist.TCPStore(parsed.hostname, parsed.port, is_master=rank == 0,
-                                        timeout=timeout, wait_for_workers=False)
+            self._store = dist.TCPStore(
+                parsed.hostname,
+                parsed.port,
+                is_master=rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
             self._key = key
         return dist.PrefixStore(f"bring-up/{rendezvous_id or 'default'}", self._store)
 
@@ -146,8 +153,10 @@ def init_parallel_state(
     """Join the world (all ranks must call this concurrently) and build the TP groups."""
     world_size = tp_size * pp_size
     if tp_size < 1 or pp_size < 1:
-        raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, "
-                         f"got {tp_size} and {pp_size}")
+        raise ValueError(
+            f"tensor_parallel_size and pipeline_parallel_size must be >= 1, "
+            f"got {tp_size} and {pp_size}"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     state = ParallelState(rank=rank, tp_size=tp_size, pp_size=pp_size)
@@ -161,8 +170,13 @@ def init_parallel_state(
     logger.info("rank %d joining %s world of %d at %s", rank, backend, world_size, init_method)
     timeout = timedelta(seconds=timeout_seconds)
     if rendezvous is None:
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
     else:
         _join(rendezvous, backend, init_method, rank, world_size, rendezvous_id, timeout)
     state.is_initialized = True
@@ -175,15 +189,23 @@ def init_parallel_state(
     return state
 
 
-def _join(rendezvous: Rendezvous, backend: str, init_method: str, rank: int, world_size: int,
-          rendezvous_id: str, timeout: timedelta) -> None:
+def _join(
+    rendezvous: Rendezvous,
+    backend: str,
+    init_method: str,
+    rank: int,
+    world_size: int,
+    rendezvous_id: str,
+    timeout: timedelta,
+) -> None:
     """init_process_group on the kept store; once more on a fresh one if the old store's host
     went away (e.g. rank 0's process was restarted)."""
     for attempt in range(2):
         store = rendezvous.store(init_method, rank, rendezvous_id, timeout)
         try:
-            dist.init_process_group(backend=backend, store=store, rank=rank,
-                                    world_size=world_size, timeout=timeout)
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
             return
         except dist.DistError:
             rendezvous.forget()

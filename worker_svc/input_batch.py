@@ -90,8 +90,14 @@ class InputBatch:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        for name in ("token_ids", "block_table", "num_tokens", "num_prompt_tokens",
-                     "num_computed_tokens", "num_blocks"):
+        for name in (
+            "token_ids",
+            "block_table",
+            "num_tokens",
+            "num_prompt_tokens",
+            "num_computed_tokens",
+            "num_blocks",
+        ):
             array = getattr(self, name)
             grown = np.zeros((capacity, *array.shape[1:]), array.dtype)
             grown[:old] = array
@@ -125,7 +131,10 @@ class InputBatch:
             raise ValueError("a request handle is scheduled twice in one step")
         cached_rows = rows[len(new_rows) :]
         first_fresh = -(-self.num_computed_tokens[rows[: len(new_rows)]] // self.block_size)
-        fresh = [self.block_table[r, f : self.num_blocks[r]] for r, f in zip(new_rows, first_fresh, strict=True)]
+        fresh = [
+            self.block_table[r, f : self.num_blocks[r]]
+            for r, f in zip(new_rows, first_fresh, strict=True)
+        ]
         if cached.num_reqs:
             fresh.append(self._update_cached(cached_rows, step))
         return rows, np.unique(np.concatenate(fresh)) if fresh else np.zeros(0, np.int64)
@@ -135,14 +144,18 @@ class InputBatch:
             raise ValueError(f"request handle {new.req_handle} is already known to this rank")
         num_prompt = len(new.prompt_token_ids)
         if not 0 < num_prompt <= self.max_model_len:
-            raise ValueError(f"request {new.request_id!r}: prompt of {num_prompt} tokens does not "
-                             f"fit max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"request {new.request_id!r}: prompt of {num_prompt} tokens does not "
+                f"fit max_model_len {self.max_model_len}"
+            )
         prompt = new.prompt_token_ids
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
             raise ValueError(f"request {new.request_id!r}: prompt token id outside the vocabulary")
         if not 0 <= new.num_computed_tokens < num_prompt:
-            raise ValueError(f"request {new.request_id!r}: {new.num_computed_tokens} computed "
-                             f"tokens for a prompt of {num_prompt}")
+            raise ValueError(
+                f"request {new.request_id!r}: {new.num_computed_tokens} computed "
+                f"tokens for a prompt of {num_prompt}"
+            )
         if not self.free_rows:
             self._grow(2 * self.capacity)
         row = self.free_rows.pop()
@@ -152,8 +165,14 @@ class InputBatch:
         self.num_tokens[row] = self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self._append(self.block_table, self.num_blocks, np.array([row]),
-                     np.array([len(new.block_ids)]), new.block_ids, "block ids")
+        self._append(
+            self.block_table,
+            self.num_blocks,
+            np.array([row]),
+            np.array([len(new.block_ids)]),
+            new.block_ids,
+            "block ids",
+        )
         self.sampling.add(row, new.sampling, new.stop_token_ids)
         return row
 
@@ -163,14 +182,32 @@ class InputBatch:
         self.num_blocks[resumed] = 0  # resumed requests replace their block list
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         first_new = self.num_blocks[rows].copy()
-        self._append(self.block_table, self.num_blocks, rows, cached.num_new_block_ids,
-                     cached.new_block_ids, "block ids")
-        self._append(self.token_ids, self.num_tokens, rows, cached.num_new_token_ids,
-                     cached.new_token_ids, "tokens")
+        self._append(
+            self.block_table,
+            self.num_blocks,
+            rows,
+            cached.num_new_block_ids,
+            cached.new_block_ids,
+            "block ids",
+        )
+        self._append(
+            self.token_ids,
+            self.num_tokens,
+            rows,
+            cached.num_new_token_ids,
+            cached.new_token_ids,
+            "tokens",
+        )
         if len(resumed):
             self.num_tokens[resumed] = 0  # and rebuild their tokens from scratch
-            self._append(self.token_ids, self.num_tokens, resumed, cached.num_resumed_token_ids,
-                         cached.resumed_all_token_ids, "tokens")
+            self._append(
+                self.token_ids,
+                self.num_tokens,
+                resumed,
+                cached.num_resumed_token_ids,
+                cached.resumed_all_token_ids,
+                "tokens",
+            )
         # New blocks at or past the first block without computed tokens are fresh.
         first_fresh = -(-self.num_computed_tokens[rows] // self.block_size)
         cols = _ragged_cols(first_new, cached.num_new_block_ids)
@@ -178,8 +215,13 @@ class InputBatch:
         return cached.new_block_ids[is_fresh]
 
     def _append(
-        self, table: np.ndarray, lengths: IntArray, rows: IntArray, counts: IntArray,
-        values: IntArray, what: str,
+        self,
+        table: np.ndarray,
+        lengths: IntArray,
+        rows: IntArray,
+        counts: IntArray,
+        values: IntArray,
+        what: str,
     ) -> None:
         """table[row, lengths[row] + j] = values[...] for each row's run of `counts` values."""
         if len(counts) != len(rows) or int(counts.sum()) != len(values):
@@ -232,15 +274,19 @@ class InputBatch:
     def _check_schedule(self, step: SchedulerOutput, rows: IntArray) -> None:
         num_scheduled = step.num_scheduled_tokens
         if len(num_scheduled) != len(rows):
-            raise ValueError(f"num_scheduled_tokens has {len(num_scheduled)} entries for "
-                             f"{len(rows)} scheduled requests")
+            raise ValueError(
+                f"num_scheduled_tokens has {len(num_scheduled)} entries for "
+                f"{len(rows)} scheduled requests"
+            )
         if int(num_scheduled.sum()) != step.total_num_scheduled_tokens:
             raise ValueError("total_num_scheduled_tokens is not the sum of num_scheduled_tokens")
         if len(rows) and int(num_scheduled.min()) < 1:
             raise ValueError("a scheduled request has no tokens to compute")
         seq_lens = self.num_computed_tokens[rows] + num_scheduled
-        bad = np.flatnonzero((seq_lens > self.num_tokens[rows])
-                             | (seq_lens > self.num_blocks[rows] * self.block_size))
+        bad = np.flatnonzero(
+            (seq_lens > self.num_tokens[rows])
+            | (seq_lens > self.num_blocks[rows] * self.block_size)
+        )
         if len(bad):
             i = int(bad[0])
             raise ValueError(

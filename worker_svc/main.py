@@ -21,8 +21,13 @@ def serve(config: WorkerConfig) -> int:
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    host = SyncServiceHost(name="worker", host=config.host, port=config.port,
-                           service_names=[SERVICE_NAME], metrics_port=config.metrics_port)
+    host = SyncServiceHost(
+        name="worker",
+        host=config.host,
+        port=config.port,
+        service_names=[SERVICE_NAME],
+        metrics_port=config.metrics_port,
+    )
     servicer = WorkerServicer(device=config.device, registry=host.registry)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()

@@ -6,8 +6,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from worker_svc.outputs import ModelRunnerOutput
 
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABELS = ["model_name", "engine", "rank"]
 
@@ -15,28 +36,46 @@ LABELS = ["model_name", "engine", "rank"]
 class WorkerMetrics:
     """Created once LoadModel has said which model, engine and rank this is."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
-                 rank: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, engine: str, rank: int
+    ) -> None:
         values = (model_name, engine, str(rank))
-        step = Histogram("splitserve_worker_step_seconds",
-                         "Worker step time on the rank's clock, by phase: prepare_inputs, "
-                         "forward, sample, total (receipt of the step to its reply).",
-                         [*LABELS, "phase"], buckets=STEP_BUCKETS, registry=registry)
+        step = Histogram(
+            "splitserve_worker_step_seconds",
+            "Worker step time on the rank's clock, by phase: prepare_inputs, "
+            "forward, sample, total (receipt of the step to its reply).",
+            [*LABELS, "phase"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
         self.prepare = step.labels(*values, "prepare_inputs")
         self.forward = step.labels(*values, "forward")
         self.sample = step.labels(*values, "sample")
         self.total = step.labels(*values, "total")
-        self.kv_blocks = Gauge("splitserve_worker_kv_blocks_used",
-                               "KV blocks referenced by the rank's live requests.", LABELS,
-                               registry=registry).labels(*values)
-        self.tokens = Histogram("splitserve_worker_step_tokens",
-                                "Tokens computed per step on this rank.", LABELS,
-                                buckets=TOKEN_BUCKETS, registry=registry).labels(*values)
-        self.steps = Counter("splitserve_worker_steps", "Steps this rank ran.", LABELS,
-                             registry=registry).labels(*values)
+        self.kv_blocks = Gauge(
+            "splitserve_worker_kv_blocks_used",
+            "KV blocks referenced by the rank's live requests.",
+            LABELS,
+            registry=registry,
+        ).labels(*values)
+        self.tokens = Histogram(
+            "splitserve_worker_step_tokens",
+            "Tokens computed per step on this rank.",
+            LABELS,
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self.steps = Counter(
+            "splitserve_worker_steps", "Steps this rank ran.", LABELS, registry=registry
+        ).labels(*values)
 
-    def observe_step(self, output: ModelRunnerOutput | None, num_tokens: int,
-                     total_seconds: float, num_used_blocks: int | None) -> None:
+    def observe_step(
+        self,
+        output: ModelRunnerOutput | None,
+        num_tokens: int,
+        total_seconds: float,
+        num_used_blocks: int | None,
+    ) -> None:
         self.steps.inc()
         self.total.observe(total_seconds)
         if num_tokens:

@@ -101,8 +101,13 @@ class ModelRunner:
         assert self.kv_cache is not None
         if self.parallel.world_size > 1:
             return
-        scratch = PagedKVCache(self.backend, self.kv_cache_spec, 1 + 9 // self.kv_cache.block_size,
-                               self.kv_cache.block_size, self.device)
+        scratch = PagedKVCache(
+            self.backend,
+            self.kv_cache_spec,
+            1 + 9 // self.kv_cache.block_size,
+            self.kv_cache.block_size,
+            self.device,
+        )
         scratch.zero_blocks(np.arange(scratch.num_blocks))
         self._dummy_step(scratch, 0, 8, num_logits=1)
         self._dummy_step(scratch, 8, 9, num_logits=1)
@@ -111,8 +116,9 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, block_size: int) -> int:
         """Run one dummy step of `num_tokens` tokens (and `max_num_seqs` logits rows) in a
         scratch cache, for peak-memory profiling; returns the scratch cache's bytes."""
-        scratch = PagedKVCache(self.backend, self.kv_cache_spec, -(-num_tokens // block_size),
-                               block_size, self.device)
+        scratch = PagedKVCache(
+            self.backend, self.kv_cache_spec, -(-num_tokens // block_size), block_size, self.device
+        )
         self._dummy_step(scratch, 0, num_tokens, num_logits=min(num_tokens, self.max_num_seqs))
         return scratch.nbytes
 
@@ -122,11 +128,16 @@ class ModelRunner:
         num_blocks = -(-end // cache.block_size)
         positions = np.arange(start, end)
         inputs = StepInputs(
-            rows=np.zeros(1, np.int64), req_handles=np.zeros(1, np.int64),
-            input_ids=np.zeros(end - start, np.int64), positions=positions,
-            slot_mapping=positions, query_start_loc=np.array([0, end - start]),
-            seq_lens=np.array([end]), block_tables=np.arange(num_blocks)[None, :],
-            logits_indices=np.array([end - start - 1]), sampling_reqs=np.zeros(1, np.int64),
+            rows=np.zeros(1, np.int64),
+            req_handles=np.zeros(1, np.int64),
+            input_ids=np.zeros(end - start, np.int64),
+            positions=positions,
+            slot_mapping=positions,
+            query_start_loc=np.array([0, end - start]),
+            seq_lens=np.array([end]),
+            block_tables=np.arange(num_blocks)[None, :],
+            logits_indices=np.array([end - start - 1]),
+            sampling_reqs=np.zeros(1, np.int64),
         )
         hidden = self._forward(inputs, cache)
         assert hidden is not None
@@ -166,7 +177,9 @@ class ModelRunner:
         sampler_output = None
         if num_sampling:
             metadata = batch.sampling.build(
-                inputs.rows[inputs.sampling_reqs], batch.token_ids, batch.num_prompt_tokens,
+                inputs.rows[inputs.sampling_reqs],
+                batch.token_ids,
+                batch.num_prompt_tokens,
                 batch.num_tokens,
             )
             sampler_output = self.sampler(logits[:num_sampling], metadata)

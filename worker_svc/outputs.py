@@ -65,9 +65,7 @@ class ModelRunnerOutput:
     step_id: int
     rank: int
     req_handles: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    sampled_token_ids: npt.NDArray[np.int64] = field(
-        default_factory=lambda: np.zeros(0, np.int64)
-    )
+    sampled_token_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     logprobs: dict[int, LogprobsTable] = field(default_factory=dict)
     prompt_logprobs: dict[int, LogprobsTable] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)

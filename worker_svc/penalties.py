@@ -28,7 +28,9 @@ def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Occurrences [N, V] of each token id per row; ids == vocab_size are padding."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device)
+    counts = torch.zeros(
+        token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device
+    )
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
     return counts[:, :vocab_size]
 

@@ -77,7 +77,9 @@ class PromptLogprobsCollector:
         for handle, table in zip(plan.handles, tables, strict=True):
             self.pending.setdefault(handle, []).append(table)
 
-    def take_finished(self, plan: PromptLogprobsPlan | None, sampled: set[int]) -> dict[int, LogprobsTable]:
+    def take_finished(
+        self, plan: PromptLogprobsPlan | None, sampled: set[int]
+    ) -> dict[int, LogprobsTable]:
         """Tables of the planned requests that sampled this step (their prefill is complete)."""
         if plan is None:
             return {}

@@ -141,7 +141,12 @@ class SamplingStates:
         return self.vocab_size if requested < 0 else min(requested, self.vocab_size)
 
     def remove(self, row: int) -> None:
-        for sparse in (self.generators, self.logit_bias, self.allowed_token_ids, self.stop_token_ids):
+        for sparse in (
+            self.generators,
+            self.logit_bias,
+            self.allowed_token_ids,
+            self.stop_token_ids,
+        ):
             sparse.pop(row, None)
 
     def wants_prompt_logprobs(self, row: int) -> bool:
@@ -168,8 +173,9 @@ class SamplingStates:
             top_k=to(np.where(top_k > 0, top_k, self.vocab_size)) if top_k.any() else None,
             top_p=to(top_p) if (top_p < 1.0).any() else None,
             min_p=to(min_p) if (min_p > 0.0).any() else None,
-            generators={i: self.generators[r] for i, r in enumerate(rows.tolist())
-                        if r in self.generators},
+            generators={
+                i: self.generators[r] for i, r in enumerate(rows.tolist()) if r in self.generators
+            },
             penalties=self._penalties(rows, token_ids, num_prompt_tokens, num_tokens),
             logit_bias=self._logit_bias(rows),
             allowed_mask=self._allowed_mask(rows),
@@ -196,10 +202,15 @@ class SamplingStates:
         outputs = _ragged_take(token_ids, rows, starts, ends, self.vocab_size)
         prompts = None
         if has_repetition:
-            prompts = self._tensor(_ragged_take(token_ids, rows, 0 * starts, starts, self.vocab_size))
+            prompts = self._tensor(
+                _ragged_take(token_ids, rows, 0 * starts, starts, self.vocab_size)
+            )
         return PenaltyInputs(
-            self._tensor(presence), self._tensor(frequency), self._tensor(repetition),
-            self._tensor(outputs), prompts,
+            self._tensor(presence),
+            self._tensor(frequency),
+            self._tensor(repetition),
+            self._tensor(outputs),
+            prompts,
         )
 
     def _flatten(
@@ -232,7 +243,9 @@ class SamplingStates:
         mask[torch.from_numpy(flat[0]), torch.from_numpy(flat[1])] = True
         return mask.to(self.device)
 
-    def _blocked(self, rows: IntArray, num_outputs: IntArray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _blocked(
+        self, rows: IntArray, num_outputs: IntArray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.stop_token_ids:
             return None
         flat = self._flatten(rows, self.stop_token_ids, keep=num_outputs < self.min_tokens[rows])
@@ -240,8 +253,16 @@ class SamplingStates:
 
 
 _COLUMNS = (
-    "temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
-    "min_tokens", "num_logprobs", "num_prompt_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence",
+    "frequency",
+    "repetition",
+    "min_tokens",
+    "num_logprobs",
+    "num_prompt_logprobs",
 )
 
 

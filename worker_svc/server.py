@@ -87,27 +87,42 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         except ValueError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
-        logger.info("loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
-                    config.model_path or "the embedded default model",
-                    config.rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                    config.dtype)
+        logger.info(
+            "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
+            config.model_path or "the embedded default model",
+            config.rank,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.dtype,
+        )
         loaded = self._call(context, self._worker.load_model, config)
         if self._registry is not None and self._metrics is None:
             self._metrics = WorkerMetrics(
-                self._registry, request.served_model_name or config.model_path,
-                request.engine_id, config.rank,
+                self._registry,
+                request.served_model_name or config.model_path,
+                request.engine_id,
+                config.rank,
             )
-        logger.info("loaded %s: %d layers, %s, %.1f MB in %.2fs, attention %s",
-                    loaded.architecture, loaded.num_layers, loaded.dtype,
-                    loaded.weight_bytes / 1e6, loaded.load_seconds, loaded.attention_backend)
+        logger.info(
+            "loaded %s: %d layers, %s, %.1f MB in %.2fs, attention %s",
+            loaded.architecture,
+            loaded.num_layers,
+            loaded.dtype,
+            loaded.weight_bytes / 1e6,
+            loaded.load_seconds,
+            loaded.attention_backend,
+        )
         return convert.loaded_model_to_proto(loaded)
 
     def GetKvCapacity(
         self, request: pb.GetKvCapacityRequest, context: grpc.ServicerContext
     ) -> pb.GetKvCapacityResponse:
         capacity = self._call(
-            context, self._worker.get_kv_capacity, request.block_size,
-            request.gpu_memory_utilization, request.kv_cache_memory_bytes,
+            context,
+            self._worker.get_kv_capacity,
+            request.block_size,
+            request.gpu_memory_utilization,
+            request.kv_cache_memory_bytes,
         )
         return convert.kv_capacity_to_proto(capacity)
 
@@ -123,8 +138,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ExecuteResponse]:
         if not self._worker.is_kv_cache_ready:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                   "Execute needs LoadModel and InitializeKvCache first")
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "Execute needs LoadModel and InitializeKvCache first",
+            )
         if self._worker.device.type == "cuda":
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:
@@ -139,12 +157,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         step_id = request.scheduler_output.step_id
         rank = self._worker.parallel.rank
         if self._failure is None and step_id != self._last_step_id + 1:
-            self._failure = (f"step {step_id} arrived after step {self._last_step_id}; "
-                             f"steps must be consecutive")
+            self._failure = (
+                f"step {step_id} arrived after step {self._last_step_id}; steps must be consecutive"
+            )
         if self._failure is not None:
             return _error_response(step_id, rank, f"rank {rank} has failed: {self._failure}")
         try:
-            output = self._worker.execute(convert.scheduler_output_from_proto(request.scheduler_output))
+            output = self._worker.execute(
+                convert.scheduler_output_from_proto(request.scheduler_output)
+            )
         except Exception as e:  # noqa: BLE001 (every failure becomes a STEP_STATUS_ERROR)
             logger.exception("step %d failed on rank %d", step_id, rank)
             self._failure = f"step {step_id} failed: {type(e).__name__}: {e}"
@@ -153,7 +174,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         total_seconds = time.perf_counter() - received
         if self._metrics is not None:
             self._metrics.observe_step(
-                output, request.scheduler_output.total_num_scheduled_tokens, total_seconds,
+                output,
+                request.scheduler_output.total_num_scheduled_tokens,
+                total_seconds,
                 None if output is None else output.num_used_kv_blocks,
             )
         if output is None:

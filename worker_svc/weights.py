@@ -56,7 +56,10 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, TensorSource]]:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, shard.get_slice(name)
         logger.info(
-            "loaded shard %d/%d (%s) after %.1fs", i, len(files), path.name,
+            "loaded shard %d/%d (%s) after %.1fs",
+            i,
+            len(files),
+            path.name,
             time.perf_counter() - started,
         )
 
@@ -76,7 +79,7 @@ def stored_dtype(files: list[Path]) -> torch.dtype:
 def resolve_compute_dtype(
     requested: str, checkpoint_dtype: torch.dtype, device: torch.device
 ) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype, except float16 on CPU, which runs as float32."""
+    """ "auto" takes the checkpoint's dtype, except float16 on CPU, which runs as float32."""
     if requested in ("", "auto"):
         if checkpoint_dtype == torch.float16 and device.type == "cpu":
             return torch.float32

@@ -95,7 +95,7 @@ class LoadedModel:
 
 
 def resolve_device(requested: str, rank: int = 0) -> torch.device:
-    """"auto" is CUDA when available (one device per local rank), else CPU."""
+    """ "auto" is CUDA when available (one device per local rank), else CPU."""
     if requested in ("", "auto"):
         if torch.cuda.is_available():
             return torch.device("cuda", rank % torch.cuda.device_count())
@@ -178,18 +178,31 @@ class Worker:
         backend_name = select_backend(config.attention_backend, self.device, None, dtype)
         _check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
-            config.rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-            config.distributed_init_method, self.device,
-            rendezvous=self.rendezvous, rendezvous_id=config.rendezvous_id,
+            config.rank,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.distributed_init_method,
+            self.device,
+            rendezvous=self.rendezvous,
+            rendezvous_id=config.rendezvous_id,
         )
         tp = self.parallel.tp_size
         backend = backend_class(backend_name)(
-            model_config.num_heads // tp, model_config.num_kv_heads // tp,
-            model_config.head_dim, dtype=dtype, device=self.device,
+            model_config.num_heads // tp,
+            model_config.num_kv_heads // tp,
+            model_config.head_dim,
+            dtype=dtype,
+            device=self.device,
         )
         try:
-            model = cls(model_config, self.parallel, backend, dtype=dtype, device=self.device,
-                        max_positions=max(max_model_len, model_config.max_position_embeddings))
+            model = cls(
+                model_config,
+                self.parallel,
+                backend,
+                dtype=dtype,
+                device=self.device,
+                max_positions=max(max_model_len, model_config.max_position_embeddings),
+            )
             model.load_weights(iter_checkpoint(files))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
@@ -200,18 +213,28 @@ class Worker:
         if self.device.type == "cpu":
             model.pack_weights()
         self.runner = ModelRunner(
-            model, backend, self.parallel, dtype=dtype, device=self.device,
+            model,
+            backend,
+            self.parallel,
+            dtype=dtype,
+            device=self.device,
             max_model_len=max_model_len,
-            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, seed=config.seed,
+            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            seed=config.seed,
         )
         self.config, self.model_config = config, model_config
         start, end = model.layer_range
         return LoadedModel(
-            architecture=model_config.architecture, vocab_size=model_config.vocab_size,
-            max_model_len=max_model_len, dtype=str(dtype).removeprefix("torch."),
-            weight_bytes=self.weight_bytes, load_seconds=time.perf_counter() - started,
-            attention_backend=backend_name, num_layers=end - start,
-            num_kv_heads=backend.num_kv_heads, head_dim=model_config.head_dim,
+            architecture=model_config.architecture,
+            vocab_size=model_config.vocab_size,
+            max_model_len=max_model_len,
+            dtype=str(dtype).removeprefix("torch."),
+            weight_bytes=self.weight_bytes,
+            load_seconds=time.perf_counter() - started,
+            attention_backend=backend_name,
+            num_layers=end - start,
+            num_kv_heads=backend.num_kv_heads,
+            head_dim=model_config.head_dim,
         )
 
     def _require_runner(self) -> ModelRunner:
@@ -229,8 +252,9 @@ class Worker:
             available = CPU_DEFAULT_KV_CACHE_BYTES
         else:
             if not 0.0 < gpu_memory_utilization <= 1.0:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                                 f"got {gpu_memory_utilization}")
+                raise ValueError(
+                    f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+                )
             available = self._cuda_kv_budget(gpu_memory_utilization, block_size)
         return kv_capacity(runner.kv_cache_spec, block_size, available)
 
@@ -252,7 +276,8 @@ class Worker:
             torch.cuda.empty_cache()
         else:
             used = self.weight_bytes + _activation_estimate(
-                self.config, self.model_config, self.parallel)
+                self.config, self.model_config, self.parallel
+            )
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
         return int(utilization * total) - used - non_torch
@@ -296,8 +321,10 @@ def _check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
     if tp < 1 or pp < 1:
         raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
     if model.num_heads % tp or model.num_kv_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the {model.num_heads} "
-                         f"attention heads and the {model.num_kv_heads} KV heads")
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the {model.num_heads} "
+            f"attention heads and the {model.num_kv_heads} KV heads"
+        )
     if model.num_layers < pp:
         raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
 
@@ -311,11 +338,15 @@ def _max_model_len(requested: int, model: ModelConfig) -> int:
     return requested or limit
 
 
-def _activation_estimate(config: LoadModelConfig, model: ModelConfig, parallel: ParallelState) -> int:
+def _activation_estimate(
+    config: LoadModelConfig, model: ModelConfig, parallel: ParallelState
+) -> int:
     """Peak activation bytes of a step: a few [tokens, width] buffers plus float32 logits."""
     tokens = config.max_num_batched_tokens or 8192
     tp = parallel.tp_size
-    width = model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tp
+    width = (
+        model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tp
+    )
     width += 3 * model.intermediate_size // tp
     logits = (config.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
     return tokens * width * 4 + logits

@@ -13,7 +13,11 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2
 
 CONTRACT_MODULES: tuple[ModuleType, ...] = (
-    types_pb2, core_service_pb2, worker_service_pb2, generation_service_pb2)
+    types_pb2,
+    core_service_pb2,
+    worker_service_pb2,
+    generation_service_pb2,
+)
 _FD = FieldDescriptor
 
 
@@ -69,36 +73,92 @@ def fill(msg: Message, seed: int = 1, depth: int = 0) -> Message:
 
 def representative_messages() -> dict[str, Message]:
     """Messages whose exact wire bytes are pinned by golden files."""
-    sp = types_pb2.SamplingParams(n=2, temperature=0.0, top_p=0.9, top_k=40, seed=7,
-                                  stop=["\n\n"], stop_token_ids=[2], max_tokens=16,
-                                  logprobs=0, skip_special_tokens=False, logit_bias={5: -1.5})
+    sp = types_pb2.SamplingParams(
+        n=2,
+        temperature=0.0,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop=["\n\n"],
+        stop_token_ids=[2],
+        max_tokens=16,
+        logprobs=0,
+        skip_special_tokens=False,
+        logit_bias={5: -1.5},
+    )
     core_req = core_service_pb2.EngineCoreRequest(
-        request_id="req-1", request_handle=42, prompt_token_ids=[1, 300, 70000],
-        sampling_params=sp, eos_token_id=2, cache_salt="tenant-a", priority=-1)
+        request_id="req-1",
+        request_handle=42,
+        prompt_token_ids=[1, 300, 70000],
+        sampling_params=sp,
+        eos_token_id=2,
+        cache_salt="tenant-a",
+        priority=-1,
+    )
     outputs = core_service_pb2.EngineCoreOutputs(
-        request_handles=[42, 43], num_new_tokens=[1, 2], new_token_ids=[17, 18, 19],
-        details=[core_service_pb2.EngineCoreOutput(
-            request_handle=43, finish_reason=types_pb2.FINISH_REASON_STOP, stop_token_id=19,
-            events=[core_service_pb2.EngineCoreEvent(
-                type=core_service_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED, timestamp=12.5)])],
-        timestamp=13.25, step_index=9)
+        request_handles=[42, 43],
+        num_new_tokens=[1, 2],
+        new_token_ids=[17, 18, 19],
+        details=[
+            core_service_pb2.EngineCoreOutput(
+                request_handle=43,
+                finish_reason=types_pb2.FINISH_REASON_STOP,
+                stop_token_id=19,
+                events=[
+                    core_service_pb2.EngineCoreEvent(
+                        type=core_service_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED, timestamp=12.5
+                    )
+                ],
+            )
+        ],
+        timestamp=13.25,
+        step_index=9,
+    )
     step = worker_service_pb2.SchedulerOutput(
         step_id=3,
-        scheduled_new_reqs=[worker_service_pb2.NewRequestData(
-            req_handle=1, request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=sp,
-            block_ids=[0, 1], num_computed_tokens=0, stop_token_ids=[2])],
+        scheduled_new_reqs=[
+            worker_service_pb2.NewRequestData(
+                req_handle=1,
+                request_id="r",
+                prompt_token_ids=[5, 6, 7],
+                sampling_params=sp,
+                block_ids=[0, 1],
+                num_computed_tokens=0,
+                stop_token_ids=[2],
+            )
+        ],
         scheduled_cached_reqs=worker_service_pb2.CachedRequestData(
-            req_handles=[2], num_computed_tokens=[33], num_new_block_ids=[1], new_block_ids=[9],
-            num_new_token_ids=[1], new_token_ids=[77]),
-        num_scheduled_tokens=[3, 1], total_num_scheduled_tokens=4, finished_req_handles=[4])
+            req_handles=[2],
+            num_computed_tokens=[33],
+            num_new_block_ids=[1],
+            new_block_ids=[9],
+            num_new_token_ids=[1],
+            new_token_ids=[77],
+        ),
+        num_scheduled_tokens=[3, 1],
+        total_num_scheduled_tokens=4,
+        finished_req_handles=[4],
+    )
     runner = worker_service_pb2.ModelRunnerOutput(
-        step_id=3, status=worker_service_pb2.STEP_STATUS_OK, req_handles=[1, 2],
-        sampled_token_ids=[11, 12], timings=worker_service_pb2.StepTimings(total_seconds=0.25))
+        step_id=3,
+        status=worker_service_pb2.STEP_STATUS_OK,
+        req_handles=[1, 2],
+        sampled_token_ids=[11, 12],
+        timings=worker_service_pb2.StepTimings(total_seconds=0.25),
+    )
     gen = generation_service_pb2.GenerateResponse(
-        request_id="req-1", index=1, token_ids=[17], text="h\u00e9",
+        request_id="req-1",
+        index=1,
+        token_ids=[17],
+        text="h\u00e9",
         finish_reason=types_pb2.FINISH_REASON_LENGTH,
-        usage=generation_service_pb2.Usage(prompt_tokens=3, completion_tokens=16,
-                                           cached_tokens=0))
-    return {"sampling_params": sp, "engine_core_request": core_req,
-            "engine_core_outputs": outputs, "scheduler_output": step,
-            "model_runner_output": runner, "generate_response": gen}
+        usage=generation_service_pb2.Usage(prompt_tokens=3, completion_tokens=16, cached_tokens=0),
+    )
+    return {
+        "sampling_params": sp,
+        "engine_core_request": core_req,
+        "engine_core_outputs": outputs,
+        "scheduler_output": step,
+        "model_runner_output": runner,
+        "generate_response": gen,
+    }

@@ -37,8 +37,13 @@ class CoreHarness:
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
-        engine, self.executor = make_engine(NUM_BLOCKS, BLOCK_SIZE, max_num_seqs=32,
-                                            max_num_batched_tokens=256, max_model_len=MAX_LEN)
+        engine, self.executor = make_engine(
+            NUM_BLOCKS,
+            BLOCK_SIZE,
+            max_num_seqs=32,
+            max_num_batched_tokens=256,
+            max_model_len=MAX_LEN,
+        )
         if self.step_delay:
             self.executor.on_execute = lambda so: time.sleep(self.step_delay)
         self.server = grpc.aio.server()
@@ -48,9 +53,17 @@ class CoreHarness:
         await self.server.start()
         self.proc = EngineCoreProc(engine, servicer.output_sink)
         self.proc.start()
-        servicer.attach(self.proc, core_pb2.EngineInfo(
-            served_model_name="fake", max_model_len=MAX_LEN, vocab_size=2048,
-            block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, max_num_seqs=32))
+        servicer.attach(
+            self.proc,
+            core_pb2.EngineInfo(
+                served_model_name="fake",
+                max_model_len=MAX_LEN,
+                vocab_size=2048,
+                block_size=BLOCK_SIZE,
+                num_kv_blocks=NUM_BLOCKS,
+                max_num_seqs=32,
+            ),
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -60,7 +73,8 @@ class CoreHarness:
     async def stats(self) -> core_pb2.SchedulerStats:
         async with grpc.aio.insecure_channel(self.addr) as channel:
             reply = await core_grpc.EngineCoreServiceStub(channel).GetSchedulerStats(
-                core_pb2.GetSchedulerStatsRequest())
+                core_pb2.GetSchedulerStatsRequest()
+            )
             return reply.scheduler_stats
 
     async def wait_idle(self, timeout: float = 10.0) -> core_pb2.SchedulerStats:
@@ -106,6 +120,7 @@ def test_a_stream_completes_with_the_requests_own_tokens(tokenizer: Any) -> None
             assert deltas[-1].completion_tokens == 7 and deltas[-1].prompt_tokens == len(PROMPT)
             assert (await core.wait_idle()).kv_cache_usage == 0.0
             await engine.close()
+
     run(scenario)
 
 
@@ -114,11 +129,16 @@ def test_many_concurrent_requests_are_demultiplexed(tokenizer: Any) -> None:
         async with CoreHarness() as core:
             engine = await frontend(core.addr, tokenizer)
             ids = [f"req{i}" for i in range(24)]
-            results = await asyncio.gather(*(collect(engine.generate(
-                request(rid, max_tokens=3 + i % 5))) for i, rid in enumerate(ids)))
+            results = await asyncio.gather(
+                *(
+                    collect(engine.generate(request(rid, max_tokens=3 + i % 5)))
+                    for i, rid in enumerate(ids)
+                )
+            )
             for i, (rid, deltas) in enumerate(zip(ids, results, strict=True)):
                 assert tokens(deltas) == [default_token_fn(rid, k) for k in range(3 + i % 5)]
             await engine.close()
+
     run(scenario)
 
 
@@ -126,13 +146,16 @@ def test_n_greater_than_one_fans_out_and_merges_by_index(tokenizer: Any) -> None
     async def scenario() -> None:
         async with CoreHarness() as core:
             engine = await frontend(core.addr, tokenizer)
-            deltas = await collect(engine.generate(
-                request("multi", n=3, temperature=1.0, seed=11, max_tokens=4)))
+            deltas = await collect(
+                engine.generate(request("multi", n=3, temperature=1.0, seed=11, max_tokens=4))
+            )
             for index in range(3):
-                assert tokens(deltas, index) == [default_token_fn(f"multi-{index}", k)
-                                                 for k in range(4)]
+                assert tokens(deltas, index) == [
+                    default_token_fn(f"multi-{index}", k) for k in range(4)
+                ]
             assert sum(d.is_finished for d in deltas) == 3
             await engine.close()
+
     run(scenario)
 
 
@@ -147,6 +170,7 @@ def test_cancelling_a_stream_aborts_it_and_frees_its_blocks(tokenizer: Any) -> N
                     count += 1
                     if count == 2:
                         await asyncio.sleep(10)  # cancelled here, mid-stream
+
             task = asyncio.create_task(consume_two())
             await asyncio.sleep(0.3)
             running = await core.stats()
@@ -155,6 +179,7 @@ def test_cancelling_a_stream_aborts_it_and_frees_its_blocks(tokenizer: Any) -> N
             stats = await core.wait_idle()
             assert (stats.num_running_reqs, stats.kv_cache_usage) == (0, 0.0)
             await engine.close()
+
     run(scenario)
 
 
@@ -163,18 +188,24 @@ def test_a_closed_stream_aborts_all_of_its_requests(tokenizer: Any) -> None:
         async with CoreHarness(step_delay=0.01) as core:
             async with grpc.aio.insecure_channel(core.addr) as channel:
                 call = core_grpc.EngineCoreServiceStub(channel).EngineStream()
-                reqs = [core_pb2.EngineCoreRequest(request_id=f"r{h}", request_handle=h,
-                                                   prompt_token_ids=PROMPT) for h in (1, 2, 3)]
+                reqs = [
+                    core_pb2.EngineCoreRequest(
+                        request_id=f"r{h}", request_handle=h, prompt_token_ids=PROMPT
+                    )
+                    for h in (1, 2, 3)
+                ]
                 for r in reqs:
                     r.sampling_params.max_tokens = 100
-                await call.write(core_pb2.EngineStreamRequest(
-                    add=core_pb2.AddRequests(requests=reqs)))
+                await call.write(
+                    core_pb2.EngineStreamRequest(add=core_pb2.AddRequests(requests=reqs))
+                )
                 first = await call.read()
                 assert set(first.outputs.request_handles) <= {1, 2, 3}
                 assert (await core.stats()).num_running_reqs == 3
                 call.cancel()
             stats = await core.wait_idle()
             assert (stats.num_running_reqs, stats.kv_cache_usage) == (0, 0.0)
+
     run(scenario)
 
 
@@ -192,6 +223,7 @@ def test_requests_in_flight_end_unavailable_when_the_core_goes_away(tokenizer: A
         with pytest.raises(EngineUnavailable):
             await collect(engine.generate(request("later")))
         await engine.close()
+
     run(scenario)
 
 
@@ -203,8 +235,12 @@ def test_handshake_reports_the_engine_facts_and_pings_are_answered(tokenizer: An
             engine.client.ping_interval, engine.client.on_rtt = 0.05, rtts.append
             info = await engine.start(timeout=10)
             assert (info.max_model_len, info.block_size, info.num_kv_blocks) == (
-                MAX_LEN, BLOCK_SIZE, NUM_BLOCKS)
+                MAX_LEN,
+                BLOCK_SIZE,
+                NUM_BLOCKS,
+            )
             await asyncio.sleep(0.4)
             assert rtts and all(0 < r < 5 for r in rtts)
             await engine.close()
+
     run(scenario)

@@ -27,10 +27,14 @@ def test_every_message_round_trips(cls: type[Message]) -> None:
 
 def test_every_message_is_covered() -> None:
     names = {c.DESCRIPTOR.full_name for c in all_message_classes()}
-    for required in ("splitserve.common.v1.SamplingParams", "splitserve.core.v1.EngineCoreRequest",
-                     "splitserve.core.v1.EngineCoreOutputs", "splitserve.worker.v1.SchedulerOutput",
-                     "splitserve.worker.v1.ModelRunnerOutput",
-                     "splitserve.frontend.v1.GenerateRequest"):
+    for required in (
+        "splitserve.common.v1.SamplingParams",
+        "splitserve.core.v1.EngineCoreRequest",
+        "splitserve.core.v1.EngineCoreOutputs",
+        "splitserve.worker.v1.SchedulerOutput",
+        "splitserve.worker.v1.ModelRunnerOutput",
+        "splitserve.frontend.v1.GenerateRequest",
+    ):
         assert required in names
 
 
@@ -45,7 +49,8 @@ def test_golden_wire_bytes(name: str) -> None:
     assert path.exists(), f"missing {path}; run with SPLITSERVE_UPDATE_GOLDEN=1 once"
     assert wire.hex() == path.read_text().strip(), (
         f"the wire encoding of {name} changed: a contract change must be deliberate "
-        "(update the golden file with SPLITSERVE_UPDATE_GOLDEN=1 only if it is)")
+        "(update the golden file with SPLITSERVE_UPDATE_GOLDEN=1 only if it is)"
+    )
     assert type(msg).FromString(bytes.fromhex(path.read_text().strip())) == msg
 
 

@@ -25,7 +25,8 @@ BIN = Path(sys.executable).parent
 def health(addr: str, service: str) -> int:
     with grpc.insecure_channel(addr) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5)
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
         return int(reply.status)
 
 
@@ -33,8 +34,9 @@ def grpcurl_list(addr: str) -> list[str]:
     exe = shutil.which("grpcurl", path=str(BIN)) or shutil.which("grpcurl")
     if exe is None:
         pytest.skip("grpcurl is not installed")
-    out = subprocess.run([exe, "-plaintext", addr, "list"], capture_output=True, text=True,
-                         timeout=30, check=True)
+    out = subprocess.run(
+        [exe, "-plaintext", addr, "list"], capture_output=True, text=True, timeout=30, check=True
+    )
     return out.stdout.split()
 
 
@@ -49,8 +51,9 @@ def test_every_service_answers_health_and_reflection(stack: Stack) -> None:
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _wait_serving(addr: str, timeout: float = 60.0) -> None:
@@ -66,8 +69,9 @@ def _wait_serving(addr: str, timeout: float = 60.0) -> None:
 
 def test_sigterm_stops_a_service_gracefully_with_exit_0() -> None:
     port, metrics = free_ports(2)
-    worker = _spawn("worker_svc", "--host", "127.0.0.1", "--port", str(port),
-                    "--metrics-port", str(metrics))
+    worker = _spawn(
+        "worker_svc", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics)
+    )
     try:
         _wait_serving(f"127.0.0.1:{port}")
         worker.send_signal(signal.SIGTERM)
@@ -78,33 +82,57 @@ def test_sigterm_stops_a_service_gracefully_with_exit_0() -> None:
 
 def test_a_fatal_error_exits_non_zero_with_a_clear_message() -> None:
     port, metrics, dead = free_ports(3)
-    core = _spawn("core_svc", "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
-                  str(metrics), "--worker-addrs", f"127.0.0.1:{dead}",
-                  "--worker-connect-timeout", "2")
+    core = _spawn(
+        "core_svc",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics),
+        "--worker-addrs",
+        f"127.0.0.1:{dead}",
+        "--worker-connect-timeout",
+        "2",
+    )
     out, _ = core.communicate(timeout=60)
     assert core.returncode == 1
     assert f"worker rank 0 at 127.0.0.1:{dead} unreachable" in out
 
 
-@pytest.mark.parametrize("command", [[], ["up"], ["frontend"], ["core"], ["worker"],
-                                     ["generate"], ["bench", "serve"]])
+@pytest.mark.parametrize(
+    "command", [[], ["up"], ["frontend"], ["core"], ["worker"], ["generate"], ["bench", "serve"]]
+)
 def test_every_command_has_help(command: list[str]) -> None:
-    result = subprocess.run([str(BIN / "splitserve"), *command, "--help"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [str(BIN / "splitserve"), *command, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
 
 
 def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
     env = dict(os.environ, SPLITSERVE_LOG_LEVEL="warning")
-    up = subprocess.Popen([str(BIN / "splitserve"), "up", "--model", str(default_model_dir),
-                           "--port", "0", "--kv-cache-memory-bytes", "16777216"],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    up = subprocess.Popen(
+        [
+            str(BIN / "splitserve"),
+            "up",
+            "--model",
+            str(default_model_dir),
+            "--port",
+            "0",
+            "--kv-cache-memory-bytes",
+            "16777216",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         assert up.stdout is not None
         line = up.stdout.readline()
-        match = re.fullmatch(r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+)\n",
-                             line)
+        match = re.fullmatch(r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+)\n", line)
         assert match, line
         assert len(match.group(4).split(",")) == 3
         assert health(match.group(1), READINESS["frontend"]) == 1
@@ -118,7 +146,19 @@ def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
 
 def test_a_dying_child_takes_the_launcher_down_naming_it(default_model_dir: Path) -> None:
     result = subprocess.run(
-        [str(BIN / "splitserve"), "up", "--model", str(default_model_dir), "--port", "0",
-         "--max-num-seqs", "0"], capture_output=True, text=True, timeout=120)
+        [
+            str(BIN / "splitserve"),
+            "up",
+            "--model",
+            str(default_model_dir),
+            "--port",
+            "0",
+            "--max-num-seqs",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert "core exited with code 2" in result.stderr

@@ -25,8 +25,9 @@ class Completion:
     usage: Any = None
 
 
-def generate(addr: str, request: gen_pb2.GenerateRequest,
-             timeout: float = 120.0) -> dict[int, Completion]:
+def generate(
+    addr: str, request: gen_pb2.GenerateRequest, timeout: float = 120.0
+) -> dict[int, Completion]:
     with grpc.insecure_channel(addr) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
         return join(stub.Generate(request, timeout=timeout))
@@ -49,4 +50,6 @@ def join(responses: Any) -> dict[int, Completion]:
 
 
 def text_request(prompt: str, **params: Any) -> gen_pb2.GenerateRequest:
-    return gen_pb2.GenerateRequest(prompt=prompt, sampling_params=types_pb2.SamplingParams(**params))
+    return gen_pb2.GenerateRequest(
+        prompt=prompt, sampling_params=types_pb2.SamplingParams(**params)
+    )

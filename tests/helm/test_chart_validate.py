@@ -32,10 +32,17 @@ KITCHEN_SINK: dict[str, Any] = {
     "parallelism": {"tensorParallelSize": 4, "pipelineParallelSize": 2},
     "frontend": {
         "service": {"type": "LoadBalancer", "nodePort": 30051, "annotations": {"a": "b"}},
-        "autoscaling": {"enabled": True, "targetMemoryUtilizationPercentage": 80,
-                        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0}}},
-        "ingress": {"enabled": True, "className": "nginx", "hosts": ["llm.example.com"],
-                    "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
+        "autoscaling": {
+            "enabled": True,
+            "targetMemoryUtilizationPercentage": 80,
+            "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0}},
+        },
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "hosts": ["llm.example.com"],
+            "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}],
+        },
         "extraVolumes": [{"name": "extra", "emptyDir": {}}],
         "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
         "priorityClassName": "high",
@@ -44,31 +51,48 @@ KITCHEN_SINK: dict[str, Any] = {
         "extraArgs": ["--max-n", "8"],
     },
     "core": {"extraEnv": [{"name": "CORE_EXTRA", "value": "1"}], "kvCacheMemoryBytes": 8589934592},
-    "worker": {"gpu": {"enabled": True}, "runtimeClassName": "nvidia",
-               "extraArgs": ["--log-level", "debug"],
-               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                "effect": "NoSchedule"}]},
-    "networkPolicy": {"restrictEgress": True,
-                      "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]},
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"},
-                                   "relabelings": [{"action": "labeldrop", "regex": "tmp"}]},
-                "prometheusRule": {"enabled": True, "additionalRules": [
-                    {"alert": "Extra", "expr": "vector(1) > 2", "for": "1m"}]}},
+    "worker": {
+        "gpu": {"enabled": True},
+        "runtimeClassName": "nvidia",
+        "extraArgs": ["--log-level", "debug"],
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "networkPolicy": {
+        "restrictEgress": True,
+        "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}],
+    },
+    "metrics": {
+        "serviceMonitor": {
+            "enabled": True,
+            "labels": {"release": "prometheus"},
+            "relabelings": [{"action": "labeldrop", "regex": "tmp"}],
+        },
+        "prometheusRule": {
+            "enabled": True,
+            "additionalRules": [{"alert": "Extra", "expr": "vector(1) > 2", "for": "1m"}],
+        },
+    },
     "grafanaDashboard": {"namespace": "monitoring", "annotations": {"grafana_folder": "LLM"}},
-    "tlsSecrets": [{"name": "llm-tls", "certificate": "-----BEGIN CERTIFICATE-----\nx\n",
-                    "key": "-----BEGIN PRIVATE KEY-----\ny\n"}],
+    "tlsSecrets": [
+        {
+            "name": "llm-tls",
+            "certificate": "-----BEGIN CERTIFICATE-----\nx\n",
+            "key": "-----BEGIN PRIVATE KEY-----\ny\n",
+        }
+    ],
 }
 
-CASES = (
-    [pytest.param(None, id="defaults"), pytest.param(KITCHEN_SINK, id="kitchen-sink")]
-    + [pytest.param(load_values(p), id=p.name) for p in ci_values_files()]
-)
+CASES = [pytest.param(None, id="defaults"), pytest.param(KITCHEN_SINK, id="kitchen-sink")] + [
+    pytest.param(load_values(p), id=p.name) for p in ci_values_files()
+]
 
 DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
 LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-METADATA = {"type": "object", "required": ["name", "labels"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                           "labels": LABELS}}
+METADATA = {
+    "type": "object",
+    "required": ["name", "labels"],
+    "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": LABELS},
+}
 # The parts of the Prometheus Operator CRDs (monitoring.coreos.com/v1) the chart uses.
 SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -79,30 +103,51 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
         "kind": {"const": "ServiceMonitor"},
         "metadata": METADATA,
         "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
             "properties": {
-                "selector": {"type": "object", "required": ["matchLabels"],
-                             "properties": {"matchLabels": LABELS}},
-                "namespaceSelector": {"type": "object", "properties": {
-                    "matchNames": {"type": "array", "items": {"type": "string"}},
-                    "any": {"type": "boolean"}}, "additionalProperties": False},
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "properties": {"matchLabels": LABELS},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "properties": {
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                        "any": {"type": "boolean"},
+                    },
+                    "additionalProperties": False,
+                },
                 "podTargetLabels": {"type": "array", "items": {"type": "string"}},
                 "targetLabels": {"type": "array", "items": {"type": "string"}},
                 "jobLabel": {"type": "string"},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["port"], "additionalProperties": False,
-                    "properties": {
-                        "port": {"type": "string"}, "path": {"type": "string"},
-                        "scheme": {"enum": ["http", "https"]}, "interval": DURATION,
-                        "scrapeTimeout": DURATION,
-                        "relabelings": {"type": "array", "items": {"type": "object"}},
-                        "metricRelabelings": {"type": "array", "items": {"type": "object"}}}}},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["port"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": DURATION,
+                            "scrapeTimeout": DURATION,
+                            "relabelings": {"type": "array", "items": {"type": "object"}},
+                            "metricRelabelings": {"type": "array", "items": {"type": "object"}},
+                        },
+                    },
+                },
             },
         },
     },
 }
 RULE = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "oneOf": [{"required": ["alert", "expr"]}, {"required": ["record", "expr"]}],
     "properties": {
         "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
@@ -121,11 +166,27 @@ PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "PrometheusRule"},
         "metadata": METADATA,
-        "spec": {"type": "object", "required": ["groups"], "additionalProperties": False,
-                 "properties": {"groups": {"type": "array", "minItems": 1, "items": {
-                     "type": "object", "required": ["name", "rules"], "additionalProperties": False,
-                     "properties": {"name": {"type": "string"}, "interval": DURATION,
-                                    "rules": {"type": "array", "items": RULE}}}}}},
+        "spec": {
+            "type": "object",
+            "required": ["groups"],
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "rules"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": DURATION,
+                            "rules": {"type": "array", "items": RULE},
+                        },
+                    },
+                }
+            },
+        },
     },
 }
 CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
@@ -153,8 +214,14 @@ def test_every_manifest_passes_kubernetes_validate_strict(values: dict[str, Any]
 
 def test_kitchen_sink_renders_every_optional_object() -> None:
     kinds = {d["kind"] for d in render(KITCHEN_SINK).docs}
-    assert {"HorizontalPodAutoscaler", "Ingress", "Secret", "PersistentVolumeClaim",
-            "ServiceMonitor", "PrometheusRule"} <= kinds
+    assert {
+        "HorizontalPodAutoscaler",
+        "Ingress",
+        "Secret",
+        "PersistentVolumeClaim",
+        "ServiceMonitor",
+        "PrometheusRule",
+    } <= kinds
 
 
 def test_validation_catches_a_bad_manifest(default_manifests: Manifests) -> None:
@@ -202,9 +269,19 @@ def test_prometheus_rule_alerts_cover_the_vllm_signals() -> None:
 
 
 def test_prometheus_rule_thresholds_and_switches_come_from_values() -> None:
-    rule = render({"metrics": {"prometheusRule": {"enabled": True, "alerts": {
-        "kvCacheUsage": {"threshold": 0.9, "for": "2m"},
-        "preemptionRate": {"enabled": False}}}}}).of_kind("PrometheusRule")[0]
+    rule = render(
+        {
+            "metrics": {
+                "prometheusRule": {
+                    "enabled": True,
+                    "alerts": {
+                        "kvCacheUsage": {"threshold": 0.9, "for": "2m"},
+                        "preemptionRate": {"enabled": False},
+                    },
+                }
+            }
+        }
+    ).of_kind("PrometheusRule")[0]
     rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
     assert rules["SplitserveKVCacheAlmostFull"]["expr"].endswith("> 0.9")
     assert rules["SplitserveKVCacheAlmostFull"]["for"] == "2m"
@@ -219,6 +296,7 @@ def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
     rule = render({"metrics": {"prometheusRule": {"enabled": True}}}).of_kind("PrometheusRule")[0]
     rules_file = tmp_path / "rules.yml"
     rules_file.write_text(yaml.safe_dump(rule["spec"]))
-    result = subprocess.run([promtool, "check", "rules", str(rules_file)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -55,8 +55,9 @@ def undocumented_keys() -> list[str]:
             continue
         parts = key.split(".")
         ancestors = [".".join(parts[:i]) for i in range(1, len(parts))]
-        whole_values = [a for a in ancestors if a in own
-                        and not any(k.startswith(a + ".") for k in own)]
+        whole_values = [
+            a for a in ancestors if a in own and not any(k.startswith(a + ".") for k in own)
+        ]
         if not whole_values:
             missing.append(key)
     return missing
@@ -142,10 +143,14 @@ BAD_VALUES = [
     pytest.param({"logLevel": "verbose"}, "logLevel", id="bad-log-level"),
     pytest.param({"cache": {"sizeLimit": "lots"}}, "sizeLimit", id="bad-quantity"),
     pytest.param({"image": {"digest": "abc"}}, "digest", id="bad-digest"),
-    pytest.param({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "interval",
-                 id="bad-duration"),
-    pytest.param({"metrics": {"prometheusRule": {"alerts": {"kvCacheUsage": {"threshold": 95}}}}},
-                 "threshold", id="kv-threshold-percent"),
+    pytest.param(
+        {"metrics": {"serviceMonitor": {"interval": "soon"}}}, "interval", id="bad-duration"
+    ),
+    pytest.param(
+        {"metrics": {"prometheusRule": {"alerts": {"kvCacheUsage": {"threshold": 95}}}}},
+        "threshold",
+        id="kv-threshold-percent",
+    ),
     pytest.param({"frontend": {"service": {"type": "ExternalName"}}}, "type", id="svc-type"),
     pytest.param({"tlsSecrets": [{"name": "x", "certificate": "c"}]}, "key", id="tls-no-key"),
 ]

@@ -136,8 +136,11 @@ def exec_form(rest: str) -> list[str]:
 
 def dockerignore_excludes(path: str) -> bool:
     """Whether .dockerignore keeps `path` (relative to the context root) out of the context."""
-    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines()
-                if p.strip() and not p.strip().startswith("#")]
+    patterns = [
+        p.strip()
+        for p in DOCKERIGNORE.read_text().splitlines()
+        if p.strip() and not p.strip().startswith("#")
+    ]
 
     def regex(pattern: str) -> re.Pattern[str]:
         out = ""
@@ -218,8 +221,15 @@ def test_every_copy_source_exists_and_is_in_the_build_context(dockerfile: Docker
 
 
 def test_dockerignore_keeps_junk_out() -> None:
-    for path in (".venv", ".git", "tests", "helm", "splitserve/__pycache__", "docs",
-                 "splitserve.egg-info"):
+    for path in (
+        ".venv",
+        ".git",
+        "tests",
+        "helm",
+        "splitserve/__pycache__",
+        "docs",
+        "splitserve.egg-info",
+    ):
         assert dockerignore_excludes(path), path
     assert not dockerignore_excludes("splitserve/cli.py")
 
@@ -241,8 +251,11 @@ def test_final_images_run_as_the_charts_non_root_user(dockerfile: Dockerfile, na
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0, f"USER {user} must be a numeric non-root uid"
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
-    assert int(uid) == values["podSecurityContext"]["runAsUser"] == values["securityContext"][
-        "runAsUser"]
+    assert (
+        int(uid)
+        == values["podSecurityContext"]["runAsUser"]
+        == values["securityContext"]["runAsUser"]
+    )
     assert int(gid) == values["podSecurityContext"]["runAsGroup"]
     # The cache folder the chart mounts an emptyDir over also exists (writable) in the image.
     env = dockerfile.expand(" ".join(stage.all("ENV")), stage, env=True)
@@ -317,8 +330,9 @@ def test_requirements_pin_every_runtime_dependency() -> None:
 
 
 def test_pip_installs_only_pinned_packages(dockerfile: Dockerfile) -> None:
-    torch_pin = next(Requirement(d) for d in pyproject()["project"]["dependencies"]
-                     if d.startswith("torch"))
+    torch_pin = next(
+        Requirement(d) for d in pyproject()["project"]["dependencies"] if d.startswith("torch")
+    )
     assert str(torch_pin.specifier) == f"=={dockerfile.global_args['TORCH_VERSION']}"
     seen_requirement_file = False
     for stage in dockerfile.stages:
@@ -327,7 +341,7 @@ def test_pip_installs_only_pinned_packages(dockerfile: Dockerfile) -> None:
                 words = shlex.split(dockerfile.expand(command, stage))
                 if "pip" not in " ".join(words[:1]) or "install" not in words:
                     continue
-                args = words[words.index("install") + 1:]
+                args = words[words.index("install") + 1 :]
                 i = 0
                 while i < len(args):
                     arg = args[i]
@@ -352,16 +366,25 @@ def test_pip_installs_only_pinned_packages(dockerfile: Dockerfile) -> None:
 def test_lock_script_pins_the_runtime_closure_only() -> None:
     """docker/lock_requirements.py (which wrote requirements.txt) pins what the services need at
     run time: every runtime dependency, nothing from the dev extra, torch left to the index."""
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "docker" / "lock_requirements.py")],
-                            capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "docker" / "lock_requirements.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     lines = [ln for ln in result.stdout.splitlines() if ln and not ln.startswith("#")]
     names = {canonicalize_name(Requirement(ln).name) for ln in lines}
     assert all("==" in ln for ln in lines)
-    runtime = {canonicalize_name(Requirement(d).name) for d in pyproject()["project"]["dependencies"]}
+    runtime = {
+        canonicalize_name(Requirement(d).name) for d in pyproject()["project"]["dependencies"]
+    }
     assert runtime - {"torch"} <= names
     assert "torch" not in names
-    dev = {canonicalize_name(Requirement(d).name)
-           for d in pyproject()["project"]["optional-dependencies"]["dev"]}
+    dev = {
+        canonicalize_name(Requirement(d).name)
+        for d in pyproject()["project"]["optional-dependencies"]["dev"]
+    }
     assert not names & (dev - runtime - {"pyyaml"}), names & dev  # pyyaml: also a runtime dep
 
 
@@ -383,16 +406,34 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(origin.read_bytes())
     out = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), str(src)],
-                   check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     wheel = next(out.glob("splitserve-*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     assert "splitserve = splitserve.cli:main" in entry_points
-    for module in ("frontend_svc/__main__.py", "core_svc/__main__.py", "worker_svc/__main__.py",
-                   "splitserve_contracts/frontend/v1/generation_service_pb2.py"):
+    for module in (
+        "frontend_svc/__main__.py",
+        "core_svc/__main__.py",
+        "worker_svc/__main__.py",
+        "splitserve_contracts/frontend/v1/generation_service_pb2.py",
+    ):
         assert module in names, module
 
 
@@ -401,7 +442,8 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
 
 def load_healthcheck() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "splitserve_healthcheck", REPO_ROOT / "docker" / "healthcheck.py")
+        "splitserve_healthcheck", REPO_ROOT / "docker" / "healthcheck.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -410,8 +452,18 @@ def load_healthcheck() -> ModuleType:
 
 def test_healthcheck_reads_role_and_port_from_the_command_line() -> None:
     hc = load_healthcheck()
-    assert hc.role_of(["/opt/splitserve/bin/python", "/opt/splitserve/bin/splitserve", "core",
-                       "--port", "6000"]) == "core"
+    assert (
+        hc.role_of(
+            [
+                "/opt/splitserve/bin/python",
+                "/opt/splitserve/bin/splitserve",
+                "core",
+                "--port",
+                "6000",
+            ]
+        )
+        == "core"
+    )
     assert hc.role_of(["python", "-m", "worker_svc"]) == "worker"
     assert hc.port_of(["splitserve", "core", "--port", "6000"], {}, "core") == 6000
     assert hc.port_of(["splitserve", "core", "--port=6001"], {}, "core") == 6001

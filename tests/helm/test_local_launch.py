@@ -54,8 +54,10 @@ def case_values(name: str, model_dir: Path) -> dict[str, Any]:
     values = load_values(CI_DIR / name)
     if values.get("model", {}).get("source") == "hostPath":
         # The node folder holds the default model the test session built.
-        values = deep_merge(values, {"model": {"hostPath": {"path": str(model_dir.parent)},
-                                               "subPath": model_dir.name}})
+        values = deep_merge(
+            values,
+            {"model": {"hostPath": {"path": str(model_dir.parent)}, "subPath": model_dir.name}},
+        )
     return values
 
 
@@ -99,7 +101,8 @@ def test_emulator_rejects_broken_wiring(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module", params=CASES)
 def launched(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
     default_model_dir: Path,
 ) -> Iterator[Launched]:
     values = case_values(request.param, default_model_dir)
@@ -117,8 +120,11 @@ def generate(address: str, prompt: str, max_tokens: int) -> list[gen_pb2.Generat
     params = types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(address) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
-        return list(stub.Generate(gen_pb2.GenerateRequest(prompt=prompt, sampling_params=params),
-                                  timeout=180))
+        return list(
+            stub.Generate(
+                gen_pb2.GenerateRequest(prompt=prompt, sampling_params=params), timeout=180
+            )
+        )
 
 
 @pytest.mark.slow
@@ -138,7 +144,8 @@ def test_frontend_streams_an_answer(launched: Launched) -> None:
 def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -> None:
     with grpc.insecure_channel(launched.frontend) as channel:
         info = gen_grpc.GenerationServiceStub(channel).GetModelInfo(
-            gen_pb2.GetModelInfoRequest(), timeout=30)
+            gen_pb2.GetModelInfoRequest(), timeout=30
+        )
     par = launched.values["parallelism"]
     assert info.tensor_parallel_size == par["tensorParallelSize"]
     assert info.pipeline_parallel_size == par["pipelineParallelSize"]
@@ -151,7 +158,8 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
         # The core was told the in-pod path; the workers loaded it from their mount.
         assert info.model_path.endswith(f"/{model['subPath']}")
     assert len(launched.cluster.pods_of("worker")) == (
-        par["tensorParallelSize"] * par["pipelineParallelSize"])
+        par["tensorParallelSize"] * par["pipelineParallelSize"]
+    )
 
 
 def scrape(launched: Launched) -> dict[str, set[str]]:
@@ -200,8 +208,11 @@ def test_alerts_and_dashboard_use_metrics_the_pods_export(launched: Launched) ->
 def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
     launched.cluster.stop()
     codes = {p.name: p.process.returncode for p in launched.cluster.pods if p.process}
-    logs = "\n".join(f"--- {p.name} (exit {codes[p.name]}) ---\n{p.log_tail(25)}"
-                     for p in launched.cluster.pods if codes.get(p.name) != 0)
+    logs = "\n".join(
+        f"--- {p.name} (exit {codes[p.name]}) ---\n{p.log_tail(25)}"
+        for p in launched.cluster.pods
+        if codes.get(p.name) != 0
+    )
     assert all(code == 0 for code in codes.values()), f"{codes}\n{logs}"
 
 

@@ -34,20 +34,38 @@ class PrometheusServer:
         jobs = []
         for job, url in self.targets.items():
             parsed = urllib.parse.urlparse(url)
-            jobs.append({"job_name": job, "metrics_path": parsed.path,
-                         "static_configs": [{"targets": [parsed.netloc]}]})
-        return json.dumps({"global": {"scrape_interval": SCRAPE_INTERVAL,
-                                      "evaluation_interval": SCRAPE_INTERVAL},
-                           "scrape_configs": jobs})
+            jobs.append(
+                {
+                    "job_name": job,
+                    "metrics_path": parsed.path,
+                    "static_configs": [{"targets": [parsed.netloc]}],
+                }
+            )
+        return json.dumps(
+            {
+                "global": {
+                    "scrape_interval": SCRAPE_INTERVAL,
+                    "evaluation_interval": SCRAPE_INTERVAL,
+                },
+                "scrape_configs": jobs,
+            }
+        )
 
     def start(self, timeout: float = 60.0) -> PrometheusServer:
         assert self.binary is not None, "prometheus is not installed"
         config = self.workdir / "prometheus.yml"
         config.write_text(self._config())  # JSON is YAML
         self.process = subprocess.Popen(
-            [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir}/data",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir}/data",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:  # ready, then every target scraped once
             try:

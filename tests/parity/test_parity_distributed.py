@@ -53,7 +53,9 @@ def test_two_rank_parity(
     group, (tp, pp) = ranks
     path = checkpoints.get(family)
     reference = reference_for(references, path)
-    loaded = group.load(LoadModelConfig(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    loaded = group.load(
+        LoadModelConfig(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    )
     try:
         assert [m.num_kv_heads for m in loaded] == [2 // tp] * tp * pp
         assert [m.num_layers for m in loaded] == [2 // pp] * tp * pp
@@ -73,8 +75,9 @@ def test_two_rank_parity(
             assert chunked.requests[handle].outputs == reference_generate(reference, prompt, 6)
 
         hit_prompt = PROMPTS[2][:12] + [9, 8, 7]
-        hit = chunked.add(hit_prompt, max_tokens=4, share_prefix_with=handles[2],
-                          num_cached_tokens=12)
+        hit = chunked.add(
+            hit_prompt, max_tokens=4, share_prefix_with=handles[2], num_cached_tokens=12
+        )
         hit_logits = run_recording(chunked, group)
         assert set(hit_logits) == {hit}
         assert max_logit_diff(chunked, hit_logits, reference) < TOLERANCE

@@ -82,8 +82,11 @@ def test_prefix_cache_hit_logits_match(rank: LocalRank, reference: Any) -> None:
     shared = PROMPTS[2][:12] + [7, 7, 123]
     hit = driver.add(shared, max_tokens=5, share_prefix_with=donor, num_cached_tokens=12)
     logits = run_recording(driver, rank)
-    new_step = next(s for s, _ in driver.history if s.scheduled_new_reqs
-                    and s.scheduled_new_reqs[0].req_handle == hit)
+    new_step = next(
+        s
+        for s, _ in driver.history
+        if s.scheduled_new_reqs and s.scheduled_new_reqs[0].req_handle == hit
+    )
     assert new_step.scheduled_new_reqs[0].num_computed_tokens == 12
     assert new_step.num_scheduled_tokens.tolist() == [3]
     assert set(logits) == {hit}
@@ -130,8 +133,11 @@ def test_seeded_sampling_reproduces_alone_and_in_a_batch(rank: LocalRank) -> Non
 
     alone = sample(seeded, [])
     assert sample(seeded, []) == alone
-    crowd = [SamplingOptions(temperature=1.0), SamplingOptions(temperature=0.0),
-             SamplingOptions(temperature=0.7, seed=7, top_k=5)]
+    crowd = [
+        SamplingOptions(temperature=1.0),
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=0.7, seed=7, top_k=5),
+    ]
     assert sample(seeded, crowd) == alone
     assert sample(SamplingOptions(temperature=1.0, top_p=0.9, seed=43), []) != alone
 
@@ -144,7 +150,9 @@ def test_prompt_and_sample_logprobs_match(rank: LocalRank, reference: Any) -> No
     handle = driver.add(prompt, options, max_tokens=3)
     driver.run(rank.execute)
     outputs = [out for _, out in driver.history]
-    delivered = [out.prompt_logprobs[handle] for out in outputs if out and handle in out.prompt_logprobs]
+    delivered = [
+        out.prompt_logprobs[handle] for out in outputs if out and handle in out.prompt_logprobs
+    ]
     assert len(delivered) == 1  # once, when the chunked prefill completes
     assert outputs[3] is not None and handle in outputs[3].prompt_logprobs  # 4 chunks of <= 6
     table = delivered[0]

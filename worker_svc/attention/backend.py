@@ -90,8 +90,13 @@ class AttentionBackend(ABC):
         """Why this backend cannot run here (None when it can); None arguments = not known yet."""
         return None
 
-    def write_kv_rows(self, kv_cache: torch.Tensor, write_index: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor) -> None:
+    def write_kv_rows(
+        self,
+        kv_cache: torch.Tensor,
+        write_index: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
         """Store the step's keys and values at precomputed rows of a cache laid out as
         (key/value, ..., head_dim): row r of the flattened cache is one head of one slot."""
         rows = kv_cache.view(2, -1, self.head_dim)

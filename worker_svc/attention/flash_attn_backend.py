@@ -93,14 +93,24 @@ class FlashAttnBackend(AttentionBackend):
         v_cache.view(per_slot).index_copy_(0, metadata.slot_mapping, value)
         if metadata.max_query_len == 1:
             out = flash_attn_with_kvcache(
-                query.unsqueeze(1), k_cache, v_cache,
-                cache_seqlens=metadata.seq_lens, block_table=metadata.block_tables,
-                softmax_scale=self.scale, causal=True,
+                query.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=metadata.seq_lens,
+                block_table=metadata.block_tables,
+                softmax_scale=self.scale,
+                causal=True,
             )
             return out.squeeze(1)  # type: ignore[no-any-return, unused-ignore]
         return flash_attn_varlen_func(  # type: ignore[no-any-return, unused-ignore]
-            query, k_cache, v_cache,
-            cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
-            max_seqlen_q=metadata.max_query_len, max_seqlen_k=metadata.max_seq_len,
-            softmax_scale=self.scale, causal=True, block_table=metadata.block_tables,
+            query,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=metadata.cu_seqlens_q,
+            cu_seqlens_k=metadata.cu_seqlens_k,
+            max_seqlen_q=metadata.max_query_len,
+            max_seqlen_k=metadata.max_seq_len,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=metadata.block_tables,
         )

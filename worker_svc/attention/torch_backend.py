@@ -148,7 +148,9 @@ class TorchAttentionBackend(AttentionBackend):
             out[span.start : span.end] = self._prefill(query, key, value, kv_cache, span)
         return out
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch
+    ) -> torch.Tensor:
         n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         key, value = self._gather(kv_cache, batch.gather_index, n * kvh)
         q = query.reshape(n * kvh, g, d)

@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.normalized_shape = (size,)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -67,7 +67,9 @@ class RotaryEmbedding:
         enforces on the host).
         """
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
+            1
+        )
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` [num_tokens, num_heads, head_dim]; q and k may be rotated together.

@@ -68,12 +68,20 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         sizes = [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d]
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, sizes, bias=config.qkv_bias, parallel=parallel, dtype=dtype,
+            config.hidden_size,
+            sizes,
+            bias=config.qkv_bias,
+            parallel=parallel,
+            dtype=dtype,
             device=device,
         )
         self.o_proj = RowParallelLinear(
-            config.num_heads * d, config.hidden_size, bias=config.o_bias, parallel=parallel,
-            dtype=dtype, device=device,
+            config.num_heads * d,
+            config.hidden_size,
+            bias=config.o_bias,
+            parallel=parallel,
+            dtype=dtype,
+            device=device,
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -107,11 +115,19 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=config.mlp_bias, parallel=parallel,
-            dtype=dtype, device=device,
+            config.hidden_size,
+            [inter, inter],
+            bias=config.mlp_bias,
+            parallel=parallel,
+            dtype=dtype,
+            device=device,
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=config.mlp_bias, parallel=parallel, dtype=dtype,
+            inter,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            parallel=parallel,
+            dtype=dtype,
             device=device,
         )
 
@@ -229,8 +245,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                 module.pack()
         if self.lm_head is not None:
-            self.lm_head.pack(keep_dense=self.embed_tokens is not None
-                              and self.lm_head.weight is self.embed_tokens.weight)
+            self.lm_head.pack(
+                keep_dense=self.embed_tokens is not None
+                and self.lm_head.weight is self.embed_tokens.weight
+            )
 
     def _target_path(self, target: WeightTarget) -> str | None:
         """Our module path for `target`, or None when it belongs to another stage (or is tied)."""
@@ -238,8 +256,10 @@ class LlamaForCausalLM(nn.Module):
             module = getattr(self, target.module, None)
             if module is None:
                 return None
-            is_tied = target.module == "lm_head" and self.embed_tokens is not None and (
-                self.config.tie_word_embeddings
+            is_tied = (
+                target.module == "lm_head"
+                and self.embed_tokens is not None
+                and (self.config.tie_word_embeddings)
             )
             return None if is_tied else target.module
         start, end = self.layer_range

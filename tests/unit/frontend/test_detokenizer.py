@@ -9,8 +9,13 @@ from hypothesis import strategies as st
 
 from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, backend_decoder
 
-TEXTS = ["plain words and more words", "caf\u00e9 na\u00efve \u00fcber", "\u4e2d\u6587\u5b57",
-         "emoji \U0001f600\U0001f680 end", "mixed \u00e9\u4e2d\U0001f600x"]
+TEXTS = [
+    "plain words and more words",
+    "caf\u00e9 na\u00efve \u00fcber",
+    "\u4e2d\u6587\u5b57",
+    "emoji \U0001f600\U0001f680 end",
+    "mixed \u00e9\u4e2d\U0001f600x",
+]
 
 
 def stream(tokenizer: Any, ids: list[int], chunks: list[int], skip: bool = True) -> list[str]:
@@ -19,7 +24,7 @@ def stream(tokenizer: Any, ids: list[int], chunks: list[int], skip: bool = True)
     for size in chunks:
         if start >= len(ids):
             break
-        pieces.append(detok.step(ids[start:start + size]))
+        pieces.append(detok.step(ids[start : start + size]))
         start += size
     if start < len(ids):
         pieces.append(detok.step(ids[start:]))
@@ -36,7 +41,9 @@ def test_multibyte_text_streams_without_broken_characters(tokenizer: Any) -> Non
         assert len(ids) > len(text.split())  # the byte-level BPE really splits characters
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_concatenation_equals_full_decode(tokenizer: Any, data: st.DataObject) -> None:
     vocab = len(tokenizer)

@@ -15,8 +15,9 @@ MAX_LEN = 64
 
 @pytest.fixture()
 def inputs(tokenizer: Any) -> InputProcessor:
-    return InputProcessor(tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=len(tokenizer)),
-                          extra_eos_ids=(5,))
+    return InputProcessor(
+        tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=len(tokenizer)), extra_eos_ids=(5,)
+    )
 
 
 def call(prompt: PromptInput, **params: Any) -> GenerateInput:
@@ -45,29 +46,32 @@ def test_chat_is_rendered_with_the_template(inputs: InputProcessor, tokenizer: A
     assert req.prompt_token_ids.count(tokenizer.bos_token_id) == 1
 
 
-@pytest.mark.parametrize(("prompt", "params", "needle"), [
-    (PromptInput(text=""), {}, "prompt is empty"),
-    (PromptInput(token_ids=()), {}, "prompt_token_ids is empty"),
-    (PromptInput(), {}, "no prompt given"),
-    (PromptInput(chat=()), {}, "chat has no messages"),
-    (PromptInput(token_ids=(1, 99999)), {}, "prompt_token_ids[1] = 99999 is outside"),
-    (PromptInput(token_ids=tuple(range(3, 3 + MAX_LEN))), {}, "max_model_len is 64"),
-    (PromptInput(text="hi"), {"max_tokens": 100}, "set max_tokens to at most"),
-    (PromptInput(text="hi"), {"max_tokens": 0}, "max_tokens must be >= 1"),
-    (PromptInput(text="hi"), {"n": 2, "temperature": 0.0}, "identical"),
-    (PromptInput(text="hi"), {"temperature": -1.0}, "temperature must be >= 0"),
-    (PromptInput(text="hi"), {"top_p": 0.0}, "top_p must be in (0, 1]"),
-    (PromptInput(text="hi"), {"top_k": -2}, "top_k"),
-    (PromptInput(text="hi"), {"min_p": 1.5}, "min_p"),
-    (PromptInput(text="hi"), {"presence_penalty": 3.0}, "presence_penalty"),
-    (PromptInput(text="hi"), {"repetition_penalty": 0.0}, "repetition_penalty"),
-    (PromptInput(text="hi"), {"logprobs": 50}, "logprobs must be in [0, 20]"),
-    (PromptInput(text="hi"), {"stop": tuple(str(i) for i in range(40))}, "stop strings"),
-    (PromptInput(text="hi"), {"stop": ("",)}, "stop[0]"),
-    (PromptInput(text="hi"), {"stop_token_ids": (70000,)}, "stop_token_ids[0]"),
-    (PromptInput(text="hi"), {"logit_bias": {70000: 1.0}}, "logit_bias"),
-    (PromptInput(text="hi"), {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "params", "needle"),
+    [
+        (PromptInput(text=""), {}, "prompt is empty"),
+        (PromptInput(token_ids=()), {}, "prompt_token_ids is empty"),
+        (PromptInput(), {}, "no prompt given"),
+        (PromptInput(chat=()), {}, "chat has no messages"),
+        (PromptInput(token_ids=(1, 99999)), {}, "prompt_token_ids[1] = 99999 is outside"),
+        (PromptInput(token_ids=tuple(range(3, 3 + MAX_LEN))), {}, "max_model_len is 64"),
+        (PromptInput(text="hi"), {"max_tokens": 100}, "set max_tokens to at most"),
+        (PromptInput(text="hi"), {"max_tokens": 0}, "max_tokens must be >= 1"),
+        (PromptInput(text="hi"), {"n": 2, "temperature": 0.0}, "identical"),
+        (PromptInput(text="hi"), {"temperature": -1.0}, "temperature must be >= 0"),
+        (PromptInput(text="hi"), {"top_p": 0.0}, "top_p must be in (0, 1]"),
+        (PromptInput(text="hi"), {"top_k": -2}, "top_k"),
+        (PromptInput(text="hi"), {"min_p": 1.5}, "min_p"),
+        (PromptInput(text="hi"), {"presence_penalty": 3.0}, "presence_penalty"),
+        (PromptInput(text="hi"), {"repetition_penalty": 0.0}, "repetition_penalty"),
+        (PromptInput(text="hi"), {"logprobs": 50}, "logprobs must be in [0, 20]"),
+        (PromptInput(text="hi"), {"stop": tuple(str(i) for i in range(40))}, "stop strings"),
+        (PromptInput(text="hi"), {"stop": ("",)}, "stop[0]"),
+        (PromptInput(text="hi"), {"stop_token_ids": (70000,)}, "stop_token_ids[0]"),
+        (PromptInput(text="hi"), {"logit_bias": {70000: 1.0}}, "logit_bias"),
+        (PromptInput(text="hi"), {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
 def test_invalid_requests_say_what_to_change(
     inputs: InputProcessor, prompt: PromptInput, params: dict[str, Any], needle: str
 ) -> None:
@@ -77,7 +81,8 @@ def test_invalid_requests_say_what_to_change(
 
 
 def test_greedy_disables_filters_and_bias_is_clamped(inputs: InputProcessor) -> None:
-    req = inputs.process(call(PromptInput(text="hi"), temperature=0.0, top_p=0.5, top_k=3,
-                              logit_bias={7: 500.0}))
+    req = inputs.process(
+        call(PromptInput(text="hi"), temperature=0.0, top_p=0.5, top_k=3, logit_bias={7: 500.0})
+    )
     assert (req.params.top_p, req.params.top_k) == (1.0, 0)
     assert req.params.logit_bias == {7: 100.0}

@@ -21,8 +21,9 @@ def step(handle: int, ids: list[int], detail: CoreOutputDetail | None = None) ->
     return CoreOutputs([handle], [len(ids)], ids, {handle: detail} if detail else {}, 0.0, 1)
 
 
-def run(tokenizer: Any, params: SamplingParams, ids: list[int],
-        last: CoreOutputDetail | None = None) -> tuple[list[CompletionDelta], list[int]]:
+def run(
+    tokenizer: Any, params: SamplingParams, ids: list[int], last: CoreOutputDetail | None = None
+) -> tuple[list[CompletionDelta], list[int]]:
     proc = OutputProcessor(backend_decoder(tokenizer))
     queue: asyncio.Queue[Any] = asyncio.Queue()
     proc.add_request(HANDLE, 0, params, 3, queue)
@@ -64,15 +65,21 @@ def test_stop_string_across_tokens_is_cut_and_aborted(tokenizer: Any) -> None:
 
 def test_stop_string_included(tokenizer: Any) -> None:
     ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
-    deltas, _ = run(tokenizer, SamplingParams(stop=("gamma",), include_stop_str_in_output=True),
-                    ids)
+    deltas, _ = run(
+        tokenizer, SamplingParams(stop=("gamma",), include_stop_str_in_output=True), ids
+    )
     assert text_of(deltas) == "alpha beta gamma"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(words=st.lists(st.sampled_from(["river", "stone", "night", "data", "ab", "ba"]),
-                      min_size=1, max_size=12),
-       stop=st.sampled_from(["ab", "er st", "night", "zz", "a d"]))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    words=st.lists(
+        st.sampled_from(["river", "stone", "night", "data", "ab", "ba"]), min_size=1, max_size=12
+    ),
+    stop=st.sampled_from(["ab", "er st", "night", "zz", "a d"]),
+)
 def test_hold_back_never_leaks_stop_text(tokenizer: Any, words: list[str], stop: str) -> None:
     text = " ".join(words)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -96,14 +103,17 @@ def test_stop_token_text_is_not_emitted(tokenizer: Any) -> None:
 
 def test_min_tokens_defers_stop_strings(tokenizer: Any) -> None:
     ids = tokenizer.encode("ab ab ab", add_special_tokens=False)
-    deltas, _ = run(tokenizer, SamplingParams(stop=("ab",), min_tokens=len(ids)), ids,
-                    CoreOutputDetail(HANDLE, 2))
+    deltas, _ = run(
+        tokenizer,
+        SamplingParams(stop=("ab",), min_tokens=len(ids)),
+        ids,
+        CoreOutputDetail(HANDLE, 2),
+    )
     assert text_of(deltas) == "ab ab ab"
 
 
 def test_logprobs_rows(tokenizer: Any) -> None:
-    table = LogprobsTable(2, [10, 10, 11, 12, 12, 13], [-0.5, -0.5, -1.0, -2.0, -0.1, -3.0],
-                          [1, 2])
+    table = LogprobsTable(2, [10, 10, 11, 12, 12, 13], [-0.5, -0.5, -1.0, -2.0, -0.1, -3.0], [1, 2])
     proc = OutputProcessor(backend_decoder(tokenizer))
     queue: asyncio.Queue[Any] = asyncio.Queue()
     proc.add_request(HANDLE, 0, SamplingParams(logprobs=2), 3, queue)

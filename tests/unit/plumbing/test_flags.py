@@ -12,8 +12,12 @@ WORKERS = "127.0.0.1:1,127.0.0.1:2"
 
 
 def test_environment_fills_what_the_command_line_leaves_out() -> None:
-    env = {"SPLITSERVE_MAX_NUM_SEQS": "12", "SPLITSERVE_ENABLE_PREFIX_CACHING": "false",
-           "SPLITSERVE_WORKER_ADDRS": WORKERS, "SPLITSERVE_TENSOR_PARALLEL_SIZE": "2"}
+    env = {
+        "SPLITSERVE_MAX_NUM_SEQS": "12",
+        "SPLITSERVE_ENABLE_PREFIX_CACHING": "false",
+        "SPLITSERVE_WORKER_ADDRS": WORKERS,
+        "SPLITSERVE_TENSOR_PARALLEL_SIZE": "2",
+    }
     config = parse_core(["--max-model-len", "99"], env)
     assert (config.max_num_seqs, config.max_model_len) == (12, 99)
     assert config.enable_prefix_caching is False
@@ -22,8 +26,9 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
 
 
 def test_command_line_wins_over_environment() -> None:
-    config = parse_core(["--worker-addrs", "h:1", "--max-num-seqs", "3"],
-                        {"SPLITSERVE_MAX_NUM_SEQS": "12"})
+    config = parse_core(
+        ["--worker-addrs", "h:1", "--max-num-seqs", "3"], {"SPLITSERVE_MAX_NUM_SEQS": "12"}
+    )
     assert config.max_num_seqs == 3
 
 

@@ -29,7 +29,9 @@ H, KVH, D = 6, 2, 16
 CPU = torch.device("cpu")
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int) -> torch.Tensor:
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+) -> torch.Tensor:
     """Causal attention of q [Tq, H, D] over k/v [S, KVH, D]; query i sits at num_context + i."""
     rep = H // KVH
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -66,8 +68,10 @@ def run_two_steps(backend: AttentionBackend, block_size: int, seed: int) -> tupl
         inputs = AttentionInputs(
             query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
             seq_lens=np.asarray([spans[r][1] for r in reqs], np.int64),
-            block_tables=block_tables, slot_mapping=np.concatenate(slots).astype(np.int64),
-            block_size=block_size, null_block_id=cache.null_block_id,
+            block_tables=block_tables,
+            slot_mapping=np.concatenate(slots).astype(np.int64),
+            block_size=block_size,
+            null_block_id=cache.null_block_id,
         )
         q = torch.cat([queries[r][slice(*spans[r])] for r in reqs])
         k = torch.cat([keys[r][slice(*spans[r])] for r in reqs])
@@ -102,8 +106,10 @@ def test_triton_kernel_matches_reference_under_interpreter(block_size: int) -> N
     assert worst < 1e-5
 
 
-@pytest.mark.skipif(not (is_importable("flash_attn") and torch.cuda.is_available()),
-                    reason="flash_attn needs its package and a CUDA device")
+@pytest.mark.skipif(
+    not (is_importable("flash_attn") and torch.cuda.is_available()),
+    reason="flash_attn needs its package and a CUDA device",
+)
 def test_flash_attn_backend_matches_reference() -> None:
     cuda = torch.device("cuda")
     backend = backend_class("flash_attn")(H, KVH, D, dtype=torch.bfloat16, device=cuda)

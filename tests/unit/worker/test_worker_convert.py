@@ -20,9 +20,19 @@ def test_unset_sampling_fields_take_vllm_defaults() -> None:
 
 def test_set_sampling_fields_survive_including_zeros() -> None:
     params = types_pb2.SamplingParams(
-        temperature=0.0, top_p=0.5, top_k=-1, min_p=0.1, seed=0, repetition_penalty=1.3,
-        logprobs=0, prompt_logprobs=3, logit_bias={4: -2.5}, allowed_token_ids=[1, 2],
-        min_tokens=3, presence_penalty=0.5, frequency_penalty=-0.5,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=-1,
+        min_p=0.1,
+        seed=0,
+        repetition_penalty=1.3,
+        logprobs=0,
+        prompt_logprobs=3,
+        logit_bias={4: -2.5},
+        allowed_token_ids=[1, 2],
+        min_tokens=3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
     )
     o = convert.sampling_options_from_proto(params)
     assert o.is_greedy and o.top_p == 0.5 and o.top_k == 0 and o.seed == 0
@@ -35,15 +45,29 @@ def test_set_sampling_fields_survive_including_zeros() -> None:
 def test_scheduler_output_columns() -> None:
     msg = pb.SchedulerOutput(
         step_id=9,
-        scheduled_new_reqs=[pb.NewRequestData(req_handle=1, prompt_token_ids=[5, 6],
-                                              block_ids=[3], num_computed_tokens=0,
-                                              stop_token_ids=[1])],
+        scheduled_new_reqs=[
+            pb.NewRequestData(
+                req_handle=1,
+                prompt_token_ids=[5, 6],
+                block_ids=[3],
+                num_computed_tokens=0,
+                stop_token_ids=[1],
+            )
+        ],
         scheduled_cached_reqs=pb.CachedRequestData(
-            req_handles=[2, 3], num_computed_tokens=[7, 0], num_new_block_ids=[0, 2],
-            new_block_ids=[8, 9], num_new_token_ids=[1, 0], new_token_ids=[44],
-            resumed_req_handles=[3], num_resumed_token_ids=[3], resumed_all_token_ids=[1, 2, 3],
+            req_handles=[2, 3],
+            num_computed_tokens=[7, 0],
+            num_new_block_ids=[0, 2],
+            new_block_ids=[8, 9],
+            num_new_token_ids=[1, 0],
+            new_token_ids=[44],
+            resumed_req_handles=[3],
+            num_resumed_token_ids=[3],
+            resumed_all_token_ids=[1, 2, 3],
         ),
-        num_scheduled_tokens=[2, 1, 3], total_num_scheduled_tokens=6, finished_req_handles=[4],
+        num_scheduled_tokens=[2, 1, 3],
+        total_num_scheduled_tokens=6,
+        finished_req_handles=[4],
     )
     step = convert.scheduler_output_from_proto(msg)
     assert step.step_id == 9 and step.num_reqs == 3
@@ -57,12 +81,21 @@ def test_scheduler_output_columns() -> None:
 
 
 def test_output_to_proto_flattens_tables() -> None:
-    table = LogprobsTable(1, np.array([[5, 5], [6, 2]]), np.array([[-0.1, -0.1], [-2.0, -0.5]],
-                          np.float32), np.array([1, 3]))
+    table = LogprobsTable(
+        1,
+        np.array([[5, 5], [6, 2]]),
+        np.array([[-0.1, -0.1], [-2.0, -0.5]], np.float32),
+        np.array([1, 3]),
+    )
     out = ModelRunnerOutput(
-        step_id=3, rank=1, req_handles=np.array([10, 11]), sampled_token_ids=np.array([5, 6]),
-        logprobs={10: table}, prompt_logprobs={11: table},
-        timings=StepTimings(0.1, 0.2, 0.3, 0.7), num_used_kv_blocks=4,
+        step_id=3,
+        rank=1,
+        req_handles=np.array([10, 11]),
+        sampled_token_ids=np.array([5, 6]),
+        logprobs={10: table},
+        prompt_logprobs={11: table},
+        timings=StepTimings(0.1, 0.2, 0.3, 0.7),
+        num_used_kv_blocks=4,
     )
     msg = convert.model_runner_output_to_proto(out)
     assert msg.status == pb.STEP_STATUS_OK and (msg.step_id, msg.rank) == (3, 1)
@@ -75,11 +108,16 @@ def test_output_to_proto_flattens_tables() -> None:
 
 def test_load_model_request_validation() -> None:
     config = convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
-    assert (config.dtype, config.tensor_parallel_size, config.attention_backend) == ("auto", 1, "auto")
+    assert (config.dtype, config.tensor_parallel_size, config.attention_backend) == (
+        "auto",
+        1,
+        "auto",
+    )
     with pytest.raises(ValueError, match="dtype"):
         convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m", dtype="int8"))
     with pytest.raises(ValueError, match="attention_backend"):
         convert.load_model_config_from_proto(
-            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa"))
+            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa")
+        )
     # No model path: the worker serves the embedded default model (built on first use).
     assert convert.load_model_config_from_proto(pb.LoadModelRequest()).model_path == ""

@@ -21,7 +21,11 @@ NULL = 999
 
 def make_batch(capacity: int = 2) -> InputBatch:
     return InputBatch(
-        max_model_len=64, block_size=BS, vocab_size=100, null_block_id=NULL, capacity=capacity,
+        max_model_len=64,
+        block_size=BS,
+        vocab_size=100,
+        null_block_id=NULL,
+        capacity=capacity,
         sampling=SamplingStates(capacity, 100, torch.device("cpu")),
     )
 
@@ -30,8 +34,13 @@ def new(handle: int, prompt: list[int], blocks: list[int], computed: int = 0) ->
     return NewRequestData(handle, f"r{handle}", ids(prompt), GREEDY, ids(blocks), computed)
 
 
-def step(step_id: int, new_reqs: list[NewRequestData], sched: list[int],
-         cached: CachedRequestData | None = None, finished: tuple[int, ...] = ()) -> SchedulerOutput:
+def step(
+    step_id: int,
+    new_reqs: list[NewRequestData],
+    sched: list[int],
+    cached: CachedRequestData | None = None,
+    finished: tuple[int, ...] = (),
+) -> SchedulerOutput:
     return SchedulerOutput(
         step_id=step_id,
         scheduled_new_reqs=new_reqs,
@@ -42,8 +51,13 @@ def step(step_id: int, new_reqs: list[NewRequestData], sched: list[int],
     )
 
 
-def cached(handles: list[int], computed: list[int], new_blocks: list[list[int]],
-           new_tokens: list[list[int]], resumed: dict[int, list[int]] | None = None) -> CachedRequestData:
+def cached(
+    handles: list[int],
+    computed: list[int],
+    new_blocks: list[list[int]],
+    new_tokens: list[list[int]],
+    resumed: dict[int, list[int]] | None = None,
+) -> CachedRequestData:
     resumed = resumed or {}
     return CachedRequestData(
         req_handles=ids(handles),
@@ -61,8 +75,11 @@ def cached(handles: list[int], computed: list[int], new_blocks: list[list[int]],
 def test_mixed_batch_inputs() -> None:
     batch = make_batch()
     # Request 7: a 6-token prompt chunked as 4 + 2; request 8: prefix hit of 4 tokens.
-    s1 = step(1, [new(7, [10, 11, 12, 13, 14, 15], [3, 5]), new(8, [20, 21, 22, 23, 24], [6, 2], 4)],
-              [4, 1])
+    s1 = step(
+        1,
+        [new(7, [10, 11, 12, 13, 14, 15], [3, 5]), new(8, [20, 21, 22, 23, 24], [6, 2], 4)],
+        [4, 1],
+    )
     rows, fresh = batch.update_states(s1)
     inputs = batch.prepare_inputs(s1, rows)
     assert inputs.input_ids.tolist() == [10, 11, 12, 13, 24]

@@ -74,9 +74,12 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
     message = str(info.value)
     assert "GPT2LMHeadModel" in message
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
-    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} == set(
-        SUPPORTED_ARCHITECTURES
-    )
+    assert {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    } == set(SUPPORTED_ARCHITECTURES)
 
 
 def test_missing_tensor_is_reported(worker_checkpoints: CheckpointCache, tmp_path: Path) -> None:
@@ -126,9 +129,13 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
 
 def test_tensor_parallel_slices() -> None:
     rank1 = ParallelState(rank=1, tp_size=2)
-    qkv = ColumnParallelLinear(4, [4, 2, 2], bias=False, parallel=rank1, dtype=torch.float32, device=CPU)
-    full = {n: torch.arange(s * 4, dtype=torch.float32).view(s, 4) + 100 * i
-            for i, (n, s) in enumerate([("q", 4), ("k", 2), ("v", 2)])}
+    qkv = ColumnParallelLinear(
+        4, [4, 2, 2], bias=False, parallel=rank1, dtype=torch.float32, device=CPU
+    )
+    full = {
+        n: torch.arange(s * 4, dtype=torch.float32).view(s, 4) + 100 * i
+        for i, (n, s) in enumerate([("q", 4), ("k", 2), ("v", 2)])
+    }
     for part, name in enumerate(["q", "k", "v"]):
         qkv.load("weight", InMemoryTensor(full[name]), part)
     assert torch.equal(qkv.weight, torch.cat([full["q"][2:], full["k"][1:], full["v"][1:]]))

@@ -19,8 +19,12 @@ CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
 
-def build(options: list[SamplingOptions], prompts: list[list[int]], outputs: list[list[int]],
-          stop_ids: list[list[int]] | None = None) -> SamplingMetadata:
+def build(
+    options: list[SamplingOptions],
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    stop_ids: list[list[int]] | None = None,
+) -> SamplingMetadata:
     """Metadata for rows 0..n-1 holding these requests (prompt then outputs per row)."""
     n = len(options)
     states = SamplingStates(n, V, CPU)
@@ -68,7 +72,8 @@ def test_min_p_drops_tokens_below_fraction_of_top() -> None:
 def test_penalties_follow_vllm_definitions() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
     pen = PenaltyInputs(
-        presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]),
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
         repetition=torch.tensor([2.0]),
         output_token_ids=torch.tensor([[0, 0, 4]]),  # 4 = padding
         prompt_token_ids=torch.tensor([[1]]),
@@ -89,7 +94,9 @@ def test_logit_bias_allowed_ids_and_min_tokens_edit_logits() -> None:
             SamplingOptions(temperature=0.0, min_tokens=1),
             greedy,
         ],
-        [[1]] * 5, [[], [], [7], [7], []], stop_ids=[[], [], [0], [0], [0]],
+        [[1]] * 5,
+        [[], [], [7], [7], []],
+        stop_ids=[[], [], [0], [0], [0]],
     )
     logits = torch.zeros(5, V)
     logits[:, 0] = 10.0  # token 0 is the argmax everywhere (and a stop id for rows 2-4)
@@ -108,7 +115,9 @@ def test_greedy_fast_path_is_argmax() -> None:
 
 def test_random_sampling_follows_temperature_distribution() -> None:
     meta = build([SamplingOptions(temperature=0.5)] * 4000, [[1]] * 4000, [[]] * 4000)
-    logits = torch.tensor([0.0, math.log(2.0), NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF])
+    logits = torch.tensor(
+        [0.0, math.log(2.0), NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF]
+    )
     sampled = Sampler(CPU, 0)(logits.repeat(4000, 1), meta).sampled_token_ids
     # temperature 0.5 squares the odds: p(1) = 4 / 5
     assert abs(float((sampled == 1).float().mean()) - 0.8) < 0.03
@@ -121,8 +130,11 @@ def test_seeded_rows_ignore_their_batch() -> None:
     alone = [Sampler(CPU, 0)(logits[:1].clone(), build([seeded], [[1]], [[]])) for _ in range(2)]
     mixed = Sampler(CPU, 99)(
         logits.clone(),
-        build([SamplingOptions(temperature=1.0), seeded, SamplingOptions(temperature=0.0)],
-              [[1]] * 3, [[]] * 3),
+        build(
+            [SamplingOptions(temperature=1.0), seeded, SamplingOptions(temperature=0.0)],
+            [[1]] * 3,
+            [[]] * 3,
+        ),
     )
     assert alone[0].sampled_token_ids.tolist() == alone[1].sampled_token_ids.tolist()
     assert mixed.sampled_token_ids[1] == alone[0].sampled_token_ids[0]

@@ -27,23 +27,38 @@ BLOCK_SIZE = 4
 
 def first_step() -> pb.ExecuteRequest:
     new = pb.NewRequestData(
-        req_handle=5, request_id="r5", prompt_token_ids=PROMPT, block_ids=[0, 1],
+        req_handle=5,
+        request_id="r5",
+        prompt_token_ids=PROMPT,
+        block_ids=[0, 1],
         sampling_params=types_pb2.SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
     )
-    return pb.ExecuteRequest(scheduler_output=pb.SchedulerOutput(
-        step_id=1, scheduled_new_reqs=[new], num_scheduled_tokens=[5], total_num_scheduled_tokens=5,
-    ))
+    return pb.ExecuteRequest(
+        scheduler_output=pb.SchedulerOutput(
+            step_id=1,
+            scheduled_new_reqs=[new],
+            num_scheduled_tokens=[5],
+            total_num_scheduled_tokens=5,
+        )
+    )
 
 
 def decode_step(step_id: int, token: int, num_computed: int) -> pb.ExecuteRequest:
     cached = pb.CachedRequestData(
-        req_handles=[5], num_computed_tokens=[num_computed], num_new_block_ids=[0],
-        num_new_token_ids=[1], new_token_ids=[token],
+        req_handles=[5],
+        num_computed_tokens=[num_computed],
+        num_new_block_ids=[0],
+        num_new_token_ids=[1],
+        new_token_ids=[token],
     )
-    return pb.ExecuteRequest(scheduler_output=pb.SchedulerOutput(
-        step_id=step_id, scheduled_cached_reqs=cached, num_scheduled_tokens=[1],
-        total_num_scheduled_tokens=1,
-    ))
+    return pb.ExecuteRequest(
+        scheduler_output=pb.SchedulerOutput(
+            step_id=step_id,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=[1],
+            total_num_scheduled_tokens=1,
+        )
+    )
 
 
 def open_stream(stub: pb_grpc.WorkerServiceAsyncStub) -> Any:
@@ -81,23 +96,31 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
             described = await stub.Describe(pb.DescribeRequest())
             assert described.device_type == "cpu" and "torch" in described.attention_backends
-            await expect_code(stub.GetKvCapacity(pb.GetKvCapacityRequest(block_size=4)),
-                              grpc.StatusCode.FAILED_PRECONDITION)
+            await expect_code(
+                stub.GetKvCapacity(pb.GetKvCapacityRequest(block_size=4)),
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
             early = open_stream(stub)
             await early.write(first_step())
             await expect_code(early.read(), grpc.StatusCode.FAILED_PRECONDITION)
             details = await expect_code(
                 stub.LoadModel(pb.LoadModelRequest(model_path=str(model), dtype="float8")),
-                grpc.StatusCode.INVALID_ARGUMENT)
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
             assert "float8" in details
-            loaded = await stub.LoadModel(pb.LoadModelRequest(
-                model_path=str(model), served_model_name="tiny", engine_id="e0"))
+            loaded = await stub.LoadModel(
+                pb.LoadModelRequest(model_path=str(model), served_model_name="tiny", engine_id="e0")
+            )
             assert (loaded.architecture, loaded.dtype, loaded.num_layers) == (
-                "LlamaForCausalLM", "float32", 2)
+                "LlamaForCausalLM",
+                "float32",
+                2,
+            )
             reloaded = await stub.LoadModel(pb.LoadModelRequest(model_path=str(model)))
             assert reloaded.architecture == "LlamaForCausalLM"  # a restarted core may reload
-            capacity = await stub.GetKvCapacity(pb.GetKvCapacityRequest(
-                block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20))
+            capacity = await stub.GetKvCapacity(
+                pb.GetKvCapacityRequest(block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20)
+            )
             assert capacity.num_blocks == (1 << 20) // capacity.bytes_per_block - 1
             await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
             return await run_steps(stub)
