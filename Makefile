@@ -42,15 +42,18 @@ lint: setup-dev
 	cd protos && $(BIN)/buf lint
 
 # Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the
-# splitserve_contracts package (protos/python_package.py moves it there and fixes its imports).
+# splitserve_contracts package (protos/python_package.py moves it there and fixes its imports),
+# plus the plain dataclasses of the sampling messages (protos/python_domain.py).
 proto: setup-dev
 	mkdir -p $(PROTO_TMP)
 	$(PY) -m grpc_tools.protoc -I protos \
 		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 		--python_out=$(PROTO_TMP) --grpc_python_out=$(PROTO_TMP) \
-		--mypy_out=quiet:$(PROTO_TMP) --mypy_grpc_out=quiet:$(PROTO_TMP) $(PROTO_FILES)
+		--mypy_out=quiet:$(PROTO_TMP) --mypy_grpc_out=quiet:$(PROTO_TMP) \
+		--include_source_info --descriptor_set_out=$(PROTO_TMP)/descriptors.binpb $(PROTO_FILES)
 	$(PY) protos/python_package.py $(PROTO_TMP) $(PROTO_OUT)
+	$(PY) protos/python_domain.py $(PROTO_TMP)/descriptors.binpb $(PROTO_OUT)
 	rm -rf $(PROTO_TMP)
 
 # Fail when the committed generated code differs from what `make proto` would write.

@@ -31,7 +31,7 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor, load_tokenizer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import EngineRequest
-from frontend_svc.sampling_params import Limits
+from splitserve_contracts.sampling_rules import Limits
 from worker_svc import convert as worker_convert
 from worker_svc.worker import LoadedModel, LoadModelConfig, Worker
 
@@ -143,10 +143,11 @@ async def start_in_process(
                 dtype=dtype,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
             )
         )
-        blocks = worker.get_kv_capacity(block_size, 0.9, kv_cache_bytes).num_blocks
-        worker.initialize_kv_cache(blocks, block_size)
+        blocks = worker.get_kv_capacity(0.9, kv_cache_bytes).num_blocks
+        worker.initialize_kv_cache(blocks)
         box.append((loaded, blocks))
 
     loader = threading.Thread(target=load, name="in-process-load")
@@ -192,7 +193,7 @@ async def start_in_process(
     engine = AsyncEngine("in-process", OutputProcessor(backend_decoder(tokenizer)), factory)
     await engine.start(timeout=10)
     proc.start()
-    inputs = InputProcessor(tokenizer, Limits(loaded.max_model_len, loaded.vocab_size))
+    inputs = InputProcessor(tokenizer, loaded.max_model_len, Limits(loaded.vocab_size))
     return InProcessEngine(engine, inputs)
 
 

@@ -25,13 +25,13 @@ from core_svc import convert
 from core_svc.engine_core import EngineCore
 from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
 from core_svc.request import Request
-from core_svc.sampling import SamplingParams
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 TOKEN = 7
-DECODE_PARAMS = SamplingParams(ignore_eos=True)
+UNTIL_MAX_MODEL_LEN = 1 << 30
+"""max_tokens of decode requests: the engine caps it at the room left in max_model_len."""
 
 
 class TrivialExecutor:
@@ -121,27 +121,28 @@ class Workload:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 32_000) for _ in range(n)]
 
-    def request(self, prompt: list[int], params: SamplingParams) -> Request:
+    def request(self, prompt: list[int], max_tokens: int) -> Request:
+        """A request that ignores EOS (no eos_token_id) and runs for max_tokens."""
         self.next_handle += 1
         handle = self.next_handle
-        return Request(1, handle, f"bench-{handle}", prompt, params)
+        return Request(1, handle, f"bench-{handle}", prompt, max_tokens=max_tokens)
 
     def initial(self) -> Iterator[Request]:
         if self.case.shared_prefixes:
             return
         for _ in range(self.case.running):
-            yield self.request(self.tokens(self.case.prompt_len), DECODE_PARAMS)
+            yield self.request(self.tokens(self.case.prompt_len), UNTIL_MAX_MODEL_LEN)
 
     def arrivals(self) -> Iterator[Request]:
         case = self.case
         live = self.engine.client_requests.get(1, {})
         if case.long_prompt_len and (self.long_handle is None or self.long_handle not in live):
-            request = self.request(self.tokens(case.long_prompt_len), SamplingParams(max_tokens=1))
+            request = self.request(self.tokens(case.long_prompt_len), max_tokens=1)
             self.long_handle = request.client_handle
             yield request
         for _ in range(case.arrivals_per_step):
             prompt = self.rng.choice(self.prefixes) + self.tokens(case.prompt_len)
-            yield self.request(prompt, SamplingParams(max_tokens=32, ignore_eos=True))
+            yield self.request(prompt, max_tokens=32)
 
 
 def run_case(case: Case, with_proto: bool) -> dict[str, object]:

@@ -31,17 +31,17 @@ import numpy as np
 import torch
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
+from splitserve_contracts.sampling_types import SamplerParams
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
     NewRequestData,
-    SamplingOptions,
     SchedulerOutput,
 )
 from worker_svc.worker import LoadModelConfig, Worker
 
 BLOCK_SIZE = 16
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = SamplerParams(temperature=0.0)
 
 
 def copy_bandwidth(num_bytes: int = 1 << 28, repeats: int = 10) -> float:
@@ -68,14 +68,14 @@ class Session:
     def __init__(self, worker: Worker, num_blocks: int) -> None:
         self.worker = worker
         self.step_id = 0
-        self.next_block = 0
+        self.next_block = 1  # block 0 is the null block
         self.next_handle = 0
         self.num_blocks = num_blocks
 
     def blocks(self, num_tokens: int) -> np.ndarray:
         count = -(-num_tokens // BLOCK_SIZE)
         if self.next_block + count > self.num_blocks:
-            self.next_block = 0  # reuse: contents do not matter for timing
+            self.next_block = 1  # reuse: contents do not matter for timing
         ids = np.arange(self.next_block, self.next_block + count)
         self.next_block += count
         return ids
@@ -206,7 +206,13 @@ def run(args: argparse.Namespace) -> None:
         )
         worker = Worker("cpu")
         loaded = worker.load_model(
-            LoadModelConfig(str(folder), dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=256)
+            LoadModelConfig(
+                str(folder),
+                dtype=dtype,
+                max_num_batched_tokens=2048,
+                max_num_seqs=256,
+                block_size=BLOCK_SIZE,
+            )
         )
         runner = worker.runner
         assert runner is not None and runner.model.embed_tokens is not None
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> None:
         )
         read_bytes = loaded.weight_bytes - embed_bytes  # a step gathers a few embedding rows only
         num_blocks = 256 * (args.context + args.steps + 8) // BLOCK_SIZE + 256
-        worker.initialize_kv_cache(num_blocks, BLOCK_SIZE)
+        worker.initialize_kv_cache(num_blocks)
         assert runner.kv_cache is not None
         runner.kv_cache.zero_blocks(np.arange(num_blocks))  # finite contents everywhere
         session = Session(worker, num_blocks)

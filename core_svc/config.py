@@ -7,6 +7,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from core_svc.scheduler_config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
 
@@ -24,8 +28,8 @@ class CoreConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     max_model_len: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -83,13 +87,17 @@ def build_parser() -> FlagParser:
         help="longest sequence in tokens (0: the model's max_position_embeddings)",
     )
     p.add_argument(
-        "--max-num-seqs", type=positive_int, default=256, help="most requests running at once"
+        "--max-num-seqs",
+        type=positive_int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="most requests running at once",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
-        default=4096,
-        help="token budget of one engine step",
+        default=None,
+        help="token budget of one engine step (default: vLLM's on CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK} x tp x pp)",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
@@ -178,6 +186,8 @@ def parse_config(
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
     values = vars(args)
+    if args.max_num_batched_tokens is None:
+        values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     if not args.distributed_init_method:
         host = args.worker_addrs[0].rsplit(":", 1)[0]

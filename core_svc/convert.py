@@ -18,89 +18,28 @@ from core_svc.outputs import (
     StepTimings,
 )
 from core_svc.request import Request
-from core_svc.sampling import SamplingParams
 from core_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 
-def sampling_params_from_proto(msg: types_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take vLLM's defaults; n 0 means 1, top_k -1 and seed -1 mean
-    disabled."""
-    has = msg.HasField
-    return SamplingParams(
-        n=msg.n or 1,
-        temperature=msg.temperature if has("temperature") else 1.0,
-        top_p=msg.top_p if has("top_p") else 1.0,
-        top_k=max(msg.top_k, 0),
-        min_p=msg.min_p,
-        seed=msg.seed if has("seed") and msg.seed != -1 else None,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if has("repetition_penalty") else 1.0,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        max_tokens=msg.max_tokens if has("max_tokens") else None,
-        min_tokens=msg.min_tokens,
-        logprobs=msg.logprobs if has("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
-        skip_special_tokens=msg.skip_special_tokens if has("skip_special_tokens") else True,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=dict(msg.logit_bias),
-        allowed_token_ids=tuple(msg.allowed_token_ids),
-        spaces_between_special_tokens=(
-            msg.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
-        ),
-    )
-
-
-def sampling_params_to_proto(
-    params: SamplingParams, msg: types_pb2.SamplingParams | None = None
-) -> types_pb2.SamplingParams:
-    """Fill `msg` (or a new message); every optional field with a value is set explicitly."""
-    if msg is None:
-        msg = types_pb2.SamplingParams()
-    msg.n = params.n
-    msg.temperature = params.temperature
-    msg.top_p = params.top_p
-    msg.top_k = params.top_k
-    msg.min_p = params.min_p
-    if params.seed is not None:
-        msg.seed = params.seed
-    msg.presence_penalty = params.presence_penalty
-    msg.frequency_penalty = params.frequency_penalty
-    msg.repetition_penalty = params.repetition_penalty
-    msg.stop.extend(params.stop)
-    msg.stop_token_ids.extend(params.stop_token_ids)
-    msg.ignore_eos = params.ignore_eos
-    if params.max_tokens is not None:
-        msg.max_tokens = params.max_tokens
-    msg.min_tokens = params.min_tokens
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    if params.prompt_logprobs is not None:
-        msg.prompt_logprobs = params.prompt_logprobs
-    msg.skip_special_tokens = params.skip_special_tokens
-    msg.include_stop_str_in_output = params.include_stop_str_in_output
-    msg.logit_bias.update(params.logit_bias)
-    msg.allowed_token_ids.extend(params.allowed_token_ids)
-    msg.spaces_between_special_tokens = params.spaces_between_special_tokens
-    return msg
-
-
 def request_from_proto(
     msg: core_pb2.EngineCoreRequest, client_id: int, arrival_time: float | None = None
 ) -> Request:
-    """A new Request (no req_handle yet: EngineCore assigns it when the request is added)."""
+    """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
+    sampler's settings stay serialized: the core only forwards them to the workers."""
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        max_tokens=msg.max_tokens,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
+        sampler_params=msg.sampler_params.SerializeToString(),
+        skip_reading_prefix_cache=msg.sampler_params.HasField("prompt_logprobs"),
         cache_salt=msg.cache_salt,
         priority=msg.priority,
         arrival_time=arrival_time,
@@ -134,7 +73,7 @@ def scheduler_stats_to_proto(
     msg.prefix_cache_queries = stats.prefix_cache_queries
     msg.prefix_cache_hits = stats.prefix_cache_hits
     msg.num_preemptions = stats.num_preemptions
-    msg.step_counter = stats.step_counter
+    msg.step_id = stats.step_id
     msg.num_scheduled_tokens = stats.num_scheduled_tokens
     msg.num_used_blocks = stats.num_used_blocks
     msg.num_total_blocks = stats.num_total_blocks
@@ -149,7 +88,7 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
         prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits,
         num_preemptions=msg.num_preemptions,
-        step_counter=msg.step_counter,
+        step_id=msg.step_id,
         num_scheduled_tokens=msg.num_scheduled_tokens,
         num_used_blocks=msg.num_used_blocks,
         num_total_blocks=msg.num_total_blocks,
@@ -183,7 +122,7 @@ def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineC
     for detail in outputs.details:
         _detail_to_proto(detail, msg.details.add())
     msg.timestamp = outputs.timestamp
-    msg.step_index = outputs.step_index
+    msg.step_id = outputs.step_id
     if outputs.scheduler_stats is not None:
         scheduler_stats_to_proto(outputs.scheduler_stats, msg.scheduler_stats)
     return msg
@@ -213,7 +152,7 @@ def engine_core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> EngineCor
         new_token_ids=list(msg.new_token_ids),
         details=[_detail_from_proto(d) for d in msg.details],
         timestamp=msg.timestamp,
-        step_index=msg.step_index,
+        step_id=msg.step_id,
         scheduler_stats=(
             scheduler_stats_from_proto(msg.scheduler_stats)
             if msg.HasField("scheduler_stats")
@@ -233,9 +172,10 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
             num_computed_tokens=new_req.num_computed_tokens,
         )
         new_msg.prompt_token_ids.extend(new_req.prompt_token_ids)
-        sampling_params_to_proto(new_req.sampling_params, new_msg.sampling_params)
+        new_msg.sampler_params.MergeFromString(new_req.sampler_params)
         new_msg.block_ids.extend(new_req.block_ids)
         new_msg.stop_token_ids.extend(new_req.stop_token_ids)
+        new_msg.min_tokens = new_req.min_tokens
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -258,10 +198,11 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
             req_handle=r.req_handle,
             request_id=r.request_id,
             prompt_token_ids=list(r.prompt_token_ids),
-            sampling_params=sampling_params_from_proto(r.sampling_params),
+            sampler_params=r.sampler_params.SerializeToString(),
             block_ids=list(r.block_ids),
             num_computed_tokens=r.num_computed_tokens,
             stop_token_ids=tuple(r.stop_token_ids),
+            min_tokens=r.min_tokens,
         )
         for r in msg.scheduled_new_reqs
     ]

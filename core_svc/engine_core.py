@@ -62,7 +62,6 @@ class EngineCore:
 
     def _rejection_reason(self, request: Request) -> str | None:
         max_model_len = self.scheduler_config.max_model_len
-        sampling_params = request.sampling_params
         num_prompt_tokens = request.num_prompt_tokens
         if self.is_failed:
             return f"engine failed: {self.failure_message}"
@@ -75,8 +74,6 @@ class EngineCore:
                 f"the prompt ({num_prompt_tokens} tokens) leaves no room to generate within "
                 f"max_model_len={max_model_len}"
             )
-        if sampling_params.n != 1:
-            return f"n must be 1 in the engine core, got {sampling_params.n}"
         if request.max_tokens < 1:
             return f"max_tokens must be >= 1, got {request.max_tokens}"
         max_num_tokens = min(num_prompt_tokens + request.max_tokens, max_model_len)
@@ -92,7 +89,7 @@ class EngineCore:
 
     def _reject(self, request: Request, error: str) -> None:
         logger.warning("refusing request %s: %s", request.request_id, error)
-        request.status = RequestStatus.FINISHED_ERROR
+        request.finish(RequestStatus.FINISHED_ERROR)
         outputs = self._pending_outputs.setdefault(request.client_id, EngineCoreOutputs())
         outputs.details.append(
             EngineCoreOutput(
@@ -168,7 +165,7 @@ class EngineCore:
             now = time.monotonic()
             for engine_outputs in outputs.values():
                 engine_outputs.timestamp = now
-                engine_outputs.step_index = self.scheduler.step_id
+                engine_outputs.step_id = self.scheduler.step_id
                 engine_outputs.scheduler_stats = stats
         return outputs
 
@@ -201,7 +198,7 @@ class EngineCore:
             prefix_cache_queries=prefix_cache_stats.queries,
             prefix_cache_hits=prefix_cache_stats.hits,
             num_preemptions=scheduler.num_preemptions,
-            step_counter=scheduler.step_id,
+            step_id=scheduler.step_id,
             num_scheduled_tokens=scheduler.num_scheduled_tokens,
             num_used_blocks=pool.get_num_used_blocks(),
             num_total_blocks=pool.num_usable_blocks,

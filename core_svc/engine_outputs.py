@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
-from core_svc.request import Request, RequestStatus
-
-_FINISHED = RequestStatus.FINISHED_STOPPED
+from core_svc.request import Request
 
 
 def make_detail(
@@ -45,7 +43,6 @@ def make_step_outputs(
     counts: list[int] = []
     tokens: list[int] = []
     details: list[EngineCoreOutput] = []
-    finished_status = _FINISHED
     for request, token in zip(requests, token_ids, strict=True):
         if request.client_id != last_client_id:
             last_client_id = request.client_id
@@ -59,7 +56,7 @@ def make_step_outputs(
         handles.append(request.client_handle)
         counts.append(1)
         tokens.append(token)
-        if request.events or has_logprobs or request.status >= finished_status:
+        if request.events or has_logprobs or request.is_finished:
             details.append(make_detail(request, model_runner_output))
     return outputs
 

@@ -67,7 +67,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest chain of cached blocks matching the request's prefix, and the tokens they
         cover. The last token is never counted: it must be computed to produce logits."""
-        if not self.enable_caching or request.sampling_params.skip_reading_prefix_cache:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get

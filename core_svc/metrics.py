@@ -139,7 +139,7 @@ class CoreMetrics:
             self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         if stats.num_preemptions > last.num_preemptions:
             self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
-        if stats.step_counter > last.step_counter and stats.num_scheduled_tokens:
+        if stats.step_id > last.step_id and stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self._last = stats
 

@@ -66,7 +66,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    step_counter: int = 0
+    step_id: int = 0
     num_scheduled_tokens: int = 0
     num_used_blocks: int = 0
     num_total_blocks: int = 0
@@ -82,7 +82,7 @@ class EngineCoreOutputs:
     new_token_ids: list[int] = field(default_factory=list)
     details: list[EngineCoreOutput] = field(default_factory=list)
     timestamp: float = 0.0
-    step_index: int = 0
+    step_id: int = 0
     scheduler_stats: SchedulerStats | None = None
 
     def merge(self, other: EngineCoreOutputs) -> None:

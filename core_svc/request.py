@@ -6,11 +6,10 @@ import time
 from enum import IntEnum
 
 from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
-from core_svc.sampling import SamplingParams
 
 
 class RequestStatus(IntEnum):
-    """Lifecycle of a request; every status after PREEMPTED is final."""
+    """Lifecycle of a request; the FINISHED_* statuses are final (`Request.finish`)."""
 
     WAITING = 0
     RUNNING = 1
@@ -19,10 +18,6 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
-
-    @property
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -35,7 +30,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
 
 
 class Request:
@@ -45,6 +39,10 @@ class Request:
     place); `num_computed_tokens <= num_tokens`; `block_hashes[i]` is the chained hash of
     full block i of `all_token_ids` (empty when prefix caching is off). `req_handle` is
     assigned by EngineCore when the request is added (-1 before).
+
+    The core reads only the stop conditions (max_tokens, min_tokens, stop_token_ids,
+    eos_token_id); `sampler_params` is the serialized common.v1.SamplerParams the frontend
+    built, passed to the workers untouched.
     """
 
     __slots__ = (
@@ -56,12 +54,14 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "num_prompt_tokens",
-        "sampling_params",
+        "sampler_params",
+        "skip_reading_prefix_cache",
         "eos_token_id",
         "cache_salt",
         "priority",
         "arrival_time",
         "status",
+        "is_finished",
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
@@ -83,8 +83,13 @@ class Request:
         client_handle: int,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        *,
+        max_tokens: int,
+        min_tokens: int = 0,
+        stop_token_ids: tuple[int, ...] = (),
         eos_token_id: int | None = None,
+        sampler_params: bytes = b"",
+        skip_reading_prefix_cache: bool = False,
         cache_salt: str = "",
         priority: int = 0,
         arrival_time: float | None = None,
@@ -97,12 +102,17 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.sampler_params = sampler_params
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        """Prompt logprobs need every prompt position computed, so such requests never hit."""
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
+        self.is_finished = False
+        """Whether the status is final; set by `finish` only (a plain attribute: the hot loops
+        read it for every request every step)."""
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 before."""
@@ -110,12 +120,16 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
         self.events: list[EngineCoreEvent] = []
-        self.max_tokens = -1 if sampling_params.max_tokens is None else sampling_params.max_tokens
-        """Output tokens allowed; resolved by `resolve_max_tokens` when the request is added."""
-        self.min_tokens = sampling_params.min_tokens
-        self.stop_token_ids = sampling_params.all_stop_token_ids(eos_token_id)
-        """Sent to workers: the sampler masks them until min_tokens outputs exist."""
-        self.all_stop_token_ids = frozenset(self.stop_token_ids)
+        self.max_tokens = max_tokens
+        """Output tokens allowed; capped by `resolve_max_tokens` when the request is added."""
+        self.min_tokens = min_tokens
+        self.stop_token_ids = stop_token_ids
+        """Token ids besides EOS that end the request, reported as its stop_reason."""
+        self.all_stop_token_ids = frozenset(
+            stop_token_ids if eos_token_id is None else (*stop_token_ids, eos_token_id)
+        )
+        """Every id that may end the request; the workers' sampler masks them under
+        min_tokens."""
         self.error_message = ""
         self.num_sent_token_ids = 0
         """Token ids (prompt and outputs) the workers already have."""
@@ -129,16 +143,17 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status >= _FIRST_FINISHED
+    def finish(self, status: RequestStatus) -> None:
+        """Enter a final status (FINISHED_*)."""
+        if status.finish_reason is None:
+            raise ValueError(f"{status.name} is not a final status")
+        self.status = status
+        self.is_finished = True
 
     def resolve_max_tokens(self, max_model_len: int) -> None:
-        """max_tokens capped by the room left in max_model_len (unset: all of that room), so
-        `num_output_tokens >= max_tokens` is the one length check the hot path needs."""
-        room = max_model_len - self.num_prompt_tokens
-        max_tokens = self.sampling_params.max_tokens
-        self.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        """max_tokens capped by the room left in max_model_len, so `num_output_tokens >=
+        max_tokens` is the one length check the hot path needs."""
+        self.max_tokens = min(self.max_tokens, max_model_len - self.num_prompt_tokens)
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(

@@ -14,12 +14,12 @@ from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ModelRunner
 from core_svc.request import Request, RequestStatus
 from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from core_svc.scheduler_output import SchedulerOutput
+from core_svc.step_builder import StepBuilder
 from core_svc.stop_check import check_stop
 
 logger = logging.getLogger(__name__)
 
-_FINISHED = RequestStatus.FINISHED_STOPPED
 _RUNNING = RequestStatus.RUNNING
 
 
@@ -81,57 +81,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step and advance num_computed_tokens optimistically by it."""
-        now = time.monotonic()
         self.step_id += 1
-        output = SchedulerOutput(step_id=self.step_id)
-        output.finished_req_handles, self.finished_req_handles = self.finished_req_handles, []
-        cached = output.scheduled_cached_reqs
-        running_reqs: list[Request] = []
-        num_scheduled_running: list[int] = []
-        token_budget, preempted = self._schedule_running(
-            cached, running_reqs, num_scheduled_running
-        )
-        new_reqs: list[Request] = []
-        resumed_reqs: list[Request] = []
-        num_scheduled_new: list[int] = []
-        num_scheduled_resumed: list[int] = []
+        step = StepBuilder(self.step_id, self.finished_req_handles)
+        self.finished_req_handles = []
+        token_budget, preempted = self._schedule_running(step)
         if not preempted:
-            self._schedule_waiting(
-                output, new_reqs, num_scheduled_new, resumed_reqs, num_scheduled_resumed,
-                token_budget, now,
-            )  # fmt: skip
-        num_scheduled = output.num_scheduled_tokens
-        num_scheduled += num_scheduled_new
-        num_scheduled += num_scheduled_running
-        num_scheduled += num_scheduled_resumed
-        output.total_num_scheduled_tokens = self.num_scheduled_tokens = sum(num_scheduled)
-        self._scheduled_reqs = [*new_reqs, *running_reqs, *resumed_reqs]
+            self._schedule_waiting(step, token_budget, time.monotonic())
+        output, self._scheduled_reqs = step.build()
+        self.num_scheduled_tokens = output.total_num_scheduled_tokens
         return output
 
-    def _schedule_running(
-        self,
-        cached: CachedRequestData,
-        scheduled_reqs: list[Request],
-        num_scheduled: list[int],
-    ) -> tuple[int, bool]:
-        """Pass 1 over RUNNING requests, writing their diffs straight into `cached` (the hot
-        path of a decode-heavy step); returns the budget left and whether it preempted."""
+    def _schedule_running(self, step: StepBuilder) -> tuple[int, bool]:
+        """Pass 1 over RUNNING requests (the hot path of a decode-heavy step); returns the
+        budget left and whether it preempted."""
         token_budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
         allocate_slots = self.kv_cache_manager.allocate_slots
-        handles, computed_col = cached.req_handles, cached.num_computed_tokens
-        num_block_ids, block_ids = cached.num_new_block_ids, cached.new_block_ids
-        num_token_ids, token_ids = cached.num_new_token_ids, cached.new_token_ids
+        add_running = step.add_running
         running = self.running
         preempted = False
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            all_token_ids = request.all_token_ids
-            num_tokens = len(all_token_ids)
-            num_new_tokens = num_tokens - num_computed
+            num_new_tokens = len(request.all_token_ids) - num_computed
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             if num_new_tokens > max_model_len - 1 - num_computed:
@@ -145,27 +119,12 @@ class Scheduler:
             if blocks is None:
                 preempted = True
                 blocks, token_budget, i = self._preempt_until_allocated(
-                    request, num_new_tokens, cached, scheduled_reqs, num_scheduled, token_budget, i
+                    request, num_new_tokens, step, token_budget, i
                 )
                 if blocks is None:
                     break
-            handles.append(request.req_handle)
-            computed_col.append(num_computed)
-            if blocks:
-                num_block_ids.append(len(blocks))
-                block_ids += [block.block_id for block in blocks]
-            else:
-                num_block_ids.append(0)
-            num_sent = request.num_sent_token_ids
-            num_token_ids.append(num_tokens - num_sent)
-            if num_tokens - num_sent == 1:
-                token_ids.append(all_token_ids[-1])
-            else:
-                token_ids += all_token_ids[num_sent:]
-            request.num_sent_token_ids = num_tokens
+            add_running(request, num_new_tokens, blocks)
             request.num_computed_tokens = num_computed + num_new_tokens
-            scheduled_reqs.append(request)
-            num_scheduled.append(num_new_tokens)
             token_budget -= num_new_tokens
             i += 1
         return token_budget, preempted
@@ -174,9 +133,7 @@ class Scheduler:
         self,
         request: Request,
         num_new_tokens: int,
-        cached: CachedRequestData,
-        scheduled_reqs: list[Request],
-        num_scheduled: list[int],
+        step: StepBuilder,
         token_budget: int,
         index: int,
     ) -> tuple[Sequence[KVCacheBlock] | None, int, int]:
@@ -184,11 +141,10 @@ class Scheduler:
         it had to preempt itself), the budget and its index in `running`, both adjusted
         when a victim scheduled earlier in this step is taken back out of it."""
         while True:
-            victim, victim_index = self._pop_victim(scheduled_reqs)
-            if victim_index >= 0:
-                cached.remove_entry(victim_index)
-                del scheduled_reqs[victim_index]
-                token_budget += num_scheduled.pop(victim_index)
+            victim = self._pop_victim()
+            num_returned = step.remove_running(victim)
+            if num_returned is not None:
+                token_budget += num_returned
                 index -= 1
             self._preempt(victim)
             if victim is request:
@@ -197,14 +153,14 @@ class Scheduler:
             if blocks is not None:
                 return blocks, token_budget, index
 
-    def _pop_victim(self, scheduled_reqs: list[Request]) -> tuple[Request, int]:
+    def _pop_victim(self) -> Request:
         """FCFS: the last running request; priority: the lowest-ranked (largest (priority,
-        arrival)) one, which may already be scheduled this step (its index there, or -1)."""
+        arrival)) one, which may already be scheduled this step."""
         if self.policy == "fcfs":
-            return self.running.pop(), -1
+            return self.running.pop()
         victim = max(self.running, key=lambda r: (r.priority, r.req_handle))
         self.running.remove(victim)
-        return victim, next((j for j, r in enumerate(scheduled_reqs) if r is victim), -1)
+        return victim
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over from the waiting queue front."""
@@ -216,16 +172,7 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
 
-    def _schedule_waiting(
-        self,
-        output: SchedulerOutput,
-        new_reqs: list[Request],
-        num_scheduled_new: list[int],
-        resumed_reqs: list[Request],
-        num_scheduled_resumed: list[int],
-        token_budget: int,
-        now: float,
-    ) -> None:
+    def _schedule_waiting(self, step: StepBuilder, token_budget: int, now: float) -> None:
         """Pass 2: admit waiting requests while budget and sequence slots last; the first
         that does not fit (its whole sequence must fit) stops it."""
         kv = self.kv_cache_manager
@@ -249,39 +196,13 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.record_event(EngineCoreEventType.SCHEDULED, now)
             self.running.append(request)
+            block_ids = kv.get_block_ids(request)
             if request.is_known_to_workers:
-                resumed_reqs.append(request)
-                num_scheduled_resumed.append(num_new_tokens)
+                step.add_resumed(request, num_new_tokens, block_ids)
             else:
-                new_reqs.append(request)
-                num_scheduled_new.append(num_new_tokens)
-            self._add_admitted_req_data(output, request, num_new_tokens)
+                step.add_new(request, num_new_tokens, block_ids)
+            request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
-
-    def _add_admitted_req_data(
-        self, output: SchedulerOutput, request: Request, num_new_tokens: int
-    ) -> None:
-        """A new request goes in full; a resumed one replaces its block list and tokens."""
-        block_ids = self.kv_cache_manager.get_block_ids(request)
-        if request.is_known_to_workers:
-            output.scheduled_cached_reqs.add_resumed(
-                request.req_handle, request.num_computed_tokens, block_ids, request.all_token_ids
-            )
-        else:
-            output.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_handle=request.req_handle,
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                    stop_token_ids=request.stop_token_ids,
-                )
-            )
-            request.is_known_to_workers = True
-        request.num_sent_token_ids = len(request.all_token_ids)
-        request.num_computed_tokens += num_new_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -304,7 +225,7 @@ class Scheduler:
         if finished:
             for request in finished:
                 self._free_request(request)
-            self.running = [r for r in self.running if r.status < _FINISHED]
+            self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
     def _append_sampled_tokens(
@@ -327,12 +248,11 @@ class Scheduler:
         max_model_len = self.max_model_len
         cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
         extend_hashes = self.block_hasher.extend
-        finished_status = _FINISHED
         failed: list[Request] = []
         for request, num_new_tokens in zip(
-            self._scheduled_reqs, scheduler_output.num_scheduled_tokens, strict=False
+            self._scheduled_reqs, scheduler_output.num_scheduled_tokens, strict=True
         ):
-            if request.status >= finished_status:
+            if request.is_finished:
                 continue
             num_computed = request.num_computed_tokens
             all_token_ids = request.all_token_ids
@@ -342,7 +262,7 @@ class Scheduler:
                 continue  # a prefill chunk: nothing sampled
             token = sampled.get(request.req_handle)
             if token is None:
-                request.status = RequestStatus.FINISHED_ERROR
+                request.finish(RequestStatus.FINISHED_ERROR)
                 request.error_message = f"step {self.step_id}: the output rank sampled no token"
                 failed.append(request)
                 continue
@@ -376,10 +296,10 @@ class Scheduler:
                 removed_running = True
             else:
                 removed_waiting.append(request)
-            request.status = status
+            request.finish(status)
             self._free_request(request)
         if removed_running:
-            self.running = [r for r in self.running if r.status < _FINISHED]
+            self.running = [r for r in self.running if not r.is_finished]
         if removed_waiting:
             self.waiting.remove_requests(removed_waiting)
 

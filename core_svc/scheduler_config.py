@@ -7,14 +7,20 @@ from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
+DEFAULT_MAX_NUM_SEQS = 256
+"""Most requests running at once, unless configured."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK = 2048
+"""Token budget of one step per worker rank, unless configured: vLLM's `vllm serve` default on
+CPU (2048 x tensor_parallel_size x pipeline_parallel_size)."""
+
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     """How many requests and tokens one engine step may carry."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Most requests running at once."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
     """Token budget of one step (prefill chunks and decodes together)."""
     max_model_len: int = 4096
     """Longest sequence (prompt + output) in tokens."""

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core_svc.sampling import SamplingParams
-
 
 @dataclass(slots=True)
 class NewRequestData:
-    """A request sent to the ranks for the first time; `block_ids` are all of its blocks."""
+    """A request sent to the ranks for the first time; `block_ids` are all of its blocks.
+    `sampler_params` is the serialized common.v1.SamplerParams, as the frontend built it."""
 
     req_handle: int
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampler_params: bytes
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
+    min_tokens: int
 
 
 @dataclass(slots=True)

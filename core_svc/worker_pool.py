@@ -117,6 +117,7 @@ class WorkerPool:
                 served_model_name=served_model_name,
                 engine_id=config.engine_id,
                 rendezvous_id=rendezvous_id,
+                block_size=config.block_size,
             )
             for rank in range(world)
         ]
@@ -125,16 +126,13 @@ class WorkerPool:
         assert isinstance(first, worker_pb2.LoadModelResponse)
         max_model_len = min(r.max_model_len for r in loaded)  # type: ignore[attr-defined]
         capacity_req = worker_pb2.GetKvCapacityRequest(
-            block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         )
         capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
         num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
         _check_fits(num_blocks, config.block_size, max_model_len)
-        init = worker_pb2.InitializeKvCacheRequest(
-            num_blocks=num_blocks, block_size=config.block_size
-        )
+        init = worker_pb2.InitializeKvCacheRequest(num_blocks=num_blocks)
         inited = await self._call_all("InitializeKvCache", [init] * world, 600.0)
         kv_bytes = max(r.kv_cache_bytes for r in inited)  # type: ignore[attr-defined]
         return ModelFacts(
@@ -153,10 +151,12 @@ class WorkerPool:
 
 
 def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    capacity = num_blocks * block_size
+    """One max_model_len request must fit in the blocks a request can hold (all but block 0,
+    the null block)."""
+    capacity = (num_blocks - 1) * block_size
     if capacity < max_model_len:
         raise WorkerBringUpError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}) but "
-            f"max_model_len is {max_model_len}: lower --max-model-len or give the KV cache more "
-            "memory (--kv-cache-memory-bytes / --gpu-memory-utilization)"
+            f"the KV cache holds {max(capacity, 0)} tokens ({num_blocks} blocks of {block_size}, "
+            f"block 0 reserved) but max_model_len is {max_model_len}: lower --max-model-len or "
+            "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization)"
         )

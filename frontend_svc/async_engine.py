@@ -8,6 +8,7 @@ deltas are merged by `index`; the engine core never sees n > 1. A caller that st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -108,7 +109,7 @@ class AsyncEngine:
             child = EngineRequest(
                 request.request_id if params.n == 1 else f"{request.request_id}-{index}",
                 request.prompt_token_ids,
-                params.replace(n=1, seed=seed),
+                dataclasses.replace(params, n=1, seed=seed),
                 request.eos_token_id,
                 request.priority,
                 request.cache_salt,

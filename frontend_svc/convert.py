@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
-
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from frontend_svc.engine_types import (
@@ -22,70 +19,11 @@ from frontend_svc.requests import (
     PromptInput,
     TokenLogprobs,
 )
-from frontend_svc.sampling_params import SamplingParams
+from splitserve_contracts import sampling_convert
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
-
-_OPTIONAL_DEFAULTS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "repetition_penalty": 1.0,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-}
-_OPTIONAL_NONE = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
-
-
-def sampling_params_from_proto(msg: types_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> domain, honouring `optional` presence (unset takes vLLM's default)."""
-    has_field = cast(Callable[[str], bool], msg.HasField)  # field names come from this module
-    values: dict[str, object] = {
-        name: getattr(msg, name) if has_field(name) else default
-        for name, default in _OPTIONAL_DEFAULTS.items()
-    }
-    for name in _OPTIONAL_NONE:
-        values[name] = getattr(msg, name) if has_field(name) else None
-    return SamplingParams(
-        n=msg.n or 1,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=dict(msg.logit_bias),
-        allowed_token_ids=tuple(msg.allowed_token_ids),
-        **values,  # type: ignore[arg-type]
-    )
-
-
-def sampling_params_to_proto(p: SamplingParams, out: types_pb2.SamplingParams) -> None:
-    """Domain -> proto with every field explicit (the core needs no defaults of its own)."""
-    out.n = p.n
-    out.temperature = p.temperature
-    out.top_p = p.top_p
-    out.top_k = p.top_k
-    out.min_p = p.min_p
-    out.presence_penalty = p.presence_penalty
-    out.frequency_penalty = p.frequency_penalty
-    out.repetition_penalty = p.repetition_penalty
-    out.stop.extend(p.stop)
-    out.stop_token_ids.extend(p.stop_token_ids)
-    out.ignore_eos = p.ignore_eos
-    out.min_tokens = p.min_tokens
-    out.skip_special_tokens = p.skip_special_tokens
-    out.include_stop_str_in_output = p.include_stop_str_in_output
-    out.spaces_between_special_tokens = p.spaces_between_special_tokens
-    out.allowed_token_ids.extend(p.allowed_token_ids)
-    out.logit_bias.update(p.logit_bias)
-    for name in _OPTIONAL_NONE:
-        value = getattr(p, name)
-        if value is not None:
-            setattr(out, name, value)
+from splitserve_contracts.sampling_types import SamplingParams
 
 
 def _chat_from_proto(chat: gen_pb2.Chat) -> tuple[tuple[ChatTurn, ...], bool]:
@@ -113,7 +51,7 @@ def generate_input_from_proto(msg: gen_pb2.GenerateRequest, request_id: str) -> 
     return GenerateInput(
         request_id=request_id,
         prompt=prompt_from_proto(msg),
-        params=sampling_params_from_proto(msg.sampling_params),
+        params=sampling_convert.from_proto(msg.sampling_params, SamplingParams),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
     )
@@ -159,16 +97,23 @@ def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateR
 
 
 def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineCoreRequest:
+    """The engine core reads the stop conditions; the sampler's part of the params travels
+    in sampler_params, copied field by field (same names) from SamplingParams."""
+    params = req.params
+    assert params.max_tokens is not None, "InputProcessor resolves max_tokens"
     msg = core_pb2.EngineCoreRequest(
         request_id=req.request_id,
         request_handle=handle,
         prompt_token_ids=req.prompt_token_ids,
         cache_salt=req.cache_salt,
         priority=req.priority,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
     )
     if req.eos_token_id is not None:
         msg.eos_token_id = req.eos_token_id
-    sampling_params_to_proto(req.params, msg.sampling_params)
+    sampling_convert.to_proto(params, msg.sampler_params)
     return msg
 
 
@@ -200,7 +145,7 @@ def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
         new_token_ids=list(msg.new_token_ids),
         details={d.request_handle: _detail_from_proto(d) for d in msg.details},
         timestamp=msg.timestamp,
-        step_index=msg.step_index,
+        step_id=msg.step_id,
     )
 
 

@@ -66,4 +66,4 @@ class CoreOutputs:
     new_token_ids: list[int]
     details: dict[int, CoreOutputDetail]
     timestamp: float
-    step_index: int
+    step_id: int

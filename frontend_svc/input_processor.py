@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from frontend_svc.requests import ChatTurn, EngineRequest, GenerateInput, PromptInput
-from frontend_svc.sampling_params import InvalidRequest, Limits, normalize, validate_ranges
+from frontend_svc.requests import (
+    ChatTurn,
+    EngineRequest,
+    GenerateInput,
+    InvalidRequest,
+    PromptInput,
+)
+from splitserve_contracts import sampling_rules
+from splitserve_contracts.sampling_rules import InvalidSamplingParams, Limits
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,15 @@ class TokenizedPrompt:
 class InputProcessor:
     """Turns a public Generate call into an EngineRequest, or raises InvalidRequest."""
 
-    def __init__(self, tokenizer: Any, limits: Limits, extra_eos_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        limits: Limits,
+        extra_eos_ids: tuple[int, ...] = (),
+    ) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
         self.limits = limits
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.extra_eos_ids = tuple(i for i in extra_eos_ids if i != self.eos_token_id)
@@ -80,13 +95,16 @@ class InputProcessor:
         return str(text)
 
     def process(self, call: GenerateInput) -> EngineRequest:
-        """Validate and tokenize; resolve max_tokens and the stop token ids."""
+        """Validate and tokenize; resolve max_tokens, EOS and the stop token ids."""
         _check_prompt_present(call.prompt)
-        validate_ranges(call.params, self.limits)
-        params = normalize(call.params)
+        try:
+            sampling_rules.validate(call.params, self.limits)
+        except InvalidSamplingParams as err:
+            raise InvalidRequest(str(err)) from None
+        params = sampling_rules.normalize(call.params)
         prompt = self.tokenize(call.prompt)
         num_prompt = len(prompt.token_ids)
-        max_len = self.limits.max_model_len
+        max_len = self.max_model_len
         if num_prompt == 0:
             raise InvalidRequest("the prompt tokenizes to no tokens; send a non-empty prompt")
         if call.prompt.token_ids is not None:
@@ -105,12 +123,13 @@ class InputProcessor:
         stop_ids = params.stop_token_ids
         if not params.ignore_eos:
             stop_ids = tuple(dict.fromkeys(stop_ids + self.extra_eos_ids))
-        params = params.replace(max_tokens=max_tokens, stop_token_ids=stop_ids)
+        params = dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        eos_token_id = None if params.ignore_eos else self.eos_token_id
         return EngineRequest(
             call.request_id,
             prompt.token_ids,
             params,
-            self.eos_token_id,
+            eos_token_id,
             call.priority,
             call.cache_salt,
         )

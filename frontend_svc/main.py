@@ -14,9 +14,9 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.sampling_params import Limits
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.sampling_rules import Limits
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 
@@ -63,13 +63,13 @@ async def serve(config: FrontendConfig) -> int:
         host.registry, served_name, info.engine_id, info.max_model_len
     )
     limits = Limits(
-        max_model_len=info.max_model_len,
         vocab_size=info.vocab_size,
         max_logprobs=config.max_logprobs,
         max_n=config.max_n,
         max_stop_strings=config.max_stop_strings,
     )
-    servicer.attach(InputProcessor(tokenizer, limits, generation_eos_ids(model)), info, served_name)
+    inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
+    servicer.attach(inputs, info, served_name)
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",
         info.served_model_name,

@@ -17,8 +17,8 @@ from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
 from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
-from frontend_svc.sampling_params import SamplingParams
-from frontend_svc.stop_strings import find_stop_string
+from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
+from splitserve_contracts.sampling_types import SamplingParams
 
 
 class EngineUnavailable(Exception):
@@ -178,7 +178,7 @@ class OutputProcessor:
         stop_str: str | None,
     ) -> CompletionDelta | None:
         is_finished = finish != FinishReason.UNSPECIFIED
-        end = len(state.text) if is_finished else len(state.text) - state.params.stop_buffer_length
+        end = len(state.text) if is_finished else len(state.text) - stop_buffer_length(state.params)
         text = state.text[state.num_sent_chars : end] if end > state.num_sent_chars else ""
         state.num_sent_chars += len(text)
         logprobs = self._logprobs(detail.new_logprobs) if detail and detail.new_logprobs else []

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from frontend_svc.sampling_params import SamplingParams
+from splitserve_contracts.sampling_types import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the frontend refuses; the message tells the caller what to change."""
 
 
 class FinishReason(IntEnum):
@@ -51,7 +55,11 @@ class GenerateInput:
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One request ready for the engine core (n = 1; n > 1 is fanned out into several)."""
+    """One request ready for the engine core (n = 1; n > 1 is fanned out into several).
+
+    `params` has max_tokens resolved and stop_token_ids completed with the generation
+    config's extra EOS ids; `eos_token_id` is None when the request ignores EOS.
+    """
 
     request_id: str
     prompt_token_ids: list[int]

@@ -15,8 +15,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.output_processor import EngineUnavailable
-from frontend_svc.requests import FinishReason
-from frontend_svc.sampling_params import InvalidRequest
+from frontend_svc.requests import FinishReason, InvalidRequest
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from splitserve_contracts.sampling_types import SamplingParams
+
+
+def stop_buffer_length(params: SamplingParams) -> int:
+    """Characters held back while streaming so a partial stop string never leaks."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
 
 def find_stop_string(
     text: str, num_new_chars: int, stop: tuple[str, ...], include_stop_str: bool

@@ -39,6 +39,8 @@ def main(generated: Path, out: Path) -> None:
     for area in AREAS:
         target = out / PACKAGE / area / "v1"
         target.mkdir(parents=True, exist_ok=True)
+        for package in (out / PACKAGE, target.parent, target):
+            (package / "__init__.py").touch()
         for source in sorted((generated / "splitserve" / area / "v1").glob("*_pb2*.py*")):
             text = relocate(source.read_text(), is_stub=source.suffix == ".pyi")
             (target / source.name).write_text(text)

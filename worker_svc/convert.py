@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
+from splitserve_contracts import sampling_convert
 from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.models.model_config import parse_dtype
@@ -19,7 +21,6 @@ from worker_svc.scheduler_output import (
     CachedRequestData,
     IntArray,
     NewRequestData,
-    SamplingOptions,
     SchedulerOutput,
 )
 from worker_svc.worker import LoadedModel, LoadModelConfig, WorkerDescription
@@ -34,36 +35,16 @@ def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
 # -- requests ----------------------------------------------------------------------------------
 
 
-def sampling_options_from_proto(params: types_pb2.SamplingParams) -> SamplingOptions:
-    """vLLM defaults for unset optional fields; top_k -1 or 0 disables the filter."""
-    return SamplingOptions(
-        temperature=params.temperature if params.HasField("temperature") else 1.0,
-        top_p=params.top_p if params.HasField("top_p") else 1.0,
-        top_k=max(params.top_k, 0),
-        min_p=params.min_p,
-        seed=params.seed if params.HasField("seed") else None,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=(
-            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
-        ),
-        min_tokens=params.min_tokens,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
-        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
-        logit_bias=dict(params.logit_bias),
-        allowed_token_ids=tuple(params.allowed_token_ids),
-    )
-
-
 def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
     return NewRequestData(
         req_handle=req.req_handle,
         request_id=req.request_id,
         prompt_token_ids=_column(req.prompt_token_ids),
-        sampling=sampling_options_from_proto(req.sampling_params),
+        sampling=sampling_convert.from_proto(req.sampler_params, SamplerParams),
         block_ids=_column(req.block_ids),
         num_computed_tokens=req.num_computed_tokens,
         stop_token_ids=_column(req.stop_token_ids),
+        min_tokens=req.min_tokens,
     )
 
 
@@ -101,6 +82,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
             f"unknown attention_backend {req.attention_backend!r}; choose one of "
             "auto, torch, triton, flash_attn"
         )
+    if req.block_size < 1:
+        raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
     return LoadModelConfig(
         model_path=req.model_path,
         dtype=req.dtype or "auto",
@@ -114,6 +97,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         max_num_batched_tokens=req.max_num_batched_tokens,
         max_num_seqs=req.max_num_seqs,
         rendezvous_id=req.rendezvous_id,
+        block_size=req.block_size,
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from worker_svc.kv_cache import NULL_BLOCK_ID
 from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -62,14 +63,16 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         vocab_size: int,
-        null_block_id: int,
+        num_kv_blocks: int,
         capacity: int,
         sampling: SamplingStates,
     ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.null_block_id = null_block_id
+        self.num_kv_blocks = num_kv_blocks
+        """Blocks in the rank's cache; a request's blocks are 1..num_kv_blocks - 1 (block 0
+        is the null block)."""
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.sampling = sampling
         self.handle_to_row: dict[int, int] = {}
@@ -148,9 +151,11 @@ class InputBatch:
                 f"request {new.request_id!r}: prompt of {num_prompt} tokens does not "
                 f"fit max_model_len {self.max_model_len}"
             )
-        prompt = new.prompt_token_ids
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
-            raise ValueError(f"request {new.request_id!r}: prompt token id outside the vocabulary")
+        for what, ids in (("prompt", new.prompt_token_ids), ("stop", new.stop_token_ids)):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                raise ValueError(
+                    f"request {new.request_id!r}: {what} token id outside the vocabulary"
+                )
         if not 0 <= new.num_computed_tokens < num_prompt:
             raise ValueError(
                 f"request {new.request_id!r}: {new.num_computed_tokens} computed "
@@ -173,7 +178,7 @@ class InputBatch:
             new.block_ids,
             "block ids",
         )
-        self.sampling.add(row, new.sampling, new.stop_token_ids)
+        self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens)
         return row
 
     def _update_cached(self, rows: IntArray, step: SchedulerOutput) -> IntArray:
@@ -228,9 +233,10 @@ class InputBatch:
             raise ValueError(f"malformed step: {what} counts do not match their values")
         if not len(values):
             return
-        limit = self.null_block_id if table is self.block_table else self.vocab_size
-        if int(values.min()) < 0 or int(values.max()) >= limit:
-            raise ValueError(f"{what} outside 0..{limit - 1}")
+        is_blocks = table is self.block_table
+        low, limit = (NULL_BLOCK_ID + 1, self.num_kv_blocks) if is_blocks else (0, self.vocab_size)
+        if int(values.min()) < low or int(values.max()) >= limit:
+            raise ValueError(f"{what} outside {low}..{limit - 1}")
         cols = _ragged_cols(lengths[rows], counts)
         if int(cols.max()) >= table.shape[1]:
             raise ValueError(f"{what} exceed the per-request limit of {table.shape[1]}")
@@ -255,7 +261,7 @@ class InputBatch:
         block_tables = np.where(
             np.arange(max_blocks)[None, :] < num_blocks[:, None],
             self.block_table[rows, :max_blocks],
-            self.null_block_id,
+            NULL_BLOCK_ID,
         )
         sampling_reqs = np.flatnonzero(seq_lens == self.num_tokens[rows])
         return StepInputs(

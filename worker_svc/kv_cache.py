@@ -1,8 +1,9 @@
 """The paged KV cache of one rank: one tensor per decoder layer of its pipeline stage.
 
 Each layer's tensor has the attention backend's layout with (key, value) in dimension 0 and
-the block index in dimension 1. One extra block at index `num_blocks`, the null block, is
-zeroed and never handed out: padded block-table entries point at it. Blocks the engine core
+the block index in dimension 1. Block 0 is the null block: the engine core reserves it and never
+hands it to a request (core_svc.block_pool), so it is zeroed once and padded block-table
+entries point at it. Blocks the engine core
 assigns afresh are zeroed before use too, so a backend that reads whole blocks (the torch
 reference) never meets uninitialised memory (which could hold NaN bit patterns); the rest of
 the cache is allocated with `torch.empty`, i.e. lazily on CPU.
@@ -45,16 +46,20 @@ class KvCapacity:
 
 
 def kv_capacity(spec: KvCacheSpec, block_size: int, available_bytes: int) -> KvCapacity:
-    """Capacity of `available_bytes`, keeping one block back for the null block."""
+    """Capacity of `available_bytes`; the null block (block 0) is one of the blocks counted."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     per_block = spec.bytes_per_block(block_size)
     available_bytes = max(0, available_bytes)
-    return KvCapacity(available_bytes, per_block, max(0, available_bytes // per_block - 1))
+    return KvCapacity(available_bytes, per_block, available_bytes // per_block)
+
+
+NULL_BLOCK_ID = 0
 
 
 class PagedKVCache:
-    """Per-layer KV tensors of `num_blocks` blocks (+ the null block) of `block_size` tokens."""
+    """Per-layer KV tensors of `num_blocks` blocks of `block_size` tokens; block 0 is the null
+    block."""
 
     def __init__(
         self,
@@ -64,14 +69,16 @@ class PagedKVCache:
         block_size: int,
         device: torch.device,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.null_block_id = num_blocks
-        shape = backend.kv_cache_shape(num_blocks + 1, block_size)
+        self.null_block_id = NULL_BLOCK_ID
+        shape = backend.kv_cache_shape(num_blocks, block_size)
         self.layers = [
             torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
@@ -84,7 +91,7 @@ class PagedKVCache:
     def zero_blocks(self, block_ids: npt.NDArray[np.int64]) -> None:
         if not len(block_ids):
             return
-        if int(block_ids.max()) >= self.num_blocks + 1 or int(block_ids.min()) < 0:
+        if int(block_ids.max()) >= self.num_blocks or int(block_ids.min()) < 0:
             raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
         index = torch.from_numpy(block_ids).to(self.layers[0].device)
         for layer in self.layers:

@@ -68,17 +68,6 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.prompt_logprobs = PromptLogprobsCollector()
 
-    def switch_backend(self, backend_cls: type[AttentionBackend]) -> None:
-        """Replace the attention backend (before the cache exists: layouts differ)."""
-        if self.kv_cache is not None:
-            raise RuntimeError("cannot switch attention backend after the KV cache exists")
-        old = self.backend
-        self.backend = backend_cls(
-            old.num_heads, old.num_kv_heads, old.head_dim, dtype=self.dtype, device=self.device
-        )
-        for layer in self.model.layers:
-            layer.self_attn.backend = self.backend
-
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate the cache and the per-request tables; returns the cache's bytes."""
         self.kv_cache = PagedKVCache(
@@ -88,7 +77,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             block_size=block_size,
             vocab_size=self.vocab_size,
-            null_block_id=self.kv_cache.null_block_id,
+            num_kv_blocks=num_blocks,
             capacity=max(self.max_num_seqs, 1),
             sampling=SamplingStates(max(self.max_num_seqs, 1), self.vocab_size, self.device),
         )
@@ -101,12 +90,9 @@ class ModelRunner:
         assert self.kv_cache is not None
         if self.parallel.world_size > 1:
             return
+        block_size = self.kv_cache.block_size
         scratch = PagedKVCache(
-            self.backend,
-            self.kv_cache_spec,
-            1 + 9 // self.kv_cache.block_size,
-            self.kv_cache.block_size,
-            self.device,
+            self.backend, self.kv_cache_spec, 2 + 9 // block_size, block_size, self.device
         )
         scratch.zero_blocks(np.arange(scratch.num_blocks))
         self._dummy_step(scratch, 0, 8, num_logits=1)
@@ -117,14 +103,19 @@ class ModelRunner:
         """Run one dummy step of `num_tokens` tokens (and `max_num_seqs` logits rows) in a
         scratch cache, for peak-memory profiling; returns the scratch cache's bytes."""
         scratch = PagedKVCache(
-            self.backend, self.kv_cache_spec, -(-num_tokens // block_size), block_size, self.device
+            self.backend,
+            self.kv_cache_spec,
+            1 - (-num_tokens // block_size),
+            block_size,
+            self.device,
         )
         self._dummy_step(scratch, 0, num_tokens, num_logits=min(num_tokens, self.max_num_seqs))
         return scratch.nbytes
 
     def _dummy_step(self, cache: PagedKVCache, start: int, end: int, num_logits: int) -> None:
         """Forward positions [start, end) of one request whose first `start` tokens sit in
-        blocks 0, 1, ... of `cache`; then logits and an argmax for the last `num_logits`."""
+        blocks 1, 2, ... of `cache` (block 0 is the null block); then logits and an argmax for
+        the last `num_logits`."""
         num_blocks = -(-end // cache.block_size)
         positions = np.arange(start, end)
         inputs = StepInputs(
@@ -132,10 +123,10 @@ class ModelRunner:
             req_handles=np.zeros(1, np.int64),
             input_ids=np.zeros(end - start, np.int64),
             positions=positions,
-            slot_mapping=positions,
+            slot_mapping=positions + cache.block_size,
             query_start_loc=np.array([0, end - start]),
             seq_lens=np.array([end]),
-            block_tables=np.arange(num_blocks)[None, :],
+            block_tables=np.arange(1, num_blocks + 1)[None, :],
             logits_indices=np.array([end - start - 1]),
             sampling_reqs=np.zeros(1, np.int64),
         )

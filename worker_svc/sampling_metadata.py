@@ -15,13 +15,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from worker_svc.scheduler_output import GREEDY_TEMPERATURE, SamplingOptions
+from splitserve_contracts import sampling_rules
+from splitserve_contracts.sampling_rules import GREEDY_TEMPERATURE
+from splitserve_contracts.sampling_types import SamplerParams
 
 logger = logging.getLogger(__name__)
 
 IntArray = npt.NDArray[np.int64]
 NO_LOGPROBS = -1
-LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class SamplingStates:
 
     def __init__(self, capacity: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
+        self.limits = sampling_rules.Limits(vocab_size=vocab_size, max_logprobs=vocab_size)
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
         self.logit_bias: dict[int, tuple[IntArray, npt.NDArray[np.float32]]] = {}
@@ -102,43 +104,37 @@ class SamplingStates:
         for name, values in old.items():
             getattr(self, name)[: len(values)] = values
 
-    def _valid_ids(self, ids: IntArray, what: str) -> IntArray:
-        ok = (ids >= 0) & (ids < self.vocab_size)
-        if not ok.all():
-            logger.warning("ignoring %s outside the vocabulary: %s", what, ids[~ok].tolist())
-        return ids[ok]
-
-    def add(self, row: int, options: SamplingOptions, stop_token_ids: IntArray) -> None:
-        greedy = options.is_greedy
-        self.temperature[row] = 0.0 if greedy else options.temperature
-        self.top_p[row] = 1.0 if greedy else options.top_p
-        self.top_k[row] = 0 if greedy or options.top_k < 0 else options.top_k
-        self.min_p[row] = 0.0 if greedy else options.min_p
-        self.presence[row] = options.presence_penalty
-        self.frequency[row] = options.frequency_penalty
-        self.repetition[row] = options.repetition_penalty
-        self.min_tokens[row] = options.min_tokens
-        self.num_logprobs[row] = self._num_logprobs(options.logprobs)
-        self.num_prompt_logprobs[row] = self._num_logprobs(options.prompt_logprobs)
-        if options.seed is not None and not greedy:
-            self.generators[row] = torch.Generator(self.device).manual_seed(options.seed)
-        if options.logit_bias:
-            ids = np.fromiter(options.logit_bias.keys(), np.int64, len(options.logit_bias))
-            values = np.fromiter(options.logit_bias.values(), np.float32, len(ids))
-            ok = (ids >= 0) & (ids < self.vocab_size)
-            values = np.clip(values[ok], -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
-            self.logit_bias[row] = (self._valid_ids(ids, "logit_bias ids"), values)
-        if options.allowed_token_ids:
-            ids = self._valid_ids(np.asarray(options.allowed_token_ids, np.int64), "allowed ids")
-            if ids.size:  # an empty whitelist would leave nothing to sample
-                self.allowed_token_ids[row] = ids
-        if options.min_tokens > 0 and stop_token_ids.size:
-            self.stop_token_ids[row] = self._valid_ids(stop_token_ids, "stop_token_ids")
+    def add(
+        self, row: int, params: SamplerParams, stop_token_ids: IntArray, min_tokens: int
+    ) -> None:
+        """Store a new request's settings; InvalidSamplingParams (a ValueError) when the engine
+        core forwarded values outside the contract's ranges."""
+        sampling_rules.validate(params, self.limits)
+        greedy = sampling_rules.is_greedy(params)
+        self.temperature[row] = 0.0 if greedy else params.temperature
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.top_k[row] = 0 if greedy or params.top_k < 0 else params.top_k
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.min_tokens[row] = min_tokens
+        self.num_logprobs[row] = self._num_logprobs(params.logprobs)
+        self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs)
+        if params.seed is not None and not greedy:
+            self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
+        if params.logit_bias:
+            ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+            values = np.fromiter(params.logit_bias.values(), np.float32, len(ids))
+            limit = sampling_rules.LOGIT_BIAS_LIMIT
+            self.logit_bias[row] = (ids, np.clip(values, -limit, limit))
+        if params.allowed_token_ids:
+            self.allowed_token_ids[row] = np.asarray(params.allowed_token_ids, np.int64)
+        if min_tokens > 0 and stop_token_ids.size:
+            self.stop_token_ids[row] = stop_token_ids
 
     def _num_logprobs(self, requested: int | None) -> int:
-        if requested is None:
-            return NO_LOGPROBS
-        return self.vocab_size if requested < 0 else min(requested, self.vocab_size)
+        return NO_LOGPROBS if requested is None else requested
 
     def remove(self, row: int) -> None:
         for sparse in (

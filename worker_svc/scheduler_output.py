@@ -12,41 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-IntArray = npt.NDArray[np.int64]
+from splitserve_contracts.sampling_types import SamplerParams
 
-GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this sample greedily (argmax), as in vLLM."""
+IntArray = npt.NDArray[np.int64]
 
 
 def _empty() -> IntArray:
     return np.zeros(0, dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """How one request samples; the defaults disable every filter and penalty.
-
-    `top_k` 0 disables top-k; `logprobs` / `prompt_logprobs` are None when not asked for and
-    -1 for the whole vocabulary.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    allowed_token_ids: tuple[int, ...] = ()
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +32,11 @@ class NewRequestData:
     req_handle: int
     request_id: str
     prompt_token_ids: IntArray
-    sampling: SamplingOptions
+    sampling: SamplerParams
     block_ids: IntArray
     num_computed_tokens: int = 0
     stop_token_ids: IntArray = field(default_factory=_empty)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

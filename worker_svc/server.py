@@ -120,7 +120,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         capacity = self._call(
             context,
             self._worker.get_kv_capacity,
-            request.block_size,
             request.gpu_memory_utilization,
             request.kv_cache_memory_bytes,
         )
@@ -129,9 +128,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def InitializeKvCache(
         self, request: pb.InitializeKvCacheRequest, context: grpc.ServicerContext
     ) -> pb.InitializeKvCacheResponse:
-        nbytes = self._call(
-            context, self._worker.initialize_kv_cache, request.num_blocks, request.block_size
-        )
+        nbytes = self._call(context, self._worker.initialize_kv_cache, request.num_blocks)
         return pb.InitializeKvCacheResponse(kv_cache_bytes=nbytes)
 
     def Execute(

@@ -76,6 +76,7 @@ class LoadModelConfig:
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
     rendezvous_id: str = ""
+    block_size: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,9 @@ class Worker:
             config.dtype, model_config.checkpoint_dtype or stored_dtype(files), self.device
         )
         max_model_len = _max_model_len(config.max_model_len, model_config)
-        backend_name = select_backend(config.attention_backend, self.device, None, dtype)
+        backend_name = select_backend(
+            config.attention_backend, self.device, config.block_size, dtype
+        )
         _check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
             config.rank,
@@ -243,9 +246,11 @@ class Worker:
         return self.runner
 
     def get_kv_capacity(
-        self, block_size: int, gpu_memory_utilization: float, kv_cache_memory_bytes: int
+        self, gpu_memory_utilization: float, kv_cache_memory_bytes: int
     ) -> KvCapacity:
         runner = self._require_runner()
+        assert self.config is not None
+        block_size = self.config.block_size
         if kv_cache_memory_bytes > 0:
             available = kv_cache_memory_bytes
         elif self.device.type == "cpu":
@@ -282,21 +287,13 @@ class Worker:
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
         return int(utilization * total) - used - non_torch
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
-        """Allocate the cache; returns its bytes on this rank."""
+    def initialize_kv_cache(self, num_blocks: int) -> int:
+        """Allocate the cache (block 0 is the null block); returns its bytes on this rank."""
         runner = self._require_runner()
         if self.is_kv_cache_ready:
             raise WorkerStateError("the KV cache is already initialized")
         assert self.config is not None
-        name = runner.backend.name
-        reason = backend_class(name).unsupported_reason(self.device, block_size, runner.dtype)
-        if reason is not None:
-            if self.config.attention_backend not in ("", "auto"):
-                raise ValueError(f"attention backend {name!r} cannot use this cache: {reason}")
-            fallback = select_backend("auto", self.device, block_size, runner.dtype)
-            logger.info("attention backend %s -> %s: %s", name, fallback, reason)
-            runner.switch_backend(backend_class(fallback))
-        nbytes = runner.initialize_kv_cache(num_blocks, block_size)
+        nbytes = runner.initialize_kv_cache(num_blocks, self.config.block_size)
         runner.warm_up()
         self.is_kv_cache_ready = True
         return nbytes

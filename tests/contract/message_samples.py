@@ -86,14 +86,20 @@ def representative_messages() -> dict[str, Message]:
         skip_special_tokens=False,
         logit_bias={5: -1.5},
     )
+    sampler = types_pb2.SamplerParams(
+        temperature=0.0, top_p=0.9, top_k=40, seed=7, logprobs=0, logit_bias={5: -1.5}
+    )
     core_req = core_service_pb2.EngineCoreRequest(
         request_id="req-1",
         request_handle=42,
         prompt_token_ids=[1, 300, 70000],
-        sampling_params=sp,
         eos_token_id=2,
         cache_salt="tenant-a",
         priority=-1,
+        max_tokens=16,
+        min_tokens=1,
+        stop_token_ids=[3],
+        sampler_params=sampler,
     )
     outputs = core_service_pb2.EngineCoreOutputs(
         request_handles=[42, 43],
@@ -112,7 +118,7 @@ def representative_messages() -> dict[str, Message]:
             )
         ],
         timestamp=13.25,
-        step_index=9,
+        step_id=9,
     )
     step = worker_service_pb2.SchedulerOutput(
         step_id=3,
@@ -121,10 +127,11 @@ def representative_messages() -> dict[str, Message]:
                 req_handle=1,
                 request_id="r",
                 prompt_token_ids=[5, 6, 7],
-                sampling_params=sp,
-                block_ids=[0, 1],
+                sampler_params=sampler,
+                block_ids=[1, 2],
                 num_computed_tokens=0,
-                stop_token_ids=[2],
+                stop_token_ids=[2, 3],
+                min_tokens=1,
             )
         ],
         scheduled_cached_reqs=worker_service_pb2.CachedRequestData(

@@ -20,9 +20,9 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
-from frontend_svc.sampling_params import SamplingParams
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.sampling_types import SamplingParams
 from tests.unit.core.fake_executor import default_token_fn, make_engine
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 128
@@ -190,12 +190,13 @@ def test_a_closed_stream_aborts_all_of_its_requests(tokenizer: Any) -> None:
                 call = core_grpc.EngineCoreServiceStub(channel).EngineStream()
                 reqs = [
                     core_pb2.EngineCoreRequest(
-                        request_id=f"r{h}", request_handle=h, prompt_token_ids=PROMPT
+                        request_id=f"r{h}",
+                        request_handle=h,
+                        prompt_token_ids=PROMPT,
+                        max_tokens=100,
                     )
                     for h in (1, 2, 3)
                 ]
-                for r in reqs:
-                    r.sampling_params.max_tokens = 100
                 await call.write(
                     core_pb2.EngineStreamRequest(add=core_pb2.AddRequests(requests=reqs))
                 )

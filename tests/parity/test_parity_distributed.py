@@ -54,12 +54,14 @@ def test_two_rank_parity(
     path = checkpoints.get(family)
     reference = reference_for(references, path)
     loaded = group.load(
-        LoadModelConfig(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        LoadModelConfig(
+            str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, block_size=BLOCK_SIZE
+        )
     )
     try:
         assert [m.num_kv_heads for m in loaded] == [2 // tp] * tp * pp
         assert [m.num_layers for m in loaded] == [2 // pp] * tp * pp
-        group.init(num_blocks=128, block_size=BLOCK_SIZE)
+        group.init(num_blocks=128)
 
         plain = StepDriver(BLOCK_SIZE)
         for prompt in PROMPTS:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.sampling_types import SamplerParams
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.parity import (
     max_logit_diff,
@@ -25,7 +26,6 @@ from tests.fixtures.parity import (
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
-from worker_svc.scheduler_output import SamplingOptions
 from worker_svc.worker import LoadModelConfig
 
 FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3_rope"]
@@ -46,8 +46,8 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def rank(checkpoints: CheckpointCache, family: str) -> Iterator[LocalRank]:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(checkpoints.get(family))))
-    rank.init(num_blocks=256, block_size=BLOCK_SIZE)
+    rank.load(LoadModelConfig(str(checkpoints.get(family)), block_size=BLOCK_SIZE))
+    rank.init(num_blocks=256)
     yield rank
     rank.close()
 
@@ -122,10 +122,10 @@ def test_resumed_request_regenerates_identically(rank: LocalRank, reference: Any
 
 
 def test_seeded_sampling_reproduces_alone_and_in_a_batch(rank: LocalRank) -> None:
-    seeded = SamplingOptions(temperature=1.0, top_p=0.9, seed=42)
+    seeded = SamplerParams(temperature=1.0, top_p=0.9, seed=42)
     driver = StepDriver(BLOCK_SIZE)  # one driver: finished requests are dropped on the way
 
-    def sample(options: SamplingOptions, extra: list[SamplingOptions]) -> list[int]:
+    def sample(options: SamplerParams, extra: list[SamplerParams]) -> list[int]:
         handle = driver.add(PROMPTS[0], options, max_tokens=10)
         for i, opts in enumerate(extra):
             driver.add(PROMPTS[1 + i % 2], opts, max_tokens=10)
@@ -134,18 +134,18 @@ def test_seeded_sampling_reproduces_alone_and_in_a_batch(rank: LocalRank) -> Non
     alone = sample(seeded, [])
     assert sample(seeded, []) == alone
     crowd = [
-        SamplingOptions(temperature=1.0),
-        SamplingOptions(temperature=0.0),
-        SamplingOptions(temperature=0.7, seed=7, top_k=5),
+        SamplerParams(temperature=1.0),
+        SamplerParams(temperature=0.0),
+        SamplerParams(temperature=0.7, seed=7, top_k=5),
     ]
     assert sample(seeded, crowd) == alone
-    assert sample(SamplingOptions(temperature=1.0, top_p=0.9, seed=43), []) != alone
+    assert sample(SamplerParams(temperature=1.0, top_p=0.9, seed=43), []) != alone
 
 
 @pytest.mark.parametrize("family", ["llama"])
 def test_prompt_and_sample_logprobs_match(rank: LocalRank, reference: Any) -> None:
     prompt = PROMPTS[2]
-    options = SamplingOptions(temperature=0.0, logprobs=2, prompt_logprobs=3)
+    options = SamplerParams(temperature=0.0, logprobs=2, prompt_logprobs=3)
     driver = StepDriver(BLOCK_SIZE, chunk_size=6)
     handle = driver.add(prompt, options, max_tokens=3)
     driver.run(rank.execute)

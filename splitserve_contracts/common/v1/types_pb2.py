@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from splitserve_contracts.common.v1 import options_pb2 as splitserve_dot_common_dot_v1_dot_options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitserve/common/v1/types.proto\x12\x14splitserve.common.v1\"\x98\x06\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmax_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12G\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x33.splitserve.common.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12*\n\x1dspaces_between_special_tokens\x18\x15 \x01(\x08H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"]\n\rLogprobsTable\x12\x18\n\x10num_top_logprobs\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\r\"Q\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"j\n\rTokenLogprobs\x12-\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1d.splitserve.common.v1.Logprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.splitserve.common.v1.Logprob*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitserve/common/v1/types.proto\x12\x14splitserve.common.v1\x1a\"splitserve/common/v1/options.proto\"\xce\x06\n\x0eSamplingParams\x12\x10\n\x01n\x18\x01 \x01(\rB\x05\x8a\xb5\x18\x01\x31\x12!\n\x0btemperature\x18\x02 \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x00\x88\x01\x01\x12\x1b\n\x05top_p\x18\x03 \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12(\n\x12repetition_penalty\x18\t \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmax_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12*\n\x13skip_special_tokens\x18\x11 \x01(\x08\x42\x08\x8a\xb5\x18\x04trueH\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12G\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x33.splitserve.common.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\r\x12\x34\n\x1dspaces_between_special_tokens\x18\x15 \x01(\x08\x42\x08\x8a\xb5\x18\x04trueH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x84\x04\n\rSamplerParams\x12!\n\x0btemperature\x18\x01 \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x00\x88\x01\x01\x12\x1b\n\x05top_p\x18\x02 \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12(\n\x12repetition_penalty\x18\x08 \x01(\x02\x42\x07\x8a\xb5\x18\x03\x31.0H\x03\x88\x01\x01\x12\x46\n\nlogit_bias\x18\t \x03(\x0b\x32\x32.splitserve.common.v1.SamplerParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"]\n\rLogprobsTable\x12\x18\n\x10num_top_logprobs\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\r\"Q\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"j\n\rTokenLogprobs\x12-\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1d.splitserve.common.v1.Logprob\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.splitserve.common.v1.Logprob*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1140
-  _globals['_FINISHREASON']._serialized_end=1285
-  _globals['_SAMPLINGPARAMS']._serialized_start=59
-  _globals['_SAMPLINGPARAMS']._serialized_end=851
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=639
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=687
-  _globals['_LOGPROBSTABLE']._serialized_start=853
-  _globals['_LOGPROBSTABLE']._serialized_end=946
-  _globals['_LOGPROB']._serialized_start=948
-  _globals['_LOGPROB']._serialized_end=1029
-  _globals['_TOKENLOGPROBS']._serialized_start=1031
-  _globals['_TOKENLOGPROBS']._serialized_end=1137
+  _globals['_SAMPLINGPARAMS'].fields_by_name['n']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['n']._serialized_options = b'\212\265\030\0011'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['temperature']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['temperature']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['top_p']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['top_p']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['repetition_penalty']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['repetition_penalty']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['skip_special_tokens']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['skip_special_tokens']._serialized_options = b'\212\265\030\004true'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['spaces_between_special_tokens']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['spaces_between_special_tokens']._serialized_options = b'\212\265\030\004true'
+  _globals['_SAMPLERPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLERPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLERPARAMS'].fields_by_name['temperature']._loaded_options = None
+  _globals['_SAMPLERPARAMS'].fields_by_name['temperature']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_SAMPLERPARAMS'].fields_by_name['top_p']._loaded_options = None
+  _globals['_SAMPLERPARAMS'].fields_by_name['top_p']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_SAMPLERPARAMS'].fields_by_name['repetition_penalty']._loaded_options = None
+  _globals['_SAMPLERPARAMS'].fields_by_name['repetition_penalty']._serialized_options = b'\212\265\030\0031.0'
+  _globals['_FINISHREASON']._serialized_start=1749
+  _globals['_FINISHREASON']._serialized_end=1894
+  _globals['_SAMPLINGPARAMS']._serialized_start=95
+  _globals['_SAMPLINGPARAMS']._serialized_end=941
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=729
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=777
+  _globals['_SAMPLERPARAMS']._serialized_start=944
+  _globals['_SAMPLERPARAMS']._serialized_end=1460
+  _globals['_SAMPLERPARAMS_LOGITBIASENTRY']._serialized_start=729
+  _globals['_SAMPLERPARAMS_LOGITBIASENTRY']._serialized_end=777
+  _globals['_LOGPROBSTABLE']._serialized_start=1462
+  _globals['_LOGPROBSTABLE']._serialized_end=1555
+  _globals['_LOGPROB']._serialized_start=1557
+  _globals['_LOGPROB']._serialized_end=1638
+  _globals['_TOKENLOGPROBS']._serialized_start=1640
+  _globals['_TOKENLOGPROBS']._serialized_end=1746
 # @@protoc_insertion_point(module_scope)

@@ -252,6 +252,137 @@ class SamplingParams(_message.Message):
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
+class SamplerParams(_message.Message):
+    """SamplerParams is the part of SamplingParams that the worker ranks' sampler
+    reads: field for field the same names, types and meanings. The frontend
+    builds it once per request; the engine core passes it to the workers
+    untouched, with the request's first step.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """Softmax temperature, >= 0. Unset means 1.0; 0 means greedy (argmax)."""
+    top_p: _builtins.float
+    """Nucleus sampling: keep the smallest set of tokens whose probability mass
+    reaches top_p, in (0, 1]. Unset means 1.0 (disabled).
+    """
+    top_k: _builtins.int
+    """Keep only the top_k most likely tokens. 0 or -1 disables the filter."""
+    min_p: _builtins.float
+    """Drop tokens whose probability is below min_p times the most likely
+    token's probability, in [0, 1]. 0 disables the filter.
+    """
+    seed: _builtins.int
+    """Seed of this request's own random generator. Unset uses the engine's
+    generator.
+    """
+    presence_penalty: _builtins.float
+    """Penalty subtracted from the logit of every token already generated, in
+    [-2, 2]. 0 disables it.
+    """
+    frequency_penalty: _builtins.float
+    """Penalty subtracted per occurrence of a token in the output, in [-2, 2].
+    0 disables it.
+    """
+    repetition_penalty: _builtins.float
+    """Multiplicative penalty on tokens seen in the prompt or output, > 0.
+    Unset means 1.0 (disabled).
+    """
+    logprobs: _builtins.int
+    """Number of most likely alternatives to return with the chosen token's
+    log-probability; 0 returns only the chosen token's. Unset returns none.
+    """
+    prompt_logprobs: _builtins.int
+    """Like logprobs, for every prompt token after the first. Unset returns none."""
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Value added to the logit of a token id before sampling, in [-100, 100]."""
+
+    @_builtins.property
+    def allowed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """If not empty, only these token ids may be sampled."""
+
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int = ...,
+        min_p: _builtins.float = ...,
+        seed: _builtins.int | None = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "allowed_token_ids", b"allowed_token_ids", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___SamplerParams: _TypeAlias = SamplerParams  # noqa: Y015
+
+@_typing.final
 class LogprobsTable(_message.Message):
     """LogprobsTable carries log-probabilities for consecutive token positions in
     columnar form: for each position, the chosen token first, then the

@@ -125,7 +125,9 @@ class EngineInfo(_message.Message):
     block_size: _builtins.int
     """Tokens per KV-cache block."""
     num_kv_blocks: _builtins.int
-    """Number of KV-cache blocks on every worker rank."""
+    """Number of KV-cache blocks on every worker rank, including block 0, the
+    null block no request ever holds.
+    """
     tensor_parallel_size: _builtins.int
     """Tensor-parallel ranks per pipeline stage."""
     pipeline_parallel_size: _builtins.int
@@ -142,7 +144,7 @@ class EngineInfo(_message.Message):
     """Identifier of this engine, used as the metrics label engine."""
     max_concurrency: _builtins.float
     """Requests the KV cache can hold at once when each uses max_model_len
-    tokens (num_kv_blocks * block_size / max_model_len).
+    tokens ((num_kv_blocks - 1) * block_size / max_model_len).
     """
     def __init__(
         self,
@@ -179,10 +181,13 @@ class EngineCoreRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REQUEST_HANDLE_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -190,8 +195,9 @@ class EngineCoreRequest(_message.Message):
     stream; every later message about the request uses it.
     """
     eos_token_id: _builtins.int
-    """End-of-sequence token id; generation stops when it is sampled unless
-    sampling_params.ignore_eos. Unset: the model has none.
+    """End-of-sequence token id that ends the request when sampled (once
+    min_tokens outputs exist). Unset: no EOS stop (the model has none, or the
+    request ignores EOS).
     """
     cache_salt: _builtins.str
     """Salt mixed into the first block's prefix-cache hash, so requests with
@@ -201,13 +207,30 @@ class EngineCoreRequest(_message.Message):
     """Scheduling priority under the priority policy: lower runs first; ties go
     to the earlier request.
     """
+    max_tokens: _builtins.int
+    """Most output tokens to generate, >= 1; the engine also stops at
+    max_model_len. n > 1 never reaches the engine: the frontend fans it out.
+    """
+    min_tokens: _builtins.int
+    """Output tokens to generate before eos_token_id or stop_token_ids may end
+    the request.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids; at least one, each below the vocabulary size."""
 
     @_builtins.property
-    def sampling_params(self) -> _types_pb2.SamplingParams:
-        """How to sample. n must be 1 here: the frontend fans n > 1 out."""
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids besides eos_token_id that end the request when sampled (once
+        min_tokens outputs exist); the one sampled is reported as stop_token_id.
+        """
+
+    @_builtins.property
+    def sampler_params(self) -> _types_pb2.SamplerParams:
+        """How the workers' sampler picks tokens. The engine core reads only whether
+        prompt_logprobs is set (such requests never read the prefix cache) and
+        passes the rest to the workers untouched.
+        """
 
     def __init__(
         self,
@@ -215,14 +238,17 @@ class EngineCoreRequest(_message.Message):
         request_id: _builtins.str = ...,
         request_handle: _builtins.int = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        sampling_params: _types_pb2.SamplingParams | None = ...,
         eos_token_id: _builtins.int | None = ...,
         cache_salt: _builtins.str = ...,
         priority: _builtins.int = ...,
+        max_tokens: _builtins.int = ...,
+        min_tokens: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sampler_params: _types_pb2.SamplerParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -409,13 +435,13 @@ class EngineCoreOutputs(_message.Message):
     NEW_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DETAILS_FIELD_NUMBER: _builtins.int
     TIMESTAMP_FIELD_NUMBER: _builtins.int
-    STEP_INDEX_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     SCHEDULER_STATS_FIELD_NUMBER: _builtins.int
     timestamp: _builtins.float
     """Engine-core monotonic clock when the step's outputs were made, in
     seconds; only comparable with other engine-core timestamps.
     """
-    step_index: _builtins.int
+    step_id: _builtins.int
     """The engine step that produced these outputs, counting from 1."""
     @_builtins.property
     def request_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -447,12 +473,12 @@ class EngineCoreOutputs(_message.Message):
         new_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         details: _abc.Iterable[Global___EngineCoreOutput] | None = ...,
         timestamp: _builtins.float = ...,
-        step_index: _builtins.int = ...,
+        step_id: _builtins.int = ...,
         scheduler_stats: Global___SchedulerStats | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["scheduler_stats", b"scheduler_stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["details", b"details", "new_token_ids", b"new_token_ids", "num_new_tokens", b"num_new_tokens", "request_handles", b"request_handles", "scheduler_stats", b"scheduler_stats", "step_index", b"step_index", "timestamp", b"timestamp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["details", b"details", "new_token_ids", b"new_token_ids", "num_new_tokens", b"num_new_tokens", "request_handles", b"request_handles", "scheduler_stats", b"scheduler_stats", "step_id", b"step_id", "timestamp", b"timestamp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -571,7 +597,7 @@ class SchedulerStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
-    STEP_COUNTER_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_USED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
@@ -587,8 +613,10 @@ class SchedulerStats(_message.Message):
     """Prompt tokens found in the prefix cache, cumulative."""
     num_preemptions: _builtins.int
     """Preemptions, cumulative."""
-    step_counter: _builtins.int
-    """Engine steps run, cumulative."""
+    step_id: _builtins.int
+    """The latest engine step, counting from 1 (so also the number of steps
+    run).
+    """
     num_scheduled_tokens: _builtins.int
     """Tokens scheduled in the latest step (prompt and generated)."""
     num_used_blocks: _builtins.int
@@ -604,14 +632,14 @@ class SchedulerStats(_message.Message):
         prefix_cache_queries: _builtins.int = ...,
         prefix_cache_hits: _builtins.int = ...,
         num_preemptions: _builtins.int = ...,
-        step_counter: _builtins.int = ...,
+        step_id: _builtins.int = ...,
         num_scheduled_tokens: _builtins.int = ...,
         num_used_blocks: _builtins.int = ...,
         num_total_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_counter", b"step_counter"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -135,6 +135,7 @@ class LoadModelRequest(_message.Message):
     SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Folder of a Hugging Face checkpoint (config.json, *.safetensors)."""
     dtype: _builtins.str
@@ -172,6 +173,10 @@ class LoadModelRequest(_message.Message):
     ranks rendezvous under it, so a restarted core never meets the previous
     bring-up's rendezvous state. Empty means "default".
     """
+    block_size: _builtins.int
+    """Tokens per KV-cache block, >= 1. The attention backend is chosen for it
+    at load, once; GetKvCapacity and InitializeKvCache use it too.
+    """
     def __init__(
         self,
         *,
@@ -189,10 +194,11 @@ class LoadModelRequest(_message.Message):
         served_model_name: _builtins.str = ...,
         engine_id: _builtins.str = ...,
         rendezvous_id: _builtins.str = ...,
+        block_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -262,11 +268,8 @@ class GetKvCapacityRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
-    block_size: _builtins.int
-    """Tokens per KV block."""
     gpu_memory_utilization: _builtins.float
     """Fraction of device memory the whole rank may use (weights, activations
     and KV cache), in (0, 1]; used on CUDA when kv_cache_memory_bytes is 0.
@@ -278,13 +281,12 @@ class GetKvCapacityRequest(_message.Message):
     def __init__(
         self,
         *,
-        block_size: _builtins.int = ...,
         gpu_memory_utilization: _builtins.float = ...,
         kv_cache_memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,7 +306,9 @@ class GetKvCapacityResponse(_message.Message):
     bytes_per_block: _builtins.int
     """Bytes one block takes across all of this rank's layers."""
     num_blocks: _builtins.int
-    """Blocks that fit: available_bytes / bytes_per_block."""
+    """Blocks that fit: available_bytes / bytes_per_block. Block 0 among them is
+    the null block, which the engine core never hands to a request.
+    """
     def __init__(
         self,
         *,
@@ -329,20 +333,16 @@ class InitializeKvCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
-    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
-    """Number of blocks."""
-    block_size: _builtins.int
-    """Tokens per block."""
+    """Number of blocks, block 0 (the null block) included; at least 2."""
     def __init__(
         self,
         *,
         num_blocks: _builtins.int = ...,
-        block_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -485,10 +485,11 @@ class NewRequestData(_message.Message):
     REQ_HANDLE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -497,22 +498,28 @@ class NewRequestData(_message.Message):
     """Tokens whose KV is already in those blocks (a prefix-cache hit); the step
     starts at this position.
     """
+    min_tokens: _builtins.int
+    """Output tokens before stop_token_ids may be sampled."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids."""
 
     @_builtins.property
-    def sampling_params(self) -> _types_pb2.SamplingParams:
-        """How to sample (n is always 1)."""
-
-    @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """KV blocks of the request, in sequence order."""
+        """KV blocks of the request, in sequence order; never block 0 (the null
+        block).
+        """
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that may end the request (EOS and stop_token_ids); the sampler
         masks them until min_tokens outputs exist.
+        """
+
+    @_builtins.property
+    def sampler_params(self) -> _types_pb2.SamplerParams:
+        """How to sample, as the frontend built it (passed through by the engine
+        core).
         """
 
     def __init__(
@@ -521,14 +528,15 @@ class NewRequestData(_message.Message):
         req_handle: _builtins.int = ...,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        sampling_params: _types_pb2.SamplingParams | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_computed_tokens: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sampler_params: _types_pb2.SamplerParams | None = ...,
+        min_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_computed_tokens", b"num_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampling_params", b"sampling_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "num_computed_tokens", b"num_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

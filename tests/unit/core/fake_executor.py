@@ -26,9 +26,9 @@ from core_svc.outputs import (
     ModelRunnerOutput,
 )
 from core_svc.request import Request
-from core_svc.sampling import SamplingParams
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.common.v1 import types_pb2
 
 TokenFn = Callable[[str, int], int]
 
@@ -126,15 +126,15 @@ class FakeExecutor:
         for new in so.scheduled_new_reqs:
             assert new.req_handle not in self.reqs, "a new request must be new to the ranks"
             assert 0 not in new.block_ids, "block 0 is the reserved null block"
-            sp: SamplingParams = new.sampling_params
+            sp = types_pb2.SamplerParams.FromString(new.sampler_params)
             shadow = ShadowRequest(
                 request_id=new.request_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
                 token_ids=list(new.prompt_token_ids),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                wants_logprobs=sp.logprobs is not None,
-                wants_prompt_logprobs=sp.prompt_logprobs is not None,
+                wants_logprobs=sp.HasField("logprobs"),
+                wants_prompt_logprobs=sp.HasField("prompt_logprobs"),
             )
             self.reqs[new.req_handle] = shadow
             self._check_context(shadow, shadow.num_computed_tokens)
@@ -228,16 +228,26 @@ def make_request(
     cache_salt: str = "",
     priority: int = 0,
     request_id: str | None = None,
-    **sampling: Any,
+    *,
+    max_tokens: int | None = 4,
+    min_tokens: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+    **sampler: Any,
 ) -> Request:
-    sampling.setdefault("max_tokens", 4)
+    """A request as a frontend would send it: ignore_eos drops eos_token_id, max_tokens None
+    means all of max_model_len, the rest are SamplerParams fields (forwarded serialized)."""
     return Request(
         client_id=client_id,
         client_handle=client_handle,
         request_id=request_id or f"req-{client_id}-{client_handle}",
         prompt_token_ids=list(prompt_token_ids),
-        sampling_params=SamplingParams(**sampling),
-        eos_token_id=eos_token_id,
+        max_tokens=1 << 30 if max_tokens is None else max_tokens,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids,
+        eos_token_id=None if ignore_eos else eos_token_id,
+        sampler_params=types_pb2.SamplerParams(**sampler).SerializeToString(),
+        skip_reading_prefix_cache=sampler.get("prompt_logprobs") is not None,
         cache_salt=cache_salt,
         priority=priority,
     )

@@ -14,59 +14,33 @@ from core_svc.outputs import (
     SchedulerStats,
     StepTimings,
 )
-from core_svc.sampling import SamplingParams
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from tests.unit.core.fake_executor import make_engine, make_request
 
 
-def test_unset_sampling_fields_take_vllm_defaults() -> None:
-    params = convert.sampling_params_from_proto(types_pb2.SamplingParams())
-    assert params == SamplingParams()
-    assert params.temperature == 1.0 and params.top_p == 1.0 and params.n == 1
-    assert params.max_tokens is None and params.logprobs is None and params.seed is None
-    assert params.skip_special_tokens and params.spaces_between_special_tokens
-
-
-def test_zero_valued_optional_fields_stay_zero() -> None:
-    msg = types_pb2.SamplingParams(
-        temperature=0.0, max_tokens=1, logprobs=0, prompt_logprobs=0, seed=0,
-        skip_special_tokens=False, spaces_between_special_tokens=False, top_k=-1,
-    )  # fmt: skip
-    params = convert.sampling_params_from_proto(msg)
-    assert params.is_greedy and params.top_k == 0
-    assert (params.max_tokens, params.logprobs, params.prompt_logprobs, params.seed) == (1, 0, 0, 0)
-    assert not params.skip_special_tokens and not params.spaces_between_special_tokens
-    assert params.skip_reading_prefix_cache
-
-
-def test_sampling_params_round_trip() -> None:
-    params = SamplingParams(
-        temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, seed=1234, presence_penalty=0.5,
-        frequency_penalty=-0.5, repetition_penalty=1.25, stop=("\n\n", "END"),
-        stop_token_ids=(5, 6), ignore_eos=True, max_tokens=77, min_tokens=3, logprobs=2,
-        prompt_logprobs=1, skip_special_tokens=False, include_stop_str_in_output=True,
-        logit_bias={7: 1.5, 8: -100.0}, allowed_token_ids=(1, 2, 3),
-        spaces_between_special_tokens=False,
-    )  # fmt: skip
-    wire = convert.sampling_params_to_proto(params).SerializeToString()
-    assert convert.sampling_params_from_proto(types_pb2.SamplingParams.FromString(wire)) == params
-
-
 def test_request_from_proto() -> None:
+    sampler = types_pb2.SamplerParams(temperature=0.5, top_k=7, logit_bias={3: 1.5})
     msg = core_pb2.EngineCoreRequest(
         request_id="abc", request_handle=42, prompt_token_ids=[1, 2, 3], eos_token_id=0,
-        cache_salt="s", priority=-2, sampling_params=types_pb2.SamplingParams(max_tokens=5),
+        cache_salt="s", priority=-2, max_tokens=5, min_tokens=2, stop_token_ids=[7, 8],
+        sampler_params=sampler,
     )  # fmt: skip
     request = convert.request_from_proto(msg, client_id=9, arrival_time=12.5)
     assert (request.client_id, request.client_handle, request.request_id) == (9, 42, "abc")
     assert request.prompt_token_ids == request.all_token_ids == [1, 2, 3]
-    assert request.eos_token_id == 0 and request.stop_token_ids == (0,)
+    assert request.eos_token_id == 0 and request.stop_token_ids == (7, 8)
+    assert request.all_stop_token_ids == {0, 7, 8} and request.min_tokens == 2
     assert (request.cache_salt, request.priority, request.arrival_time) == ("s", -2, 12.5)
     assert request.max_tokens == 5 and request.req_handle == -1
+    assert types_pb2.SamplerParams.FromString(request.sampler_params) == sampler
+    assert not request.skip_reading_prefix_cache
     msg.ClearField("eos_token_id")
-    assert convert.request_from_proto(msg, client_id=9).eos_token_id is None
+    msg.sampler_params.prompt_logprobs = 0
+    request = convert.request_from_proto(msg, client_id=9)
+    assert request.eos_token_id is None and request.all_stop_token_ids == {7, 8}
+    assert request.skip_reading_prefix_cache
 
 
 def test_engine_core_outputs_round_trip() -> None:
@@ -83,7 +57,7 @@ def test_engine_core_outputs_round_trip() -> None:
             ),
             EngineCoreOutput(request_handle=4, finish_reason=FinishReason.ERROR, error_message="x"),
         ],
-        timestamp=123.25, step_index=7,
+        timestamp=123.25, step_id=7,
         scheduler_stats=SchedulerStats(1, 2, 0.5, 100, 40, 3, 7, 12, 8, 16),
     )  # fmt: skip
     wire = convert.engine_core_outputs_to_proto(outputs).SerializeToString()

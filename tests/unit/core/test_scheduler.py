@@ -238,6 +238,6 @@ def test_outputs_are_split_per_client() -> None:
     assert outputs.keys() == {10, 20}
     assert outputs[10].request_handles == [1] and outputs[20].request_handles == [1]
     assert outputs[10].scheduler_stats is not None
-    assert outputs[10].step_index == 1
+    assert outputs[10].step_id == 1
     view = run_to_completion(engine)
     assert view.finished.keys() == {(10, 1), (20, 1)}

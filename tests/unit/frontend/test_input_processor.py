@@ -7,17 +7,16 @@ from typing import Any
 import pytest
 
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
-from frontend_svc.sampling_params import InvalidRequest, Limits, SamplingParams
+from frontend_svc.requests import ChatTurn, GenerateInput, InvalidRequest, PromptInput
+from splitserve_contracts.sampling_rules import Limits
+from splitserve_contracts.sampling_types import SamplingParams
 
 MAX_LEN = 64
 
 
 @pytest.fixture()
 def inputs(tokenizer: Any) -> InputProcessor:
-    return InputProcessor(
-        tokenizer, Limits(max_model_len=MAX_LEN, vocab_size=len(tokenizer)), extra_eos_ids=(5,)
-    )
+    return InputProcessor(tokenizer, MAX_LEN, Limits(vocab_size=len(tokenizer)), extra_eos_ids=(5,))
 
 
 def call(prompt: PromptInput, **params: Any) -> GenerateInput:

@@ -12,7 +12,7 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, FinishReason
-from frontend_svc.sampling_params import SamplingParams
+from splitserve_contracts.sampling_types import SamplingParams
 
 HANDLE = 7
 

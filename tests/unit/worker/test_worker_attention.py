@@ -49,7 +49,7 @@ def run_two_steps(backend: AttentionBackend, block_size: int, seed: int) -> tupl
     cache = PagedKVCache(backend, spec, num_blocks=64, block_size=block_size, device=CPU)
     seq_lens = {0: 23, 1: 9, 2: 31, 3: 7}  # final lengths
     context = {0: 22, 1: 8, 2: 17, 3: 0}  # cached by step 1; req 2 continues a chunk
-    perm = torch.randperm(60, generator=gen).tolist()
+    perm = (torch.randperm(60, generator=gen) + 1).tolist()  # block 0 is the null block
     tables = {r: [perm.pop() for _ in range(-(-n // block_size))] for r, n in seq_lens.items()}
     keys = {r: torch.randn(n, KVH, D, generator=gen) for r, n in seq_lens.items()}
     values = {r: torch.randn(n, KVH, D, generator=gen) for r, n in seq_lens.items()}

@@ -11,35 +11,22 @@ from worker_svc import convert
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 
 
-def test_unset_sampling_fields_take_vllm_defaults() -> None:
-    options = convert.sampling_options_from_proto(types_pb2.SamplingParams())
-    assert (options.temperature, options.top_p, options.top_k) == (1.0, 1.0, 0)
-    assert options.repetition_penalty == 1.0
-    assert options.seed is None and options.logprobs is None and options.prompt_logprobs is None
-
-
-def test_set_sampling_fields_survive_including_zeros() -> None:
-    params = types_pb2.SamplingParams(
-        temperature=0.0,
-        top_p=0.5,
-        top_k=-1,
-        min_p=0.1,
-        seed=0,
-        repetition_penalty=1.3,
-        logprobs=0,
-        prompt_logprobs=3,
-        logit_bias={4: -2.5},
-        allowed_token_ids=[1, 2],
-        min_tokens=3,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-    )
-    o = convert.sampling_options_from_proto(params)
-    assert o.is_greedy and o.top_p == 0.5 and o.top_k == 0 and o.seed == 0
-    assert o.min_p == pytest.approx(0.1) and o.repetition_penalty == pytest.approx(1.3)
-    assert (o.logprobs, o.prompt_logprobs, o.min_tokens) == (0, 3, 3)
-    assert o.logit_bias == {4: -2.5} and o.allowed_token_ids == (1, 2)
-    assert (o.presence_penalty, o.frequency_penalty) == (0.5, -0.5)
+def test_new_requests_carry_the_sampler_params_and_stop_conditions() -> None:
+    sampler = types_pb2.SamplerParams(temperature=0.0, top_k=-1, seed=0, logprobs=0)
+    msg = pb.SchedulerOutput(
+        step_id=1,
+        scheduled_new_reqs=[
+            pb.NewRequestData(
+                req_handle=1, prompt_token_ids=[5], block_ids=[3], stop_token_ids=[1, 2],
+                sampler_params=sampler, min_tokens=4,
+            )
+        ],
+    )  # fmt: skip
+    new = convert.scheduler_output_from_proto(msg).scheduled_new_reqs[0]
+    assert (new.sampling.temperature, new.sampling.top_k, new.sampling.seed) == (0.0, -1, 0)
+    assert new.sampling.logprobs == 0 and new.sampling.prompt_logprobs is None
+    assert new.sampling.repetition_penalty == 1.0  # unset: the contract's default
+    assert new.min_tokens == 4 and new.stop_token_ids.tolist() == [1, 2]
 
 
 def test_scheduler_output_columns() -> None:
@@ -107,17 +94,24 @@ def test_output_to_proto_flattens_tables() -> None:
 
 
 def test_load_model_request_validation() -> None:
-    config = convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
+    config = convert.load_model_config_from_proto(
+        pb.LoadModelRequest(model_path="/m", block_size=8)
+    )
     assert (config.dtype, config.tensor_parallel_size, config.attention_backend) == (
         "auto",
         1,
         "auto",
     )
+    assert config.block_size == 8
     with pytest.raises(ValueError, match="dtype"):
-        convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m", dtype="int8"))
+        convert.load_model_config_from_proto(
+            pb.LoadModelRequest(model_path="/m", dtype="int8", block_size=8)
+        )
     with pytest.raises(ValueError, match="attention_backend"):
         convert.load_model_config_from_proto(
-            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa")
+            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa", block_size=8)
         )
+    with pytest.raises(ValueError, match="block_size"):
+        convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
     # No model path: the worker serves the embedded default model (built on first use).
-    assert convert.load_model_config_from_proto(pb.LoadModelRequest()).model_path == ""
+    assert convert.load_model_config_from_proto(pb.LoadModelRequest(block_size=8)).model_path == ""

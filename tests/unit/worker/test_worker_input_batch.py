@@ -16,7 +16,8 @@ from worker_svc.scheduler_output import (
 )
 
 BS = 4
-NULL = 999
+NULL = 0  # the null block pads block tables
+NUM_BLOCKS = 999
 
 
 def make_batch(capacity: int = 2) -> InputBatch:
@@ -24,7 +25,7 @@ def make_batch(capacity: int = 2) -> InputBatch:
         max_model_len=64,
         block_size=BS,
         vocab_size=100,
-        null_block_id=NULL,
+        num_kv_blocks=NUM_BLOCKS,
         capacity=capacity,
         sampling=SamplingStates(capacity, 100, torch.device("cpu")),
     )
@@ -109,13 +110,13 @@ def test_mixed_batch_inputs() -> None:
 
 def test_append_then_resume_replaces_blocks_and_tokens() -> None:
     batch = make_batch()
-    s1 = step(1, [new(1, [5, 6, 7], [0])], [3])
+    s1 = step(1, [new(1, [5, 6, 7], [10])], [3])
     rows, _ = batch.update_states(s1)
     batch.finish_step(batch.prepare_inputs(s1, rows))
     s2 = step(2, [], [1], cached([1], [3], [[4]], [[8]]))
     rows, fresh = batch.update_states(s2)
     row = int(rows[0])
-    assert batch.block_table[row, :2].tolist() == [0, 4] and fresh.tolist() == [4]
+    assert batch.block_table[row, :2].tolist() == [10, 4] and fresh.tolist() == [4]
     assert batch.token_ids[row, :4].tolist() == [5, 6, 7, 8]
     batch.finish_step(batch.prepare_inputs(s2, rows))
     # Preempted, then resumed: new blocks replace the list, tokens are rebuilt.
@@ -131,7 +132,7 @@ def test_append_then_resume_replaces_blocks_and_tokens() -> None:
 
 def test_finished_requests_are_dropped_and_rows_reused() -> None:
     batch = make_batch(capacity=1)
-    batch.update_states(step(1, [new(1, [5], [0])], [1]))
+    batch.update_states(step(1, [new(1, [5], [10])], [1]))
     batch.update_states(step(2, [new(2, [6], [1])], [1]))  # grows past capacity 1
     assert batch.num_reqs == 2 and batch.capacity == 2
     batch.update_states(step(3, [], [], finished=(1, 12345)))  # unknown handles are ignored
@@ -142,7 +143,7 @@ def test_finished_requests_are_dropped_and_rows_reused() -> None:
 
 def test_num_used_blocks_counts_shared_blocks_once() -> None:
     batch = make_batch()
-    s1 = step(1, [new(1, list(range(8)), [0, 1]), new(2, list(range(6)), [0, 3], 4)], [8, 2])
+    s1 = step(1, [new(1, list(range(8)), [10, 1]), new(2, list(range(6)), [10, 3], 4)], [8, 2])
     rows, _ = batch.update_states(s1)
     batch.finish_step(batch.prepare_inputs(s1, rows))
     assert batch.num_used_blocks() == 3
@@ -150,7 +151,7 @@ def test_num_used_blocks_counts_shared_blocks_once() -> None:
 
 @pytest.mark.parametrize(
     ("sched", "blocks", "message"),
-    [([5], [0, 1], "scheduled"), ([4], [], "blocks"), ([0], [0, 1], "no tokens")],
+    [([5], [10, 1], "scheduled"), ([4], [], "blocks"), ([0], [10, 1], "no tokens")],
 )
 def test_malformed_schedules_are_refused(sched: list[int], blocks: list[int], message: str) -> None:
     batch = make_batch()
@@ -171,7 +172,7 @@ def test_positions_are_vectorized_over_many_requests() -> None:
     reqs, sched = [], []
     for h in range(50):
         n = int(rng.integers(1, 9))
-        reqs.append(new(h, [h] * n, [2 * h, 2 * h + 1]))
+        reqs.append(new(h, [h] * n, [2 * h + 1, 2 * h + 2]))
         sched.append(n)
     s = step(1, reqs, sched)
     rows, _ = batch.update_states(s)
@@ -180,7 +181,7 @@ def test_positions_are_vectorized_over_many_requests() -> None:
     assert np.array_equal(inputs.positions, expected_pos)
     req_of_token = np.repeat(np.arange(50), sched)
     assert np.array_equal(inputs.input_ids, req_of_token)
-    expected_slots = (2 * req_of_token + expected_pos // BS) * BS + expected_pos % BS
+    expected_slots = (2 * req_of_token + 1 + expected_pos // BS) * BS + expected_pos % BS
     assert np.array_equal(inputs.slot_mapping, expected_slots)
     assert np.array_equal(inputs.logits_indices, np.cumsum(sched) - 1)
 
@@ -188,9 +189,10 @@ def test_positions_are_vectorized_over_many_requests() -> None:
 @pytest.mark.parametrize(
     ("request_data", "message"),
     [
-        (new(1, [1, 2], [NULL]), "block ids outside"),
-        (new(1, [1, 100], [0]), "outside the vocabulary"),
-        (new(1, [1, 2], [0], computed=2), "computed tokens"),
+        (new(1, [1, 2], [NULL]), "block ids outside 1..998"),
+        (new(1, [1, 2], [NUM_BLOCKS]), "block ids outside 1..998"),
+        (new(1, [1, 100], [10]), "outside the vocabulary"),
+        (new(1, [1, 2], [10], computed=2), "computed tokens"),
     ],
 )
 def test_out_of_range_ids_are_refused(request_data: NewRequestData, message: str) -> None:

@@ -27,8 +27,8 @@ CPU = torch.device("cpu")
 
 def last_logits(path: Path, dtype: str = "auto") -> tuple[torch.Tensor, str]:
     rank = LocalRank()
-    loaded = rank.load(LoadModelConfig(str(path), dtype=dtype))[0]
-    rank.init(num_blocks=16, block_size=4)
+    loaded = rank.load(LoadModelConfig(str(path), dtype=dtype, block_size=4))[0]
+    rank.init(num_blocks=16)
     driver = StepDriver(4)
     handle = driver.add(PROMPT, max_tokens=1)
     logits = run_recording(driver, rank)[handle]
@@ -95,24 +95,25 @@ def test_missing_tensor_is_reported(worker_checkpoints: CheckpointCache, tmp_pat
 def test_worker_refuses_out_of_order_calls(worker_checkpoints: CheckpointCache) -> None:
     worker = Worker("cpu")
     with pytest.raises(WorkerStateError):
-        worker.get_kv_capacity(16, 0.9, 0)
+        worker.get_kv_capacity(0.9, 0)
     worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
-    worker.initialize_kv_cache(8, 16)
+    worker.initialize_kv_cache(8)
     assert worker.is_kv_cache_ready
     # A restarted engine core loads again: the rank starts over (KV cache to be re-sized).
     worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
     assert not worker.is_kv_cache_ready
-    capacity = worker.get_kv_capacity(16, 0.9, 0)
+    capacity = worker.get_kv_capacity(0.9, 0)
     # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes, 4 GiB default on CPU
     assert capacity.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
     assert capacity.available_bytes == 4 << 30
-    assert capacity.num_blocks == (4 << 30) // capacity.bytes_per_block - 1
-    assert worker.get_kv_capacity(16, 0.9, 10 * capacity.bytes_per_block).num_blocks == 9
+    # the null block (block 0) is one of the blocks counted, once
+    assert capacity.num_blocks == (4 << 30) // capacity.bytes_per_block
+    assert worker.get_kv_capacity(0.9, 10 * capacity.bytes_per_block).num_blocks == 10
     assert worker.runner is not None
     assert worker.runner.profile_run(40, 16) == 4 * capacity.bytes_per_block  # 3 + null block
-    assert worker.initialize_kv_cache(8, 16) == 9 * capacity.bytes_per_block
+    assert worker.initialize_kv_cache(8) == 8 * capacity.bytes_per_block
     with pytest.raises(WorkerStateError):
-        worker.initialize_kv_cache(8, 16)
+        worker.initialize_kv_cache(8)
     worker.shutdown()
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.sampling_types import SamplerParams
 from worker_svc.logprobs import compute_logprobs
 from worker_svc.penalties import apply_penalties
 from worker_svc.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from worker_svc.sampling_metadata import PenaltyInputs, SamplingMetadata, SamplingStates
-from worker_svc.scheduler_output import SamplingOptions
 
 V = 8
 CPU = torch.device("cpu")
@@ -20,10 +20,11 @@ NEG_INF = float("-inf")
 
 
 def build(
-    options: list[SamplingOptions],
+    options: list[SamplerParams],
     prompts: list[list[int]],
     outputs: list[list[int]],
     stop_ids: list[list[int]] | None = None,
+    min_tokens: list[int] | None = None,
 ) -> SamplingMetadata:
     """Metadata for rows 0..n-1 holding these requests (prompt then outputs per row)."""
     n = len(options)
@@ -35,7 +36,8 @@ def build(
         tokens = prompt + out
         table[row, : len(tokens)] = tokens
         num_prompt[row], num_tokens[row] = len(prompt), len(tokens)
-        states.add(row, opt, np.asarray((stop_ids or [[]] * n)[row], np.int64))
+        stops = np.asarray((stop_ids or [[]] * n)[row], np.int64)
+        states.add(row, opt, stops, (min_tokens or [0] * n)[row])
     return states.build(np.arange(n), table, num_prompt, num_tokens)
 
 
@@ -85,18 +87,19 @@ def test_penalties_follow_vllm_definitions() -> None:
 
 def test_logit_bias_allowed_ids_and_min_tokens_edit_logits() -> None:
     sampler = Sampler(CPU, seed=0)
-    greedy = SamplingOptions(temperature=0.0)
+    greedy = SamplerParams(temperature=0.0)
     meta = build(
         [
-            SamplingOptions(temperature=0.0, logit_bias={3: 100.0}),
-            SamplingOptions(temperature=0.0, allowed_token_ids=(5, 6)),
-            SamplingOptions(temperature=0.0, min_tokens=2),
-            SamplingOptions(temperature=0.0, min_tokens=1),
+            SamplerParams(temperature=0.0, logit_bias={3: 100.0}),
+            SamplerParams(temperature=0.0, allowed_token_ids=(5, 6)),
+            greedy,
+            greedy,
             greedy,
         ],
         [[1]] * 5,
         [[], [], [7], [7], []],
         stop_ids=[[], [], [0], [0], [0]],
+        min_tokens=[0, 0, 2, 1, 0],
     )
     logits = torch.zeros(5, V)
     logits[:, 0] = 10.0  # token 0 is the argmax everywhere (and a stop id for rows 2-4)
@@ -107,14 +110,14 @@ def test_logit_bias_allowed_ids_and_min_tokens_edit_logits() -> None:
 
 
 def test_greedy_fast_path_is_argmax() -> None:
-    meta = build([SamplingOptions(temperature=0.0)] * 3, [[1]] * 3, [[]] * 3)
+    meta = build([SamplerParams(temperature=0.0)] * 3, [[1]] * 3, [[]] * 3)
     assert meta.is_plain_greedy
     logits = torch.randn(3, V)
     assert torch.equal(Sampler(CPU, 0)(logits.clone(), meta).sampled_token_ids, logits.argmax(-1))
 
 
 def test_random_sampling_follows_temperature_distribution() -> None:
-    meta = build([SamplingOptions(temperature=0.5)] * 4000, [[1]] * 4000, [[]] * 4000)
+    meta = build([SamplerParams(temperature=0.5)] * 4000, [[1]] * 4000, [[]] * 4000)
     logits = torch.tensor(
         [0.0, math.log(2.0), NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF]
     )
@@ -125,13 +128,13 @@ def test_random_sampling_follows_temperature_distribution() -> None:
 
 
 def test_seeded_rows_ignore_their_batch() -> None:
-    seeded = SamplingOptions(temperature=1.0, seed=1234)
+    seeded = SamplerParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, V).repeat(3, 1)
     alone = [Sampler(CPU, 0)(logits[:1].clone(), build([seeded], [[1]], [[]])) for _ in range(2)]
     mixed = Sampler(CPU, 99)(
         logits.clone(),
         build(
-            [SamplingOptions(temperature=1.0), seeded, SamplingOptions(temperature=0.0)],
+            [SamplerParams(temperature=1.0), seeded, SamplerParams(temperature=0.0)],
             [[1]] * 3,
             [[]] * 3,
         ),
@@ -142,7 +145,7 @@ def test_seeded_rows_ignore_their_batch() -> None:
 
 
 def test_seeded_generator_advances_between_steps() -> None:
-    meta = build([SamplingOptions(temperature=1.0, seed=7)], [[1]], [[]])
+    meta = build([SamplerParams(temperature=1.0, seed=7)], [[1]], [[]])
     sampler = Sampler(CPU, 0)
     logits = torch.zeros(1, V)
     draws = [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(20)]
@@ -158,7 +161,7 @@ def test_logprobs_are_raw_with_ranks() -> None:
 
 
 def test_sampler_logprobs_come_from_logits_before_penalties() -> None:
-    meta = build([SamplingOptions(temperature=0.0, logprobs=1, logit_bias={3: 50.0})], [[1]], [[]])
+    meta = build([SamplerParams(temperature=0.0, logprobs=1, logit_bias={3: 50.0})], [[1]], [[]])
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
     raw = torch.log_softmax(logits, -1)
     out = Sampler(CPU, 0)(logits.clone(), meta)

@@ -4,6 +4,7 @@ grpc.aio client as the engine core would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,8 +31,8 @@ def first_step() -> pb.ExecuteRequest:
         req_handle=5,
         request_id="r5",
         prompt_token_ids=PROMPT,
-        block_ids=[0, 1],
-        sampling_params=types_pb2.SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
+        block_ids=[1, 2],
+        sampler_params=types_pb2.SamplerParams(temperature=0.0, logprobs=2, prompt_logprobs=1),
     )
     return pb.ExecuteRequest(
         scheduler_output=pb.SchedulerOutput(
@@ -97,32 +98,39 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
             described = await stub.Describe(pb.DescribeRequest())
             assert described.device_type == "cpu" and "torch" in described.attention_backends
             await expect_code(
-                stub.GetKvCapacity(pb.GetKvCapacityRequest(block_size=4)),
+                stub.GetKvCapacity(pb.GetKvCapacityRequest()),
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
             early = open_stream(stub)
-            await early.write(first_step())
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the rank may refuse before the write
+                await early.write(first_step())
             await expect_code(early.read(), grpc.StatusCode.FAILED_PRECONDITION)
             details = await expect_code(
-                stub.LoadModel(pb.LoadModelRequest(model_path=str(model), dtype="float8")),
+                stub.LoadModel(
+                    pb.LoadModelRequest(model_path=str(model), dtype="float8", block_size=4)
+                ),
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
             assert "float8" in details
             loaded = await stub.LoadModel(
-                pb.LoadModelRequest(model_path=str(model), served_model_name="tiny", engine_id="e0")
+                pb.LoadModelRequest(
+                    model_path=str(model), served_model_name="tiny", engine_id="e0", block_size=4
+                )
             )
             assert (loaded.architecture, loaded.dtype, loaded.num_layers) == (
                 "LlamaForCausalLM",
                 "float32",
                 2,
             )
-            reloaded = await stub.LoadModel(pb.LoadModelRequest(model_path=str(model)))
+            reloaded = await stub.LoadModel(
+                pb.LoadModelRequest(model_path=str(model), block_size=BLOCK_SIZE)
+            )
             assert reloaded.architecture == "LlamaForCausalLM"  # a restarted core may reload
             capacity = await stub.GetKvCapacity(
-                pb.GetKvCapacityRequest(block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20)
+                pb.GetKvCapacityRequest(kv_cache_memory_bytes=1 << 20)
             )
-            assert capacity.num_blocks == (1 << 20) // capacity.bytes_per_block - 1
-            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
+            assert capacity.num_blocks == (1 << 20) // capacity.bytes_per_block  # null included
+            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
             return await run_steps(stub)
     finally:
         servicer.close()
@@ -173,8 +181,8 @@ async def failing_step(model: Path) -> pb.ModelRunnerOutput:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
-            await stub.LoadModel(pb.LoadModelRequest(model_path=str(model)))
-            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16, block_size=4))
+            await stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4))
+            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
             call = open_stream(stub)
             await call.write(decode_step(1, 3, 5))  # a request this rank never saw
             output = await read_output(call)
