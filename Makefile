@@ -39,6 +39,7 @@ lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	cd protos && $(BIN)/buf lint
 
 # Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the

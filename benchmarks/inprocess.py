@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from core_svc import convert as core_convert
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineCoreProc
@@ -25,10 +27,11 @@ from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from frontend_svc import convert as frontend_convert
 from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.core_client import DisconnectCallback, OutputsCallback, RttCallback
+from frontend_svc.core_client import CoreEvent
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor, load_tokenizer
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.sampling_rules import Limits
@@ -58,20 +61,27 @@ class InProcessExecutor:
         self.worker.shutdown()
 
 
+class OutputBridge:
+    """The core's output sink (busy-loop thread) feeding the frontend's event queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.events: asyncio.Queue[CoreEvent] = asyncio.Queue()
+
+    def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
+        msg = core_convert.engine_core_outputs_to_proto(outputs)
+        self._loop.call_soon_threadsafe(
+            self.events.put_nowait, frontend_convert.core_outputs_from_proto(msg)
+        )
+
+
 class InProcessCoreClient:
     """The frontend's CoreClient talking to an EngineCoreProc in the same process."""
 
     core_addr = "in-process"
 
-    def __init__(
-        self,
-        proc: EngineCoreProc,
-        info: EngineInfo,
-        on_outputs: OutputsCallback,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.proc, self.info = proc, info
-        self.on_outputs, self._loop = on_outputs, loop
+    def __init__(self, proc: EngineCoreProc, bridge: OutputBridge) -> None:
+        self.proc, self.bridge = proc, bridge
         self._handles = itertools.count(1)
 
     @property
@@ -81,8 +91,11 @@ class InProcessCoreClient:
     def next_handle(self) -> int:
         return next(self._handles)
 
-    async def connect(self, timeout: float) -> EngineInfo:
-        return self.info
+    async def next_event(self) -> CoreEvent:
+        return await self.bridge.events.get()
+
+    def event_done(self) -> None:
+        self.bridge.events.task_done()
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
         now = time.monotonic()
@@ -100,13 +113,6 @@ class InProcessCoreClient:
         if handles:
             self.proc.abort_requests(CLIENT_ID, handles)
 
-    def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
-        """The core's output sink (busy-loop thread) -> the frontend's loop."""
-        msg = core_convert.engine_core_outputs_to_proto(outputs)
-        self._loop.call_soon_threadsafe(
-            self.on_outputs, frontend_convert.core_outputs_from_proto(msg)
-        )
-
     async def close(self) -> None:
         return None
 
@@ -117,6 +123,7 @@ class InProcessEngine:
 
     engine: AsyncEngine
     inputs: InputProcessor
+    info: EngineInfo
 
 
 async def start_in_process(
@@ -176,25 +183,18 @@ async def start_in_process(
         0.0,
     )
     tokenizer = load_tokenizer(model)
-    loop = asyncio.get_running_loop()
-    clients: list[InProcessCoreClient] = []
-
-    def sink(client_id: int, outputs: EngineCoreOutputs) -> None:
-        clients[0].deliver(client_id, outputs)
-
-    proc = EngineCoreProc(core, sink)
-
-    def factory(
-        on_outputs: OutputsCallback, on_disconnect: DisconnectCallback, on_rtt: RttCallback
-    ) -> InProcessCoreClient:
-        clients.append(InProcessCoreClient(proc, info, on_outputs, loop))
-        return clients[0]
-
-    engine = AsyncEngine("in-process", OutputProcessor(backend_decoder(tokenizer)), factory)
-    await engine.start(timeout=10)
+    bridge = OutputBridge(asyncio.get_running_loop())
+    proc = EngineCoreProc(core, bridge.deliver, on_stats=lambda stats, seconds: None)
+    metrics = FrontendMetrics(CollectorRegistry(), info.served_model_name, "0", info.max_model_len)
+    engine = AsyncEngine(
+        InProcessCoreClient(proc, bridge),
+        OutputProcessor(backend_decoder(tokenizer), metrics),
+        metrics,
+    )
+    engine.start()
     proc.start()
     inputs = InputProcessor(tokenizer, loaded.max_model_len, Limits(loaded.vocab_size))
-    return InProcessEngine(engine, inputs)
+    return InProcessEngine(engine, inputs, info)
 
 
 async def serve(
@@ -214,9 +214,8 @@ async def serve(
     engine = await start_in_process(
         model, dtype, max_num_seqs, max_num_batched_tokens, kv_cache_bytes
     )
-    info = await engine.engine.client.connect(1.0)
-    servicer = GenerationServicer(engine.engine, engine.inputs.tokenizer)
-    servicer.attach(engine.inputs, info, info.served_model_name)
+    info = engine.info
+    servicer = GenerationServicer(engine.engine, engine.inputs, info, info.served_model_name)
     server = grpc.aio.server()
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")

@@ -13,9 +13,10 @@ from core_svc.scheduler_config import (
 )
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.services import CORE
 
-DEFAULT_PORT = 50061
-DEFAULT_METRICS_PORT = 9401
+DEFAULT_PORT = CORE.default_port
+DEFAULT_METRICS_PORT = CORE.default_metrics_port
 
 
 @dataclass(frozen=True)

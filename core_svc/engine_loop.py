@@ -22,10 +22,10 @@ from core_svc.request import Request
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[int, EngineCoreOutputs], None]
+"""Receives (client_id, outputs) on the loop thread; must not block for long."""
 StatsSink = Callable[[SchedulerStats, float | None], None]
 """Called on the loop thread after every iteration with the scheduler snapshot and the step's
 duration in seconds (None when the iteration ran no step); feeds the metrics."""
-"""Receives (client_id, outputs) on the loop thread; must not block for long."""
 
 
 class CommandKind(Enum):
@@ -59,8 +59,8 @@ class EngineCoreProc:
         self,
         engine_core: EngineCore,
         output_sink: OutputSink,
+        on_stats: StatsSink,
         input_queue: queue.Queue[EngineCommand] | None = None,
-        on_stats: StatsSink | None = None,
     ) -> None:
         self.engine_core = engine_core
         self._output_sink = output_sink
@@ -143,8 +143,7 @@ class EngineCoreProc:
             # step() already snapshotted the scheduler for its outputs; reuse it.
             stats = next((o.scheduler_stats for o in outputs.values()), None)
         self._stats = stats or engine_core.make_stats()
-        if self._on_stats is not None:
-            self._on_stats(self._stats, step_seconds)
+        self._on_stats(self._stats, step_seconds)
         return True
 
     def _apply(self, command: EngineCommand) -> None:

@@ -79,7 +79,7 @@ class GrpcExecutor:
         output_rank: int,
         execute_timeout: float,
         on_failure: Callable[[str], None],
-        on_timing: Callable[[float, float], None] | None = None,
+        on_timing: Callable[[float, float], None],
     ) -> None:
         self._addrs = addrs
         self.output_rank = output_rank
@@ -117,8 +117,7 @@ class GrpcExecutor:
             stream.outbox.put(payload)
         reply = self._read_output_rank()
         self._step_started = None
-        if self._on_timing is not None:
-            self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
+        self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
         if reply.status == worker_pb2.STEP_STATUS_ERROR:
             self._fail(
                 f"worker rank {reply.rank} failed step {reply.step_id}: {reply.error_message}"

@@ -14,15 +14,15 @@ from core_svc.engine_loop import EngineCoreProc
 from core_svc.grpc_executor import GrpcExecutor
 from core_svc.metrics import CoreMetrics
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.server import EngineCoreServicer
+from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.services import CORE
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "splitserve.core.v1.EngineCoreService"
 DEFAULT_MODEL_NAME = "default-llama-v1"
 GIB = 1024**3
 
@@ -107,28 +107,26 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) 
 
 
 async def serve(config: CoreConfig) -> int:
+    """Bring the workers up first (as vLLM's engine does before serving), then build every piece
+    complete and open the port."""
     loop = asyncio.get_running_loop()
-    host = ServiceHost(
-        name="core",
-        host=config.host,
-        port=config.port,
-        service_names=[SERVICE_NAME],
-        metrics_port=config.metrics_port,
-    )
-    servicer = EngineCoreServicer(loop)
-    core_grpc.add_EngineCoreServiceServicer_to_server(servicer, host.server)
-    await host.start()
     pool = WorkerPool(config.worker_addrs)
     try:
         await pool.wait_until_reachable(config.worker_connect_timeout)
         facts = await pool.bring_up(config, config.model, served_model_name(config))
     except WorkerBringUpError as err:
-        await host.fail(str(err))
-        await host.shutdown()
+        logger.error("core: fatal: %s", err)
         await pool.close()
         return 1
     info = engine_info(config, facts)
     log_kv_cache(config, facts, info)
+    host = ServiceHost(
+        name="core",
+        host=config.host,
+        port=config.port,
+        service_names=[CORE.grpc_service],
+        metrics_port=config.metrics_port,
+    )
     metrics = CoreMetrics(
         host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
     )
@@ -147,14 +145,16 @@ async def serve(config: CoreConfig) -> int:
         metrics.observe_worker_step,
     )
     executor.open()
-    servicer.set_metrics(metrics)
+    streams = ClientStreams(loop)
     proc = EngineCoreProc(
-        build_engine(config, facts, executor), servicer.output_sink, on_stats=metrics.observe_stats
+        build_engine(config, facts, executor), streams.deliver, on_stats=metrics.observe_stats
     )
+    servicer = EngineCoreServicer(proc, streams, info, metrics)
+    core_grpc.add_EngineCoreServiceServicer_to_server(servicer, host.server)
     gc.collect()
     gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
     proc.start()
-    servicer.attach(proc, info)
+    await host.start()
     await host.set_ready(True)
     code = await host.run_until_stopped(on_shutdown=servicer.close_streams)
     await asyncio.to_thread(proc.stop, 10.0)

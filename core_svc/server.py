@@ -1,9 +1,9 @@
 """EngineCoreService servicer: handlers only convert and enqueue; the busy loop does the work.
 
-Each EngineStream gets a client id. The busy-loop thread hands a client's outputs to
-`output_sink`, which moves them onto that stream's asyncio queue without blocking the loop; the
-stream's handler converts and sends them. A stream that ends (or whose peer vanishes) aborts
-every request it added.
+Each EngineStream gets a client id and an outbox in `ClientStreams`. The busy-loop thread hands
+a client's outputs to `ClientStreams.deliver`, which moves them onto that stream's asyncio queue
+without blocking the loop; the stream's handler converts and sends them. A stream that ends (or
+whose peer vanishes) aborts every request it added.
 """
 
 from __future__ import annotations
@@ -29,63 +29,71 @@ logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()
 
 
-class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
-    """Handshake, EngineStream and GetSchedulerStats over one EngineCoreProc."""
+class ClientStreams:
+    """The outboxes of the open EngineStreams, by client id, on one event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: CoreMetrics | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._metrics = metrics
         self._client_ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[object]] = {}
-        self._proc: EngineCoreProc | None = None
-        self._info: core_pb2.EngineInfo | None = None
 
-    def set_metrics(self, metrics: CoreMetrics) -> None:
-        self._metrics = metrics
+    def __len__(self) -> int:
+        return len(self._queues)
 
-    def attach(self, proc: EngineCoreProc, info: core_pb2.EngineInfo) -> None:
-        """Start serving streams (the engine is up)."""
-        self._proc, self._info = proc, info
+    def open(self) -> tuple[int, asyncio.Queue[object]]:
+        client_id = next(self._client_ids)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        self._queues[client_id] = queue
+        return client_id, queue
 
-    async def close_streams(self) -> None:
-        """End every EngineStream (shutdown): their requests are aborted."""
+    def close(self, client_id: int) -> None:
+        self._queues.pop(client_id, None)
+
+    def close_all(self) -> None:
+        """End every stream (shutdown): their requests are aborted."""
         for queue in list(self._queues.values()):
             queue.put_nowait(_STREAM_CLOSED)
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._queues)
-
-    def output_sink(self, client_id: int, outputs: EngineCoreOutputs) -> None:
-        """Called on the busy-loop thread: hand outputs to the client's stream, never block."""
+    def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
+        """The busy loop's output sink (its thread): hand outputs over, never block."""
         queue = self._queues.get(client_id)
         if queue is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, (outputs, time.perf_counter()))
 
-    async def _require(
-        self, context: grpc.aio.ServicerContext
-    ) -> tuple[EngineCoreProc, core_pb2.EngineInfo]:
-        if self._proc is None or self._info is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine core is still starting (loading the model on the "
-                "workers); retry shortly",
-            )
-        assert self._proc is not None and self._info is not None
-        return self._proc, self._info
+
+class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
+    """Handshake, EngineStream and GetSchedulerStats over one running EngineCoreProc."""
+
+    def __init__(
+        self,
+        proc: EngineCoreProc,
+        streams: ClientStreams,
+        info: core_pb2.EngineInfo,
+        metrics: CoreMetrics,
+    ) -> None:
+        self._proc = proc
+        self._streams = streams
+        self._info = info
+        self._metrics = metrics
+
+    async def close_streams(self) -> None:
+        """End every EngineStream (shutdown): their requests are aborted."""
+        self._streams.close_all()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     async def Handshake(  # noqa: N802 (gRPC method name)
         self, request: core_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.HandshakeResponse:
-        _, info = await self._require(context)
         logger.info("handshake from %s", request.client_name or context.peer())
-        return core_pb2.HandshakeResponse(engine_info=info)
+        return core_pb2.HandshakeResponse(engine_info=self._info)
 
     async def GetSchedulerStats(  # noqa: N802
         self, request: core_pb2.GetSchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.GetSchedulerStatsResponse:
-        proc, _ = await self._require(context)
-        stats = convert.scheduler_stats_to_proto(proc.latest_stats)
+        stats = convert.scheduler_stats_to_proto(self._proc.latest_stats)
         return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
 
     async def EngineStream(  # noqa: N802
@@ -93,12 +101,9 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[core_pb2.EngineStreamResponse]:
-        proc, _ = await self._require(context)
-        client_id = next(self._client_ids)
-        queue: asyncio.Queue[object] = asyncio.Queue()
-        self._queues[client_id] = queue
-        if self._metrics is not None:
-            self._metrics.streams.set(len(self._queues))
+        proc = self._proc
+        client_id, queue = self._streams.open()
+        self._metrics.streams.set(len(self._streams))
         reader = asyncio.create_task(self._read(client_id, proc, request_iterator, queue))
         logger.info("stream %d opened by %s", client_id, context.peer())
         try:
@@ -113,12 +118,10 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 yield core_pb2.EngineStreamResponse(
                     outputs=convert.engine_core_outputs_to_proto(outputs)
                 )
-                if self._metrics is not None:
-                    self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
+                self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
         finally:
-            self._queues.pop(client_id, None)
-            if self._metrics is not None:
-                self._metrics.streams.set(len(self._queues))
+            self._streams.close(client_id)
+            self._metrics.streams.set(len(self._streams))
             proc.close_client(client_id)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

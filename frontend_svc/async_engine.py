@@ -14,8 +14,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend_svc.core_client import ClientFactory, CoreClient, EngineCoreClient
-from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.core_client import CoreClient, RoundTrip
+from frontend_svc.engine_types import CoreOutputs
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
@@ -24,28 +24,19 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Multiplexes generate() calls over one EngineCoreClient."""
+    """Multiplexes generate() calls over one CoreClient; one task pulls the core's events."""
 
     def __init__(
-        self,
-        core_addr: str,
-        output_processor: OutputProcessor,
-        client_factory: ClientFactory | None = None,
+        self, client: CoreClient, output_processor: OutputProcessor, metrics: FrontendMetrics
     ) -> None:
+        self.client = client
         self.output_processor = output_processor
-        if client_factory is None:
-            self.client: CoreClient = EngineCoreClient(
-                core_addr, self._on_outputs, self._on_disconnect, on_rtt=self._on_rtt
-            )
-        else:
-            self.client = client_factory(self._on_outputs, self._on_disconnect, self._on_rtt)
+        self.metrics = metrics
+        self._puller: asyncio.Task[None] | None = None
 
-    @property
-    def metrics(self) -> FrontendMetrics | None:
-        return self.output_processor.metrics
-
-    async def start(self, timeout: float) -> EngineInfo:
-        return await self.client.connect(timeout)
+    def start(self) -> None:
+        """Start pulling the core's events (call once, on the serving event loop)."""
+        self._puller = asyncio.create_task(self._pull_events(), name="core-events")
 
     @property
     def is_ready(self) -> bool:
@@ -55,23 +46,31 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.output_processor.states)
 
-    def _on_outputs(self, outputs: CoreOutputs) -> None:
+    async def _pull_events(self) -> None:
+        client = self.client
+        while True:
+            event = await client.next_event()
+            try:
+                if isinstance(event, CoreOutputs):
+                    self._process(event)
+                elif isinstance(event, RoundTrip):
+                    self.metrics.core_rtt.observe(event.seconds)
+                else:
+                    self.metrics.reconnects.inc()
+                    self.output_processor.fail_all(
+                        f"lost the engine core at {client.core_addr} ({event.reason}); "
+                        "retry the request"
+                    )
+            except Exception:  # one bad event must not stop the frontend
+                logger.exception("processing an engine-core event failed")
+            finally:
+                client.event_done()
+
+    def _process(self, outputs: CoreOutputs) -> None:
         started = time.perf_counter()
         to_abort = self.output_processor.process_outputs(outputs)
         self.client.abort_requests(to_abort)
-        if self.metrics is not None:
-            self.metrics.output_processing.observe(time.perf_counter() - started)
-
-    def _on_rtt(self, seconds: float) -> None:
-        if self.metrics is not None:
-            self.metrics.core_rtt.observe(seconds)
-
-    def _on_disconnect(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.reconnects.inc()
-        self.output_processor.fail_all(
-            f"lost the engine core at {self.client.core_addr} ({reason}); retry the request"
-        )
+        self.metrics.output_processing.observe(time.perf_counter() - started)
 
     async def generate(
         self, request: EngineRequest, arrival: float | None = None
@@ -79,8 +78,7 @@ class AsyncEngine:
         """Stream deltas of all `request.params.n` completions until every one finished.
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        if self.metrics is not None:
-            self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
+        self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         children = self._add(request, queue, arrival or time.monotonic())
         remaining = set(children.values())
         try:
@@ -130,6 +128,9 @@ class AsyncEngine:
 
     async def close(self) -> None:
         self.output_processor.fail_all("the frontend is shutting down")
+        if self._puller is not None:
+            self._puller.cancel()
+            await asyncio.wait([self._puller])
         await self.client.close()
 
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.services import FRONTEND
 
-DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9400
+DEFAULT_PORT = FRONTEND.default_port
+DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """EngineCoreClient: one bidirectional stream to the engine core, all requests multiplexed.
 
 Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
-coalesced into one wire message. A reader task hands every step's outputs to `on_outputs`. When
-the stream breaks, `on_disconnect` fails the requests in flight (they end with UNAVAILABLE, never
-hang) and the client reconnects with exponential backoff: Handshake, then a new stream.
+coalesced into one wire message. What comes back is a single ordered stream of events for the
+frontend's engine to pull (`next_event`): each step's outputs, ping round trips, and
+`Disconnected` when the stream breaks. After a break the client reconnects with exponential
+backoff (Handshake, then a new stream), but only once the consumer has taken the `Disconnected`
+event, so the requests it fails are exactly those of the broken stream.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -29,9 +31,22 @@ from splitserve_runtime.service_host import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-OutputsCallback = Callable[[CoreOutputs], None]
-DisconnectCallback = Callable[[str], None]
-RttCallback = Callable[[float], None]
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The stream to the engine core broke; every request sent on it is lost."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """A ping's round trip to the engine core, in seconds of this process's clock."""
+
+    seconds: float
+
+
+CoreEvent = CoreOutputs | Disconnected | RoundTrip
 
 
 class CoreClient(Protocol):
@@ -45,7 +60,11 @@ class CoreClient(Protocol):
 
     def next_handle(self) -> int: ...
 
-    async def connect(self, timeout: float) -> EngineInfo: ...
+    async def next_event(self) -> CoreEvent:
+        """The next event, in order; the caller calls `event_done` after handling it."""
+        ...
+
+    def event_done(self) -> None: ...
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
 
@@ -54,30 +73,18 @@ class CoreClient(Protocol):
     async def close(self) -> None: ...
 
 
-ClientFactory = Callable[[OutputsCallback, DisconnectCallback, RttCallback], CoreClient]
-
-
 class EngineCoreClient:
     """The frontend's end of EngineCoreService.EngineStream."""
 
     def __init__(
-        self,
-        core_addr: str,
-        on_outputs: OutputsCallback,
-        on_disconnect: DisconnectCallback,
-        max_backoff: float = 5.0,
-        ping_interval: float = 1.0,
-        on_rtt: RttCallback | None = None,
+        self, core_addr: str, max_backoff: float = 5.0, ping_interval: float = 1.0
     ) -> None:
         self.core_addr = core_addr
-        self.on_outputs = on_outputs
-        self.on_disconnect = on_disconnect
         self.max_backoff = max_backoff
         self.ping_interval = ping_interval
-        self.on_rtt = on_rtt
+        self._events: asyncio.Queue[CoreEvent] = asyncio.Queue()
         self._pings: dict[int, float] = {}
         self._ping_ids = itertools.count(1)
-        self.engine_info: EngineInfo | None = None
         self.num_reconnects = 0
         self._handles = itertools.count(1)
         self._channel = grpc.aio.insecure_channel(core_addr, options=SERVER_OPTIONS)
@@ -102,6 +109,12 @@ class EngineCoreClient:
         """A handle never used before on this client (handles are never reused)."""
         return next(self._handles)
 
+    async def next_event(self) -> CoreEvent:
+        return await self._events.get()
+
+    def event_done(self) -> None:
+        self._events.task_done()
+
     async def connect(self, timeout: float) -> EngineInfo:
         """Handshake (retrying until `timeout`), open the stream, keep it open from now on."""
         info = await asyncio.wait_for(self._handshake_until_ok(), timeout)
@@ -116,8 +129,7 @@ class EngineCoreClient:
                 reply = await self._stub.Handshake(
                     core_pb2.HandshakeRequest(client_name=self._client_name), timeout=5.0
                 )
-                self.engine_info = convert.engine_info_from_proto(reply.engine_info)
-                return self.engine_info
+                return convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
                 logger.info(
                     "engine core at %s not ready (%s); retrying in %.1f s",
@@ -134,7 +146,8 @@ class EngineCoreClient:
             reason = await self._run_stream()
             self._connected.clear()
             self._state_changed.set()
-            self.on_disconnect(reason)
+            self._events.put_nowait(Disconnected(reason))
+            await self._events.join()  # the consumer failed the broken stream's requests
             self.num_reconnects += 1
             logger.warning(
                 "stream to engine core %s broke (%s); reconnecting", self.core_addr, reason
@@ -156,7 +169,7 @@ class EngineCoreClient:
                 if msg.HasField("pong"):
                     self._on_pong(msg.pong.ping_id)
                 else:
-                    self.on_outputs(convert.core_outputs_from_proto(msg.outputs))
+                    self._events.put_nowait(convert.core_outputs_from_proto(msg.outputs))
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"
         finally:
@@ -179,8 +192,8 @@ class EngineCoreClient:
 
     def _on_pong(self, ping_id: int) -> None:
         sent = self._pings.pop(ping_id, None)
-        if sent is not None and self.on_rtt is not None:
-            self.on_rtt(time.monotonic() - sent)
+        if sent is not None:
+            self._events.put_nowait(RoundTrip(time.monotonic() - sent))
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:

@@ -19,9 +19,9 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.services import FRONTEND
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "splitserve.frontend.v1.GenerationService"
 
 
 async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
@@ -32,36 +32,35 @@ async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
 
 
 async def serve(config: FrontendConfig) -> int:
+    """Connect to the engine core first (as vLLM's API server waits for its engine), then build
+    every piece complete and open the public port."""
     model = config.model
     if not model:
         from splitserve_runtime.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     tokenizer = load_tokenizer(model)
-    engine = AsyncEngine(config.core_addr, OutputProcessor(backend_decoder(tokenizer)))
+    client = EngineCoreClient(config.core_addr)
+    try:
+        info = await client.connect(config.core_connect_timeout)
+    except TimeoutError:
+        logger.error(
+            "engine core at %s not reachable after %.0f s",
+            config.core_addr,
+            config.core_connect_timeout,
+        )
+        await client.close()
+        return 1
     host = ServiceHost(
         name="frontend",
         host=config.host,
         port=config.port,
-        service_names=[SERVICE_NAME],
+        service_names=[FRONTEND.grpc_service],
         metrics_port=config.metrics_port,
     )
-    servicer = GenerationServicer(engine, tokenizer)
-    gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
-    await host.start()
-    try:
-        info = await engine.start(config.core_connect_timeout)
-    except TimeoutError:
-        await host.fail(
-            f"engine core at {config.core_addr} not reachable after "
-            f"{config.core_connect_timeout:.0f} s"
-        )
-        await host.shutdown()
-        return 1
     served_name = config.served_model_name or info.served_model_name
-    engine.output_processor.metrics = FrontendMetrics(
-        host.registry, served_name, info.engine_id, info.max_model_len
-    )
+    metrics = FrontendMetrics(host.registry, served_name, info.engine_id, info.max_model_len)
+    engine = AsyncEngine(client, OutputProcessor(backend_decoder(tokenizer), metrics), metrics)
     limits = Limits(
         vocab_size=info.vocab_size,
         max_logprobs=config.max_logprobs,
@@ -69,15 +68,17 @@ async def serve(config: FrontendConfig) -> int:
         max_stop_strings=config.max_stop_strings,
     )
     inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
-    servicer.attach(inputs, info, served_name)
+    servicer = GenerationServicer(engine, inputs, info, served_name)
+    gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    await host.start()
+    engine.start()
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",
         info.served_model_name,
         info.max_model_len,
         config.core_addr,
     )
-    assert isinstance(engine.client, EngineCoreClient)
-    tracker = asyncio.create_task(_track_readiness(host, engine.client))
+    tracker = asyncio.create_task(_track_readiness(host, client))
     code = await host.run_until_stopped()
     tracker.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -35,18 +35,18 @@ class RequestState:
     num_prompt_tokens: int
     queue: asyncio.Queue[Any]
     detokenizer: IncrementalDetokenizer
+    stats: RequestStats
     text: str = ""
     num_sent_chars: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     is_finished: bool = False
-    stats: RequestStats | None = None
 
 
 class OutputProcessor:
     """Owns the RequestStates of live requests, keyed by their core handle."""
 
-    def __init__(self, decoder: Decoder, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(self, decoder: Decoder, metrics: FrontendMetrics) -> None:
         self.decoder = decoder
         self.metrics = metrics
         self.states: dict[int, RequestState] = {}
@@ -61,9 +61,8 @@ class OutputProcessor:
         arrival: float | None = None,
     ) -> RequestState:
         detok = IncrementalDetokenizer(self.decoder, params.skip_special_tokens)
-        state = RequestState(handle, index, params, num_prompt_tokens, queue, detok)
-        if self.metrics is not None:
-            state.stats = RequestStats(arrival or time.monotonic(), num_prompt_tokens)
+        stats = RequestStats(arrival or time.monotonic(), num_prompt_tokens)
+        state = RequestState(handle, index, params, num_prompt_tokens, queue, detok, stats)
         self.states[handle] = state
         self._count_in_flight()
         return state
@@ -84,13 +83,12 @@ class OutputProcessor:
         self._count_in_flight()
 
     def _finish_stats(self, state: RequestState, reason: FinishReason) -> None:
-        if self.metrics is not None and state.stats is not None and not state.is_finished:
+        if not state.is_finished:
             state.is_finished = True
             self.metrics.on_finish(state.stats, reason)
 
     def _count_in_flight(self) -> None:
-        if self.metrics is not None:
-            self.metrics.in_flight.set(len(self.states))
+        self.metrics.in_flight.set(len(self.states))
 
     def process_outputs(self, outputs: CoreOutputs) -> list[int]:
         """Apply one step's outputs; return handles finished here that the core still runs."""
@@ -123,10 +121,9 @@ class OutputProcessor:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
         finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
-        if self.metrics is not None and state.stats is not None:
-            self.metrics.on_output(
-                state.stats, len(token_ids), core_ts, detail.events if detail else None
-            )
+        self.metrics.on_output(
+            state.stats, len(token_ids), core_ts, detail.events if detail else None
+        )
         if detail is not None and detail.num_cached_tokens is not None:
             state.num_cached_tokens = detail.num_cached_tokens
         stop_str = self._detokenize(state, token_ids, detail, finish)

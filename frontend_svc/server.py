@@ -6,7 +6,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -25,31 +24,20 @@ logger = logging.getLogger(__name__)
 class GenerationServicer(gen_grpc.GenerationServiceServicer):
     """The public API: Generate, Tokenize, Detokenize, GetModelInfo."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any) -> None:
+    def __init__(
+        self, engine: AsyncEngine, inputs: InputProcessor, info: EngineInfo, served_model_name: str
+    ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
-        self._attached: tuple[InputProcessor, EngineInfo, str] | None = None
-
-    def attach(self, inputs: InputProcessor, info: EngineInfo, served_model_name: str) -> None:
-        """Start answering: called once the engine core's facts are known."""
-        self._attached = (inputs, info, served_model_name)
-
-    async def _ready(
-        self, context: grpc.aio.ServicerContext
-    ) -> tuple[InputProcessor, EngineInfo, str]:
-        if self._attached is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the frontend is starting and not yet connected to the engine core; retry shortly",
-            )
-        assert self._attached is not None
-        return self._attached
+        self.inputs = inputs
+        self.tokenizer = inputs.tokenizer
+        self.info = info
+        self.served_model_name = served_model_name
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb2.GenerateResponse]:
         arrival = time.monotonic()
-        inputs, _, _ = await self._ready(context)
+        inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
             engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
@@ -70,7 +58,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.TokenizeResponse:
-        inputs, info, _ = await self._ready(context)
+        inputs, info = self.inputs, self.info
         prompt = convert.prompt_from_proto(request)
         if prompt.text is None and prompt.chat is None:
             await context.abort(
@@ -88,7 +76,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Detokenize(  # noqa: N802
         self, request: gen_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.DetokenizeResponse:
-        _, info, _ = await self._ready(context)
+        info = self.info
         ids = list(request.token_ids)
         bad = [i for i in ids if i >= info.vocab_size]
         if bad:
@@ -104,7 +92,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: gen_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.GetModelInfoResponse:
-        inputs, info, served_model_name = await self._ready(context)
+        inputs, info, served_model_name = self.inputs, self.info, self.served_model_name
         tok = self.tokenizer
         reply = gen_pb2.GetModelInfoResponse(
             served_model_name=served_model_name,

@@ -23,14 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.services import FRONTEND, SERVICES
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
-READINESS = {
-    "worker": "splitserve.worker.v1.WorkerService",
-    "core": "splitserve.core.v1.EngineCoreService",
-    "frontend": "splitserve.frontend.v1.GenerationService",
-}
 
 
 @dataclass
@@ -58,7 +54,12 @@ def build_parser() -> FlagParser:
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
     p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
-    p.add_argument("--port", type=non_negative_int, default=50051, help="frontend port (0: any)")
+    p.add_argument(
+        "--port",
+        type=non_negative_int,
+        default=FRONTEND.default_port,
+        help="frontend port (0: any)",
+    )
     p.add_argument(
         "--sample-prompt",
         default="",
@@ -169,7 +170,8 @@ def is_ready(child: Child) -> bool:
         with grpc.insecure_channel(target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(
-                health_pb2.HealthCheckRequest(service=READINESS[child.kind]), timeout=1.0
+                health_pb2.HealthCheckRequest(service=SERVICES[child.kind].grpc_service),
+                timeout=1.0,
             )
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:
@@ -211,7 +213,7 @@ def stop_children(children: Sequence[Child]) -> None:
 
 
 def ready_line(children: Sequence[Child]) -> str:
-    by_kind = {kind: [c for c in children if c.kind == kind] for kind in READINESS}
+    by_kind = {kind: [c for c in children if c.kind == kind] for kind in SERVICES}
     return (
         f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
         f"workers={','.join(c.address for c in by_kind['worker'])} "

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from splitserve_runtime.flags import FlagParser, non_negative_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.services import WORKER
 
-DEFAULT_PORT = 50071
-DEFAULT_METRICS_PORT = 9402
+DEFAULT_PORT = WORKER.default_port
+DEFAULT_METRICS_PORT = WORKER.default_metrics_port
 
 
 @dataclass(frozen=True)

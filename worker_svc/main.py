@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
 from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.services import WORKER
 from splitserve_runtime.sync_service_host import SyncServiceHost
 from worker_svc.config import WorkerConfig, parse_config
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = "splitserve.worker.v1.WorkerService"
 
 
 def serve(config: WorkerConfig) -> int:
@@ -25,10 +25,10 @@ def serve(config: WorkerConfig) -> int:
         name="worker",
         host=config.host,
         port=config.port,
-        service_names=[SERVICE_NAME],
+        service_names=[WORKER.grpc_service],
         metrics_port=config.metrics_port,
     )
-    servicer = WorkerServicer(device=config.device, registry=host.registry)
+    servicer = WorkerServicer(host.registry, device=config.device)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()
     # A worker is ready as soon as it can take the core's start-up calls.

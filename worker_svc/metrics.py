@@ -34,13 +34,11 @@ LABELS = ["model_name", "engine", "rank"]
 
 
 class WorkerMetrics:
-    """Created once LoadModel has said which model, engine and rank this is."""
+    """The rank's metric families; `bind` names the model, engine and rank (LoadModel says
+    which, and a reload may say otherwise), and only then may steps be observed."""
 
-    def __init__(
-        self, registry: CollectorRegistry, model_name: str, engine: str, rank: int
-    ) -> None:
-        values = (model_name, engine, str(rank))
-        step = Histogram(
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._step = Histogram(
             "splitserve_worker_step_seconds",
             "Worker step time on the rank's clock, by phase: prepare_inputs, "
             "forward, sample, total (receipt of the step to its reply).",
@@ -48,41 +46,43 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS,
             registry=registry,
         )
-        self.prepare = step.labels(*values, "prepare_inputs")
-        self.forward = step.labels(*values, "forward")
-        self.sample = step.labels(*values, "sample")
-        self.total = step.labels(*values, "total")
-        self.kv_blocks = Gauge(
+        self._kv_blocks = Gauge(
             "splitserve_worker_kv_blocks_used",
             "KV blocks referenced by the rank's live requests.",
             LABELS,
             registry=registry,
-        ).labels(*values)
-        self.tokens = Histogram(
+        )
+        self._tokens = Histogram(
             "splitserve_worker_step_tokens",
             "Tokens computed per step on this rank.",
             LABELS,
             buckets=TOKEN_BUCKETS,
             registry=registry,
-        ).labels(*values)
-        self.steps = Counter(
+        )
+        self._steps = Counter(
             "splitserve_worker_steps", "Steps this rank ran.", LABELS, registry=registry
-        ).labels(*values)
+        )
+
+    def bind(self, model_name: str, engine: str, rank: int) -> None:
+        values = (model_name, engine, str(rank))
+        self.prepare = self._step.labels(*values, "prepare_inputs")
+        self.forward = self._step.labels(*values, "forward")
+        self.sample = self._step.labels(*values, "sample")
+        self.total = self._step.labels(*values, "total")
+        self.kv_blocks = self._kv_blocks.labels(*values)
+        self.tokens = self._tokens.labels(*values)
+        self.steps = self._steps.labels(*values)
 
     def observe_step(
-        self,
-        output: ModelRunnerOutput | None,
-        num_tokens: int,
-        total_seconds: float,
-        num_used_blocks: int | None,
+        self, output: ModelRunnerOutput | None, num_tokens: int, total_seconds: float
     ) -> None:
+        """One step; `output` is None on ranks that do not answer (not the output rank)."""
         self.steps.inc()
         self.total.observe(total_seconds)
         if num_tokens:
             self.tokens.observe(num_tokens)
-        if output is not None and output.timings is not None:
+        if output is not None:
             self.prepare.observe(output.timings.prepare_inputs_seconds)
             self.forward.observe(output.timings.forward_seconds)
             self.sample.observe(output.timings.sample_seconds)
-        if num_used_blocks is not None:
-            self.kv_blocks.set(num_used_blocks)
+            self.kv_blocks.set(output.num_used_kv_blocks)

@@ -40,17 +40,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     `device` is "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N";
     `rank_hint` picks the CUDA device under "auto" (rank % device count) before LoadModel
-    says the real rank. With a Prometheus `registry`, step metrics (worker_svc.metrics) are
-    recorded once LoadModel has named the model, engine and rank.
+    says the real rank. Step metrics (worker_svc.metrics) are labelled by what LoadModel says.
     """
 
     def __init__(
-        self, device: str = "auto", rank_hint: int = 0, registry: CollectorRegistry | None = None
+        self, registry: CollectorRegistry, device: str = "auto", rank_hint: int = 0
     ) -> None:
         self._lock = threading.Lock()
         self._worker = Worker(device, rank_hint)
-        self._registry = registry
-        self._metrics: WorkerMetrics | None = None
+        self._metrics = WorkerMetrics(registry)
         self._last_step_id = 0
         self._failure: str | None = None
         self._is_closed = False
@@ -96,13 +94,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config.dtype,
         )
         loaded = self._call(context, self._worker.load_model, config)
-        if self._registry is not None and self._metrics is None:
-            self._metrics = WorkerMetrics(
-                self._registry,
-                request.served_model_name or config.model_path,
-                request.engine_id,
-                config.rank,
-            )
+        self._metrics.bind(
+            request.served_model_name or config.model_path, request.engine_id, config.rank
+        )
         logger.info(
             "loaded %s: %d layers, %s, %.1f MB in %.2fs, attention %s",
             loaded.architecture,
@@ -169,13 +163,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             return _error_response(step_id, rank, f"rank {rank}: {self._failure}")
         self._last_step_id = step_id
         total_seconds = time.perf_counter() - received
-        if self._metrics is not None:
-            self._metrics.observe_step(
-                output,
-                request.scheduler_output.total_num_scheduled_tokens,
-                total_seconds,
-                None if output is None else output.num_used_kv_blocks,
-            )
+        self._metrics.observe_step(
+            output, request.scheduler_output.total_num_scheduled_tokens, total_seconds
+        )
         if output is None:
             return None
         timings = dataclasses.replace(output.timings, total_seconds=total_seconds)

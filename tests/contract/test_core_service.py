@@ -13,11 +13,15 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from core_svc.engine_loop import EngineCoreProc
-from core_svc.server import EngineCoreServicer
+from core_svc.metrics import CoreMetrics
+from core_svc.server import ClientStreams, EngineCoreServicer
 from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.core_client import EngineCoreClient, RoundTrip
 from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -47,23 +51,22 @@ class CoreHarness:
         if self.step_delay:
             self.executor.on_execute = lambda so: time.sleep(self.step_delay)
         self.server = grpc.aio.server()
-        servicer = EngineCoreServicer(loop)
+        streams = ClientStreams(loop)
+        metrics = CoreMetrics(CollectorRegistry(), "fake", "0", {"engine": "0"})
+        self.proc = EngineCoreProc(engine, streams.deliver, on_stats=metrics.observe_stats)
+        info = core_pb2.EngineInfo(
+            served_model_name="fake",
+            max_model_len=MAX_LEN,
+            vocab_size=2048,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_BLOCKS,
+            max_num_seqs=32,
+        )
+        servicer = EngineCoreServicer(self.proc, streams, info, metrics)
         core_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
         self.addr = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        self.proc = EngineCoreProc(engine, servicer.output_sink)
         self.proc.start()
-        servicer.attach(
-            self.proc,
-            core_pb2.EngineInfo(
-                served_model_name="fake",
-                max_model_len=MAX_LEN,
-                vocab_size=2048,
-                block_size=BLOCK_SIZE,
-                num_kv_blocks=NUM_BLOCKS,
-                max_num_seqs=32,
-            ),
-        )
+        await self.server.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -91,9 +94,16 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
+def frontend_metrics() -> FrontendMetrics:
+    return FrontendMetrics(CollectorRegistry(), "fake", "0", MAX_LEN)
+
+
 async def frontend(addr: str, tokenizer: Any) -> AsyncEngine:
-    engine = AsyncEngine(addr, OutputProcessor(backend_decoder(tokenizer)))
-    await engine.start(timeout=10)
+    client = EngineCoreClient(addr)
+    await client.connect(timeout=10)
+    metrics = frontend_metrics()
+    engine = AsyncEngine(client, OutputProcessor(backend_decoder(tokenizer), metrics), metrics)
+    engine.start()
     return engine
 
 
@@ -231,17 +241,20 @@ def test_requests_in_flight_end_unavailable_when_the_core_goes_away(tokenizer: A
 def test_handshake_reports_the_engine_facts_and_pings_are_answered(tokenizer: Any) -> None:
     async def scenario() -> None:
         async with CoreHarness() as core:
-            engine = AsyncEngine(core.addr, OutputProcessor(backend_decoder(tokenizer)))
-            rtts: list[float] = []
-            engine.client.ping_interval, engine.client.on_rtt = 0.05, rtts.append
-            info = await engine.start(timeout=10)
+            client = EngineCoreClient(core.addr, ping_interval=0.05)
+            info = await client.connect(timeout=10)
             assert (info.max_model_len, info.block_size, info.num_kv_blocks) == (
                 MAX_LEN,
                 BLOCK_SIZE,
                 NUM_BLOCKS,
             )
-            await asyncio.sleep(0.4)
-            assert rtts and all(0 < r < 5 for r in rtts)
-            await engine.close()
+            rtts = []
+            while len(rtts) < 3:
+                event = await asyncio.wait_for(client.next_event(), 5)
+                client.event_done()
+                if isinstance(event, RoundTrip):
+                    rtts.append(event.seconds)
+            assert all(0 < r < 5 for r in rtts)
+            await client.close()
 
     run(scenario)

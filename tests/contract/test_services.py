@@ -15,7 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.launcher import READINESS, free_ports
+from splitserve.launcher import free_ports
+from splitserve_runtime.services import SERVICES
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ def grpcurl_list(addr: str) -> list[str]:
 def test_every_service_answers_health_and_reflection(stack: Stack) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     for child in stack.children:
-        service = READINESS[child.kind]
+        service = SERVICES[child.kind].grpc_service
         assert service in grpcurl_list(child.address), child.name
         assert "grpc.health.v1.Health" in grpcurl_list(child.address)
         assert health(child.address, "") == serving, child.name
@@ -135,7 +136,7 @@ def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
         match = re.fullmatch(r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+)\n", line)
         assert match, line
         assert len(match.group(4).split(",")) == 3
-        assert health(match.group(1), READINESS["frontend"]) == 1
+        assert health(match.group(1), SERVICES["frontend"].grpc_service) == 1
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
         with pytest.raises(grpc.RpcError):

@@ -21,6 +21,10 @@ from tests.unit.core.fake_executor import ClientView, FakeExecutor, make_engine,
 GUARD_S = 30.0
 
 
+def NO_STATS(stats: object, step_seconds: float | None) -> None:  # noqa: N802
+    """The loop's stats sink, unused here."""
+
+
 class RecordingQueue(queue.Queue[EngineCommand]):
     """Signals whenever the loop blocks on the queue, and records the step count then."""
 
@@ -72,7 +76,7 @@ def loop_parts() -> Iterator[tuple[EngineCore, FakeExecutor, RecordingQueue]]:
 def start(
     engine: EngineCore, sink: Sink, input_queue: RecordingQueue | None = None
 ) -> EngineCoreProc:
-    proc = EngineCoreProc(engine, sink, input_queue)
+    proc = EngineCoreProc(engine, sink, NO_STATS, input_queue)
     proc.start()
     return proc
 
@@ -121,7 +125,7 @@ def test_close_client_aborts_all_of_its_requests(loop_parts: Any) -> None:
 def test_abort_during_a_step_suppresses_that_steps_output() -> None:
     engine, executor = make_engine()
     sink = Sink(expected=1)
-    proc = EngineCoreProc(engine, sink)
+    proc = EngineCoreProc(engine, sink, NO_STATS)
 
     def abort_mid_step(so: SchedulerOutput) -> None:
         if so.step_id == 3:
@@ -174,7 +178,7 @@ def test_a_failing_sink_does_not_stop_the_loop() -> None:
             raise ConnectionError("client went away")
         sink(client_id, outputs)
 
-    proc = EngineCoreProc(engine, flaky)
+    proc = EngineCoreProc(engine, flaky, NO_STATS)
     proc.start()
     proc.add_requests(1, [make_request(1, [1], client_id=1, max_tokens=3)])
     proc.add_requests(2, [make_request(1, [1], client_id=2, max_tokens=3)])

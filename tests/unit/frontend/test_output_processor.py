@@ -7,14 +7,20 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
 from frontend_svc.requests import CompletionDelta, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 
 HANDLE = 7
+
+
+def metrics() -> FrontendMetrics:
+    return FrontendMetrics(CollectorRegistry(), "m", "0", 64)
 
 
 def step(handle: int, ids: list[int], detail: CoreOutputDetail | None = None) -> CoreOutputs:
@@ -24,7 +30,7 @@ def step(handle: int, ids: list[int], detail: CoreOutputDetail | None = None) ->
 def run(
     tokenizer: Any, params: SamplingParams, ids: list[int], last: CoreOutputDetail | None = None
 ) -> tuple[list[CompletionDelta], list[int]]:
-    proc = OutputProcessor(backend_decoder(tokenizer))
+    proc = OutputProcessor(backend_decoder(tokenizer), metrics())
     queue: asyncio.Queue[Any] = asyncio.Queue()
     proc.add_request(HANDLE, 0, params, 3, queue)
     aborted: list[int] = []
@@ -114,7 +120,7 @@ def test_min_tokens_defers_stop_strings(tokenizer: Any) -> None:
 
 def test_logprobs_rows(tokenizer: Any) -> None:
     table = LogprobsTable(2, [10, 10, 11, 12, 12, 13], [-0.5, -0.5, -1.0, -2.0, -0.1, -3.0], [1, 2])
-    proc = OutputProcessor(backend_decoder(tokenizer))
+    proc = OutputProcessor(backend_decoder(tokenizer), metrics())
     queue: asyncio.Queue[Any] = asyncio.Queue()
     proc.add_request(HANDLE, 0, SamplingParams(logprobs=2), 3, queue)
     proc.process_outputs(step(HANDLE, [10, 12], CoreOutputDetail(HANDLE, new_logprobs=table)))
@@ -126,7 +132,7 @@ def test_logprobs_rows(tokenizer: Any) -> None:
 
 
 def test_unknown_handles_are_ignored_and_fail_all(tokenizer: Any) -> None:
-    proc = OutputProcessor(backend_decoder(tokenizer))
+    proc = OutputProcessor(backend_decoder(tokenizer), metrics())
     queue: asyncio.Queue[Any] = asyncio.Queue()
     proc.add_request(HANDLE, 0, SamplingParams(), 3, queue)
     assert proc.process_outputs(step(999, [5])) == []

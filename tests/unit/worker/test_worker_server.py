@@ -90,7 +90,7 @@ def start_server(servicer: WorkerServicer) -> tuple[grpc.Server, int]:
 
 
 async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
-    servicer = WorkerServicer(device="cpu", registry=registry)
+    servicer = WorkerServicer(registry, device="cpu")
     server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -123,7 +123,9 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
                 2,
             )
             reloaded = await stub.LoadModel(
-                pb.LoadModelRequest(model_path=str(model), block_size=BLOCK_SIZE)
+                pb.LoadModelRequest(
+                    model_path=str(model), served_model_name="tiny", engine_id="e0", block_size=4
+                )
             )
             assert reloaded.architecture == "LlamaForCausalLM"  # a restarted core may reload
             capacity = await stub.GetKvCapacity(
@@ -176,7 +178,7 @@ def test_servicer_lifecycle_over_grpc(worker_checkpoints: CheckpointCache) -> No
 
 
 async def failing_step(model: Path) -> pb.ModelRunnerOutput:
-    servicer = WorkerServicer(device="cpu")
+    servicer = WorkerServicer(CollectorRegistry(), device="cpu")
     server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -1,0 +1,78 @@
+"""The architecture rules (docs/ARCHITECTURE.md) are checked by import-linter in `make lint`;
+these tests run it on the tree, and on copies broken on purpose to show each rule can fail."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+PACKAGES = (
+    "splitserve",
+    "benchmarks",
+    "frontend_svc",
+    "core_svc",
+    "worker_svc",
+    "splitserve_runtime",
+    "splitserve_contracts",
+)
+pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess[str]:
+    assert LINT is not None
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [LINT, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_tree_keeps_every_rule() -> None:
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("tree")
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", target)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("core_svc/scheduler.py", "import torch", "The engine core never imports torch"),
+        (
+            "core_svc/scheduler.py",
+            "from splitserve_contracts.core.v1 import core_service_pb2",
+            "Protobuf stops at each service's edge",
+        ),
+        ("worker_svc/model_runner.py", "import core_svc.request", "Imports point down"),
+        ("splitserve_runtime/flags.py", "import splitserve.cli", "Imports point down"),
+    ],
+)
+def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broken: str) -> None:
+    path = copy / module
+    original = path.read_text()
+    path.write_text(
+        original.replace(
+            "from __future__ import annotations\n",
+            f"from __future__ import annotations\n\n{line}\n",
+            1,
+        )
+    )
+    try:
+        result = lint(copy)
+    finally:
+        path.write_text(original)
+    assert result.returncode != 0
+    assert f"{broken}" in result.stdout and "BROKEN" in result.stdout, result.stdout
