@@ -23,12 +23,10 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-DEFAULT_PORTS = {"frontend": 50051, "core": 50061, "worker": 50071}
-READINESS = {
-    "frontend": "splitserve.frontend.v1.GenerationService",
-    "core": "splitserve.core.v1.EngineCoreService",
-    "worker": "splitserve.worker.v1.WorkerService",
-}
+from splitserve_runtime.services import SERVICES  # the image's python (PATH) has splitserve
+
+DEFAULT_PORTS = {kind: spec.default_port for kind, spec in SERVICES.items()}
+READINESS = {kind: spec.grpc_service for kind, spec in SERVICES.items()}
 
 
 def read_cmdline(pid: int = 1) -> list[str]:
