@@ -16,8 +16,9 @@ from typing import Any
 
 from frontend_svc.core_client import CoreClient, RoundTrip
 from frontend_svc.engine_types import CoreOutputs
+from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
+from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
 
 logger = logging.getLogger(__name__)

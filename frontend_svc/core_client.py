@@ -23,7 +23,7 @@ import grpc
 
 from frontend_svc import convert
 from frontend_svc.engine_types import CoreOutputs, EngineInfo
-from frontend_svc.output_processor import EngineUnavailable
+from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
     ChatTurn,
     EngineRequest,
     GenerateInput,
-    InvalidRequest,
     PromptInput,
 )
 from splitserve_contracts import sampling_rules

@@ -15,14 +15,11 @@ from typing import Any
 
 from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
 from splitserve_contracts.sampling_types import SamplingParams
-
-
-class EngineUnavailable(Exception):
-    """The engine core cannot be reached or failed; in-flight requests end with this."""
 
 
 @dataclass(slots=True)

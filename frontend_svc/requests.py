@@ -8,10 +8,6 @@ from enum import IntEnum
 from splitserve_contracts.sampling_types import SamplingParams
 
 
-class InvalidRequest(ValueError):
-    """A request the frontend refuses; the message tells the caller what to change."""
-
-
 class FinishReason(IntEnum):
     """Why a completion stopped; values equal the proto FinishReason numbers."""
 

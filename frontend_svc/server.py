@@ -12,9 +12,9 @@ import grpc
 from frontend_svc import convert
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
+from frontend_svc.errors import EngineUnavailable, FrontendError, InvalidRequest
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.output_processor import EngineUnavailable
-from frontend_svc.requests import FinishReason, InvalidRequest
+from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 
@@ -41,19 +41,15 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
             engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        try:
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
+                    raise EngineUnavailable(
                         f"the engine failed while serving request {request_id}: "
-                        f"{delta.error_message or 'unknown error'}; retry it",
+                        f"{delta.error_message or 'unknown error'}; retry it"
                     )
                 yield convert.delta_to_proto(request_id, delta)
-        except EngineUnavailable as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except FrontendError as err:
+            await context.abort(err.grpc_code, str(err))
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

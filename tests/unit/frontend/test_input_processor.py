@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from frontend_svc.errors import InvalidRequest
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import ChatTurn, GenerateInput, InvalidRequest, PromptInput
+from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_contracts.sampling_types import SamplingParams
 

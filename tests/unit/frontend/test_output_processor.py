@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import EngineUnavailable, OutputProcessor
+from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 

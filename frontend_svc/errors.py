@@ -1,0 +1,62 @@
+"""Why the frontend refuses or ends a request, and what each reason is on each public API.
+
+Every error a client can get is one of these classes; the class says its gRPC status, its HTTP
+status and the OpenAI error `type`, so the gRPC servicer and the HTTP server answer the same
+failure the same way. The message always says what the caller can do about it.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class FrontendError(Exception):
+    """Base of the errors a client sees."""
+
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+    error_type = "internal_server_error"
+
+
+class InvalidRequest(FrontendError, ValueError):
+    """A request the frontend refuses; the message tells the caller what to change."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(FrontendError):
+    """The request names a model this server does not serve."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class Unauthenticated(FrontendError):
+    """A missing or wrong API key."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class Overloaded(FrontendError):
+    """Admission refused: the engine's queue is full. Retry after `retry_after_s` seconds."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(FrontendError):
+    """The engine core cannot be reached or failed; in-flight requests end with this."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    error_type = "service_unavailable_error"
