@@ -38,6 +38,8 @@ class CoreConfig:
     dtype: str = "auto"
     seed: int = 0
     scheduling_policy: str = "fcfs"
+    max_num_queued_reqs: int = 0
+    max_num_queued_tokens: int = 0
     attention_backend: str = "auto"
     distributed_init_method: str = ""
     host: str = "0.0.0.0"
@@ -131,6 +133,20 @@ def build_parser() -> FlagParser:
         default="fcfs",
         choices=["fcfs", "priority"],
         help="order of waiting requests",
+    )
+    p.add_argument(
+        "--max-num-queued-reqs",
+        type=non_negative_int,
+        default=0,
+        help="most requests waiting to be scheduled; more are refused at once with "
+        "RESOURCE_EXHAUSTED (HTTP 429) and a retry hint (0: unlimited)",
+    )
+    p.add_argument(
+        "--max-num-queued-tokens",
+        type=non_negative_int,
+        default=0,
+        help="most prompt tokens waiting to be scheduled; more are refused like "
+        "--max-num-queued-reqs (0: unlimited)",
     )
     p.add_argument(
         "--attention-backend",

@@ -11,6 +11,7 @@ from core_svc.outputs import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
+    ErrorKind,
     FinishReason,
     LogprobsTable,
     ModelRunnerOutput,
@@ -112,6 +113,7 @@ def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -
     if detail.num_cached_tokens is not None:
         msg.num_cached_tokens = detail.num_cached_tokens
     msg.error_message = detail.error_message
+    msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
 
 
 def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineCoreOutputs:
@@ -141,6 +143,7 @@ def _detail_from_proto(msg: core_pb2.EngineCoreOutput) -> EngineCoreOutput:
         events=[EngineCoreEvent(EngineCoreEventType(e.type), e.timestamp) for e in msg.events],
         num_cached_tokens=msg.num_cached_tokens if has("num_cached_tokens") else None,
         error_message=msg.error_message,
+        error_kind=ErrorKind(msg.error_kind),
     )
 
 
@@ -229,11 +232,19 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
 
 
 def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
-    """A STEP_STATUS_ERROR output comes back with `error_message` set (never None), and
-    the caller decides; its token columns are then meaningless."""
+    """A STEP_STATUS_ERROR output comes back with `error_message` set (never None), and the
+    caller decides; its token columns are then meaningless. Columns that do not line up raise
+    ValueError (a rank that answers that way cannot be trusted with the step)."""
     error_message = None
     if msg.status == worker_pb2.STEP_STATUS_ERROR:
         error_message = msg.error_message or f"rank {msg.rank} failed step {msg.step_id}"
+    elif len(msg.req_handles) != len(msg.sampled_token_ids):
+        raise ValueError(
+            f"rank {msg.rank} answered step {msg.step_id} with {len(msg.req_handles)} requests "
+            f"but {len(msg.sampled_token_ids)} sampled tokens"
+        )
+    if len(msg.failed_req_handles) != len(msg.failed_reasons):
+        raise ValueError(f"rank {msg.rank}: failed requests and reasons do not line up")
     timings = None
     if msg.HasField("timings"):
         t = msg.timings
@@ -252,6 +263,7 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
         rank=msg.rank,
         timings=timings,
         num_used_kv_blocks=msg.num_used_kv_blocks,
+        failed_reqs=dict(zip(msg.failed_req_handles, msg.failed_reasons, strict=True)),
     )
 
 
@@ -268,6 +280,8 @@ def model_runner_output_to_proto(output: ModelRunnerOutput) -> worker_pb2.ModelR
     )
     msg.req_handles.extend(output.req_handles)
     msg.sampled_token_ids.extend(output.sampled_token_ids)
+    msg.failed_req_handles.extend(output.failed_reqs)
+    msg.failed_reasons.extend(output.failed_reqs.values())
     for req_handle, table in output.logprobs.items():
         entry = msg.logprobs.add(req_handle=req_handle)
         logprobs_table_to_proto(table, entry.table)

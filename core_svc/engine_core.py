@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterable
 from core_svc.engine_outputs import merge_outputs
 from core_svc.executor import Executor, ExecutorError
 from core_svc.kv_cache_manager import KVCacheManager
-from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from core_svc.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ErrorKind,
+    FinishReason,
+    SchedulerStats,
+)
 from core_svc.request import Request, RequestStatus
+from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 
@@ -44,6 +51,9 @@ class EngineCore:
         """client_id -> client_handle -> live request."""
         self.is_failed = False
         self.failure_message = ""
+        self.is_draining = False
+        """Set when the service is shutting down: new requests are refused, running ones
+        finish."""
         self._next_req_handle = 1
         self._pending_outputs: dict[int, EngineCoreOutputs] = {}
         """Outputs of requests refused at add, returned by the next step()."""
@@ -53,49 +63,67 @@ class EngineCore:
         request.req_handle = self._next_req_handle
         self._next_req_handle += 1
         request.resolve_max_tokens(self.scheduler_config.max_model_len)
-        error = self._rejection_reason(request)
-        if error is not None:
-            self._reject(request, error)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self._reject(request, *refusal)
             return
         self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
         self.scheduler.add_request(request)
 
-    def _rejection_reason(self, request: Request) -> str | None:
-        max_model_len = self.scheduler_config.max_model_len
-        num_prompt_tokens = request.num_prompt_tokens
+    def _refusal(self, request: Request) -> tuple[ErrorKind, str] | None:
         if self.is_failed:
-            return f"engine failed: {self.failure_message}"
-        if request.client_handle in self.client_requests.get(request.client_id, {}):
-            return f"request handle {request.client_handle} is already in use by this client"
-        if num_prompt_tokens == 0:
-            return "the prompt is empty"
-        if num_prompt_tokens >= max_model_len:
-            return (
-                f"the prompt ({num_prompt_tokens} tokens) leaves no room to generate within "
-                f"max_model_len={max_model_len}"
-            )
-        if request.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {request.max_tokens}"
-        max_num_tokens = min(num_prompt_tokens + request.max_tokens, max_model_len)
+            return ErrorKind.ENGINE_FAILURE, f"engine failed: {self.failure_message}"
+        if self.is_draining:
+            return ErrorKind.ENGINE_FAILURE, "the engine is shutting down; retry elsewhere"
+        problem = invalid_request_reason(request, self.scheduler_config)
+        if problem is None and request.client_handle in self.client_requests.get(
+            request.client_id, {}
+        ):
+            problem = f"request handle {request.client_handle} is already in use by this client"
+        if problem is None:
+            problem = self._kv_capacity_problem(request)
+        if problem is not None:
+            return ErrorKind.INVALID_REQUEST, problem
+        return self._overload_reason(request)
+
+    def _kv_capacity_problem(self, request: Request) -> str | None:
+        max_model_len = self.scheduler_config.max_model_len
+        max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
         block_size = self.cache_config.block_size
-        num_blocks_needed = -(-max_num_tokens // block_size)
         num_usable_blocks = self.kv_cache_manager.block_pool.num_usable_blocks
-        if num_blocks_needed > num_usable_blocks:
+        if -(-max_num_tokens // block_size) > num_usable_blocks:
             return (
                 f"the request may need {max_num_tokens} tokens of KV cache, more than the "
                 f"{num_usable_blocks * block_size} the cache holds"
             )
         return None
 
-    def _reject(self, request: Request, error: str) -> None:
-        logger.warning("refusing request %s: %s", request.request_id, error)
-        request.finish(RequestStatus.FINISHED_ERROR)
+    def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
+        config, scheduler = self.scheduler_config, self.scheduler
+        if config.max_num_queued_reqs and len(scheduler.waiting) >= config.max_num_queued_reqs:
+            return ErrorKind.OVERLOADED, (
+                f"the engine's queue is full ({len(scheduler.waiting)} requests waiting, "
+                f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
+            )
+        num_tokens = scheduler.num_waiting_tokens + request.num_tokens
+        if config.max_num_queued_tokens and num_tokens > config.max_num_queued_tokens:
+            return ErrorKind.OVERLOADED, (
+                f"the engine's queue is full ({scheduler.num_waiting_tokens} prompt tokens "
+                f"waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); retry later"
+            )
+        return None
+
+    def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
+        log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning
+        log("refusing request %s: %s", request.request_id[:64], error)
+        request.fail(kind, error)
         outputs = self._pending_outputs.setdefault(request.client_id, EngineCoreOutputs())
         outputs.details.append(
             EngineCoreOutput(
                 request_handle=request.client_handle,
                 finish_reason=FinishReason.ERROR,
                 error_message=error,
+                error_kind=kind,
             )
         )
 
@@ -185,7 +213,7 @@ class EngineCore:
         logger.error("engine core failed: %s", message)
         self.is_failed = True
         self.failure_message = message
-        return self.scheduler.finish_all(RequestStatus.FINISHED_ERROR, message)
+        return self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
 
     def make_stats(self) -> SchedulerStats:
         scheduler = self.scheduler

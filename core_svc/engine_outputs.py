@@ -27,6 +27,7 @@ def make_detail(
         events=request.take_events(),
         num_cached_tokens=max(request.num_cached_tokens, 0) if is_first_token else None,
         error_message=request.error_message,
+        error_kind=request.error_kind,
     )
 
 

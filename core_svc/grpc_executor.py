@@ -129,7 +129,11 @@ class GrpcExecutor:
                 f"{scheduler_output.step_id}"
             )
             raise ExecutorError(self.failure or "step out of order")
-        return convert.model_runner_output_from_proto(reply)
+        try:
+            return convert.model_runner_output_from_proto(reply)
+        except ValueError as err:
+            self._fail(f"worker rank {reply.rank} sent a malformed output: {err}")
+            raise ExecutorError(self.failure or str(err)) from None
 
     def _read_output_rank(self) -> worker_pb2.ModelRunnerOutput:
         stream = self._streams[self.output_rank]

@@ -97,6 +97,9 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=facts.max_model_len,
         policy=config.scheduling_policy,  # type: ignore[arg-type]
+        vocab_size=facts.vocab_size,
+        max_num_queued_reqs=config.max_num_queued_reqs,
+        max_num_queued_tokens=config.max_num_queued_tokens,
     )
     cache = CacheConfig(
         num_blocks=facts.num_kv_blocks,

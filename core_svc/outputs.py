@@ -16,6 +16,15 @@ class FinishReason(IntEnum):
     ERROR = 4
 
 
+class ErrorKind(IntEnum):
+    """Why a request ended with ERROR; values match core.v1.ErrorKind."""
+
+    UNSPECIFIED = 0
+    INVALID_REQUEST = 1
+    OVERLOADED = 2
+    ENGINE_FAILURE = 3
+
+
 class EngineCoreEventType(IntEnum):
     """A step of a request's engine-side lifecycle; values match core.v1.EngineCoreEventType."""
 
@@ -54,6 +63,7 @@ class EngineCoreOutput:
     events: list[EngineCoreEvent] = field(default_factory=list)
     num_cached_tokens: int | None = None
     error_message: str = ""
+    error_kind: ErrorKind = ErrorKind.UNSPECIFIED
 
 
 @dataclass(slots=True)
@@ -117,3 +127,6 @@ class ModelRunnerOutput:
     rank: int = 0
     timings: StepTimings | None = None
     num_used_kv_blocks: int = 0
+    failed_reqs: dict[int, str] = field(default_factory=dict)
+    """Requests the ranks refused for their own invalid data, with the reason; the rest of
+    the step ran."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
-from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
+from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, ErrorKind, FinishReason
 
 
 class RequestStatus(IntEnum):
@@ -73,6 +73,7 @@ class Request:
         "stop_token_ids",
         "all_stop_token_ids",
         "error_message",
+        "error_kind",
         "num_sent_token_ids",
         "is_known_to_workers",
     )
@@ -131,6 +132,7 @@ class Request:
         """Every id that may end the request; the workers' sampler masks them under
         min_tokens."""
         self.error_message = ""
+        self.error_kind = ErrorKind.UNSPECIFIED
         self.num_sent_token_ids = 0
         """Token ids (prompt and outputs) the workers already have."""
         self.is_known_to_workers = False
@@ -149,6 +151,11 @@ class Request:
             raise ValueError(f"{status.name} is not a final status")
         self.status = status
         self.is_finished = True
+
+    def fail(self, kind: ErrorKind, message: str) -> None:
+        """Finish with ERROR, saying why."""
+        self.error_kind, self.error_message = kind, message
+        self.finish(RequestStatus.FINISHED_ERROR)
 
     def resolve_max_tokens(self, max_model_len: int) -> None:
         """max_tokens capped by the room left in max_model_len, so `num_output_tokens >=

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from core_svc.block_hash import BlockHasher
 from core_svc.block_pool import KVCacheBlock
 from core_svc.engine_outputs import make_final_outputs, make_step_outputs, merge_outputs
 from core_svc.kv_cache_manager import KVCacheManager
-from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ModelRunnerOutput
+from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ErrorKind, ModelRunnerOutput
 from core_svc.request import Request, RequestStatus
 from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
@@ -19,6 +20,17 @@ from core_svc.step_builder import StepBuilder
 from core_svc.stop_check import check_stop
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What applying one step's output did: who sampled what, who finished, who failed."""
+
+    sampled_reqs: list[Request] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -47,6 +59,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.vocab_size = scheduler_config.vocab_size
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -59,6 +72,8 @@ class Scheduler:
         """Handles the workers know and must drop, sent with the next SchedulerOutput."""
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_waiting_tokens = 0
+        """Tokens of the waiting requests (to compute when they are admitted)."""
         self.num_scheduled_tokens = 0
         """Tokens scheduled in the latest step."""
         self._scheduled_reqs: list[Request] = []
@@ -71,6 +86,7 @@ class Scheduler:
             )
         self.requests[request.req_handle] = request
         self.waiting.add_request(request)
+        self.num_waiting_tokens += request.num_tokens
         request.record_event(EngineCoreEventType.QUEUED)
 
     def has_unfinished_requests(self) -> bool:
@@ -171,6 +187,7 @@ class Scheduler:
         self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
+        self.num_waiting_tokens += request.num_tokens
 
     def _schedule_waiting(self, step: StepBuilder, token_budget: int, now: float) -> None:
         """Pass 2: admit waiting requests while budget and sequence slots last; the first
@@ -189,6 +206,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.pop_request()
+            self.num_waiting_tokens -= request.num_tokens
             kv.record_prefix_cache_stats(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -208,47 +226,49 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Apply one step's sampled tokens and free the requests that finished; returns the
-        outputs per client_id. Requests aborted while the step ran are skipped. A request
-        whose scheduled tokens reached its end but sampled nothing (a broken output rank)
-        finishes with ERROR instead of stalling."""
-        sampled_reqs: list[Request] = []
-        sampled_token_ids: list[int] = []
-        finished: list[Request] = []
-        failed = self._append_sampled_tokens(
-            scheduler_output, model_runner_output, sampled_reqs, sampled_token_ids, finished
+        outputs per client_id. Requests aborted while the step ran are skipped. Requests the
+        ranks refused for their own invalid data end with INVALID_REQUEST; a request whose
+        scheduled tokens reached its end but sampled nothing, or sampled an id outside the
+        vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
+        refused = self._fail_refused(model_runner_output.failed_reqs)
+        update = self._append_sampled_tokens(scheduler_output, model_runner_output)
+        outputs = make_step_outputs(
+            update.sampled_reqs, update.sampled_token_ids, model_runner_output
         )
-        outputs = make_step_outputs(sampled_reqs, sampled_token_ids, model_runner_output)
+        failed = refused + update.failed
         if failed:
-            logger.error("step %d: no sampled token for %d requests", self.step_id, len(failed))
+            logger.error("step %d: %d requests failed", self.step_id, len(failed))
             merge_outputs(outputs, make_final_outputs(failed))
-            finished += failed
+        finished = update.finished + failed
         if finished:
             for request in finished:
                 self._free_request(request)
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
+    def _fail_refused(self, failed_reqs: dict[int, str]) -> list[Request]:
+        refused = []
+        for handle, reason in failed_reqs.items():
+            request = self.requests.get(handle)
+            if request is not None and not request.is_finished:
+                request.fail(ErrorKind.INVALID_REQUEST, reason)
+                refused.append(request)
+        return refused
+
     def _append_sampled_tokens(
-        self,
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-        sampled_reqs: list[Request],
-        sampled_token_ids: list[int],
-        finished: list[Request],
-    ) -> list[Request]:
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> StepUpdate:
         """Per scheduled request: cache blocks that became full, then append its sampled
-        token, extend its block hashes and check stops. Returns the requests that should
-        have sampled and did not, finished with ERROR."""
+        token, extend its block hashes and check stops."""
         sampled = dict(
-            zip(
-                model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=False
-            )
+            zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
         )
+        update = StepUpdate()
         block_size = self.block_size
         max_model_len = self.max_model_len
+        vocab_size = self.vocab_size
         cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
         extend_hashes = self.block_hasher.extend
-        failed: list[Request] = []
         for request, num_new_tokens in zip(
             self._scheduled_reqs, scheduler_output.num_scheduled_tokens, strict=True
         ):
@@ -261,10 +281,13 @@ class Scheduler:
             if num_computed < len(all_token_ids):
                 continue  # a prefill chunk: nothing sampled
             token = sampled.get(request.req_handle)
-            if token is None:
-                request.finish(RequestStatus.FINISHED_ERROR)
-                request.error_message = f"step {self.step_id}: the output rank sampled no token"
-                failed.append(request)
+            if token is None or token >= vocab_size:
+                request.fail(
+                    ErrorKind.ENGINE_FAILURE,
+                    f"step {self.step_id}: the output rank sampled "
+                    f"{'no token' if token is None else 'a token outside the vocabulary'}",
+                )
+                update.failed.append(request)
                 continue
             request.output_token_ids.append(token)
             all_token_ids.append(token)
@@ -274,10 +297,10 @@ class Scheduler:
                 token in request.all_stop_token_ids
                 or len(request.output_token_ids) >= request.max_tokens
             ) and check_stop(request, max_model_len):
-                finished.append(request)
-            sampled_reqs.append(request)
-            sampled_token_ids.append(token)
-        return failed
+                update.finished.append(request)
+            update.sampled_reqs.append(request)
+            update.sampled_token_ids.append(token)
+        return update
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -302,11 +325,13 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         if removed_waiting:
             self.waiting.remove_requests(removed_waiting)
+            self.num_waiting_tokens -= sum(r.num_tokens for r in removed_waiting)
 
-    def finish_all(self, status: RequestStatus, error_message: str) -> dict[int, EngineCoreOutputs]:
-        """Finish every request (engine failure); one detail per request per client."""
+    def fail_all(self, kind: ErrorKind, message: str) -> dict[int, EngineCoreOutputs]:
+        """Finish every request with ERROR (engine failure, shutdown); one detail per request
+        per client."""
         requests = list(self.requests.values())
         for request in requests:
-            request.error_message = error_message
-        self.finish_requests(requests, status)
+            request.error_kind, request.error_message = kind, message
+        self.finish_requests(requests, RequestStatus.FINISHED_ERROR)
         return make_final_outputs(requests)

@@ -28,6 +28,13 @@ class SchedulerConfig:
     """"fcfs": arrival order; "priority": lower `priority` first, ties by arrival."""
     long_prefill_token_threshold: int = 0
     """When > 0, most tokens one request may compute in one step."""
+    vocab_size: int = 1 << 32
+    """Token ids must be below it, in requests and in what the workers sample (the default
+    accepts every uint32)."""
+    max_num_queued_reqs: int = 0
+    """When > 0, most requests waiting to be scheduled; more are refused as OVERLOADED."""
+    max_num_queued_tokens: int = 0
+    """When > 0, most prompt tokens waiting to be scheduled; more are refused as OVERLOADED."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -42,6 +49,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
 
 @dataclass(slots=True, frozen=True)

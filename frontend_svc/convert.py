@@ -135,6 +135,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
         events=[(e.type, e.timestamp) for e in d.events],
         num_cached_tokens=d.num_cached_tokens if d.HasField("num_cached_tokens") else None,
         error_message=d.error_message,
+        error_kind=d.error_kind,
     )
 
 

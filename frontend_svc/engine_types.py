@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 EVENT_QUEUED = 1
 EVENT_SCHEDULED = 2
 EVENT_PREEMPTED = 3
+ERROR_KIND_INVALID_REQUEST = 1
+ERROR_KIND_OVERLOADED = 2
+"""core.v1.ErrorKind values the frontend tells apart (others: the engine failed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class CoreOutputDetail:
     events: list[tuple[int, float]] = field(default_factory=list)
     num_cached_tokens: int | None = None
     error_message: str = ""
+    error_kind: int = 0
 
 
 @dataclass(slots=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from frontend_svc.engine_types import ERROR_KIND_INVALID_REQUEST, ERROR_KIND_OVERLOADED
+
 
 class FrontendError(Exception):
     """Base of the errors a client sees."""
@@ -60,3 +62,15 @@ class EngineUnavailable(FrontendError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     error_type = "service_unavailable_error"
+
+
+def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
+    """The client-facing error for a request the engine ended with FINISH_REASON_ERROR."""
+    if kind == ERROR_KIND_INVALID_REQUEST:
+        return InvalidRequest(f"request {request_id} refused by the engine: {message}")
+    if kind == ERROR_KIND_OVERLOADED:
+        return Overloaded(message)
+    return EngineUnavailable(
+        f"the engine failed while serving request {request_id}: "
+        f"{message or 'unknown error'}; retry it"
+    )

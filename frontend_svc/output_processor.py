@@ -192,6 +192,7 @@ class OutputProcessor:
             stop_token_id=detail.stop_token_id if detail and stop_str is None else None,
             stop_str=stop_str,
             error_message=detail.error_message if detail else "",
+            error_kind=detail.error_kind if detail else 0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

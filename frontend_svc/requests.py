@@ -93,6 +93,7 @@ class CompletionDelta:
     stop_token_id: int | None = None
     stop_str: str | None = None
     error_message: str = ""
+    error_kind: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 

@@ -12,7 +12,7 @@ import grpc
 from frontend_svc import convert
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import EngineUnavailable, FrontendError, InvalidRequest
+from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -43,10 +43,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
-                    raise EngineUnavailable(
-                        f"the engine failed while serving request {request_id}: "
-                        f"{delta.error_message or 'unknown error'}; retry it"
-                    )
+                    raise engine_error(request_id, delta.error_kind, delta.error_message)
                 yield convert.delta_to_proto(request_id, delta)
         except FrontendError as err:
             await context.abort(err.grpc_code, str(err))

@@ -165,6 +165,8 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput
     )
     msg.req_handles.extend(out.req_handles.tolist())
     msg.sampled_token_ids.extend(out.sampled_token_ids.tolist())
+    msg.failed_req_handles.extend(out.failed_reqs)
+    msg.failed_reasons.extend(out.failed_reqs.values())
     for handle, table in out.logprobs.items():
         msg.logprobs.add(req_handle=handle, table=logprobs_table_to_proto(table))
     for handle, table in out.prompt_logprobs.items():

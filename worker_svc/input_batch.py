@@ -17,9 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from splitserve_contracts import sampling_rules
+from splitserve_contracts.sampling_rules import InvalidSamplingParams
 from worker_svc.kv_cache import NULL_BLOCK_ID
 from worker_svc.sampling_metadata import SamplingStates
-from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
+from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from worker_svc.step_checks import BoolArray, bad_runs, check_step_shape, select_cached
 
 IntArray = npt.NDArray[np.int64]
 
@@ -46,6 +49,27 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What update_states made of a step: the rows this rank runs, in scheduled order, with
+    their scheduled tokens; the fresh block ids to zero; the requests it refused, and why."""
+
+    rows: IntArray
+    num_scheduled_tokens: IntArray
+    fresh_block_ids: IntArray
+    failed: dict[int, str]
+
+
+def _append_runs(
+    table: np.ndarray, lengths: IntArray, rows: IntArray, counts: IntArray, values: IntArray
+) -> None:
+    """table[row, lengths[row] + j] = values[...] for each row's run of `counts` values (checked
+    beforehand: they fit)."""
+    if len(values):
+        table[np.repeat(rows, counts), _ragged_cols(lengths[rows], counts)] = values
+    lengths[rows] += counts
 
 
 def _ragged_cols(starts: IntArray, counts: IntArray) -> IntArray:
@@ -110,145 +134,184 @@ class InputBatch:
         self.free_rows.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 
-    def _row(self, handle: int) -> int:
-        try:
-            return self.handle_to_row[handle]
-        except KeyError:
-            raise ValueError(f"request handle {handle} is unknown to this rank") from None
-
     # -- state updates from the step's diffs ---------------------------------------------------
 
-    def update_states(self, step: SchedulerOutput) -> tuple[IntArray, IntArray]:
-        """Apply the step's diffs. Returns (rows in scheduled order, freshly assigned block ids
-        that hold no computed token and must be zeroed before use)."""
+    def update_states(self, step: SchedulerOutput) -> StepPlan:
+        """Check the step, then apply its diffs. Requests whose own data is wrong are refused
+        (no state kept, reported in the plan); a step whose columns do not line up raises
+        MalformedStep before anything changes."""
+        check_step_shape(step)
         for handle in step.finished_req_handles.tolist():
-            row = self.handle_to_row.pop(handle, None)
-            if row is not None:
-                del self.row_handles[row]
-                self.sampling.remove(row)
-                self.free_rows.append(row)
-        new_rows = [self._add_request(new) for new in step.scheduled_new_reqs]
-        cached = step.scheduled_cached_reqs
-        rows = np.asarray(new_rows + [self._row(h) for h in cached.req_handles.tolist()], np.int64)
-        if len(np.unique(rows)) != len(rows):
-            raise ValueError("a request handle is scheduled twice in one step")
-        cached_rows = rows[len(new_rows) :]
-        first_fresh = -(-self.num_computed_tokens[rows[: len(new_rows)]] // self.block_size)
-        fresh = [
-            self.block_table[r, f : self.num_blocks[r]]
-            for r, f in zip(new_rows, first_fresh, strict=True)
-        ]
+            self._remove(handle)
+        failed: dict[int, str] = {}
+        keep = np.ones(step.num_reqs, np.bool_)
+        new_rows: list[int] = []
+        for i, new in enumerate(step.scheduled_new_reqs):
+            problem = self._new_request_problem(new)
+            if problem is None:
+                new_rows.append(self._add_request(new))
+            else:
+                failed[new.req_handle], keep[i] = problem, False
+        fresh = [self._fresh_blocks(row) for row in new_rows]
+        cached_keep = self._check_cached(step.scheduled_cached_reqs, failed)
+        keep[len(step.scheduled_new_reqs) :] = cached_keep
+        cached = select_cached(step.scheduled_cached_reqs, cached_keep)
+        cached_rows = np.asarray([self.handle_to_row[h] for h in cached.req_handles.tolist()])
         if cached.num_reqs:
-            fresh.append(self._update_cached(cached_rows, step))
-        return rows, np.unique(np.concatenate(fresh)) if fresh else np.zeros(0, np.int64)
+            fresh.append(self._update_cached(cached_rows.astype(np.int64), cached))
+        rows = np.concatenate([np.asarray(new_rows, np.int64), cached_rows.astype(np.int64)])
+        fresh_ids = np.unique(np.concatenate(fresh)) if fresh else np.zeros(0, np.int64)
+        plan = StepPlan(rows, step.num_scheduled_tokens[keep], fresh_ids, failed)
+        return self._check_schedule(plan)
 
-    def _add_request(self, new: NewRequestData) -> int:
+    def _fresh_blocks(self, row: int) -> IntArray:
+        """A new request's blocks past its prefix-cache hit: they hold no computed token."""
+        first_fresh = -(-int(self.num_computed_tokens[row]) // self.block_size)
+        return self.block_table[row, first_fresh : self.num_blocks[row]]
+
+    def _remove(self, handle: int) -> None:
+        row = self.handle_to_row.pop(handle, None)
+        if row is not None:
+            del self.row_handles[row]
+            self.sampling.remove(row)
+            self.free_rows.append(row)
+
+    def _new_request_problem(self, new: NewRequestData) -> str | None:
+        """Why this rank cannot take the new request, or None."""
         if new.req_handle in self.handle_to_row:
-            raise ValueError(f"request handle {new.req_handle} is already known to this rank")
+            return f"request handle {new.req_handle} is already known to this rank"
         num_prompt = len(new.prompt_token_ids)
         if not 0 < num_prompt <= self.max_model_len:
-            raise ValueError(
-                f"request {new.request_id!r}: prompt of {num_prompt} tokens does not "
-                f"fit max_model_len {self.max_model_len}"
-            )
+            return f"prompt of {num_prompt} tokens does not fit max_model_len {self.max_model_len}"
         for what, ids in (("prompt", new.prompt_token_ids), ("stop", new.stop_token_ids)):
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-                raise ValueError(
-                    f"request {new.request_id!r}: {what} token id outside the vocabulary"
-                )
+                return f"{what} token id outside the vocabulary"
         if not 0 <= new.num_computed_tokens < num_prompt:
-            raise ValueError(
-                f"request {new.request_id!r}: {new.num_computed_tokens} computed "
-                f"tokens for a prompt of {num_prompt}"
-            )
+            return f"{new.num_computed_tokens} computed tokens for a prompt of {num_prompt}"
+        blocks = new.block_ids
+        if (
+            len(blocks) > self.max_blocks_per_req
+            or bad_runs(
+                np.array([len(blocks)]), blocks, NULL_BLOCK_ID + 1, self.num_kv_blocks
+            ).any()
+        ):
+            return f"block ids outside {NULL_BLOCK_ID + 1}..{self.num_kv_blocks - 1} or too many"
+        try:
+            sampling_rules.validate(new.sampling, self.sampling.limits)
+        except InvalidSamplingParams as err:
+            return str(err)
+        return None
+
+    def _add_request(self, new: NewRequestData) -> int:
+        """Store a checked new request in a free row."""
         if not self.free_rows:
             self._grow(2 * self.capacity)
         row = self.free_rows.pop()
+        num_prompt = len(new.prompt_token_ids)
         self.handle_to_row[new.req_handle] = row
         self.row_handles[row] = new.req_handle
         self.token_ids[row, :num_prompt] = new.prompt_token_ids
         self.num_tokens[row] = self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = 0
-        self._append(
-            self.block_table,
-            self.num_blocks,
-            np.array([row]),
-            np.array([len(new.block_ids)]),
-            new.block_ids,
-            "block ids",
-        )
+        self.num_blocks[row] = len(new.block_ids)
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens)
         return row
 
-    def _update_cached(self, rows: IntArray, step: SchedulerOutput) -> IntArray:
-        cached = step.scheduled_cached_reqs
-        resumed = np.asarray([self._row(h) for h in cached.resumed_req_handles.tolist()], np.int64)
+    def _check_cached(self, cached: CachedRequestData, failed: dict[int, str]) -> BoolArray:
+        """Which cached entries can be applied; the others are refused (state dropped)."""
+        handles = cached.req_handles.tolist()
+        is_known = np.array([h in self.handle_to_row for h in handles], np.bool_)
+        rows = np.array([self.handle_to_row.get(h, 0) for h in handles], np.int64)
+        is_resumed = np.isin(cached.req_handles, cached.resumed_req_handles)
+        held = np.where(is_resumed, 0, self.num_blocks[rows])
+        resumed_lens = np.zeros(len(handles), np.int64)
+        resumed_bad = bad_runs(
+            cached.num_resumed_token_ids, cached.resumed_all_token_ids, 0, self.vocab_size
+        )
+        for handle, length, bad in zip(
+            cached.resumed_req_handles.tolist(),
+            cached.num_resumed_token_ids.tolist(),
+            resumed_bad.tolist(),
+            strict=True,
+        ):
+            resumed_lens[handles.index(handle)] = -1 if bad or length == 0 else length
+        checks = [
+            (~is_known, "the request is unknown to this rank"),
+            (
+                bad_runs(cached.num_new_block_ids, cached.new_block_ids, 1, self.num_kv_blocks)
+                | (held + cached.num_new_block_ids > self.max_blocks_per_req),
+                f"block ids outside 1..{self.num_kv_blocks - 1} or more than a request holds",
+            ),
+            (
+                bad_runs(cached.num_new_token_ids, cached.new_token_ids, 0, self.vocab_size)
+                | (self.num_tokens[rows] + cached.num_new_token_ids > self.max_model_len),
+                "new token ids outside the vocabulary or beyond max_model_len",
+            ),
+            (
+                (resumed_lens < 0) | (resumed_lens > self.max_model_len),
+                "a resumed request's token ids are empty, too many or outside the vocabulary",
+            ),
+            (cached.num_computed_tokens < 0, "negative num_computed_tokens"),
+        ]
+        keep = np.ones(len(handles), np.bool_)
+        for is_bad, reason in checks:
+            for i in np.flatnonzero(is_bad & keep).tolist():
+                failed[handles[i]], keep[i] = reason, False
+                if is_known[i]:
+                    self._remove(handles[i])
+        return keep
+
+    def _update_cached(self, rows: IntArray, cached: CachedRequestData) -> IntArray:
+        """Apply checked diffs; returns the new block ids that hold no computed token."""
+        resumed = np.asarray(
+            [self.handle_to_row[h] for h in cached.resumed_req_handles.tolist()], np.int64
+        )
         self.num_blocks[resumed] = 0  # resumed requests replace their block list
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         first_new = self.num_blocks[rows].copy()
-        self._append(
-            self.block_table,
-            self.num_blocks,
-            rows,
-            cached.num_new_block_ids,
-            cached.new_block_ids,
-            "block ids",
-        )
-        self._append(
-            self.token_ids,
-            self.num_tokens,
-            rows,
-            cached.num_new_token_ids,
-            cached.new_token_ids,
-            "tokens",
-        )
+        _append_runs(self.block_table, self.num_blocks, rows, cached.num_new_block_ids,
+                     cached.new_block_ids)  # fmt: skip
+        _append_runs(self.token_ids, self.num_tokens, rows, cached.num_new_token_ids,
+                     cached.new_token_ids)  # fmt: skip
         if len(resumed):
             self.num_tokens[resumed] = 0  # and rebuild their tokens from scratch
-            self._append(
-                self.token_ids,
-                self.num_tokens,
-                resumed,
-                cached.num_resumed_token_ids,
-                cached.resumed_all_token_ids,
-                "tokens",
-            )
+            _append_runs(self.token_ids, self.num_tokens, resumed,
+                         cached.num_resumed_token_ids, cached.resumed_all_token_ids)  # fmt: skip
         # New blocks at or past the first block without computed tokens are fresh.
         first_fresh = -(-self.num_computed_tokens[rows] // self.block_size)
         cols = _ragged_cols(first_new, cached.num_new_block_ids)
         is_fresh = cols >= np.repeat(first_fresh, cached.num_new_block_ids)
         return cached.new_block_ids[is_fresh]
 
-    def _append(
-        self,
-        table: np.ndarray,
-        lengths: IntArray,
-        rows: IntArray,
-        counts: IntArray,
-        values: IntArray,
-        what: str,
-    ) -> None:
-        """table[row, lengths[row] + j] = values[...] for each row's run of `counts` values."""
-        if len(counts) != len(rows) or int(counts.sum()) != len(values):
-            raise ValueError(f"malformed step: {what} counts do not match their values")
-        if not len(values):
-            return
-        is_blocks = table is self.block_table
-        low, limit = (NULL_BLOCK_ID + 1, self.num_kv_blocks) if is_blocks else (0, self.vocab_size)
-        if int(values.min()) < low or int(values.max()) >= limit:
-            raise ValueError(f"{what} outside {low}..{limit - 1}")
-        cols = _ragged_cols(lengths[rows], counts)
-        if int(cols.max()) >= table.shape[1]:
-            raise ValueError(f"{what} exceed the per-request limit of {table.shape[1]}")
-        table[np.repeat(rows, counts), cols] = values
-        lengths[rows] += counts
-
     # -- step inputs ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, step: SchedulerOutput, rows: IntArray) -> StepInputs:
+    def _check_schedule(self, plan: StepPlan) -> StepPlan:
+        """Refuse requests whose scheduled tokens they do not have (or have no blocks for)."""
+        rows, num_scheduled = plan.rows, plan.num_scheduled_tokens
+        seq_lens = self.num_computed_tokens[rows] + num_scheduled
+        is_bad = (
+            (num_scheduled < 1)
+            | (seq_lens > self.num_tokens[rows])
+            | (seq_lens > self.num_blocks[rows] * self.block_size)
+        )
+        if not is_bad.any():
+            return plan
+        for i in np.flatnonzero(is_bad).tolist():
+            row = int(rows[i])
+            handle = self.row_handles[row]
+            plan.failed[handle] = (
+                f"{int(num_scheduled[i])} tokens scheduled after {self.num_computed_tokens[row]}, "
+                f"but it has {int(self.num_tokens[row])} tokens and "
+                f"{int(self.num_blocks[row])} blocks of {self.block_size}"
+            )
+            self._remove(handle)
+        keep = ~is_bad
+        return StepPlan(rows[keep], num_scheduled[keep], plan.fresh_block_ids, plan.failed)
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Token ids, positions, slots and per-request metadata of the step, all vectorized."""
-        num_scheduled = step.num_scheduled_tokens
-        self._check_schedule(step, rows)
+        rows, num_scheduled = plan.rows, plan.num_scheduled_tokens
         num_computed = self.num_computed_tokens[rows]
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
@@ -276,30 +339,6 @@ class InputBatch:
             logits_indices=query_start_loc[sampling_reqs + 1] - 1,
             sampling_reqs=sampling_reqs,
         )
-
-    def _check_schedule(self, step: SchedulerOutput, rows: IntArray) -> None:
-        num_scheduled = step.num_scheduled_tokens
-        if len(num_scheduled) != len(rows):
-            raise ValueError(
-                f"num_scheduled_tokens has {len(num_scheduled)} entries for "
-                f"{len(rows)} scheduled requests"
-            )
-        if int(num_scheduled.sum()) != step.total_num_scheduled_tokens:
-            raise ValueError("total_num_scheduled_tokens is not the sum of num_scheduled_tokens")
-        if len(rows) and int(num_scheduled.min()) < 1:
-            raise ValueError("a scheduled request has no tokens to compute")
-        seq_lens = self.num_computed_tokens[rows] + num_scheduled
-        bad = np.flatnonzero(
-            (seq_lens > self.num_tokens[rows])
-            | (seq_lens > self.num_blocks[rows] * self.block_size)
-        )
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(
-                f"request handle {self.row_handles[int(rows[i])]}: {int(seq_lens[i])} tokens "
-                f"scheduled, but it has {int(self.num_tokens[rows[i]])} tokens and "
-                f"{int(self.num_blocks[rows[i]])} blocks of {self.block_size}"
-            )
 
     def finish_step(self, inputs: StepInputs) -> None:
         """Record that the step's tokens now have KV."""

@@ -67,6 +67,8 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         self.batch: InputBatch | None = None
         self.prompt_logprobs = PromptLogprobsCollector()
+        self._failed: dict[int, str] = {}
+        """Requests the current step refused, reported in its output."""
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate the cache and the per-request tables; returns the cache's bytes."""
@@ -143,13 +145,14 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache must run before execute")
         started = time.perf_counter()
         batch = self.batch
-        rows, fresh_blocks = batch.update_states(step)
-        self.prompt_logprobs.forget(step.finished_req_handles.tolist())
-        if len(fresh_blocks):
-            self.kv_cache.zero_blocks(fresh_blocks)
-        if not len(rows):
+        step_plan = batch.update_states(step)
+        self.prompt_logprobs.forget([*step.finished_req_handles.tolist(), *step_plan.failed])
+        if len(step_plan.fresh_block_ids):
+            self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
+        self._failed = step_plan.failed
+        if not len(step_plan.rows):
             return self._output(step, started, None, None, {}, StepTimings())
-        inputs = batch.prepare_inputs(step, rows)
+        inputs = batch.prepare_inputs(step_plan)
         plan = self.prompt_logprobs.plan(batch, inputs) if self.parallel.is_last_stage else None
         prepared = time.perf_counter()
 
@@ -255,6 +258,7 @@ class ModelRunner:
                 total_seconds=time.perf_counter() - started,
             ),
             num_used_kv_blocks=self.batch.num_used_blocks(),
+            failed_reqs=self._failed,
         )
 
     def _sample_logprobs(

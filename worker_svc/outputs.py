@@ -70,6 +70,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, LogprobsTable] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
     num_used_kv_blocks: int = 0
+    failed_reqs: dict[int, str] = field(default_factory=dict)
+    """Requests this step refused for their own invalid data, and why."""
     error_message: str | None = None
 
     @property

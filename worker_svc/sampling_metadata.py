@@ -107,13 +107,12 @@ class SamplingStates:
     def add(
         self, row: int, params: SamplerParams, stop_token_ids: IntArray, min_tokens: int
     ) -> None:
-        """Store a new request's settings; InvalidSamplingParams (a ValueError) when the engine
-        core forwarded values outside the contract's ranges."""
-        sampling_rules.validate(params, self.limits)
+        """Store a new request's settings (checked by the caller with sampling_rules against
+        `limits`)."""
         greedy = sampling_rules.is_greedy(params)
         self.temperature[row] = 0.0 if greedy else params.temperature
         self.top_p[row] = 1.0 if greedy else params.top_p
-        self.top_k[row] = 0 if greedy or params.top_k < 0 else params.top_k
+        self.top_k[row] = 0 if greedy or params.top_k < 0 else min(params.top_k, self.vocab_size)
         self.min_p[row] = 0.0 if greedy else params.min_p
         self.presence[row] = params.presence_penalty
         self.frequency[row] = params.frequency_penalty

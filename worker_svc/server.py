@@ -28,6 +28,7 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.step_checks import MalformedStep
 from worker_svc.worker import Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             output = self._worker.execute(
                 convert.scheduler_output_from_proto(request.scheduler_output)
             )
+        except (MalformedStep, OverflowError) as e:  # refused before any state changed
+            self._last_step_id = step_id
+            logger.warning("rank %d refused step %d: %s", rank, step_id, e)
+            return _error_response(step_id, rank, f"rank {rank} refused step {step_id}: {e}")
         except Exception as e:  # noqa: BLE001 (every failure becomes a STEP_STATUS_ERROR)
             logger.exception("step %d failed on rank %d", step_id, rank)
             self._failure = f"step {step_id} failed: {type(e).__name__}: {e}"

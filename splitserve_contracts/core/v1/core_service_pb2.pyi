@@ -20,6 +20,34 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ErrorKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ErrorKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ERROR_KIND_UNSPECIFIED: _ErrorKind.ValueType  # 0
+    """Not an error, or not classified."""
+    ERROR_KIND_INVALID_REQUEST: _ErrorKind.ValueType  # 1
+    """The request's own data is invalid (the frontend should have refused it)."""
+    ERROR_KIND_OVERLOADED: _ErrorKind.ValueType  # 2
+    """The engine is full (the waiting queue reached its limit): retry later."""
+    ERROR_KIND_ENGINE_FAILURE: _ErrorKind.ValueType  # 3
+    """The engine failed, or is shutting down; the request may be retried."""
+
+class ErrorKind(_ErrorKind, metaclass=_ErrorKindEnumTypeWrapper):
+    """ErrorKind classifies why the engine ended a request with FINISH_REASON_ERROR."""
+
+ERROR_KIND_UNSPECIFIED: ErrorKind.ValueType  # 0
+"""Not an error, or not classified."""
+ERROR_KIND_INVALID_REQUEST: ErrorKind.ValueType  # 1
+"""The request's own data is invalid (the frontend should have refused it)."""
+ERROR_KIND_OVERLOADED: ErrorKind.ValueType  # 2
+"""The engine is full (the waiting queue reached its limit): retry later."""
+ERROR_KIND_ENGINE_FAILURE: ErrorKind.ValueType  # 3
+"""The engine failed, or is shutting down; the request may be retried."""
+Global___ErrorKind: _TypeAlias = ErrorKind  # noqa: Y015
+
 class _EngineCoreEventType:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -500,6 +528,7 @@ class EngineCoreOutput(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    ERROR_KIND_FIELD_NUMBER: _builtins.int
     request_handle: _builtins.int
     """The request these details belong to."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -512,6 +541,10 @@ class EngineCoreOutput(_message.Message):
     """Prompt tokens served from the prefix cache, sent with the first token."""
     error_message: _builtins.str
     """Human-readable cause when finish_reason is ERROR."""
+    error_kind: Global___ErrorKind.ValueType
+    """What kind of failure it was when finish_reason is ERROR, so the frontend
+    can tell its client whether to fix the request, retry later or retry now.
+    """
     @_builtins.property
     def new_logprobs(self) -> _types_pb2.LogprobsTable:
         """Log-probabilities of this step's new tokens, one row per token."""
@@ -537,10 +570,11 @@ class EngineCoreOutput(_message.Message):
         events: _abc.Iterable[Global___EngineCoreEvent] | None = ...,
         num_cached_tokens: _builtins.int | None = ...,
         error_message: _builtins.str = ...,
+        error_kind: Global___ErrorKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_kind", b"error_kind", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_cached_tokens: _TypeAlias = _typing.Literal["num_cached_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_cached_tokens: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens"]  # noqa: Y015

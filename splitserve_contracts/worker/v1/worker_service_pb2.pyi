@@ -643,6 +643,8 @@ class ModelRunnerOutput(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    FAILED_REQ_HANDLES_FIELD_NUMBER: _builtins.int
+    FAILED_REASONS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The step this answers."""
     status: Global___StepStatus.ValueType
@@ -677,6 +679,17 @@ class ModelRunnerOutput(_message.Message):
     def timings(self) -> Global___StepTimings:
         """Where the step's time went on this rank."""
 
+    @_builtins.property
+    def failed_req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests of this step the rank refused because their own data was invalid
+        (e.g. sampler settings out of range); it keeps no state for them and the
+        engine finishes them with an error. The rest of the step ran.
+        """
+
+    @_builtins.property
+    def failed_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Why, one entry per failed_req_handles entry."""
+
     def __init__(
         self,
         *,
@@ -690,10 +703,12 @@ class ModelRunnerOutput(_message.Message):
         prompt_logprobs: _abc.Iterable[Global___RequestLogprobs] | None = ...,
         timings: Global___StepTimings | None = ...,
         num_used_kv_blocks: _builtins.int = ...,
+        failed_req_handles: _abc.Iterable[_builtins.int] | None = ...,
+        failed_reasons: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "logprobs", b"logprobs", "num_used_kv_blocks", b"num_used_kv_blocks", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_used_kv_blocks", b"num_used_kv_blocks", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

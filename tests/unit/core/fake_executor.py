@@ -68,6 +68,9 @@ class FakeExecutor:
         self.verify_context = verify_context
         self.scripts: dict[str, list[int]] = {}
         self.fail_at_step: int | None = None
+        self.refuse: dict[str, str] = {}
+        """request_id -> reason: the ranks refuse these new requests (their data is "invalid")."""
+        self.refused_handles: set[int] = set()
         self.on_execute: Callable[[SchedulerOutput], None] | None = None
         self.seen: list[SchedulerOutput] = []
         self.kv: list[list[tuple[int, int] | None]] = [
@@ -95,12 +98,19 @@ class FakeExecutor:
         if self.fail_at_step == so.step_id:
             raise ExecutorError(f"rank 0 lost at step {so.step_id}")
         for handle in so.finished_req_handles:
-            assert self.reqs.pop(handle, None) is not None, f"unknown finished handle {handle}"
+            known = self.reqs.pop(handle, None) is not None or handle in self.refused_handles
+            assert known, f"unknown finished handle {handle}"
         scheduled = self._apply_new(so) + self._apply_cached(so)
         assert len(scheduled) == len(so.num_scheduled_tokens)
         assert sum(so.num_scheduled_tokens) == so.total_num_scheduled_tokens
         out = ModelRunnerOutput(step_id=so.step_id)
         for handle, num_tokens in zip(scheduled, so.num_scheduled_tokens, strict=True):
+            reason = self.refuse.get(self.reqs[handle].request_id)
+            if reason is not None:
+                out.failed_reqs[handle] = reason
+                del self.reqs[handle]
+                self.refused_handles.add(handle)
+                continue
             shadow = self.reqs[handle]
             assert num_tokens > 0
             self._compute(shadow, num_tokens)
@@ -205,6 +215,7 @@ def make_engine(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -212,6 +223,7 @@ def make_engine(
         max_model_len=max_model_len,
         policy=policy,  # type: ignore[arg-type]
         long_prefill_token_threshold=long_prefill_token_threshold,
+        **limits,
     )
     cache_config = CacheConfig(
         num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import EngineCoreEventType, FinishReason, ModelRunnerOutput
+from core_svc.outputs import EngineCoreEventType, ErrorKind, FinishReason, ModelRunnerOutput
 from core_svc.request import RequestStatus
 from core_svc.scheduler_output import SchedulerOutput
 from tests.unit.core.fake_executor import (
@@ -110,17 +110,25 @@ def test_abort_client_stops_only_that_client() -> None:
         (list(range(20)), {}, "max_model_len"),
         ([1, 2], {"max_tokens": 0}, "max_tokens"),
         ([1, 2], {"max_tokens": 14}, "KV cache"),
+        ([1, 5000], {}, "prompt token id is outside the vocabulary"),
+        ([1, 2], {"stop_token_ids": (4096,)}, "stop or EOS token id is outside"),
+        ([1, 2], {"eos_token_id": 9999}, "stop or EOS token id is outside"),
+        ([1, 2], {"request_id": "x" * 300}, "request_id is longer"),
+        ([1, 2], {"cache_salt": "s" * 300}, "cache_salt is longer"),
     ],
 )
 def test_invalid_requests_finish_with_error(
     prompt: list[int], sampling: dict[str, Any], message: str
 ) -> None:
-    engine, executor = make_engine(max_model_len=16, num_blocks=4, block_size=4)  # 12 slots
+    engine, executor = make_engine(
+        max_model_len=16, num_blocks=4, block_size=4, vocab_size=4096
+    )  # 12 slots
     engine.add_request(make_request(1, prompt, **sampling))
     assert engine.has_work()
     outputs = engine.step()
     (detail,) = outputs[1].details
     assert detail.finish_reason == FinishReason.ERROR
+    assert detail.error_kind == ErrorKind.INVALID_REQUEST
     assert message in detail.error_message
     assert executor.seen == []
     assert not engine.has_work()
@@ -234,3 +242,54 @@ def test_stats_are_cumulative() -> None:
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
     assert stats.step_id == len(executor.seen)
     assert engine.reset_prefix_cache()
+
+
+def test_a_request_the_ranks_refuse_fails_alone() -> None:
+    engine, executor = make_engine()
+    executor.refuse["bad"] = "top_p must be in (0, 1], got 7"
+    engine.add_request(make_request(1, [1, 2, 3], request_id="bad", max_tokens=3))
+    engine.add_request(make_request(2, [4, 5, 6], request_id="good", max_tokens=3))
+    view = run_to_completion(engine)
+    assert view.finished == {(1, 1): FinishReason.ERROR, (1, 2): FinishReason.LENGTH}
+    (detail,) = [d for d in view.details[(1, 1)] if d.finish_reason]
+    assert detail.error_kind == ErrorKind.INVALID_REQUEST and "top_p" in detail.error_message
+    assert len(view.tokens[(1, 2)]) == 3 and not engine.is_failed
+    assert_idle(engine)
+
+
+def test_sampled_ids_outside_the_vocabulary_fail_the_request_not_the_engine() -> None:
+    engine, executor = make_engine(vocab_size=500)  # the fake samples ids in [100, 1100)
+    engine.add_request(make_request(1, [1, 2, 3], max_tokens=20))
+    view = run_to_completion(engine)
+    (detail,) = [d for d in view.details[(1, 1)] if d.finish_reason]
+    assert detail.error_kind == ErrorKind.ENGINE_FAILURE and "outside the vocabulary" in (
+        detail.error_message
+    )
+    assert not engine.is_failed
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("limits", "prompt_len", "needle"),
+    [
+        ({"max_num_queued_reqs": 2}, 3, "--max-num-queued-reqs 2"),
+        ({"max_num_queued_tokens": 8}, 3, "--max-num-queued-tokens 8"),
+    ],
+)
+def test_a_full_queue_refuses_new_requests_at_once(
+    limits: dict[str, int], prompt_len: int, needle: str
+) -> None:
+    engine, executor = make_engine(**limits)
+    for handle in (1, 2, 3):
+        engine.add_request(make_request(handle, list(range(1, prompt_len + 1)), max_tokens=2))
+    outputs = engine.step()
+    errors = [d for d in outputs[1].details if d.finish_reason == FinishReason.ERROR]
+    assert [d.request_handle for d in errors] == [3]
+    assert errors[0].error_kind == ErrorKind.OVERLOADED and needle in errors[0].error_message
+    view = run_to_completion(engine)
+    assert view.finished == {
+        (1, 1): FinishReason.LENGTH,
+        (1, 2): FinishReason.LENGTH,
+    }
+    engine.add_request(make_request(4, [1, 2, 3], max_tokens=2))  # room again once they ran
+    assert run_to_completion(engine).finished == {(1, 4): FinishReason.LENGTH}

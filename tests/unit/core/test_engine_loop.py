@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +107,7 @@ def test_routes_outputs_per_client_and_blocks_when_idle(loop_parts: Any) -> None
 
 def test_close_client_aborts_all_of_its_requests(loop_parts: Any) -> None:
     engine, executor, input_queue = loop_parts
+    executor.on_execute = lambda so: time.sleep(0.002)  # 200 steps outlast the close below
     sink = Sink(expected=1, idle=input_queue.blocked)
     proc = start(engine, sink, input_queue)
     proc.add_requests(1, [make_request(h, [h, 9], client_id=1, max_tokens=200) for h in (1, 2)])

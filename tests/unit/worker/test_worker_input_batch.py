@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.sampling_types import SamplerParams
 from tests.fixtures.step_driver import GREEDY, ids
 from worker_svc.input_batch import InputBatch
 from worker_svc.sampling_metadata import SamplingStates
@@ -14,6 +15,7 @@ from worker_svc.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from worker_svc.step_checks import MalformedStep
 
 BS = 4
 NULL = 0  # the null block pads block tables
@@ -81,8 +83,9 @@ def test_mixed_batch_inputs() -> None:
         [new(7, [10, 11, 12, 13, 14, 15], [3, 5]), new(8, [20, 21, 22, 23, 24], [6, 2], 4)],
         [4, 1],
     )
-    rows, fresh = batch.update_states(s1)
-    inputs = batch.prepare_inputs(s1, rows)
+    plan = batch.update_states(s1)
+    fresh = plan.fresh_block_ids
+    inputs = batch.prepare_inputs(plan)
     assert inputs.input_ids.tolist() == [10, 11, 12, 13, 24]
     assert inputs.positions.tolist() == [0, 1, 2, 3, 4]
     assert inputs.slot_mapping.tolist() == [12, 13, 14, 15, 2 * BS + 0]
@@ -99,8 +102,9 @@ def test_mixed_batch_inputs() -> None:
 
     # Step 2: request 7 finishes its prompt, request 8 decodes its sampled token 50.
     s2 = step(2, [], [2, 1], cached([7, 8], [4, 5], [[], []], [[], [50]]))
-    rows, fresh = batch.update_states(s2)
-    inputs = batch.prepare_inputs(s2, rows)
+    plan = batch.update_states(s2)
+    fresh = plan.fresh_block_ids
+    inputs = batch.prepare_inputs(plan)
     assert inputs.input_ids.tolist() == [14, 15, 50]
     assert inputs.positions.tolist() == [4, 5, 5]
     assert inputs.slot_mapping.tolist() == [5 * BS, 5 * BS + 1, 2 * BS + 1]
@@ -111,21 +115,21 @@ def test_mixed_batch_inputs() -> None:
 def test_append_then_resume_replaces_blocks_and_tokens() -> None:
     batch = make_batch()
     s1 = step(1, [new(1, [5, 6, 7], [10])], [3])
-    rows, _ = batch.update_states(s1)
-    batch.finish_step(batch.prepare_inputs(s1, rows))
+    batch.finish_step(batch.prepare_inputs(batch.update_states(s1)))
     s2 = step(2, [], [1], cached([1], [3], [[4]], [[8]]))
-    rows, fresh = batch.update_states(s2)
-    row = int(rows[0])
+    plan = batch.update_states(s2)
+    row, fresh = int(plan.rows[0]), plan.fresh_block_ids
     assert batch.block_table[row, :2].tolist() == [10, 4] and fresh.tolist() == [4]
     assert batch.token_ids[row, :4].tolist() == [5, 6, 7, 8]
-    batch.finish_step(batch.prepare_inputs(s2, rows))
+    batch.finish_step(batch.prepare_inputs(plan))
     # Preempted, then resumed: new blocks replace the list, tokens are rebuilt.
     s3 = step(3, [], [6], cached([1], [0], [[9, 11]], [[30]], resumed={1: [5, 6, 7, 8, 30, 31]}))
-    rows, fresh = batch.update_states(s3)
+    plan = batch.update_states(s3)
+    fresh = plan.fresh_block_ids
     assert batch.num_blocks[row] == 2 and batch.block_table[row, :2].tolist() == [9, 11]
     assert batch.token_ids[row, :6].tolist() == [5, 6, 7, 8, 30, 31]
     assert batch.num_tokens[row] == 6 and sorted(fresh.tolist()) == [9, 11]
-    inputs = batch.prepare_inputs(s3, rows)
+    inputs = batch.prepare_inputs(plan)
     assert inputs.positions.tolist() == list(range(6))
     assert inputs.logits_indices.tolist() == [5]
 
@@ -137,33 +141,70 @@ def test_finished_requests_are_dropped_and_rows_reused() -> None:
     assert batch.num_reqs == 2 and batch.capacity == 2
     batch.update_states(step(3, [], [], finished=(1, 12345)))  # unknown handles are ignored
     assert set(batch.handle_to_row) == {2}
-    with pytest.raises(ValueError, match="unknown"):
-        batch.update_states(step(4, [], [1], cached([1], [1], [[]], [[3]])))
+    refused = batch.update_states(step(4, [], [1], cached([1], [1], [[]], [[3]])))
+    assert "unknown" in refused.failed[1] and not len(refused.rows)
 
 
 def test_num_used_blocks_counts_shared_blocks_once() -> None:
     batch = make_batch()
     s1 = step(1, [new(1, list(range(8)), [10, 1]), new(2, list(range(6)), [10, 3], 4)], [8, 2])
-    rows, _ = batch.update_states(s1)
-    batch.finish_step(batch.prepare_inputs(s1, rows))
+    batch.finish_step(batch.prepare_inputs(batch.update_states(s1)))
     assert batch.num_used_blocks() == 3
 
 
 @pytest.mark.parametrize(
     ("sched", "blocks", "message"),
-    [([5], [10, 1], "scheduled"), ([4], [], "blocks"), ([0], [10, 1], "no tokens")],
+    [([5], [10, 1], "5 tokens scheduled"), ([4], [], "0 blocks"), ([0], [10, 1], "0 tokens")],
 )
-def test_malformed_schedules_are_refused(sched: list[int], blocks: list[int], message: str) -> None:
+def test_schedules_a_request_cannot_run_refuse_that_request(
+    sched: list[int], blocks: list[int], message: str
+) -> None:
     batch = make_batch()
-    s = step(1, [new(1, [1, 2, 3, 4], blocks)], sched)
-    rows, _ = batch.update_states(s)
-    with pytest.raises(ValueError, match=message):
-        batch.prepare_inputs(s, rows)
+    s = step(1, [new(1, [1, 2, 3, 4], blocks), new(2, [7, 8], [20])], [*sched, 2])
+    plan = batch.update_states(s)
+    assert message in plan.failed[1] and set(batch.handle_to_row) == {2}
+    assert plan.num_scheduled_tokens.tolist() == [2]
+    assert batch.prepare_inputs(plan).input_ids.tolist() == [7, 8]
 
 
 def test_prompt_longer_than_max_model_len_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_model_len"):
-        make_batch().update_states(step(1, [new(1, list(range(65)), list(range(17)))], [65]))
+    plan = make_batch().update_states(step(1, [new(1, list(range(65)), list(range(1, 18)))], [65]))
+    assert "max_model_len" in plan.failed[1] and not len(plan.rows)
+
+
+def test_bad_sampler_params_refuse_that_request_only() -> None:
+    batch = make_batch()
+    bad = NewRequestData(1, "r1", ids([1, 2]), SamplerParams(top_p=1.5), ids([10]))
+    plan = batch.update_states(step(1, [bad, new(2, [3, 4], [30])], [2, 2]))
+    assert "top_p must be in (0, 1]" in plan.failed[1]
+    assert set(batch.handle_to_row) == {2}
+
+
+def test_a_bad_cached_diff_refuses_that_request_only() -> None:
+    batch = make_batch()
+    plan = batch.update_states(step(1, [new(1, [5, 6], [10]), new(2, [7, 8], [11])], [2, 2]))
+    batch.finish_step(batch.prepare_inputs(plan))
+    diff = cached([1, 2], [2, 2], [[NUM_BLOCKS + 5], []], [[9], [100]])
+    plan = batch.update_states(step(2, [], [1, 1], diff))
+    assert "block ids" in plan.failed[1] and "vocabulary" in plan.failed[2]
+    assert not batch.handle_to_row and not len(plan.rows)
+
+
+@pytest.mark.parametrize(
+    "bad_step",
+    [
+        step(1, [new(1, [5], [10])], [1, 1]),  # more counts than requests
+        step(1, [new(1, [5], [10]), new(1, [6], [11])], [1, 1]),  # one handle twice
+        SchedulerOutput(
+            1, [new(1, [5], [10])], num_scheduled_tokens=ids([1]), total_num_scheduled_tokens=3
+        ),  # fmt: skip
+    ],
+)
+def test_a_malformed_step_changes_nothing(bad_step: SchedulerOutput) -> None:
+    batch = make_batch()
+    with pytest.raises(MalformedStep):
+        batch.update_states(bad_step)
+    assert not batch.handle_to_row
 
 
 def test_positions_are_vectorized_over_many_requests() -> None:
@@ -175,8 +216,7 @@ def test_positions_are_vectorized_over_many_requests() -> None:
         reqs.append(new(h, [h] * n, [2 * h + 1, 2 * h + 2]))
         sched.append(n)
     s = step(1, reqs, sched)
-    rows, _ = batch.update_states(s)
-    inputs = batch.prepare_inputs(s, rows)
+    inputs = batch.prepare_inputs(batch.update_states(s))
     expected_pos = np.concatenate([np.arange(n) for n in sched])
     assert np.array_equal(inputs.positions, expected_pos)
     req_of_token = np.repeat(np.arange(50), sched)
@@ -195,6 +235,10 @@ def test_positions_are_vectorized_over_many_requests() -> None:
         (new(1, [1, 2], [10], computed=2), "computed tokens"),
     ],
 )
-def test_out_of_range_ids_are_refused(request_data: NewRequestData, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        make_batch().update_states(step(1, [request_data], [2]))
+def test_out_of_range_ids_refuse_that_request_only(
+    request_data: NewRequestData, message: str
+) -> None:
+    batch = make_batch()
+    plan = batch.update_states(step(1, [request_data, new(2, [3, 4], [30])], [2, 2]))
+    assert message in plan.failed[1]
+    assert set(batch.handle_to_row) == {2} and plan.num_scheduled_tokens.tolist() == [2]

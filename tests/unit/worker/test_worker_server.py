@@ -26,7 +26,7 @@ PROMPT = [7, 8, 9, 10, 11]
 BLOCK_SIZE = 4
 
 
-def first_step() -> pb.ExecuteRequest:
+def first_step(step_id: int = 1) -> pb.ExecuteRequest:
     new = pb.NewRequestData(
         req_handle=5,
         request_id="r5",
@@ -36,7 +36,7 @@ def first_step() -> pb.ExecuteRequest:
     )
     return pb.ExecuteRequest(
         scheduler_output=pb.SchedulerOutput(
-            step_id=1,
+            step_id=step_id,
             scheduled_new_reqs=[new],
             num_scheduled_tokens=[5],
             total_num_scheduled_tokens=5,
@@ -177,7 +177,7 @@ def test_servicer_lifecycle_over_grpc(worker_checkpoints: CheckpointCache) -> No
     assert registry.get_sample_value("splitserve_worker_kv_blocks_used", labels) == 2
 
 
-async def failing_step(model: Path) -> pb.ModelRunnerOutput:
+async def failing_steps(model: Path) -> list[pb.ModelRunnerOutput]:
     servicer = WorkerServicer(CollectorRegistry(), device="cpu")
     server, port = start_server(servicer)
     try:
@@ -187,15 +187,26 @@ async def failing_step(model: Path) -> pb.ModelRunnerOutput:
             await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
             call = open_stream(stub)
             await call.write(decode_step(1, 3, 5))  # a request this rank never saw
-            output = await read_output(call)
+            outputs = [await read_output(call)]
+            malformed = decode_step(2, 3, 5)
+            malformed.scheduler_output.total_num_scheduled_tokens = 7
+            await call.write(malformed)
+            outputs.append(await read_output(call))
+            await call.write(first_step(3))  # the rank still serves: step 3 runs
+            outputs.append(await read_output(call))
             await call.done_writing()
-            return output
+            return outputs
     finally:
         servicer.close()
         server.stop(None)
 
 
-def test_step_exception_becomes_error_output(worker_checkpoints: CheckpointCache) -> None:
-    out = asyncio.run(failing_step(worker_checkpoints.get("llama")))
-    assert out.status == pb.STEP_STATUS_ERROR and out.step_id == 1
-    assert "request handle 5 is unknown" in out.error_message
+def test_bad_requests_fail_alone_and_a_malformed_step_is_refused(
+    worker_checkpoints: CheckpointCache,
+) -> None:
+    unknown, malformed, valid = asyncio.run(failing_steps(worker_checkpoints.get("llama")))
+    assert unknown.status == pb.STEP_STATUS_OK and list(unknown.failed_req_handles) == [5]
+    assert "unknown to this rank" in unknown.failed_reasons[0]
+    assert malformed.status == pb.STEP_STATUS_ERROR and malformed.step_id == 2
+    assert "malformed step 2" in malformed.error_message
+    assert valid.status == pb.STEP_STATUS_OK and list(valid.req_handles) == [5]

@@ -1,0 +1,41 @@
+"""What the engine core checks in every request a frontend sends: it is a peer, and a peer's
+data is untrusted. A bad request is refused alone (INVALID_REQUEST); the engine keeps serving."""
+
+from __future__ import annotations
+
+from core_svc.request import Request
+from core_svc.scheduler_config import SchedulerConfig
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+MAX_SAMPLER_PARAMS_BYTES = 1 << 20
+MAX_STOP_TOKEN_IDS = 4096
+
+
+def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) -> str | None:
+    """Why the request cannot run as sent, or None. Called once per request, at add."""
+    max_model_len = scheduler_config.max_model_len
+    vocab_size = scheduler_config.vocab_size
+    num_prompt_tokens = request.num_prompt_tokens
+    if num_prompt_tokens == 0:
+        return "the prompt is empty"
+    if num_prompt_tokens >= max_model_len:
+        return (
+            f"the prompt ({num_prompt_tokens} tokens) leaves no room to generate within "
+            f"max_model_len={max_model_len}"
+        )
+    if request.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {request.max_tokens}"
+    if max(request.prompt_token_ids) >= vocab_size:
+        return f"a prompt token id is outside the vocabulary (valid ids: 0..{vocab_size - 1})"
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"{len(request.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}"
+    if any(token_id >= vocab_size for token_id in request.all_stop_token_ids):
+        return "a stop or EOS token id is outside the vocabulary"
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        return f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
+    if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
+        return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
+    return None
