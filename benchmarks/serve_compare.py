@@ -27,7 +27,8 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from benchmarks.serve import (
+from splitserve.launcher import free_ports, start_children, stop_children, wait_ready
+from splitserve_client.bench_serve import (
     GenerateFn,
     Workload,
     grpc_generate,
@@ -35,7 +36,6 @@ from benchmarks.serve import (
     summarize,
     vocab_size_of,
 )
-from splitserve.launcher import free_ports, start_children, stop_children, wait_ready
 
 W1 = Workload(num_prompts=32, input_len=256, output_len=64, vocab_size=VOCAB_SIZE)
 W2 = Workload(num_prompts=1, input_len=256, output_len=128, vocab_size=VOCAB_SIZE, seed=1)
@@ -47,7 +47,7 @@ def transformers_baseline(model: str) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.serve import random_prompts
+    from splitserve_client.bench_serve import random_prompts
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 

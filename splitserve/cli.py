@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from splitserve_client.cli import CLIENT_COMMANDS, Command, dispatch
 
 USAGE = """usage: splitserve COMMAND [ARGS...]
 
@@ -43,41 +45,17 @@ def _worker(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-def _generate(argv: Sequence[str]) -> int:
-    from splitserve.generate_client import main
-
-    return main(argv)
-
-
-def _bench(argv: Sequence[str]) -> int:
-    from benchmarks.serve import main
-
-    if not argv or argv[0] != "serve":
-        print("usage: splitserve bench serve [--help]", file=sys.stderr)
-        return 2
-    return main(argv[1:])
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+COMMANDS: dict[str, Command] = {
     "up": _up,
     "frontend": _frontend,
     "core": _core,
     "worker": _worker,
-    "generate": _generate,
-    "bench": _bench,
+    **CLIENT_COMMANDS,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE, end="")
-        return 0 if args else 2
-    command = COMMANDS.get(args[0])
-    if command is None:
-        print(f"splitserve: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr, end="")
-        return 2
-    return command(args[1:])
+    return dispatch(argv, COMMANDS, USAGE)
 
 
 if __name__ == "__main__":

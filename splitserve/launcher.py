@@ -222,8 +222,8 @@ def ready_line(children: Sequence[Child]) -> str:
 
 
 def stream_sample(address: str, prompt: str) -> None:
-    from splitserve.generate_client import build_parser as generate_parser
-    from splitserve.generate_client import build_request, print_stream, stream_text
+    from splitserve_client.generate import build_parser as generate_parser
+    from splitserve_client.generate import build_request, print_stream, stream_text
 
     args = generate_parser().parse([prompt, "--max-tokens", "48"], {})
     print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)

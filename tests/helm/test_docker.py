@@ -433,6 +433,7 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
         "core_svc/__main__.py",
         "worker_svc/__main__.py",
         "splitserve_contracts/frontend/v1/generation_service_pb2.py",
+        "splitserve_client/generate.py",
     ):
         assert module in names, module
 

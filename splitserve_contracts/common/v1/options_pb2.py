@@ -25,11 +25,12 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/common/v1/options.proto\x12\x14splitserve.common.v1\x1a google/protobuf/descriptor.proto:4\n\x0bunset_means\x12\x1d.google.protobuf.FieldOptions\x18\xd1\x86\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/common/v1/options.proto\x12\x14splitserve.common.v1\x1a google/protobuf/descriptor.proto:4\n\x0bunset_means\x12\x1d.google.protobuf.FieldOptions\x18\xd1\x86\x03 \x01(\tBy\n\x17io.splitserve.common.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\xaa\x02\x14Splitserve.Common.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve_contracts.common.v1.options_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\027io.splitserve.common.v1P\001ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\252\002\024Splitserve.Common.V1'
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -73,6 +74,23 @@ def random_prompts(workload: Workload) -> list[list[int]]:
     ]
 
 
+class _NoProgressBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, is_enabled: bool) -> Any:
+    """tqdm's bar on stderr where tqdm is installed (the light splitserve-client has no tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgressBar()
+    return tqdm(total=total, disable=not is_enabled, desc="requests", leave=False)
+
+
 async def _one(
     generate: GenerateFn, prompt: list[int], workload: Workload, on_done: Callable[[], None]
 ) -> RequestResult:
@@ -92,9 +110,7 @@ async def run_workload(
     generate: GenerateFn, workload: Workload, progress: bool = True
 ) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals or all at once); returns results and duration."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=workload.num_prompts, disable=not progress, desc="requests", leave=False)
+    bar = progress_bar(workload.num_prompts, progress)
     rng = random.Random(workload.seed + 1)
     start = time.perf_counter()
     tasks: list[Awaitable[RequestResult]] = []
