@@ -1,8 +1,12 @@
-"""Every rendered manifest passes `kubernetes-validate --strict` for Kubernetes 1.30; the
-Prometheus Operator objects (no schema there) pass a structural schema of their own."""
+"""Every rendered manifest passes `kubernetes-validate --strict` for Kubernetes 1.30. The custom
+resources it only warns about get schemas of their own: the Prometheus Operator objects a
+hand-written one, LeaderWorkerSet, ScaledObject and InferencePool their upstream CRDs' schemas
+(tests/helm/crd_schemas/), and the LeaderWorkerSet's pod template kubernetes-validate as a
+PodTemplate."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -15,6 +19,7 @@ import yaml
 
 from tests.helm.chart_render import (
     KUBE_VERSION,
+    REPO_ROOT,
     Doc,
     Manifests,
     ci_values_files,
@@ -189,16 +194,35 @@ PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
         },
     },
 }
-CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
+CRD_SCHEMA_DIR = REPO_ROOT / "tests" / "helm" / "crd_schemas"
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": SERVICE_MONITOR_SCHEMA,
+    "PrometheusRule": PROMETHEUS_RULE_SCHEMA,
+    **{
+        kind: json.loads((CRD_SCHEMA_DIR / f"{kind.lower()}.json").read_text())
+        for kind in ("LeaderWorkerSet", "ScaledObject", "InferencePool")
+    },
+}
 
 
 def validate_doc(doc: Doc) -> None:
     import kubernetes_validate  # type: ignore[import-untyped]
 
-    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-        jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
-    else:
+    if doc["kind"] not in CRD_SCHEMAS:
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        return
+    jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
+    if doc["kind"] == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            if key in group:
+                template = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{key}"},
+                    "template": group[key],
+                }
+                kubernetes_validate.validate(template, KUBE_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("values", CASES)

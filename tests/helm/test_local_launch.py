@@ -25,6 +25,7 @@ from tests.helm.chart_render import (
     CI_DIR,
     CLUSTER_DOMAIN,
     Manifests,
+    container_processes,
     deep_merge,
     flag_value,
     load_values,
@@ -39,6 +40,7 @@ MAX_TOKENS = 12
 CASES = [
     pytest.param("cpu-values.yaml", id="tp2-embedded-model"),
     pytest.param("cpu-pp2-hostpath-values.yaml", id="pp2-hostpath-model"),
+    pytest.param("cpu-tpgroup-values.yaml", id="tpgroup-tp2-pp2"),
 ]
 
 
@@ -157,26 +159,34 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
     if model["source"] == "hostPath":
         # The core was told the in-pod path; the workers loaded it from their mount.
         assert info.model_path.endswith(f"/{model['subPath']}")
-    assert len(launched.cluster.pods_of("worker")) == (
-        par["tensorParallelSize"] * par["pipelineParallelSize"]
-    )
+    ranks = [
+        r for p in launched.cluster.pods_of("worker") for r in container_processes(p.container)
+    ]
+    assert len(ranks) == par["tensorParallelSize"] * par["pipelineParallelSize"]
 
 
 def scrape(launched: Launched) -> dict[str, set[str]]:
+    """Metric names by process: every port named metrics or metrics-<local rank> of every pod."""
     names = {}
     for pod in launched.cluster.pods:
-        url = f"http://127.0.0.1:{pod.loopback_port('metrics')}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            assert reply.status == 200
-            names[pod.name] = metric_names(reply.read().decode())
+        for port_name in pod.port_names:
+            if port_name != "metrics" and not port_name.startswith("metrics-"):
+                continue
+            url = f"http://127.0.0.1:{pod.loopback_port(port_name)}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200
+                names[f"{pod.name}/{port_name}"] = metric_names(reply.read().decode())
     return names
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_pod_serves_prometheus_metrics_on_its_metrics_port(launched: Launched) -> None:
-    for pod, names in scrape(launched).items():
-        assert names, f"{pod} exports no metrics"
+    scraped = scrape(launched)
+    processes = [container_processes(p.container) for p in launched.cluster.pods]
+    assert len(scraped) == sum(len(p) for p in processes)  # every rank of a tpGroup pod too
+    for target, names in scraped.items():
+        assert names, f"{target} exports no metrics"
 
 
 def dashboard_exprs(node: Any) -> list[str]:
