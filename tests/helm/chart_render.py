@@ -174,6 +174,24 @@ def container_port(container: Doc, name: str) -> int:
     raise KeyError(f"container {container['name']} has no port named {name!r}")
 
 
+def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it (envFrom ConfigMaps, then env)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(manifests.configmap_data(source["configMapRef"]["name"]))
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            env[var["name"]] = manifests.configmap_data(ref["name"])[ref["key"]]
+    return env
+
+
+def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
 def flag_value(args: list[str], flag: str) -> str | None:
     """Value of `--flag VALUE` or `--flag=VALUE` in an argument list (last one wins)."""
     value = None

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,17 +19,19 @@ from splitserve_runtime.flags import FlagParser, env_name
 from tests.helm.chart_render import (
     CHART_DIR,
     CLUSTER_DOMAIN,
-    Doc,
     Manifests,
     component_of,
+    container_env,
     container_port,
     container_processes,
     flag_value,
+    labels_match,
     only_container,
     pod_labels,
     pod_spec,
     render,
 )
+from tests.helm.network_policies import Peer, allowed, peers
 from worker_svc.config import build_parser as worker_parser
 from worker_svc.config import parse_config as parse_worker
 
@@ -62,24 +63,6 @@ REQUIRED_LABELS = (
     "app.kubernetes.io/part-of",
     "helm.sh/chart",
 )
-
-
-def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
-    """The container's environment as Kubernetes builds it (envFrom ConfigMaps, then env)."""
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        env.update(manifests.configmap_data(source["configMapRef"]["name"]))
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = str(var["value"])
-        elif "configMapKeyRef" in var.get("valueFrom", {}):
-            ref = var["valueFrom"]["configMapKeyRef"]
-            env[var["name"]] = manifests.configmap_data(ref["name"])[ref["key"]]
-    return env
-
-
-def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 # -- labels, selectors ------------------------------------------------------------------------
@@ -376,89 +359,6 @@ def test_created_model_claim_survives_uninstall() -> None:
 
 
 # -- network policy ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A traffic endpoint: a pod (labels, namespace, named ports) or a client outside the cluster."""
-
-    labels: Mapping[str, str] = field(default_factory=dict)
-    namespace: str | None = None  # None: outside the cluster
-    ports: Mapping[str, int] = field(default_factory=dict)
-
-
-def _peer_matches(rule_peers: list[Doc] | None, peer: Peer, policy_ns: str) -> bool:
-    if rule_peers is None:
-        return True
-    for p in rule_peers:
-        if "ipBlock" in p:
-            return True
-        if peer.namespace is None:
-            continue
-        ns_sel = p.get("namespaceSelector")
-        ns_ok = (
-            peer.namespace == policy_ns
-            if ns_sel is None
-            else labels_match(
-                ns_sel.get("matchLabels", {}), {"kubernetes.io/metadata.name": peer.namespace}
-            )
-        )
-        pod_sel = p.get("podSelector")
-        pod_ok = pod_sel is None or labels_match(pod_sel.get("matchLabels", {}), peer.labels)
-        if ns_ok and pod_ok:
-            return True
-    return False
-
-
-def _port_matches(rule_ports: list[Doc] | None, port: int, target: Peer) -> bool:
-    if rule_ports is None:
-        return True
-    for p in rule_ports:
-        wanted = p["port"]
-        if wanted == port or (isinstance(wanted, str) and target.ports.get(wanted) == port):
-            return True
-    return False
-
-
-def allowed(m: Manifests, src: Peer, dst: Peer, port: int) -> bool:
-    """Would the chart's NetworkPolicies let `src` open a connection to `dst`:`port`?"""
-    policies = m.of_kind("NetworkPolicy")
-
-    def side(direction: str, subject: Peer, other: Peer) -> bool:
-        selecting = [
-            p
-            for p in policies
-            if subject.namespace == m.namespace
-            and direction in p["spec"]["policyTypes"]
-            and labels_match(p["spec"]["podSelector"]["matchLabels"], subject.labels)
-        ]
-        if not selecting:
-            return True
-        key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-        return any(
-            _peer_matches(rule.get(peers_key), other, m.namespace)
-            and _port_matches(rule.get("ports"), port, dst)
-            for policy in selecting
-            for rule in policy["spec"].get(key, [])
-        )
-
-    return side("Egress", src, dst) and side("Ingress", dst, src)
-
-
-def peers(m: Manifests) -> dict[str, Peer]:
-    found = {}
-    for workload in m.workloads():
-        container = only_container(workload)
-        found[component_of(workload)] = Peer(
-            pod_labels(workload),
-            m.namespace,
-            {p["name"]: p["containerPort"] for p in container["ports"]},
-        )
-    found["client"] = Peer()
-    found["monitoring"] = Peer({"app": "prometheus"}, "monitoring")
-    found["ingress"] = Peer({"app": "nginx"}, "ingress-nginx")
-    found["other-pod"] = Peer({"app": "other"}, m.namespace)
-    return found
 
 
 def test_network_policy_directions_by_default(default_manifests: Manifests) -> None:

@@ -54,7 +54,9 @@ KITCHEN_SINK: dict[str, Any] = {
         "podAnnotations": {"x": "y"},
         "podLabels": {"tier": "api"},
         "extraArgs": ["--max-n", "8"],
+        "httpPort": 8000,
     },
+    "inferencePool": {"enabled": True, "endpointPicker": {"name": "epp"}},
     "core": {"extraEnv": [{"name": "CORE_EXTRA", "value": "1"}], "kvCacheMemoryBytes": 8589934592},
     "worker": {
         "gpu": {"enabled": True},
@@ -240,12 +242,49 @@ def test_kitchen_sink_renders_every_optional_object() -> None:
     kinds = {d["kind"] for d in render(KITCHEN_SINK).docs}
     assert {
         "HorizontalPodAutoscaler",
+        "InferencePool",
         "Ingress",
         "Secret",
         "PersistentVolumeClaim",
         "ServiceMonitor",
         "PrometheusRule",
     } <= kinds
+
+
+CUSTOM_RESOURCES: dict[str, Any] = {
+    "worker": {"layout": "tpGroup", "leaderWorkerSet": {"enabled": True}},
+    "parallelism": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    "frontend": {"keda": {"enabled": True}},
+    "inferencePool": {"enabled": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "bad"),
+    [
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "restartPolicy"), "Always"),
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "sizes"), 2),
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "workerTemplate", "spec", "x"), 1),
+        ("ScaledObject", ("spec", "triggers", 0, "metadata", "threshold"), 5),
+        ("ScaledObject", ("spec", "maxReplicaCount"), 0),
+        ("InferencePool", ("spec", "targetPorts"), []),
+        ("InferencePool", ("spec", "appProtocol"), "grpc"),
+    ],
+)
+def test_custom_resource_schemas_catch_bad_fields(
+    kind: str, path: tuple[Any, ...], bad: Any
+) -> None:
+    """The CRD schemas are not a no-op: each corruption of a rendered custom resource fails."""
+    import kubernetes_validate
+
+    doc = render(CUSTOM_RESOURCES).of_kind(kind)[0]
+    validate_doc(doc)  # as rendered: valid
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = bad
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate_doc(doc)
 
 
 def test_validation_catches_a_bad_manifest(default_manifests: Manifests) -> None:

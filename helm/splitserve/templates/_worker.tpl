@@ -33,12 +33,21 @@ done
 launch
 stop() { kill -TERM "${pids[@]}" 2>/dev/null; wait; }
 trap 'stop; exit 0' TERM INT
-wait -n
-code=$?
-echo "splitserve tp-group: a rank exited with status $code, stopping the TP group" >&2
-stop
-if [ "$code" -eq 0 ]; then code=1; fi
-exit "$code"
+# Poll rather than "wait -n", which can miss a child that exits early (bash 5.2).
+while :; do
+  for pid in "${pids[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid"
+      code=$?
+      echo "splitserve tp-group: a rank exited with status $code, stopping the TP group" >&2
+      stop
+      if [ "$code" -eq 0 ]; then code=1; fi
+      exit "$code"
+    fi
+  done
+  sleep 1 &
+  wait "$!"
+done
 {{- end }}
 
 {{/* Resources of a worker container: worker.resources plus one GPU per rank it holds. */}}
