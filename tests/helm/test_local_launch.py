@@ -8,10 +8,13 @@ the Hub (a local stand-in for it, fake_hub.py) through the download init contain
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
+import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from tests.helm.chart_render import (
     render,
 )
 from tests.helm.fake_hub import hub_calls, install_fake_hub
-from tests.helm.local_cluster import LocalCluster, WiringError, metric_names
+from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
 
 BIN_DIR = Path(sys.executable).parent
 READY_TIMEOUT_S = 420.0
@@ -310,3 +313,55 @@ def test_hub_downloads_fill_what_each_pod_reads(launched: Launched) -> None:
         files = by_dir[tokenizer_dir]["files"]
         assert "tokenizer.json" in files
         assert not any(str(f).endswith(".safetensors") for f in files)
+
+
+def rank_pids(pod: LocalPod) -> list[int]:
+    """PIDs of the `splitserve worker` processes a pod's container started (its TP ranks)."""
+    assert pod.process is not None
+    pids = []
+    children = Path(f"/proc/{pod.process.pid}/task/{pod.process.pid}/children").read_text()
+    for pid in map(int, children.split()):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"worker" in cmdline and any(arg.endswith(b"splitserve") for arg in cmdline):
+            pids.append(pid)
+    return pids
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
+    fails as a whole (the supervisor stops the other rank) and is restarted; the engine core
+    reports itself failed (liveness), is restarted, and brings every rank up again."""
+    manifests = render(case_values("cpu-tpgroup-values.yaml", default_model_dir))
+    cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
+    try:
+        cluster.start()
+        cluster.wait_ready(READY_TIMEOUT_S)
+        frontend = frontend_address(cluster, manifests)
+        assert generate(frontend, "before", 4)
+        group = cluster.pods_of("worker")[1]  # the second pipeline stage
+        assert group.process is not None
+        ranks = rank_pids(group)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)  # a rank we started, by PID
+        assert group.process.wait(timeout=60) != 0  # the container fails...
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)  # ...with its whole group
+        cluster.restart(group)  # the kubelet restarts the container
+        core = cluster.pods_of("core")[0]
+        wait_until(lambda: not cluster.probe(core, "livenessProbe"), 120, "core still live")
+        cluster.restart(core)  # liveness failed: the kubelet restarts the core
+        cluster.wait_ready(READY_TIMEOUT_S)
+        tokens = [t for r in generate(frontend, "after the group restart", 4) for t in r.token_ids]
+        assert len(tokens) == 4
+    finally:
+        cluster.stop()
