@@ -55,10 +55,10 @@ LWS_HUB = {
     },
     "worker": {"leaderWorkerSet": {"enabled": True}},
 }
+# (The tpGroup values as a StatefulSet are launched by the TP-group restart test below.)
 CASES = [
     pytest.param(("cpu-values.yaml", {}), id="tp2-embedded-model"),
     pytest.param(("cpu-pp2-hostpath-values.yaml", {}), id="pp2-hostpath-model"),
-    pytest.param(("cpu-tpgroup-values.yaml", {}), id="tpgroup-tp2-pp2"),
     pytest.param(("cpu-tpgroup-values.yaml", LWS_HUB), id="tpgroup-lws-hub"),
 ]
 
