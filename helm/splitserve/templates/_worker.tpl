@@ -126,7 +126,9 @@ done
     {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     {{- include "splitserve.scratchVolumeMounts" . | nindent 4 }}
-    {{- include "splitserve.modelVolumeMount" . | nindent 4 }}
+    {{- with include "splitserve.modelVolumeMount" . }}
+    {{- . | nindent 4 }}
+    {{- end }}
     - name: dshm
       mountPath: /dev/shm
     {{- with $w.extraVolumeMounts }}
@@ -159,7 +161,9 @@ spec:
     {{- include "splitserve.workerContainer" . | nindent 4 }}
   volumes:
     {{- include "splitserve.scratchVolumes" . | nindent 4 }}
-    {{- include "splitserve.modelVolume" . | nindent 4 }}
+    {{- with include "splitserve.modelVolume" . }}
+    {{- . | nindent 4 }}
+    {{- end }}
     - name: dshm
       emptyDir:
         medium: Memory
