@@ -17,7 +17,9 @@ RELEASE = "splitserve"
 NAMESPACE = "llm"
 KUBE_VERSION = "1.30.0"
 CLUSTER_DOMAIN = "cluster.local"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "LeaderWorkerSet")
+# The argument that separates the ranks' command lines in a tpGroup worker container (_worker.tpl).
+RANK_SEPARATOR = ";"
 
 Doc = dict[str, Any]
 
@@ -88,8 +90,14 @@ class Manifests:
     def containers(self) -> Iterator[tuple[Doc, Doc]]:
         """(workload, container) for every container of every workload."""
         for workload in self.workloads():
-            spec = workload["spec"]["template"]["spec"]
+            spec = pod_spec(workload)
             for container in [*spec.get("initContainers", []), *spec["containers"]]:
+                yield workload, container
+
+    def main_containers(self) -> Iterator[tuple[Doc, Doc]]:
+        """(workload, container) for every long-running (not init) container."""
+        for workload in self.workloads():
+            for container in pod_spec(workload)["containers"]:
                 yield workload, container
 
     def configmap_data(self, name: str) -> dict[str, str]:
@@ -101,9 +109,55 @@ def component_of(doc: Doc) -> str:
     return str(doc["metadata"].get("labels", {}).get("app.kubernetes.io/component", ""))
 
 
+def pod_template(workload: Doc) -> Doc:
+    """The PodTemplateSpec of a workload (a LeaderWorkerSet's worker template)."""
+    if workload["kind"] == "LeaderWorkerSet":
+        template: Doc = workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    else:
+        template = workload["spec"]["template"]
+    return template
+
+
 def pod_spec(workload: Doc) -> Doc:
-    spec: Doc = workload["spec"]["template"]["spec"]
+    spec: Doc = pod_template(workload)["spec"]
     return spec
+
+
+def pod_labels(workload: Doc) -> dict[str, str]:
+    labels: dict[str, str] = pod_template(workload)["metadata"]["labels"]
+    return labels
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process a container runs: its argv and the environment its launcher adds."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def container_processes(container: Doc) -> list[Process]:
+    """The processes of a container: its command + args, or, for a tpGroup worker container (a
+    bash supervisor), each rank's command line (`[env VAR=VALUE ...] splitserve worker ...`)."""
+    command, args = list(container["command"]), list(container.get("args", []))
+    if command[:2] != ["bash", "-c"]:
+        return [Process(command + args, {})]
+    groups: list[list[str]] = [[]]
+    for arg in args:
+        if arg == RANK_SEPARATOR:
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    processes = []
+    for group in groups:
+        env = {}
+        if group and group[0] == "env":
+            group = group[1:]
+            while group and "=" in group[0]:
+                key, _, value = group.pop(0).partition("=")
+                env[key] = value
+        processes.append(Process(group, env))
+    return processes
 
 
 def only_container(workload: Doc) -> Doc:
@@ -118,6 +172,24 @@ def container_port(container: Doc, name: str) -> int:
         if port.get("name") == name:
             return int(port["containerPort"])
     raise KeyError(f"container {container['name']} has no port named {name!r}")
+
+
+def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it (envFrom ConfigMaps, then env)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(manifests.configmap_data(source["configMapRef"]["name"]))
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            env[var["name"]] = manifests.configmap_data(ref["name"])[ref["key"]]
+    return env
+
+
+def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
 
 
 def flag_value(args: list[str], flag: str) -> str | None:

@@ -1,20 +1,24 @@
 """Run a rendered chart's pods as local processes, as Kubernetes would wire them.
 
-Every pod of every Deployment / StatefulSet becomes one process started from its container's
-`command`, `args` and environment (envFrom ConfigMaps and Secrets, env values and references,
-`$(VAR)` expansion, Service-link variables unless `enableServiceLinks: false`). The cluster's
-network and storage are mapped onto the local machine:
+Every pod of every Deployment / StatefulSet / LeaderWorkerSet (local_pods.py) runs its init
+containers to completion and then becomes one process started from its container's `command`,
+`args` and environment (envFrom ConfigMaps and Secrets, env values and references, `$(VAR)`
+expansion, Service-link variables unless `enableServiceLinks: false`), with the image's PATH
+(the splitserve scripts first). The cluster's network and storage are mapped onto the local
+machine:
 
 * every declared containerPort of every pod gets its own free loopback port; a `--*-port` flag
   that names one is rewritten to it, and listen address 0.0.0.0 becomes 127.0.0.1;
 * every `HOST:PORT` in args or env whose HOST is a cluster DNS name - a Service
   (`svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.<domain>`, port -> targetPort) or a pod behind a
-  headless Service (`pod.svc...`, StatefulSets) - is rewritten to the loopback port of the pod it
-  reaches; an unresolvable name is a wiring error;
+  headless Service (`pod.svc...`: StatefulSets, and LeaderWorkerSets under the Service their
+  controller creates) - is rewritten to the loopback port of the pod it reaches; an
+  unresolvable name is a wiring error;
 * every volume becomes a folder (emptyDir: per pod; PVC: shared per claim; hostPath: itself;
   ConfigMap / Secret: files) and every absolute path in args or env is translated through the
   container's volume mounts; a path on no volume would be on the read-only root filesystem and is a
-  wiring error.
+  wiring error. A path a process only forwards to other pods (the core's --model, which the
+  workers open) is translated through those pods' mounts instead, and must mean one folder.
 
 Readiness is what the pods' own gRPC probes say. Processes are stopped by PID.
 """
@@ -24,21 +28,30 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helm.chart_render import Doc, Manifests, component_of, pod_spec
+from tests.helm.chart_render import Doc, Manifests
+from tests.helm.local_pods import (
+    LOOPBACK,
+    ContainerRun,
+    LocalPod,
+    PodFailed,
+    WiringError,
+    expand_pods,
+    expand_refs,
+    free_ports,
+)
 
-LOOPBACK = "127.0.0.1"
+__all__ = ["LocalCluster", "LocalPod", "PodFailed", "WiringError", "metric_names"]
 ADDRESS = re.compile(
     r"(?<![\w.-])(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):"
     r"(?P<port>\d{1,5})(?![\w.])"
@@ -46,84 +59,9 @@ ADDRESS = re.compile(
 # Environment twins of the services' listen-port flags (--port, --metrics-port).
 LISTEN_PORT_ENV = {"SPLITSERVE_PORT", "SPLITSERVE_METRICS_PORT"}
 IP = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-
-
-class WiringError(AssertionError):
-    """The manifests would not work in a cluster (found before or while starting the pods)."""
-
-
-class PodFailed(AssertionError):
-    """A pod's process exited or did not become ready."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Loopback ports that are free right now (held open together, so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-@dataclass
-class LocalPod:
-    """One pod of a workload, run as one local process (single-container pods only)."""
-
-    name: str
-    workload: Doc
-    ordinal: int
-    root: Path
-    ports: dict[int, int] = field(default_factory=dict)  # containerPort -> loopback port
-    port_names: dict[str, int] = field(default_factory=dict)  # port name -> containerPort
-    mounts: list[tuple[str, Path]] = field(default_factory=list)  # (mountPath, folder)
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def component(self) -> str:
-        return component_of(self.workload)
-
-    @property
-    def labels(self) -> dict[str, str]:
-        labels: dict[str, str] = self.workload["spec"]["template"]["metadata"]["labels"]
-        return labels
-
-    @property
-    def spec(self) -> Doc:
-        return pod_spec(self.workload)
-
-    @property
-    def container(self) -> Doc:
-        containers = self.spec["containers"]
-        if len(containers) != 1 or self.spec.get("initContainers"):
-            raise WiringError(f"{self.name}: only single-container pods are emulated")
-        container: Doc = containers[0]
-        return container
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "container.log"
-
-    def log_tail(self, lines: int = 60) -> str:
-        if not self.log_path.exists():
-            return "(no output)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def loopback_port(self, container_port: int | str) -> int:
-        number = (
-            self.port_names.get(container_port)
-            if isinstance(container_port, str)
-            else container_port
-        )
-        if number is None or number not in self.ports:
-            raise WiringError(
-                f"{self.name} declares no containerPort {container_port!r} (has {self.port_names})"
-            )
-        return self.ports[number]
+# Paths a component passes on to another component's pods, which open them: (component, flag).
+FORWARDED_PATHS = {("core", "--model"): "worker"}
+SHELLS = ("bash", "/bin/bash", "/usr/bin/bash", "sh", "/bin/sh")
 
 
 class LocalCluster:
@@ -135,33 +73,27 @@ class LocalCluster:
         workdir: Path,
         bin_dir: Path,
         cluster_domain: str = "cluster.local",
+        secrets: Mapping[str, Mapping[str, str]] | None = None,
+        init_env: Mapping[str, str] | None = None,
     ) -> None:
+        """`secrets`: Secrets the user creates beside the release (name -> data); `init_env`:
+        environment added to every init container (e.g. a stand-in for a network service)."""
         self.manifests = manifests
         self.namespace = manifests.namespace
         self.domain = cluster_domain
         self.workdir = workdir
         self.bin_dir = bin_dir
-        self.pods = self._expand_pods()
+        self.secrets = {k: dict(v) for k, v in (secrets or {}).items()}
+        self.init_env = dict(init_env or {})
+        self.pods = expand_pods(manifests, workdir)
         self._assign_ports()
         self._dns = self._build_dns()
+        for pod in self.pods:
+            self._mount(pod)
         for pod in self.pods:
             self._prepare(pod)
 
     # -- set-up ---------------------------------------------------------------------------
-
-    def _expand_pods(self) -> list[LocalPod]:
-        pods = []
-        for workload in self.manifests.workloads():
-            kind, name = workload["kind"], workload["metadata"]["name"]
-            if kind not in ("Deployment", "StatefulSet"):
-                raise WiringError(f"{kind}/{name}: not emulated")
-            replicas = int(workload["spec"].get("replicas", 1))
-            for ordinal in range(replicas):
-                pod_name = f"{name}-{ordinal}"
-                root = self.workdir / "pods" / pod_name
-                root.mkdir(parents=True)
-                pods.append(LocalPod(pod_name, workload, ordinal, root))
-        return pods
 
     def _assign_ports(self) -> None:
         declared = [(pod, p) for pod in self.pods for p in pod.container.get("ports", [])]
@@ -176,7 +108,8 @@ class LocalCluster:
 
     def _build_dns(self) -> dict[str, tuple[str, Doc | LocalPod]]:
         """DNS name -> ("service", Service) for ClusterIP Services, ("pod", pod) for the pods a
-        headless Service names (StatefulSet pods: hostname = pod name, subdomain = serviceName)."""
+        headless Service names (hostname = pod name, subdomain = the StatefulSet's serviceName
+        or the LeaderWorkerSet, whose controller creates that Service)."""
         dns: dict[str, tuple[str, Doc | LocalPod]] = {}
         for svc in self.manifests.of_kind("Service"):
             name = svc["metadata"]["name"]
@@ -185,11 +118,13 @@ class LocalCluster:
                     dns[form] = ("service", svc)
                 continue
             for pod in self.selected(svc):
-                if pod.workload["kind"] == "StatefulSet" and (
-                    pod.workload["spec"]["serviceName"] == name
-                ):
+                if pod.workload["kind"] == "StatefulSet" and pod.subdomain == name:
                     for form in self._dns_forms(f"{pod.name}.{name}"):
                         dns[form] = ("pod", pod)
+        for pod in self.pods:
+            if pod.workload["kind"] == "LeaderWorkerSet":
+                for form in self._dns_forms(f"{pod.name}.{pod.subdomain}"):
+                    dns[form] = ("pod", pod)
         return dns
 
     def selected(self, service: Doc) -> list[LocalPod]:
@@ -230,6 +165,8 @@ class LocalCluster:
         return self._secret_data(volume["secret"]["secretName"])
 
     def _secret_data(self, name: str) -> dict[str, str]:
+        if name in self.secrets:
+            return self.secrets[name]
         secret = self.manifests.get("Secret", name)
         data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
         data.update(secret.get("stringData") or {})
@@ -261,18 +198,19 @@ class LocalCluster:
                     )
         return env
 
-    def _container_env(self, pod: LocalPod) -> dict[str, str]:
+    def _container_env(self, pod: LocalPod, container: Doc) -> dict[str, str]:
         env: dict[str, str] = {}
         if pod.spec.get("enableServiceLinks", True):
             env.update(self._service_link_env())
-        for source in pod.container.get("envFrom", []):
+        for source in container.get("envFrom", []):
             prefix = source.get("prefix", "")
             if "configMapRef" in source:
                 data = self.manifests.configmap_data(source["configMapRef"]["name"])
             else:
                 data = self._secret_data(source["secretRef"]["name"])
             env.update({prefix + k: v for k, v in data.items()})
-        for var in pod.container.get("env", []):
+        env.update(pod.controller_env)
+        for var in container.get("env", []):
             env[var["name"]] = self._env_value(pod, var, env)
         return env
 
@@ -301,37 +239,56 @@ class LocalCluster:
             return fields[path]
         return ""
 
-    def _prepare(self, pod: LocalPod) -> None:
+    def _mount(self, pod: LocalPod) -> None:
+        """The pod's volumes as folders, and each container's mounts of them."""
         folders = self._volumes(pod)
-        for mount in pod.container.get("volumeMounts", []):
-            if mount["name"] not in folders:
-                raise WiringError(f"{pod.name}: volumeMount {mount['name']} has no volume")
-            folder = folders[mount["name"]] / mount.get("subPath", "")
-            pod.mounts.append((mount["mountPath"].rstrip("/") or "/", folder))
-        pod.mounts.sort(key=lambda m: len(m[0]), reverse=True)
-        env = self._container_env(pod)
-        pod.env = {k: self._rewrite_env(pod, k, v) for k, v in env.items()}
-        command = [expand_refs(c, env) for c in pod.container.get("command", [])]
-        args = [expand_refs(a, env) for a in pod.container.get("args", [])]
-        if not command:
-            raise WiringError(f"{pod.name}: no command (the image's ENTRYPOINT is not emulated)")
-        pod.argv = [
-            self._executable(pod, command[0]),
-            *self._rewrite_args(pod, [*command[1:], *args]),
-        ]
+
+        def mounts(container: Doc) -> list[tuple[str, Path]]:
+            found = []
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] not in folders:
+                    raise WiringError(f"{pod.name}: volumeMount {mount['name']} has no volume")
+                folder = folders[mount["name"]] / mount.get("subPath", "")
+                found.append((mount["mountPath"].rstrip("/") or "/", folder))
+            return sorted(found, key=lambda m: len(m[0]), reverse=True)
+
+        pod.init = [ContainerRun(c["name"], mounts(c)) for c in pod.init_containers]
+        pod.main = ContainerRun(pod.container["name"], mounts(pod.container))
+
+    def _prepare(self, pod: LocalPod) -> None:
+        assert pod.main is not None
+        runs = [*pod.init, pod.main]
+        for run, container in zip(runs, [*pod.init_containers, pod.container], strict=True):
+            env = self._container_env(pod, container)
+            run.env = {k: self._rewrite_env(pod, run, k, v) for k, v in env.items()}
+            command = [expand_refs(c, env) for c in container.get("command", [])]
+            args = [expand_refs(a, env) for a in container.get("args", [])]
+            if not command:
+                raise WiringError(
+                    f"{pod.name}: no command (the image's ENTRYPOINT is not emulated)"
+                )
+            run.argv = [
+                self._executable(pod, command[0]),
+                *self._rewrite_args(pod, run, [*command[1:], *args]),
+            ]
 
     # -- rewriting ------------------------------------------------------------------------
 
     def _executable(self, pod: LocalPod, name: str) -> str:
         if name in ("python", "python3", "python3.11"):
             return sys.executable
+        if name in SHELLS:
+            shell = shutil.which(Path(name).name)
+            if shell is None:
+                raise WiringError(f"{pod.name}: {name} is not installed here")
+            return shell
         local = self.bin_dir / Path(name).name
         if not local.exists():
             raise WiringError(f"{pod.name}: command {name!r} is not installed here")
         return str(local)
 
-    def translate_path(self, pod: LocalPod, path: str, what: str) -> str:
-        for mount_path, folder in pod.mounts:
+    def translate_path(self, pod: LocalPod, run: ContainerRun, path: str, what: str) -> str:
+        for mount_path, folder in run.mounts:
             if path == mount_path or path.startswith(mount_path + "/"):
                 return str(folder) + path[len(mount_path) :]
         raise WiringError(
@@ -339,11 +296,23 @@ class LocalCluster:
             "filesystem is read-only)"
         )
 
-    def _rewrite_value(self, pod: LocalPod, value: str, what: str) -> str:
+    def _forwarded_path(self, pod: LocalPod, flag: str, path: str) -> str:
+        """A path `pod` passes on in `flag` to the pods that open it: the same folder there."""
+        opener = FORWARDED_PATHS[(pod.component, flag)]
+        folders = {
+            self.translate_path(p, p.main, path, f"{flag} of {pod.name}")
+            for p in self.pods_of(opener)
+            if p.main is not None
+        }
+        if len(folders) != 1:
+            raise WiringError(f"{pod.name} {flag} {path}: not one folder in the {opener} pods")
+        return folders.pop()
+
+    def _rewrite_value(self, pod: LocalPod, run: ContainerRun, value: str, what: str) -> str:
         if value == "0.0.0.0":
             return LOOPBACK
         if value.startswith("/"):
-            return self.translate_path(pod, value, what)
+            return self.translate_path(pod, run, value, what)
 
         def address(match: re.Match[str]) -> str:
             host, port = match["host"], int(match["port"])
@@ -353,31 +322,29 @@ class LocalCluster:
 
         return ADDRESS.sub(address, value)
 
-    def _rewrite_env(self, pod: LocalPod, name: str, value: str) -> str:
+    def _rewrite_env(self, pod: LocalPod, run: ContainerRun, name: str, value: str) -> str:
         if name in LISTEN_PORT_ENV and value.isdigit():
             return str(pod.loopback_port(int(value)))
-        return self._rewrite_value(pod, value, f"env {name}")
+        return self._rewrite_value(pod, run, value, f"env {name}")
 
-    def _rewrite_args(self, pod: LocalPod, args: list[str]) -> list[str]:
+    def _rewrite_args(self, pod: LocalPod, run: ContainerRun, args: list[str]) -> list[str]:
         out: list[str] = []
-        listen_flag = False
+        previous = ""
         for arg in args:
-            if listen_flag:
-                out.append(str(pod.loopback_port(int(arg))))
-                listen_flag = False
-                continue
             flag, eq, value = arg.partition("=")
-            if flag.startswith("--") and flag.endswith("port"):
-                if not eq:
-                    listen_flag = True
-                    out.append(arg)
-                else:
-                    out.append(f"{flag}={pod.loopback_port(int(value))}")
-                continue
-            if flag.startswith("--") and eq:
-                out.append(f"{flag}={self._rewrite_value(pod, value, flag)}")
+            if previous.startswith("--") and previous.endswith("port"):
+                out.append(str(pod.loopback_port(int(arg))))  # a listen port
+            elif (pod.component, previous) in FORWARDED_PATHS:
+                out.append(self._forwarded_path(pod, previous, arg))
+            elif flag.startswith("--") and eq and flag.endswith("port"):
+                out.append(f"{flag}={pod.loopback_port(int(value))}")
+            elif flag.startswith("--") and eq and (pod.component, flag) in FORWARDED_PATHS:
+                out.append(f"{flag}={self._forwarded_path(pod, flag, value)}")
+            elif flag.startswith("--") and eq:
+                out.append(f"{flag}={self._rewrite_value(pod, run, value, flag)}")
             else:
-                out.append(self._rewrite_value(pod, arg, "an argument"))
+                out.append(self._rewrite_value(pod, run, arg, "an argument"))
+            previous = "" if eq else arg
         return out
 
     def resolve(self, host: str, port: int, what: str = "client") -> int:
@@ -402,21 +369,51 @@ class LocalCluster:
 
     # -- running --------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start every pod at once, like Kubernetes does (no ordering between workloads)."""
+    def start(self, init_timeout: float = 300.0) -> None:
+        """Start every pod, like Kubernetes does (no ordering between workloads): its init
+        containers one after the other to completion, then its container."""
         for pod in self.pods:
+            for run in pod.init:
+                self._run_init(pod, run, init_timeout)
             self._run(pod)
 
-    def _run(self, pod: LocalPod) -> None:
-        base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    def _base_env(self) -> dict[str, str]:
+        """The image's PATH: the splitserve scripts first, then the system's."""
+        path = os.pathsep.join([str(self.bin_dir), os.environ.get("PATH", "/usr/bin:/bin")])
+        return {"PATH": path, "LANG": "C.UTF-8"}
+
+    def _run_init(self, pod: LocalPod, run: ContainerRun, timeout: float) -> None:
         with pod.log_path.open("ab") as log:
-            pod.process = subprocess.Popen(
-                pod.argv,
-                env={**base, **pod.env},
+            log.write(f"--- init container {run.name} ---\n".encode())
+            log.flush()
+            result = subprocess.run(
+                run.argv,
+                env={**self._base_env(), **run.env, **self.init_env},
                 cwd=pod.root,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                timeout=timeout,
+                check=False,
+            )
+        if result.returncode != 0:
+            raise PodFailed(
+                f"{pod.name}: init container {run.name} exited with code {result.returncode}:"
+                f"\n{pod.log_tail()}"
+            )
+
+    def _run(self, pod: LocalPod) -> None:
+        # Its own session, so that a container's child processes (a tpGroup pod's ranks) can be
+        # killed with it, as the kubelet kills a container's whole cgroup.
+        with pod.log_path.open("ab") as log:
+            pod.process = subprocess.Popen(
+                pod.argv,
+                env={**self._base_env(), **pod.env},
+                cwd=pod.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def restart(self, pod: LocalPod) -> None:
@@ -496,7 +493,7 @@ class LocalCluster:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)  # the container's process group
                 process.wait()
 
     def describe(self) -> str:
@@ -504,19 +501,6 @@ class LocalCluster:
 
     def pods_of(self, component: str) -> list[LocalPod]:
         return [p for p in self.pods if p.component == component]
-
-
-def expand_refs(text: str, env: Mapping[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in command, args and env values ($$ escapes)."""
-
-    def sub(match: re.Match[str]) -> str:
-        if match.group(0).startswith("$$"):
-            return match.group(0)[1:]
-        return env.get(match["name"], match.group(0))
-
-    return re.sub(
-        r"\$\$\([A-Za-z_][A-Za-z0-9_]*\)|\$\((?P<name>[A-Za-z_][A-Za-z0-9_]*)\)", sub, text
-    )
 
 
 SAMPLE_SUFFIXES = {

@@ -56,13 +56,13 @@ def test_helm_template_renders_the_expected_objects(values_file: Path | None) ->
     kinds = {d["kind"] for d in manifests.docs}
     assert {
         "Deployment",
-        "StatefulSet",
         "Service",
         "ConfigMap",
         "NetworkPolicy",
         "PodDisruptionBudget",
         "ServiceAccount",
     } <= kinds
+    assert kinds & {"StatefulSet", "LeaderWorkerSet"}, "no worker workload"
     names = [(d["kind"], d["metadata"]["name"]) for d in manifests.docs]
     assert len(names) == len(set(names)), "two objects share a kind and name"
     for doc in manifests.docs:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,15 +19,19 @@ from splitserve_runtime.flags import FlagParser, env_name
 from tests.helm.chart_render import (
     CHART_DIR,
     CLUSTER_DOMAIN,
-    Doc,
     Manifests,
     component_of,
+    container_env,
     container_port,
+    container_processes,
     flag_value,
+    labels_match,
     only_container,
+    pod_labels,
     pod_spec,
     render,
 )
+from tests.helm.network_policies import Peer, allowed, peers
 from worker_svc.config import build_parser as worker_parser
 from worker_svc.config import parse_config as parse_worker
 
@@ -62,29 +65,6 @@ REQUIRED_LABELS = (
 )
 
 
-def container_env(manifests: Manifests, container: Doc) -> dict[str, str]:
-    """The container's environment as Kubernetes builds it (envFrom ConfigMaps, then env)."""
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        env.update(manifests.configmap_data(source["configMapRef"]["name"]))
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = str(var["value"])
-        elif "configMapKeyRef" in var.get("valueFrom", {}):
-            ref = var["valueFrom"]["configMapKeyRef"]
-            env[var["name"]] = manifests.configmap_data(ref["name"])[ref["key"]]
-    return env
-
-
-def labels_match(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def pod_labels(workload: Doc) -> dict[str, str]:
-    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
-    return labels
-
-
 # -- labels, selectors ------------------------------------------------------------------------
 
 
@@ -109,18 +89,29 @@ def test_every_selector_selects_pods_of_the_release(gpu_manifests: Manifests) ->
     assert gpu_manifests.get(target["kind"], target["name"]) is gpu_manifests.workload("frontend")
 
 
-def test_service_target_ports_exist_on_the_selected_pods(gpu_manifests: Manifests) -> None:
-    for svc in gpu_manifests.of_kind("Service"):
-        for workload in gpu_manifests.workloads():
-            if not labels_match(svc["spec"]["selector"], pod_labels(workload)):
-                continue
-            container = only_container(workload)
-            for port in svc["spec"]["ports"]:
-                target = port["targetPort"]
-                if isinstance(target, str):
-                    container_port(container, target)  # raises when missing
-                else:
-                    assert target in [p["containerPort"] for p in container["ports"]]
+@pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests"])
+def test_service_target_ports_exist_on_the_selected_pods(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Every Service port reaches a port of some pod it selects (the metrics Service's
+    "metrics-i" ports only exist on the worker pods that hold several ranks)."""
+    manifests: Manifests = request.getfixturevalue(fixture)
+    for svc in manifests.of_kind("Service"):
+        selected = [
+            only_container(w)
+            for w in manifests.workloads()
+            if labels_match(svc["spec"]["selector"], pod_labels(w))
+        ]
+        for port in svc["spec"]["ports"]:
+            target = port["targetPort"]
+            names = [
+                p.get("name") if isinstance(target, str) else p["containerPort"]
+                for c in selected
+                for p in c["ports"]
+            ]
+            assert target in names, (
+                f"{svc['metadata']['name']}: no selected pod has port {target!r}"
+            )
 
 
 # -- pods: security, probes, volumes ----------------------------------------------------------
@@ -207,37 +198,6 @@ def test_workers_get_a_memory_backed_dev_shm(gpu_manifests: Manifests) -> None:
 # -- rank layout and wiring -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
-def test_worker_ranks_match_the_cores_worker_addrs(tp: int, pp: int) -> None:
-    m = render({"parallelism": {"tensorParallelSize": tp, "pipelineParallelSize": pp}})
-    sts = m.workload("worker")
-    assert sts["kind"] == "StatefulSet"
-    assert sts["spec"]["replicas"] == tp * pp
-    assert sts["spec"]["podManagementPolicy"] == "Parallel"
-    headless = m.get("Service", sts["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
-    assert headless["spec"]["publishNotReadyAddresses"] is True
-    worker = only_container(sts)
-    core_args = only_container(m.workload("core"))["args"]
-    # Pod ordinal = rank: "<sts>-<rank>.<headless service>.<namespace>.svc.<domain>".
-    expected = [
-        f"{sts['metadata']['name']}-{rank}.{headless['metadata']['name']}.{m.namespace}"
-        f".svc.{CLUSTER_DOMAIN}:{container_port(worker, 'grpc')}"
-        for rank in range(tp * pp)
-    ]
-    assert flag_value(core_args, "--worker-addrs") == ",".join(expected)
-    assert flag_value(core_args, "--tensor-parallel-size") == str(tp)
-    assert flag_value(core_args, "--pipeline-parallel-size") == str(pp)
-    rank0_host = expected[0].rsplit(":", 1)[0]
-    assert flag_value(core_args, "--distributed-init-method") == (
-        f"tcp://{rank0_host}:{container_port(worker, 'dist')}"
-    )
-    assert "dist" in [p["name"] for p in headless["spec"]["ports"]]
-    assert sts["spec"]["template"]["metadata"]["annotations"]["splitserve.io/parallelism"] == (
-        f"tp={tp},pp={pp}"
-    )
-
-
 def test_frontend_dials_the_core_service(default_manifests: Manifests) -> None:
     m = default_manifests
     core_svc = m.get("Service", "splitserve-core")
@@ -275,17 +235,20 @@ def test_service_flag_parsers_accept_every_container(
         "core": parse_core,
         "worker": parse_worker,
     }
-    for workload, container in m.containers():
-        command = container["command"]
-        assert command[0] == "splitserve" and command[1] == component_of(workload)
-        config = parsers[command[1]](container["args"], environ=container_env(m, container))
-        assert config.port == container_port(container, "grpc")
-        assert config.metrics_port == container_port(container, "metrics")
-    core = parse_core(
-        only_container(m.workload("core"))["args"],
-        environ=container_env(m, only_container(m.workload("core"))),
-    )
-    assert core.world_size == m.workload("worker")["spec"]["replicas"]
+    num_ranks = 0
+    for workload, container in m.main_containers():
+        ports = {p["containerPort"] for p in container["ports"]}
+        for process in container_processes(container):
+            argv = process.argv
+            assert argv[0] == "splitserve" and argv[1] == component_of(workload), argv
+            env = {**container_env(m, container), **process.env}
+            config = parsers[argv[1]](argv[2:], environ=env)
+            assert config.port in ports and config.metrics_port in ports
+            num_ranks += argv[1] == "worker"
+    core_container = only_container(m.workload("core"))
+    core = parse_core(core_container["args"], environ=container_env(m, core_container))
+    worker_pods = m.workload("worker")["spec"]["replicas"]
+    assert core.world_size == num_ranks * worker_pods
 
 
 def test_configmap_holds_only_known_settings(gpu_manifests: Manifests) -> None:
@@ -314,12 +277,13 @@ def test_big_numbers_are_not_rendered_in_float_notation() -> None:
 # -- GPU --------------------------------------------------------------------------------------
 
 
-def test_gpu_workers_get_one_gpu_each_and_the_cuda_image(gpu_manifests: Manifests) -> None:
+def test_gpu_workers_get_a_gpu_per_rank_and_the_cuda_image(gpu_manifests: Manifests) -> None:
     sts = gpu_manifests.workload("worker")
-    assert sts["spec"]["replicas"] == 4
+    # The GPU layout (tpGroup): one pod per pipeline stage with its two TP ranks' GPUs.
+    assert sts["spec"]["replicas"] == 2
     worker = only_container(sts)
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 2
     assert worker["resources"]["limits"]["memory"] == "96Gi"
     assert worker["image"] == "registry.example.com/ml/splitserve:0.1.0-cuda"
     spec = pod_spec(sts)
@@ -362,7 +326,9 @@ def test_every_pod_sees_the_model_at_the_path_the_core_sends(source: str) -> Non
         }
     }
     m = render(values)
-    for workload, container in m.containers():
+    for component in ("frontend", "worker"):  # tokenizer files, weights
+        workload = m.workload(component)
+        container = only_container(workload)
         mount = next(x for x in container["volumeMounts"] if x["mountPath"] == "/models")
         assert mount["readOnly"] is True
         volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
@@ -370,6 +336,9 @@ def test_every_pod_sees_the_model_at_the_path_the_core_sends(source: str) -> Non
             assert volume["persistentVolumeClaim"]["claimName"] == "models"
         else:
             assert volume["hostPath"]["path"] == "/var/lib/splitserve/models"
+    # The core only forwards the path to the workers: it mounts no model volume.
+    core = m.workload("core")
+    assert "model" not in {v["name"] for v in pod_spec(core)["volumes"]}
     for component in ("frontend", "core"):
         args = only_container(m.workload(component))["args"]
         assert flag_value(args, "--model") == "/models/llama", component
@@ -390,89 +359,6 @@ def test_created_model_claim_survives_uninstall() -> None:
 
 
 # -- network policy ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A traffic endpoint: a pod (labels, namespace, named ports) or a client outside the cluster."""
-
-    labels: Mapping[str, str] = field(default_factory=dict)
-    namespace: str | None = None  # None: outside the cluster
-    ports: Mapping[str, int] = field(default_factory=dict)
-
-
-def _peer_matches(rule_peers: list[Doc] | None, peer: Peer, policy_ns: str) -> bool:
-    if rule_peers is None:
-        return True
-    for p in rule_peers:
-        if "ipBlock" in p:
-            return True
-        if peer.namespace is None:
-            continue
-        ns_sel = p.get("namespaceSelector")
-        ns_ok = (
-            peer.namespace == policy_ns
-            if ns_sel is None
-            else labels_match(
-                ns_sel.get("matchLabels", {}), {"kubernetes.io/metadata.name": peer.namespace}
-            )
-        )
-        pod_sel = p.get("podSelector")
-        pod_ok = pod_sel is None or labels_match(pod_sel.get("matchLabels", {}), peer.labels)
-        if ns_ok and pod_ok:
-            return True
-    return False
-
-
-def _port_matches(rule_ports: list[Doc] | None, port: int, target: Peer) -> bool:
-    if rule_ports is None:
-        return True
-    for p in rule_ports:
-        wanted = p["port"]
-        if wanted == port or (isinstance(wanted, str) and target.ports.get(wanted) == port):
-            return True
-    return False
-
-
-def allowed(m: Manifests, src: Peer, dst: Peer, port: int) -> bool:
-    """Would the chart's NetworkPolicies let `src` open a connection to `dst`:`port`?"""
-    policies = m.of_kind("NetworkPolicy")
-
-    def side(direction: str, subject: Peer, other: Peer) -> bool:
-        selecting = [
-            p
-            for p in policies
-            if subject.namespace == m.namespace
-            and direction in p["spec"]["policyTypes"]
-            and labels_match(p["spec"]["podSelector"]["matchLabels"], subject.labels)
-        ]
-        if not selecting:
-            return True
-        key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-        return any(
-            _peer_matches(rule.get(peers_key), other, m.namespace)
-            and _port_matches(rule.get("ports"), port, dst)
-            for policy in selecting
-            for rule in policy["spec"].get(key, [])
-        )
-
-    return side("Egress", src, dst) and side("Ingress", dst, src)
-
-
-def peers(m: Manifests) -> dict[str, Peer]:
-    found = {}
-    for workload in m.workloads():
-        container = only_container(workload)
-        found[component_of(workload)] = Peer(
-            pod_labels(workload),
-            m.namespace,
-            {p["name"]: p["containerPort"] for p in container["ports"]},
-        )
-    found["client"] = Peer()
-    found["monitoring"] = Peer({"app": "prometheus"}, "monitoring")
-    found["ingress"] = Peer({"app": "nginx"}, "ingress-nginx")
-    found["other-pod"] = Peer({"app": "other"}, m.namespace)
-    return found
 
 
 def test_network_policy_directions_by_default(default_manifests: Manifests) -> None:

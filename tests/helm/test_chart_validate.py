@@ -1,8 +1,12 @@
-"""Every rendered manifest passes `kubernetes-validate --strict` for Kubernetes 1.30; the
-Prometheus Operator objects (no schema there) pass a structural schema of their own."""
+"""Every rendered manifest passes `kubernetes-validate --strict` for Kubernetes 1.30. The custom
+resources it only warns about get schemas of their own: the Prometheus Operator objects a
+hand-written one, LeaderWorkerSet, ScaledObject and InferencePool their upstream CRDs' schemas
+(tests/helm/crd_schemas/), and the LeaderWorkerSet's pod template kubernetes-validate as a
+PodTemplate."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -15,6 +19,7 @@ import yaml
 
 from tests.helm.chart_render import (
     KUBE_VERSION,
+    REPO_ROOT,
     Doc,
     Manifests,
     ci_values_files,
@@ -49,7 +54,9 @@ KITCHEN_SINK: dict[str, Any] = {
         "podAnnotations": {"x": "y"},
         "podLabels": {"tier": "api"},
         "extraArgs": ["--max-n", "8"],
+        "httpPort": 8000,
     },
+    "inferencePool": {"enabled": True, "endpointPicker": {"name": "epp"}},
     "core": {"extraEnv": [{"name": "CORE_EXTRA", "value": "1"}], "kvCacheMemoryBytes": 8589934592},
     "worker": {
         "gpu": {"enabled": True},
@@ -189,16 +196,35 @@ PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
         },
     },
 }
-CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
+CRD_SCHEMA_DIR = REPO_ROOT / "tests" / "helm" / "crd_schemas"
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": SERVICE_MONITOR_SCHEMA,
+    "PrometheusRule": PROMETHEUS_RULE_SCHEMA,
+    **{
+        kind: json.loads((CRD_SCHEMA_DIR / f"{kind.lower()}.json").read_text())
+        for kind in ("LeaderWorkerSet", "ScaledObject", "InferencePool")
+    },
+}
 
 
 def validate_doc(doc: Doc) -> None:
     import kubernetes_validate  # type: ignore[import-untyped]
 
-    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-        jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
-    else:
+    if doc["kind"] not in CRD_SCHEMAS:
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        return
+    jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
+    if doc["kind"] == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            if key in group:
+                template = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{doc['metadata']['name']}-{key}"},
+                    "template": group[key],
+                }
+                kubernetes_validate.validate(template, KUBE_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("values", CASES)
@@ -216,12 +242,49 @@ def test_kitchen_sink_renders_every_optional_object() -> None:
     kinds = {d["kind"] for d in render(KITCHEN_SINK).docs}
     assert {
         "HorizontalPodAutoscaler",
+        "InferencePool",
         "Ingress",
         "Secret",
         "PersistentVolumeClaim",
         "ServiceMonitor",
         "PrometheusRule",
     } <= kinds
+
+
+CUSTOM_RESOURCES: dict[str, Any] = {
+    "worker": {"layout": "tpGroup", "leaderWorkerSet": {"enabled": True}},
+    "parallelism": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    "frontend": {"keda": {"enabled": True}},
+    "inferencePool": {"enabled": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "bad"),
+    [
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "restartPolicy"), "Always"),
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "sizes"), 2),
+        ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "workerTemplate", "spec", "x"), 1),
+        ("ScaledObject", ("spec", "triggers", 0, "metadata", "threshold"), 5),
+        ("ScaledObject", ("spec", "maxReplicaCount"), 0),
+        ("InferencePool", ("spec", "targetPorts"), []),
+        ("InferencePool", ("spec", "appProtocol"), "grpc"),
+    ],
+)
+def test_custom_resource_schemas_catch_bad_fields(
+    kind: str, path: tuple[Any, ...], bad: Any
+) -> None:
+    """The CRD schemas are not a no-op: each corruption of a rendered custom resource fails."""
+    import kubernetes_validate
+
+    doc = render(CUSTOM_RESOURCES).of_kind(kind)[0]
+    validate_doc(doc)  # as rendered: valid
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = bad
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate_doc(doc)
 
 
 def test_validation_catches_a_bad_manifest(default_manifests: Manifests) -> None:

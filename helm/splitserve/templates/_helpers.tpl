@@ -59,6 +59,18 @@ app.kubernetes.io/part-of: splitserve
 {{- end }}
 {{- end }}
 
+{{/*
+Labels of a workload's pods: the standard labels, "model" (the served model name as a label
+value, for routers, autoscalers and dashboards), then the component's podLabels (and extra).
+(dict "root" $ "component" "frontend" "values" .Values.frontend ["extra" DICT]).
+*/}}
+{{- define "splitserve.podLabels" -}}
+{{- $labels := fromYaml (include "splitserve.labels" (dict "root" .root "component" .component)) }}
+{{- $_ := set $labels "model" (include "splitserve.modelLabel" .root) }}
+{{- $labels = mergeOverwrite $labels (.extra | default dict) (.values.podLabels | default dict) }}
+{{- toYaml $labels }}
+{{- end }}
+
 {{- define "splitserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "splitserve.fullname" .) .Values.serviceAccount.name }}
@@ -104,101 +116,24 @@ Images
 {{- end }}
 
 {{/*
-Topology and addresses. Workers are one StatefulSet: pod ordinal = rank = pp_rank * tp + tp_rank,
-each rank reachable at "<statefulset>-<rank>.<headless service>.<namespace>.svc.<clusterDomain>".
-*/}}
-{{- define "splitserve.worldSize" -}}
-{{- mul (int .Values.parallelism.tensorParallelSize) (int .Values.parallelism.pipelineParallelSize) }}
-{{- end }}
-
-{{/* Fully qualified DNS name of worker rank N: (dict "root" $ "rank" N). */}}
-{{- define "splitserve.workerHost" -}}
-{{- $root := .root -}}
-{{ include "splitserve.workerName" $root }}-{{ .rank }}.{{ include "splitserve.workerHeadlessName" $root }}.{{ $root.Release.Namespace }}.svc.{{ $root.Values.clusterDomain }}
-{{- end }}
-
-{{/* Comma-separated HOST:PORT of every rank, in rank order (the core's --worker-addrs). */}}
-{{- define "splitserve.workerAddrs" -}}
-{{- $root := . }}
-{{- $addrs := list }}
-{{- range $rank := until (int (include "splitserve.worldSize" $root)) }}
-{{- $addrs = append $addrs (printf "%s:%d" (include "splitserve.workerHost" (dict "root" $root "rank" $rank)) (int $root.Values.worker.port)) }}
-{{- end }}
-{{- join "," $addrs }}
-{{- end }}
-
-{{/* torch.distributed rendezvous at rank 0 (the core's --distributed-init-method). */}}
-{{- define "splitserve.distributedInitMethod" -}}
-tcp://{{ include "splitserve.workerHost" (dict "root" . "rank" 0) }}:{{ int .Values.worker.distributedPort }}
-{{- end }}
-
-{{/* The engine core's Service address (the frontends' --core-addr). */}}
-{{- define "splitserve.coreAddr" -}}
-{{ include "splitserve.coreName" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ int .Values.core.service.port }}
-{{- end }}
-
-{{/*
-Model
-*/}}
-{{- define "splitserve.hasModelVolume" -}}
-{{- if ne .Values.model.source "embedded" }}true{{ end }}
-{{- end }}
-
-{{/* The checkpoint folder as every pod sees it ("" = the embedded default model). */}}
-{{- define "splitserve.modelPath" -}}
-{{- if include "splitserve.hasModelVolume" . }}
-{{- $sub := trimAll "/" .Values.model.subPath }}
-{{- if $sub }}
-{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) $sub }}
-{{- else }}
-{{- .Values.model.mountPath }}
-{{- end }}
-{{- end }}
-{{- end }}
-
-{{- define "splitserve.modelClaimName" -}}
-{{- if .Values.model.pvc.existingClaim }}
-{{- .Values.model.pvc.existingClaim }}
-{{- else }}
-{{- include "splitserve.fullname" . }}-model
-{{- end }}
-{{- end }}
-
-{{/*
 Pod parts shared by the three workloads
 */}}
 
-{{/* Volumes every pod has: /tmp, the cache, the model. */}}
-{{- define "splitserve.commonVolumes" -}}
+{{/* Scratch volumes every pod has: /tmp and the cache (the root filesystem is read-only). */}}
+{{- define "splitserve.scratchVolumes" -}}
 - name: tmp
   emptyDir:
     sizeLimit: {{ .Values.cache.tmpSizeLimit }}
 - name: cache
   emptyDir:
     sizeLimit: {{ .Values.cache.sizeLimit }}
-{{- if eq .Values.model.source "pvc" }}
-- name: model
-  persistentVolumeClaim:
-    claimName: {{ include "splitserve.modelClaimName" . }}
-    readOnly: true
-{{- else if eq .Values.model.source "hostPath" }}
-- name: model
-  hostPath:
-    path: {{ .Values.model.hostPath.path }}
-    type: {{ .Values.model.hostPath.type }}
-{{- end }}
 {{- end }}
 
-{{- define "splitserve.commonVolumeMounts" -}}
+{{- define "splitserve.scratchVolumeMounts" -}}
 - name: tmp
   mountPath: /tmp
 - name: cache
   mountPath: {{ .Values.cache.mountPath }}
-{{- if include "splitserve.hasModelVolume" . }}
-- name: model
-  mountPath: {{ .Values.model.mountPath }}
-  readOnly: true
-{{- end }}
 {{- end }}
 
 {{/* env of every container: the ConfigMap, then chart-wide and per-component extras. */}}
