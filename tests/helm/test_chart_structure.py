@@ -16,6 +16,7 @@ from core_svc.config import parse_config as parse_core
 from frontend_svc.config import build_parser as frontend_parser
 from frontend_svc.config import parse_config as parse_frontend
 from splitserve_runtime.flags import FlagParser, env_name
+from splitserve_runtime.services import SERVICES
 from tests.helm.chart_render import (
     CHART_DIR,
     CLUSTER_DOMAIN,
@@ -35,11 +36,7 @@ from tests.helm.network_policies import Peer, allowed, peers
 from worker_svc.config import build_parser as worker_parser
 from worker_svc.config import parse_config as parse_worker
 
-READINESS = {
-    "frontend": "splitserve.frontend.v1.GenerationService",
-    "core": "splitserve.core.v1.EngineCoreService",
-    "worker": "splitserve.worker.v1.WorkerService",
-}
+READINESS = {kind: spec.grpc_service for kind, spec in SERVICES.items()}
 PARSERS: dict[str, Callable[[], FlagParser]] = {
     "frontend": frontend_parser,
     "core": core_parser,
