@@ -20,6 +20,7 @@ from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
+from splitserve_contracts import sampling_rules
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class AsyncEngine:
         children: dict[int, int] = {}
         batch: list[tuple[int, EngineRequest]] = []
         for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
+            seed = sampling_rules.child_seed(params.seed, index)
             child = EngineRequest(
                 request.request_id if params.n == 1 else f"{request.request_id}-{index}",
                 request.prompt_token_ids,

@@ -18,14 +18,22 @@ class FrontendError(Exception):
     grpc_code = grpc.StatusCode.INTERNAL
     http_status = 500
     error_type = "internal_server_error"
+    reason = "INTERNAL"
+    """google.rpc.ErrorInfo reason: a constant clients can switch on."""
 
 
 class InvalidRequest(FrontendError, ValueError):
-    """A request the frontend refuses; the message tells the caller what to change."""
+    """A request the frontend refuses; the message tells the caller what to change and `field`
+    names the offending field (a dotted path of the public request) when one is to blame."""
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
     error_type = "invalid_request_error"
+    reason = "INVALID_REQUEST"
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelNotFound(FrontendError):
@@ -34,6 +42,7 @@ class ModelNotFound(FrontendError):
     grpc_code = grpc.StatusCode.NOT_FOUND
     http_status = 404
     error_type = "not_found_error"
+    reason = "MODEL_NOT_FOUND"
 
 
 class Unauthenticated(FrontendError):
@@ -42,6 +51,7 @@ class Unauthenticated(FrontendError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401
     error_type = "authentication_error"
+    reason = "UNAUTHENTICATED"
 
 
 class Overloaded(FrontendError):
@@ -50,6 +60,7 @@ class Overloaded(FrontendError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
     error_type = "rate_limit_error"
+    reason = "OVERLOADED"
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -62,6 +73,7 @@ class EngineUnavailable(FrontendError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     error_type = "service_unavailable_error"
+    reason = "ENGINE_UNAVAILABLE"
 
 
 def engine_error(request_id: str, kind: int, message: str) -> FrontendError:

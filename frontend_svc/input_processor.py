@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
@@ -20,6 +23,7 @@ from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import InvalidSamplingParams, Limits
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -40,6 +44,13 @@ def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes of text one token decodes to (vocabulary strings
+    over-count byte-level and SentencePiece markers, which keeps the bound safe)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token.encode()) for token in vocab), default=1) or 1
+
+
 @dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
     token_ids: list[int]
@@ -55,12 +66,22 @@ class InputProcessor:
         max_model_len: int,
         limits: Limits,
         extra_eos_ids: tuple[int, ...] = (),
+        tokenizer_threads: int = 4,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.limits = limits
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.extra_eos_ids = tuple(i for i in extra_eos_ids if i != self.eos_token_id)
+        self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="tok")
+        self.max_prompt_bytes = max_model_len * max_token_bytes(tokenizer)
+        """Text longer than this cannot fit max_model_len whatever it says (no token stands
+        for more bytes), so it is refused before the tokenizer spends time on it."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (process, tokenize, decode) on the tokenizer threads, off the
+        event loop: a large prompt must not stall every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     @property
     def has_chat_template(self) -> bool:
@@ -70,6 +91,7 @@ class InputProcessor:
         """Token ids of a prompt, as Generate would send them to the engine."""
         if prompt.token_ids is not None:
             return TokenizedPrompt(list(prompt.token_ids), None)
+        self._check_size(prompt)
         if prompt.chat is not None:
             text = self.render_chat(prompt.chat, prompt.add_generation_prompt)
             # The template already holds the special tokens it wants (vLLM does the same).
@@ -77,31 +99,47 @@ class InputProcessor:
         text = prompt.text or ""
         return TokenizedPrompt(self._encode(text, prompt.add_special_tokens), text)
 
+    def _check_size(self, prompt: PromptInput) -> None:
+        texts = [t.content for t in prompt.chat] if prompt.chat is not None else [prompt.text or ""]
+        num_bytes = sum(len(text.encode(errors="replace")) for text in texts)
+        if num_bytes > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"the prompt has {num_bytes} bytes of text, more than any prompt that fits "
+                f"max_model_len {self.max_model_len} ({self.max_prompt_bytes} bytes); shorten it",
+                "chat" if prompt.chat is not None else "prompt",
+            )
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, chat: tuple[ChatTurn, ...], add_generation_prompt: bool) -> str:
         if not chat:
-            raise InvalidRequest("chat has no messages; send at least one message")
+            raise InvalidRequest("chat has no messages; send at least one message", "chat")
         if not self.has_chat_template:
-            raise InvalidRequest("this model has no chat template; send `prompt` text instead")
+            raise InvalidRequest(
+                "this model has no chat template; send `prompt` text instead", "chat"
+            )
         messages = [{"role": t.role, "content": t.content} for t in chat]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja errors: a template that rejects these roles, etc.
-            raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
+            raise InvalidRequest(
+                f"the chat template cannot render these messages: {exc}", "chat.messages"
+            ) from exc
         return str(text)
 
     def process(self, call: GenerateInput) -> EngineRequest:
         """Validate and tokenize; resolve max_tokens, EOS and the stop token ids."""
         _check_prompt_present(call.prompt)
+        _check_ids(call)
         try:
             sampling_rules.validate(call.params, self.limits)
         except InvalidSamplingParams as err:
-            raise InvalidRequest(str(err)) from None
+            raise InvalidRequest(str(err), f"sampling_params.{err.field}") from None
         params = sampling_rules.normalize(call.params)
+        params = sampling_rules.clamp_top_k(params, self.limits.vocab_size)
         prompt = self.tokenize(call.prompt)
         num_prompt = len(prompt.token_ids)
         max_len = self.max_model_len
@@ -118,7 +156,14 @@ class InputProcessor:
         if num_prompt + max_tokens > max_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({max_len}); set max_tokens to at most {max_len - num_prompt}"
+                f"({max_len}); set max_tokens to at most {max_len - num_prompt}",
+                "sampling_params.max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request "
+                f"can generate (max_tokens, or what max_model_len leaves); lower min_tokens",
+                "sampling_params.min_tokens",
             )
         stop_ids = params.stop_token_ids
         if not params.ignore_eos:
@@ -135,13 +180,36 @@ class InputProcessor:
         )
 
 
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _check_ids(call: GenerateInput) -> None:
+    if len(call.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"request_id has {len(call.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}",
+            "request_id",
+        )
+    if len(call.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(
+            f"cache_salt has {len(call.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
+            "cache_salt",
+        )
+
+
 def _check_prompt_present(prompt: PromptInput) -> None:
     if prompt.token_ids is not None and not prompt.token_ids:
-        raise InvalidRequest("prompt_token_ids is empty; send at least one token id")
+        raise InvalidRequest(
+            "prompt_token_ids is empty; send at least one token id", "prompt_token_ids"
+        )
     if prompt.text is not None and not prompt.text:
-        raise InvalidRequest("prompt is empty; send non-empty text, prompt_token_ids or chat")
+        raise InvalidRequest(
+            "prompt is empty; send non-empty text, prompt_token_ids or chat", "prompt"
+        )
     if prompt.text is None and prompt.token_ids is None and prompt.chat is None:
-        raise InvalidRequest("no prompt given; set one of prompt, prompt_token_ids or chat")
+        raise InvalidRequest(
+            "no prompt given; set one of prompt, prompt_token_ids or chat", "prompt"
+        )
 
 
 def _check_prompt_ids(ids: list[int], vocab_size: int) -> None:
@@ -149,5 +217,6 @@ def _check_prompt_ids(ids: list[int], vocab_size: int) -> None:
         if token_id >= vocab_size:
             raise InvalidRequest(
                 f"prompt_token_ids[{i}] = {token_id} is outside the vocabulary "
-                f"(valid ids: 0..{vocab_size - 1})"
+                f"(valid ids: 0..{vocab_size - 1})",
+                "prompt_token_ids",
             )

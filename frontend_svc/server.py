@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontend_svc import convert
+from frontend_svc import convert, grpc_errors
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
@@ -40,30 +40,29 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
+            call = convert.generate_input_from_proto(request, request_id)
+            engine_request = await inputs.run(inputs.process, call)
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
                     raise engine_error(request_id, delta.error_kind, delta.error_message)
                 yield convert.delta_to_proto(request_id, delta)
         except FrontendError as err:
-            await context.abort(err.grpc_code, str(err))
+            await grpc_errors.abort(context, err)
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.TokenizeResponse:
-        inputs, info = self.inputs, self.info
+        inputs = self.inputs
         prompt = convert.prompt_from_proto(request)
-        if prompt.text is None and prompt.chat is None:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "set `prompt` text or `chat` to tokenize"
-            )
         try:
-            ids = inputs.tokenize(prompt).token_ids
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        tokens = self.tokenizer.convert_ids_to_tokens(ids)
+            if prompt.text is None and prompt.chat is None:
+                raise InvalidRequest("set `prompt` text or `chat` to tokenize", "prompt")
+            ids = (await inputs.run(inputs.tokenize, prompt)).token_ids
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        tokens = await inputs.run(self.tokenizer.convert_ids_to_tokens, ids)
         return gen_pb2.TokenizeResponse(
-            token_ids=ids, tokens=tokens, max_model_len=info.max_model_len
+            token_ids=ids, tokens=tokens, max_model_len=self.info.max_model_len
         )
 
     async def Detokenize(  # noqa: N802
@@ -71,15 +70,23 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     ) -> gen_pb2.DetokenizeResponse:
         info = self.info
         ids = list(request.token_ids)
-        bad = [i for i in ids if i >= info.vocab_size]
-        if bad:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"token id {bad[0]} is outside the vocabulary (valid ids: "
-                f"0..{info.vocab_size - 1})",
-            )
+        try:
+            if len(ids) > info.max_model_len:
+                raise InvalidRequest(
+                    f"{len(ids)} token ids; at most max_model_len ({info.max_model_len})",
+                    "token_ids",
+                )
+            bad = next((i for i in ids if i >= info.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (valid ids: "
+                    f"0..{info.vocab_size - 1})",
+                    "token_ids",
+                )
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        text = await self.inputs.run(self.tokenizer.decode, ids, skip)
         return gen_pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(  # noqa: N802

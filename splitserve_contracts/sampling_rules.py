@@ -21,10 +21,17 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (argmax), as in vLLM."""
 LOGIT_BIAS_LIMIT = 100.0
 """logit_bias values are clamped to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]."""
+MAX_REPETITION_PENALTY = 100.0
+"""Beyond this a penalty only degenerates (logits / 1e30 are all ~0); refused."""
 
 
 class InvalidSamplingParams(ValueError):
-    """A value outside what the contract allows; the message says what to change."""
+    """A value outside what the contract allows; the message says what to change, `field`
+    which field it is."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +62,16 @@ def _at_least(lo: float) -> Check:
     return lambda value, _: None if value is None or value >= lo else f"must be >= {lo:g}"
 
 
-def _above(lo: float) -> Check:
-    return lambda value, _: None if value > lo else f"must be > {lo:g}"
+def _finite_at_least(lo: float) -> Check:
+    def check(value: float, _: Limits) -> str | None:
+        return None if math.isfinite(value) and value >= lo else f"must be finite and >= {lo:g}"
+
+    return check
+
+
+def _repetition_penalty(value: float, _: Limits) -> str | None:
+    ok = 0.0 < value <= MAX_REPETITION_PENALTY
+    return None if ok else f"must be in (0, {MAX_REPETITION_PENALTY:g}]"
 
 
 def _top_p(value: float, _: Limits) -> str | None:
@@ -73,13 +88,13 @@ def _logprobs(value: int | None, limits: Limits) -> str | None:
 
 RULES: dict[str, Check] = {
     "n": _within(1, lambda limits: limits.max_n),
-    "temperature": _at_least(0.0),
+    "temperature": _finite_at_least(0.0),
     "top_p": _top_p,
     "top_k": _top_k,
     "min_p": _within(0.0, 1.0),
     "presence_penalty": _within(-2.0, 2.0),
     "frequency_penalty": _within(-2.0, 2.0),
-    "repetition_penalty": _above(0.0),
+    "repetition_penalty": _repetition_penalty,
     "max_tokens": _at_least(1),
     "logprobs": _logprobs,
     "prompt_logprobs": _logprobs,
@@ -102,28 +117,33 @@ def validate(params: AnyParams, limits: Limits) -> None:
         if name in names:
             problem = check(getattr(params, name), limits)
             if problem is not None:
-                _fail(f"{name} {problem}, got {getattr(params, name)}")
+                _fail(f"{name} {problem}, got {getattr(params, name)}", name)
     for name in TOKEN_ID_FIELDS:
         if name in names:
             _check_token_ids(name, getattr(params, name), limits)
+    if not all(math.isfinite(v) for v in params.logit_bias.values()):
+        _fail("logit_bias values must be finite numbers", "logit_bias")
     if isinstance(params, SamplingParams):
         _check_cross_field(params, limits)
 
 
-def _fail(message: str) -> None:
-    raise InvalidSamplingParams(message)
+def _fail(message: str, field: str = "") -> None:
+    raise InvalidSamplingParams(message, field)
 
 
 def _check_token_ids(name: str, ids: Iterable[int], limits: Limits) -> None:
     ids = sorted(ids) if isinstance(ids, dict) else list(ids)
     label = f"{name} keys" if name == "logit_bias" else name
     if len(ids) > limits.max_token_id_list:
-        _fail(f"{label} has {len(ids)} entries; at most {limits.max_token_id_list} are allowed")
+        _fail(
+            f"{label} has {len(ids)} entries; at most {limits.max_token_id_list} are allowed", name
+        )
     for i, token_id in enumerate(ids):
         if not 0 <= token_id < limits.vocab_size:
             _fail(
                 f"{label}[{i}] = {token_id} is outside the vocabulary (valid ids: 0.."
-                f"{limits.vocab_size - 1})"
+                f"{limits.vocab_size - 1})",
+                name,
             )
 
 
@@ -157,5 +177,19 @@ def normalize(p: SamplingParams) -> SamplingParams:
     return dataclasses.replace(p, **changes) if changes else p
 
 
+def clamp_top_k(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """top_k above the vocabulary keeps every token, as vLLM clamps it."""
+    if params.top_k > vocab_size:
+        return dataclasses.replace(params, top_k=vocab_size)
+    return params
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of an n > 1 request: seed + index, wrapped into int64."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 def _clamp_bias(value: float) -> float:
-    return max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value)) if not math.isnan(value) else value
+    return max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))

@@ -87,13 +87,22 @@ def test_sampler_params_copy_exactly_the_samplers_fields() -> None:
     ("changes", "needle"),
     [
         ({"n": 0}, "n must be in [1, 64]"),
-        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": -1.0}, "temperature must be finite and >= 0"),
+        ({"temperature": float("inf")}, "temperature must be finite"),
+        ({"temperature": float("nan")}, "temperature must be finite"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1]"),
+        ({"min_p": float("nan")}, "min_p must be in [0, 1]"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be in (0, 100]"),
+        ({"repetition_penalty": 1e30}, "repetition_penalty must be in (0, 100]"),
+        ({"presence_penalty": float("nan")}, "presence_penalty must be in [-2, 2]"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias values must be finite"),
+        ({"logit_bias": {3: float("-inf")}}, "logit_bias values must be finite"),
         ({"top_p": 0.0}, "top_p must be in (0, 1]"),
         ({"top_k": -2}, "top_k must be -1 (disabled)"),
         ({"min_p": 1.5}, "min_p must be in [0, 1]"),
         ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
         ({"frequency_penalty": -3.0}, "frequency_penalty must be in [-2, 2]"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 100]"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"logprobs": 21}, "logprobs must be in [0, 20]"),
         ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20]"),
@@ -124,6 +133,24 @@ def test_every_rule_names_a_field_of_the_contract() -> None:
     names = {f.name for f in types_pb2.SamplingParams.DESCRIPTOR.fields}
     assert set(sampling_rules.RULES) <= names
     assert set(sampling_rules.TOKEN_ID_FIELDS) <= names
+
+
+def test_errors_name_their_field() -> None:
+    with pytest.raises(InvalidSamplingParams) as err:
+        sampling_rules.validate(SamplingParams(top_p=2.0), LIMITS)
+    assert err.value.field == "top_p"
+
+
+def test_child_seeds_wrap_instead_of_overflowing() -> None:
+    top = 2**63 - 1
+    assert sampling_rules.child_seed(top, 0) == top
+    assert sampling_rules.child_seed(top, 1) == -(2**63)
+    assert sampling_rules.child_seed(None, 3) is None and sampling_rules.child_seed(5, 2) == 7
+
+
+def test_top_k_above_the_vocabulary_is_clamped() -> None:
+    assert sampling_rules.clamp_top_k(SamplingParams(top_k=5000), 100).top_k == 100
+    assert sampling_rules.clamp_top_k(SamplingParams(top_k=50), 100).top_k == 50
 
 
 def test_normalize_follows_vllm() -> None:

@@ -58,7 +58,7 @@ def test_chat_is_rendered_with_the_template(inputs: InputProcessor, tokenizer: A
         (PromptInput(text="hi"), {"max_tokens": 100}, "set max_tokens to at most"),
         (PromptInput(text="hi"), {"max_tokens": 0}, "max_tokens must be >= 1"),
         (PromptInput(text="hi"), {"n": 2, "temperature": 0.0}, "identical"),
-        (PromptInput(text="hi"), {"temperature": -1.0}, "temperature must be >= 0"),
+        (PromptInput(text="hi"), {"temperature": -1.0}, "temperature must be finite and >= 0"),
         (PromptInput(text="hi"), {"top_p": 0.0}, "top_p must be in (0, 1]"),
         (PromptInput(text="hi"), {"top_k": -2}, "top_k"),
         (PromptInput(text="hi"), {"min_p": 1.5}, "min_p"),
@@ -70,6 +70,9 @@ def test_chat_is_rendered_with_the_template(inputs: InputProcessor, tokenizer: A
         (PromptInput(text="hi"), {"stop_token_ids": (70000,)}, "stop_token_ids[0]"),
         (PromptInput(text="hi"), {"logit_bias": {70000: 1.0}}, "logit_bias"),
         (PromptInput(text="hi"), {"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        (PromptInput(text="hi"), {"min_tokens": 2**32 - 1}, "lower min_tokens"),
+        (PromptInput(text="x" * 10**6), {}, "more than any prompt that fits"),
+        (PromptInput(chat=(ChatTurn("user", "y" * 10**6),)), {}, "more than any prompt"),
     ],
 )
 def test_invalid_requests_say_what_to_change(
@@ -86,3 +89,17 @@ def test_greedy_disables_filters_and_bias_is_clamped(inputs: InputProcessor) -> 
     )
     assert (req.params.top_p, req.params.top_k) == (1.0, 0)
     assert req.params.logit_bias == {7: 100.0}
+
+
+def test_oversized_ids_and_salts_are_refused_by_name(inputs: InputProcessor) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        inputs.process(GenerateInput("r" * 300, PromptInput(text="hi"), SamplingParams()))
+    assert err.value.field == "request_id"
+    with pytest.raises(InvalidRequest) as err:
+        inputs.process(GenerateInput("r", PromptInput(text="hi"), SamplingParams(), 0, "s" * 300))
+    assert err.value.field == "cache_salt"
+
+
+def test_top_k_above_the_vocabulary_is_clamped(inputs: InputProcessor, tokenizer: Any) -> None:
+    req = inputs.process(call(PromptInput(text="hi"), top_k=10**6))
+    assert req.params.top_k == len(tokenizer)
