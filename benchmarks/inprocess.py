@@ -184,7 +184,9 @@ async def start_in_process(
     )
     tokenizer = load_tokenizer(model)
     bridge = OutputBridge(asyncio.get_running_loop())
-    proc = EngineCoreProc(core, bridge.deliver, on_stats=lambda stats, seconds: None)
+    proc = EngineCoreProc(
+        core, bridge.deliver, on_stats=lambda stats, seconds: None, on_failed=lambda message: None
+    )
     metrics = FrontendMetrics(CollectorRegistry(), info.served_model_name, "0", info.max_model_len)
     engine = AsyncEngine(
         InProcessCoreClient(proc, bridge),

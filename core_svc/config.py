@@ -48,6 +48,9 @@ class CoreConfig:
     engine_id: str = "0"
     worker_connect_timeout: float = 600.0
     execute_timeout: float = 300.0
+    step_timeout_floor: float = 5.0
+    step_timeout_multiple: float = 10.0
+    shutdown_timeout: float = 30.0
     log_level: str = "info"
 
     @property
@@ -179,7 +182,28 @@ def build_parser() -> FlagParser:
         "--execute-timeout",
         type=float,
         default=300.0,
-        help="seconds one engine step may take before the workers count as failed",
+        help="seconds the first steps may take, before the engine has learnt its step times",
+    )
+    p.add_argument(
+        "--step-timeout-floor",
+        type=float,
+        default=5.0,
+        help="once step times are known, a step may take this multiple of the recent p99 time "
+        "of steps its size, but never less than this many seconds; a rank that misses the "
+        "budget counts as hung",
+    )
+    p.add_argument(
+        "--step-timeout-multiple",
+        type=float,
+        default=10.0,
+        help="see --step-timeout-floor",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish (no new ones are "
+        "admitted) before they are aborted",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p

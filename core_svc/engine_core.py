@@ -215,6 +215,12 @@ class EngineCore:
         self.failure_message = message
         return self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
 
+    def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
+        """End every request with an error (shutdown); the engine itself stays usable."""
+        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        self._forget_finished(outputs)
+        return outputs
+
     def make_stats(self) -> SchedulerStats:
         scheduler = self.scheduler
         pool = self.kv_cache_manager.block_pool

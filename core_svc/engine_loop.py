@@ -33,6 +33,10 @@ class CommandKind(Enum):
     ABORT = 2
     CLOSE_CLIENT = 3
     SHUTDOWN = 4
+    DRAIN = 5
+    """Refuse new requests from now on; running ones finish."""
+    ABORT_ALL = 6
+    """End every request with an error (the drain ran out of time)."""
 
 
 @dataclass(slots=True)
@@ -60,11 +64,16 @@ class EngineCoreProc:
         engine_core: EngineCore,
         output_sink: OutputSink,
         on_stats: StatsSink,
+        on_failed: Callable[[str], None],
         input_queue: queue.Queue[EngineCommand] | None = None,
     ) -> None:
         self.engine_core = engine_core
         self._output_sink = output_sink
         self._on_stats = on_stats
+        self._on_failed = on_failed
+        """Called once, on the loop thread, when the engine has failed and the failure's outputs
+        went to their clients."""
+        self._is_failure_reported = False
         self._input_queue: queue.Queue[EngineCommand] = input_queue or queue.Queue()
         self._lock = threading.Lock()
         self._step_aborts: list[EngineCommand] = []
@@ -94,6 +103,20 @@ class EngineCoreProc:
         """The client's stream closed: abort all of its requests."""
         self._put_abort(EngineCommand(CommandKind.CLOSE_CLIENT, client_id))
 
+    def drain(self) -> None:
+        """Refuse new requests; the running ones finish (see `is_idle`)."""
+        self._put_abort(EngineCommand(CommandKind.DRAIN))
+
+    def abort_all(self) -> None:
+        """End every request now, with an error saying the engine is shutting down."""
+        self._put_abort(EngineCommand(CommandKind.ABORT_ALL))
+
+    @property
+    def is_idle(self) -> bool:
+        """No request runs or waits (as of the loop's latest iteration)."""
+        stats = self._stats
+        return stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+
     def stop(self, timeout: float | None = None) -> None:
         """Finish the current iteration, stop the loop and shut the executor down."""
         self._input_queue.put(EngineCommand(CommandKind.SHUTDOWN))
@@ -115,6 +138,7 @@ class EngineCoreProc:
                 logger.exception("engine core loop error")
                 try:
                     self._route(self.engine_core.fail(f"engine core loop error: {exc!r}"))
+                    self._report_failure()
                 except Exception:
                     logger.exception("engine core could not fail cleanly; the loop stops")
                     return
@@ -140,6 +164,7 @@ class EngineCoreProc:
             outputs = engine_core.step(self._apply_step_aborts)
             step_seconds = time.perf_counter() - started
             self._route(outputs)
+            self._report_failure()
             # step() already snapshotted the scheduler for its outputs; reuse it.
             stats = next((o.scheduler_stats for o in outputs.values()), None)
         self._stats = stats or engine_core.make_stats()
@@ -155,6 +180,16 @@ class EngineCoreProc:
             engine_core.abort_requests(command.client_id, command.client_handles)
         elif command.kind is CommandKind.CLOSE_CLIENT:
             engine_core.abort_client(command.client_id)
+        elif command.kind is CommandKind.DRAIN:
+            engine_core.is_draining = True
+        elif command.kind is CommandKind.ABORT_ALL:
+            self._route(engine_core.abort_all("the engine is shutting down; retry elsewhere"))
+
+    def _report_failure(self) -> None:
+        engine_core = self.engine_core
+        if engine_core.is_failed and not self._is_failure_reported:
+            self._is_failure_reported = True
+            self._on_failed(engine_core.failure_message)
 
     def _apply_step_aborts(self) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ reading the output rank's reply. Nothing on that path waits for the asyncio loop
 frontends (which may be busy sending the previous step's outputs). One watcher thread per other
 rank reads its stream: an error reply, a closed stream or a broken connection on ANY rank fails
 the executor at once (the pending step raises ExecutorError and `on_failure` reports it) instead
-of waiting for a timeout; a watchdog cancels a step that outlives `execute_timeout`.
+of waiting for a timeout; a watchdog cancels a step that outlives its budget (core_svc.step_budget).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from core_svc import convert
 from core_svc.executor import ExecutorError
 from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.step_budget import StepBudget
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.service_host import SERVER_OPTIONS
 
@@ -77,18 +78,19 @@ class GrpcExecutor:
         self,
         addrs: list[str],
         output_rank: int,
-        execute_timeout: float,
+        budget: StepBudget,
         on_failure: Callable[[str], None],
         on_timing: Callable[[float, float], None],
     ) -> None:
         self._addrs = addrs
         self.output_rank = output_rank
-        self.execute_timeout = execute_timeout
+        self.budget = budget
         self._on_failure = on_failure
         self._on_timing = on_timing
         self._streams: list[_RankStream] = []
         self._lock = threading.Lock()
         self._step_started: float | None = None
+        self._step_budget = 0.0
         self._stopped = threading.Event()
         self.failure: str | None = None
 
@@ -112,10 +114,13 @@ class GrpcExecutor:
         body = convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
         payload = _frame_execute_request(body)
         sent = time.perf_counter()
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_budget = self.budget.budget(num_tokens)
         self._step_started = time.monotonic()
         for stream in self._streams:
             stream.outbox.put(payload)
         reply = self._read_output_rank()
+        self.budget.observe(num_tokens, time.monotonic() - self._step_started)
         self._step_started = None
         self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
         if reply.status == worker_pb2.STEP_STATUS_ERROR:
@@ -167,12 +172,13 @@ class GrpcExecutor:
             )
 
     def _watchdog(self) -> None:
-        while not self._stopped.wait(1.0):
-            started = self._step_started
-            if started is not None and time.monotonic() - started > self.execute_timeout:
+        """Fail the executor when a step outlives its budget (a hung or stopped rank)."""
+        while not self._stopped.wait(0.25):
+            started, budget = self._step_started, self._step_budget
+            if started is not None and time.monotonic() - started > budget:
                 self._fail(
-                    f"a step got no answer from worker rank {self.output_rank} within "
-                    f"{self.execute_timeout:.0f} s"
+                    f"a step got no answer from worker rank {self.output_rank} within its "
+                    f"budget of {budget:.1f} s (a rank is hung or stopped)"
                 )
 
     def _fail(self, message: str) -> None:

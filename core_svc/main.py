@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 from core_svc.config import CoreConfig, parse_config
@@ -15,6 +16,7 @@ from core_svc.grpc_executor import GrpcExecutor
 from core_svc.metrics import CoreMetrics
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import ClientStreams, EngineCoreServicer
+from core_svc.step_budget import StepBudget
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
@@ -115,8 +117,7 @@ async def serve(config: CoreConfig) -> int:
     loop = asyncio.get_running_loop()
     pool = WorkerPool(config.worker_addrs)
     try:
-        await pool.wait_until_reachable(config.worker_connect_timeout)
-        facts = await pool.bring_up(config, config.model, served_model_name(config))
+        facts = await pool.bring_up_with_retries(config, config.model, served_model_name(config))
     except WorkerBringUpError as err:
         logger.error("core: fatal: %s", err)
         await pool.close()
@@ -129,28 +130,36 @@ async def serve(config: CoreConfig) -> int:
         port=config.port,
         service_names=[CORE.grpc_service],
         metrics_port=config.metrics_port,
+        grace_seconds=config.shutdown_timeout + 5.0,
     )
     metrics = CoreMetrics(
         host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
     )
 
-    def on_failure(message: str) -> None:  # any thread
+    def on_executor_failure(message: str) -> None:  # any thread: not serving from now on
         loop.call_soon_threadsafe(
             lambda: loop.create_task(host.set_unhealthy(f"engine failed: {message}"))
         )
 
+    def on_engine_failed(message: str) -> None:  # loop thread, failure outputs already sent
+        loop.call_soon_threadsafe(
+            lambda: loop.create_task(host.fail(f"engine failed: {message}; exiting"))
+        )
+
     output_rank = config.world_size - config.tensor_parallel_size
+    budget = StepBudget(
+        config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
+    )
     executor = GrpcExecutor(
-        config.worker_addrs,
-        output_rank,
-        config.execute_timeout,
-        on_failure,
-        metrics.observe_worker_step,
+        config.worker_addrs, output_rank, budget, on_executor_failure, metrics.observe_worker_step
     )
     executor.open()
     streams = ClientStreams(loop)
     proc = EngineCoreProc(
-        build_engine(config, facts, executor), streams.deliver, on_stats=metrics.observe_stats
+        build_engine(config, facts, executor),
+        streams.deliver,
+        on_stats=metrics.observe_stats,
+        on_failed=on_engine_failed,
     )
     servicer = EngineCoreServicer(proc, streams, info, metrics)
     core_grpc.add_EngineCoreServiceServicer_to_server(servicer, host.server)
@@ -159,10 +168,28 @@ async def serve(config: CoreConfig) -> int:
     proc.start()
     await host.start()
     await host.set_ready(True)
-    code = await host.run_until_stopped(on_shutdown=servicer.close_streams)
+
+    async def drain() -> None:
+        await drain_engine(proc, config.shutdown_timeout)
+        await servicer.close_streams()
+
+    code = await host.run_until_stopped(on_shutdown=drain)
     await asyncio.to_thread(proc.stop, 10.0)
     await pool.close()
     return code
+
+
+async def drain_engine(proc: EngineCoreProc, timeout: float) -> None:
+    """Refuse new requests, let the running ones finish for up to `timeout` seconds, then end
+    the rest with an error (vLLM's --shutdown-timeout)."""
+    proc.drain()
+    deadline = time.monotonic() + timeout
+    while not proc.is_idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not proc.is_idle:
+        logger.warning("shutdown: %.0f s passed; aborting the requests still running", timeout)
+        proc.abort_all()
+        await asyncio.sleep(0.2)  # let the aborts reach their streams
 
 
 def main(argv: Sequence[str] | None = None) -> int:

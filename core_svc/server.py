@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import grpc
@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()
 
 
+MAX_UNSENT_OUTPUTS = 10_000
+"""A frontend that leaves this many step outputs unread is dropped: its requests are aborted
+(their KV freed) and its stream ends; it reconnects when it reads again."""
+
+
 class ClientStreams:
     """The outboxes of the open EngineStreams, by client id, on one event loop."""
 
@@ -36,6 +41,9 @@ class ClientStreams:
         self._loop = loop
         self._client_ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[object]] = {}
+        self.overflowed: set[int] = set()
+        """Clients dropped for not reading; their handlers end at the next chance."""
+        self.on_overflow: Callable[[int], None] = lambda client_id: None
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -48,6 +56,7 @@ class ClientStreams:
 
     def close(self, client_id: int) -> None:
         self._queues.pop(client_id, None)
+        self.overflowed.discard(client_id)
 
     def close_all(self) -> None:
         """End every stream (shutdown): their requests are aborted."""
@@ -56,9 +65,18 @@ class ClientStreams:
 
     def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
         """The busy loop's output sink (its thread): hand outputs over, never block."""
+        self._loop.call_soon_threadsafe(self._put, client_id, (outputs, time.perf_counter()))
+
+    def _put(self, client_id: int, item: object) -> None:
         queue = self._queues.get(client_id)
-        if queue is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, (outputs, time.perf_counter()))
+        if queue is None or client_id in self.overflowed:
+            return
+        if queue.qsize() >= MAX_UNSENT_OUTPUTS:
+            logger.error("stream %d left %d outputs unread; dropping it", client_id, queue.qsize())
+            self.overflowed.add(client_id)
+            self.on_overflow(client_id)
+            return
+        queue.put_nowait(item)
 
 
 class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
@@ -75,6 +93,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self._streams = streams
         self._info = info
         self._metrics = metrics
+        streams.on_overflow = proc.close_client
 
     async def close_streams(self) -> None:
         """End every EngineStream (shutdown): their requests are aborted."""
@@ -119,6 +138,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     outputs=convert.engine_core_outputs_to_proto(outputs)
                 )
                 self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
+                if client_id in self._streams.overflowed:
+                    return
         finally:
             self._streams.close(client_id)
             self._metrics.streams.set(len(self._streams))

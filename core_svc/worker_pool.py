@@ -22,11 +22,25 @@ from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grp
 from splitserve_runtime.service_host import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
+RETRY_DELAY_SECONDS = 2.0
 GIB = 1024**3
 
 
 class WorkerBringUpError(RuntimeError):
-    """A worker rank could not be reached or refused a start-up call."""
+    """A worker rank could not be reached or refused a start-up call. `is_retryable` is False
+    when retrying cannot help (the ranks refused what they were asked: a bad model, flags)."""
+
+    def __init__(self, message: str, is_retryable: bool = True) -> None:
+        super().__init__(message)
+        self.is_retryable = is_retryable
+
+
+_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +76,8 @@ class WorkerPool:
             if isinstance(result, grpc.RpcError):
                 raise WorkerBringUpError(
                     f"worker rank {rank} ({self.addrs[rank]}) failed {name}: "
-                    f"{result.code().name}: {result.details()}"
+                    f"{result.code().name}: {result.details()}",
+                    is_retryable=result.code() not in _REFUSALS,
                 )
             if isinstance(result, BaseException):
                 raise result
@@ -94,6 +109,25 @@ class WorkerPool:
                 reply.pid,
             )
         return replies
+
+    async def bring_up_with_retries(
+        self, config: CoreConfig, model_path: str, served_model_name: str
+    ) -> ModelFacts:
+        """Bring the ranks up, starting over while attempts fail for reasons that may pass (a
+        rank restarting, a wedged rank that exits to restart clean), until
+        --worker-connect-timeout; a refusal (bad model, bad flags) fails at once."""
+        deadline = time.monotonic() + config.worker_connect_timeout
+        attempt = 1
+        while True:
+            try:
+                await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
+                return await self.bring_up(config, model_path, served_model_name)
+            except WorkerBringUpError as err:
+                if not err.is_retryable or time.monotonic() + RETRY_DELAY_SECONDS > deadline:
+                    raise
+                logger.warning("bring-up attempt %d failed (%s); retrying", attempt, err)
+            attempt += 1
+            await asyncio.sleep(RETRY_DELAY_SECONDS)
 
     async def bring_up(
         self, config: CoreConfig, model_path: str, served_model_name: str
@@ -158,5 +192,6 @@ def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
         raise WorkerBringUpError(
             f"the KV cache holds {max(capacity, 0)} tokens ({num_blocks} blocks of {block_size}, "
             f"block 0 reserved) but max_model_len is {max_model_len}: lower --max-model-len or "
-            "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization)"
+            "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization)",
+            is_retryable=False,
         )

@@ -16,7 +16,7 @@ from typing import Any
 
 from frontend_svc.core_client import CoreClient, RoundTrip
 from frontend_svc.engine_types import CoreOutputs
-from frontend_svc.errors import EngineUnavailable
+from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
@@ -29,11 +29,19 @@ class AsyncEngine:
     """Multiplexes generate() calls over one CoreClient; one task pulls the core's events."""
 
     def __init__(
-        self, client: CoreClient, output_processor: OutputProcessor, metrics: FrontendMetrics
+        self,
+        client: CoreClient,
+        output_processor: OutputProcessor,
+        metrics: FrontendMetrics,
+        max_inflight_requests: int = 0,
     ) -> None:
         self.client = client
+        self.max_inflight_requests = max_inflight_requests
+        """When > 0, most engine requests in flight here (n > 1 counts n)."""
         self.output_processor = output_processor
         self.metrics = metrics
+        self.is_draining = False
+        """Set on shutdown: new requests are refused, running ones finish."""
         self._puller: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -42,7 +50,21 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self.client.is_connected
+        return self.client.is_connected and not self.is_draining
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests; wait up to `timeout` seconds for the running ones to finish
+        (vLLM's --shutdown-timeout). What still runs then ends when the engine closes."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout
+        while self.output_processor.states and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.output_processor.states:
+            logger.warning(
+                "shutdown: %.0f s passed; aborting %d requests still running",
+                timeout,
+                len(self.output_processor.states),
+            )
 
     @property
     def num_running(self) -> int:
@@ -79,6 +101,14 @@ class AsyncEngine:
     ) -> AsyncIterator[CompletionDelta]:
         """Stream deltas of all `request.params.n` completions until every one finished.
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency."""
+        if self.is_draining:
+            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
+        limit = self.max_inflight_requests
+        if limit and len(self.output_processor.states) + request.params.n > limit:
+            raise Overloaded(
+                f"this frontend already streams {len(self.output_processor.states)} requests "
+                f"(--max-inflight-requests {limit}); retry shortly"
+            )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         children = self._add(request, queue, arrival or time.monotonic())

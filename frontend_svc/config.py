@@ -28,6 +28,8 @@ class FrontendConfig:
     max_n: int = 64
     max_stop_strings: int = 32
     core_connect_timeout: float = 900.0
+    shutdown_timeout: float = 30.0
+    max_inflight_requests: int = 0
     log_level: str = "info"
 
 
@@ -69,6 +71,20 @@ def build_parser() -> FlagParser:
         type=float,
         default=900.0,
         help="seconds to wait for the engine core at start-up",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish (new ones are refused "
+        "with UNAVAILABLE) before they are aborted",
+    )
+    p.add_argument(
+        "--max-inflight-requests",
+        type=non_negative_int,
+        default=0,
+        help="most engine requests this frontend streams at once (n > 1 counts n); more are "
+        "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
 from frontend_svc.engine_types import CoreOutputs, EngineInfo
@@ -28,6 +29,7 @@ from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.service_host import SERVER_OPTIONS
+from splitserve_runtime.services import CORE
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +93,16 @@ class EngineCoreClient:
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
         self._connected = asyncio.Event()
+        self._is_core_serving = True
         self._state_changed = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
 
     @property
     def is_connected(self) -> bool:
-        return self._connected.is_set()
+        """The stream to the core is up and the core reports itself SERVING (its readiness,
+        watched through grpc.health.v1): only then are requests sent."""
+        return self._connected.is_set() and self._is_core_serving
 
     async def wait_state_change(self) -> bool:
         """Wait until the stream goes up or down; returns whether it is up now."""
@@ -158,7 +163,11 @@ class EngineCoreClient:
         self._outbox = asyncio.Queue()
         self._pings.clear()
         call = self._stub.EngineStream()
-        tasks = [asyncio.create_task(self._write(call)), asyncio.create_task(self._ping())]
+        tasks = [
+            asyncio.create_task(self._write(call)),
+            asyncio.create_task(self._ping()),
+            asyncio.create_task(self._watch_core_health()),
+        ]
         self._connected.set()
         self._state_changed.set()
         try:
@@ -179,6 +188,21 @@ class EngineCoreClient:
             # asyncio.wait, not `await task` under suppress(CancelledError): a cancellation of
             # this (supervisor) task arriving here must propagate, not be swallowed.
             await asyncio.wait(tasks)
+
+    async def _watch_core_health(self) -> None:
+        """Follow the core's readiness; a core that stops serving (failed, draining) makes this
+        frontend not ready too, and its new requests get UNAVAILABLE at once."""
+        request = health_pb2.HealthCheckRequest(service=CORE.grpc_service)
+        try:
+            async for reply in health_pb2_grpc.HealthStub(self._channel).Watch(request):
+                is_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                if is_serving != self._is_core_serving:
+                    self._is_core_serving = is_serving
+                    self._state_changed.set()
+                    logger.warning("engine core %s is %sserving", self.core_addr,
+                                   "" if is_serving else "not ")  # fmt: skip
+        except grpc.RpcError:
+            return  # the stream's own read reports the break
 
     async def _ping(self) -> None:
         """Time the hop to the core in this process's clock (the core echoes off its loop)."""

@@ -57,10 +57,16 @@ async def serve(config: FrontendConfig) -> int:
         port=config.port,
         service_names=[FRONTEND.grpc_service],
         metrics_port=config.metrics_port,
+        grace_seconds=config.shutdown_timeout + 5.0,
     )
     served_name = config.served_model_name or info.served_model_name
     metrics = FrontendMetrics(host.registry, served_name, info.engine_id, info.max_model_len)
-    engine = AsyncEngine(client, OutputProcessor(backend_decoder(tokenizer), metrics), metrics)
+    engine = AsyncEngine(
+        client,
+        OutputProcessor(backend_decoder(tokenizer), metrics),
+        metrics,
+        config.max_inflight_requests,
+    )
     limits = Limits(
         vocab_size=info.vocab_size,
         max_logprobs=config.max_logprobs,
@@ -79,7 +85,7 @@ async def serve(config: FrontendConfig) -> int:
         config.core_addr,
     )
     tracker = asyncio.create_task(_track_readiness(host, client))
-    code = await host.run_until_stopped()
+    code = await host.run_until_stopped(on_shutdown=lambda: engine.drain(config.shutdown_timeout))
     tracker.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tracker

@@ -15,11 +15,15 @@ from typing import Any
 
 from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
-from frontend_svc.errors import EngineUnavailable
+from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
 from splitserve_contracts.sampling_types import SamplingParams
+
+MAX_UNREAD_DELTAS = 4096
+"""A request whose client leaves this many updates unread is stopped: the engine must not keep
+generating (and holding KV blocks) for a client that never reads."""
 
 
 @dataclass(slots=True)
@@ -129,6 +133,14 @@ class OutputProcessor:
         delta = self._make_delta(state, token_ids, detail, finish, stop_str)
         if delta is not None:
             state.queue.put_nowait(delta)
+        if finish == FinishReason.UNSPECIFIED and state.queue.qsize() > MAX_UNREAD_DELTAS:
+            state.queue.put_nowait(
+                Overloaded(f"the client read none of its last {MAX_UNREAD_DELTAS} updates; "
+                           "the request was stopped (read the stream as it arrives)")
+            )  # fmt: skip
+            self._finish_stats(state, FinishReason.ABORT)
+            self.states.pop(state.handle, None)
+            return True  # abort it in the core: nobody reads it
         if finish != FinishReason.UNSPECIFIED:
             self._finish_stats(state, finish)
             state.is_finished = True

@@ -66,6 +66,13 @@ def build_parser() -> FlagParser:
         help="after READY, stream one answer to this prompt to stdout",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C or SIGTERM, seconds running requests may take to finish (the frontend "
+        "and the core stop admitting) before they are aborted",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 
@@ -93,6 +100,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     ports = free_ports(2 * world + 5)
     common = ["--log-level", args.log_level]
+    drain = ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
     workers = [
         _spawn(
             f"worker[{rank}]",
@@ -134,6 +142,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
             "--distributed-init-method",
             f"tcp://{LOOPBACK}:{dist_port}",
             *common,
+            *drain,
             *core_flags,
         ],
         core_addr,
@@ -155,6 +164,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
             "--metrics-port",
             str(fe_metrics),
             *common,
+            *drain,
         ],
         f"{args.host}:{port}",
         fe_metrics,
@@ -198,18 +208,22 @@ def wait_ready(children: Sequence[Child], timeout: float) -> None:
             time.sleep(0.25)
 
 
-def stop_children(children: Sequence[Child]) -> None:
-    """SIGTERM frontend first, then core, then workers; SIGKILL whatever outlives the grace."""
-    for child in reversed(children):
-        if child.process.poll() is None:
+def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
+    """Stop in stages, so a drain can finish: the frontends first (they stop admitting and let
+    their requests finish, which needs the core and the workers), then the core, then the
+    workers. Each stage gets SIGTERM and `shutdown_timeout` + STOP_GRACE_SECONDS before
+    SIGKILL."""
+    for kind in ("frontend", "core", "worker"):
+        stage = [c for c in children if c.kind == kind and c.process.poll() is None]
+        for child in stage:
             child.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for child in children:
-        try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
+        deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_SECONDS
+        for child in stage:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
 
 
 def ready_line(children: Sequence[Child]) -> str:
@@ -266,4 +280,4 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"splitserve up: {message}; stopping everything", file=sys.stderr)
         return 1
     finally:
-        stop_children(children)
+        stop_children(children, args.shutdown_timeout)

@@ -18,6 +18,7 @@ def serve(config: WorkerConfig) -> int:
     import torch
 
     from worker_svc.server import WorkerServicer
+    from worker_svc.stall_watch import StallWatch
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -28,7 +29,7 @@ def serve(config: WorkerConfig) -> int:
         service_names=[WORKER.grpc_service],
         metrics_port=config.metrics_port,
     )
-    servicer = WorkerServicer(host.registry, device=config.device)
+    servicer = WorkerServicer(host.registry, StallWatch(host.set_ready), device=config.device)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()
     # A worker is ready as soon as it can take the core's start-up calls.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,12 +29,17 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
 from worker_svc.worker import Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+WEDGED_AFTER_SECONDS = 30.0
+"""LoadModel waits this long for a running step before it deems the rank wedged."""
+WEDGED_EXIT_CODE = 75
+"""Exit status of a rank that quits because it is wedged (EX_TEMPFAIL: restart me)."""
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -45,11 +51,16 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     """
 
     def __init__(
-        self, registry: CollectorRegistry, device: str = "auto", rank_hint: int = 0
+        self,
+        registry: CollectorRegistry,
+        stall_watch: StallWatch,
+        device: str = "auto",
+        rank_hint: int = 0,
     ) -> None:
         self._lock = threading.Lock()
         self._worker = Worker(device, rank_hint)
         self._metrics = WorkerMetrics(registry)
+        self._stall_watch = stall_watch
         self._last_step_id = 0
         self._failure: str | None = None
         self._is_closed = False
@@ -94,6 +105,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config.pipeline_parallel_size,
             config.dtype,
         )
+        if not self._lock.acquire(timeout=WEDGED_AFTER_SECONDS):
+            # A step of the previous bring-up is stuck in a collective whose peer is gone; no
+            # thread can get it out. Exit so the rank restarts clean and the new core can retry.
+            logger.error("a step has held this rank for %.0f s; exiting to restart clean",
+                         WEDGED_AFTER_SECONDS)  # fmt: skip
+            os._exit(WEDGED_EXIT_CODE)
+        self._lock.release()
         loaded = self._call(context, self._worker.load_model, config)
         self._metrics.bind(
             request.served_model_name or config.model_path, request.engine_id, config.rank
@@ -139,7 +157,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:
             with self._lock:
-                response = self._execute_step(request)
+                self._stall_watch.step_started()
+                try:
+                    response = self._execute_step(request)
+                finally:
+                    self._stall_watch.step_ended()
             if response is not None:
                 yield response
 

@@ -81,4 +81,4 @@ def test_typescript_client_reports_a_bad_request(compiled_client: Path, stack: S
         timeout=60,
     )
     assert result.returncode == 1
-    assert "InvalidArgument: temperature must be >= 0" in result.stderr
+    assert "InvalidArgument: temperature must be finite and >= 0" in result.stderr

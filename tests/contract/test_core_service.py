@@ -54,7 +54,9 @@ class CoreHarness:
         self.server = grpc.aio.server()
         streams = ClientStreams(loop)
         metrics = CoreMetrics(CollectorRegistry(), "fake", "0", {"engine": "0"})
-        self.proc = EngineCoreProc(engine, streams.deliver, on_stats=metrics.observe_stats)
+        self.proc = EngineCoreProc(
+            engine, streams.deliver, on_stats=metrics.observe_stats, on_failed=lambda m: None
+        )
         info = core_pb2.EngineInfo(
             served_model_name="fake",
             max_model_len=MAX_LEN,

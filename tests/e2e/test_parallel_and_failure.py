@@ -69,8 +69,16 @@ def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(default_model_
         assert time.monotonic() - killed_at < 30
         assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
         assert "worker rank 0" in (errors[0].details() or "")
-        core_service = "splitserve.core.v1.EngineCoreService"
-        assert _readiness(stack.core, core_service) == health_pb2.HealthCheckResponse.NOT_SERVING
+        # A failed core exits non-zero, so its pod (or `splitserve up`) restarts it, and its
+        # frontend stops reporting ready.
+        assert stack.child("core").process.wait(timeout=30) != 0
+        frontend_service = "splitserve.frontend.v1.GenerationService"
+        deadline = time.monotonic() + 30
+        while _readiness(stack.frontend, frontend_service) != (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
+            assert time.monotonic() < deadline, "frontend readiness never dropped"
+            time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as later:
             join(
                 gen_grpc.GenerationServiceStub(grpc.insecure_channel(stack.frontend)).Generate(

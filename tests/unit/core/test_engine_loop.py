@@ -26,6 +26,10 @@ def NO_STATS(stats: object, step_seconds: float | None) -> None:  # noqa: N802
     """The loop's stats sink, unused here."""
 
 
+def NOT_FAILED(message: str) -> None:  # noqa: N802
+    """The loop's failure report, unused here."""
+
+
 class RecordingQueue(queue.Queue[EngineCommand]):
     """Signals whenever the loop blocks on the queue, and records the step count then."""
 
@@ -77,7 +81,7 @@ def loop_parts() -> Iterator[tuple[EngineCore, FakeExecutor, RecordingQueue]]:
 def start(
     engine: EngineCore, sink: Sink, input_queue: RecordingQueue | None = None
 ) -> EngineCoreProc:
-    proc = EngineCoreProc(engine, sink, NO_STATS, input_queue)
+    proc = EngineCoreProc(engine, sink, NO_STATS, NOT_FAILED, input_queue)
     proc.start()
     return proc
 
@@ -127,7 +131,7 @@ def test_close_client_aborts_all_of_its_requests(loop_parts: Any) -> None:
 def test_abort_during_a_step_suppresses_that_steps_output() -> None:
     engine, executor = make_engine()
     sink = Sink(expected=1)
-    proc = EngineCoreProc(engine, sink, NO_STATS)
+    proc = EngineCoreProc(engine, sink, NO_STATS, NOT_FAILED)
 
     def abort_mid_step(so: SchedulerOutput) -> None:
         if so.step_id == 3:
@@ -180,10 +184,30 @@ def test_a_failing_sink_does_not_stop_the_loop() -> None:
             raise ConnectionError("client went away")
         sink(client_id, outputs)
 
-    proc = EngineCoreProc(engine, flaky, NO_STATS)
+    proc = EngineCoreProc(engine, flaky, NO_STATS, NOT_FAILED)
     proc.start()
     proc.add_requests(1, [make_request(1, [1], client_id=1, max_tokens=3)])
     proc.add_requests(2, [make_request(1, [1], client_id=2, max_tokens=3)])
     assert sink.finished.wait(GUARD_S)
     proc.stop(GUARD_S)
     assert sink.view.finished == {(2, 1): FinishReason.LENGTH}
+
+
+def test_a_frontend_that_stops_reading_is_dropped() -> None:
+    import asyncio
+
+    from core_svc.outputs import EngineCoreOutputs
+    from core_svc.server import MAX_UNSENT_OUTPUTS, ClientStreams
+
+    async def scenario() -> tuple[list[int], int]:
+        streams = ClientStreams(asyncio.get_running_loop())
+        dropped: list[int] = []
+        streams.on_overflow = dropped.append
+        client_id, queue = streams.open()
+        for _ in range(MAX_UNSENT_OUTPUTS + 3):
+            streams.deliver(client_id, EngineCoreOutputs())
+        await asyncio.sleep(0.2)
+        return dropped, queue.qsize()
+
+    dropped, queued = asyncio.run(scenario())
+    assert dropped == [1] and queued == MAX_UNSENT_OUTPUTS

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
-from frontend_svc.errors import EngineUnavailable
+from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, FinishReason
@@ -140,3 +140,17 @@ def test_unknown_handles_are_ignored_and_fail_all(tokenizer: Any) -> None:
     proc.fail_all("core went away")
     assert isinstance(queue.get_nowait(), EngineUnavailable)
     assert proc.states == {}
+
+
+def test_a_client_that_never_reads_is_stopped_and_aborted(tokenizer: Any) -> None:
+    from frontend_svc.output_processor import MAX_UNREAD_DELTAS
+
+    proc = OutputProcessor(backend_decoder(tokenizer), metrics())
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    proc.add_request(HANDLE, 0, SamplingParams(), 3, queue)
+    aborted: list[int] = []
+    for _ in range(MAX_UNREAD_DELTAS + 5):
+        aborted += proc.process_outputs(step(HANDLE, [5]))
+    assert aborted == [HANDLE] and HANDLE not in proc.states
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert isinstance(items[-1], Overloaded) and "read none of its last" in str(items[-1])

@@ -19,6 +19,7 @@ from splitserve_runtime.sync_service_host import ThreadPerRpcExecutor
 from tests.fixtures.checkpoints import CheckpointCache, load_reference
 from tests.fixtures.parity import reference_generate
 from worker_svc.server import WorkerServicer
+from worker_svc.stall_watch import StallWatch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +91,7 @@ def start_server(servicer: WorkerServicer) -> tuple[grpc.Server, int]:
 
 
 async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
-    servicer = WorkerServicer(registry, device="cpu")
+    servicer = WorkerServicer(registry, StallWatch(lambda is_ready: None), device="cpu")
     server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -178,7 +179,7 @@ def test_servicer_lifecycle_over_grpc(worker_checkpoints: CheckpointCache) -> No
 
 
 async def failing_steps(model: Path) -> list[pb.ModelRunnerOutput]:
-    servicer = WorkerServicer(CollectorRegistry(), device="cpu")
+    servicer = WorkerServicer(CollectorRegistry(), StallWatch(lambda is_ready: None), device="cpu")
     server, port = start_server(servicer)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

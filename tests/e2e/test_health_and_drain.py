@@ -1,0 +1,117 @@
+"""Health tells the truth and SIGTERM drains, over real processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_runtime.services import FRONTEND
+from tests.e2e.client import Completion, generate, join, text_request
+from tests.e2e.stack import Stack
+
+PROMPT = "The quick brown fox"
+pytestmark = pytest.mark.slow
+
+
+def readiness(addr: str, service: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status)
+
+
+def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, threading.Event, list]:
+    """Start a greedy request that ignores EOS; returns (thread, first-token event, results)."""
+    started, results = threading.Event(), []
+
+    def run() -> None:
+        request = text_request(PROMPT, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        with grpc.insecure_channel(addr) as channel:
+            call = gen_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+            try:
+                completion = Completion()
+                for response in call:
+                    started.set()
+                    completion.token_ids += list(response.token_ids)
+                    completion.finish_reason = response.finish_reason or completion.finish_reason
+                results.append(completion)
+            except grpc.RpcError as err:
+                results.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, started, results
+
+
+def test_a_stopped_worker_is_noticed_within_its_step_budget(default_model_dir: Path) -> None:
+    stack = Stack(default_model_dir, core_flags=["--step-timeout-floor", "2"]).start()
+    worker = next(stack.workers()).process
+    try:
+        thread, started, results = stream_in_thread(stack.frontend, 1900)
+        assert started.wait(60)
+        stopped_at = time.monotonic()
+        os.kill(worker.pid, signal.SIGSTOP)
+        thread.join(60)
+        noticed = time.monotonic() - stopped_at
+        assert isinstance(results[0], grpc.RpcError)
+        assert results[0].code() == grpc.StatusCode.UNAVAILABLE
+        assert "hung or stopped" in (results[0].details() or "")
+        assert noticed < 30, f"a SIGSTOPped worker took {noticed:.0f} s to notice"
+        assert stack.child("core").process.wait(timeout=30) != 0
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        stack.stop()
+
+
+def test_sigterm_drains_the_frontend(default_model_dir: Path) -> None:
+    stack = Stack(default_model_dir).start()
+    frontend = stack.child("frontend").process
+    try:
+        thread, started, results = stream_in_thread(stack.frontend, 200)
+        assert started.wait(60)
+        frontend.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert readiness(stack.frontend, FRONTEND.grpc_service) == (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stack.frontend, text_request(PROMPT, max_tokens=2), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (refused.value.details() or "")
+        thread.join(60)
+        (completion,) = results
+        assert isinstance(completion, Completion), completion
+        assert len(completion.token_ids) == 200  # the in-flight request finished
+        assert frontend.wait(timeout=30) == 0
+    finally:
+        stack.stop()
+
+
+def test_sigterm_drains_the_core(default_model_dir: Path) -> None:
+    stack = Stack(default_model_dir).start()
+    core = stack.child("core").process
+    try:
+        thread, started, results = stream_in_thread(stack.frontend, 200)
+        assert started.wait(60)
+        core.send_signal(signal.SIGTERM)
+        thread.join(60)
+        (completion,) = results
+        assert isinstance(completion, Completion), completion
+        assert len(completion.token_ids) == 200
+        assert core.wait(timeout=30) == 0
+        with pytest.raises(grpc.RpcError) as later:
+            join(
+                gen_grpc.GenerationServiceStub(grpc.insecure_channel(stack.frontend)).Generate(
+                    text_request(PROMPT, max_tokens=2), timeout=30
+                )
+            )
+        assert later.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.stop()
