@@ -16,6 +16,8 @@ class FrontendError(Exception):
     grpc_code = grpc.StatusCode.INTERNAL
     http_status = 500
     error_type = "internal_server_error"
+    param: str | None = None
+    """The request field at fault, when one is (OpenAI's error `param`)."""
 
 
 class InvalidRequest(FrontendError, ValueError):
@@ -24,6 +26,10 @@ class InvalidRequest(FrontendError, ValueError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
     error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(FrontendError):

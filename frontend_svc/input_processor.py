@@ -11,7 +11,6 @@ from typing import Any
 
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
-    ChatTurn,
     EngineRequest,
     GenerateInput,
     PromptInput,
@@ -38,6 +37,29 @@ def generation_eos_ids(model_path: str) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
+"""apply_chat_template's own parameters: chat_template_kwargs may not set them (vLLM's
+CVE-2025-62426: `tokenize=True` from a request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +93,7 @@ class InputProcessor:
         if prompt.token_ids is not None:
             return TokenizedPrompt(list(prompt.token_ids), None)
         if prompt.chat is not None:
-            text = self.render_chat(prompt.chat, prompt.add_generation_prompt)
+            text = self.render_chat(prompt)
             # The template already holds the special tokens it wants (vLLM does the same).
             return TokenizedPrompt(self._encode(text, add_special_tokens=False), text)
         text = prompt.text or ""
@@ -80,15 +102,33 @@ class InputProcessor:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, chat: tuple[ChatTurn, ...], add_generation_prompt: bool) -> str:
+    def render_chat(self, prompt: PromptInput) -> str:
+        """The prompt's chat rendered with the model's chat template."""
+        chat = prompt.chat
         if not chat:
             raise InvalidRequest("chat has no messages; send at least one message")
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send `prompt` text instead")
+        if prompt.continue_final_message and prompt.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt to false to continue the last message"
+            )
+        extra = dict(prompt.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}; "
+                "use the request's own fields"
+            )
         messages = [{"role": t.role, "content": t.content} for t in chat]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                **extra,
             )
         except Exception as exc:  # jinja errors: a template that rejects these roles, etc.
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
@@ -119,6 +159,11 @@ class InputProcessor:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                 f"({max_len}); set max_tokens to at most {max_len - num_prompt}"
+            )
+        if params.min_tokens > max_tokens:  # also when max_tokens was unset (CVE-2026-114051)
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request "
+                "may generate; lower min_tokens"
             )
         stop_ids = params.stop_token_ids
         if not params.ignore_eos:

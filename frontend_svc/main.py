@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.engine_stats import register_engine_stats
 from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
 from frontend_svc.metrics import FrontendMetrics
+from frontend_svc.openai.app import build_app
+from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.server import HttpServer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -70,8 +75,20 @@ async def serve(config: FrontendConfig) -> int:
     inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    register_engine_stats(host.registry, lambda: engine.scheduler_stats, served_name, info)
+    http = None
+    if config.http_port is not None:
+        context = ServingContext(engine, inputs, info, served_name, time.time())
+        app = build_app(context, host.registry, config.api_key)
+        http = HttpServer(app, config.http_host, config.http_port, _uvicorn_level(config))
     await host.start()
     engine.start()
+    if http is not None:
+        try:
+            await http.start()
+        except OSError as err:
+            logger.error("frontend: fatal: HTTP server: %s", err)
+            host.request_stop(1)
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",
         info.served_model_name,
@@ -79,12 +96,16 @@ async def serve(config: FrontendConfig) -> int:
         config.core_addr,
     )
     tracker = asyncio.create_task(_track_readiness(host, client))
-    code = await host.run_until_stopped()
+    code = await host.run_until_stopped(on_shutdown=http.stop if http else None)
     tracker.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tracker
     await engine.close()
     return code
+
+
+def _uvicorn_level(config: FrontendConfig) -> str:
+    return "warning" if config.log_level in ("debug", "info") else config.log_level
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from frontend_svc.config import DEFAULT_HTTP_PORT
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import FRONTEND, SERVICES
@@ -38,6 +39,8 @@ class Child:
     address: str
     metrics_url: str
     process: subprocess.Popen[bytes]
+    http_address: str = ""
+    """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
 
 
 class LaunchError(RuntimeError):
@@ -61,6 +64,13 @@ def build_parser() -> FlagParser:
         help="frontend port (0: any)",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
+    )
+    p.add_argument("--api-key", default="", help="frontend API key (see `splitserve frontend`)")
+    p.add_argument(
         "--sample-prompt",
         default="",
         help="after READY, stream one answer to this prompt to stdout",
@@ -82,9 +92,17 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _spawn(name: str, kind: str, argv: list[str], address: str, metrics_port: int) -> Child:
+def _spawn(
+    name: str,
+    kind: str,
+    argv: list[str],
+    address: str,
+    metrics_port: int,
+    env: Mapping[str, str] | None = None,
+) -> Child:
+    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv]
-    process = subprocess.Popen(cmd)
+    process = subprocess.Popen(cmd, env={**os.environ, **env} if env else None)
     return Child(name, kind, address, f"http://{LOOPBACK}:{metrics_port}/metrics", process)
 
 
@@ -140,6 +158,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         core_metrics,
     )
     port = args.port or fe_port
+    http_port = args.http_port if args.http_port != 0 else free_ports(1)[0]
     frontend = _spawn(
         "frontend",
         "frontend",
@@ -154,11 +173,16 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
             str(port),
             "--metrics-port",
             str(fe_metrics),
+            "--http-port",
+            str(http_port),
             *common,
         ],
         f"{args.host}:{port}",
         fe_metrics,
+        env={"SPLITSERVE_API_KEY": args.api_key} if args.api_key else None,
     )
+    if http_port >= 0:
+        frontend.http_address = f"{args.host}:{http_port}"
     return [*workers, core, frontend]
 
 
@@ -218,6 +242,7 @@ def ready_line(children: Sequence[Child]) -> str:
         f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
         f"workers={','.join(c.address for c in by_kind['worker'])} "
         f"metrics={','.join(c.metrics_url for c in children)}"
+        + "".join(f" http={c.http_address}" for c in by_kind["frontend"] if c.http_address)
     )
 
 

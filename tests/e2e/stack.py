@@ -18,9 +18,17 @@ KV_BYTES = str(64 * 1024 * 1024)
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID."""
 
-    def __init__(self, model: Path, tp: int = 1, pp: int = 1, core_flags: list[str] | None = None):
+    def __init__(
+        self,
+        model: Path,
+        tp: int = 1,
+        pp: int = 1,
+        core_flags: list[str] | None = None,
+        api_key: str = "",
+    ):
         self.model = model
         self.tp, self.pp = tp, pp
+        self.api_key = api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
@@ -30,6 +38,8 @@ class Stack:
             pipeline_parallel_size=self.pp,
             host="127.0.0.1",
             port=0,
+            http_port=0,
+            api_key=self.api_key,
             log_level="warning",
         )
         self.children = start_children(args, str(self.model), self.core_flags)
@@ -49,6 +59,11 @@ class Stack:
     @property
     def frontend(self) -> str:
         return self.child("frontend").address
+
+    @property
+    def http(self) -> str:
+        """Base URL of the frontend's OpenAI-compatible HTTP API, e.g. http://127.0.0.1:8000."""
+        return f"http://{self.child('frontend').http_address}"
 
     @property
     def core(self) -> str:
