@@ -66,3 +66,12 @@ class EngineUnavailable(FrontendError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     error_type = "service_unavailable_error"
+
+
+def check_model(requested: str | None, served_model_name: str) -> None:
+    """Both APIs: a request naming a model other than the served one gets ModelNotFound (404 /
+    NOT_FOUND); no name means the served model."""
+    if requested and requested != served_model_name:
+        raise ModelNotFound(
+            f"the model `{requested}` does not exist; this server serves `{served_model_name}`"
+        )

@@ -8,20 +8,15 @@ import logging
 import time
 from collections.abc import Sequence
 
-from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.assembly import FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_stats import register_engine_stats
-from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
-from frontend_svc.metrics import FrontendMetrics
+from frontend_svc.input_processor import load_tokenizer
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
-from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
-from splitserve_contracts.sampling_rules import Limits
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
@@ -64,18 +59,11 @@ async def serve(config: FrontendConfig) -> int:
         metrics_port=config.metrics_port,
     )
     served_name = config.served_model_name or info.served_model_name
-    metrics = FrontendMetrics(host.registry, served_name, info.engine_id, info.max_model_len)
-    engine = AsyncEngine(client, OutputProcessor(backend_decoder(tokenizer), metrics), metrics)
-    limits = Limits(
-        vocab_size=info.vocab_size,
-        max_logprobs=config.max_logprobs,
-        max_n=config.max_n,
-        max_stop_strings=config.max_stop_strings,
-    )
-    inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
+    limits = FrontendLimits(config.max_logprobs, config.max_n, config.max_stop_strings)
+    parts = build_frontend(client, info, model, tokenizer, host.registry, served_name, limits)
+    engine, inputs = parts.engine, parts.inputs
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
-    register_engine_stats(host.registry, lambda: engine.scheduler_stats, served_name, info)
     http = None
     if config.http_port is not None:
         context = ServingContext(engine, inputs, info, served_name, time.time())

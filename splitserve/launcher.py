@@ -108,8 +108,21 @@ def _spawn(
 
 def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) -> list[Child]:
     """Start workers, core and frontend; they find each other through the ports chosen here."""
+    engine = start_engine_children(args, model, core_flags)
+    try:
+        return [*engine, _start_frontend(args, model, engine[-1].address)]
+    except BaseException:
+        stop_children(engine)
+        raise
+
+
+def start_engine_children(
+    args: argparse.Namespace, model: str, core_flags: list[str]
+) -> list[Child]:
+    """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
+    TP/PP > 1 runs its frontend in its own process on top of these."""
     world = args.tensor_parallel_size * args.pipeline_parallel_size
-    ports = free_ports(2 * world + 5)
+    ports = free_ports(2 * world + 3)
     common = ["--log-level", args.log_level]
     workers = [
         _spawn(
@@ -129,7 +142,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         )
         for rank in range(world)
     ]
-    core_port, core_metrics, dist_port, fe_metrics, fe_port = ports[2 * world :]
+    core_port, core_metrics, dist_port = ports[2 * world :]
     core_addr = f"{LOOPBACK}:{core_port}"
     core = _spawn(
         "core",
@@ -157,8 +170,13 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         core_addr,
         core_metrics,
     )
+    return [*workers, core]
+
+
+def _start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Child:
+    fe_metrics, fe_port, free_http_port = free_ports(3)
     port = args.port or fe_port
-    http_port = args.http_port if args.http_port != 0 else free_ports(1)[0]
+    http_port = args.http_port or free_http_port
     frontend = _spawn(
         "frontend",
         "frontend",
@@ -175,7 +193,8 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
             str(fe_metrics),
             "--http-port",
             str(http_port),
-            *common,
+            "--log-level",
+            args.log_level,
         ],
         f"{args.host}:{port}",
         fe_metrics,
@@ -183,7 +202,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
     )
     if http_port >= 0:
         frontend.http_address = f"{args.host}:{http_port}"
-    return [*workers, core, frontend]
+    return frontend
 
 
 def is_ready(child: Child) -> bool:

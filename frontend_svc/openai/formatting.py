@@ -37,6 +37,16 @@ class ChoiceState:
             self.stop_reason = stop_reason(delta)
 
 
+def envelope(
+    rid: str, kind: str, created: int, model: str, choices: list[Any], usage: Any = None
+) -> dict[str, Any]:
+    """A response or chunk: id, object, created, model, choices (and usage when given)."""
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
 def finish_reason(reason: FinishReason) -> str | None:
     return None if reason == FinishReason.UNSPECIFIED else str(reason)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import EngineUnavailable, ModelNotFound
+from frontend_svc.errors import EngineUnavailable, check_model
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason, GenerateInput
 
@@ -35,12 +35,7 @@ class ServingContext:
         return self.inputs.tokenizer
 
     def check_model(self, requested: str | None) -> None:
-        """A request naming another model gets 404 (no name: the served model)."""
-        if requested and requested != self.served_model_name:
-            raise ModelNotFound(
-                f"the model `{requested}` does not exist; this server serves "
-                f"`{self.served_model_name}` (GET /v1/models)"
-            )
+        check_model(requested, self.served_model_name)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:

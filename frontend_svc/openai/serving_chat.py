@@ -35,16 +35,8 @@ class ChatRun:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)
 
     def _envelope(self, kind: str, choices: list[Any], usage: Any = None) -> dict[str, Any]:
-        body = {
-            "id": self.rid,
-            "object": kind,
-            "created": self.created,
-            "model": self.ctx.served_model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
+        model = self.ctx.served_model_name
+        return fmt.envelope(self.rid, kind, self.created, model, choices, usage)
 
     def usage(self) -> dict[str, Any]:
         first = self.choices[0]

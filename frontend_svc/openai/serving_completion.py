@@ -83,16 +83,8 @@ class CompletionRun:
         return body
 
     def _envelope(self, choices: list[Any], usage: Any = None) -> dict[str, Any]:
-        body = {
-            "id": self.rid,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.ctx.served_model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return body
+        model = self.ctx.served_model_name
+        return fmt.envelope(self.rid, "text_completion", self.created, model, choices, usage)
 
     def usage(self) -> dict[str, Any]:
         firsts = self.choices[:: self.n]  # the prompt counts once per prompt, not per choice
