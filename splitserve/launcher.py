@@ -110,7 +110,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
     """Start workers, core and frontend; they find each other through the ports chosen here."""
     engine = start_engine_children(args, model, core_flags)
     try:
-        return [*engine, _start_frontend(args, model, engine[-1].address)]
+        return [*engine, start_frontend(args, model, engine[-1].address)]
     except BaseException:
         stop_children(engine)
         raise
@@ -173,7 +173,8 @@ def start_engine_children(
     return [*workers, core]
 
 
-def _start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Child:
+def start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Child:
+    """Start a frontend on the engine core at `core_addr` (several may share one core)."""
     fe_metrics, fe_port, free_http_port = free_ports(3)
     port = args.port or fe_port
     http_port = args.http_port or free_http_port

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.launcher import Child, start_children, stop_children, wait_ready
+from splitserve.launcher import (
+    Child,
+    start_children,
+    start_frontend,
+    stop_children,
+    wait_ready,
+)
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -52,6 +58,19 @@ class Stack:
 
     def stop(self) -> None:
         stop_children(self.children)
+
+    def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:
+        """Another frontend process on this stack's core (stop it with stop_children)."""
+        args = argparse.Namespace(
+            host="127.0.0.1", port=0, http_port=0, api_key=api_key, log_level="warning"
+        )
+        child = start_frontend(args, str(self.model), self.core)
+        try:
+            wait_ready([child], timeout)
+        except Exception:
+            stop_children([child])
+            raise
+        return child
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
