@@ -130,7 +130,8 @@ def test_logprobs_completions_and_chat(stack: Stack) -> None:
     assert lp.top_logprobs is not None and all(3 <= len(d) <= 4 for d in lp.top_logprobs)
     # greedy: the chosen token is the most likely one
     assert all(
-        max(d.values()) == pytest.approx(v) for d, v in zip(lp.top_logprobs, lp.token_logprobs)
+        max(d.values()) == pytest.approx(v)
+        for d, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
     )
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     chat = client(stack).chat.completions.create(
