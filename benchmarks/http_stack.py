@@ -49,7 +49,7 @@ def starlette_app() -> Any:
 
 
 def fastapi_app() -> Any:
-    from fastapi import FastAPI  # type: ignore[import-not-found]
+    from fastapi import FastAPI
     from pydantic import BaseModel
 
     class CompletionRequest(BaseModel):  # the fields vLLM's CompletionRequest reads most
