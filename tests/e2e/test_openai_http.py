@@ -238,3 +238,48 @@ def test_fuzzed_bodies_never_get_a_500(stack: Stack, body: dict[str, Any], chat:
         conn.close()
     assert reply.status in (200, 400, 404), (reply.status, payload[:300])
     assert get(stack.http, "/health")[0] == 200
+
+
+def sse_events(base: str, path: str, body: dict[str, Any]) -> list[Any]:
+    status, raw = post(base, path, body)
+    assert status == 200, raw
+    messages = [m.removeprefix("data: ") for m in raw.split("\n\n") if m]
+    assert messages[-1] == "[DONE]"
+    return [json.loads(m) for m in messages[:-1]]
+
+
+def test_continuous_usage_and_prompt_logprobs(stack: Stack, tokenizer: Any) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    events = sse_events(
+        stack.http, "/v1/completions", body | {"stream": True, "stream_options": options}
+    )
+    num_prompt = len(tokenizer.encode(PROMPT))
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3, 4, 5]
+    assert all(e["usage"]["prompt_tokens"] == num_prompt for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == num_prompt + 5
+    status, reply = post(stack.http, "/v1/completions", body | {"prompt_logprobs": 1})
+    rows = reply["choices"][0]["prompt_logprobs"]
+    assert status == 200 and len(rows) == num_prompt and rows[0] is None
+    ids = tokenizer.encode(PROMPT)
+    assert all(str(ids[i]) in row for i, row in enumerate(rows) if row is not None)
+
+
+def test_chat_template_options(stack: Stack) -> None:
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    status, rendered = post(
+        stack.http,
+        "/tokenize",
+        {"messages": history, "add_generation_prompt": False, "continue_final_message": True},
+    )
+    status_closed, closed = post(stack.http, "/tokenize", {"messages": history})
+    assert status == status_closed == 200 and rendered["count"] < closed["count"]
+    body = {"messages": history, "max_tokens": 2, "add_generation_prompt": False}
+    status, reply = post(
+        stack.http, "/v1/chat/completions", body | {"continue_final_message": True}
+    )
+    assert status == 200 and reply["usage"]["prompt_tokens"] == rendered["count"]
+    status, err = post(
+        stack.http, "/v1/chat/completions", body | {"chat_template_kwargs": {"tokenize": True}}
+    )
+    assert status == 400 and "tokenize" in err["error"]["message"]
