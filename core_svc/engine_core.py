@@ -129,12 +129,16 @@ class EngineCore:
 
     def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
         """Stop live requests of a client and free their blocks; unknown handles are no-ops.
-        Aborted requests produce no further output."""
+        Aborted requests produce no further output, but the client gets the next step's
+        scheduler stats (an empty EngineCoreOutputs), so its view of the queue and the KV cache
+        does not stay at the pre-abort values."""
         live = self.client_requests.get(client_id)
         if not live:
             return
         requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
         self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)
+        if requests:
+            self._pending_outputs.setdefault(client_id, EngineCoreOutputs())
         if not live:
             del self.client_requests[client_id]
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend_svc.core_client import CoreClient, RoundTrip
-from frontend_svc.engine_types import CoreOutputs
+from frontend_svc.engine_types import CoreOutputs, SchedulerStats
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
@@ -42,6 +42,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.is_draining = False
         """Set on shutdown: new requests are refused, running ones finish."""
+        self.scheduler_stats = SchedulerStats()
+        """The engine core's scheduler after the latest step that sent this frontend outputs."""
         self._puller: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -92,15 +94,19 @@ class AsyncEngine:
 
     def _process(self, outputs: CoreOutputs) -> None:
         started = time.perf_counter()
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
         to_abort = self.output_processor.process_outputs(outputs)
         self.client.abort_requests(to_abort)
         self.metrics.output_processing.observe(time.perf_counter() - started)
 
     async def generate(
-        self, request: EngineRequest, arrival: float | None = None
+        self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
     ) -> AsyncIterator[CompletionDelta]:
         """Stream deltas of all `request.params.n` completions until every one finished.
-        `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency."""
+        `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency.
+        With `coalesce`, deltas a slow consumer has not taken yet are merged; without it every
+        engine step's delta arrives on its own (one token each: what SSE clients count)."""
         if self.is_draining:
             raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
         limit = self.max_inflight_requests
@@ -115,7 +121,8 @@ class AsyncEngine:
         remaining = set(children.values())
         try:
             while remaining:
-                for item in _drain(await queue.get(), queue):
+                first = await queue.get()
+                for item in _drain(first, queue) if coalesce else (first,):
                     if isinstance(item, Exception):
                         raise item
                     yield item

@@ -12,6 +12,8 @@ from splitserve_runtime.services import FRONTEND
 
 DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
+DEFAULT_HTTP_PORT = 8000
+"""The OpenAI-compatible HTTP server's port, as vLLM's."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class FrontendConfig:
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
+    http_host: str = ""
+    http_port: int | None = DEFAULT_HTTP_PORT
+    api_key: str = ""
     max_logprobs: int = 20
     max_n: int = 64
     max_stop_strings: int = 32
@@ -55,6 +60,21 @@ def build_parser() -> FlagParser:
         type=int,
         default=DEFAULT_METRICS_PORT,
         help="Prometheus /metrics port (-1 disables)",
+    )
+    p.add_argument(
+        "--http-host", default="", help="OpenAI HTTP server address (default: same as --host)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
+    )
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="require `Authorization: Bearer KEY` on /v1/* (env SPLITSERVE_API_KEY or "
+        "VLLM_API_KEY; default: no key)",
     )
     p.add_argument(
         "--max-logprobs",
@@ -93,7 +113,11 @@ def build_parser() -> FlagParser:
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> FrontendConfig:
-    args = build_parser().parse(argv, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    args = build_parser().parse(argv, env)
     values = vars(args)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
+    values["http_port"] = None if args.http_port < 0 else args.http_port
+    values["http_host"] = args.http_host or args.host
+    values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")
     return FrontendConfig(**values)

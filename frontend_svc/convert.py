@@ -9,6 +9,7 @@ from frontend_svc.engine_types import (
     CoreOutputs,
     EngineInfo,
     LogprobsTable,
+    SchedulerStats,
 )
 from frontend_svc.requests import (
     ChatTurn,
@@ -139,6 +140,18 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
     )
 
 
+def _scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=msg.num_running_reqs,
+        num_waiting_reqs=msg.num_waiting_reqs,
+        kv_cache_usage=msg.kv_cache_usage,
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
+        num_preemptions=msg.num_preemptions,
+        step_id=msg.step_id,
+    )
+
+
 def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
     return CoreOutputs(
         handles=list(msg.request_handles),
@@ -147,6 +160,11 @@ def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
         details={d.request_handle: _detail_from_proto(d) for d in msg.details},
         timestamp=msg.timestamp,
         step_id=msg.step_id,
+        scheduler_stats=(
+            _scheduler_stats_from_proto(msg.scheduler_stats)
+            if msg.HasField("scheduler_stats")
+            else None
+        ),
     )
 
 

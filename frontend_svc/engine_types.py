@@ -61,6 +61,20 @@ class CoreOutputDetail:
     error_kind: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The engine core's scheduler after a step (core.v1 SchedulerStats): what its queue and KV
+    cache hold. Counters are cumulative since the engine started."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_id: int = 0
+
+
 @dataclass(slots=True)
 class CoreOutputs:
     """One engine step's outputs for this frontend, columnar like the wire message."""
@@ -71,3 +85,4 @@ class CoreOutputs:
     details: dict[int, CoreOutputDetail]
     timestamp: float
     step_id: int
+    scheduler_stats: SchedulerStats | None = None

@@ -20,20 +20,23 @@ class FrontendError(Exception):
     error_type = "internal_server_error"
     reason = "INTERNAL"
     """google.rpc.ErrorInfo reason: a constant clients can switch on."""
+    param: str | None = None
+    """The request field at fault, when one is (OpenAI's error `param`; a gRPC BadRequest
+    field violation)."""
 
 
 class InvalidRequest(FrontendError, ValueError):
-    """A request the frontend refuses; the message tells the caller what to change and `field`
-    names the offending field (a dotted path of the public request) when one is to blame."""
+    """A request the frontend refuses; the message tells the caller what to change and `param`
+    names the offending field of the request when one is to blame."""
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
     error_type = "invalid_request_error"
     reason = "INVALID_REQUEST"
 
-    def __init__(self, message: str, field: str = "") -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.field = field
+        self.param = param
 
 
 class ModelNotFound(FrontendError):
@@ -86,3 +89,12 @@ def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
         f"the engine failed while serving request {request_id}: "
         f"{message or 'unknown error'}; retry it"
     )
+
+
+def check_model(requested: str | None, served_model_name: str) -> None:
+    """Both APIs: a request naming a model other than the served one gets ModelNotFound (404 /
+    NOT_FOUND); no name means the served model."""
+    if requested and requested != served_model_name:
+        raise ModelNotFound(
+            f"the model `{requested}` does not exist; this server serves `{served_model_name}`"
+        )

@@ -9,7 +9,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
+from frontend_svc.errors import FrontendError, Overloaded
 
 DOMAIN = "splitserve.dev"
 
@@ -17,9 +17,9 @@ DOMAIN = "splitserve.dev"
 def to_status(err: FrontendError) -> grpc.Status:
     """The rich status for `err`."""
     details = [error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN)]
-    if isinstance(err, InvalidRequest) and err.field:
+    if err.param:
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=err.field, description=str(err)
+            field=err.param, description=str(err)
         )
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(err, Overloaded):

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
-    ChatTurn,
     EngineRequest,
     GenerateInput,
     PromptInput,
@@ -49,6 +48,29 @@ def max_token_bytes(tokenizer: Any) -> int:
     over-count byte-level and SentencePiece markers, which keeps the bound safe)."""
     vocab = tokenizer.get_vocab()
     return max((len(token.encode()) for token in vocab), default=1) or 1
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
+"""apply_chat_template's own parameters: chat_template_kwargs may not set them (vLLM's
+CVE-2025-62426: `tokenize=True` from a request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +115,7 @@ class InputProcessor:
             return TokenizedPrompt(list(prompt.token_ids), None)
         self._check_size(prompt)
         if prompt.chat is not None:
-            text = self.render_chat(prompt.chat, prompt.add_generation_prompt)
+            text = self.render_chat(prompt)
             # The template already holds the special tokens it wants (vLLM does the same).
             return TokenizedPrompt(self._encode(text, add_special_tokens=False), text)
         text = prompt.text or ""
@@ -112,17 +134,37 @@ class InputProcessor:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, chat: tuple[ChatTurn, ...], add_generation_prompt: bool) -> str:
+    def render_chat(self, prompt: PromptInput) -> str:
+        """The prompt's chat rendered with the model's chat template."""
+        chat = prompt.chat
         if not chat:
             raise InvalidRequest("chat has no messages; send at least one message", "chat")
         if not self.has_chat_template:
             raise InvalidRequest(
                 "this model has no chat template; send `prompt` text instead", "chat"
             )
+        if prompt.continue_final_message and prompt.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt cannot both be true; "
+                "set add_generation_prompt to false to continue the last message",
+                "continue_final_message",
+            )
+        extra = dict(prompt.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}; "
+                "use the request's own fields",
+                "chat_template_kwargs",
+            )
         messages = [{"role": t.role, "content": t.content} for t in chat]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                **extra,
             )
         except Exception as exc:  # jinja errors: a template that rejects these roles, etc.
             raise InvalidRequest(

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
-from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.assembly import FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
-from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.openai.app import build_app
+from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.server import HttpServer
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
-from splitserve_contracts.sampling_rules import Limits
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
@@ -60,24 +60,26 @@ async def serve(config: FrontendConfig) -> int:
         grace_seconds=config.shutdown_timeout + 5.0,
     )
     served_name = config.served_model_name or info.served_model_name
-    metrics = FrontendMetrics(host.registry, served_name, info.engine_id, info.max_model_len)
-    engine = AsyncEngine(
-        client,
-        OutputProcessor(backend_decoder(tokenizer), metrics),
-        metrics,
-        config.max_inflight_requests,
+    limits = FrontendLimits(
+        config.max_logprobs, config.max_n, config.max_stop_strings, config.max_inflight_requests
     )
-    limits = Limits(
-        vocab_size=info.vocab_size,
-        max_logprobs=config.max_logprobs,
-        max_n=config.max_n,
-        max_stop_strings=config.max_stop_strings,
-    )
-    inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
+    parts = build_frontend(client, info, model, tokenizer, host.registry, served_name, limits)
+    engine, inputs = parts.engine, parts.inputs
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    http = None
+    if config.http_port is not None:
+        context = ServingContext(engine, inputs, info, served_name, time.time())
+        app = build_app(context, host.registry, config.api_key)
+        http = HttpServer(app, config.http_host, config.http_port, _uvicorn_level(config))
     await host.start()
     engine.start()
+    if http is not None:
+        try:
+            await http.start()
+        except OSError as err:
+            logger.error("frontend: fatal: HTTP server: %s", err)
+            host.request_stop(1)
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",
         info.served_model_name,
@@ -85,12 +87,22 @@ async def serve(config: FrontendConfig) -> int:
         config.core_addr,
     )
     tracker = asyncio.create_task(_track_readiness(host, client))
-    code = await host.run_until_stopped(on_shutdown=lambda: engine.drain(config.shutdown_timeout))
+
+    async def drain() -> None:
+        await engine.drain(config.shutdown_timeout)
+        if http is not None:
+            await http.stop()
+
+    code = await host.run_until_stopped(on_shutdown=drain)
     tracker.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tracker
     await engine.close()
     return code
+
+
+def _uvicorn_level(config: FrontendConfig) -> str:
+    return "warning" if config.log_level in ("debug", "info") else config.log_level
 
 
 def main(argv: Sequence[str] | None = None) -> int:

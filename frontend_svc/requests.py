@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from splitserve_contracts.sampling_types import SamplingParams
 
@@ -36,6 +37,10 @@ class PromptInput:
     chat: tuple[ChatTurn, ...] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Chat: leave the last message open (the model continues it) instead of closing it."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Chat: extra variables for the chat template (e.g. enable_thinking)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import grpc
 from frontend_svc import convert, grpc_errors
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
+from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -40,6 +40,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
+            check_model(request.model, self.served_model_name)
             call = convert.generate_input_from_proto(request, request_id)
             engine_request = await inputs.run(inputs.process, call)
             async for delta in self.engine.generate(engine_request, arrival):

@@ -21,6 +21,7 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from frontend_svc.config import DEFAULT_HTTP_PORT
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import FRONTEND, SERVICES
@@ -38,6 +39,8 @@ class Child:
     address: str
     metrics_url: str
     process: subprocess.Popen[bytes]
+    http_address: str = ""
+    """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
 
 
 class LaunchError(RuntimeError):
@@ -60,6 +63,13 @@ def build_parser() -> FlagParser:
         default=FRONTEND.default_port,
         help="frontend port (0: any)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
+    )
+    p.add_argument("--api-key", default="", help="frontend API key (see `splitserve frontend`)")
     p.add_argument(
         "--sample-prompt",
         default="",
@@ -89,16 +99,37 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _spawn(name: str, kind: str, argv: list[str], address: str, metrics_port: int) -> Child:
+def _spawn(
+    name: str,
+    kind: str,
+    argv: list[str],
+    address: str,
+    metrics_port: int,
+    env: Mapping[str, str] | None = None,
+) -> Child:
+    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv]
-    process = subprocess.Popen(cmd)
+    process = subprocess.Popen(cmd, env={**os.environ, **env} if env else None)
     return Child(name, kind, address, f"http://{LOOPBACK}:{metrics_port}/metrics", process)
 
 
 def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) -> list[Child]:
     """Start workers, core and frontend; they find each other through the ports chosen here."""
+    engine = start_engine_children(args, model, core_flags)
+    try:
+        return [*engine, start_frontend(args, model, engine[-1].address)]
+    except BaseException:
+        stop_children(engine)
+        raise
+
+
+def start_engine_children(
+    args: argparse.Namespace, model: str, core_flags: list[str]
+) -> list[Child]:
+    """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
+    TP/PP > 1 runs its frontend in its own process on top of these."""
     world = args.tensor_parallel_size * args.pipeline_parallel_size
-    ports = free_ports(2 * world + 5)
+    ports = free_ports(2 * world + 3)
     common = ["--log-level", args.log_level]
     drain = ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
     workers = [
@@ -119,7 +150,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         )
         for rank in range(world)
     ]
-    core_port, core_metrics, dist_port, fe_metrics, fe_port = ports[2 * world :]
+    core_port, core_metrics, dist_port = ports[2 * world :]
     core_addr = f"{LOOPBACK}:{core_port}"
     core = _spawn(
         "core",
@@ -148,7 +179,14 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         core_addr,
         core_metrics,
     )
+    return [*workers, core]
+
+
+def start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Child:
+    """Start a frontend on the engine core at `core_addr` (several may share one core)."""
+    fe_metrics, fe_port, free_http_port = free_ports(3)
     port = args.port or fe_port
+    http_port = args.http_port or free_http_port
     frontend = _spawn(
         "frontend",
         "frontend",
@@ -163,13 +201,20 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
             str(port),
             "--metrics-port",
             str(fe_metrics),
-            *common,
-            *drain,
+            "--http-port",
+            str(http_port),
+            "--log-level",
+            args.log_level,
+            "--shutdown-timeout",
+            str(getattr(args, "shutdown_timeout", 30.0)),
         ],
         f"{args.host}:{port}",
         fe_metrics,
+        env={"SPLITSERVE_API_KEY": args.api_key} if args.api_key else None,
     )
-    return [*workers, core, frontend]
+    if http_port >= 0:
+        frontend.http_address = f"{args.host}:{http_port}"
+    return frontend
 
 
 def is_ready(child: Child) -> bool:
@@ -232,6 +277,7 @@ def ready_line(children: Sequence[Child]) -> str:
         f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
         f"workers={','.join(c.address for c in by_kind['worker'])} "
         f"metrics={','.join(c.metrics_url for c in children)}"
+        + "".join(f" http={c.http_address}" for c in by_kind["frontend"] if c.http_address)
     )
 
 

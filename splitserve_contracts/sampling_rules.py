@@ -78,8 +78,26 @@ def _top_p(value: float, _: Limits) -> str | None:
     return None if 0.0 < value <= 1.0 else "must be in (0, 1]"
 
 
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _top_k(value: int, _: Limits) -> str | None:
-    return None if value >= -1 else "must be -1 (disabled), 0 (disabled) or >= 1"
+    if -1 <= value <= INT32_MAX:
+        return None
+    return f"must be -1 (disabled), 0 (disabled) or in [1, {INT32_MAX}]"
+
+
+def _optional_within(lo: int, hi: int) -> Check:
+    """An integer in [lo, hi] (the contract field's wire range), or None."""
+
+    def check(value: int | None, _: Limits) -> str | None:
+        if value is None or lo <= value <= hi:
+            return None
+        return f"must be >= {lo}" if value < lo else f"must be <= {hi}"
+
+    return check
 
 
 def _logprobs(value: int | None, limits: Limits) -> str | None:
@@ -95,7 +113,9 @@ RULES: dict[str, Check] = {
     "presence_penalty": _within(-2.0, 2.0),
     "frequency_penalty": _within(-2.0, 2.0),
     "repetition_penalty": _repetition_penalty,
-    "max_tokens": _at_least(1),
+    "max_tokens": _optional_within(1, UINT32_MAX),
+    "min_tokens": _optional_within(0, UINT32_MAX),
+    "seed": _optional_within(INT64_MIN, INT64_MAX),
     "logprobs": _logprobs,
     "prompt_logprobs": _logprobs,
 }

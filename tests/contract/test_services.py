@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -122,6 +123,8 @@ def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
             str(default_model_dir),
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--kv-cache-memory-bytes",
             "16777216",
         ],
@@ -133,10 +136,14 @@ def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
     try:
         assert up.stdout is not None
         line = up.stdout.readline()
-        match = re.fullmatch(r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+)\n", line)
+        match = re.fullmatch(
+            r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+) http=(\S+)\n", line
+        )
         assert match, line
         assert len(match.group(4).split(",")) == 3
         assert health(match.group(1), SERVICES["frontend"].grpc_service) == 1
+        with urllib.request.urlopen(f"http://{match.group(5)}/health", timeout=10) as reply:
+            assert reply.status == 200
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
         with pytest.raises(grpc.RpcError):
@@ -153,6 +160,8 @@ def test_a_dying_child_takes_the_launcher_down_naming_it(default_model_dir: Path
             "--model",
             str(default_model_dir),
             "--port",
+            "0",
+            "--http-port",
             "0",
             "--max-num-seqs",
             "0",

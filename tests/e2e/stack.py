@@ -8,7 +8,13 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.launcher import Child, start_children, stop_children, wait_ready
+from splitserve.launcher import (
+    Child,
+    start_children,
+    start_frontend,
+    stop_children,
+    wait_ready,
+)
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -18,9 +24,17 @@ KV_BYTES = str(64 * 1024 * 1024)
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID."""
 
-    def __init__(self, model: Path, tp: int = 1, pp: int = 1, core_flags: list[str] | None = None):
+    def __init__(
+        self,
+        model: Path,
+        tp: int = 1,
+        pp: int = 1,
+        core_flags: list[str] | None = None,
+        api_key: str = "",
+    ):
         self.model = model
         self.tp, self.pp = tp, pp
+        self.api_key = api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
@@ -30,6 +44,8 @@ class Stack:
             pipeline_parallel_size=self.pp,
             host="127.0.0.1",
             port=0,
+            http_port=0,
+            api_key=self.api_key,
             log_level="warning",
         )
         self.children = start_children(args, str(self.model), self.core_flags)
@@ -43,12 +59,30 @@ class Stack:
     def stop(self) -> None:
         stop_children(self.children)
 
+    def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:
+        """Another frontend process on this stack's core (stop it with stop_children)."""
+        args = argparse.Namespace(
+            host="127.0.0.1", port=0, http_port=0, api_key=api_key, log_level="warning"
+        )
+        child = start_frontend(args, str(self.model), self.core)
+        try:
+            wait_ready([child], timeout)
+        except Exception:
+            stop_children([child])
+            raise
+        return child
+
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
     @property
     def frontend(self) -> str:
         return self.child("frontend").address
+
+    @property
+    def http(self) -> str:
+        """Base URL of the frontend's OpenAI-compatible HTTP API, e.g. http://127.0.0.1:8000."""
+        return f"http://{self.child('frontend').http_address}"
 
     @property
     def core(self) -> str:

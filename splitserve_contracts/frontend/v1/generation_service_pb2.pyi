@@ -117,6 +117,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for the request, echoed in every response; generated when
     empty.
@@ -135,6 +136,11 @@ class GenerateRequest(_message.Message):
     """
     add_special_tokens: _builtins.bool
     """For a text prompt: add the tokenizer's special tokens. Unset means true."""
+    model: _builtins.str
+    """The model the caller means (OpenAI's `model`), so gateways can route on it.
+    Empty: whatever this server serves; another name than the served model
+    name fails with NOT_FOUND.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> Global___TokenIds:
         """Token ids, used as given."""
@@ -158,10 +164,11 @@ class GenerateRequest(_message.Message):
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
         add_special_tokens: _builtins.bool | None = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015

@@ -160,3 +160,19 @@ def test_normalize_follows_vllm() -> None:
     assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
     assert greedy.logit_bias == {1: 100.0}
     assert sampling_rules.normalize(SamplingParams(top_k=-1)).top_k == 0
+
+
+INT_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.type in ("int", "int | None")]
+
+
+@pytest.mark.parametrize("name", INT_FIELDS)
+@pytest.mark.parametrize("value", [-(2**70), -(2**63) - 1, -1, 2**31, 2**32, 2**63, 2**70])
+def test_whatever_the_validator_accepts_fits_the_wire(name: str, value: int) -> None:
+    """HTTP clients send any JSON integer: validation must refuse what the contract's field
+    cannot hold, so conversion never fails inside the server."""
+    params = SamplingParams(**{name: value})
+    try:
+        sampling_rules.validate(params, LIMITS)
+    except InvalidSamplingParams:
+        return
+    sampling_convert.to_proto(params, types_pb2.SamplingParams())

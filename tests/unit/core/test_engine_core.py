@@ -60,6 +60,19 @@ def test_abort_mid_prefill_and_mid_decode_frees_blocks() -> None:
     assert view.finished == {}
 
 
+def test_the_aborting_client_gets_the_next_steps_stats_and_nothing_else() -> None:
+    engine, _ = make_engine()
+    engine.add_request(make_request(1, [1, 2, 3], client_id=2, max_tokens=50))
+    assert engine.step()[2].scheduler_stats.num_running_reqs == 1  # type: ignore[union-attr]
+    engine.abort_requests(2, [1])
+    outputs = engine.step()
+    assert list(outputs) == [2]
+    assert outputs[2].request_handles == [] and outputs[2].details == []
+    stats = outputs[2].scheduler_stats
+    assert stats is not None and (stats.num_running_reqs, stats.num_used_blocks) == (0, 0)
+    assert engine.step() == {}  # once
+
+
 def test_abort_preempted_request_tells_the_workers() -> None:
     engine, executor = make_engine(num_blocks=7)
     engine.add_request(make_request(1, list(range(8)), max_tokens=8))

@@ -94,10 +94,10 @@ def test_greedy_disables_filters_and_bias_is_clamped(inputs: InputProcessor) -> 
 def test_oversized_ids_and_salts_are_refused_by_name(inputs: InputProcessor) -> None:
     with pytest.raises(InvalidRequest) as err:
         inputs.process(GenerateInput("r" * 300, PromptInput(text="hi"), SamplingParams()))
-    assert err.value.field == "request_id"
+    assert err.value.param == "request_id"
     with pytest.raises(InvalidRequest) as err:
         inputs.process(GenerateInput("r", PromptInput(text="hi"), SamplingParams(), 0, "s" * 300))
-    assert err.value.field == "cache_salt"
+    assert err.value.param == "cache_salt"
 
 
 def test_top_k_above_the_vocabulary_is_clamped(inputs: InputProcessor, tokenizer: Any) -> None:

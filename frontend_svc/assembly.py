@@ -1,0 +1,70 @@
+"""The frontend's engine assembled from its parts, once the engine core's facts are known: the
+frontend service (main.py) and the in-process engine of the offline `LLM` API build it the same
+way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.core_client import CoreClient
+from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.engine_stats import register_engine_stats
+from frontend_svc.engine_types import EngineInfo
+from frontend_svc.input_processor import InputProcessor, generation_eos_ids
+from frontend_svc.metrics import FrontendMetrics
+from frontend_svc.output_processor import OutputProcessor
+from splitserve_contracts.sampling_rules import Limits
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    """Bounds on what one request may ask for (the frontend's flags)."""
+
+    max_logprobs: int = 20
+    max_n: int = 64
+    max_stop_strings: int = 32
+    max_inflight_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Frontend:
+    """A frontend's engine and input processor, complete; start the engine on the serving loop."""
+
+    engine: AsyncEngine
+    inputs: InputProcessor
+    info: EngineInfo
+    served_model_name: str
+
+
+def build_frontend(
+    client: CoreClient,
+    info: EngineInfo,
+    model: str,
+    tokenizer: Any,
+    registry: CollectorRegistry,
+    served_model_name: str,
+    limits: FrontendLimits = FrontendLimits(),
+) -> Frontend:
+    """Metrics (with the engine core's queue and KV gauges), engine and input processor."""
+    metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
+    engine = AsyncEngine(
+        client,
+        OutputProcessor(backend_decoder(tokenizer), metrics),
+        metrics,
+        limits.max_inflight_requests,
+    )
+    register_engine_stats(registry, lambda: engine.scheduler_stats, served_model_name, info)
+    request_limits = Limits(
+        vocab_size=info.vocab_size,
+        max_logprobs=limits.max_logprobs,
+        max_n=limits.max_n,
+        max_stop_strings=limits.max_stop_strings,
+    )
+    inputs = InputProcessor(
+        tokenizer, info.max_model_len, request_limits, generation_eos_ids(model)
+    )
+    return Frontend(engine, inputs, info, served_model_name)

@@ -1,0 +1,80 @@
+"""The engine core's queue and KV-cache gauges, exported by the frontend on its /metrics.
+
+A router or autoscaler scraping the serving port (the production-stack router, KEDA, the llm-d
+endpoint picker) reads vLLM's names there: vllm:num_requests_running, vllm:num_requests_waiting,
+vllm:kv_cache_usage_perc and vllm:cache_config_info, labelled with model_name and the engine's
+id. The values are the core's SchedulerStats as of the latest step that sent this frontend
+outputs (read at scrape time, so serving pays nothing). Several frontends on one core export the
+same series with the same `engine` label: aggregate with max by engine, never sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from frontend_svc.engine_types import EngineInfo, SchedulerStats
+
+LABELS = ["model_name", "engine"]
+
+
+def cache_config_labels(info: EngineInfo) -> dict[str, str]:
+    """vllm:cache_config_info's labels (vLLM's CacheConfig names) from the engine's facts."""
+    return {
+        "engine": info.engine_id,
+        "block_size": str(info.block_size),
+        "num_gpu_blocks": str(info.num_kv_blocks),
+        "enable_prefix_caching": str(info.enable_prefix_caching),
+        "cache_dtype": "auto",
+    }
+
+
+class EngineStatsCollector:
+    """A Prometheus collector over a function returning the latest SchedulerStats."""
+
+    def __init__(
+        self, latest: Callable[[], SchedulerStats], model_name: str, info: EngineInfo
+    ) -> None:
+        self.latest = latest
+        self.values = [model_name, info.engine_id]
+        self.cache_config = cache_config_labels(info)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(self.values, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.latest()
+        yield self._gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.num_running_reqs,
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            stats.num_waiting_reqs,
+        )  # fmt: skip
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            stats.kv_cache_usage,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=sorted(self.cache_config),
+        )
+        info.add_metric([self.cache_config[k] for k in sorted(self.cache_config)], 1.0)
+        yield info
+
+
+def register_engine_stats(
+    registry: CollectorRegistry,
+    latest: Callable[[], SchedulerStats],
+    model_name: str,
+    info: EngineInfo,
+) -> None:
+    registry.register(EngineStatsCollector(latest, model_name, info))

@@ -1,0 +1,104 @@
+"""The small routes: /v1/models, /health and /ping, /version, /tokenize, /detokenize
+(vLLM's shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend_svc.errors import EngineUnavailable, InvalidRequest
+from frontend_svc.openai.fields import as_bool, as_int_tuple, as_object, as_str, read_json
+from frontend_svc.openai.fields import read as read_field
+from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.protocol import chat_turns
+from frontend_svc.requests import PromptInput
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def models_route(ctx: ServingContext) -> Handler:
+    async def models(request: Request) -> Response:
+        card = {
+            "id": ctx.served_model_name,
+            "object": "model",
+            "created": int(ctx.started),
+            "owned_by": "splitserve",
+            "root": ctx.info.model_path,
+            "parent": None,
+            "max_model_len": ctx.info.max_model_len,
+            "permission": [],
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    return models
+
+
+def health_route(ctx: ServingContext) -> Handler:
+    async def health(request: Request) -> Response:
+        """200 with an empty body only while the engine core can serve (vLLM's /health)."""
+        if not ctx.engine.is_ready:
+            raise EngineUnavailable("the engine core is not reachable; not ready to serve")
+        return Response(status_code=200)
+
+    return health
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": metadata.version("splitserve")})
+
+
+def _tokenize_prompt(body: dict[str, object]) -> PromptInput:
+    if body.get("messages") is not None:
+        return PromptInput(
+            chat=chat_turns(body["messages"]),
+            add_generation_prompt=read_field(body, "add_generation_prompt", as_bool, True),
+            continue_final_message=read_field(body, "continue_final_message", as_bool, False),
+            chat_template_kwargs=read_field(body, "chat_template_kwargs", as_object),
+        )
+    text = read_field(body, "prompt", as_str)
+    if text is None:
+        raise InvalidRequest("send `prompt` text or chat `messages` to tokenize", "prompt")
+    return PromptInput(
+        text=text, add_special_tokens=read_field(body, "add_special_tokens", as_bool, True)
+    )
+
+
+def tokenize_route(ctx: ServingContext) -> Handler:
+    async def tokenize(request: Request) -> Response:
+        body = await read_json(request)
+        ctx.check_model(read_field(body, "model", as_str))
+        prompt = _tokenize_prompt(body)
+        ids = ctx.inputs.tokenize(prompt).token_ids
+        strs = None
+        if read_field(body, "return_token_strs", as_bool, False):
+            strs = ctx.tokenizer.convert_ids_to_tokens(ids)
+        reply = {
+            "count": len(ids),
+            "max_model_len": ctx.info.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+        return JSONResponse(reply)
+
+    return tokenize
+
+
+def detokenize_route(ctx: ServingContext) -> Handler:
+    async def detokenize(request: Request) -> Response:
+        body = await read_json(request)
+        ctx.check_model(read_field(body, "model", as_str))
+        ids = read_field(body, "tokens", as_int_tuple, ())
+        vocab_size = ctx.info.vocab_size
+        for i, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(
+                    f"tokens[{i}] = {token_id} is outside the vocabulary (valid ids: "
+                    f"0..{vocab_size - 1})",
+                    "tokens",
+                )
+        return JSONResponse({"prompt": ctx.tokenizer.decode(list(ids))})
+
+    return detokenize

@@ -1,0 +1,142 @@
+"""The OpenAI-compatible HTTP API as a Starlette app over the frontend's own engine.
+
+Every route goes through `_route`, which authenticates /v1/* routes (on the routed endpoint, not
+on a rebuilt URL), turns FrontendError into OpenAI's error JSON with its HTTP status (429 adds
+Retry-After) and anything unexpected into a logged 500, so no request body can take the server
+down. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
+a stream is cancelled by Starlette when its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from frontend_svc.auth import check_api_key
+from frontend_svc.errors import FrontendError, Overloaded
+from frontend_svc.openai import admin
+from frontend_svc.openai.fields import read_json
+from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
+from frontend_svc.openai.protocol import parse_chat, parse_completion
+from frontend_svc.openai.serving_chat import ChatRun
+from frontend_svc.openai.serving_completion import CompletionRun
+from frontend_svc.openai.sse import error_body, guarded
+
+logger = logging.getLogger(__name__)
+CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(err: FrontendError) -> JSONResponse:
+    headers = {}
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (which aborts its
+    engine requests) and CancelledError propagates."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+def _sse_response(chunks: Any, rid: str) -> StreamingResponse:
+    headers = {"x-request-id": rid, "cache-control": "no-cache"}
+    return StreamingResponse(guarded(chunks), media_type="text/event-stream", headers=headers)
+
+
+def _make_generate(ctx: ServingContext, kind: str) -> Handler:
+    async def handle(request: Request) -> Response:
+        body = await read_json(request)
+        run: CompletionRun | ChatRun
+        if kind == "chat":
+            req = parse_chat(body)
+            ctx.check_model(req.model)
+            rid = request_id("chatcmpl", request.headers.get("x-request-id"), req.request_id)
+            run = ChatRun(ctx, req, rid)
+        else:
+            creq = parse_completion(body)
+            ctx.check_model(creq.model)
+            rid = request_id("cmpl", request.headers.get("x-request-id"), creq.request_id)
+            run = CompletionRun(ctx, creq, rid)
+        if run.req.stream is None:
+            result = await unless_disconnected(request, run.response())
+            return JSONResponse(result, headers={"x-request-id": rid})
+        first, rest = await first_and_rest(run.events(coalesce=False))
+        return _sse_response(run.stream(first, rest), rid)
+
+    return handle
+
+
+def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
+    async def guarded_handler(request: Request) -> Response:
+        try:
+            if is_protected:
+                check_api_key(request.headers.get("authorization"), api_key)
+            return await handler(request)
+        except FrontendError as err:
+            return error_response(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return error_response(FrontendError("internal server error; retry the request"))
+
+    return guarded_handler
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = FrontendError(f"{request.method} {request.url.path}: {exc.detail}")
+    err.http_status, err.error_type = exc.status_code, "invalid_request_error"
+    return error_response(err)
+
+
+def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
+    """The app: /v1/* (behind `api_key` when set), health, metrics and tokenizer routes."""
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CLASSIC_TEXT)
+
+    table: list[tuple[str, list[str], Handler, bool]] = [
+        ("/v1/completions", ["POST"], _make_generate(ctx, "completions"), True),
+        ("/v1/chat/completions", ["POST"], _make_generate(ctx, "chat"), True),
+        ("/v1/models", ["GET"], admin.models_route(ctx), True),
+        ("/health", ["GET"], admin.health_route(ctx), False),
+        ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
+        ("/version", ["GET"], admin.version, False),
+        ("/tokenize", ["POST"], admin.tokenize_route(ctx), False),
+        ("/detokenize", ["POST"], admin.detokenize_route(ctx), False),
+        ("/metrics", ["GET"], metrics, False),
+    ]
+    routes = [
+        Route(path, _route(handler, api_key, protected), methods=methods)
+        for path, methods, handler, protected in table
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -1,0 +1,112 @@
+"""What both generation endpoints do with the engine: check the model, build engine requests,
+and run them as one stream of (prompt index, delta)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.engine_types import EngineInfo
+from frontend_svc.errors import EngineUnavailable, check_model
+from frontend_svc.input_processor import InputProcessor
+from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason, GenerateInput
+
+Event = tuple[int, CompletionDelta]
+"""(prompt index, delta of one of its completions)."""
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """The engine and facts every route reads; one per frontend, shared with gRPC."""
+
+    engine: AsyncEngine
+    inputs: InputProcessor
+    info: EngineInfo
+    served_model_name: str
+    started: float
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inputs.tokenizer
+
+    def check_model(self, requested: str | None) -> None:
+        check_model(requested, self.served_model_name)
+
+
+def request_id(prefix: str, header: str | None, body_id: str | None) -> str:
+    """`x-request-id` header, else the body's `request_id`, else a random id."""
+    return f"{prefix}-{header or body_id or uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def _pump(
+    index: int, deltas: AsyncIterator[CompletionDelta], out: asyncio.Queue[Any]
+) -> None:
+    try:
+        async for delta in deltas:
+            out.put_nowait((index, delta))
+    except Exception as exc:  # handed to the consumer, which raises it
+        out.put_nowait(exc)
+    finally:
+        out.put_nowait(None)
+
+
+async def run(
+    ctx: ServingContext, calls: list[GenerateInput], coalesce: bool
+) -> AsyncIterator[Event]:
+    """Every call's deltas, merged in arrival order. Leaving early (client gone) aborts all."""
+    requests = [ctx.inputs.process(call) for call in calls]  # all validated before any runs
+    arrival = time.monotonic()
+    if len(requests) == 1:
+        async for delta in ctx.engine.generate(requests[0], arrival, coalesce):
+            yield 0, _checked(delta, requests[0])
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    tasks = [
+        asyncio.create_task(_pump(i, ctx.engine.generate(r, arrival, coalesce), queue))
+        for i, r in enumerate(requests)
+    ]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item[0], _checked(item[1], requests[item[0]])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _checked(delta: CompletionDelta, request: EngineRequest) -> CompletionDelta:
+    if delta.finish_reason == FinishReason.ERROR:
+        raise EngineUnavailable(
+            f"the engine failed while serving request {request.request_id}: "
+            f"{delta.error_message or 'unknown error'}; retry it"
+        )
+    return delta
+
+
+async def first_and_rest(events: AsyncIterator[Event]) -> tuple[Event | None, AsyncIterator[Event]]:
+    """The first event (so refusals such as 429 still get their own status before a stream
+    starts) and the iterator that continues after it."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        return None, events
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    return first, events

@@ -1,0 +1,207 @@
+"""The OpenAI request bodies splitserve reads: /v1/completions and /v1/chat/completions.
+
+Plain dict parsing (no per-request model classes): each field is read once, with a 400 naming
+it when its type is wrong. Unknown fields are ignored, as vLLM and OpenAI do; fields whose
+meaning splitserve cannot honour yet are refused (UNSUPPORTED), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from frontend_svc.errors import InvalidRequest
+from frontend_svc.openai.fields import (
+    as_bool,
+    as_int,
+    as_list,
+    as_object,
+    as_str,
+    read,
+)
+from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, sampling_params
+from frontend_svc.requests import ChatTurn, PromptInput
+from splitserve_contracts.sampling_types import SamplingParams
+
+MEDIA_PARTS = frozenset(
+    {"image_url", "input_image", "image", "image_embeds", "input_audio", "audio_url", "video_url"}
+)
+
+
+def _set(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": _set,
+    "best_of": lambda v: v not in (None, 1),
+    "use_beam_search": _set,
+    "tools": _set,
+    "functions": _set,
+    "response_format": lambda v: _set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
+    "structured_outputs": _set,
+    "guided_json": _set,
+    "guided_regex": _set,
+    "guided_choice": _set,
+    "guided_grammar": _set,
+    "prompt_embeds": _set,
+    "bad_words": _set,
+    "logits_processors": _set,
+    "truncate_prompt_tokens": _set,
+    "chat_template": _set,
+    "return_tokens_as_token_ids": _set,
+    "kv_transfer_params": _set,
+}
+"""Fields splitserve refuses (when set to anything but their neutral value) rather than ignore."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[PromptInput]
+    params: SamplingParams
+    stream: StreamOptions | None
+    """None: answer with one JSON response."""
+    echo: bool
+    priority: int
+    cache_salt: str
+    request_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str | None
+    prompt: PromptInput
+    params: SamplingParams
+    stream: StreamOptions | None
+    priority: int
+    cache_salt: str
+    request_id: str | None
+
+
+def _refuse_unsupported(body: dict[str, Any], also: tuple[str, ...] = ()) -> None:
+    for name, is_set in UNSUPPORTED.items():
+        if is_set(body.get(name)):
+            raise InvalidRequest(f"`{name}` is not supported by splitserve; leave it out", name)
+    for name in also:
+        if _set(body.get(name)):
+            raise InvalidRequest(f"`{name}` is not supported on this endpoint", name)
+
+
+def _stream(body: dict[str, Any]) -> StreamOptions | None:
+    options = read(body, "stream_options", as_object)
+    if not read(body, "stream", as_bool, False):
+        if options is not None:
+            raise InvalidRequest("`stream_options` needs `stream: true`", "stream_options")
+        return None
+    options = options or {}
+    return StreamOptions(
+        include_usage=read(options, "include_usage", as_bool, False),
+        continuous_usage_stats=read(options, "continuous_usage_stats", as_bool, False),
+    )
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": read(body, "model", as_str),
+        "stream": _stream(body),
+        "priority": read(body, "priority", as_int, 0),
+        "cache_salt": read(body, "cache_salt", as_str, ""),
+        "request_id": read(body, "request_id", as_str),
+    }
+
+
+def _prompts(value: Any, add_special_tokens: bool) -> list[PromptInput]:
+    """str | list[str] | list[int] | list[list[int]] -> one PromptInput per prompt."""
+    if isinstance(value, str):
+        return [PromptInput(text=value, add_special_tokens=add_special_tokens)]
+    items = as_list(value, "prompt")
+    if not items:
+        raise InvalidRequest("`prompt` is an empty list; send at least one prompt", "prompt")
+    if all(isinstance(i, str) for i in items):
+        return [PromptInput(text=t, add_special_tokens=add_special_tokens) for t in items]
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        return [PromptInput(token_ids=tuple(items))]
+    if all(isinstance(i, list) for i in items):
+        return [PromptInput(token_ids=tuple(as_int(t, "prompt") for t in i)) for i in items]
+    raise InvalidRequest(
+        "`prompt` must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids",
+        "prompt",
+    )
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _refuse_unsupported(body)
+    if body.get("prompt") is None:
+        raise InvalidRequest("`prompt` is required", "prompt")
+    add_special = read(body, "add_special_tokens", as_bool, True)
+    prompts = _prompts(body["prompt"], add_special)
+    echo = read(body, "echo", as_bool, False)
+    params = sampling_params(body, COMPLETIONS)
+    if echo and params.prompt_logprobs is None and params.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    return CompletionRequest(prompts=prompts, params=params, echo=echo, **_common(body))
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or content parts of which only text is supported yet."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    texts = []
+    for part in as_list(value, where):
+        kind = as_object(part, where).get("type")
+        if kind == "text":
+            texts.append(read(part, "text", as_str, ""))
+        elif kind in MEDIA_PARTS:
+            raise InvalidRequest(
+                f"{where}: `{kind}` content parts need a multimodal model, which splitserve "
+                "does not serve yet; send text parts only",
+                "messages",
+            )
+        else:
+            raise InvalidRequest(f"{where}: unknown content part type {kind!r}", "messages")
+    return "\n".join(texts)
+
+
+def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
+    turns = []
+    for i, message in enumerate(as_list(value, "messages")):
+        where = f"messages[{i}]"
+        message = as_object(message, where)
+        role = read(message, "role", as_str)
+        if role is None:
+            raise InvalidRequest(f"{where} has no `role`", "messages")
+        turns.append(ChatTurn(role, _content(message.get("content"), f"{where}.content")))
+    if not turns:
+        raise InvalidRequest("`messages` is empty; send at least one message", "messages")
+    return tuple(turns)
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _refuse_unsupported(body, also=("echo",))
+    if body.get("messages") is None:
+        raise InvalidRequest("`messages` is required", "messages")
+    prompt = PromptInput(
+        chat=chat_turns(body["messages"]),
+        add_generation_prompt=read(body, "add_generation_prompt", as_bool, True),
+        continue_final_message=read(body, "continue_final_message", as_bool, False),
+        chat_template_kwargs=read(body, "chat_template_kwargs", as_object),
+    )
+    top_logprobs = read(body, "top_logprobs", as_int)
+    wants_logprobs = read(body, "logprobs", as_bool, False)
+    if top_logprobs is not None and not wants_logprobs:
+        raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
+    params = sampling_params(body, CHAT, logprobs=logprobs)
+    return ChatRequest(prompt=prompt, params=params, **_common(body))

@@ -1,0 +1,60 @@
+"""The HTTP server: uvicorn on the frontend's own asyncio loop, so HTTP and gRPC share one
+AsyncEngine. The frontend's ServiceHost owns SIGTERM/SIGINT; uvicorn's own signal capture is
+switched off."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Serve `app` on host:port (0 picks a free port) until `stop`."""
+
+    def __init__(self, app: Starlette, host: str, port: int, log_level: str = "warning") -> None:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            http="httptools",
+        )
+        self._server = _Server(config)
+        self._task: asyncio.Task[None] | None = None
+        self.host = host
+        self.port = port
+
+    async def start(self) -> int:
+        """Bind and serve in a task; returns the bound port. Raises OSError if binding fails."""
+        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # uvicorn logged why; surface its error
+                raise OSError(f"HTTP server could not bind {self.host}:{self.port}")
+            await asyncio.sleep(0.01)
+        sockets = self._server.servers[0].sockets
+        self.port = int(sockets[0].getsockname()[1])
+        logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.wait([self._task], timeout=10.0)

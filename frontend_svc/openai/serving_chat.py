@@ -1,0 +1,91 @@
+"""POST /v1/chat/completions: one JSON response, or an SSE stream of one token per chunk
+(after a first chunk per choice carrying the assistant role, as vLLM and OpenAI send)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from frontend_svc.openai import formatting as fmt
+from frontend_svc.openai import generation
+from frontend_svc.openai.formatting import ChoiceState
+from frontend_svc.openai.generation import Event, ServingContext
+from frontend_svc.openai.protocol import ChatRequest
+from frontend_svc.openai.sse import DONE, sse
+from frontend_svc.requests import CompletionDelta, GenerateInput
+
+ROLE = "assistant"
+
+
+class ChatRun:
+    """One /v1/chat/completions call."""
+
+    def __init__(self, ctx: ServingContext, req: ChatRequest, rid: str) -> None:
+        self.ctx, self.req, self.rid = ctx, req, rid
+        self.created = generation.now()
+        self.choices = [ChoiceState(i) for i in range(req.params.n)]
+
+    def events(self, coalesce: bool) -> AsyncIterator[Event]:
+        call = GenerateInput(
+            self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
+        )
+        return generation.run(self.ctx, [call], coalesce)
+
+    def _logprobs(self, rows: list[Any]) -> Any:
+        return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)
+
+    def _envelope(self, kind: str, choices: list[Any], usage: Any = None) -> dict[str, Any]:
+        model = self.ctx.served_model_name
+        return fmt.envelope(self.rid, kind, self.created, model, choices, usage)
+
+    def usage(self) -> dict[str, Any]:
+        first = self.choices[0]
+        num_completion = sum(len(c.token_ids) for c in self.choices)
+        return fmt.usage(first.num_prompt_tokens, num_completion, first.num_cached_tokens)
+
+    async def response(self) -> dict[str, Any]:
+        async for _, delta in self.events(coalesce=True):
+            self.choices[delta.index].add(delta)
+        bodies = [
+            {
+                "index": c.index,
+                "message": {"role": ROLE, "content": c.text},
+                "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.choices
+        ]
+        return self._envelope("chat.completion", bodies, self.usage())
+
+    def _chunk(self, index: int, delta: dict[str, Any], extra: dict[str, Any]) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+        usage = None
+        options = self.req.stream
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            state = self.choices[index]
+            usage = fmt.usage(state.num_prompt_tokens, len(state.token_ids), 0)
+        return sse(self._envelope("chat.completion.chunk", [choice], usage))
+
+    def _token_chunk(self, delta: CompletionDelta) -> str:
+        choice = self.choices[delta.index]
+        choice.add(delta)
+        extra = {
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": choice.finish_reason if delta.is_finished else None,
+            "stop_reason": choice.stop_reason if delta.is_finished else None,
+        }
+        return self._chunk(delta.index, {"content": delta.text}, extra)
+
+    async def stream(self, first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[str]:
+        options = self.req.stream
+        assert options is not None
+        for choice in self.choices:
+            yield self._chunk(choice.index, {"role": ROLE, "content": ""}, {})
+        if first is not None:
+            yield self._token_chunk(first[1])
+        async for _, delta in rest:
+            yield self._token_chunk(delta)
+        if options.include_usage:
+            yield sse(self._envelope("chat.completion.chunk", [], self.usage()))
+        yield DONE

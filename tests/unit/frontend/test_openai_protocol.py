@@ -1,0 +1,151 @@
+"""OpenAI request bodies -> the frontend's requests: the table-driven SamplingParams mapping,
+vLLM's aliases and defaults, refusals naming their field."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from frontend_svc.errors import InvalidRequest
+from frontend_svc.openai import sampling_map
+from frontend_svc.openai.fields import parse_json_object
+from frontend_svc.openai.protocol import UNSUPPORTED, parse_chat, parse_completion
+from splitserve_contracts.sampling_types import SamplingParams
+
+EXAMPLES: dict[type, Any] = {int: 3, float: 0.5, bool: True}
+
+
+def _example(name: str, value: Any) -> tuple[Any, Any]:
+    """(JSON value, expected SamplingParams value) for a field whose default is `value`."""
+    if isinstance(value, bool):
+        return (not value), (not value)
+    if isinstance(value, int) or value is None:
+        return 3, 3
+    if isinstance(value, float):
+        return 0.5, 0.5
+    if isinstance(value, tuple):
+        is_text = name == "stop"
+        return (["a", "b"], ("a", "b")) if is_text else ([4, 5], (4, 5))
+    if isinstance(value, dict):
+        return {"7": 1.5}, {7: 1.5}
+    raise AssertionError(f"no example for {name}")
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(SamplingParams)])
+def test_every_contract_field_is_read_by_its_own_name(field: str) -> None:
+    """The mapping is the contract's field list: a new field needs no HTTP change."""
+    default = getattr(SamplingParams(), field)
+    sent, expected = _example(field, default)
+    params = parse_completion({"prompt": "x", field: sent}).params
+    assert getattr(params, field) == expected
+    if field != "logprobs":  # chat's logprobs is OpenAI's bool
+        assert getattr(parse_chat({"messages": [], field: sent} | MSG).params, field) == expected
+
+
+MSG = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_vllm_defaults_and_aliases() -> None:
+    assert parse_completion({"prompt": "x"}).params.max_tokens == 16  # OpenAI's default
+    assert parse_chat(MSG).params.max_tokens is None  # the rest of the context
+    both = parse_chat(MSG | {"max_tokens": 5, "max_completion_tokens": 7})
+    assert both.params.max_tokens == 7
+    assert parse_chat(MSG | {"logprobs": True, "top_logprobs": 3}).params.logprobs == 3
+    assert parse_chat(MSG | {"logprobs": True}).params.logprobs == 0
+    assert parse_chat(MSG | {"logprobs": False}).params.logprobs is None
+    echo = parse_completion({"prompt": "x", "echo": True, "logprobs": 2})
+    assert echo.params.prompt_logprobs == 2
+
+
+def test_null_and_unknown_fields_are_ignored() -> None:
+    req = parse_completion({"prompt": "x", "stop": None, "frobnicate": {"a": 1}, "user": "u"})
+    assert req.params == dataclasses.replace(SamplingParams(), max_tokens=16)
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("hi", [("hi", None)]),
+        (["a", "b"], [("a", None), ("b", None)]),
+        ([1, 2, 3], [(None, (1, 2, 3))]),
+        ([[1], [2, 3]], [(None, (1,)), (None, (2, 3))]),
+    ],
+)
+def test_the_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
+    prompts = parse_completion({"prompt": prompt}).prompts
+    assert [(p.text, p.token_ids) for p in prompts] == expected
+
+
+def test_chat_content_parts_and_options() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    req = parse_chat(body)
+    assert [(t.role, t.content) for t in req.prompt.chat or ()] == [
+        ("system", ""),
+        ("user", "a\nb"),
+    ]
+    assert not req.prompt.add_generation_prompt and req.prompt.continue_final_message
+    assert req.prompt.chat_template_kwargs == {"enable_thinking": False}
+    assert req.stream is not None and req.stream.include_usage
+    assert req.stream.continuous_usage_stats
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+        ({"prompt": "x", "temperature": True}, "temperature", "number"),
+        ({"prompt": "x", "stop": [1]}, "stop", "string"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": [1, "a"]}, "prompt", "must be"),
+        ({}, "prompt", "required"),
+        ({"prompt": "x", "stream_options": {}}, "stream_options", "stream: true"),
+        ({"prompt": "x", "suffix": "s"}, "suffix", "not supported"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        (MSG | {"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        (MSG | {"echo": True}, "echo", "not supported"),
+        ({"messages": [{"content": "x"}]}, "messages", "role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            "multimodal",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "x"}]}]}, "messages", "unknown"),
+    ],
+)
+def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
+    parse = parse_chat if "messages" in body else parse_completion
+    with pytest.raises(InvalidRequest) as err:
+        parse(body)
+    assert err.value.param == param and words in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_every_unsupported_field_is_refused_and_its_neutral_value_is_not(name: str) -> None:
+    with pytest.raises(InvalidRequest, match=name):
+        parse_completion({"prompt": "x", name: {"type": "json_object", "x": 2}})
+    parse_completion({"prompt": "x", name: None})
+
+
+@pytest.mark.parametrize("raw", [b"[1]", b"{", b'{"a": NaN}', b'{"a": Infinity}', b"\xff"])
+def test_bodies_that_are_not_json_objects_are_400s(raw: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_json_object(raw)
+
+
+def test_a_field_the_coercers_cannot_map_fails_at_import_not_at_request_time() -> None:
+    """The table is built when the module loads: a contract field of a new type shows up as a
+    KeyError there, never as a 500 later."""
+    assert set(sampling_map.FIELD_COERCERS) == {f.name for f in dataclasses.fields(SamplingParams)}
