@@ -18,9 +18,12 @@ from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import CORE
+from splitserve_runtime.tls import FRONTEND_ROLE, WORKER_ROLE
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "default-llama-v1"
@@ -110,7 +113,8 @@ async def serve(config: CoreConfig) -> int:
     """Bring the workers up first (as vLLM's engine does before serving), then build every piece
     complete and open the port."""
     loop = asyncio.get_running_loop()
-    pool = WorkerPool(config.worker_addrs)
+    to_workers = ChannelSecurity(config.tls, WORKER_ROLE)
+    pool = WorkerPool(config.worker_addrs, to_workers)
     try:
         await pool.wait_until_reachable(config.worker_connect_timeout)
         facts = await pool.bring_up(config, config.model, served_model_name(config))
@@ -126,6 +130,13 @@ async def serve(config: CoreConfig) -> int:
         port=config.port,
         service_names=[CORE.grpc_service],
         metrics_port=config.metrics_port,
+        # Only frontends may call the core (health: any peer of the same CA).
+        listener=internal_listener(
+            tls=config.tls,
+            allowed_roles={CORE.grpc_service: frozenset({FRONTEND_ROLE})},
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
     )
     metrics = CoreMetrics(
         host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
@@ -143,6 +154,8 @@ async def serve(config: CoreConfig) -> int:
         config.execute_timeout,
         on_failure,
         metrics.observe_worker_step,
+        to_workers,
+        pool.owner_epoch,
     )
     executor.open()
     streams = ClientStreams(loop)

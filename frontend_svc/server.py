@@ -14,6 +14,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, FrontendError, InvalidRequest
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.public_errors import client_message
 from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -49,7 +50,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                     )
                 yield convert.delta_to_proto(request_id, delta)
         except FrontendError as err:
-            await context.abort(err.grpc_code, str(err))
+            await context.abort(err.grpc_code, client_message(err))
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -92,7 +93,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         tok = self.tokenizer
         reply = gen_pb2.GetModelInfoResponse(
             served_model_name=served_model_name,
-            model_path=info.model_path,
+            model_path="",  # never disclosed: the server's file layout is not the client's
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             has_chat_template=inputs.has_chat_template,

@@ -69,6 +69,9 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from splitserve_runtime.log_limits import quiet_grpc_core_logs
+
+    quiet_grpc_core_logs()  # before any command imports grpc
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
