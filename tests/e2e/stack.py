@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from splitserve.launcher import Child, start_children, stop_children, wait_ready
+from splitserve.local_pki import LocalPki
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -16,11 +17,21 @@ KV_BYTES = str(64 * 1024 * 1024)
 
 
 class Stack:
-    """Processes started with the launcher's own wiring; stopped by PID."""
+    """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend."""
 
-    def __init__(self, model: Path, tp: int = 1, pp: int = 1, core_flags: list[str] | None = None):
+    def __init__(
+        self,
+        model: Path,
+        tp: int = 1,
+        pp: int = 1,
+        core_flags: list[str] | None = None,
+        pki: LocalPki | None = None,
+        api_key: str = "",
+    ):
         self.model = model
         self.tp, self.pp = tp, pp
+        self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
@@ -31,8 +42,9 @@ class Stack:
             host="127.0.0.1",
             port=0,
             log_level="warning",
+            api_key=self.api_key,
         )
-        self.children = start_children(args, str(self.model), self.core_flags)
+        self.children = start_children(args, str(self.model), self.core_flags, self.pki)
         try:
             wait_ready(self.children, timeout)
         except Exception:
@@ -56,6 +68,10 @@ class Stack:
 
     def workers(self) -> Iterator[Child]:
         return (c for c in self.children if c.kind == "worker")
+
+    @property
+    def worker(self) -> str:
+        return next(self.workers()).address
 
     def scheduler_stats(self) -> core_pb2.SchedulerStats:
         with grpc.insecure_channel(self.core) as channel:
