@@ -3,6 +3,7 @@ the plaintext warning, and the plaintext health-only port beside a mutual-TLS po
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,16 @@ def test_certificate_files_must_be_pem(tmp_path: Path) -> None:
     args = ["--tls-cert-file", str(bogus), "--tls-key-file", str(bogus)]
     with pytest.raises(SystemExit):
         parse_worker(args + ["--tls-ca-file", str(bogus)], {})
+
+
+def test_the_container_health_check_uses_the_plaintext_health_port() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "splitserve_healthcheck", Path(__file__).parents[2] / "docker" / "healthcheck.py"
+    )
+    assert spec is not None and spec.loader is not None
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    argv = ["splitserve", "core", "--port", "6000", "--tls-cert-file", "c.pem"]
+    assert hc.port_of([*argv, "--health-port", "8081"], {}, "core") == 8081
+    assert hc.port_of(argv, {"SPLITSERVE_HEALTH_PORT": "8082"}, "core") == 8082
+    assert hc.port_of(argv, {"SPLITSERVE_HEALTH_PORT": "-1"}, "core") == 6000
