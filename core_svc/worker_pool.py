@@ -60,9 +60,13 @@ class WorkerPool:
         self.addrs = addrs
         self.security = security or ChannelSecurity(None, WORKER_ROLE)
         self.owner_epoch = time.time_ns() if owner_epoch is None else owner_epoch
-        self.owner_metadata = ((OWNER_EPOCH_METADATA_KEY, str(self.owner_epoch)),)
         self.channels = [open_aio_channel(a, self.security) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
+
+    @property
+    def owner_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The epoch as gRPC metadata (a retried bring-up may move to a larger epoch)."""
+        return ((OWNER_EPOCH_METADATA_KEY, str(self.owner_epoch)),)
 
     async def _call_all(
         self, name: str, requests: Sequence[object], timeout: float
