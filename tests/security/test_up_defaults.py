@@ -90,5 +90,10 @@ def test_up_serves_over_mutual_tls_with_an_api_key(default_model_dir: Path, tmp_
         assert up.wait(timeout=60) == 0
         assert not folder.exists()  # the throwaway CA is gone with the stack
     finally:
-        up.kill()
-        up.wait()
+        if up.poll() is None:  # a failed check: SIGTERM, so the launcher stops its children
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
