@@ -14,13 +14,21 @@ from core_svc.scheduler_config import (
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import CORE
+from splitserve_runtime.transport_flags import (
+    LOOPBACK,
+    TransportConfig,
+    add_internal_tls_flags,
+    add_listener_flags,
+    check_internal_tls,
+    optional_port,
+)
 
 DEFAULT_PORT = CORE.default_port
 DEFAULT_METRICS_PORT = CORE.default_metrics_port
 
 
 @dataclass(frozen=True)
-class CoreConfig:
+class CoreConfig(TransportConfig):
     """Everything core_svc needs, parsed once at start-up."""
 
     model: str
@@ -42,7 +50,7 @@ class CoreConfig:
     max_num_queued_tokens: int = 0
     attention_backend: str = "auto"
     distributed_init_method: str = ""
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
     engine_id: str = "0"
@@ -163,7 +171,11 @@ def build_parser() -> FlagParser:
         help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
         "(default: rank 0's host, port 29500)",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="address to listen on (in a pod: its IP, from the downward API)",
+    )
     p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
     p.add_argument(
         "--metrics-port",
@@ -206,6 +218,8 @@ def build_parser() -> FlagParser:
         "admitted) before they are aborted",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_internal_tls_flags(p, "the port the frontends call and the calls to the workers")
+    add_listener_flags(p, reflection_default=False)
     return p
 
 
@@ -226,7 +240,9 @@ def parse_config(
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    check_internal_tls(parser, args)
     values = vars(args)
+    values["health_port"] = optional_port(args.health_port)
     if args.max_num_batched_tokens is None:
         values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port

@@ -26,7 +26,9 @@ from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_budget import StepBudget
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
-from splitserve_runtime.service_host import SERVER_OPTIONS
+from splitserve_runtime.channels import ChannelSecurity, open_channel
+from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
+from splitserve_runtime.tls import WORKER_ROLE
 
 logger = logging.getLogger(__name__)
 EXECUTE_METHOD = "/splitserve.worker.v1.WorkerService/Execute"
@@ -54,16 +56,19 @@ def _identity(payload: bytes) -> bytes:
 class _RankStream:
     """One rank's Execute stream: an outbox feeding gRPC, and its replies."""
 
-    def __init__(self, rank: int, addr: str) -> None:
+    def __init__(self, rank: int, addr: str, security: ChannelSecurity, owner_epoch: int) -> None:
         self.rank, self.addr = rank, addr
-        self.channel = grpc.insecure_channel(addr, options=SERVER_OPTIONS)
+        self.channel = open_channel(addr, security)
         method = self.channel.stream_stream(
             EXECUTE_METHOD,
             request_serializer=_identity,
             response_deserializer=worker_pb2.ExecuteResponse.FromString,
         )
         self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self.replies: Iterator[worker_pb2.ExecuteResponse] = method(iter(self.outbox.get, _CLOSE))
+        self.replies: Iterator[worker_pb2.ExecuteResponse] = method(
+            iter(self.outbox.get, _CLOSE),
+            metadata=((OWNER_EPOCH_METADATA_KEY, str(owner_epoch)),),
+        )
 
     def close(self) -> None:
         self.outbox.put(_CLOSE)
@@ -81,8 +86,12 @@ class GrpcExecutor:
         budget: StepBudget,
         on_failure: Callable[[str], None],
         on_timing: Callable[[float, float], None],
+        security: ChannelSecurity | None = None,
+        owner_epoch: int = 0,
     ) -> None:
         self._addrs = addrs
+        self._security = security or ChannelSecurity(None, WORKER_ROLE)
+        self._owner_epoch = owner_epoch
         self.output_rank = output_rank
         self.budget = budget
         self._on_failure = on_failure
@@ -96,7 +105,10 @@ class GrpcExecutor:
 
     def open(self) -> None:
         """Open one Execute stream per rank; start the watchers and the watchdog."""
-        self._streams = [_RankStream(rank, addr) for rank, addr in enumerate(self._addrs)]
+        self._streams = [
+            _RankStream(rank, addr, self._security, self._owner_epoch)
+            for rank, addr in enumerate(self._addrs)
+        ]
         for stream in self._streams:
             if stream.rank != self.output_rank:
                 threading.Thread(

@@ -20,9 +20,12 @@ from core_svc.step_budget import StepBudget
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import CORE
+from splitserve_runtime.tls import FRONTEND_ROLE, WORKER_ROLE
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "default-llama-v1"
@@ -115,7 +118,8 @@ async def serve(config: CoreConfig) -> int:
     """Bring the workers up first (as vLLM's engine does before serving), then build every piece
     complete and open the port."""
     loop = asyncio.get_running_loop()
-    pool = WorkerPool(config.worker_addrs)
+    to_workers = ChannelSecurity(config.tls, WORKER_ROLE)
+    pool = WorkerPool(config.worker_addrs, to_workers)
     try:
         facts = await pool.bring_up_with_retries(config, config.model, served_model_name(config))
     except WorkerBringUpError as err:
@@ -131,6 +135,13 @@ async def serve(config: CoreConfig) -> int:
         service_names=[CORE.grpc_service],
         metrics_port=config.metrics_port,
         grace_seconds=config.shutdown_timeout + 5.0,
+        # Only frontends may call the core (health: any peer of the same CA).
+        listener=internal_listener(
+            tls=config.tls,
+            allowed_roles={CORE.grpc_service: frozenset({FRONTEND_ROLE})},
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
     )
     metrics = CoreMetrics(
         host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
@@ -151,7 +162,13 @@ async def serve(config: CoreConfig) -> int:
         config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
     )
     executor = GrpcExecutor(
-        config.worker_addrs, output_rank, budget, on_executor_failure, metrics.observe_worker_step
+        config.worker_addrs,
+        output_rank,
+        budget,
+        on_executor_failure,
+        metrics.observe_worker_step,
+        to_workers,
+        pool.owner_epoch,
     )
     executor.open()
     streams = ClientStreams(loop)

@@ -19,7 +19,9 @@ import grpc
 from core_svc.config import CoreConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
-from splitserve_runtime.service_host import SERVER_OPTIONS
+from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
+from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
+from splitserve_runtime.tls import WORKER_ROLE
 
 logger = logging.getLogger(__name__)
 RETRY_DELAY_SECONDS = 2.0
@@ -57,18 +59,34 @@ class ModelFacts:
 
 
 class WorkerPool:
-    """One channel per rank, in rank order."""
+    """One channel per rank, in rank order.
 
-    def __init__(self, addrs: list[str]) -> None:
+    `owner_epoch` (default: now, in nanoseconds, so a restarted core presents a larger one)
+    goes with LoadModel and, as metadata, with every later call: the ranks serve only the core
+    that loaded them (worker_svc/ownership.py)."""
+
+    def __init__(
+        self,
+        addrs: list[str],
+        security: ChannelSecurity | None = None,
+        owner_epoch: int | None = None,
+    ) -> None:
         self.addrs = addrs
-        self.channels = [grpc.aio.insecure_channel(a, options=SERVER_OPTIONS) for a in addrs]
+        self.security = security or ChannelSecurity(None, WORKER_ROLE)
+        self.owner_epoch = time.time_ns() if owner_epoch is None else owner_epoch
+        self.channels = [open_aio_channel(a, self.security) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
+
+    @property
+    def owner_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The epoch as gRPC metadata (a retried bring-up may move to a larger epoch)."""
+        return ((OWNER_EPOCH_METADATA_KEY, str(self.owner_epoch)),)
 
     async def _call_all(
         self, name: str, requests: Sequence[object], timeout: float
     ) -> list[object]:
         calls = [
-            getattr(stub, name)(req, timeout=timeout)
+            getattr(stub, name)(req, timeout=timeout, metadata=self.owner_metadata)
             for stub, req in zip(self.stubs, requests, strict=True)
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -152,6 +170,7 @@ class WorkerPool:
                 engine_id=config.engine_id,
                 rendezvous_id=rendezvous_id,
                 block_size=config.block_size,
+                owner_epoch=self.owner_epoch,
             )
             for rank in range(world)
         ]

@@ -48,8 +48,23 @@ def role_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+def flag_of(argv: Sequence[str], environ: Mapping[str, str], name: str) -> int | None:
+    """The integer value of --NAME on a command line, else of SPLITSERVE_NAME, else None."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith(f"--{name}="):
+            return int(arg.split("=", 1)[1])
+    value = environ.get("SPLITSERVE_" + name.upper().replace("-", "_"), "")
+    return int(value) if value.lstrip("-").isdigit() else None
+
+
 def port_of(argv: Sequence[str], environ: Mapping[str, str], role: str | None) -> int:
-    """The service's gRPC port: --port on its command line, else SPLITSERVE_PORT, else default."""
+    """The service's plaintext health port: --health-port when it has one (its main port then
+    may be TLS), else --port on its command line, else SPLITSERVE_PORT, else the default."""
+    health_port = flag_of(argv, environ, "health-port")
+    if health_port is not None and health_port >= 0:
+        return health_port
     for i, arg in enumerate(argv):
         if arg == "--port" and i + 1 < len(argv):
             return int(argv[i + 1])

@@ -84,8 +84,8 @@ class AsyncEngine:
                 else:
                     self.metrics.reconnects.inc()
                     self.output_processor.fail_all(
-                        f"lost the engine core at {client.core_addr} ({event.reason}); "
-                        "retry the request"
+                        "lost the engine core; retry the request",
+                        detail=f"engine core at {client.core_addr}: {event.reason}",
                     )
             except Exception:  # one bad event must not stop the frontend
                 logger.exception("processing an engine-core event failed")

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
+from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import FRONTEND
+from splitserve_runtime.tls import TlsConfigError, TlsFiles
+from splitserve_runtime.transport_flags import (
+    TransportConfig,
+    add_internal_tls_flags,
+    add_listener_flags,
+    check_internal_tls,
+    optional_port,
+)
 
 DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
@@ -17,7 +26,7 @@ DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
-class FrontendConfig:
+class FrontendConfig(TransportConfig):
     """Everything frontend_svc needs, parsed once at start-up."""
 
     model: str
@@ -28,7 +37,6 @@ class FrontendConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT
     http_host: str = ""
     http_port: int | None = DEFAULT_HTTP_PORT
-    api_key: str = ""
     max_logprobs: int = 20
     max_n: int = 64
     max_stop_strings: int = 32
@@ -36,6 +44,19 @@ class FrontendConfig:
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
     log_level: str = "info"
+    api_key: str = field(default="", repr=False)
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_ca_certs: str = ""
+    max_receive_message_bytes: int = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+    enable_reflection: bool = field(default=True, kw_only=True)
+
+    @property
+    def ssl(self) -> TlsFiles | None:
+        """TLS of the public port (None: plaintext)."""
+        if not self.ssl_certfile:
+            return None
+        return TlsFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
 
 def build_parser() -> FlagParser:
@@ -71,12 +92,6 @@ def build_parser() -> FlagParser:
         help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
     )
     p.add_argument(
-        "--api-key",
-        default="",
-        help="require `Authorization: Bearer KEY` on /v1/* (env SPLITSERVE_API_KEY or "
-        "VLLM_API_KEY; default: no key)",
-    )
-    p.add_argument(
         "--max-logprobs",
         type=non_negative_int,
         default=20,
@@ -107,16 +122,57 @@ def build_parser() -> FlagParser:
         "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_public_security_flags(p)
+    add_internal_tls_flags(p, "the calls to the engine core")
+    add_listener_flags(p, reflection_default=True)
     return p
+
+
+def add_public_security_flags(p: FlagParser) -> None:
+    """vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="require `authorization: Bearer <key>` on every GenerationService call and on "
+        "the HTTP /v1/* routes (health, metrics and reflection stay open); also read from "
+        "SPLITSERVE_API_KEY or VLLM_API_KEY. Prefer the environment: command lines are "
+        "visible to every user of the machine",
+    )
+    p.add_argument("--ssl-certfile", default="", help="PEM certificate: serve the API over TLS")
+    p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
+    p.add_argument(
+        "--ssl-ca-certs",
+        default="",
+        help="PEM CA bundle: also require client certificates signed by it",
+    )
+    p.add_argument(
+        "--max-receive-message-bytes",
+        type=positive_int,
+        default=DEFAULT_PUBLIC_MAX_RECEIVE_BYTES,
+        help="largest request message the public port accepts",
+    )
 
 
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> FrontendConfig:
     env = os.environ if environ is None else environ
-    args = build_parser().parse(argv, env)
+    parser = build_parser()
+    args = parser.parse(argv, env)
+    check_internal_tls(parser, args)
+    try:
+        TlsFiles.from_flags(
+            args.ssl_certfile,
+            args.ssl_keyfile,
+            args.ssl_ca_certs,
+            needs_ca=False,
+            flag_names="--ssl-certfile and --ssl-keyfile (and optionally --ssl-ca-certs)",
+        )
+    except TlsConfigError as err:
+        parser.error(str(err))
     values = vars(args)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
+    values["health_port"] = optional_port(args.health_port)
     values["http_port"] = None if args.http_port < 0 else args.http_port
     values["http_host"] = args.http_host or args.host
     values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")

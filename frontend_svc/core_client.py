@@ -28,8 +28,9 @@ from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
-from splitserve_runtime.service_host import SERVER_OPTIONS
+from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
 from splitserve_runtime.services import CORE
+from splitserve_runtime.tls import CORE_ROLE
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,11 @@ class EngineCoreClient:
     """The frontend's end of EngineCoreService.EngineStream."""
 
     def __init__(
-        self, core_addr: str, max_backoff: float = 5.0, ping_interval: float = 1.0
+        self,
+        core_addr: str,
+        max_backoff: float = 5.0,
+        ping_interval: float = 1.0,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.core_addr = core_addr
         self.max_backoff = max_backoff
@@ -89,7 +94,7 @@ class EngineCoreClient:
         self._ping_ids = itertools.count(1)
         self.num_reconnects = 0
         self._handles = itertools.count(1)
-        self._channel = grpc.aio.insecure_channel(core_addr, options=SERVER_OPTIONS)
+        self._channel = open_aio_channel(core_addr, security or ChannelSecurity(None, CORE_ROLE))
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
         self._connected = asyncio.Event()
@@ -233,7 +238,8 @@ class EngineCoreClient:
         stream is down."""
         if not self.is_connected:
             raise EngineUnavailable(
-                f"the engine core at {self.core_addr} is unreachable; retry shortly"
+                "the engine core is unreachable or not serving; retry shortly",
+                detail=f"engine core at {self.core_addr}",
             )
         add = core_pb2.AddRequests(
             requests=[convert.engine_request_to_proto(h, r) for h, r in requests]

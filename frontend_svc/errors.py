@@ -71,7 +71,13 @@ class Overloaded(FrontendError):
 
 
 class EngineUnavailable(FrontendError):
-    """The engine core cannot be reached or failed; in-flight requests end with this."""
+    """The engine core cannot be reached or failed; in-flight requests end with this.
+    `detail` is what the server knows beyond the message (addresses, the engine's own error
+    text): it goes to the log, under an error id the client gets, never to the client."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
@@ -86,8 +92,8 @@ def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
     if kind == ERROR_KIND_OVERLOADED:
         return Overloaded(message)
     return EngineUnavailable(
-        f"the engine failed while serving request {request_id}: "
-        f"{message or 'unknown error'}; retry it"
+        f"the engine failed while serving request {request_id}; retry it",
+        detail=message or "unknown error",
     )
 
 

@@ -10,6 +10,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from frontend_svc.errors import FrontendError, Overloaded
+from frontend_svc.public_errors import client_message
 
 DOMAIN = "splitserve.dev"
 
@@ -32,7 +33,8 @@ def to_status(err: FrontendError) -> grpc.Status:
         any_detail.Pack(detail)
         packed.append(any_detail)
     code = getattr(code_pb2, err.grpc_code.name)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=str(err), details=packed))
+    message = client_message(err)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=packed))
 
 
 async def abort(context: grpc.aio.ServicerContext, err: FrontendError) -> None:

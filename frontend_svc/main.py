@@ -11,15 +11,19 @@ from collections.abc import Sequence
 from frontend_svc.assembly import FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.grpc_auth import api_key_interceptors
 from frontend_svc.input_processor import load_tokenizer
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
+from splitserve_runtime.tls import CORE_ROLE
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ async def serve(config: FrontendConfig) -> int:
 
         model = str(ensure_default_model())
     tokenizer = load_tokenizer(model)
-    client = EngineCoreClient(config.core_addr)
+    client = EngineCoreClient(config.core_addr, security=ChannelSecurity(config.tls, CORE_ROLE))
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:
@@ -58,6 +62,13 @@ async def serve(config: FrontendConfig) -> int:
         service_names=[FRONTEND.grpc_service],
         metrics_port=config.metrics_port,
         grace_seconds=config.shutdown_timeout + 5.0,
+        listener=public_listener(
+            ssl=config.ssl,
+            max_receive_message_bytes=config.max_receive_message_bytes,
+            interceptors=api_key_interceptors(config.api_key),
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
     )
     served_name = config.served_model_name or info.served_model_name
     limits = FrontendLimits(

@@ -75,10 +75,10 @@ class OutputProcessor:
             self._finish_stats(state, FinishReason.ABORT)
             self._count_in_flight()
 
-    def fail_all(self, message: str) -> None:
-        """Every live request ends with EngineUnavailable(message)."""
+    def fail_all(self, message: str, detail: str = "") -> None:
+        """Every live request ends with EngineUnavailable(message, detail)."""
         for state in self.states.values():
-            state.queue.put_nowait(EngineUnavailable(message))
+            state.queue.put_nowait(EngineUnavailable(message, detail))
             self._finish_stats(state, FinishReason.ERROR)
         self.states.clear()
         self._count_in_flight()

@@ -97,7 +97,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         tok = self.tokenizer
         reply = gen_pb2.GetModelInfoResponse(
             served_model_name=served_model_name,
-            model_path=info.model_path,
+            model_path="",  # never disclosed: the server's file layout is not the client's
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             has_chat_template=inputs.has_chat_template,

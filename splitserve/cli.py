@@ -55,6 +55,9 @@ COMMANDS: dict[str, Command] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from splitserve_runtime.log_limits import quiet_grpc_core_logs
+
+    quiet_grpc_core_logs()  # before any command imports grpc
     return dispatch(argv, COMMANDS, USAGE)
 
 

@@ -1,6 +1,9 @@
 """`splitserve up`: start worker ranks, engine core and frontend as child processes on loopback.
 
-The launcher waits until every child reports SERVING on its readiness health check, prints one
+The internal hops (frontend -> core -> workers) use mutual TLS by default: the launcher makes a
+throwaway CA and per-role certificates (splitserve/local_pki.py) in a private temporary folder
+that it deletes on exit (`--no-internal-tls` for plaintext). The launcher waits until every
+child reports SERVING on its readiness health check, prints one
 `READY ...` line, optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM stops
 every child; a child that dies takes the launcher down with a non-zero exit naming it.
 """
@@ -8,6 +11,7 @@ every child; a child that dies takes the launcher down with a non-zero exit nami
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -15,16 +19,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.config import DEFAULT_HTTP_PORT
+from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
+from splitserve_runtime.channels import ChannelSecurity, open_channel
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import FRONTEND, SERVICES
+from splitserve_runtime.tls import FRONTEND_ROLE, ROLE_OF_SERVICE, TlsFiles
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
@@ -39,6 +46,8 @@ class Child:
     address: str
     metrics_url: str
     process: subprocess.Popen[bytes]
+    probe: ChannelSecurity = field(default_factory=lambda: ChannelSecurity(None, FRONTEND_ROLE))
+    """How the launcher reaches the child's health service."""
     http_address: str = ""
     """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
 
@@ -69,7 +78,12 @@ def build_parser() -> FlagParser:
         default=DEFAULT_HTTP_PORT,
         help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
     )
-    p.add_argument("--api-key", default="", help="frontend API key (see `splitserve frontend`)")
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="the frontend's API key (clients send `authorization: Bearer <key>`); also "
+        "SPLITSERVE_API_KEY",
+    )
     p.add_argument(
         "--sample-prompt",
         default="",
@@ -82,6 +96,12 @@ def build_parser() -> FlagParser:
         default=30.0,
         help="on Ctrl-C or SIGTERM, seconds running requests may take to finish (the frontend "
         "and the core stop admitting) before they are aborted",
+    )
+    p.add_argument(
+        "--internal-tls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mutual TLS between frontend, core and workers with a throwaway CA",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
@@ -105,26 +125,54 @@ def _spawn(
     argv: list[str],
     address: str,
     metrics_port: int,
+    pki: LocalPki | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Child:
     """Start one service; `env` adds variables (secrets go there, not on the command line)."""
-    cmd = [sys.executable, "-m", f"{kind}_svc", *argv]
+    cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
     process = subprocess.Popen(cmd, env={**os.environ, **env} if env else None)
-    return Child(name, kind, address, f"http://{LOOPBACK}:{metrics_port}/metrics", process)
+    probe = ChannelSecurity(None, ROLE_OF_SERVICE[kind])
+    if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
+        probe = ChannelSecurity(pki.files[LAUNCHER_IDENTITY], ROLE_OF_SERVICE[kind])
+    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    return Child(name, kind, address, metrics_url, process, probe)
 
 
-def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) -> list[Child]:
-    """Start workers, core and frontend; they find each other through the ports chosen here."""
-    engine = start_engine_children(args, model, core_flags)
+def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
+    if pki is None:
+        return []
+    files: TlsFiles = pki.files[ROLE_OF_SERVICE[kind]]
+    return [
+        "--tls-cert-file",
+        files.cert_file,
+        "--tls-key-file",
+        files.key_file,
+        "--tls-ca-file",
+        files.ca_file,
+    ]
+
+
+def start_children(
+    args: argparse.Namespace,
+    model: str,
+    core_flags: list[str],
+    pki: LocalPki | None = None,
+) -> list[Child]:
+    """Start workers, core and frontend; they find each other through the ports chosen here.
+    With `pki`, every internal hop is mutual TLS with its certificates; without, plaintext."""
+    engine = start_engine_children(args, model, core_flags, pki)
     try:
-        return [*engine, start_frontend(args, model, engine[-1].address)]
+        return [*engine, start_frontend(args, model, engine[-1].address, pki)]
     except BaseException:
         stop_children(engine)
         raise
 
 
 def start_engine_children(
-    args: argparse.Namespace, model: str, core_flags: list[str]
+    args: argparse.Namespace,
+    model: str,
+    core_flags: list[str],
+    pki: LocalPki | None = None,
 ) -> list[Child]:
     """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
     TP/PP > 1 runs its frontend in its own process on top of these."""
@@ -147,6 +195,7 @@ def start_engine_children(
             ],
             f"{LOOPBACK}:{ports[rank]}",
             ports[world + rank],
+            pki,
         )
         for rank in range(world)
     ]
@@ -178,15 +227,19 @@ def start_engine_children(
         ],
         core_addr,
         core_metrics,
+        pki,
     )
     return [*workers, core]
 
 
-def start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Child:
+def start_frontend(
+    args: argparse.Namespace, model: str, core_addr: str, pki: LocalPki | None = None
+) -> Child:
     """Start a frontend on the engine core at `core_addr` (several may share one core)."""
     fe_metrics, fe_port, free_http_port = free_ports(3)
     port = args.port or fe_port
     http_port = args.http_port or free_http_port
+    api_key = getattr(args, "api_key", "")
     frontend = _spawn(
         "frontend",
         "frontend",
@@ -210,7 +263,8 @@ def start_frontend(args: argparse.Namespace, model: str, core_addr: str) -> Chil
         ],
         f"{args.host}:{port}",
         fe_metrics,
-        env={"SPLITSERVE_API_KEY": args.api_key} if args.api_key else None,
+        pki,
+        {"SPLITSERVE_API_KEY": api_key} if api_key else None,  # not in argv, where ps shows it
     )
     if http_port >= 0:
         frontend.http_address = f"{args.host}:{http_port}"
@@ -222,7 +276,7 @@ def is_ready(child: Child) -> bool:
     host, port = child.address.rsplit(":", 1)
     target = f"{LOOPBACK if host in ('0.0.0.0', '') else host}:{port}"
     try:
-        with grpc.insecure_channel(target) as channel:
+        with open_channel(target, child.probe) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(
                 health_pb2.HealthCheckRequest(service=SERVICES[child.kind].grpc_service),
@@ -281,20 +335,20 @@ def ready_line(children: Sequence[Child]) -> str:
     )
 
 
-def stream_sample(address: str, prompt: str) -> None:
+def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
     from splitserve_client.generate import build_parser as generate_parser
     from splitserve_client.generate import build_request, print_stream, stream_text
 
     args = generate_parser().parse([prompt, "--max-tokens", "48"], {})
     print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
-    print_stream(stream_text(address, build_request(args), 120.0), sys.stdout)
+    print_stream(stream_text(address, build_request(args), 120.0, api_key), sys.stdout)
 
 
 def _serve(children: list[Child], args: argparse.Namespace) -> int:
     wait_ready(children, args.startup_timeout)
     print(ready_line(children), flush=True)
     if args.sample_prompt:
-        stream_sample(children[-1].address, args.sample_prompt)
+        stream_sample(children[-1].address, args.sample_prompt, args.api_key)
     while True:
         check_alive(children)
         time.sleep(0.25)
@@ -315,9 +369,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    pki_context = LocalPki() if args.internal_tls else contextlib.nullcontext(None)
     try:
-        children = start_children(args, model, core_flags)
-        return _serve(children, args)
+        with pki_context as pki:
+            try:
+                children = start_children(args, model, core_flags, pki)
+                return _serve(children, args)
+            finally:
+                stop_children(children, args.shutdown_timeout)  # before the certificates go
     except KeyboardInterrupt:
         print("splitserve up: stopping", file=sys.stderr)
         return 0
@@ -325,5 +384,3 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         message = err.details() if isinstance(err, grpc.RpcError) else str(err)
         print(f"splitserve up: {message}; stopping everything", file=sys.stderr)
         return 1
-    finally:
-        stop_children(children, args.shutdown_timeout)

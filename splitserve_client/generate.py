@@ -38,6 +38,14 @@ def build_parser() -> FlagParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--n", type=positive_int, default=1, help="completions to sample")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    p.add_argument(
+        "--api-key", default="", help="the frontend's API key (sent as `authorization: Bearer`)"
+    )
+    p.add_argument(
+        "--ssl-ca-certs",
+        default="",
+        help="PEM CA bundle: connect over TLS, trusting the server certificates it signed",
+    )
     return p
 
 
@@ -65,12 +73,23 @@ def build_request(args: argparse.Namespace) -> gen_pb2.GenerateRequest:
 
 
 def stream_text(
-    addr: str, request: gen_pb2.GenerateRequest, timeout: float
+    addr: str,
+    request: gen_pb2.GenerateRequest,
+    timeout: float,
+    api_key: str = "",
+    ssl_ca_certs: str = "",
 ) -> Iterator[gen_pb2.GenerateResponse]:
-    """Yield the frontend's responses for one request."""
-    with grpc.insecure_channel(addr) as channel:
+    """Yield the frontend's responses for one request (TLS when `ssl_ca_certs` names a CA)."""
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    if ssl_ca_certs:
+        with open(ssl_ca_certs, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        channel = grpc.secure_channel(addr, creds)
+    else:
+        channel = grpc.insecure_channel(addr)
+    with channel:
         stub = gen_grpc.GenerationServiceStub(channel)
-        yield from stub.Generate(request, timeout=timeout)
+        yield from stub.Generate(request, timeout=timeout, metadata=metadata)
 
 
 def print_stream(responses: Iterator[gen_pb2.GenerateResponse], out: TextIO) -> int:
@@ -95,7 +114,10 @@ def print_stream(responses: Iterator[gen_pb2.GenerateResponse], out: TextIO) -> 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     args = build_parser().parse(argv, os.environ if environ is None else environ)
     try:
-        print_stream(stream_text(args.addr, build_request(args), args.timeout), sys.stdout)
+        responses = stream_text(
+            args.addr, build_request(args), args.timeout, args.api_key, args.ssl_ca_certs
+        )
+        print_stream(responses, sys.stdout)
     except grpc.RpcError as err:
         print(f"splitserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -28,18 +28,13 @@ from prometheus_client import (
 )
 
 from splitserve_runtime.grpc_metrics import GrpcServerMetrics
+from splitserve_runtime.listener import Listener, bind, start_aio_health_server
+from splitserve_runtime.log_limits import limit_grpc_logs
 from splitserve_runtime.metrics_http import start_metrics_server
+from splitserve_runtime.rpc_guard import AioRpcGuard
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-    ("grpc.so_reuseport", 0),
-)
 LIVENESS = ""
 ShutdownHook = Callable[[], Awaitable[None]]
 
@@ -66,16 +61,24 @@ class ServiceHost:
         service_names: Sequence[str],
         metrics_port: int | None = None,
         grace_seconds: float = 10.0,
+        listener: Listener | None = None,
     ) -> None:
         self.name = name
+        self.listener = listener or Listener()
         self.host = host
         self.port = port
         self.service_names = list(service_names)
         self.metrics_port = metrics_port
         self.registry = new_registry()
         self.grace_seconds = grace_seconds
+        limit_grpc_logs()
         self.server = grpc.aio.server(
-            options=SERVER_OPTIONS, interceptors=[GrpcServerMetrics(self.registry)]
+            options=self.listener.options,
+            interceptors=[
+                GrpcServerMetrics(self.registry),
+                *self.listener.interceptors,
+                AioRpcGuard(self.listener.guard),
+            ],
         )
         self.health = health.aio.HealthServicer()
         self.bound_port = 0
@@ -83,6 +86,7 @@ class ServiceHost:
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._metrics_server: WSGIServer | None = None
+        self._health_server: grpc.aio.Server | None = None
 
     @property
     def address(self) -> str:
@@ -91,12 +95,17 @@ class ServiceHost:
     async def start(self) -> int:
         """Bind and start; liveness SERVING, readiness NOT_SERVING. Returns the bound port."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self.server)
-        self.bound_port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.listener.enable_reflection:
+            names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, self.server)
+        self.bound_port = bind(self.server, self.name, self.host, self.port, self.listener)
         if self.bound_port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.port}")
         await self.server.start()
+        if self.listener.health_port is not None:
+            self._health_server = await start_aio_health_server(
+                self.health, self.host, self.listener.health_port
+            )
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         for service in self.service_names:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -164,6 +173,8 @@ class ServiceHost:
                 logger.exception("%s: shutdown hook failed", self.name)
                 self.exit_code = max(self.exit_code, 1)
         await self.server.stop(grace=self.grace_seconds)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         logger.info("%s stopped", self.name)

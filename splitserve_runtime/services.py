@@ -40,3 +40,7 @@ WORKER = ServiceSpec(
 )
 SERVICES = {spec.kind: spec for spec in (FRONTEND, CORE, WORKER)}
 """By role name: "frontend", "core", "worker"."""
+
+OWNER_EPOCH_METADATA_KEY = "x-splitserve-owner-epoch"
+"""gRPC metadata key of the engine core's ownership epoch on its calls to a worker after
+LoadModel (GetKvCapacity, InitializeKvCache, Execute); see worker_svc/ownership.py."""

@@ -21,8 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve_runtime.grpc_metrics import SyncGrpcServerMetrics
+from splitserve_runtime.listener import Listener, bind, start_sync_health_server
+from splitserve_runtime.log_limits import limit_grpc_logs
 from splitserve_runtime.metrics_http import start_metrics_server
-from splitserve_runtime.service_host import LIVENESS, SERVER_OPTIONS, new_registry
+from splitserve_runtime.rpc_guard import SyncRpcGuard
+from splitserve_runtime.service_host import LIVENESS, new_registry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,30 +64,43 @@ class SyncServiceHost:
         service_names: Sequence[str],
         metrics_port: int | None = None,
         grace_seconds: float = 10.0,
+        listener: Listener | None = None,
     ) -> None:
         self.name, self.host, self.port = name, host, port
+        self.listener = listener or Listener()
         self.service_names = list(service_names)
         self.metrics_port = metrics_port
         self.grace_seconds = grace_seconds
         self.registry = new_registry()
+        limit_grpc_logs()
         self.server = grpc.server(
             ThreadPerRpcExecutor(),
-            options=SERVER_OPTIONS,
-            interceptors=[SyncGrpcServerMetrics(self.registry)],
+            options=self.listener.options,
+            interceptors=[
+                SyncGrpcServerMetrics(self.registry),
+                *self.listener.interceptors,
+                SyncRpcGuard(self.listener.guard),
+            ],
         )
         self.health = health.HealthServicer()
         self.bound_port = 0
         self._stop = threading.Event()
+        self._health_server: grpc.Server | None = None
 
     def start(self) -> int:
         """Bind and start; liveness SERVING, readiness NOT_SERVING. Returns the bound port."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self.server)
-        self.bound_port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.listener.enable_reflection:
+            names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, self.server)
+        self.bound_port = bind(self.server, self.name, self.host, self.port, self.listener)
         if self.bound_port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.port}")
         self.server.start()
+        if self.listener.health_port is not None:
+            self._health_server = start_sync_health_server(
+                self.health, self.host, self.listener.health_port
+            )
         self.health.set(LIVENESS, SERVING)
         self.set_ready(False)
         if self.metrics_port is not None:
@@ -109,6 +125,8 @@ class SyncServiceHost:
         logger.info("%s shutting down", self.name)
         self.health.enter_graceful_shutdown()
         self.server.stop(self.grace_seconds).wait()
+        if self._health_server is not None:
+            self._health_server.stop(None)
         code = 0
         if on_shutdown is not None:
             try:

@@ -9,16 +9,24 @@ from dataclasses import dataclass
 from splitserve_runtime.flags import FlagParser, non_negative_int
 from splitserve_runtime.log_config import LOG_LEVELS
 from splitserve_runtime.services import WORKER
+from splitserve_runtime.transport_flags import (
+    LOOPBACK,
+    TransportConfig,
+    add_internal_tls_flags,
+    add_listener_flags,
+    check_internal_tls,
+    optional_port,
+)
 
 DEFAULT_PORT = WORKER.default_port
 DEFAULT_METRICS_PORT = WORKER.default_metrics_port
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(TransportConfig):
     """Everything worker_svc needs at start-up; what to load arrives later in LoadModel."""
 
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
     device: str = "auto"
@@ -31,7 +39,11 @@ def build_parser() -> FlagParser:
         prog="splitserve worker",
         description="Run one worker rank; the engine core tells it what to load.",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="address to listen on (in a pod: its IP, from the downward API)",
+    )
     p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
     p.add_argument(
         "--metrics-port",
@@ -52,13 +64,18 @@ def build_parser() -> FlagParser:
         help="CPU threads for torch (0: torch's default)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_internal_tls_flags(p, "the port the engine core calls")
+    add_listener_flags(p, reflection_default=False)
     return p
 
 
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> WorkerConfig:
-    args = build_parser().parse(argv, os.environ if environ is None else environ)
+    parser = build_parser()
+    args = parser.parse(argv, os.environ if environ is None else environ)
+    check_internal_tls(parser, args)
     values = vars(args)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
+    values["health_port"] = optional_port(args.health_port)
     return WorkerConfig(**values)

@@ -6,9 +6,11 @@ import logging
 from collections.abc import Sequence
 
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
+from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.services import WORKER
 from splitserve_runtime.sync_service_host import SyncServiceHost
+from splitserve_runtime.tls import CORE_ROLE
 from worker_svc.config import WorkerConfig, parse_config
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,13 @@ def serve(config: WorkerConfig) -> int:
         port=config.port,
         service_names=[WORKER.grpc_service],
         metrics_port=config.metrics_port,
+        # Only the engine core may call a worker (health: any peer of the same CA).
+        listener=internal_listener(
+            tls=config.tls,
+            allowed_roles={WORKER.grpc_service: frozenset({CORE_ROLE})},
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
     )
     servicer = WorkerServicer(host.registry, StallWatch(host.set_ready), device=config.device)
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)

@@ -27,11 +27,19 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.tls import peer_identity
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.ownership import (
+    Claim,
+    Ownership,
+    OwnershipError,
+    check_model_loadable,
+    claim_from_metadata,
+)
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
-from worker_svc.worker import Worker, WorkerStateError
+from worker_svc.worker import LoadedModel, LoadModelConfig, Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._last_step_id = 0
         self._failure: str | None = None
         self._is_closed = False
+        self._ownership = Ownership()
 
     @property
     def worker(self) -> Worker:
@@ -74,6 +83,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         try:
             with self._lock:
                 return fn(*args)
+        except OwnershipError as e:
+            status, message = e.grpc_code, str(e)
         except WorkerStateError as e:
             status, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except (ValueError, FileNotFoundError) as e:
@@ -96,15 +107,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config = convert.load_model_config_from_proto(request)
         except ValueError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
-        logger.info(
-            "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
-            config.model_path or "the embedded default model",
-            config.rank,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.dtype,
-        )
+        claim = Claim(peer_identity(context), request.owner_epoch)
         if not self._lock.acquire(timeout=WEDGED_AFTER_SECONDS):
             # A step of the previous bring-up is stuck in a collective whose peer is gone; no
             # thread can get it out. Exit so the rank restarts clean and the new core can retry.
@@ -112,7 +115,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                          WEDGED_AFTER_SECONDS)  # fmt: skip
             os._exit(WEDGED_EXIT_CODE)
         self._lock.release()
-        loaded = self._call(context, self._worker.load_model, config)
+        loaded = self._call(context, self._load_model, claim, config)
         self._metrics.bind(
             request.served_model_name or config.model_path, request.engine_id, config.rank
         )
@@ -127,10 +130,47 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         return convert.loaded_model_to_proto(loaded)
 
+    def _load_model(self, claim: Claim, config: LoadModelConfig) -> LoadedModel:
+        """Ownership first; a loaded rank keeps its model unless the new one can load."""
+        is_loaded = self._worker.runner is not None
+        self._ownership.check_load(claim, is_loaded)
+        if is_loaded:
+            check_model_loadable(config.model_path)
+        self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
+        logger.info(
+            "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
+            config.model_path or "the embedded default model",
+            config.rank,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.dtype,
+        )
+        loaded = self._worker.load_model(config)
+        self._ownership.loaded_by(claim)
+        return loaded
+
+    def _claim(self, context: grpc.ServicerContext) -> Claim:
+        """The caller's claim on this rank (after LoadModel: its epoch rides in metadata)."""
+        try:
+            return claim_from_metadata(peer_identity(context), context.invocation_metadata())
+        except ValueError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _as_owner(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """`_call`, for the rank's owner only."""
+        claim = self._claim(context)
+
+        def owned(*fn_args: Any) -> T:
+            self._ownership.check_call(claim)
+            return fn(*fn_args)
+
+        owned.__name__ = getattr(fn, "__name__", "call")
+        return self._call(context, owned, *args)
+
     def GetKvCapacity(
         self, request: pb.GetKvCapacityRequest, context: grpc.ServicerContext
     ) -> pb.GetKvCapacityResponse:
-        capacity = self._call(
+        capacity = self._as_owner(
             context,
             self._worker.get_kv_capacity,
             request.gpu_memory_utilization,
@@ -141,12 +181,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def InitializeKvCache(
         self, request: pb.InitializeKvCacheRequest, context: grpc.ServicerContext
     ) -> pb.InitializeKvCacheResponse:
-        nbytes = self._call(context, self._worker.initialize_kv_cache, request.num_blocks)
+        nbytes = self._as_owner(context, self._worker.initialize_kv_cache, request.num_blocks)
         return pb.InitializeKvCacheResponse(kv_cache_bytes=nbytes)
 
     def Execute(
         self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ExecuteResponse]:
+        claim = self._claim(context)
+        self._call(context, self._ownership.check_call, claim)
         if not self._worker.is_kv_cache_ready:
             _abort(
                 context,
@@ -157,6 +199,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:
             with self._lock:
+                if self._ownership.owner != claim:  # a newer core took this rank over
+                    _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "rank taken over")
                 self._stall_watch.step_started()
                 try:
                     response = self._execute_step(request)

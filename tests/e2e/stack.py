@@ -15,6 +15,7 @@ from splitserve.launcher import (
     stop_children,
     wait_ready,
 )
+from splitserve.local_pki import LocalPki
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -22,7 +23,8 @@ KV_BYTES = str(64 * 1024 * 1024)
 
 
 class Stack:
-    """Processes started with the launcher's own wiring; stopped by PID."""
+    """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend."""
 
     def __init__(
         self,
@@ -30,11 +32,12 @@ class Stack:
         tp: int = 1,
         pp: int = 1,
         core_flags: list[str] | None = None,
+        pki: LocalPki | None = None,
         api_key: str = "",
     ):
         self.model = model
         self.tp, self.pp = tp, pp
-        self.api_key = api_key
+        self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
@@ -48,7 +51,7 @@ class Stack:
             api_key=self.api_key,
             log_level="warning",
         )
-        self.children = start_children(args, str(self.model), self.core_flags)
+        self.children = start_children(args, str(self.model), self.core_flags, self.pki)
         try:
             wait_ready(self.children, timeout)
         except Exception:
@@ -64,7 +67,7 @@ class Stack:
         args = argparse.Namespace(
             host="127.0.0.1", port=0, http_port=0, api_key=api_key, log_level="warning"
         )
-        child = start_frontend(args, str(self.model), self.core)
+        child = start_frontend(args, str(self.model), self.core, self.pki)
         try:
             wait_ready([child], timeout)
         except Exception:
@@ -90,6 +93,10 @@ class Stack:
 
     def workers(self) -> Iterator[Child]:
         return (c for c in self.children if c.kind == "worker")
+
+    @property
+    def worker(self) -> str:
+        return next(self.workers()).address
 
     def scheduler_stats(self) -> core_pb2.SchedulerStats:
         with grpc.insecure_channel(self.core) as channel:

@@ -23,6 +23,8 @@ import grpc
 import pytest
 
 from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.helm.chart_render import (
@@ -83,10 +85,14 @@ def case_values(name: str, model_dir: Path, extra: dict[str, Any] | None = None)
     return values
 
 
-def frontend_address(cluster: LocalCluster, manifests: Manifests) -> str:
-    svc = manifests.get("Service", f"{manifests.release}-frontend")
+def service_address(cluster: LocalCluster, manifests: Manifests, component: str) -> str:
+    svc = manifests.get("Service", f"{manifests.release}-{component}")
     host = f"{svc['metadata']['name']}.{manifests.namespace}.svc.{CLUSTER_DOMAIN}"
     return cluster.address(host, int(svc["spec"]["ports"][0]["port"]))
+
+
+def frontend_address(cluster: LocalCluster, manifests: Manifests) -> str:
+    return service_address(cluster, manifests, "frontend")
 
 
 def test_wiring_resolves_without_starting_anything(tmp_path: Path) -> None:
@@ -197,9 +203,15 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
     hub_name = model["hub"]["repoId"] if model["source"] == "hub" else None
     expected_name = model.get("servedModelName") or hub_name or "default-llama-v1"
     assert info.served_model_name == expected_name
+    assert info.model_path == ""  # clients never see server paths (docs/reliability.md)
     if model["source"] == "hostPath":
         # The core was told the in-pod path; the workers loaded it from their mount.
-        assert info.model_path.endswith(f"/{model['subPath']}")
+        core = service_address(launched.cluster, launched.manifests, "core")
+        with grpc.insecure_channel(core) as channel:
+            hello = core_grpc.EngineCoreServiceStub(channel).Handshake(
+                core_pb2.HandshakeRequest(), timeout=30
+            )
+        assert hello.engine_info.model_path.endswith(f"/{model['subPath']}")
     ranks = [
         r for p in launched.cluster.pods_of("worker") for r in container_processes(p.container)
     ]

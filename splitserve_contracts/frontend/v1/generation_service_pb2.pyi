@@ -447,7 +447,9 @@ class GetModelInfoResponse(_message.Message):
     served_model_name: _builtins.str
     """Name clients use for the model."""
     model_path: _builtins.str
-    """Checkpoint folder the model was loaded from."""
+    """Always empty: the server's filesystem paths are not disclosed to clients
+    (use served_model_name). Kept so old clients still parse the message.
+    """
     max_model_len: _builtins.int
     """Longest sequence (prompt + output) in tokens."""
     vocab_size: _builtins.int

@@ -136,6 +136,7 @@ class LoadModelRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    OWNER_EPOCH_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """Folder of a Hugging Face checkpoint (config.json, *.safetensors)."""
     dtype: _builtins.str
@@ -177,6 +178,14 @@ class LoadModelRequest(_message.Message):
     """Tokens per KV-cache block, >= 1. The attention backend is chosen for it
     at load, once; GetKvCapacity and InitializeKvCache use it too.
     """
+    owner_epoch: _builtins.int
+    """Ownership epoch of the calling engine core, chosen when the core starts
+    (its start time in nanoseconds), so a restarted core presents a larger one.
+    A loaded rank accepts LoadModel only from the core identity that owns it
+    (its client certificate's names; empty under plaintext) with a larger
+    epoch: a deliberate takeover. Later calls carry the epoch in the metadata
+    key "x-splitserve-owner-epoch". 0 means "no epoch".
+    """
     def __init__(
         self,
         *,
@@ -195,10 +204,11 @@ class LoadModelRequest(_message.Message):
         engine_id: _builtins.str = ...,
         rendezvous_id: _builtins.str = ...,
         block_size: _builtins.int = ...,
+        owner_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,84 @@
+"""The transport-security flags every service shares: mutual TLS on internal hops, reflection,
+and a plaintext health-only port (see docs/reliability.md#security)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from splitserve_runtime.flags import FlagParser
+from splitserve_runtime.tls import TlsConfigError, TlsFiles
+
+INTERNAL_TLS_FLAGS = "--tls-cert-file, --tls-key-file and --tls-ca-file"
+LOOPBACK = "127.0.0.1"
+
+
+def add_internal_tls_flags(p: FlagParser, hop: str) -> None:
+    """--tls-cert-file/--tls-key-file/--tls-ca-file: mutual TLS on `hop`."""
+    p.add_argument(
+        "--tls-cert-file",
+        default="",
+        help=f"PEM certificate for mutual TLS on {hop}; its names (CN or SAN) must include this "
+        "service's role (splitserve-frontend, -core or -worker). All three --tls-* or none: "
+        "without them the hop is plaintext",
+    )
+    p.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    p.add_argument(
+        "--tls-ca-file", default="", help="PEM CA bundle that the peers' certificates chain to"
+    )
+
+
+def add_listener_flags(p: FlagParser, *, reflection_default: bool) -> None:
+    """--enable-reflection and --health-port."""
+    p.add_argument(
+        "--enable-reflection",
+        action=argparse.BooleanOptionalAction,
+        default=reflection_default,
+        help="serve gRPC server reflection (lists the API to anyone who can call the port)",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=-1,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that "
+        "cannot present certificates, e.g. Kubernetes gRPC probes; -1: none)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """The fields of these flags, shared by every service's config (a base class)."""
+
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    enable_reflection: bool = False
+    health_port: int | None = None
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """Mutual TLS files of the service's internal hops (None: plaintext). The core uses
+        its certificate both to serve the frontends and as its client certificate to the
+        workers; the frontend only as the client of the core."""
+        if not self.tls_cert_file:
+            return None
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+
+def check_internal_tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error unless all three --tls-* flags or none are given, readable."""
+    try:
+        TlsFiles.from_flags(
+            args.tls_cert_file,
+            args.tls_key_file,
+            args.tls_ca_file,
+            needs_ca=True,
+            flag_names=INTERNAL_TLS_FLAGS,
+        )
+    except TlsConfigError as err:
+        parser.error(str(err))
+
+
+def optional_port(value: int) -> int | None:
+    """-1 (or any negative) means no port."""
+    return None if value < 0 else value

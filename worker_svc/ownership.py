@@ -1,0 +1,138 @@
+"""Which engine core owns this rank, and what it takes to (re)load a rank that serves.
+
+A rank belongs to the core that loaded it: its CLAIM is the core's identity (the names in its
+client certificate; "" under plaintext, where the epoch alone decides) and its epoch (chosen
+when the core starts, so a restarted core presents a larger one). On a loaded rank:
+
+    LoadModel from another identity                 -> PERMISSION_DENIED (a stranger)
+    LoadModel, same identity, larger epoch          -> allowed: a deliberate takeover, logged
+    LoadModel, same identity, equal/smaller epoch   -> FAILED_PRECONDITION (stale or repeated)
+    GetKvCapacity / InitializeKvCache / Execute     -> only with the owner's exact claim (the
+                                                       epoch in metadata `x-splitserve-owner-epoch`)
+
+A rank with nothing loaded takes LoadModel from any core (the transport already admits only
+the core role). Before a loaded rank drops its model for a new LoadModel, the new checkpoint is
+checked (`check_model_loadable`), so a bad path leaves the rank serving its owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
+from worker_svc.models.model_config import ModelConfig, architecture_of, read_hf_config
+from worker_svc.models.registry import model_class
+from worker_svc.weights import checkpoint_files
+
+logger = logging.getLogger(__name__)
+
+
+class OwnershipError(Exception):
+    """A call from a core that does not own this rank; `grpc_code` is its status."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotOwner(OwnershipError):
+    """Another core identity owns this rank."""
+
+
+class StaleClaim(OwnershipError):
+    """The owner's identity, but not its current epoch."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Who calls: the core's certificate identity and its epoch."""
+
+    identity: str
+    epoch: int
+
+    def describe(self) -> str:
+        return f"{self.identity or 'a plaintext core'} (epoch {self.epoch})"
+
+
+def claim_from_metadata(identity: str, metadata: Sequence[tuple[str, str | bytes]]) -> Claim:
+    """The claim of a call after LoadModel; ValueError when the epoch is not an integer.
+    A call without the key claims epoch 0."""
+    for key, value in metadata:
+        if key == OWNER_EPOCH_METADATA_KEY:
+            text = value.decode() if isinstance(value, bytes) else value
+            if not text.isdigit():
+                raise ValueError(f"metadata {OWNER_EPOCH_METADATA_KEY} must be an unsigned integer")
+            return Claim(identity, int(text))
+    return Claim(identity, 0)
+
+
+class Ownership:
+    """The rank's owner (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._owner: Claim | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def owner(self) -> Claim | None:
+        return self._owner
+
+    def check_load(self, claim: Claim, is_loaded: bool) -> bool:
+        """Raise OwnershipError unless `claim` may load now; True when it takes a loaded rank
+        over from an older epoch of the same core."""
+        with self._lock:
+            owner = self._owner
+        if not is_loaded or owner is None:
+            return False
+        if claim.identity != owner.identity:
+            raise NotOwner(
+                f"this rank is loaded and owned by {owner.identity or 'a plaintext core'}; "
+                f"{claim.identity or 'a plaintext core'} may not reload it"
+            )
+        if claim.epoch <= owner.epoch:
+            raise StaleClaim(
+                f"this rank is loaded by epoch {owner.epoch} of its core; LoadModel with epoch "
+                f"{claim.epoch} is refused (a restarted core presents a larger epoch)"
+            )
+        logger.warning(
+            "takeover: %s reloads this rank, which %s had loaded",
+            claim.describe(),
+            owner.describe(),
+        )
+        return True
+
+    def loaded_by(self, claim: Claim) -> None:
+        with self._lock:
+            self._owner = claim
+
+    def check_call(self, claim: Claim) -> None:
+        """Raise OwnershipError unless `claim` is the owner's (no owner: anyone)."""
+        with self._lock:
+            owner = self._owner
+        if owner is None or owner == claim:
+            return
+        if claim.identity != owner.identity:
+            raise NotOwner(f"this rank is owned by {owner.identity or 'a plaintext core'}")
+        raise StaleClaim(
+            f"this rank is owned by epoch {owner.epoch} of its core, not epoch {claim.epoch}"
+        )
+
+
+def check_model_loadable(model_path: str) -> None:
+    """Cheap checks that a checkpoint can be loaded (folder, weight files, config.json, a known
+    architecture), made before a loaded rank drops its model. Raises FileNotFoundError or
+    ValueError. The embedded default model ("") always can."""
+    if not model_path:
+        return
+    checkpoint_files(model_path)
+    try:
+        hf_config = read_hf_config(model_path)
+    except OSError as err:
+        raise FileNotFoundError(f"no readable config.json in {model_path}") from err
+    model_class(architecture_of(hf_config))
+    ModelConfig.from_hf_config(hf_config)
