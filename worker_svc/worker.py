@@ -23,6 +23,7 @@ from splitserve_runtime.default_model import ensure_default_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
+from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of, read_hf_config
 from worker_svc.models.registry import model_class
@@ -179,7 +180,7 @@ class Worker:
         backend_name = select_backend(
             config.attention_backend, self.device, config.block_size, dtype
         )
-        _check_parallel_shape(config, model_config)
+        check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
             config.rank,
             config.tensor_parallel_size,
@@ -192,7 +193,7 @@ class Worker:
         tp = self.parallel.tp_size
         backend = backend_class(backend_name)(
             model_config.num_heads // tp,
-            model_config.num_kv_heads // tp,
+            kv_heads_per_rank(model_config.num_kv_heads, tp),
             model_config.head_dim,
             dtype=dtype,
             device=self.device,
@@ -313,14 +314,17 @@ class Worker:
         self.parallel = ParallelState()
 
 
-def _check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
+def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-    if model.num_heads % tp or model.num_kv_heads % tp:
+    heads, kv_heads = model.num_heads, model.num_kv_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {heads} attention heads")
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
         raise ValueError(
-            f"tensor_parallel_size {tp} must divide the {model.num_heads} "
-            f"attention heads and the {model.num_kv_heads} KV heads"
+            f"tensor_parallel_size {tp} must divide the {kv_heads} KV heads, or be a multiple "
+            "of them (each KV head is then replicated on tp / num_kv_heads ranks)"
         )
     if model.num_layers < pp:
         raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
@@ -341,9 +345,8 @@ def _activation_estimate(
     """Peak activation bytes of a step: a few [tokens, width] buffers plus float32 logits."""
     tokens = config.max_num_batched_tokens or 8192
     tp = parallel.tp_size
-    width = (
-        model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tp
-    )
+    num_kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
+    width = model.hidden_size * 4 + (model.num_heads // tp + 2 * num_kv_heads) * model.head_dim
     width += 3 * model.intermediate_size // tp
     logits = (config.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
     return tokens * width * 4 + logits
