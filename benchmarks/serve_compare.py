@@ -104,6 +104,10 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
 
 async def grpc_stack(model: str) -> dict[str, float]:
     args = argparse.Namespace(
+        model=model,
+        revision="",
+        tokenizer="",
+        generation_config="auto",
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         host="127.0.0.1",
@@ -120,7 +124,7 @@ async def grpc_stack(model: str) -> dict[str, float]:
         "--kv-cache-memory-bytes",
         str(KV_CACHE_BYTES),
     ]
-    children = start_children(args, model, flags)
+    children = start_children(args, flags)
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         generate, close = grpc_generate(children[-1].address)

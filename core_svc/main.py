@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 from collections.abc import Sequence
 
 from core_svc.config import CoreConfig, parse_config
@@ -19,18 +18,16 @@ from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.model_source import served_model_name as default_served_name
 from splitserve_runtime.service_host import ServiceHost
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.core.v1.EngineCoreService"
-DEFAULT_MODEL_NAME = "default-llama-v1"
 GIB = 1024**3
 
 
 def served_model_name(config: CoreConfig) -> str:
-    if config.served_model_name:
-        return config.served_model_name
-    return os.path.basename(os.path.normpath(config.model)) if config.model else DEFAULT_MODEL_NAME
+    return config.served_model_name or default_served_name(config.model)
 
 
 def engine_info(config: CoreConfig, facts: ModelFacts) -> core_pb2.EngineInfo:

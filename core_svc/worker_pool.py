@@ -118,6 +118,7 @@ class WorkerPool:
                 engine_id=config.engine_id,
                 rendezvous_id=rendezvous_id,
                 block_size=config.block_size,
+                revision=config.revision,
             )
             for rank in range(world)
         ]

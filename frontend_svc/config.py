@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.model_source import add_model_arguments
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
@@ -19,6 +20,9 @@ class FrontendConfig:
 
     model: str
     core_addr: str
+    tokenizer: str = ""
+    revision: str = ""
+    generation_config: str = "auto"
     served_model_name: str = ""
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
@@ -34,11 +38,7 @@ def build_parser() -> FlagParser:
     p = FlagParser(
         prog="splitserve frontend", description="Run the public gRPC frontend (vLLM's P0)."
     )
-    p.add_argument(
-        "--model",
-        default="",
-        help="checkpoint folder holding the tokenizer (default: the embedded tiny model)",
-    )
+    add_model_arguments(p, is_frontend=True)
     p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
     p.add_argument(
         "--served-model-name",

@@ -6,19 +6,32 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.input_processor import InputProcessor, generation_eos_ids, load_tokenizer
+from frontend_svc.generation_config import (
+    eos_token_ids,
+    generation_config_folder,
+    log_sampling_defaults,
+    read_generation_config,
+    sampling_defaults,
+)
+from frontend_svc.input_processor import InputProcessor, load_tokenizer
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.server import GenerationServicer
+from splitserve_contracts import sampling_rules
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.sampling_rules import Limits
+from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.termination import report_fatal
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.frontend.v1.GenerationService"
@@ -31,13 +44,42 @@ async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
         await host.set_ready(await client.wait_state_change())
 
 
-async def serve(config: FrontendConfig) -> int:
-    model = config.model
-    if not model:
-        from splitserve_runtime.default_model import ensure_default_model
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """What the frontend reads from the model: tokenizer and generation config."""
 
-        model = str(ensure_default_model())
-    tokenizer = load_tokenizer(model)
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict[str, Any]
+
+
+def load_model_files(config: FrontendConfig) -> ModelFiles:
+    """Resolve --model/--tokenizer as the workers do and read the files; ValueError/OSError
+    when they cannot be found or read."""
+    model = resolve_model(config.model, config.revision)
+    source = resolve_tokenizer(model, config.tokenizer, config.revision)
+    tokenizer = load_tokenizer(str(source.path))
+    folder = None if model.is_gguf else model.path
+    generation = read_generation_config(generation_config_folder(config.generation_config, folder))
+    defaults = sampling_defaults(generation, config.generation_config)
+    try:
+        sampling_rules.validate(SamplingParams(**defaults), Limits(vocab_size=len(tokenizer)))
+    except sampling_rules.InvalidSamplingParams as err:
+        raise ValueError(
+            f"the generation config's sampling defaults are invalid ({err}); pass "
+            "--generation-config vllm"
+        ) from None
+    log_sampling_defaults(defaults, config.generation_config)
+    return ModelFiles(tokenizer, eos_token_ids(generation), defaults)
+
+
+async def serve(config: FrontendConfig) -> int:
+    try:
+        files = load_model_files(config)
+    except (ValueError, OSError) as err:
+        report_fatal("frontend", str(err))
+        return 1
+    tokenizer = files.tokenizer
     engine = AsyncEngine(config.core_addr, OutputProcessor(backend_decoder(tokenizer)))
     host = ServiceHost(
         name="frontend",
@@ -68,7 +110,9 @@ async def serve(config: FrontendConfig) -> int:
         max_n=config.max_n,
         max_stop_strings=config.max_stop_strings,
     )
-    inputs = InputProcessor(tokenizer, info.max_model_len, limits, generation_eos_ids(model))
+    inputs = InputProcessor(
+        tokenizer, info.max_model_len, limits, files.eos_token_ids, files.sampling_defaults
+    )
     servicer.attach(inputs, info, served_name)
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",

@@ -52,7 +52,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs, _, _ = await self._ready(context)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            engine_request = inputs.process(convert.generate_input_from_proto(request, request_id))
+            call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
+            engine_request = inputs.process(call)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:

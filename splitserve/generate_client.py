@@ -64,6 +64,14 @@ def build_request(args: argparse.Namespace) -> gen_pb2.GenerateRequest:
     return request
 
 
+def has_chat_template(addr: str, timeout: float = 10.0) -> bool:
+    """Whether the served model renders chat messages (GetModelInfo)."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = gen_grpc.GenerationServiceStub(channel)
+        info = stub.GetModelInfo(gen_pb2.GetModelInfoRequest(), timeout=timeout)
+        return bool(info.has_chat_template)
+
+
 def stream_text(
     addr: str, request: gen_pb2.GenerateRequest, timeout: float
 ) -> Iterator[gen_pb2.GenerateResponse]:

@@ -1,8 +1,10 @@
 """`splitserve up`: start worker ranks, engine core and frontend as child processes on loopback.
 
-The launcher waits until every child reports SERVING on its readiness health check, prints one
-`READY ...` line, optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM stops
-every child; a child that dies takes the launcher down with a non-zero exit naming it.
+The launcher first resolves `--model` (and `--tokenizer`) as the services will, fetching what
+needs fetching once; then it waits until every child reports SERVING on its readiness health
+check, prints one `READY ...` line, optionally streams a sample answer, and keeps running. Ctrl-C
+or SIGTERM stops every child; a child that dies takes the launcher down with a non-zero exit
+naming it and the one-line reason it gave (its termination message).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -23,6 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.model_source import (
+    add_model_arguments,
+    resolve_model,
+    resolve_tokenizer,
+)
+from splitserve_runtime.termination import TERMINATION_MESSAGE_ENV, read_termination_message
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
@@ -42,6 +52,11 @@ class Child:
     address: str
     metrics_url: str
     process: subprocess.Popen[bytes]
+    termination_message: Path
+
+    def exit_reason(self, code: int) -> str:
+        reason = read_termination_message(self.termination_message)
+        return f"{self.name} exited with code {code}" + (f": {reason}" if reason else "")
 
 
 class LaunchError(RuntimeError):
@@ -54,7 +69,7 @@ def build_parser() -> FlagParser:
         description="Start the whole stack on loopback. Any other `splitserve core` flag "
         "(e.g. --max-model-len, --max-num-seqs, --dtype) is passed to the engine core.",
     )
-    p.add_argument("--model", default="", help="checkpoint folder (default: the embedded model)")
+    add_model_arguments(p, is_frontend=True)
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
     p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
@@ -62,7 +77,8 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--sample-prompt",
         default="",
-        help="after READY, stream one answer to this prompt to stdout",
+        help="after READY, stream the model's greedy answer to this prompt (a chat message when "
+        "the model has a chat template) to stdout",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -83,15 +99,30 @@ def free_ports(count: int) -> list[int]:
 
 def _spawn(name: str, kind: str, argv: list[str], address: str, metrics_port: int) -> Child:
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv]
-    process = subprocess.Popen(cmd)
-    return Child(name, kind, address, f"http://{LOOPBACK}:{metrics_port}/metrics", process)
+    fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
+    os.close(fd)
+    process = subprocess.Popen(cmd, env={**os.environ, TERMINATION_MESSAGE_ENV: message_path})
+    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    return Child(name, kind, address, metrics_url, process, Path(message_path))
 
 
-def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) -> list[Child]:
+def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(core flags, frontend flags) naming the model as the operator did."""
+    core = ["--model", args.model]
+    if args.revision:
+        core += ["--revision", args.revision]
+    frontend = [*core, "--generation-config", args.generation_config]
+    if args.tokenizer:
+        frontend += ["--tokenizer", args.tokenizer]
+    return core, frontend
+
+
+def start_children(args: argparse.Namespace, core_flags: list[str]) -> list[Child]:
     """Start workers, core and frontend; they find each other through the ports chosen here."""
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     ports = free_ports(2 * world + 5)
     common = ["--log-level", args.log_level]
+    core_model, frontend_model = model_flags(args)
     workers = [
         _spawn(
             f"worker[{rank}]",
@@ -116,8 +147,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         "core",
         "core",
         [
-            "--model",
-            model,
+            *core_model,
             "--host",
             LOOPBACK,
             "--port",
@@ -143,8 +173,7 @@ def start_children(args: argparse.Namespace, model: str, core_flags: list[str]) 
         "frontend",
         "frontend",
         [
-            "--model",
-            model,
+            *frontend_model,
             "--core-addr",
             core_addr,
             "--host",
@@ -180,7 +209,7 @@ def check_alive(children: Sequence[Child]) -> None:
     for child in children:
         code = child.process.poll()
         if code is not None:
-            raise LaunchError(f"{child.name} exited with code {code}")
+            raise LaunchError(child.exit_reason(code))
 
 
 def wait_ready(children: Sequence[Child], timeout: float) -> None:
@@ -208,6 +237,7 @@ def stop_children(children: Sequence[Child]) -> None:
         except subprocess.TimeoutExpired:
             child.process.kill()
             child.process.wait()
+        child.termination_message.unlink(missing_ok=True)
 
 
 def ready_line(children: Sequence[Child]) -> str:
@@ -220,10 +250,19 @@ def ready_line(children: Sequence[Child]) -> str:
 
 
 def stream_sample(address: str, prompt: str) -> None:
+    """The greedy answer to `prompt`, as a chat message when the model has a chat template."""
     from splitserve.generate_client import build_parser as generate_parser
-    from splitserve.generate_client import build_request, print_stream, stream_text
+    from splitserve.generate_client import (
+        build_request,
+        has_chat_template,
+        print_stream,
+        stream_text,
+    )
 
-    args = generate_parser().parse([prompt, "--max-tokens", "48"], {})
+    argv = [prompt, "--max-tokens", "48", "--temperature", "0"]
+    if has_chat_template(address):
+        argv.append("--chat")
+    args = generate_parser().parse(argv, {})
     print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
     print_stream(stream_text(address, build_request(args), 120.0), sys.stdout)
 
@@ -242,26 +281,30 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = build_parser()
     env = os.environ if environ is None else environ
     args, core_flags = parser.parse_known_env(argv, env)
-    model = args.model
-    if not model:
-        from splitserve_runtime.default_model import ensure_default_model
-
-        model = str(ensure_default_model(env))
+    try:
+        # Fetch (or build) the model once, here, and refuse what the services would refuse.
+        model = resolve_model(args.model, args.revision, env)
+        resolve_tokenizer(model, args.tokenizer, args.revision, env)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"splitserve up: {err}", file=sys.stderr)
+        return 1
     children: list[Child] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    code, failure = 0, ""
     try:
-        children = start_children(args, model, core_flags)
-        return _serve(children, args)
+        children = start_children(args, core_flags)
+        code = _serve(children, args)
     except KeyboardInterrupt:
         print("splitserve up: stopping", file=sys.stderr)
-        return 0
     except (LaunchError, grpc.RpcError) as err:
-        message = err.details() if isinstance(err, grpc.RpcError) else str(err)
-        print(f"splitserve up: {message}; stopping everything", file=sys.stderr)
-        return 1
+        code = 1
+        failure = err.details() if isinstance(err, grpc.RpcError) else str(err)
     finally:
         stop_children(children)
+    if failure:  # last, after the children's own goodbyes: the one line to read
+        print(f"splitserve up: {failure}; stopped everything", file=sys.stderr)
+    return code

@@ -29,6 +29,7 @@ from prometheus_client import (
 
 from splitserve_runtime.grpc_metrics import GrpcServerMetrics
 from splitserve_runtime.metrics_http import start_metrics_server
+from splitserve_runtime.termination import report_fatal
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,8 @@ class ServiceHost:
         await self.set_ready(False)
 
     async def fail(self, message: str) -> None:
-        """A fatal error: mark everything NOT_SERVING, log, and stop with exit code 1."""
-        logger.error("%s: fatal: %s", self.name, message)
+        """A fatal error: mark everything NOT_SERVING, report it, and stop with exit code 1."""
+        report_fatal(self.name, message)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.set_ready(False)
         self.request_stop(1)

@@ -89,7 +89,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
         logger.info(
             "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
-            config.model_path or "the embedded default model",
+            config.model_path or "the default model",
             config.rank,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,

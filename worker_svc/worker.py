@@ -9,7 +9,6 @@ Calls out of that order raise `WorkerStateError`; bad arguments raise `ValueErro
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import platform
@@ -19,23 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve_runtime.default_model import ensure_default_model
+from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
-from worker_svc.models.model_config import ModelConfig, architecture_of, read_hf_config
+from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
-from worker_svc.weights import (
-    checkpoint_files,
-    iter_checkpoint,
-    resolve_compute_dtype,
-    stored_dtype,
-    weight_bytes,
-)
+from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +71,7 @@ class LoadModelConfig:
     max_num_seqs: int = 0
     rendezvous_id: str = ""
     block_size: int = 16
+    revision: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,15 +160,13 @@ class Worker:
             # A restarted engine core is bringing the ranks up again: start from scratch.
             logger.warning("LoadModel on a loaded rank: dropping the old model and process group")
             self.shutdown()
-        if not config.model_path:
-            config = dataclasses.replace(config, model_path=str(ensure_default_model()))
         started = time.perf_counter()
-        hf_config = read_hf_config(config.model_path)
-        cls = model_class(architecture_of(hf_config))  # refuse unknown models first
-        model_config = ModelConfig.from_hf_config(hf_config)
-        files = checkpoint_files(config.model_path)
+        source = resolve_model(config.model_path, config.revision)
+        checkpoint = open_checkpoint(source)  # refuses unknown architectures first
+        cls = model_class(architecture_of(checkpoint.hf_config))
+        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
-            config.dtype, model_config.checkpoint_dtype or stored_dtype(files), self.device
+            config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
         max_model_len = _max_model_len(config.max_model_len, model_config)
         backend_name = select_backend(
@@ -207,7 +199,7 @@ class Worker:
                 device=self.device,
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
             )
-            model.load_weights(iter_checkpoint(files))
+            model.load_weights(checkpoint.weights())
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()

@@ -18,21 +18,34 @@ KV_BYTES = str(64 * 1024 * 1024)
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID."""
 
-    def __init__(self, model: Path, tp: int = 1, pp: int = 1, core_flags: list[str] | None = None):
+    def __init__(
+        self,
+        model: Path | str,
+        tp: int = 1,
+        pp: int = 1,
+        core_flags: list[str] | None = None,
+        revision: str = "",
+        generation_config: str = "auto",
+    ):
         self.model = model
+        self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
     def start(self, timeout: float = 240.0) -> Stack:
         args = argparse.Namespace(
+            model=str(self.model),
+            revision=self.revision,
+            tokenizer="",
+            generation_config=self.generation_config,
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             host="127.0.0.1",
             port=0,
             log_level="warning",
         )
-        self.children = start_children(args, str(self.model), self.core_flags)
+        self.children = start_children(args, self.core_flags)
         try:
             wait_ready(self.children, timeout)
         except Exception:

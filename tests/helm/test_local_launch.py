@@ -53,7 +53,7 @@ class Launched:
 def case_values(name: str, model_dir: Path) -> dict[str, Any]:
     values = load_values(CI_DIR / name)
     if values.get("model", {}).get("source") == "hostPath":
-        # The node folder holds the default model the test session built.
+        # The node folder holds the tiny model the test session built.
         values = deep_merge(
             values,
             {"model": {"hostPath": {"path": str(model_dir.parent)}, "subPath": model_dir.name}},
@@ -103,9 +103,9 @@ def test_emulator_rejects_broken_wiring(tmp_path: Path) -> None:
 def launched(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
-    default_model_dir: Path,
+    tiny_model_dir: Path,
 ) -> Iterator[Launched]:
-    values = case_values(request.param, default_model_dir)
+    values = case_values(request.param, tiny_model_dir)
     manifests = render(values)
     cluster = LocalCluster(manifests, tmp_path_factory.mktemp("cluster"), BIN_DIR)
     try:
@@ -152,7 +152,7 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
     assert info.max_model_len == launched.values["core"]["maxModelLen"]
     assert info.max_num_seqs == launched.values["core"]["maxNumSeqs"]
     model = launched.values["model"]
-    expected_name = model.get("servedModelName") or "default-llama-v1"
+    expected_name = model.get("servedModelName") or "tiny-llama-v1"
     assert info.served_model_name == expected_name
     if model["source"] == "hostPath":
         # The core was told the in-pod path; the workers loaded it from their mount.
@@ -218,12 +218,10 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_engine_recovers_when_the_core_pod_restarts(
-    tmp_path: Path, default_model_dir: Path
-) -> None:
+def test_engine_recovers_when_the_core_pod_restarts(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Kubernetes restarts a failed core container (liveness, crash, eviction) while the worker
     pods keep running; the new core must bring the same ranks up again and serve."""
-    manifests = render(case_values("cpu-pp2-hostpath-values.yaml", default_model_dir))
+    manifests = render(case_values("cpu-pp2-hostpath-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
     try:
         cluster.start()

@@ -144,9 +144,11 @@ Model
 {{- if ne .Values.model.source "embedded" }}true{{ end }}
 {{- end }}
 
-{{/* The checkpoint folder as every pod sees it ("" = the embedded default model). */}}
+{{/* The checkpoint folder as every pod sees it ("tiny" = the embedded tiny demo model). */}}
 {{- define "splitserve.modelPath" -}}
-{{- if include "splitserve.hasModelVolume" . }}
+{{- if not (include "splitserve.hasModelVolume" .) }}
+{{- "tiny" }}
+{{- else }}
 {{- $sub := trimAll "/" .Values.model.subPath }}
 {{- if $sub }}
 {{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) $sub }}
