@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
-from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.log_config import LOG_LEVELS, configure_logging
 from splitserve_runtime.model_source import (
     add_model_arguments,
     resolve_model,
@@ -281,6 +281,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = build_parser()
     env = os.environ if environ is None else environ
     args, core_flags = parser.parse_known_env(argv, env)
+    configure_logging(args.log_level, "launcher")  # e.g. the default model's first-use build
     try:
         # Fetch (or build) the model once, here, and refuse what the services would refuse.
         model = resolve_model(args.model, args.revision, env)
@@ -304,6 +305,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         code = 1
         failure = err.details() if isinstance(err, grpc.RpcError) else str(err)
     finally:
+        for signum in (
+            signal.SIGINT,
+            signal.SIGTERM,
+        ):  # a second Ctrl-C must not cut the stop short
+            signal.signal(signum, signal.SIG_IGN)
         stop_children(children)
     if failure:  # last, after the children's own goodbyes: the one line to read
         print(f"splitserve up: {failure}; stopped everything", file=sys.stderr)
