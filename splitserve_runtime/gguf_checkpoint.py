@@ -92,7 +92,6 @@ class GgufTensor:
     def __init__(self, tensor: Any, permute_heads: int | None = None) -> None:
         self.tensor = tensor
         self.permute_heads = permute_heads
-        self.type_name = str(tensor.tensor_type.name)
         self._values: Any = None
 
     def get_shape(self) -> list[int]:
@@ -136,10 +135,6 @@ class GgufCheckpoint:
     def field(self, key: str) -> Any:
         field = self.reader.fields.get(key)
         return None if field is None else field.contents()
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return "tokenizer.ggml.tokens" in self.reader.fields
 
     def hf_config_dict(self) -> dict[str, Any]:
         """config.json of the equivalent Hugging Face checkpoint (float32: the dequantized
