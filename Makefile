@@ -27,9 +27,10 @@ setup: $(VENV)/.runtime-installed
 
 setup-dev: $(VENV)/.dev-installed
 
-# Start the whole stack with the embedded default model, stream one answer, keep serving.
+# Start the whole stack with the default model (SmolLM2-135M-Instruct, fetched once), stream a
+# greedy chat answer, keep serving.
 run: setup
-	$(BIN)/splitserve up --sample-prompt "The quick brown fox"
+	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence."
 
 test: setup-dev lint proto-check
 	cd protos && $(BIN)/buf breaking --against baseline.binpb

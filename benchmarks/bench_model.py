@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve_runtime.default_model import default_cache_dir, write_random_llama, write_tokenizer
+from splitserve_runtime.model_cache import default_cache_dir
+from splitserve_runtime.tiny_model import write_random_llama, write_tokenizer
 
 BENCH_CONFIG: dict[str, object] = {
     "architectures": ["LlamaForCausalLM"],

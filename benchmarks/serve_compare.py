@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from splitserve.launcher import free_ports, start_children, stop_children, wait_ready
+from splitserve.children import free_ports, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import (
     GenerateFn,
     Workload,
@@ -104,10 +104,15 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
 
 async def grpc_stack(model: str) -> dict[str, float]:
     args = argparse.Namespace(
+        model=model,
+        revision="",
+        tokenizer="",
+        generation_config="auto",
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         host="127.0.0.1",
         port=0,
+        http_port=-1,
         log_level="warning",
     )
     flags = [
@@ -120,7 +125,7 @@ async def grpc_stack(model: str) -> dict[str, float]:
         "--kv-cache-memory-bytes",
         str(KV_CACHE_BYTES),
     ]
-    children = start_children(args, model, flags)
+    children = start_children(args, flags)
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         generate, close = grpc_generate(children[-1].address)

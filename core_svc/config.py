@@ -13,6 +13,7 @@ from core_svc.scheduler_config import (
 )
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import CORE
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -33,6 +34,7 @@ class CoreConfig(TransportConfig):
 
     model: str
     worker_addrs: list[str] = field(default_factory=list)
+    revision: str = ""
     served_model_name: str = ""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -68,11 +70,7 @@ class CoreConfig(TransportConfig):
 
 def build_parser() -> FlagParser:
     p = FlagParser(prog="splitserve core", description="Run the engine core service (vLLM's P1).")
-    p.add_argument(
-        "--model",
-        default="",
-        help="checkpoint folder the workers load (default: the embedded tiny model)",
-    )
+    add_model_arguments(p, is_frontend=False)
     p.add_argument(
         "--worker-addrs",
         type=address_list,
@@ -82,7 +80,8 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--served-model-name",
         default="",
-        help="model name reported to clients and in metrics (default: the model folder's name)",
+        help="model name reported to clients and in metrics (default: the Hub id, or the "
+        "model folder's or file's name)",
     )
     p.add_argument(
         "--tensor-parallel-size",

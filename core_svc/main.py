@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -23,19 +22,18 @@ from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
+from splitserve_runtime.model_spec import served_model_name as default_served_name
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import CORE
+from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import FRONTEND_ROLE, WORKER_ROLE
 
 logger = logging.getLogger(__name__)
-DEFAULT_MODEL_NAME = "default-llama-v1"
 GIB = 1024**3
 
 
 def served_model_name(config: CoreConfig) -> str:
-    if config.served_model_name:
-        return config.served_model_name
-    return os.path.basename(os.path.normpath(config.model)) if config.model else DEFAULT_MODEL_NAME
+    return config.served_model_name or default_served_name(config.model)
 
 
 def engine_info(config: CoreConfig, facts: ModelFacts) -> core_pb2.EngineInfo:
@@ -123,7 +121,7 @@ async def serve(config: CoreConfig) -> int:
     try:
         facts = await pool.bring_up_with_retries(config, config.model, served_model_name(config))
     except WorkerBringUpError as err:
-        logger.error("core: fatal: %s", err)
+        report_fatal("core", str(err))
         await pool.close()
         return 1
     info = engine_info(config, facts)

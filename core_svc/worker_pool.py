@@ -171,6 +171,7 @@ class WorkerPool:
                 rendezvous_id=rendezvous_id,
                 block_size=config.block_size,
                 owner_epoch=self.owner_epoch,
+                revision=config.revision,
             )
             for rank in range(world)
         ]

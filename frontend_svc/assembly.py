@@ -5,7 +5,6 @@ way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -14,8 +13,9 @@ from frontend_svc.core_client import CoreClient
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_stats import register_engine_stats
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.input_processor import InputProcessor, generation_eos_ids
+from frontend_svc.input_processor import InputProcessor
 from frontend_svc.metrics import FrontendMetrics
+from frontend_svc.model_files import ModelFiles
 from frontend_svc.output_processor import OutputProcessor
 from splitserve_contracts.sampling_rules import Limits
 
@@ -43,8 +43,7 @@ class Frontend:
 def build_frontend(
     client: CoreClient,
     info: EngineInfo,
-    model: str,
-    tokenizer: Any,
+    files: ModelFiles,
     registry: CollectorRegistry,
     served_model_name: str,
     limits: FrontendLimits = FrontendLimits(),
@@ -53,7 +52,7 @@ def build_frontend(
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
     engine = AsyncEngine(
         client,
-        OutputProcessor(backend_decoder(tokenizer), metrics),
+        OutputProcessor(backend_decoder(files.tokenizer), metrics),
         metrics,
         limits.max_inflight_requests,
     )
@@ -65,6 +64,10 @@ def build_frontend(
         max_stop_strings=limits.max_stop_strings,
     )
     inputs = InputProcessor(
-        tokenizer, info.max_model_len, request_limits, generation_eos_ids(model)
+        files.tokenizer,
+        info.max_model_len,
+        request_limits,
+        files.eos_token_ids,
+        files.sampling_defaults,
     )
     return Frontend(engine, inputs, info, served_model_name)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 from splitserve_runtime.transport_flags import (
@@ -31,6 +32,9 @@ class FrontendConfig(TransportConfig):
 
     model: str
     core_addr: str
+    tokenizer: str = ""
+    revision: str = ""
+    generation_config: str = "auto"
     served_model_name: str = ""
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
@@ -63,11 +67,7 @@ def build_parser() -> FlagParser:
     p = FlagParser(
         prog="splitserve frontend", description="Run the public gRPC frontend (vLLM's P0)."
     )
-    p.add_argument(
-        "--model",
-        default="",
-        help="checkpoint folder holding the tokenizer (default: the embedded tiny model)",
-    )
+    add_model_arguments(p, is_frontend=True)
     p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
     p.add_argument(
         "--served-model-name",

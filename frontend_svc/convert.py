@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from frontend_svc.engine_types import (
@@ -48,11 +51,14 @@ def prompt_from_proto(msg: gen_pb2.GenerateRequest | gen_pb2.TokenizeRequest) ->
     return PromptInput()
 
 
-def generate_input_from_proto(msg: gen_pb2.GenerateRequest, request_id: str) -> GenerateInput:
+def generate_input_from_proto(
+    msg: gen_pb2.GenerateRequest, request_id: str, defaults: Mapping[str, Any] | None = None
+) -> GenerateInput:
+    """`defaults` (the generation config's) fill the sampling fields the request leaves unset."""
     return GenerateInput(
         request_id=request_id,
         prompt=prompt_from_proto(msg),
-        params=sampling_convert.from_proto(msg.sampling_params, SamplingParams),
+        params=sampling_convert.from_proto(msg.sampling_params, SamplingParams, defaults),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
     )

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from frontend_svc.errors import InvalidRequest
@@ -20,27 +18,22 @@ from frontend_svc.requests import (
 )
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import InvalidSamplingParams, Limits
+from splitserve_runtime.model_spec import GGUF_SUFFIX
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def load_tokenizer(model_path: str) -> Any:
-    """The HF (fast) tokenizer of a local checkpoint folder; never touches the network."""
+def load_tokenizer(path: str) -> Any:
+    """The HF (fast) tokenizer of a local checkpoint folder or .gguf file; never touches the
+    network."""
+    if path.endswith(GGUF_SUFFIX):
+        from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-
-
-def generation_eos_ids(model_path: str) -> tuple[int, ...]:
-    """End-of-sequence ids from generation_config.json (a model may list several)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.exists():
-        return ()
-    value = json.loads(path.read_text()).get("eos_token_id")
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def max_token_bytes(tokenizer: Any) -> int:
@@ -80,7 +73,10 @@ class TokenizedPrompt:
 
 
 class InputProcessor:
-    """Turns a public Generate call into an EngineRequest, or raises InvalidRequest."""
+    """Turns a public Generate call into an EngineRequest, or raises InvalidRequest.
+
+    `sampling_defaults` (SamplingParams field -> value, from the generation config) fill the
+    fields a request leaves unset, when its protobuf is converted."""
 
     def __init__(
         self,
@@ -88,11 +84,13 @@ class InputProcessor:
         max_model_len: int,
         limits: Limits,
         extra_eos_ids: tuple[int, ...] = (),
+        sampling_defaults: Mapping[str, Any] | None = None,
         tokenizer_threads: int = 4,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.limits = limits
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.extra_eos_ids = tuple(i for i in extra_eos_ids if i != self.eos_token_id)
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads, thread_name_prefix="tok")

@@ -1,4 +1,4 @@
-"""frontend_svc entry point: parse flags once, load the tokenizer, connect to the core, serve."""
+"""frontend_svc entry point: parse flags once, read the model's files, connect to the core, serve."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from frontend_svc.assembly import FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.grpc_auth import api_key_interceptors
-from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
@@ -23,6 +23,7 @@ from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
+from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
 
 logger = logging.getLogger(__name__)
@@ -35,23 +36,30 @@ async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
         await host.set_ready(await client.wait_state_change())
 
 
-async def serve(config: FrontendConfig) -> int:
-    """Connect to the engine core first (as vLLM's API server waits for its engine), then build
-    every piece complete and open the public port."""
-    model = config.model
-    if not model:
-        from splitserve_runtime.default_model import ensure_default_model
+def read_model_files(config: FrontendConfig) -> ModelFiles:
+    """The tokenizer and generation config that --model, --revision, --tokenizer and
+    --generation-config name."""
+    return load_model_files(
+        config.model, config.revision, config.tokenizer, config.generation_config
+    )
 
-        model = str(ensure_default_model())
-    tokenizer = load_tokenizer(model)
+
+async def serve(config: FrontendConfig) -> int:
+    """Read the model's files, connect to the engine core (as vLLM's API server waits for its
+    engine), then build every piece complete and open the public port."""
+    try:
+        files = read_model_files(config)
+    except (ValueError, OSError) as err:
+        report_fatal("frontend", str(err))
+        return 1
     client = EngineCoreClient(config.core_addr, security=ChannelSecurity(config.tls, CORE_ROLE))
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:
-        logger.error(
-            "engine core at %s not reachable after %.0f s",
-            config.core_addr,
-            config.core_connect_timeout,
+        report_fatal(
+            "frontend",
+            f"engine core at {config.core_addr} not reachable after "
+            f"{config.core_connect_timeout:.0f} s",
         )
         await client.close()
         return 1
@@ -74,7 +82,7 @@ async def serve(config: FrontendConfig) -> int:
     limits = FrontendLimits(
         config.max_logprobs, config.max_n, config.max_stop_strings, config.max_inflight_requests
     )
-    parts = build_frontend(client, info, model, tokenizer, host.registry, served_name, limits)
+    parts = build_frontend(client, info, files, host.registry, served_name, limits)
     engine, inputs = parts.engine, parts.inputs
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
@@ -89,8 +97,7 @@ async def serve(config: FrontendConfig) -> int:
         try:
             await http.start()
         except OSError as err:
-            logger.error("frontend: fatal: HTTP server: %s", err)
-            host.request_stop(1)
+            await host.fail(f"HTTP server: {err}")
     logger.info(
         "serving %s (max_model_len %d) via engine core %s",
         info.served_model_name,

@@ -41,7 +41,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
             check_model(request.model, self.served_model_name)
-            call = convert.generate_input_from_proto(request, request_id)
+            call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             engine_request = await inputs.run(inputs.process, call)
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:

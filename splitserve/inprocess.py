@@ -35,7 +35,7 @@ from frontend_svc import convert as frontend_convert
 from frontend_svc.assembly import Frontend, build_frontend
 from frontend_svc.core_client import CoreEvent
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
 from worker_svc import convert as worker_convert
 from worker_svc.worker import LoadedModel, LoadModelConfig, Worker
@@ -227,8 +227,7 @@ async def start_in_process(
     frontend = build_frontend(
         InProcessCoreClient(proc, bridge),
         info,
-        options.model,
-        load_tokenizer(options.model),
+        load_model_files(options.model),
         registry or CollectorRegistry(),
         info.served_model_name,
     )

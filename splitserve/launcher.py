@@ -1,11 +1,13 @@
 """`splitserve up`: start worker ranks, engine core and frontend as child processes on loopback.
 
-The internal hops (frontend -> core -> workers) use mutual TLS by default: the launcher makes a
-throwaway CA and per-role certificates (splitserve/local_pki.py) in a private temporary folder
-that it deletes on exit (`--no-internal-tls` for plaintext). The launcher waits until every
-child reports SERVING on its readiness health check, prints one
-`READY ...` line, optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM stops
-every child; a child that dies takes the launcher down with a non-zero exit naming it.
+The launcher first resolves `--model` (and `--tokenizer`) as the services will, fetching what
+needs fetching once. The internal hops (frontend -> core -> workers) use mutual TLS by default:
+the launcher makes a throwaway CA and per-role certificates (splitserve/local_pki.py) in a
+private temporary folder that it deletes on exit (`--no-internal-tls` for plaintext). It waits
+until every child reports SERVING on its readiness health check, prints one `READY ...` line,
+optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM drains and stops every
+child; a child that dies takes the launcher down with a non-zero exit naming it and the one-line
+reason it gave (its termination message).
 """
 
 from __future__ import annotations
@@ -14,46 +16,29 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from types import FrameType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.config import DEFAULT_HTTP_PORT
-from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
-from splitserve_runtime.channels import ChannelSecurity, open_channel
+from splitserve.children import (
+    LOOPBACK,
+    Child,
+    LaunchError,
+    check_alive,
+    start_children,
+    stop_children,
+    wait_ready,
+)
+from splitserve.local_pki import LocalPki
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
-from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.log_config import LOG_LEVELS, configure_logging
+from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
+from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import FRONTEND, SERVICES
-from splitserve_runtime.tls import FRONTEND_ROLE, ROLE_OF_SERVICE, TlsFiles
-
-LOOPBACK = "127.0.0.1"
-STOP_GRACE_SECONDS = 15.0
-
-
-@dataclass
-class Child:
-    """One service process started by the launcher."""
-
-    name: str
-    kind: str
-    address: str
-    metrics_url: str
-    process: subprocess.Popen[bytes]
-    probe: ChannelSecurity = field(default_factory=lambda: ChannelSecurity(None, FRONTEND_ROLE))
-    """How the launcher reaches the child's health service."""
-    http_address: str = ""
-    """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
-
-
-class LaunchError(RuntimeError):
-    """A child failed to start or died."""
 
 
 def build_parser() -> FlagParser:
@@ -62,7 +47,7 @@ def build_parser() -> FlagParser:
         description="Start the whole stack on loopback. Any other `splitserve core` flag "
         "(e.g. --max-model-len, --max-num-seqs, --dtype) is passed to the engine core.",
     )
-    p.add_argument("--model", default="", help="checkpoint folder (default: the embedded model)")
+    add_model_arguments(p, is_frontend=True)
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
     p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
@@ -87,7 +72,8 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--sample-prompt",
         default="",
-        help="after READY, stream one answer to this prompt to stdout",
+        help="after READY, stream the model's greedy answer to this prompt (a chat message when "
+        "the model has a chat template) to stdout",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
     p.add_argument(
@@ -107,224 +93,6 @@ def build_parser() -> FlagParser:
     return p
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free on loopback right now (all sockets held open together, so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _spawn(
-    name: str,
-    kind: str,
-    argv: list[str],
-    address: str,
-    metrics_port: int,
-    pki: LocalPki | None = None,
-    env: Mapping[str, str] | None = None,
-) -> Child:
-    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
-    cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
-    process = subprocess.Popen(cmd, env={**os.environ, **env} if env else None)
-    probe = ChannelSecurity(None, ROLE_OF_SERVICE[kind])
-    if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
-        probe = ChannelSecurity(pki.files[LAUNCHER_IDENTITY], ROLE_OF_SERVICE[kind])
-    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
-    return Child(name, kind, address, metrics_url, process, probe)
-
-
-def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
-    if pki is None:
-        return []
-    files: TlsFiles = pki.files[ROLE_OF_SERVICE[kind]]
-    return [
-        "--tls-cert-file",
-        files.cert_file,
-        "--tls-key-file",
-        files.key_file,
-        "--tls-ca-file",
-        files.ca_file,
-    ]
-
-
-def start_children(
-    args: argparse.Namespace,
-    model: str,
-    core_flags: list[str],
-    pki: LocalPki | None = None,
-) -> list[Child]:
-    """Start workers, core and frontend; they find each other through the ports chosen here.
-    With `pki`, every internal hop is mutual TLS with its certificates; without, plaintext."""
-    engine = start_engine_children(args, model, core_flags, pki)
-    try:
-        return [*engine, start_frontend(args, model, engine[-1].address, pki)]
-    except BaseException:
-        stop_children(engine)
-        raise
-
-
-def start_engine_children(
-    args: argparse.Namespace,
-    model: str,
-    core_flags: list[str],
-    pki: LocalPki | None = None,
-) -> list[Child]:
-    """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
-    TP/PP > 1 runs its frontend in its own process on top of these."""
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
-    ports = free_ports(2 * world + 3)
-    common = ["--log-level", args.log_level]
-    drain = ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
-    workers = [
-        _spawn(
-            f"worker[{rank}]",
-            "worker",
-            [
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(ports[rank]),
-                "--metrics-port",
-                str(ports[world + rank]),
-                *common,
-            ],
-            f"{LOOPBACK}:{ports[rank]}",
-            ports[world + rank],
-            pki,
-        )
-        for rank in range(world)
-    ]
-    core_port, core_metrics, dist_port = ports[2 * world :]
-    core_addr = f"{LOOPBACK}:{core_port}"
-    core = _spawn(
-        "core",
-        "core",
-        [
-            "--model",
-            model,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(core_port),
-            "--metrics-port",
-            str(core_metrics),
-            "--worker-addrs",
-            ",".join(w.address for w in workers),
-            "--tensor-parallel-size",
-            str(args.tensor_parallel_size),
-            "--pipeline-parallel-size",
-            str(args.pipeline_parallel_size),
-            "--distributed-init-method",
-            f"tcp://{LOOPBACK}:{dist_port}",
-            *common,
-            *drain,
-            *core_flags,
-        ],
-        core_addr,
-        core_metrics,
-        pki,
-    )
-    return [*workers, core]
-
-
-def start_frontend(
-    args: argparse.Namespace, model: str, core_addr: str, pki: LocalPki | None = None
-) -> Child:
-    """Start a frontend on the engine core at `core_addr` (several may share one core)."""
-    fe_metrics, fe_port, free_http_port = free_ports(3)
-    port = args.port or fe_port
-    http_port = args.http_port or free_http_port
-    api_key = getattr(args, "api_key", "")
-    frontend = _spawn(
-        "frontend",
-        "frontend",
-        [
-            "--model",
-            model,
-            "--core-addr",
-            core_addr,
-            "--host",
-            args.host,
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(fe_metrics),
-            "--http-port",
-            str(http_port),
-            "--log-level",
-            args.log_level,
-            "--shutdown-timeout",
-            str(getattr(args, "shutdown_timeout", 30.0)),
-        ],
-        f"{args.host}:{port}",
-        fe_metrics,
-        pki,
-        {"SPLITSERVE_API_KEY": api_key} if api_key else None,  # not in argv, where ps shows it
-    )
-    if http_port >= 0:
-        frontend.http_address = f"{args.host}:{http_port}"
-    return frontend
-
-
-def is_ready(child: Child) -> bool:
-    """True when the child's readiness health check answers SERVING."""
-    host, port = child.address.rsplit(":", 1)
-    target = f"{LOOPBACK if host in ('0.0.0.0', '') else host}:{port}"
-    try:
-        with open_channel(target, child.probe) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(
-                health_pb2.HealthCheckRequest(service=SERVICES[child.kind].grpc_service),
-                timeout=1.0,
-            )
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
-
-
-def check_alive(children: Sequence[Child]) -> None:
-    for child in children:
-        code = child.process.poll()
-        if code is not None:
-            raise LaunchError(f"{child.name} exited with code {code}")
-
-
-def wait_ready(children: Sequence[Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(children)
-    while pending:
-        check_alive(children)
-        pending = [c for c in pending if not is_ready(c)]
-        if pending and time.monotonic() > deadline:
-            names = ", ".join(c.name for c in pending)
-            raise LaunchError(f"not ready after {timeout:.0f} s: {names}")
-        if pending:
-            time.sleep(0.25)
-
-
-def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
-    """Stop in stages, so a drain can finish: the frontends first (they stop admitting and let
-    their requests finish, which needs the core and the workers), then the core, then the
-    workers. Each stage gets SIGTERM and `shutdown_timeout` + STOP_GRACE_SECONDS before
-    SIGKILL."""
-    for kind in ("frontend", "core", "worker"):
-        stage = [c for c in children if c.kind == kind and c.process.poll() is None]
-        for child in stage:
-            child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_SECONDS
-        for child in stage:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
-
-
 def ready_line(children: Sequence[Child]) -> str:
     by_kind = {kind: [c for c in children if c.kind == kind] for kind in SERVICES}
     return (
@@ -336,10 +104,19 @@ def ready_line(children: Sequence[Child]) -> str:
 
 
 def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
+    """The greedy answer to `prompt`, as a chat message when the model has a chat template."""
     from splitserve_client.generate import build_parser as generate_parser
-    from splitserve_client.generate import build_request, print_stream, stream_text
+    from splitserve_client.generate import (
+        build_request,
+        has_chat_template,
+        print_stream,
+        stream_text,
+    )
 
-    args = generate_parser().parse([prompt, "--max-tokens", "48"], {})
+    argv = [prompt, "--max-tokens", "48", "--temperature", "0"]
+    if has_chat_template(address, api_key=api_key):
+        argv.append("--chat")
+    args = generate_parser().parse(argv, {})
     print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
     print_stream(stream_text(address, build_request(args), 120.0, api_key), sys.stdout)
 
@@ -354,33 +131,45 @@ def _serve(children: list[Child], args: argparse.Namespace) -> int:
         time.sleep(0.25)
 
 
+def _run(args: argparse.Namespace, core_flags: list[str]) -> tuple[int, str]:
+    """Start, serve, and stop the stack: (exit code, the one-line failure or "")."""
+    children: list[Child] = []
+    pki_context = LocalPki() if args.internal_tls else contextlib.nullcontext(None)
+    code, failure = 0, ""
+    with pki_context as pki:
+        try:
+            children = start_children(args, core_flags, pki)
+            code = _serve(children, args)
+        except KeyboardInterrupt:
+            print("splitserve up: stopping", file=sys.stderr)
+        except (LaunchError, grpc.RpcError) as err:
+            code = 1
+            failure = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut it short
+                signal.signal(signum, signal.SIG_IGN)
+            stop_children(children, args.shutdown_timeout)  # before the certificates go
+    return code, failure
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = build_parser()
     env = os.environ if environ is None else environ
     args, core_flags = parser.parse_known_env(argv, env)
-    model = args.model
-    if not model:
-        from splitserve_runtime.default_model import ensure_default_model
-
-        model = str(ensure_default_model(env))
-    children: list[Child] = []
+    configure_logging(args.log_level, "launcher")  # e.g. the default model's first-use build
+    try:
+        # Fetch (or build) the model once, here, and refuse what the services would refuse.
+        model = resolve_model(args.model, args.revision, env)
+        resolve_tokenizer(model, args.tokenizer, args.revision, env)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"splitserve up: {err}", file=sys.stderr)
+        return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    pki_context = LocalPki() if args.internal_tls else contextlib.nullcontext(None)
-    try:
-        with pki_context as pki:
-            try:
-                children = start_children(args, model, core_flags, pki)
-                return _serve(children, args)
-            finally:
-                stop_children(children, args.shutdown_timeout)  # before the certificates go
-    except KeyboardInterrupt:
-        print("splitserve up: stopping", file=sys.stderr)
-        return 0
-    except (LaunchError, grpc.RpcError) as err:
-        message = err.details() if isinstance(err, grpc.RpcError) else str(err)
-        print(f"splitserve up: {message}; stopping everything", file=sys.stderr)
-        return 1
+    code, failure = _run(args, core_flags)
+    if failure:  # last, after the children's own goodbyes: the one line to read
+        print(f"splitserve up: {failure}; stopped everything", file=sys.stderr)
+    return code

@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry
 from frontend_svc.assembly import Frontend, build_frontend
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import FrontendError
-from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
+from splitserve.children import Child, start_engine_children, stop_children, wait_ready
 from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
-from splitserve.launcher import Child, start_engine_children, stop_children, wait_ready
 from splitserve_contracts.sampling_types import SamplingParams
 
 T = TypeVar("T")
@@ -225,7 +225,7 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
 
 def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
     args = argparse.Namespace(
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, log_level="warning"
+        model=options.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, log_level="warning"
     )
     flags = {
         "--dtype": options.dtype,
@@ -241,7 +241,7 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
     core_flags = [str(x) for k, v in flags.items() if v not in ("", None) for x in (k, v)]
     if not options.enable_prefix_caching:
         core_flags.append("--no-enable-prefix-caching")
-    children = start_engine_children(args, options.model, core_flags)
+    children = start_engine_children(args, core_flags)
     try:
         wait_ready(children, timeout)
     except BaseException:
@@ -254,8 +254,8 @@ async def _connect(options: EngineOptions, core_addr: str) -> Frontend:
     client = EngineCoreClient(core_addr)
     info = await client.connect(60.0)
     name = options.served_model_name or info.served_model_name
-    tokenizer = load_tokenizer(options.model)
-    frontend = build_frontend(client, info, options.model, tokenizer, CollectorRegistry(), name)
+    files = load_model_files(options.model)
+    frontend = build_frontend(client, info, files, CollectorRegistry(), name)
     frontend.engine.start()
     return frontend
 

@@ -72,6 +72,31 @@ def build_request(args: argparse.Namespace) -> gen_pb2.GenerateRequest:
     return request
 
 
+def open_frontend_channel(addr: str, ssl_ca_certs: str = "") -> grpc.Channel:
+    """A channel to the frontend: TLS when `ssl_ca_certs` names a CA, else plaintext."""
+    if not ssl_ca_certs:
+        return grpc.insecure_channel(addr)
+    with open(ssl_ca_certs, "rb") as f:
+        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    return grpc.secure_channel(addr, creds)
+
+
+def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+def has_chat_template(
+    addr: str, timeout: float = 10.0, api_key: str = "", ssl_ca_certs: str = ""
+) -> bool:
+    """Whether the served model renders chat messages (GetModelInfo)."""
+    with open_frontend_channel(addr, ssl_ca_certs) as channel:
+        stub = gen_grpc.GenerationServiceStub(channel)
+        info = stub.GetModelInfo(
+            gen_pb2.GetModelInfoRequest(), timeout=timeout, metadata=auth_metadata(api_key)
+        )
+        return bool(info.has_chat_template)
+
+
 def stream_text(
     addr: str,
     request: gen_pb2.GenerateRequest,
@@ -80,16 +105,9 @@ def stream_text(
     ssl_ca_certs: str = "",
 ) -> Iterator[gen_pb2.GenerateResponse]:
     """Yield the frontend's responses for one request (TLS when `ssl_ca_certs` names a CA)."""
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    if ssl_ca_certs:
-        with open(ssl_ca_certs, "rb") as f:
-            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-        channel = grpc.secure_channel(addr, creds)
-    else:
-        channel = grpc.insecure_channel(addr)
-    with channel:
+    with open_frontend_channel(addr, ssl_ca_certs) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
-        yield from stub.Generate(request, timeout=timeout, metadata=metadata)
+        yield from stub.Generate(request, timeout=timeout, metadata=auth_metadata(api_key))
 
 
 def print_stream(responses: Iterator[gen_pb2.GenerateResponse], out: TextIO) -> int:

@@ -1,7 +1,8 @@
 """Sampling messages <-> their plain views (sampling_types), driven by the message descriptors.
 
-Field by field, by name: an unset `optional` field (or a zero scalar) keeps the view's default,
-which the generated view took from the contract; repeated fields become tuples, maps dicts. The
+Field by field, by name: an unset `optional` field (or a zero scalar) takes the caller's default
+for it if one is given (the model's generation config), else the view's default, which the
+generated view took from the contract; repeated fields become tuples, maps dicts. The
 same loop copies a SamplingParams view into a SamplerParams message (the sampler's fields are a
 subset, with the same names). Nothing here names a field, so a new contract field needs no change.
 """
@@ -9,6 +10,7 @@ subset, with the same names). Nothing here names a field, so a new contract fiel
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -48,8 +50,9 @@ def _plan(descriptor: Any, view: type | None) -> list[tuple[str, str, bool]]:
     return plan
 
 
-def from_proto(msg: Message, view: type[T]) -> T:
-    """The plain view of `msg`: every field of `view`, unset ones at the view's default."""
+def from_proto(msg: Message, view: type[T], defaults: Mapping[str, Any] | None = None) -> T:
+    """The plain view of `msg`: every field of `view`; unset scalars at `defaults[name]` when
+    given, else at the view's default."""
     values: dict[str, Any] = {}
     for name, kind, has_presence in _plan(msg.DESCRIPTOR, view):
         value = getattr(msg, name)
@@ -59,6 +62,8 @@ def from_proto(msg: Message, view: type[T]) -> T:
             values[name] = tuple(value)
         elif msg.HasField(name) if has_presence else value:
             values[name] = value
+        elif defaults and name in defaults:
+            values[name] = defaults[name]
     return view(**values)
 
 

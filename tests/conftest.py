@@ -12,24 +12,25 @@ from tests.e2e.stack import Stack
 
 
 @pytest.fixture(scope="session")
-def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded default model, built once per test session in a private cache."""
-    from splitserve_runtime.default_model import ensure_default_model
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random model (`--model tiny`), built once per test session in a private cache.
+    Fast tests serve it; the default model (SmolLM2) has its own slow tests."""
+    from splitserve_runtime.tiny_model import ensure_tiny_model
 
     cache = tmp_path_factory.mktemp("splitserve-cache")
-    return ensure_default_model({"SPLITSERVE_CACHE_DIR": str(cache)})
+    return ensure_tiny_model({"SPLITSERVE_CACHE_DIR": str(cache)})
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_model_dir: Path) -> Any:
+def tokenizer(tiny_model_dir: Path) -> Any:
     from frontend_svc.input_processor import load_tokenizer
 
-    return load_tokenizer(str(default_model_dir))
+    return load_tokenizer(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
-    """A TP=1 stack (worker, core, frontend processes) serving the default model."""
-    running = Stack(default_model_dir).start()
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    """A TP=1 stack (worker, core, frontend processes) serving the tiny model."""
+    running = Stack(tiny_model_dir).start()
     yield running
     running.stop()

@@ -98,6 +98,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         max_num_seqs=req.max_num_seqs,
         rendezvous_id=req.rendezvous_id,
         block_size=req.block_size,
+        revision=req.revision,
     )
 
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve_runtime.model_source import resolve_model
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
-from worker_svc.models.model_config import ModelConfig, architecture_of, read_hf_config
-from worker_svc.models.registry import model_class
-from worker_svc.weights import checkpoint_files
+from worker_svc.models.model_config import ModelConfig
+from worker_svc.weights import open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +123,9 @@ class Ownership:
         )
 
 
-def check_model_loadable(model_path: str) -> None:
-    """Cheap checks that a checkpoint can be loaded (folder, weight files, config.json, a known
-    architecture), made before a loaded rank drops its model. Raises FileNotFoundError or
-    ValueError. The embedded default model ("") always can."""
-    if not model_path:
-        return
-    checkpoint_files(model_path)
-    try:
-        hf_config = read_hf_config(model_path)
-    except OSError as err:
-        raise FileNotFoundError(f"no readable config.json in {model_path}") from err
-    model_class(architecture_of(hf_config))
-    ModelConfig.from_hf_config(hf_config)
+def check_model_loadable(model_spec: str, revision: str = "") -> None:
+    """Cheap checks that a model can be loaded (its files resolve; config, a known architecture,
+    weight files), made before a loaded rank drops its model. Raises FileNotFoundError or
+    ValueError."""
+    checkpoint = open_checkpoint(resolve_model(model_spec, revision))
+    ModelConfig.from_hf_config(checkpoint.hf_config)

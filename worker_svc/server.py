@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
@@ -111,8 +112,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if not self._lock.acquire(timeout=WEDGED_AFTER_SECONDS):
             # A step of the previous bring-up is stuck in a collective whose peer is gone; no
             # thread can get it out. Exit so the rank restarts clean and the new core can retry.
-            logger.error("a step has held this rank for %.0f s; exiting to restart clean",
-                         WEDGED_AFTER_SECONDS)  # fmt: skip
+            report_fatal(
+                "worker",
+                f"a step has held this rank for {WEDGED_AFTER_SECONDS:.0f} s; exiting to restart "
+                "clean",
+            )
             os._exit(WEDGED_EXIT_CODE)
         self._lock.release()
         loaded = self._call(context, self._load_model, claim, config)
@@ -135,11 +139,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         is_loaded = self._worker.runner is not None
         self._ownership.check_load(claim, is_loaded)
         if is_loaded:
-            check_model_loadable(config.model_path)
+            check_model_loadable(config.model_path, config.revision)
         self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
         logger.info(
             "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
-            config.model_path or "the embedded default model",
+            config.model_path or "the default model",
             config.rank,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,

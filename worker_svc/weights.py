@@ -1,4 +1,5 @@
-"""Reading Hugging Face safetensors checkpoints: single file or sharded via the index json.
+"""Reading checkpoints: Hugging Face safetensors folders (single file or sharded via the index
+json) and GGUF files (splitserve_runtime.gguf_checkpoint, dequantized when read).
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
@@ -9,13 +10,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from splitserve_runtime.model_source import ModelSource
 from worker_svc.layers.tensor_source import TensorSource
-from worker_svc.models.model_config import parse_dtype
+from worker_svc.models.model_config import parse_dtype, read_hf_config
+from worker_svc.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +28,36 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """An opened checkpoint: its transformers configuration, its tensors (read on demand) and
+    the dtype they are stored in."""
+
+    hf_config: Any
+    stored_dtype: torch.dtype
+    weights: Callable[[], Iterator[tuple[str, TensorSource]]]
+
+
+def open_checkpoint(source: ModelSource) -> Checkpoint:
+    """The configuration and tensors of a resolved model; refuses an architecture we have no
+    model code for before anything else is read."""
+    if source.is_gguf:
+        from splitserve_runtime.gguf_checkpoint import GgufCheckpoint
+
+        gguf = GgufCheckpoint(source.path)
+        config = gguf.hf_config()
+        model_class(config.architectures[0])
+        # Dequantized values are exact in float32; `--dtype` picks another serving dtype.
+        return Checkpoint(config, torch.float32, gguf.tensors)
+    declared = json.loads((source.path / "config.json").read_text()).get("architectures") or []
+    if declared:
+        model_class(str(declared[0]))  # before transformers parses a model type it may not know
+    files = checkpoint_files(source.path)
+    return Checkpoint(
+        read_hf_config(source.path), stored_dtype(files), lambda: iter_checkpoint(files)
+    )
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:

@@ -9,7 +9,6 @@ Calls out of that order raise `WorkerStateError`; bad arguments raise `ValueErro
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import platform
@@ -19,22 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve_runtime.default_model import ensure_default_model
+from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
+from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
-from worker_svc.models.model_config import ModelConfig, architecture_of, read_hf_config
+from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
-from worker_svc.weights import (
-    checkpoint_files,
-    iter_checkpoint,
-    resolve_compute_dtype,
-    stored_dtype,
-    weight_bytes,
-)
+from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +71,7 @@ class LoadModelConfig:
     max_num_seqs: int = 0
     rendezvous_id: str = ""
     block_size: int = 16
+    revision: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,21 +160,19 @@ class Worker:
             # A restarted engine core is bringing the ranks up again: start from scratch.
             logger.warning("LoadModel on a loaded rank: dropping the old model and process group")
             self.shutdown()
-        if not config.model_path:
-            config = dataclasses.replace(config, model_path=str(ensure_default_model()))
         started = time.perf_counter()
-        hf_config = read_hf_config(config.model_path)
-        cls = model_class(architecture_of(hf_config))  # refuse unknown models first
-        model_config = ModelConfig.from_hf_config(hf_config)
-        files = checkpoint_files(config.model_path)
+        source = resolve_model(config.model_path, config.revision)
+        checkpoint = open_checkpoint(source)  # refuses unknown architectures first
+        cls = model_class(architecture_of(checkpoint.hf_config))
+        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
-            config.dtype, model_config.checkpoint_dtype or stored_dtype(files), self.device
+            config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
         max_model_len = _max_model_len(config.max_model_len, model_config)
         backend_name = select_backend(
             config.attention_backend, self.device, config.block_size, dtype
         )
-        _check_parallel_shape(config, model_config)
+        check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
             config.rank,
             config.tensor_parallel_size,
@@ -192,7 +185,7 @@ class Worker:
         tp = self.parallel.tp_size
         backend = backend_class(backend_name)(
             model_config.num_heads // tp,
-            model_config.num_kv_heads // tp,
+            kv_heads_per_rank(model_config.num_kv_heads, tp),
             model_config.head_dim,
             dtype=dtype,
             device=self.device,
@@ -206,7 +199,7 @@ class Worker:
                 device=self.device,
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
             )
-            model.load_weights(iter_checkpoint(files))
+            model.load_weights(checkpoint.weights())
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()
@@ -313,14 +306,17 @@ class Worker:
         self.parallel = ParallelState()
 
 
-def _check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
+def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-    if model.num_heads % tp or model.num_kv_heads % tp:
+    heads, kv_heads = model.num_heads, model.num_kv_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {heads} attention heads")
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
         raise ValueError(
-            f"tensor_parallel_size {tp} must divide the {model.num_heads} "
-            f"attention heads and the {model.num_kv_heads} KV heads"
+            f"tensor_parallel_size {tp} must divide the {kv_heads} KV heads, or be a multiple "
+            "of them (each KV head is then replicated on tp / num_kv_heads ranks)"
         )
     if model.num_layers < pp:
         raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
@@ -341,9 +337,8 @@ def _activation_estimate(
     """Peak activation bytes of a step: a few [tokens, width] buffers plus float32 logits."""
     tokens = config.max_num_batched_tokens or 8192
     tp = parallel.tp_size
-    width = (
-        model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tp
-    )
+    num_kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
+    width = model.hidden_size * 4 + (model.num_heads // tp + 2 * num_kv_heads) * model.head_dim
     width += 3 * model.intermediate_size // tp
     logits = (config.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
     return tokens * width * 4 + logits

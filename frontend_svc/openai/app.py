@@ -76,12 +76,12 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         body = await read_json(request)
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body)
+            req = parse_chat(body, ctx.inputs.sampling_defaults)
             ctx.check_model(req.model)
             rid = request_id("chatcmpl", request.headers.get("x-request-id"), req.request_id)
             run = ChatRun(ctx, req, rid)
         else:
-            creq = parse_completion(body)
+            creq = parse_completion(body, ctx.inputs.sampling_defaults)
             ctx.check_model(creq.model)
             rid = request_id("cmpl", request.headers.get("x-request-id"), creq.request_id)
             run = CompletionRun(ctx, creq, rid)

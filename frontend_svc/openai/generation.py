@@ -63,7 +63,8 @@ async def run(
     ctx: ServingContext, calls: list[GenerateInput], coalesce: bool
 ) -> AsyncIterator[Event]:
     """Every call's deltas, merged in arrival order. Leaving early (client gone) aborts all."""
-    requests = [ctx.inputs.process(call) for call in calls]  # all validated before any runs
+    # All validated before any runs; tokenizing happens on the tokenizer threads, off the loop.
+    requests = [await ctx.inputs.run(ctx.inputs.process, call) for call in calls]
     arrival = time.monotonic()
     if len(requests) == 1:
         async for delta in ctx.engine.generate(requests[0], arrival, coalesce):

@@ -8,7 +8,7 @@ meaning splitserve cannot honour yet are refused (UNSUPPORTED), never silently d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,14 +139,17 @@ def _prompts(value: Any, add_special_tokens: bool) -> list[PromptInput]:
     )
 
 
-def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion(
+    body: dict[str, Any], defaults: Mapping[str, Any] | None = None
+) -> CompletionRequest:
+    """A /v1/completions body; `defaults` are the model's sampling defaults."""
     _refuse_unsupported(body)
     if body.get("prompt") is None:
         raise InvalidRequest("`prompt` is required", "prompt")
     add_special = read(body, "add_special_tokens", as_bool, True)
     prompts = _prompts(body["prompt"], add_special)
     echo = read(body, "echo", as_bool, False)
-    params = sampling_params(body, COMPLETIONS)
+    params = sampling_params(body, COMPLETIONS, defaults)
     if echo and params.prompt_logprobs is None and params.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     return CompletionRequest(prompts=prompts, params=params, echo=echo, **_common(body))
@@ -188,7 +191,8 @@ def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
     return tuple(turns)
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(body: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """A /v1/chat/completions body; `defaults` are the model's sampling defaults."""
     _refuse_unsupported(body, also=("echo",))
     if body.get("messages") is None:
         raise InvalidRequest("`messages` is required", "messages")
@@ -203,5 +207,5 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    params = sampling_params(body, CHAT, logprobs=logprobs)
+    params = sampling_params(body, CHAT, defaults, logprobs=logprobs)
     return ChatRequest(prompt=prompt, params=params, **_common(body))

@@ -43,10 +43,13 @@ COMPLETIONS = FieldMap(defaults={"max_tokens": 16})
 CHAT = FieldMap(aliases={"max_completion_tokens": "max_tokens"}, own=frozenset({"logprobs"}))
 
 
-def sampling_values(body: Mapping[str, Any], fields: FieldMap) -> dict[str, Any]:
-    """The SamplingParams values `body` sets (null counts as unset), with the endpoint's
-    defaults; raises InvalidRequest naming a field of the wrong type."""
-    values: dict[str, Any] = dict(fields.defaults)
+def sampling_values(
+    body: Mapping[str, Any], fields: FieldMap, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The SamplingParams values `body` sets (null counts as unset), over the model's
+    `defaults` (its generation config), over the endpoint's defaults; raises InvalidRequest
+    naming a field of the wrong type."""
+    values: dict[str, Any] = {**fields.defaults, **(defaults or {})}
     for name, coerce in FIELD_COERCERS.items():
         if name in fields.own:
             continue
@@ -58,8 +61,14 @@ def sampling_values(body: Mapping[str, Any], fields: FieldMap) -> dict[str, Any]
     return values
 
 
-def sampling_params(body: Mapping[str, Any], fields: FieldMap, **own: Any) -> SamplingParams:
-    """SamplingParams from `body` plus the endpoint's own fields (`own`, None = unset)."""
-    values = sampling_values(body, fields)
+def sampling_params(
+    body: Mapping[str, Any],
+    fields: FieldMap,
+    defaults: Mapping[str, Any] | None = None,
+    **own: Any,
+) -> SamplingParams:
+    """SamplingParams from `body` over the model's `defaults`, plus the endpoint's own fields
+    (`own`, None = unset)."""
+    values = sampling_values(body, fields, defaults)
     values.update({k: v for k, v in own.items() if v is not None})
     return SamplingParams(**values)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.launcher import free_ports
+from splitserve.children import free_ports
 from splitserve_runtime.services import SERVICES
 from tests.e2e.stack import Stack
 
@@ -118,14 +118,14 @@ def test_every_command_has_help(command: list[str]) -> None:
     assert "usage:" in result.stdout
 
 
-def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
+def test_launcher_ready_line_and_sigterm(tiny_model_dir: Path) -> None:
     env = dict(os.environ, SPLITSERVE_LOG_LEVEL="warning")
     up = subprocess.Popen(
         [
             str(BIN / "splitserve"),
             "up",
             "--model",
-            str(default_model_dir),
+            str(tiny_model_dir),
             "--port",
             "0",
             "--http-port",
@@ -157,13 +157,13 @@ def test_launcher_ready_line_and_sigterm(default_model_dir: Path) -> None:
         up.kill()
 
 
-def test_a_dying_child_takes_the_launcher_down_naming_it(default_model_dir: Path) -> None:
+def test_a_dying_child_takes_the_launcher_down_naming_it(tiny_model_dir: Path) -> None:
     result = subprocess.run(
         [
             str(BIN / "splitserve"),
             "up",
             "--model",
-            str(default_model_dir),
+            str(tiny_model_dir),
             "--port",
             "0",
             "--http-port",

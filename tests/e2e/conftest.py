@@ -8,8 +8,8 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def hf_model(default_model_dir: Path) -> object:
+def hf_model(tiny_model_dir: Path) -> object:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.launcher import (
+from splitserve.children import (
     Child,
     start_children,
     start_frontend,
@@ -28,21 +28,28 @@ class Stack:
 
     def __init__(
         self,
-        model: Path,
+        model: Path | str,
         tp: int = 1,
         pp: int = 1,
         core_flags: list[str] | None = None,
         pki: LocalPki | None = None,
         api_key: str = "",
+        revision: str = "",
+        generation_config: str = "auto",
     ):
         self.model = model
+        self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.children: list[Child] = []
 
-    def start(self, timeout: float = 240.0) -> Stack:
+    def _args(self, **overrides: object) -> argparse.Namespace:
         args = argparse.Namespace(
+            model=str(self.model),
+            revision=self.revision,
+            tokenizer="",
+            generation_config=self.generation_config,
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             host="127.0.0.1",
@@ -51,7 +58,11 @@ class Stack:
             api_key=self.api_key,
             log_level="warning",
         )
-        self.children = start_children(args, str(self.model), self.core_flags, self.pki)
+        vars(args).update(overrides)
+        return args
+
+    def start(self, timeout: float = 240.0) -> Stack:
+        self.children = start_children(self._args(), self.core_flags, self.pki)
         try:
             wait_ready(self.children, timeout)
         except Exception:
@@ -64,10 +75,7 @@ class Stack:
 
     def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:
         """Another frontend process on this stack's core (stop it with stop_children)."""
-        args = argparse.Namespace(
-            host="127.0.0.1", port=0, http_port=0, api_key=api_key, log_level="warning"
-        )
-        child = start_frontend(args, str(self.model), self.core, self.pki)
+        child = start_frontend(self._args(api_key=api_key), self.core, self.pki)
         try:
             wait_ready([child], timeout)
         except Exception:

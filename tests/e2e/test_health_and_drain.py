@@ -50,8 +50,8 @@ def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, thre
     return thread, started, results
 
 
-def test_a_stopped_worker_is_noticed_within_its_step_budget(default_model_dir: Path) -> None:
-    stack = Stack(default_model_dir, core_flags=["--step-timeout-floor", "2"]).start()
+def test_a_stopped_worker_is_noticed_within_its_step_budget(tiny_model_dir: Path) -> None:
+    stack = Stack(tiny_model_dir, core_flags=["--step-timeout-floor", "2"]).start()
     worker = next(stack.workers()).process
     try:
         thread, started, results = stream_in_thread(stack.frontend, 1900)
@@ -70,8 +70,8 @@ def test_a_stopped_worker_is_noticed_within_its_step_budget(default_model_dir: P
         stack.stop()
 
 
-def test_sigterm_drains_the_frontend(default_model_dir: Path) -> None:
-    stack = Stack(default_model_dir).start()
+def test_sigterm_drains_the_frontend(tiny_model_dir: Path) -> None:
+    stack = Stack(tiny_model_dir).start()
     frontend = stack.child("frontend").process
     try:
         thread, started, results = stream_in_thread(stack.frontend, 200)
@@ -94,8 +94,8 @@ def test_sigterm_drains_the_frontend(default_model_dir: Path) -> None:
         stack.stop()
 
 
-def test_sigterm_drains_the_core(default_model_dir: Path) -> None:
-    stack = Stack(default_model_dir).start()
+def test_sigterm_drains_the_core(tiny_model_dir: Path) -> None:
+    stack = Stack(tiny_model_dir).start()
     core = stack.child("core").process
     try:
         thread, started, results = stream_in_thread(stack.frontend, 200)

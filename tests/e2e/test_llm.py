@@ -20,14 +20,14 @@ PROMPTS = [PROMPT, "Hello there", "A B C"]
 
 def served(stack: Stack, prompt: str, **kwargs: Any) -> openai.types.Completion:
     sdk = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="x", max_retries=0)
-    return sdk.completions.create(model="default-llama-v1", prompt=prompt, **kwargs)
+    return sdk.completions.create(model="tiny-llama-v1", prompt=prompt, **kwargs)
 
 
-def test_generate_and_chat_equal_the_served_output(stack: Stack, default_model_dir: Path) -> None:
+def test_generate_and_chat_equal_the_served_output(stack: Stack, tiny_model_dir: Path) -> None:
     from splitserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(str(default_model_dir), kv_cache_memory_bytes=64 << 20) as llm:
+    with LLM(str(tiny_model_dir), kv_cache_memory_bytes=64 << 20) as llm:
         outputs = llm.generate(PROMPTS, params)
         chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
         sampled = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2))
@@ -41,7 +41,7 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, default_model_d
         assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
     sdk = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="x", max_retries=0)
     served_chat = sdk.chat.completions.create(
-        model="default-llama-v1",
+        model="tiny-llama-v1",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=12,
         temperature=0.0,
@@ -53,10 +53,10 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, default_model_d
     assert "4" not in stopped[0].outputs[0].text
 
 
-def test_tp2_llm_starts_and_stops_its_processes(default_model_dir: Path, stack: Stack) -> None:
+def test_tp2_llm_starts_and_stops_its_processes(tiny_model_dir: Path, stack: Stack) -> None:
     from splitserve import LLM, SamplingParams
 
-    llm = LLM(str(default_model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=32 << 20)
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory_bytes=32 << 20)
     children = [c.process for c in llm._children]
     try:
         assert len(children) == 3 and all(p.poll() is None for p in children)

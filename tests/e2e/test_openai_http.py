@@ -53,7 +53,7 @@ def get(base: str, path: str) -> tuple[int, str]:
 def test_what_vllm_bench_serve_sends_works(stack: Stack, tokenizer: Any, backend: str) -> None:
     async def main() -> list[bench.BenchResult]:
         model, root = await bench.first_model(stack.http)
-        assert model == "default-llama-v1" and root == str(stack.model)
+        assert model == "tiny-llama-v1" and root == str(stack.model)
         prompts: list[str | list[int]] = [f"{PROMPT} {i}" for i in range(6)]
         if backend == "openai":
             prompts += [tokenizer.encode(f"{PROMPT} ids {i}") for i in range(2)]
@@ -139,7 +139,7 @@ def test_metrics_on_the_http_port(stack: Stack) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert [s.labels for s in families[name].samples] == [
-            {"model_name": "default-llama-v1", "engine": "0"}
+            {"model_name": "tiny-llama-v1", "engine": "0"}
         ]
     usage = families["vllm:kv_cache_usage_perc"].samples[0].value
     assert 0.0 <= usage <= 1.0

@@ -12,7 +12,7 @@ import grpc
 import openai
 import pytest
 
-from splitserve.launcher import stop_children
+from splitserve.children import stop_children
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.e2e.client import generate, text_request
@@ -20,7 +20,7 @@ from tests.e2e.stack import Stack
 from tests.e2e.test_generate import PROMPT, hf_greedy
 
 pytestmark = pytest.mark.slow
-MODEL = "default-llama-v1"
+MODEL = "tiny-llama-v1"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 

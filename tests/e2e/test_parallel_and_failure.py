@@ -21,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_tp2_stack_matches_transformers(
-    default_model_dir: Path, hf_model: Any, tokenizer: Any
+    tiny_model_dir: Path, hf_model: Any, tokenizer: Any
 ) -> None:
-    stack = Stack(default_model_dir, tp=2).start()
+    stack = Stack(tiny_model_dir, tp=2).start()
     try:
         assert len(list(stack.workers())) == 2
         result = generate(
@@ -43,8 +43,8 @@ def _readiness(addr: str, service: str) -> int:
         )
 
 
-def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(default_model_dir: Path) -> None:
-    stack = Stack(default_model_dir).start()
+def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(tiny_model_dir: Path) -> None:
+    stack = Stack(tiny_model_dir).start()
     try:
         errors: list[grpc.RpcError] = []
         started = threading.Event()
@@ -92,8 +92,8 @@ def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(default_model_
         stack.stop()
 
 
-def test_frontend_readiness_follows_the_core(default_model_dir: Path) -> None:
-    stack = Stack(default_model_dir).start()
+def test_frontend_readiness_follows_the_core(tiny_model_dir: Path) -> None:
+    stack = Stack(tiny_model_dir).start()
     try:
         frontend_service = "splitserve.frontend.v1.GenerationService"
         assert (

@@ -297,7 +297,10 @@ class LocalCluster:
         )
 
     def _forwarded_path(self, pod: LocalPod, flag: str, path: str) -> str:
-        """A path `pod` passes on in `flag` to the pods that open it: the same folder there."""
+        """A path `pod` passes on in `flag` to the pods that open it: the same folder there.
+        A spec that is no path (`tiny`, a Hub id) passes unchanged."""
+        if not path.startswith("/"):
+            return path
         opener = FORWARDED_PATHS[(pod.component, flag)]
         folders = {
             self.translate_path(p, p.main, path, f"{flag} of {pod.name}")

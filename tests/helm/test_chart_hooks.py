@@ -194,7 +194,7 @@ def test_a_created_claim_holds_the_download() -> None:
 @pytest.mark.parametrize(
     ("model", "label"),
     [
-        ({}, "default-llama-v1"),
+        ({}, "tiny-llama-v1"),
         ({"servedModelName": "llama-3.1-70b-instruct"}, "llama-3.1-70b-instruct"),
         (HUB["model"], "meta-llama-Llama-3.1-8B-Instruct"),
         ({"source": "hostPath", "subPath": "Qwen2.5-7B"}, "Qwen2.5-7B"),

@@ -341,9 +341,10 @@ def test_every_pod_sees_the_model_at_the_path_the_core_sends(source: str) -> Non
         assert flag_value(args, "--model") == "/models/llama", component
 
 
-def test_embedded_model_passes_no_model_path(default_manifests: Manifests) -> None:
+def test_embedded_model_is_the_tiny_model(default_manifests: Manifests) -> None:
     for component in ("frontend", "core"):
-        assert "--model" not in only_container(default_manifests.workload(component))["args"]
+        args = only_container(default_manifests.workload(component))["args"]
+        assert flag_value(args, "--model") == "tiny", component
 
 
 def test_created_model_claim_survives_uninstall() -> None:

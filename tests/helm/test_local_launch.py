@@ -77,7 +77,7 @@ class Launched:
 def case_values(name: str, model_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     values = deep_merge(load_values(CI_DIR / name), extra or {})
     if values.get("model", {}).get("source") == "hostPath":
-        # The node folder holds the default model the test session built.
+        # The node folder holds the tiny model the test session built.
         values = deep_merge(
             values,
             {"model": {"hostPath": {"path": str(model_dir.parent)}, "subPath": model_dir.name}},
@@ -138,15 +138,15 @@ def test_emulator_rejects_broken_wiring(tmp_path: Path) -> None:
 def launched(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
-    default_model_dir: Path,
+    tiny_model_dir: Path,
 ) -> Iterator[Launched]:
     values_file, extra = request.param
-    values = case_values(values_file, default_model_dir, extra)
+    values = case_values(values_file, tiny_model_dir, extra)
     manifests = render(values)
     hub_env: dict[str, str] = {}
     if values["model"]["source"] == "hub":
         hub_env = install_fake_hub(
-            tmp_path_factory.mktemp("hub"), {values["model"]["hub"]["repoId"]: default_model_dir}
+            tmp_path_factory.mktemp("hub"), {values["model"]["hub"]["repoId"]: tiny_model_dir}
         )
     cluster = LocalCluster(
         manifests,
@@ -201,7 +201,7 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
     assert info.max_num_seqs == launched.values["core"]["maxNumSeqs"]
     model = launched.values["model"]
     hub_name = model["hub"]["repoId"] if model["source"] == "hub" else None
-    expected_name = model.get("servedModelName") or hub_name or "default-llama-v1"
+    expected_name = model.get("servedModelName") or hub_name or "tiny-llama-v1"
     assert info.served_model_name == expected_name
     assert info.model_path == ""  # clients never see server paths (docs/reliability.md)
     if model["source"] == "hostPath":
@@ -281,12 +281,10 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_engine_recovers_when_the_core_pod_restarts(
-    tmp_path: Path, default_model_dir: Path
-) -> None:
+def test_engine_recovers_when_the_core_pod_restarts(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Kubernetes restarts a failed core container (liveness, crash, eviction) while the worker
     pods keep running; the new core must bring the same ranks up again and serve."""
-    manifests = render(case_values("cpu-pp2-hostpath-values.yaml", default_model_dir))
+    manifests = render(case_values("cpu-pp2-hostpath-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
     try:
         cluster.start()
@@ -349,12 +347,12 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
-    tmp_path: Path, default_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
     fails as a whole (the supervisor stops the other rank) and is restarted; the engine core
     reports itself failed (liveness), is restarted, and brings every rank up again."""
-    manifests = render(case_values("cpu-tpgroup-values.yaml", default_model_dir))
+    manifests = render(case_values("cpu-tpgroup-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
     try:
         cluster.start()

@@ -54,9 +54,9 @@ class Seen:
 
 @pytest.fixture(scope="module")
 def served(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Stack, PrometheusServer]]:
-    stack = Stack(default_model_dir, core_flags=["--served-model-name", MODEL]).start()
+    stack = Stack(tiny_model_dir, core_flags=["--served-model-name", MODEL]).start()
     targets = {c.name.replace("[", "-").replace("]", ""): c.metrics_url for c in stack.children}
     prometheus = PrometheusServer(targets, tmp_path_factory.mktemp("prometheus")).start()
     try:

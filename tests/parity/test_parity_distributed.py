@@ -3,7 +3,8 @@
 Each rank is its own spawned process with its own Worker and receives identical steps; only
 the output rank (first TP rank of the last stage) answers. Logits of every computed position
 (plain prefill, chunked prefill, decodes, a prefix-cache hit) must match transformers within
-1e-4, and greedy tokens must equal `generate`.
+1e-4, and greedy tokens must equal `generate`. A checkpoint with a single KV head runs at TP=2
+too: both ranks then hold (replicate) that head.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[tuple[SpawnedRanks, tuple[
         group.close()
 
 
+def load_layout(group: SpawnedRanks, path: Path, tp: int, pp: int) -> list[Any]:
+    config = LoadModelConfig(
+        str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, block_size=BLOCK_SIZE
+    )
+    return group.load(config)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_two_rank_parity(
     ranks: tuple[SpawnedRanks, tuple[int, int]],
@@ -53,11 +61,7 @@ def test_two_rank_parity(
     group, (tp, pp) = ranks
     path = checkpoints.get(family)
     reference = reference_for(references, path)
-    loaded = group.load(
-        LoadModelConfig(
-            str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, block_size=BLOCK_SIZE
-        )
-    )
+    loaded = load_layout(group, path, tp, pp)
     try:
         assert [m.num_kv_heads for m in loaded] == [2 // tp] * tp * pp
         assert [m.num_layers for m in loaded] == [2 // pp] * tp * pp
@@ -84,5 +88,28 @@ def test_two_rank_parity(
         assert set(hit_logits) == {hit}
         assert max_logit_diff(chunked, hit_logits, reference) < TOLERANCE
         assert chunked.requests[hit].outputs == reference_generate(reference, hit_prompt, 4)
+    finally:
+        group.shutdown_model()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: the replicated k/v biases too
+def test_one_kv_head_is_replicated_across_tp_ranks(
+    ranks: tuple[SpawnedRanks, tuple[int, int]],
+    family: str,
+    checkpoints: CheckpointCache,
+    references: dict[Path, Any],
+) -> None:
+    group, (tp, pp) = ranks
+    path = checkpoints.get(family, num_key_value_heads=1)
+    reference = reference_for(references, path)
+    loaded = load_layout(group, path, tp, pp)
+    try:
+        assert [m.num_kv_heads for m in loaded] == [1] * tp * pp
+        group.init(num_blocks=128)
+        driver = StepDriver(BLOCK_SIZE, chunk_size=5)
+        handles = [driver.add(p, max_tokens=6) for p in PROMPTS]
+        assert max_logit_diff(driver, run_recording(driver, group), reference) < TOLERANCE
+        for handle, prompt in zip(handles, PROMPTS, strict=True):
+            assert driver.requests[handle].outputs == reference_generate(reference, prompt, 6)
     finally:
         group.shutdown_model()

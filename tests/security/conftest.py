@@ -28,7 +28,7 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
 
 
 @pytest.fixture(scope="module")
-def secure_stack(default_model_dir: Path, pki: LocalPki) -> Iterator[Stack]:
-    stack = Stack(default_model_dir, pki=pki).start()
+def secure_stack(tiny_model_dir: Path, pki: LocalPki) -> Iterator[Stack]:
+    stack = Stack(tiny_model_dir, pki=pki).start()
     yield stack
     stack.stop()

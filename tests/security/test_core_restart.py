@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from splitserve.launcher import free_ports
+from splitserve.children import free_ports
 from splitserve.local_pki import LocalPki
 from splitserve_runtime.tls import CORE_ROLE
 from tests.e2e.client import generate, text_request
@@ -31,16 +31,16 @@ def _generate_error(frontend: str) -> grpc.RpcError | None:
 
 
 def test_a_restarted_core_takes_over_and_a_stranger_cannot(
-    default_model_dir: Path, pki: LocalPki, tmp_path: Path
+    tiny_model_dir: Path, pki: LocalPki, tmp_path: Path
 ) -> None:
-    stack = Stack(default_model_dir, pki=pki).start()
+    stack = Stack(tiny_model_dir, pki=pki).start()
     try:
         frontend, worker = stack.frontend, stack.worker
         assert _generate_error(frontend) is None
         stranger = issue(pki.ca, tmp_path, "stranger", [CORE_ROLE, "splitserve-core-b"])
         port, dist = free_ports(2)
         second = subprocess.run(
-            [sys.executable, "-m", "core_svc", "--model", str(default_model_dir)]
+            [sys.executable, "-m", "core_svc", "--model", str(tiny_model_dir)]
             + ["--port", str(port), "--metrics-port", "-1", "--worker-addrs", worker]
             + ["--distributed-init-method", f"tcp://127.0.0.1:{dist}"]
             + ["--kv-cache-memory-bytes", KV_BYTES, "--worker-connect-timeout", "60"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from splitserve.launcher import free_ports
+from splitserve.children import free_ports
 from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
@@ -93,9 +93,9 @@ def tls_worker(pki: LocalPki) -> Iterator[str]:
 
 @pytest.mark.slow
 def test_only_the_owning_core_drives_a_rank(
-    tls_worker: str, pki: LocalPki, default_model_dir: Path, tmp_path: Path
+    tls_worker: str, pki: LocalPki, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    model = str(default_model_dir)
+    model = str(tiny_model_dir)
     stranger = issue(pki.ca, tmp_path, "stranger", [CORE_ROLE, "splitserve-core-b"])
     core, frontend = pki.files[CORE_ROLE], pki.files[FRONTEND_ROLE]
 

@@ -64,11 +64,11 @@ def _private_pki(tmp: Path) -> Path:
     return folder
 
 
-def test_up_serves_over_mutual_tls_with_an_api_key(default_model_dir: Path, tmp_path: Path) -> None:
+def test_up_serves_over_mutual_tls_with_an_api_key(tiny_model_dir: Path, tmp_path: Path) -> None:
     env = dict(os.environ, SPLITSERVE_LOG_LEVEL="warning", TMPDIR=str(tmp_path))
     env.pop("SPLITSERVE_API_KEY", None)
     up = subprocess.Popen(
-        [str(BIN / "splitserve"), "up", "--model", str(default_model_dir), "--port", "0"]
+        [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--port", "0"]
         + ["--kv-cache-memory-bytes", "16777216", "--api-key", KEY, "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

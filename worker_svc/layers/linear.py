@@ -2,7 +2,8 @@
 
 `ColumnParallelLinear` splits the output features across TP ranks and may fuse several
 projections (q/k/v, gate/up) into one matmul: each fused part is split separately, so rank r
-holds [q_r; k_r; v_r]. `RowParallelLinear` splits the input features and all-reduces the partial
+holds [q_r; k_r; v_r]. `QKVParallelLinear` splits the KV heads too, or replicates them when
+there are fewer KV heads than ranks (as vLLM does). `RowParallelLinear` splits the input features and all-reduces the partial
 sums. The pair column -> row needs one all-reduce per block, as in Megatron-LM.
 """
 
@@ -60,8 +61,23 @@ def _divide(size: int, tp_size: int, what: str) -> int:
     return size // tp_size
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each TP rank holds: num_kv_heads / tp, or one replicated head when tp is
+    larger (vLLM's rule; tp must then be a multiple of num_kv_heads)."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def first_kv_head(num_kv_heads: int, tp_size: int, tp_rank: int) -> int:
+    """The first KV head of rank `tp_rank`: r * num_kv_heads // tp (so with replication, ranks
+    r .. r + tp / num_kv_heads - 1 share one head, as their query heads belong to its group)."""
+    return tp_rank * num_kv_heads // tp_size
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b, W split by output rows; fused parts keep their own slices.
+
+    `shards` gives, per part, this rank's (first row, number of rows) in the checkpoint tensor;
+    by default each part splits evenly across the TP ranks.
 
     Invariant: `weight` rows are [part_0 shard, part_1 shard, ...] for this rank.
     """
@@ -75,10 +91,14 @@ class ColumnParallelLinear(nn.Module):
         parallel: ParallelState,
         dtype: torch.dtype,
         device: torch.device,
+        shards: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
-        self.tp_rank = parallel.tp_rank
-        self.part_sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
+        if shards is None:
+            sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
+            shards = [(parallel.tp_rank * size, size) for size in sizes]
+        self.part_starts = [start for start, _ in shards]
+        self.part_sizes = [size for _, size in shards]
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         out = sum(self.part_sizes)
         self.weight = _param((out, input_size), dtype, device)
@@ -100,8 +120,40 @@ class ColumnParallelLinear(nn.Module):
         if target is None:
             raise ValueError(f"checkpoint has a {param_name} this layer does not use")
         size = self.part_sizes[part]
-        loaded = read_rows(source, self.tp_rank * size, size)
+        loaded = read_rows(source, self.part_starts[part], size)
         copy_checked(target.narrow(0, self.part_offsets[part], size), loaded, param_name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v fused: query heads split across the TP ranks; KV heads split too, or
+    replicated when there are fewer of them than ranks (rank r holds KV head
+    r * num_kv_heads // tp)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        q_rows = _divide(num_heads, tp, "attention heads") * head_dim
+        kv_rows = kv_heads_per_rank(num_kv_heads, tp) * head_dim
+        kv_start = first_kv_head(num_kv_heads, tp, rank) * head_dim
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            parallel=parallel,
+            dtype=dtype,
+            device=device,
+            shards=[(rank * q_rows, q_rows), (kv_start, kv_rows), (kv_start, kv_rows)],
+        )
 
 
 class RowParallelLinear(nn.Module):

@@ -21,7 +21,12 @@ from worker_svc.attention.backend import AttentionBackend
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    kv_heads_per_rank,
+)
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.layers.tensor_source import TensorSource
@@ -62,14 +67,15 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.num_heads = config.num_heads // parallel.tp_size
-        self.num_kv_heads = config.num_kv_heads // parallel.tp_size
+        self.num_kv_heads = kv_heads_per_rank(config.num_kv_heads, parallel.tp_size)
         self.head_dim = d
         self.backend = backend
         self.rotary = rotary
-        sizes = [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d]
-        self.qkv_proj = ColumnParallelLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            sizes,
+            config.num_heads,
+            config.num_kv_heads,
+            d,
             bias=config.qkv_bias,
             parallel=parallel,
             dtype=dtype,

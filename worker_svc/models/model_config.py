@@ -15,6 +15,9 @@ import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu",)
+# Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load.
+# No `quantization_config` method is served: its weights would be read as if unquantized.
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ()
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -81,9 +84,13 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Any) -> ModelConfig:
         arch = architecture_of(hf)
+        _refuse_quantization(hf)
         act = getattr(hf, "hidden_act", "silu")
         if act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; supported activations: "
+                + ", ".join(SUPPORTED_ACTIVATIONS)
+            )
         num_heads = int(hf.num_attention_heads)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         is_qwen2 = arch.startswith("Qwen2")
@@ -125,6 +132,23 @@ def architecture_of(hf: Any) -> str:
     return str(architectures[0])
 
 
+def _refuse_quantization(hf: Any) -> None:
+    """A quantized checkpoint must never be served as if its weights were plain floats."""
+    quantization = getattr(hf, "quantization_config", None)
+    if not quantization:
+        return
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
+    method = str(getattr(method, "value", method) or "unknown")
+    if method not in SUPPORTED_QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization method {method!r} (config.json quantization_config) is not supported; "
+            "serve an unquantized bfloat16/float16/float32 checkpoint or a GGUF file"
+        )
+
+
 def _checkpoint_dtype(hf: Any) -> torch.dtype | None:
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -140,7 +164,10 @@ def _rope_config(hf: Any) -> RopeConfig:
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported rope types: "
+            + ", ".join(SUPPORTED_ROPE_TYPES)
+        )
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

@@ -15,9 +15,11 @@ The model. Who reads what:
 {{- if eq .Values.model.source "hub" }}true{{ end }}
 {{- end }}
 
-{{/* The checkpoint folder as the workers see it ("" = the embedded default model). */}}
+{{/* The checkpoint folder as the workers see it ("tiny" = the embedded tiny demo model). */}}
 {{- define "splitserve.modelPath" -}}
-{{- if include "splitserve.hasModelVolume" . }}
+{{- if not (include "splitserve.hasModelVolume" .) }}
+{{- "tiny" }}
+{{- else }}
 {{- $sub := trimAll "/" .Values.model.subPath }}
 {{- if and (not $sub) (include "splitserve.isHub" .) }}
 {{- $sub = .Values.model.hub.repoId }}
@@ -30,7 +32,7 @@ The model. Who reads what:
 {{- end }}
 {{- end }}
 
-{{/* The folder the frontend loads its tokenizer from ("" = the embedded default model). */}}
+{{/* The folder the frontend loads its tokenizer from ("tiny" = the embedded tiny demo model). */}}
 {{- define "splitserve.frontendModelPath" -}}
 {{- if include "splitserve.isHub" . }}
 {{- printf "%s/hub-tokenizer" (trimSuffix "/" .Values.cache.mountPath) }}
@@ -50,10 +52,10 @@ The model. Who reads what:
 {{- .Values.model.servedModelName }}
 {{- else if include "splitserve.isHub" . }}
 {{- .Values.model.hub.repoId }}
-{{- else if include "splitserve.modelPath" . }}
+{{- else if include "splitserve.hasModelVolume" . }}
 {{- base (include "splitserve.modelPath" .) }}
 {{- else -}}
-default-llama-v1
+tiny-llama-v1
 {{- end }}
 {{- end }}
 

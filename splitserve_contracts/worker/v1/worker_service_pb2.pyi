@@ -137,8 +137,13 @@ class LoadModelRequest(_message.Message):
     RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     OWNER_EPOCH_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
-    """Folder of a Hugging Face checkpoint (config.json, *.safetensors)."""
+    """The model as `--model` names it: a Hugging Face checkpoint folder
+    (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
+    ("org/name", fetched into the rank's Hugging Face cache), "tiny" (the tiny
+    test model) or "" (the default model). Every rank resolves it the same way.
+    """
     dtype: _builtins.str
     """Compute dtype: "auto" (the checkpoint's; float32 for float16 on CPU),
     "bfloat16", "float16" or "float32".
@@ -186,6 +191,10 @@ class LoadModelRequest(_message.Message):
     epoch: a deliberate takeover. Later calls carry the epoch in the metadata
     key "x-splitserve-owner-epoch". 0 means "no epoch".
     """
+    revision: _builtins.str
+    """Hub revision (branch, tag or commit) of a Hub id model_path; "" means
+    "main". Ignored for local paths.
+    """
     def __init__(
         self,
         *,
@@ -205,10 +214,11 @@ class LoadModelRequest(_message.Message):
         rendezvous_id: _builtins.str = ...,
         block_size: _builtins.int = ...,
         owner_epoch: _builtins.int = ...,
+        revision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,243 @@
+"""The service processes of one stack on loopback: start them wired to each other, wait until
+each reports SERVING, notice one dying (with its one-line termination reason), stop them in
+stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tests and the
+benchmarks all start their stacks here.
+
+`args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
+tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout.
+With a LocalPki every internal hop is mutual TLS; without, plaintext.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
+from splitserve_runtime.channels import ChannelSecurity, open_channel
+from splitserve_runtime.services import FRONTEND, SERVICES
+from splitserve_runtime.termination import TERMINATION_MESSAGE_ENV, read_termination_message
+from splitserve_runtime.tls import FRONTEND_ROLE, ROLE_OF_SERVICE, TlsFiles
+
+LOOPBACK = "127.0.0.1"
+STOP_GRACE_SECONDS = 15.0
+
+
+@dataclass
+class Child:
+    """One service process of the stack."""
+
+    name: str
+    kind: str
+    address: str
+    metrics_url: str
+    process: subprocess.Popen[bytes]
+    termination_message: Path
+    """Where the child writes its one-line fatal reason."""
+    probe: ChannelSecurity = field(default_factory=lambda: ChannelSecurity(None, FRONTEND_ROLE))
+    """How the launcher reaches the child's health service."""
+    http_address: str = ""
+    """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
+
+    def exit_reason(self, code: int) -> str:
+        reason = read_termination_message(self.termination_message)
+        return f"{self.name} exited with code {code}" + (f": {reason}" if reason else "")
+
+
+class LaunchError(RuntimeError):
+    """A child failed to start or died."""
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback right now (all sockets held open together, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spawn(
+    name: str,
+    kind: str,
+    argv: list[str],
+    address: str,
+    metrics_port: int,
+    pki: LocalPki | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Child:
+    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
+    cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
+    fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
+    os.close(fd)
+    child_env = {**os.environ, **(env or {}), TERMINATION_MESSAGE_ENV: message_path}
+    process = subprocess.Popen(cmd, env=child_env)
+    probe = ChannelSecurity(None, ROLE_OF_SERVICE[kind])
+    if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
+        probe = ChannelSecurity(pki.files[LAUNCHER_IDENTITY], ROLE_OF_SERVICE[kind])
+    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    return Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+
+
+def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
+    if pki is None:
+        return []
+    files: TlsFiles = pki.files[ROLE_OF_SERVICE[kind]]
+    return [
+        "--tls-cert-file",
+        files.cert_file,
+        "--tls-key-file",
+        files.key_file,
+        "--tls-ca-file",
+        files.ca_file,
+    ]
+
+
+def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(core flags, frontend flags) naming the model as the operator did."""
+    core = ["--model", args.model]
+    if getattr(args, "revision", ""):
+        core += ["--revision", args.revision]
+    frontend = [*core, "--generation-config", getattr(args, "generation_config", "auto")]
+    if getattr(args, "tokenizer", ""):
+        frontend += ["--tokenizer", args.tokenizer]
+    return core, frontend
+
+
+def _drain_flags(args: argparse.Namespace) -> list[str]:
+    return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+
+
+def start_children(
+    args: argparse.Namespace, core_flags: list[str], pki: LocalPki | None = None
+) -> list[Child]:
+    """Start workers, core and frontend; they find each other through the ports chosen here."""
+    engine = start_engine_children(args, core_flags, pki)
+    try:
+        return [*engine, start_frontend(args, engine[-1].address, pki)]
+    except BaseException:
+        stop_children(engine)
+        raise
+
+
+def _start_worker(
+    args: argparse.Namespace, rank: int, port: int, metrics_port: int, pki: LocalPki | None
+) -> Child:
+    argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics_port)]
+    argv += ["--log-level", args.log_level]
+    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics_port, pki)
+
+
+def start_engine_children(
+    args: argparse.Namespace, core_flags: list[str], pki: LocalPki | None = None
+) -> list[Child]:
+    """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
+    TP/PP > 1 runs its frontend in its own process on top of these."""
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    ports = free_ports(2 * world + 3)
+    workers = [_start_worker(args, r, ports[r], ports[world + r], pki) for r in range(world)]
+    core_port, core_metrics, dist_port = ports[2 * world :]
+    argv = [
+        *model_flags(args)[0],
+        *("--host", LOOPBACK, "--port", str(core_port), "--metrics-port", str(core_metrics)),
+        *("--worker-addrs", ",".join(w.address for w in workers)),
+        *("--tensor-parallel-size", str(args.tensor_parallel_size)),
+        *("--pipeline-parallel-size", str(args.pipeline_parallel_size)),
+        *("--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}"),
+        *("--log-level", args.log_level),
+        *_drain_flags(args),
+        *core_flags,
+    ]
+    core_addr = f"{LOOPBACK}:{core_port}"
+    return [*workers, _spawn("core", "core", argv, core_addr, core_metrics, pki)]
+
+
+def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | None = None) -> Child:
+    """Start a frontend on the engine core at `core_addr` (several may share one core)."""
+    fe_metrics, fe_port, free_http_port = free_ports(3)
+    port = args.port or fe_port
+    http_port = args.http_port or free_http_port
+    api_key = getattr(args, "api_key", "")
+    argv = [
+        *model_flags(args)[1],
+        *("--core-addr", core_addr, "--host", args.host, "--port", str(port)),
+        *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
+        *("--log-level", args.log_level),
+        *_drain_flags(args),
+    ]
+    env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
+    frontend = _spawn("frontend", "frontend", argv, f"{args.host}:{port}", fe_metrics, pki, env)
+    if http_port >= 0:
+        frontend.http_address = f"{args.host}:{http_port}"
+    return frontend
+
+
+def is_ready(child: Child) -> bool:
+    """True when the child's readiness health check answers SERVING."""
+    host, port = child.address.rsplit(":", 1)
+    target = f"{LOOPBACK if host in ('0.0.0.0', '') else host}:{port}"
+    try:
+        with open_channel(target, child.probe) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=SERVICES[child.kind].grpc_service),
+                timeout=1.0,
+            )
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def check_alive(children: Sequence[Child]) -> None:
+    for child in children:
+        code = child.process.poll()
+        if code is not None:
+            raise LaunchError(child.exit_reason(code))
+
+
+def wait_ready(children: Sequence[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        check_alive(children)
+        pending = [c for c in pending if not is_ready(c)]
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(c.name for c in pending)
+            raise LaunchError(f"not ready after {timeout:.0f} s: {names}")
+        if pending:
+            time.sleep(0.25)
+
+
+def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
+    """Stop in stages, so a drain can finish: the frontends first (they stop admitting and let
+    their requests finish, which needs the core and the workers), then the core, then the
+    workers. Each stage gets SIGTERM and `shutdown_timeout` + STOP_GRACE_SECONDS before
+    SIGKILL."""
+    for kind in ("frontend", "core", "worker"):
+        stage = [c for c in children if c.kind == kind and c.process.poll() is None]
+        for child in stage:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_SECONDS
+        for child in stage:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+    for child in children:
+        child.termination_message.unlink(missing_ok=True)

