@@ -215,6 +215,7 @@ def make_engine(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    prefill_token_budget: int = 0,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     scheduler_config = SchedulerConfig(
@@ -223,6 +224,7 @@ def make_engine(
         max_model_len=max_model_len,
         policy=policy,  # type: ignore[arg-type]
         long_prefill_token_threshold=long_prefill_token_threshold,
+        prefill_token_budget=prefill_token_budget,
         **limits,
     )
     cache_config = CacheConfig(
