@@ -20,16 +20,19 @@ import io
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.peer_client import GrpcTransport, OpenAIHttpTransport, Transport, run_workload
 from benchmarks.peer_http import http_get_ok
+from benchmarks.peer_machine import wait_for_quiet
 from benchmarks.peer_servers import (
     LOOPBACK,
     VLLM_ENV,
@@ -77,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-w2-repeats", type=int, default=3, help="W2 requests in turn (median)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--quiet-cpu-max",
+        type=float,
+        default=0.25,
+        help="before each server starts, wait until the machine's CPUs are at most this busy",
+    )
+    p.add_argument("--quiet-timeout", type=float, default=300.0, help="seconds; then go on")
     p.add_argument("--output", type=Path, default=BENCH_DIR / "peer-results.json")
     return p
 
@@ -179,6 +189,7 @@ def run_one(
     """Start one system, measure it, stop it by its process group (also on failure)."""
     log = BENCH_DIR / "peer-logs" / f"{launch.name}-round{round_index}.log"
     print(f"[round {round_index}] {launch.name}: {shell_line(launch.command, launch.env)}")
+    busy = wait_for_quiet(args.quiet_cpu_max, args.quiet_timeout)  # the machine may be shared
     server = start(launch.name, launch.command, log, launch.env)
     try:
         startup_s = wait_ready(server, lambda: launch.is_ready(server), args.startup_timeout)
@@ -195,6 +206,7 @@ def run_one(
         "command": server.command_line,
         "metrics": metrics,
         "workloads": workloads,
+        "cpu_busy_before_start": busy,
     }
 
 
@@ -214,8 +226,26 @@ def write_results(path: Path, args: argparse.Namespace, records: list[dict[str, 
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+def report(records: list[dict[str, Any]], output: Path) -> None:
+    """The exact command lines, then the table of both systems."""
+    by_system = {name: [r for r in records if r["system"] == name] for name in SYSTEMS}
+    print("\nCommands (last round):")
+    for name in SYSTEMS:
+        print(f"  {name}: {by_system[name][-1]['command']}")
+    print(f"\n{render_table(*([r['metrics'] for r in by_system[n]] for n in SYSTEMS))}")
+    print(f"\nEvery round: {output}")
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Any of these ends the run through `finally`, which stops the running server's process
+    # group (a background job starts with SIGINT ignored, so SIGTERM is the one that reaches it).
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows up in a piped log too
     if not Path(args.vllm_python).exists():
@@ -234,12 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerError as err:
         print(f"bench-peer: {err}", file=sys.stderr)
         return 1
-    by_system = {name: [r for r in records if r["system"] == name] for name in SYSTEMS}
-    print("\nCommands (last round):")
-    for name in SYSTEMS:
-        print(f"  {name}: {by_system[name][-1]['command']}")
-    print(f"\n{render_table(*([r['metrics'] for r in by_system[n]] for n in SYSTEMS))}")
-    print(f"\nEvery round: {args.output}")
+    except KeyboardInterrupt as interrupt:
+        print(f"bench-peer: stopped by {interrupt or 'SIGINT'}; servers stopped", file=sys.stderr)
+        return 130
+    report(records, args.output)
     failed = sum(num_failed(r) for r in records)
     if failed:
         print(f"bench-peer: {failed} requests failed (see {args.output})", file=sys.stderr)

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks.peer_client import OpenAIHttpTransport
 from benchmarks.peer_http import DONE, SseParser, completion_chunk_tokens, dechunk
+from benchmarks.peer_machine import cpu_times, wait_for_quiet
 from benchmarks.peer_servers import ServerProcess, start, stop
 from benchmarks.peer_stats import (
     METRICS,
@@ -206,3 +207,18 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     stop(server, grace_s=0.5)
     assert server.process.poll() is not None
     assert not _alive(child)
+
+
+def test_cpu_times_from_proc_stat() -> None:
+    text = "cpu  100 5 50 800 40 0 5 0 0 0\ncpu0 50 2 25 400 20 0 3 0 0 0\n"
+    assert cpu_times(text) == (840, 1000)
+
+
+def test_wait_for_quiet_waits_then_gives_up() -> None:
+    readings = iter([0.9, 0.8, 0.2])
+    said: list[str] = []
+    assert wait_for_quiet(0.25, 60, lambda: next(readings), said.append) == 0.2
+    assert len(said) == 1  # one "waiting" line, no "measuring anyway"
+    said.clear()
+    assert wait_for_quiet(0.25, 0.0, lambda: 0.9, said.append) == 0.9
+    assert len(said) == 2 and "anyway" in said[1]

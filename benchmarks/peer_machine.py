@@ -1,0 +1,46 @@
+"""How busy the (possibly shared) machine is: the benchmark waits for a quiet moment before
+starting each server and records what it saw, since other work on 2 cores moves every number."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_times(stat_text: str) -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs from /proc/stat's text (idle includes iowait)."""
+    fields = [int(x) for x in stat_text.splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return idle, sum(fields[:8])  # user .. steal; guest time is already in user
+
+
+def cpu_busy_fraction(interval_s: float = 2.0) -> float:
+    """Share of all CPUs' time spent busy over the next `interval_s` seconds (0..1)."""
+    idle0, total0 = cpu_times(PROC_STAT.read_text())
+    time.sleep(interval_s)
+    idle1, total1 = cpu_times(PROC_STAT.read_text())
+    elapsed = total1 - total0
+    return 1 - (idle1 - idle0) / elapsed if elapsed else 0.0
+
+
+def wait_for_quiet(
+    max_busy: float,
+    timeout_s: float,
+    measure: Callable[[], float] = cpu_busy_fraction,
+    say: Callable[[str], None] = print,
+) -> float:
+    """Wait until the machine is at most `max_busy` busy (or `timeout_s` passes, then go on);
+    returns the last busy fraction seen."""
+    deadline = time.monotonic() + timeout_s
+    busy = measure()
+    if busy <= max_busy:
+        return busy
+    say(f"    machine {busy:.0%} busy: waiting up to {timeout_s:.0f} s for <= {max_busy:.0%}")
+    while busy > max_busy and time.monotonic() < deadline:
+        busy = measure()
+    if busy > max_busy:
+        say(f"    still {busy:.0%} busy after {timeout_s:.0f} s: measuring anyway")
+    return busy
