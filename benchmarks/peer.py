@@ -84,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--quiet-cpu-max",
         type=float,
         default=0.25,
-        help="before each server starts, wait until the machine's CPUs are at most this busy",
+        help="before each server starts and each timed workload, wait until the machine's "
+        "CPUs are at most this busy (other work on a shared machine moves every number)",
     )
-    p.add_argument("--quiet-timeout", type=float, default=300.0, help="seconds; then go on")
+    p.add_argument(
+        "--quiet-timeout", type=float, default=300.0, help="seconds per wait, then go on"
+    )
     p.add_argument("--output", type=Path, default=BENCH_DIR / "peer-results.json")
     return p
 
@@ -161,19 +164,24 @@ def vllm_launch(args: argparse.Namespace, model: str) -> Launch:
     )
 
 
-async def drive(make_transport: Callable[[], Transport], suite: Suite) -> dict[str, Any]:
-    """Warm-up, then W1, W2 (repeats), W3, W3-burst on one running server."""
+async def drive(
+    make_transport: Callable[[], Transport], suite: Suite, wait_quiet: Callable[[], float]
+) -> dict[str, Any]:
+    """Warm-up, then W1, W2 (repeats), W3, W3-burst on one running server; each timed
+    workload starts once the machine is quiet (`wait_quiet`, which returns how busy it was)."""
     transport = make_transport()
     summaries: dict[str, Any] = {}
 
     async def timed(workload: Workload) -> dict[str, float]:
+        busy = wait_quiet()  # blocks the loop on purpose: nothing is in flight between workloads
         summary = summarize(*await run_workload(transport, workload))
+        summary["cpu_busy_before"] = busy
         shown = {k: round(v, 2) for k, v in summary.items()}
         print(f"    {workload.name}: {json.dumps(shown)}")
         return summary
 
     try:
-        summaries["warmup"] = await timed(suite.warmup)
+        summaries["warmup"] = summarize(*await run_workload(transport, suite.warmup))
         summaries["W1"] = await timed(suite.w1)
         summaries["W2"] = [await timed(w) for w in suite.w2_repeats]
         summaries["W3"] = await timed(suite.w3)
@@ -189,12 +197,16 @@ def run_one(
     """Start one system, measure it, stop it by its process group (also on failure)."""
     log = BENCH_DIR / "peer-logs" / f"{launch.name}-round{round_index}.log"
     print(f"[round {round_index}] {launch.name}: {shell_line(launch.command, launch.env)}")
-    busy = wait_for_quiet(args.quiet_cpu_max, args.quiet_timeout)  # the machine may be shared
+
+    def wait_quiet() -> float:  # the machine may be shared: start nothing while others run
+        return wait_for_quiet(args.quiet_cpu_max, args.quiet_timeout)
+
+    busy = wait_quiet()
     server = start(launch.name, launch.command, log, launch.env)
     try:
         startup_s = wait_ready(server, lambda: launch.is_ready(server), args.startup_timeout)
         print(f"[round {round_index}] {launch.name}: ready in {startup_s:.1f} s")
-        workloads = asyncio.run(drive(launch.connect(server), suite))
+        workloads = asyncio.run(drive(launch.connect(server), suite, wait_quiet))
     finally:
         stop(server)
     metrics = round_metrics(
