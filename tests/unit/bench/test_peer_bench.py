@@ -206,6 +206,9 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     child = int(pid_file.read_text())
     stop(server, grace_s=0.5)
     assert server.process.poll() is not None
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _alive(child)
 
 
