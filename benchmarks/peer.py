@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.peer_client import GrpcTransport, OpenAIHttpTransport, Transport, run_workload
 from benchmarks.peer_http import http_get_ok
-from benchmarks.peer_machine import wait_for_quiet
+from benchmarks.peer_machine import OthersMeter, wait_for_quiet
 from benchmarks.peer_servers import (
     LOOPBACK,
     VLLM_ENV,
@@ -165,17 +165,23 @@ def vllm_launch(args: argparse.Namespace, model: str) -> Launch:
 
 
 async def drive(
-    make_transport: Callable[[], Transport], suite: Suite, wait_quiet: Callable[[], float]
+    make_transport: Callable[[], Transport],
+    suite: Suite,
+    wait_quiet: Callable[[], float],
+    server_pgid: int,
 ) -> dict[str, Any]:
     """Warm-up, then W1, W2 (repeats), W3, W3-burst on one running server; each timed
-    workload starts once the machine is quiet (`wait_quiet`, which returns how busy it was)."""
+    workload starts once the machine is quiet (`wait_quiet`, which returns how busy it was),
+    and records the CPU share other processes took while it ran."""
     transport = make_transport()
     summaries: dict[str, Any] = {}
 
     async def timed(workload: Workload) -> dict[str, float]:
         busy = wait_quiet()  # blocks the loop on purpose: nothing is in flight between workloads
+        others = OthersMeter(server_pgid)
         summary = summarize(*await run_workload(transport, workload))
         summary["cpu_busy_before"] = busy
+        summary["others_cpu_share"] = others.others_share()
         shown = {k: round(v, 2) for k, v in summary.items()}
         print(f"    {workload.name}: {json.dumps(shown)}")
         return summary
@@ -206,7 +212,9 @@ def run_one(
     try:
         startup_s = wait_ready(server, lambda: launch.is_ready(server), args.startup_timeout)
         print(f"[round {round_index}] {launch.name}: ready in {startup_s:.1f} s")
-        workloads = asyncio.run(drive(launch.connect(server), suite, wait_quiet))
+        workloads = asyncio.run(
+            drive(launch.connect(server), suite, wait_quiet, server.process.pid)
+        )
     finally:
         stop(server)
     metrics = round_metrics(
@@ -219,7 +227,18 @@ def run_one(
         "metrics": metrics,
         "workloads": workloads,
         "cpu_busy_before_start": busy,
+        "others_cpu_share_max": max_others_share(workloads),
     }
+
+
+def _timed_runs(workloads: dict[str, Any]) -> list[dict[str, float]]:
+    runs = [r for w in workloads.values() for r in (w if isinstance(w, list) else [w])]
+    return [r for r in runs if "others_cpu_share" in r]
+
+
+def max_others_share(workloads: dict[str, Any]) -> float:
+    """The most CPU other processes took during any one timed workload (0..1)."""
+    return max(r["others_cpu_share"] for r in _timed_runs(workloads))
 
 
 def num_failed(record: dict[str, Any]) -> int:
@@ -245,6 +264,10 @@ def report(records: list[dict[str, Any]], output: Path) -> None:
     for name in SYSTEMS:
         print(f"  {name}: {by_system[name][-1]['command']}")
     print(f"\n{render_table(*([r['metrics'] for r in by_system[n]] for n in SYSTEMS))}")
+    print("\nCPU share other processes took during a timed workload (max per round):")
+    for name in SYSTEMS:
+        shares = " / ".join(f"{r['others_cpu_share_max']:.0%}" for r in by_system[name])
+        print(f"  {name}: {shares}")
     print(f"\nEvery round: {output}")
 
 

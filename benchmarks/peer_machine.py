@@ -44,3 +44,41 @@ def wait_for_quiet(
     if busy > max_busy:
         say(f"    still {busy:.0%} busy after {timeout_s:.0f} s: measuring anyway")
     return busy
+
+
+def process_cpu_ticks(stat_text: str) -> tuple[int, int]:
+    """(process group id, user + system clock ticks) from one /proc/PID/stat line."""
+    fields = stat_text.rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return int(fields[2]), int(fields[11]) + int(fields[12])
+
+
+def ticks_of(pgid: int) -> int:
+    """CPU ticks used so far by the live processes of group `pgid`, plus this process."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            group, ticks = process_cpu_ticks(stat.read_text())
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        total += ticks if group == pgid else 0
+    _, own = process_cpu_ticks(Path("/proc/self/stat").read_text())
+    return total + own
+
+
+class OthersMeter:
+    """Share of the machine's CPU time that went to anything but the server's process group
+    and this client between start and `others_share()`: interference on a shared machine."""
+
+    def __init__(self, pgid: int) -> None:
+        self._pgid = pgid
+        self._idle, self._total = cpu_times(PROC_STAT.read_text())
+        self._ours = ticks_of(pgid)
+
+    def others_share(self) -> float:
+        idle, total = cpu_times(PROC_STAT.read_text())
+        elapsed = total - self._total
+        if elapsed <= 0:
+            return 0.0
+        busy = elapsed - (idle - self._idle)
+        ours = ticks_of(self._pgid) - self._ours
+        return min(1.0, max(0.0, (busy - ours) / elapsed))

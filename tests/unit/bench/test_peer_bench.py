@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.peer_client import OpenAIHttpTransport
 from benchmarks.peer_http import DONE, SseParser, completion_chunk_tokens, dechunk
-from benchmarks.peer_machine import cpu_times, wait_for_quiet
+from benchmarks.peer_machine import cpu_times, process_cpu_ticks, wait_for_quiet
 from benchmarks.peer_servers import ServerProcess, start, stop
 from benchmarks.peer_stats import (
     METRICS,
@@ -225,3 +225,8 @@ def test_wait_for_quiet_waits_then_gives_up() -> None:
     said.clear()
     assert wait_for_quiet(0.25, 0.0, lambda: 0.9, said.append) == 0.9
     assert len(said) == 2 and "anyway" in said[1]
+
+
+def test_process_cpu_ticks_from_proc_pid_stat() -> None:
+    line = "4242 (VLLM::Engine Core (x)) S 1 4200 4200 0 -1 4194560 10 0 0 0 250 75 0 0 20 0 3"
+    assert process_cpu_ticks(line) == (4200, 325)
