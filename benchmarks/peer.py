@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import os
@@ -32,7 +33,7 @@ from typing import Any
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.peer_client import GrpcTransport, OpenAIHttpTransport, Transport, run_workload
 from benchmarks.peer_http import http_get_ok
-from benchmarks.peer_machine import OthersMeter, wait_for_quiet
+from benchmarks.peer_machine import OthersMeter, others_busy_share, wait_for_quiet
 from benchmarks.peer_servers import (
     LOOPBACK,
     VLLM_ENV,
@@ -84,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quiet-cpu-max",
         type=float,
         default=0.25,
-        help="before each server starts and each timed workload, wait until the machine's "
-        "CPUs are at most this busy (other work on a shared machine moves every number)",
+        help="before each server starts and each timed workload, wait until other processes "
+        "keep the CPUs at most this busy (other work on a shared machine moves every number)",
     )
     p.add_argument(
         "--quiet-timeout", type=float, default=300.0, help="seconds per wait, then go on"
@@ -167,7 +168,7 @@ def vllm_launch(args: argparse.Namespace, model: str) -> Launch:
 async def drive(
     make_transport: Callable[[], Transport],
     suite: Suite,
-    wait_quiet: Callable[[], float],
+    wait_quiet: Callable[[int], float],
     server_pgid: int,
 ) -> dict[str, Any]:
     """Warm-up, then W1, W2 (repeats), W3, W3-burst on one running server; each timed
@@ -177,10 +178,11 @@ async def drive(
     summaries: dict[str, Any] = {}
 
     async def timed(workload: Workload) -> dict[str, float]:
-        busy = wait_quiet()  # blocks the loop on purpose: nothing is in flight between workloads
+        # Blocks the loop on purpose: nothing is in flight between workloads.
+        busy = wait_quiet(server_pgid)
         others = OthersMeter(server_pgid)
         summary = summarize(*await run_workload(transport, workload))
-        summary["cpu_busy_before"] = busy
+        summary["others_cpu_share_before"] = busy
         summary["others_cpu_share"] = others.others_share()
         shown = {k: round(v, 2) for k, v in summary.items()}
         print(f"    {workload.name}: {json.dumps(shown)}")
@@ -204,8 +206,9 @@ def run_one(
     log = BENCH_DIR / "peer-logs" / f"{launch.name}-round{round_index}.log"
     print(f"[round {round_index}] {launch.name}: {shell_line(launch.command, launch.env)}")
 
-    def wait_quiet() -> float:  # the machine may be shared: start nothing while others run
-        return wait_for_quiet(args.quiet_cpu_max, args.quiet_timeout)
+    def wait_quiet(pgid: int | None = None) -> float:  # the machine may be shared
+        measure = functools.partial(others_busy_share, pgid)
+        return wait_for_quiet(args.quiet_cpu_max, args.quiet_timeout, measure)
 
     busy = wait_quiet()
     server = start(launch.name, launch.command, log, launch.env)
@@ -226,7 +229,7 @@ def run_one(
         "command": server.command_line,
         "metrics": metrics,
         "workloads": workloads,
-        "cpu_busy_before_start": busy,
+        "others_cpu_share_before_start": busy,
         "others_cpu_share_max": max_others_share(workloads),
     }
 

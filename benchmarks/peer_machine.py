@@ -17,28 +17,21 @@ def cpu_times(stat_text: str) -> tuple[int, int]:
     return idle, sum(fields[:8])  # user .. steal; guest time is already in user
 
 
-def cpu_busy_fraction(interval_s: float = 2.0) -> float:
-    """Share of all CPUs' time spent busy over the next `interval_s` seconds (0..1)."""
-    idle0, total0 = cpu_times(PROC_STAT.read_text())
-    time.sleep(interval_s)
-    idle1, total1 = cpu_times(PROC_STAT.read_text())
-    elapsed = total1 - total0
-    return 1 - (idle1 - idle0) / elapsed if elapsed else 0.0
-
-
 def wait_for_quiet(
     max_busy: float,
     timeout_s: float,
-    measure: Callable[[], float] = cpu_busy_fraction,
+    measure: Callable[[], float],
     say: Callable[[str], None] = print,
 ) -> float:
-    """Wait until the machine is at most `max_busy` busy (or `timeout_s` passes, then go on);
-    returns the last busy fraction seen."""
+    """Wait until `measure()` (a busy share, 0..1) is at most `max_busy`, or `timeout_s`
+    passes, then go on; returns the last share seen."""
     deadline = time.monotonic() + timeout_s
     busy = measure()
     if busy <= max_busy:
         return busy
-    say(f"    machine {busy:.0%} busy: waiting up to {timeout_s:.0f} s for <= {max_busy:.0%}")
+    say(
+        f"    others keep the machine {busy:.0%} busy: waiting up to {timeout_s:.0f} s for <= {max_busy:.0%}"
+    )
     while busy > max_busy and time.monotonic() < deadline:
         busy = measure()
     if busy > max_busy:
@@ -82,3 +75,12 @@ class OthersMeter:
         busy = elapsed - (idle - self._idle)
         ours = ticks_of(self._pgid) - self._ours
         return min(1.0, max(0.0, (busy - ours) / elapsed))
+
+
+def others_busy_share(pgid: int | None, interval_s: float = 2.0) -> float:
+    """The CPU share other processes (not group `pgid`, not this one) take over `interval_s`
+    seconds. An idle server can still poll (vLLM's engine core keeps ~1/4 of this machine
+    busy), so its own group is left out."""
+    meter = OthersMeter(-1 if pgid is None else pgid)
+    time.sleep(interval_s)
+    return meter.others_share()
