@@ -51,7 +51,7 @@ from benchmarks.peer_servers import (
 )
 from benchmarks.peer_stats import render_table, round_metrics, summarize
 from benchmarks.peer_workloads import Suite, Workload, build_suite
-from splitserve.launcher import free_ports
+from splitserve.children import free_ports
 
 BENCH_DIR = Path(".bench")
 DEFAULT_VLLM_PYTHON = BENCH_DIR / "vllm-venv" / "bin" / "python"
@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="grpc",
         help="grpc: the public GenerationService; http: OpenAI /v1/completions on --http-port",
     )
-    p.add_argument("--splitserve-http-port", type=int, default=8000)
+    p.add_argument(
+        "--splitserve-http-port",
+        type=int,
+        default=0,
+        help="with --splitserve-transport http (0: any)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64, help="fits W3-burst's 64 at once")
@@ -127,7 +132,7 @@ def splitserve_launch(args: argparse.Namespace, model: str) -> Launch:
             "--splitserve-transport http: `splitserve up` has no --http-port flag (no OpenAI "
             "HTTP endpoint yet; issue 12 adds /v1/completions); use --splitserve-transport grpc"
         )
-    port = args.splitserve_http_port
+    port = args.splitserve_http_port or free_ports(1)[0]
     command += ["--http-port", str(port)]
     return Launch("splitserve", command, {}, _has_ready_line, _http_connect(port, model))
 

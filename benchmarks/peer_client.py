@@ -22,7 +22,7 @@ import grpc
 
 from benchmarks.peer_http import DONE, completion_chunk_tokens, post_sse
 from benchmarks.peer_workloads import RequestSpec, Workload
-from benchmarks.serve import RequestResult
+from splitserve_client.bench_serve import RequestResult
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc

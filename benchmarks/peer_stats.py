@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from benchmarks.serve import RequestResult
+from splitserve_client.bench_serve import RequestResult
 
 
 def percentile(values: Sequence[float], q: float) -> float:

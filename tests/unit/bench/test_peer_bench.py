@@ -30,7 +30,7 @@ from benchmarks.peer_stats import (
     verdict,
 )
 from benchmarks.peer_workloads import FIRST_ORDINARY_TOKEN_ID, build_suite
-from benchmarks.serve import RequestResult
+from splitserve_client.bench_serve import RequestResult
 
 RECORDED = (Path(__file__).parent / "vllm_completions_stream.txt").read_bytes()
 VOCAB = 32000
