@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer dashboard clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -70,6 +70,11 @@ proto-check: setup-dev
 # Rebuild the buf breaking-change baseline (only when a contract change is intended to ship).
 proto-baseline: setup-dev
 	cd protos && $(BIN)/buf build -o baseline.binpb
+
+# Regenerate the committed Grafana dashboard from splitserve/dashboard_panels.py (a test fails
+# when the committed JSON is stale).
+dashboard: setup-dev
+	$(PY) -m splitserve.dashboard --output helm/splitserve/dashboards/splitserve.json
 
 bench: setup-dev
 	$(PY) -m benchmarks.scheduler
