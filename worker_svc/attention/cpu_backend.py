@@ -1,7 +1,11 @@
 """Paged attention for CPU workers: the torch backend's layout and decodes, faster prefills.
 
-Decodes run as in the torch backend (one gather of every decode's context, grouped-query
-matmuls, the whole batch at once). Prefill chunks run as blocked matmuls instead of
+Decodes run as in the torch backend (a gather of the decodes' context, grouped-query matmuls)
+but a few requests at a time into one reusable scratch buffer: a group's keys and values (about
+`DECODE_GROUP_BYTES`) stay in cache between the gather and the two matmuls that read them, and
+no step allocates (and page-faults) fresh multi-megabyte gather tensors. Measured on the
+2-core avx512_bf16 host, one thread, 64 decodes of 400 tokens: 6-8 ms per layer against 34-45
+ms for the whole-batch gather. Prefill chunks run as blocked matmuls instead of
 `scaled_dot_product_attention`, whose CPU kernel runs short prompts (a few hundred tokens, the
 serving case) at a fraction of the matmul rate: per request and per block of
 `QUERY_BLOCK` query tokens, the query heads sharing a KV head form the rows of one matmul
@@ -22,10 +26,15 @@ import torch
 
 from worker_svc.attention.backend import AttentionInputs
 from worker_svc.attention.torch_backend import (
+    DecodeBatch,
     TorchAttentionBackend,
     TorchAttentionMetadata,
     head_major_write_index,
 )
+
+DECODE_GROUP_BYTES = 1 << 21
+"""Gathered key bytes per group of decodes (keys and values together about twice this): near
+one core's L2 cache; measured best between 1 and 3 MiB."""
 
 QUERY_BLOCK = 128
 """Query tokens per prefill block: [kv_heads, group * QUERY_BLOCK, keys] float32 scores stay
@@ -54,6 +63,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Blocked-matmul prefills over the torch backend's cache layout (CPU only)."""
 
     name = "cpu"
+    _scratch: torch.Tensor | None = None
 
     @classmethod
     def unsupported_reason(
@@ -106,6 +116,50 @@ class CpuAttentionBackend(TorchAttentionBackend):
             q = query[chunk.start : chunk.end]
             self._blocked_prefill(q, k, v, chunk.num_context, out[chunk.start : chunk.end])
         return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch
+    ) -> torch.Tensor:
+        """The torch backend's decode, a group of requests at a time through the scratch."""
+        n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
+        seq = batch.max_seq_len
+        group = max(1, min(n, DECODE_GROUP_BYTES // (kvh * seq * d * kv_cache.element_size())))
+        keys, values = self._scratch_pair(group * kvh * seq * d, kv_cache)
+        width = kv_cache.shape[3] * d
+        cache_rows = kv_cache.shape[1] * kv_cache.shape[2]
+        key_rows, value_rows = (
+            kv_cache[0].view(cache_rows, width),
+            kv_cache[1].view(cache_rows, width),
+        )
+        rows_per_req = kvh * (seq // kv_cache.shape[3])
+        q = query.reshape(n * kvh, g, d)
+        out = torch.empty_like(q)
+        for first in range(0, n, group):
+            num = min(group, n - first)
+            index = batch.gather_index[first * rows_per_req : (first + num) * rows_per_req]
+            key = torch.index_select(key_rows, 0, index, out=keys[: len(index)])
+            value = torch.index_select(value_rows, 0, index, out=values[: len(index)])
+            heads = slice(first * kvh, (first + num) * kvh)
+            scores = torch.baddbmm(
+                batch.bias[heads], q[heads], key.view(num * kvh, seq, d).transpose(1, 2),
+                alpha=self.scale,
+            )  # fmt: skip
+            torch.bmm(torch.softmax(scores, dim=-1), value.view(num * kvh, seq, d), out=out[heads])
+        return out.view(n, kvh * g, d)
+
+    def _scratch_pair(
+        self, numel: int, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [rows, block_size * head_dim] gather buffers of at least `numel` elements each,
+        kept between steps and layers (grown when a longer context needs more)."""
+        width = kv_cache.shape[3] * self.head_dim
+        scratch = self._scratch
+        if scratch is None or scratch.dtype != kv_cache.dtype or scratch[0].numel() < numel:
+            scratch = torch.empty(
+                2, numel // width, width, dtype=kv_cache.dtype, device=kv_cache.device
+            )
+            self._scratch = scratch
+        return scratch[0], scratch[1]
 
     def _blocked_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, out: torch.Tensor

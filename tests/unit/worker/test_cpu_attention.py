@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker_svc.attention import cpu_backend
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs, backend_class
 from worker_svc.attention.cpu_backend import QUERY_BLOCK
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
@@ -17,8 +18,9 @@ CPU = torch.device("cpu")
 SPANS = {0: (0, 2 * QUERY_BLOCK + 37), 1: (40, 41), 2: (150, 150 + QUERY_BLOCK + 9), 3: (7, 8)}
 
 
-def two_steps(name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Step 1 caches each request's context, step 2 runs SPANS; returns step 2's output."""
+def two_steps(name: str, dtype: torch.dtype, then_decode: bool = False) -> torch.Tensor:
+    """Step 1 caches each request's context, step 2 runs SPANS; returns step 2's output, or
+    with `then_decode` that of a step 3 where every request decodes one more token."""
     gen = torch.Generator().manual_seed(0)
     backend: AttentionBackend = backend_class(name)(H, KVH, D, dtype=dtype, device=CPU)
     spec = KvCacheSpec(num_layers=1, num_kv_heads=KVH, head_dim=D, dtype=dtype)
@@ -26,10 +28,10 @@ def two_steps(name: str, dtype: torch.dtype) -> torch.Tensor:
     cache.zero_blocks(np.arange(128))
     perm = (torch.randperm(127, generator=gen) + 1).tolist()
     tables = {
-        r: [perm.pop() for _ in range(-(-end // BLOCK_SIZE))] for r, (_, end) in SPANS.items()
+        r: [perm.pop() for _ in range(-(-(end + 1) // BLOCK_SIZE))] for r, (_, end) in SPANS.items()
     }
     qkv = {
-        r: [torch.randn(end, h, D, generator=gen).to(dtype) for h in (H, KVH, KVH)]
+        r: [torch.randn(end + 1, h, D, generator=gen).to(dtype) for h in (H, KVH, KVH)]
         for r, (_, end) in SPANS.items()
     }
 
@@ -55,7 +57,8 @@ def two_steps(name: str, dtype: torch.dtype) -> torch.Tensor:
         return backend.forward(q, k, v, cache.layers[0], backend.build_metadata(inputs))
 
     run({r: (0, start) for r, (start, _) in SPANS.items() if start})
-    return run(SPANS)
+    second = run(SPANS)
+    return run({r: (end, end + 1) for r, (_, end) in SPANS.items()}) if then_decode else second
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -64,3 +67,14 @@ def test_cpu_backend_matches_torch_backend(dtype: torch.dtype, tolerance: float)
     assert fast.shape == (sum(end - start for start, end in SPANS.values()), H, D)
     assert fast.dtype == dtype
     assert float((fast.float() - reference.float()).abs().max()) < tolerance
+
+
+def test_cpu_decodes_in_groups_match_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request per decode group (the scratch reused by each, and grown when step 3's
+    longer contexts need more) gives the reference's decodes, mixed and decode-only."""
+    monkeypatch.setattr(cpu_backend, "DECODE_GROUP_BYTES", 1)
+    for then_decode in (False, True):
+        fast = two_steps("cpu", torch.float32, then_decode)
+        reference = two_steps("torch", torch.float32, then_decode)
+        assert fast.shape == reference.shape
+        assert float((fast - reference).abs().max()) < 1e-5
