@@ -75,6 +75,7 @@ bench: setup-dev
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
+	$(PY) -m benchmarks.detokenizer
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
