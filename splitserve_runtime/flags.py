@@ -98,7 +98,8 @@ class RefuseFlag(argparse.Action):
         parser.error(f"{option_string}: {self.help}")
 
 
-_NO_ENVIRONMENT = (argparse._HelpAction, argparse._VersionAction, RefuseFlag)
+_NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
+_NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
 """Flags no environment variable stands for."""
 
 
@@ -131,7 +132,7 @@ class FlagParser(argparse.ArgumentParser):
                 CONFIG_FLAG,
                 default="",
                 metavar="FILE",
-                help="YAML mapping of flag names (without dashes) to values, e.g. "
+                help="YAML mapping of flag names (without the leading --) to values, e.g. "
                 "`max-model-len: 2048`; flags on the command line win over it",
             )
 
@@ -145,12 +146,6 @@ class FlagParser(argparse.ArgumentParser):
     def parse(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
         """Parse `argv`, taking defaults for absent flags from the --config file and `environ`."""
         return self.parse_args(self.expand(argv, environ))
-
-    def parse_known_env(
-        self, argv: Sequence[str] | None, environ: Mapping[str, str]
-    ) -> tuple[argparse.Namespace, list[str]]:
-        """Like `parse`, but return the arguments this parser does not know instead of failing."""
-        return self.parse_known_args(self.expand(argv, environ))
 
     def expand(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> list[str]:
         """The command line as parsed: dashed spellings, the --config file's flags first (so
@@ -193,7 +188,7 @@ class FlagParser(argparse.ArgumentParser):
         for key, value in values.items():
             option = "--" + str(key).replace("_", "-")
             action = self._option_string_actions.get(option)
-            if action is None or option == CONFIG_FLAG:
+            if action is None or option == CONFIG_FLAG or isinstance(action, _NOT_SETTINGS):
                 self.error(f"{CONFIG_FLAG} {path}: {key!r} is not a flag of {self.prog}")
             try:
                 tokens += config_value_tokens(action, option, value)

@@ -127,6 +127,7 @@ def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -
         ("max_num_seqs: [\n", "--config"),
         ("max_num_seqs: 0\n", "must be >= 1"),
         ("trust_remote_code: true\n", "never runs code from a model repository"),
+        ("help: true\n", "'help' is not a flag"),
     ],
 )
 def test_a_bad_config_file_is_refused_saying_where(
