@@ -144,9 +144,12 @@ def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
 
 def _serve(children: list[Child], args: argparse.Namespace) -> int:
     wait_ready(children, args.startup_timeout)
-    print(ready_line(children), flush=True)
     frontend = children[-1]
-    record_serve(frontend.address, frontend.http_address)
+    try:  # first: READY means the clients can find it
+        record_serve(frontend.address, frontend.http_address)
+    except OSError as err:  # e.g. a read-only home: the clients then need --addr
+        logger.warning("could not record the address for the clients: %s", err)
+    print(ready_line(children), flush=True)
     if args.sample_prompt:
         stream_sample(children[-1].address, args.sample_prompt, args.api_key)
     while True:

@@ -9,6 +9,7 @@ to the recorded frontend while the launcher that wrote it still runs, else to 12
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -50,7 +51,8 @@ def forget_serve(environ: Mapping[str, str] | None = None) -> None:
     """Remove the file if this process wrote it (a later launcher's entry stays)."""
     path = state_path(environ)
     if _read(path).get("pid") == os.getpid():
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def default_address(environ: Mapping[str, str] | None = None) -> str:

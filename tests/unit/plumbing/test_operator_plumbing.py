@@ -93,3 +93,15 @@ def test_only_the_launcher_that_wrote_the_address_removes_it(tmp_path: Path) -> 
     path.write_text(json.dumps({"frontend": "127.0.0.1:2", "http": "", "pid": os.getppid()}))
     forget_serve(env)
     assert path.exists() and default_address(env) == "127.0.0.1:2"
+
+
+def test_an_unwritable_cache_folder_is_an_os_error_the_launcher_can_survive(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {"SPLITSERVE_CACHE_DIR": str(blocker / "cache")}
+    with pytest.raises(OSError):
+        record_serve("127.0.0.1:1", "", env)
+    forget_serve(env)  # nothing to remove, nothing raised
+    assert default_address(env) == DEFAULT_ADDR
