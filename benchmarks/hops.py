@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
+from benchmarks.serve_compare import stack_args
 from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import Workload, grpc_generate, run_workload, summarize
 
@@ -102,18 +103,7 @@ async def measure(children: Sequence[Child]) -> dict[str, dict[str, float]]:
 
 
 async def run(flags: list[str]) -> dict[str, dict[str, float]]:
-    args = argparse.Namespace(
-        model=str(ensure_bench_model(None)),
-        revision="",
-        tokenizer="",
-        generation_config="auto",
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        host="127.0.0.1",
-        port=0,
-        http_port=-1,
-        log_level="warning",
-    )
+    args = stack_args(str(ensure_bench_model(None)))
     children = start_children(args, ["--dtype", "bfloat16", "--max-num-seqs", "64", *flags])
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
