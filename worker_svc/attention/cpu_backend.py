@@ -3,9 +3,10 @@
 Decodes run as in the torch backend (a gather of the decodes' context, grouped-query matmuls)
 but a few requests at a time into one reusable scratch buffer: a group's keys and values (about
 `DECODE_GROUP_BYTES`) stay in cache between the gather and the two matmuls that read them, and
-no step allocates (and page-faults) fresh multi-megabyte gather tensors. Measured on the
-2-core avx512_bf16 host, one thread, 64 decodes of 400 tokens: 6-8 ms per layer against 34-45
-ms for the whole-batch gather. Prefill chunks run as blocked matmuls instead of
+no step allocates (and page-faults) fresh multi-megabyte gather tensors; a prefill chunk's
+prior context is gathered into the same scratch. Measured on the 2-core avx512_bf16 host, one
+thread, the whole bf16 decode step of the benchmark Llama: -25 % at 64 requests x 400 tokens,
+-4 % at 32 x 256 (best of 3, interleaved). Prefill chunks run as blocked matmuls instead of
 `scaled_dot_product_attention`, whose CPU kernel runs short prompts (a few hundred tokens, the
 serving case) at a fraction of the matmul rate: per request and per block of
 `QUERY_BLOCK` query tokens, the query heads sharing a KV head form the rows of one matmul
@@ -112,7 +113,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 k = key[chunk.start : chunk.end].transpose(0, 1)
                 v = value[chunk.start : chunk.end].transpose(0, 1)
             else:
-                k, v = self._gather(kv_cache, chunk.gather_index, self.num_kv_heads)
+                k, v = self._gather_scratch(kv_cache, chunk.gather_index, self.num_kv_heads)
             q = query[chunk.start : chunk.end]
             self._blocked_prefill(q, k, v, chunk.num_context, out[chunk.start : chunk.end])
         return out
@@ -124,42 +125,38 @@ class CpuAttentionBackend(TorchAttentionBackend):
         n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         seq = batch.max_seq_len
         group = max(1, min(n, DECODE_GROUP_BYTES // (kvh * seq * d * kv_cache.element_size())))
-        keys, values = self._scratch_pair(group * kvh * seq * d, kv_cache)
-        width = kv_cache.shape[3] * d
-        cache_rows = kv_cache.shape[1] * kv_cache.shape[2]
-        key_rows, value_rows = (
-            kv_cache[0].view(cache_rows, width),
-            kv_cache[1].view(cache_rows, width),
-        )
         rows_per_req = kvh * (seq // kv_cache.shape[3])
         q = query.reshape(n * kvh, g, d)
         out = torch.empty_like(q)
         for first in range(0, n, group):
             num = min(group, n - first)
             index = batch.gather_index[first * rows_per_req : (first + num) * rows_per_req]
-            key = torch.index_select(key_rows, 0, index, out=keys[: len(index)])
-            value = torch.index_select(value_rows, 0, index, out=values[: len(index)])
+            key, value = self._gather_scratch(kv_cache, index, num * kvh)
             heads = slice(first * kvh, (first + num) * kvh)
             scores = torch.baddbmm(
-                batch.bias[heads], q[heads], key.view(num * kvh, seq, d).transpose(1, 2),
-                alpha=self.scale,
-            )  # fmt: skip
-            torch.bmm(torch.softmax(scores, dim=-1), value.view(num * kvh, seq, d), out=out[heads])
+                batch.bias[heads], q[heads], key.transpose(1, 2), alpha=self.scale
+            )
+            torch.bmm(torch.softmax(scores, dim=-1), value, out=out[heads])
         return out.view(n, kvh * g, d)
 
-    def _scratch_pair(
-        self, numel: int, kv_cache: torch.Tensor
+    def _gather_scratch(
+        self, kv_cache: torch.Tensor, gather_index: torch.Tensor, num_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [rows, block_size * head_dim] gather buffers of at least `numel` elements each,
-        kept between steps and layers (grown when a longer context needs more)."""
+        """The torch backend's `_gather`, into the scratch: keys and values [num_rows, seq,
+        head_dim], valid until the next gather (the scratch is kept between steps and layers,
+        and grown when a longer context needs more)."""
+        cache_rows = kv_cache.shape[1] * kv_cache.shape[2]
         width = kv_cache.shape[3] * self.head_dim
+        num_index = len(gather_index)
         scratch = self._scratch
-        if scratch is None or scratch.dtype != kv_cache.dtype or scratch[0].numel() < numel:
-            scratch = torch.empty(
-                2, numel // width, width, dtype=kv_cache.dtype, device=kv_cache.device
-            )
+        if scratch is None or scratch.dtype != kv_cache.dtype or scratch.shape[1] < num_index:
+            scratch = torch.empty(2, num_index, width, dtype=kv_cache.dtype, device=kv_cache.device)
             self._scratch = scratch
-        return scratch[0], scratch[1]
+        key = torch.index_select(kv_cache[0].view(cache_rows, width), 0, gather_index,
+                                 out=scratch[0, :num_index])  # fmt: skip
+        value = torch.index_select(kv_cache[1].view(cache_rows, width), 0, gather_index,
+                                   out=scratch[1, :num_index])  # fmt: skip
+        return key.view(num_rows, -1, self.head_dim), value.view(num_rows, -1, self.head_dim)
 
     def _blocked_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, out: torch.Tensor
