@@ -30,10 +30,14 @@ GIVEN: dict[str, Any] = {
     },
     "worker": {"shutdownTimeout": 40},
 }
-# Internal TLS given, API key, plaintext public ports: what the local launch runs.
-GIVEN_INTERNAL_AND_KEY: dict[str, Any] = {
+# The user's internal certificates, an API key and TLS on the public ports: what the local
+# launch runs (clients need no certificate there; they trust the public CA).
+GIVEN_LAUNCHED: dict[str, Any] = {
     "tls": GIVEN["tls"],
-    "frontend": {"apiKey": GIVEN["frontend"]["apiKey"]},
+    "frontend": {
+        "apiKey": GIVEN["frontend"]["apiKey"],
+        "ssl": {"secretName": PUBLIC_TLS_SECRET},
+    },
 }
 
 
