@@ -198,6 +198,13 @@ def frontend_client(
     )
 
 
+def served_name(launched: Launched) -> str:
+    """The model name clients use: the values' servedModelName, the Hub id, or the folder's."""
+    model = launched.values["model"]
+    hub_name = model["hub"]["repoId"] if model["source"] == "hub" else None
+    return str(model.get("servedModelName") or hub_name or "tiny-llama-v1")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_frontend_streams_an_answer(launched: Launched) -> None:
@@ -223,10 +230,8 @@ def test_engine_runs_the_layout_and_settings_of_the_values(launched: Launched) -
     assert info.pipeline_parallel_size == par["pipelineParallelSize"]
     assert info.max_model_len == launched.values["core"]["maxModelLen"]
     assert info.max_num_seqs == launched.values["core"]["maxNumSeqs"]
+    assert info.served_model_name == served_name(launched)
     model = launched.values["model"]
-    hub_name = model["hub"]["repoId"] if model["source"] == "hub" else None
-    expected_name = model.get("servedModelName") or hub_name or "tiny-llama-v1"
-    assert info.served_model_name == expected_name
     assert info.model_path == ""  # clients never see server paths (docs/reliability.md)
     if model["source"] == "hostPath":
         # The core was told the in-pod path; the workers loaded it from their mount.
@@ -254,12 +259,6 @@ def frontend_security(cluster: LocalCluster) -> ChannelSecurity:
     )
     assert files.cert_file.startswith(str(pod.root)), "the flags point into the pod's volume"
     return ChannelSecurity(files, CORE_ROLE)
-
-
-def served_name(launched: Launched) -> str:
-    model = launched.values["model"]
-    hub_name = model["hub"]["repoId"] if model["source"] == "hub" else None
-    return str(model.get("servedModelName") or hub_name or "tiny-llama-v1")
 
 
 @pytest.mark.slow
