@@ -6,6 +6,7 @@ sent, and the core's own counts agree."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.request
@@ -52,13 +53,23 @@ class Answer:
 
 def jobs() -> list[Job]:
     """Round-robin over the frontends, so consecutive requests hit different ones; some
-    prompts repeat across frontends (prefix-cache hits on the shared core)."""
+    prompts repeat across frontends (prefix-cache hits on the shared core when the first
+    one's prefill is done by the time the next is scheduled)."""
     out = []
     for i in range(NUM_FRONTENDS * PER_FRONTEND):
         frontend, k = i % NUM_FRONTENDS, i // NUM_FRONTENDS
         prompt = " ".join(WORDS[(k + j) % len(WORDS)] for j in range(3 + 5 * (k % 4)))
         out.append(Job(frontend, ("grpc", "http")[k % 2], prompt, 4 + (i * 5) % 13))
     return out
+
+
+def repeats(work: list[Job]) -> list[Job]:
+    """A second round, once the first is done: its longest prompts (a full KV block and more)
+    again, each on another frontend than before, so that prefix-cache hits across frontends
+    happen whatever the timing of the first round was."""
+    longest = max(len(j.prompt) for j in work)
+    again = [j for j in work if len(j.prompt) == longest][:NUM_FRONTENDS]
+    return [dataclasses.replace(j, frontend=(j.frontend + 1) % NUM_FRONTENDS) for j in again]
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +178,8 @@ def test_three_frontends_interleaved_are_correct_and_counted_consistently(
     assert len({c.address for c in children}) == NUM_FRONTENDS
     work = jobs()
     answers = asyncio.run(run_interleaved(children, work))
+    second = repeats(work)
+    work, answers = work + second, answers + asyncio.run(run_interleaved(children, second))
 
     # Every request correct: greedy equals transformers', whichever frontend and transport.
     for job, answer in zip(work, answers, strict=True):
@@ -213,7 +226,7 @@ def test_three_frontends_interleaved_are_correct_and_counted_consistently(
     assert core["vllm:num_preemptions_total"] == 0
     assert core["vllm:prefix_cache_queries_total"] == total_prompt
     hits = core["vllm:prefix_cache_hits_total"]
-    assert 0 < hits < total_prompt  # repeated prompts hit across frontends
+    assert 0 < hits < total_prompt  # repeated prompts hit across frontends (the second round)
     scheduled = total_prompt - hits + total_generated - len(work)
     assert core["vllm:iteration_tokens_total_sum"] == scheduled
     assert core["splitserve_core_frontend_streams"] == NUM_FRONTENDS
