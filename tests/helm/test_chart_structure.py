@@ -534,3 +534,14 @@ def test_scheduling_knobs_reach_the_pods(gpu_manifests: Manifests) -> None:
     assert frontend["imagePullSecrets"] == [{"name": "regcred"}]
     env = only_container(gpu_manifests.workload("worker"))["env"]
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in env
+
+
+def test_log_level_and_format_reach_every_process() -> None:
+    """logLevel and logFormat (json for log collectors) apply to every process of every pod."""
+    m = render({"logLevel": "debug", "logFormat": "json"})
+    for _, container in m.main_containers():
+        env = container_env(m, container)
+        for process in container_processes(container):
+            parser = PARSERS[process.argv[1]]()
+            args = parser.parse(process.argv[2:], {**env, **process.env})
+            assert (args.log_level, args.log_format) == ("debug", "json"), process.argv[1]
