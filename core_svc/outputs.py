@@ -80,6 +80,8 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass(slots=True)

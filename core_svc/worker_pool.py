@@ -56,6 +56,8 @@ class ModelFacts:
     attention_backend: str
     num_kv_blocks: int
     kv_cache_bytes_per_rank: int
+    max_tokens_per_mm_item: int = 0
+    """Most placeholder tokens of one image; 0 for a text-only model."""
 
 
 class WorkerPool:
@@ -197,6 +199,7 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
+            first.max_tokens_per_mm_item,
         )
 
     async def close(self) -> None:
