@@ -29,7 +29,7 @@ from splitserve_contracts.mm_features import IMAGE, feature_identifier
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures whose prompts may carry images (the workers' LLaVA model)."""
 
-_CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)\b")
+_CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
 @dataclass(frozen=True, slots=True)
