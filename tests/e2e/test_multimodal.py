@@ -153,6 +153,14 @@ def test_the_same_image_hits_the_prefix_cache_and_the_encoder_cache(mm_stack: St
     assert other.usage.cached_tokens == 0
     assert after.encoder_cache_queries == before.encoder_cache_queries + 1
     assert after.encoder_cache_hits == before.encoder_cache_hits + 1
+    with urllib.request.urlopen(mm_stack.child("core").metrics_url, timeout=10) as reply:
+        metrics = reply.read().decode()
+    hits = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("splitserve_core_encoder_cache_hits_total{")
+    ]
+    assert len(hits) == 1 and float(hits[0].split()[-1]) == after.encoder_cache_hits
 
 
 def test_another_image_with_the_same_text_does_not_hit_the_prefix_cache(mm_stack: Stack) -> None:
