@@ -76,13 +76,6 @@ def test_long_prefill_token_threshold_caps_each_chunk() -> None:
     assert scheduled(executor.seen[0])[2] == 3
 
 
-def test_long_prefill_token_threshold_spares_a_request_alone() -> None:
-    engine, executor = make_engine(long_prefill_token_threshold=5)
-    engine.add_request(make_request(1, list(range(12)), max_tokens=2))
-    run_to_completion(engine)
-    assert [so.num_scheduled_tokens for so in executor.seen[:2]] == [[12], [1]]
-
-
 def test_prefill_token_budget_bounds_prompt_tokens_while_requests_decode() -> None:
     engine, executor = make_engine(max_num_batched_tokens=64, prefill_token_budget=8)
     view = ClientView()
