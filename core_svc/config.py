@@ -61,6 +61,7 @@ class CoreConfig(TransportConfig):
     step_timeout_floor: float = 5.0
     step_timeout_multiple: float = 10.0
     shutdown_timeout: float = 30.0
+    max_recovery_seconds: float = 120.0
     log_level: str = "info"
 
     @property
@@ -216,6 +217,15 @@ def build_parser() -> FlagParser:
         help="on SIGTERM, seconds running requests may take to finish (no new ones are "
         "admitted) before they are aborted",
     )
+    p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank dies or hangs, keep every request and wait this long for the "
+        "ranks to come back (restarted by `splitserve up` or the kubelet), bring them up again "
+        "and resume the requests by recompute; past it they fail with UNAVAILABLE and the core "
+        "exits non-zero. 0: fail at once (fail-stop)",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_internal_tls_flags(p, "the port the frontends call and the calls to the workers")
     add_listener_flags(p, reflection_default=False)
@@ -239,6 +249,8 @@ def parse_config(
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     check_internal_tls(parser, args)
     values = vars(args)
     values["health_port"] = optional_port(args.health_port)

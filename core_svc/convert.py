@@ -35,6 +35,7 @@ def request_from_proto(
         client_handle=msg.request_handle,
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
+        output_token_ids=list(msg.output_token_ids),
         max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -179,6 +180,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         new_msg.block_ids.extend(new_req.block_ids)
         new_msg.stop_token_ids.extend(new_req.stop_token_ids)
         new_msg.min_tokens = new_req.min_tokens
+        if new_req.output_token_ids:
+            new_msg.output_token_ids.extend(new_req.output_token_ids)
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -206,6 +209,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
             num_computed_tokens=r.num_computed_tokens,
             stop_token_ids=tuple(r.stop_token_ids),
             min_tokens=r.min_tokens,
+            output_token_ids=list(r.output_token_ids),
         )
         for r in msg.scheduled_new_reqs
     ]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class NewRequestData:
     """A request sent to the ranks for the first time; `block_ids` are all of its blocks.
-    `sampler_params` is the serialized common.v1.SamplerParams, as the frontend built it."""
+    `sampler_params` is the serialized common.v1.SamplerParams, as the frontend built it;
+    `output_token_ids` are the outputs of a request that resumes after a restart."""
 
     req_handle: int
     request_id: str
@@ -22,6 +23,7 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
     min_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

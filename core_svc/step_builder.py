@@ -104,6 +104,7 @@ class StepBuilder:
                 num_computed_tokens=request.num_computed_tokens,
                 stop_token_ids=tuple(sorted(request.all_stop_token_ids)),
                 min_tokens=request.min_tokens,
+                output_token_ids=list(request.output_token_ids),  # it grows in place
             )
         )
         request.is_known_to_workers = True
