@@ -45,6 +45,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         num_computed_tokens=req.num_computed_tokens,
         stop_token_ids=_column(req.stop_token_ids),
         min_tokens=req.min_tokens,
+        output_token_ids=_column(req.output_token_ids),
     )
 
 
