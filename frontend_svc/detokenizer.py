@@ -35,6 +35,11 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._skip_special = skip_special_tokens
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every id given to `step` so far (do not modify)."""
+        return self._ids
+
     def step(self, new_ids: list[int]) -> str:
         """Add tokens; return the text they complete (may be empty)."""
         self._ids.extend(new_ids)
