@@ -4,7 +4,8 @@ stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tes
 benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
-tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout.
+tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout,
+max_recovery_seconds.
 With a LocalPki every internal hop is mutual TLS; without, plaintext.
 """
 
@@ -50,6 +51,9 @@ class Child:
     """How the launcher reaches the child's health service."""
     http_address: str = ""
     """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """How it was started (splitserve/supervisor.py starts it again the same way)."""
 
     def exit_reason(self, code: int) -> str:
         reason = read_termination_message(self.termination_message)
@@ -91,7 +95,9 @@ def _spawn(
     if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
         probe = ChannelSecurity(pki.files[LAUNCHER_IDENTITY], ROLE_OF_SERVICE[kind])
     metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
-    return Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+    child = Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+    child.command, child.env = cmd, child_env
+    return child
 
 
 def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
@@ -120,7 +126,11 @@ def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _drain_flags(args: argparse.Namespace) -> list[str]:
-    return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+    """Drain and recovery bounds, the same for the core and the frontends."""
+    flags = ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+    if getattr(args, "max_recovery_seconds", None) is not None:
+        flags += ["--max-recovery-seconds", str(args.max_recovery_seconds)]
+    return flags
 
 
 def start_children(

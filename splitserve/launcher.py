@@ -6,8 +6,10 @@ the launcher makes a throwaway CA and per-role certificates (splitserve/local_pk
 private temporary folder that it deletes on exit (`--no-internal-tls` for plaintext). It waits
 until every child reports SERVING on its readiness health check, prints one `READY ...` line,
 optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM drains and stops every
-child; a child that dies takes the launcher down with a non-zero exit naming it and the one-line
-reason it gave (its termination message).
+child. Once the stack is ready, a child that exits is started again with the same port and flags
+(splitserve/supervisor.py): a worker rank or an engine core comes back and the requests in flight
+resume. A child that dies before the stack is ready, or keeps dying, takes the launcher down
+with a non-zero exit naming it and the one-line reason it gave (its termination message).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from splitserve.children import (
     LOOPBACK,
     Child,
     LaunchError,
-    check_alive,
     start_children,
     stop_children,
     wait_ready,
 )
 from splitserve.local_pki import LocalPki
+from splitserve.supervisor import Supervisor
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.log_config import LOG_LEVELS, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
@@ -84,6 +86,13 @@ def build_parser() -> FlagParser:
         "and the core stop admitting) before they are aborted",
     )
     p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank or the engine core dies or hangs, requests in flight wait this "
+        "long for it to be restarted and resume (engine core and frontend); 0: they fail at once",
+    )
+    p.add_argument(
         "--internal-tls",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -126,9 +135,14 @@ def _serve(children: list[Child], args: argparse.Namespace) -> int:
     print(ready_line(children), flush=True)
     if args.sample_prompt:
         stream_sample(children[-1].address, args.sample_prompt, args.api_key)
+    supervisor = Supervisor(children, report=_report)
     while True:
-        check_alive(children)
+        supervisor.poll()
         time.sleep(0.25)
+
+
+def _report(line: str) -> None:
+    print(f"splitserve up: {line}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace, core_flags: list[str]) -> tuple[int, str]:
@@ -156,6 +170,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = build_parser()
     env = os.environ if environ is None else environ
     args, core_flags = parser.parse_known_env(argv, env)
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     configure_logging(args.log_level, "launcher")  # e.g. the default model's first-use build
     try:
         # Fetch (or build) the model once, here, and refuse what the services would refuse.
