@@ -350,8 +350,8 @@ def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
-    fails as a whole (the supervisor stops the other rank) and is restarted; the engine core
-    reports itself failed (liveness), is restarted, and brings every rank up again."""
+    fails as a whole (the supervisor stops the other rank) and is restarted; the engine core,
+    which stayed live (not ready) and kept its requests, brings every rank up again itself."""
     manifests = render(case_values("cpu-tpgroup-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
     try:
@@ -366,11 +366,12 @@ def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
         os.kill(ranks[1], signal.SIGKILL)  # a rank we started, by PID
         assert group.process.wait(timeout=60) != 0  # the container fails...
         assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)  # ...with its whole group
-        cluster.restart(group)  # the kubelet restarts the container
         core = cluster.pods_of("core")[0]
-        wait_until(lambda: not cluster.probe(core, "livenessProbe"), 120, "core still live")
-        cluster.restart(core)  # liveness failed: the kubelet restarts the core
-        cluster.wait_ready(READY_TIMEOUT_S)
+        core_process = core.process
+        wait_until(lambda: not cluster.probe(core, "readinessProbe"), 120, "core still ready")
+        cluster.restart(group)  # the kubelet restarts the container
+        cluster.wait_ready(READY_TIMEOUT_S)  # liveness held all along (it checks)
+        assert core.process is core_process  # the core recovered; nobody restarted it
         tokens = [t for r in generate(frontend, "after the group restart", 4) for t in r.token_ids]
         assert len(tokens) == 4
     finally:
