@@ -41,7 +41,6 @@ from tests.helm.chart_render import (
 )
 from tests.helm.fake_hub import hub_calls, install_fake_hub
 from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
-from tests.metrics.dashboard_queries import is_pending
 
 BIN_DIR = Path(sys.executable).parent
 READY_TIMEOUT_S = 420.0
@@ -263,7 +262,7 @@ def test_alerts_and_dashboard_use_metrics_the_pods_export(launched: Launched) ->
     for dashboard in (CHART_DIR / "dashboards").glob("*.json"):
         exprs += dashboard_exprs(json.loads(dashboard.read_text()))
     used = set(re.findall(r"\b(?:vllm:|splitserve_)[a-z0-9_]+", " ".join(exprs)))
-    missing = sorted(u for u in used if u not in exported and not is_pending(u))
+    missing = sorted(u for u in used if u not in exported)
     assert not missing, f"alerts / dashboards use metrics no pod exports: {missing}"
     # (http_requests_total: only with frontend.httpPort; tests/metrics covers it.)
 
