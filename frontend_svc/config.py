@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
-from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.log_config import add_logging_flags
 from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
@@ -48,7 +48,10 @@ class FrontendConfig(TransportConfig):
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
     max_recovery_seconds: float = 120.0
+    enable_log_requests: bool = False
+    max_log_len: int = 0
     log_level: str = "info"
+    log_format: str = "text"
     api_key: str = field(default="", repr=False)
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
@@ -66,7 +69,9 @@ class FrontendConfig(TransportConfig):
 
 def build_parser() -> FlagParser:
     p = FlagParser(
-        prog="splitserve frontend", description="Run the public gRPC frontend (vLLM's P0)."
+        prog="splitserve frontend",
+        description="Run the public gRPC frontend (vLLM's P0).",
+        config_file=True,
     )
     add_model_arguments(p, is_frontend=True)
     p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
@@ -130,7 +135,20 @@ def build_parser() -> FlagParser:
         "wait this long for it to come back and are then resubmitted with the tokens they have "
         "so far; past it they fail with UNAVAILABLE. 0: fail at once",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per finished request: id, prompt and output token counts, finish "
+        "reason, latency (never the prompt, unless --max-log-len)",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=non_negative_int,
+        default=0,
+        help="with --enable-log-requests, also log the first this-many characters of each "
+        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
+    )
+    add_logging_flags(p)
     add_public_security_flags(p)
     add_internal_tls_flags(p, "the calls to the engine core")
     add_listener_flags(p, reflection_default=True)
@@ -182,6 +200,7 @@ def parse_config(
     except TlsConfigError as err:
         parser.error(str(err))
     values = vars(args)
+    values.pop("config", None)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     values["health_port"] = optional_port(args.health_port)
     values["http_port"] = None if args.http_port < 0 else args.http_port
