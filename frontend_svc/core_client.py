@@ -2,13 +2,14 @@
 
 Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
 coalesced into one wire message. What comes back is a single ordered stream of events for the
-frontend's engine to pull (`next_event`): each step's outputs, ping round trips, `Disconnected`
-when the stream breaks and `Reconnected` when a new one is open. After a break the client
-reconnects (Handshake, then a new stream), but only once the consumer has taken the
-`Disconnected` event, so the requests it pauses (or fails) are exactly those of the broken
-stream; on `Reconnected` it may resubmit them (`resubmit_requests`). Reconnecting is gRPC's own:
-the channel retries the connection with its backoff (0.1 s growing to `max_backoff`) and the
-Handshake waits for it (`wait_for_ready`).
+frontend's engine to pull (`next_event`): each step's outputs, ping round trips, the core's
+scheduler stats when no outputs brought them for a while (`StatsRefresh`), `Disconnected` when
+the stream breaks and `Reconnected` when a new one is open. After a break the client reconnects
+(Handshake, then a new stream), but only once the consumer has taken the `Disconnected` event, so
+the requests it pauses (or fails) are exactly those of the broken stream; on `Reconnected` it may
+resubmit them (`resubmit_requests`). Reconnecting is gRPC's own: the channel retries the
+connection with its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it
+(`wait_for_ready`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.engine_types import CoreOutputs, EngineInfo, SchedulerStats
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -54,6 +55,19 @@ class RoundTrip:
     seconds: float
 
 
+STATS_MAX_AGE_S = 1.0
+"""The core's scheduler stats (the engine gauges this frontend exports) come with this frontend's
+outputs; when none brought them for this long - this frontend idle while others keep the engine
+busy, or the engine idle - the client asks the core (GetSchedulerStats)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRefresh:
+    """The core's scheduler stats, fetched because no outputs brought them lately."""
+
+    stats: SchedulerStats
+
+
 @dataclass(frozen=True, slots=True)
 class Reconnected:
     """A new stream to the engine core is open after a break. `problem` is set when the core
@@ -63,7 +77,7 @@ class Reconnected:
     problem: str = ""
 
 
-CoreEvent = CoreOutputs | Disconnected | Reconnected | RoundTrip
+CoreEvent = CoreOutputs | Disconnected | Reconnected | RoundTrip | StatsRefresh
 
 
 class CoreClient(Protocol):
@@ -127,6 +141,7 @@ class EngineCoreClient:
         self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
         self.info: EngineInfo | None = None
         """The engine's facts at the first handshake."""
+        self._stats_at = time.monotonic()
 
     @property
     def is_connected(self) -> bool:
@@ -203,6 +218,7 @@ class EngineCoreClient:
             asyncio.create_task(self._write(call)),
             asyncio.create_task(self._ping()),
             asyncio.create_task(self._watch_core_health()),
+            asyncio.create_task(self._refresh_stats()),
         ]
         self._connected.set()
         self._state_changed.set()
@@ -216,7 +232,10 @@ class EngineCoreClient:
                 if msg.HasField("pong"):
                     self._on_pong(msg.pong.ping_id)
                 else:
-                    self._events.put_nowait(convert.core_outputs_from_proto(msg.outputs))
+                    outputs = convert.core_outputs_from_proto(msg.outputs)
+                    if outputs.scheduler_stats is not None:
+                        self._stats_at = time.monotonic()
+                    self._events.put_nowait(outputs)
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"
         finally:
@@ -241,6 +260,21 @@ class EngineCoreClient:
                                    "" if is_serving else "not ")  # fmt: skip
         except grpc.RpcError:
             return  # the stream's own read reports the break
+
+    async def _refresh_stats(self) -> None:
+        """Fetch the core's scheduler stats when no outputs brought them for STATS_MAX_AGE_S."""
+        request = core_pb2.GetSchedulerStatsRequest()
+        while True:
+            await asyncio.sleep(STATS_MAX_AGE_S)
+            if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
+                continue
+            try:
+                reply = await self._stub.GetSchedulerStats(request, timeout=5.0)
+            except grpc.RpcError:
+                continue  # the stream's own read reports a break
+            self._stats_at = time.monotonic()
+            stats = convert.scheduler_stats_from_proto(reply.scheduler_stats)
+            self._events.put_nowait(StatsRefresh(stats))
 
     async def _ping(self) -> None:
         """Time the hop to the core in this process's clock (the core echoes off its loop)."""
