@@ -146,11 +146,15 @@ def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _drain_flags(args: argparse.Namespace) -> list[str]:
-    """Drain and recovery bounds, the same for the core and the frontends."""
-    flags = ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
-    if getattr(args, "max_recovery_seconds", None) is not None:
-        flags += ["--max-recovery-seconds", str(args.max_recovery_seconds)]
-    return flags
+    return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+
+
+def _recovery_flags(args: argparse.Namespace) -> list[str]:
+    """How long the core and the frontends wait for a lost rank or core (absent: their
+    default)."""
+    if getattr(args, "max_recovery_seconds", None) is None:
+        return []
+    return ["--max-recovery-seconds", str(args.max_recovery_seconds)]
 
 
 def _log_flags(args: argparse.Namespace) -> list[str]:
@@ -202,6 +206,7 @@ def start_engine_children(
         *("--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}"),
         *_log_flags(args),
         *_drain_flags(args),
+        *_recovery_flags(args),
         *core_flags,
     ]
     core_addr = f"{LOOPBACK}:{core_port}"
@@ -221,6 +226,7 @@ def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | Non
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
         *_log_flags(args),
         *_drain_flags(args),
+        *_recovery_flags(args),
         *_service_flags(args, "frontend"),
     ]
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
