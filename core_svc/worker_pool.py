@@ -58,6 +58,8 @@ class ModelFacts:
     kv_cache_bytes_per_rank: int
     device_type: str = ""
     """Rank 0's device ("cpu", "cuda"), from Describe."""
+    max_tokens_per_mm_item: int = 0
+    """Most placeholder tokens of one image; 0 for a text-only model."""
 
 
 class WorkerPool:
@@ -224,6 +226,7 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
+            max_tokens_per_mm_item=first.max_tokens_per_mm_item,
         )
 
     async def close(self) -> None:

@@ -27,7 +27,7 @@ from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class
+from worker_svc.models.registry import model_class, read_model_config
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
@@ -92,6 +92,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    max_tokens_per_mm_item: int = 0
+    """Placeholder tokens of one image; 0 for a text-only model."""
 
 
 def resolve_device(requested: str, rank: int = 0) -> torch.device:
@@ -168,7 +170,7 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
-        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        model_config = read_model_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
@@ -236,6 +238,9 @@ class Worker:
             num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=model_config.head_dim,
+            max_tokens_per_mm_item=(
+                model_config.vision.num_image_tokens if model_config.vision is not None else 0
+            ),
         )
 
     def _require_runner(self) -> ModelRunner:

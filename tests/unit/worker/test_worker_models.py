@@ -79,6 +79,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "LlavaForConditionalGeneration",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
