@@ -201,6 +201,7 @@ class WorkerPool:
                 owner_epoch=self.owner_epoch,
                 revision=config.revision,
                 enforce_eager=config.enforce_eager,
+                async_scheduling=config.async_scheduling,
             )
             for rank in range(world)
         ]

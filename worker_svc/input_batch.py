@@ -355,6 +355,14 @@ class InputBatch:
         """Record that the step's tokens now have KV."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
 
+    def append_sampled(self, rows: IntArray, token_ids: np.ndarray) -> None:
+        """Async scheduling: the tokens the rows sampled join their tokens now (the engine core
+        sends none for them); a row already at max_model_len takes none (it is finished)."""
+        fits = self.num_tokens[rows] < self.max_model_len
+        rows = rows[fits]
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids[fits]
+        self.num_tokens[rows] += 1
+
     def num_used_blocks(self) -> int:
         """Distinct blocks holding at least one computed token of a live request."""
         if not self.handle_to_row:

@@ -76,6 +76,9 @@ class LoadModelConfig:
     revision: str = ""
     enforce_eager: bool = False
     """Never compile the model into graphs (vLLM's --enforce-eager)."""
+    async_scheduling: bool = False
+    """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
+    to its requests itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +227,7 @@ class Worker:
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
+            async_scheduling=config.async_scheduling,
         )
         self.config, self.model_config = config, model_config
         start, end = model.layer_range
