@@ -100,3 +100,24 @@ def test_a_killed_rank_resumes_every_request_with_async_scheduling(tiny_model_di
         wait_idle(stack)
     finally:
         stack.stop()
+
+
+def test_the_in_process_llm_gives_the_same_outputs_with_async_scheduling(
+    tiny_model_dir: Path,
+) -> None:
+    from splitserve import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "one two", "river stone light " * 6]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=9, n=2),
+    ]
+    outputs = []
+    for is_async in (False, True):
+        with LLM(
+            str(tiny_model_dir), kv_cache_memory_bytes=64 << 20, async_scheduling=is_async
+        ) as llm:
+            outputs.append(
+                [[o.token_ids for o in r.outputs] for p in params for r in llm.generate(prompts, p)]
+            )
+    assert outputs[0] == outputs[1]
