@@ -289,6 +289,9 @@ class InputBatch:
             self.num_tokens[resumed] = 0  # and rebuild their tokens from scratch
             _append_runs(self.token_ids, self.num_tokens, resumed,
                          cached.num_resumed_token_ids, cached.resumed_all_token_ids)  # fmt: skip
+            for row in resumed.tolist():
+                num_outputs = int(self.num_tokens[row] - self.num_prompt_tokens[row])
+                self.sampling.resync_generator(row, num_outputs)
         # New blocks at or past the first block without computed tokens are fresh.
         first_fresh = -(-self.num_computed_tokens[rows] // self.block_size)
         cols = _ragged_cols(first_new, cached.num_new_block_ids)
