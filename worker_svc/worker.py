@@ -198,6 +198,7 @@ class Worker:
                 dtype=dtype,
                 device=self.device,
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
+                context_len=max_model_len,
             )
             model.load_weights(checkpoint.weights())
         except BaseException:
@@ -323,9 +324,7 @@ def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
 
 
 def _max_model_len(requested: int, model: ModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if model.sliding_window:
-        limit = min(limit, model.sliding_window)  # within the window, attention is full
+    limit = model.max_context_len
     if requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
     return requested or limit

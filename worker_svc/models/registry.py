@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.phi3 import Phi3ForCausalLM
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

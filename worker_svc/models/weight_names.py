@@ -27,12 +27,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True, slots=True)
 class WeightTarget:
-    """A destination: decoder layer (None = a top-level module), sub-module, parameter, part."""
+    """A destination: decoder layer (None = a top-level module), sub-module, parameter, part;
+    `rows` (first row, number of rows) when the destination takes only part of the tensor (a
+    checkpoint that stores q/k/v or gate/up fused, split at load)."""
 
     layer: int | None
     module: str
     param: str
     part: int = 0
+    rows: tuple[int, int] | None = None
 
 
 def resolve_weight_name(name: str, tie_word_embeddings: bool) -> list[WeightTarget]:
