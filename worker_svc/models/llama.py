@@ -210,15 +210,7 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self.layers: list[LlamaDecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            LlamaDecoderLayer(
-                config,
-                parallel,
-                backend.with_options(self.attention_options(i)),
-                self.rotary,
-                dtype,
-                device,
-                mlp=self._make_mlp(i, dtype, device),
-            )
+            self._make_layer(i, backend.with_options(self.attention_options(i)), dtype, device)
             for i in range(*self.layer_range)
         )
         self.norm: RMSNorm | None = None
@@ -238,6 +230,15 @@ class LlamaForCausalLM(nn.Module):
             sliding_window=config.layer_window(layer),
             logits_soft_cap=config.attn_logit_softcapping,
             scale=config.attn_scale,
+        )
+
+    def _make_layer(
+        self, layer: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> LlamaDecoderLayer:
+        """Decoder layer `layer`, attending through `backend` (already given its options)."""
+        mlp = self._make_mlp(layer, dtype, device)
+        return LlamaDecoderLayer(
+            self.config, self.parallel, backend, self.rotary, dtype, device, mlp=mlp
         )
 
     def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:

@@ -20,6 +20,8 @@ _LAYER_MODULES: dict[str, tuple[str, int]] = {
     "mlp.down_proj": ("mlp.down_proj", 0),
     "input_layernorm": ("input_layernorm", 0),
     "post_attention_layernorm": ("post_attention_layernorm", 0),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm", 0),  # Gemma 2 / 3
+    "post_feedforward_layernorm": ("post_feedforward_layernorm", 0),
 }
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
