@@ -22,13 +22,19 @@ from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
+from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
-from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
+from worker_svc.weights import (
+    keep_fp8_weights,
+    open_checkpoint,
+    resolve_compute_dtype,
+    weight_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +206,9 @@ class Worker:
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
                 context_len=max_model_len,
             )
+            if checkpoint.fp8 is not None and can_keep_fp8(self.device, dtype):
+                num_kept = keep_fp8_weights(model, checkpoint.fp8)
+                logger.info("%d linear layers keep their weights in FP8", num_kept)
             model.load_weights(checkpoint.weights())
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again

@@ -48,6 +48,13 @@ class RowRange:
         return self.source[(slice(self.start + first, self.start + last), *rest)]
 
 
+def row_range(source: TensorSource, start: int, num_rows: int) -> TensorSource:
+    """Rows [start, start + num_rows) of `source`, in the source's own kind when it has one
+    (an FP8 tensor stays FP8, with its scales)."""
+    own = getattr(source, "row_range", None)
+    return RowRange(source, start, num_rows) if own is None else own(start, num_rows)
+
+
 def read_rows(source: TensorSource, start: int, size: int) -> torch.Tensor:
     """Rows [start, start + size) of a 1-D or 2-D checkpoint tensor."""
     return source[start : start + size]

@@ -31,7 +31,7 @@ from worker_svc.layers.linear import (
 )
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.layers.tensor_source import RowRange, TensorSource
+from worker_svc.layers.tensor_source import TensorSource, row_range
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.weight_names import WeightTarget, resolve_weight_name
 
@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
                 and self.lm_head.weight is self.embed_tokens.weight
             )
 
-    def _target_path(self, target: WeightTarget) -> str | None:
+    def target_path(self, target: WeightTarget) -> str | None:
         """Our module path for `target`, or None when it belongs to another stage (or is tied)."""
         if target.layer is None:
             module = getattr(self, target.module, None)
@@ -313,11 +313,11 @@ class LlamaForCausalLM(nn.Module):
         parts: dict[str, set[int]] = {}
         for name, source in weights:
             for target in self.resolve_weight_name(name):
-                path = self._target_path(target)
+                path = self.target_path(target)
                 if path is None:
                     continue
                 module = self.get_submodule(path)
-                view = source if target.rows is None else RowRange(source, *target.rows)
+                view = source if target.rows is None else row_range(source, *target.rows)
                 module.load(target.param, view, target.part)  # type: ignore[operator]
                 parts.setdefault(f"{path}.{target.param}", set()).add(target.part)
         self._check_complete(parts)

@@ -26,7 +26,7 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
 # FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
 # `quantization_config` method is refused: its weights would be read as if unquantized.
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ()
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
 SLIDING_ATTENTION = "sliding_attention"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -190,7 +190,7 @@ def _refuse_quantization(hf: Any) -> None:
     if method not in SUPPORTED_QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization method {method!r} (config.json quantization_config) is not supported; "
-            "serve an unquantized bfloat16/float16/float32 checkpoint or a GGUF file"
+            "serve an unquantized (bfloat16/float16/float32) or fp8 checkpoint, or a GGUF file"
         )
 
 

@@ -31,7 +31,7 @@ def refusal(path: Path) -> str:
     return message
 
 
-@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors"])
 def test_quantized_checkpoints_are_refused_naming_the_method(
     worker_checkpoints: CheckpointCache, tmp_path: Path, method: str
 ) -> None:
@@ -42,6 +42,26 @@ def test_quantized_checkpoints_are_refused_naming_the_method(
     )
     message = refusal(path)
     assert f"quantization method {method!r}" in message and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("quantization", "expected"),
+    [
+        ({"weight_block_size": [128]}, "weight_block_size must be two positive sizes"),
+        ({"fmt": "e5m2"}, "fp8 format 'e5m2' is not supported"),
+    ],
+)
+def test_fp8_layouts_we_cannot_read_are_refused(
+    worker_checkpoints: CheckpointCache,
+    tmp_path: Path,
+    quantization: dict[str, Any],
+    expected: str,
+) -> None:
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", **quantization}
+    path = edited_checkpoint(
+        worker_checkpoints.get("llama"), tmp_path / "f", quantization_config=config
+    )
+    assert expected in refusal(path)
 
 
 @pytest.mark.parametrize(
