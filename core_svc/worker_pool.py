@@ -56,6 +56,7 @@ class ModelFacts:
     attention_backend: str
     num_kv_blocks: int
     kv_cache_bytes_per_rank: int
+    sliding_window: int = 0
 
 
 class WorkerPool:
@@ -197,6 +198,7 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
+            min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
         )
 
     async def close(self) -> None:

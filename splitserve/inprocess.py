@@ -217,7 +217,12 @@ async def start_in_process(
     info = _engine_info(options, loaded, num_blocks)
     core = EngineCore(
         SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, info.max_model_len),
-        CacheConfig(num_blocks, options.block_size, options.enable_prefix_caching),
+        CacheConfig(
+            num_blocks,
+            options.block_size,
+            options.enable_prefix_caching,
+            sliding_window=loaded.sliding_window,
+        ),
         InProcessExecutor(worker),
     )
     bridge = OutputBridge(asyncio.get_running_loop())

@@ -130,6 +130,7 @@ def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
         num_layers=m.num_layers,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
+        sliding_window=m.sliding_window,
     )
 
 

@@ -94,6 +94,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int = 0
+    """The window every layer attends within (0: some layer attends fully)."""
 
 
 def resolve_device(requested: str, rank: int = 0) -> torch.device:
@@ -241,6 +243,7 @@ class Worker:
             num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=model_config.head_dim,
+            sliding_window=model_config.kv_sliding_window or 0,
         )
 
     def _require_runner(self) -> ModelRunner:

@@ -240,6 +240,7 @@ class LoadModelResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
+    SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     architecture: _builtins.str
     """Architecture from config.json, e.g. "LlamaForCausalLM"."""
     vocab_size: _builtins.int
@@ -260,6 +261,11 @@ class LoadModelResponse(_message.Message):
     """KV heads this rank holds per layer."""
     head_dim: _builtins.int
     """Size of one attention head."""
+    sliding_window: _builtins.int
+    """Sliding window, in tokens, when every layer of the model attends within
+    one (the engine core may then free KV blocks that fell out of it); 0 when
+    some layer attends to the whole sequence.
+    """
     def __init__(
         self,
         *,
@@ -273,10 +279,11 @@ class LoadModelResponse(_message.Message):
         num_layers: _builtins.int = ...,
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
+        sliding_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "sliding_window", b"sliding_window", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
