@@ -23,6 +23,7 @@ from worker_svc.models.rope_config import (
 __all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "MoeConfig", "RopeConfig", "parse_dtype"]
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # Gemma's MLP only; every other family's is SiLU
 # Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
 # FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
 # `quantization_config` method is refused: its weights would be read as if unquantized.
@@ -154,7 +155,7 @@ class ModelConfig:
             checkpoint_dtype=_checkpoint_dtype(hf),
             sliding_window=sliding_window,
             layer_types=_layer_types(hf, sliding_window),
-            hidden_act=_activation(hf),
+            hidden_act=_activation(hf, arch),
             attn_scale=_attn_scale(hf),
             attn_logit_softcapping=_attn_softcap(hf, arch),
             final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
@@ -201,13 +202,14 @@ def _checkpoint_dtype(hf: Any) -> torch.dtype | None:
     return parse_dtype(str(dtype))
 
 
-def _activation(hf: Any) -> str:
+def _activation(hf: Any, arch: str) -> str:
     """The MLP activation (Gemma names it `hidden_activation`)."""
     act = str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"))
-    if act not in SUPPORTED_ACTIVATIONS:
+    is_gemma = arch.startswith("Gemma")
+    if act not in SUPPORTED_ACTIVATIONS or (act == _GEMMA_ACTIVATION) != is_gemma:
         raise ValueError(
-            f"hidden_act {act!r} is not supported; supported activations: "
-            + ", ".join(SUPPORTED_ACTIVATIONS)
+            f"hidden_act {act!r} is not supported for {arch}; supported activations: "
+            + ("gelu_pytorch_tanh (Gemma)" if is_gemma else "silu")
         )
     return act
 

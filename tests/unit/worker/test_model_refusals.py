@@ -84,9 +84,12 @@ def test_unknown_rope_types_are_refused_with_the_supported_list(
 def test_unknown_activation_is_refused(worker_checkpoints: CheckpointCache, tmp_path: Path) -> None:
     path = edited_checkpoint(worker_checkpoints.get("llama"), tmp_path / "a", hidden_act="gelu")
     message = refusal(path)
-    assert "hidden_act 'gelu' is not supported; supported activations: silu, gelu_pytorch_tanh" in (
-        message
+    assert "hidden_act 'gelu' is not supported for LlamaForCausalLM" in message
+    assert message.endswith("supported activations: silu")
+    tanh = edited_checkpoint(
+        worker_checkpoints.get("llama"), tmp_path / "t", hidden_act="gelu_pytorch_tanh"
     )
+    assert "hidden_act 'gelu_pytorch_tanh' is not supported for LlamaForCausalLM" in refusal(tanh)
 
 
 def test_an_architecture_transformers_does_not_know_is_refused_by_name(
