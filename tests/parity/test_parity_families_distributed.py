@@ -33,6 +33,7 @@ CASES = [
     ("tp2", "mixtral"),
     ("tp2", "qwen3_moe"),
     ("tp2", "yarn_rope"),
+    ("tp2", "dynamic_rope"),
     ("pp2", "gemma3"),
     ("pp2", "mixtral"),
 ]
