@@ -143,7 +143,7 @@ def group() -> Iterator[SpawnedRanks]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama-block", "qwen3_moe-block"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_fp8_checkpoint_at_tp2(
     case: str,
     group: SpawnedRanks,
@@ -151,7 +151,12 @@ def test_fp8_checkpoint_at_tp2(
     references: dict[Path, Any],
 ) -> None:
     fp8_dir, dequantized_dir = fp8_pairs[case]
-    group.load(LoadModelConfig(str(fp8_dir), tensor_parallel_size=2, block_size=BLOCK_SIZE))
+    max_model_len = MAX_MODEL_LEN.get(CASES[case][0], 0)
+    group.load(
+        LoadModelConfig(
+            str(fp8_dir), tensor_parallel_size=2, block_size=BLOCK_SIZE, max_model_len=max_model_len
+        )
+    )
     try:
         group.init(num_blocks=64)
         drive(group, reference_for(references, dequantized_dir))
