@@ -78,6 +78,7 @@ class LoadModelConfig:
     rendezvous_id: str = ""
     block_size: int = 16
     revision: str = ""
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,7 @@ class Worker:
             rendezvous=self.rendezvous,
             rendezvous_id=config.rendezvous_id,
         )
+        self.parallel.enable_expert_parallel = config.enable_expert_parallel
         tp = self.parallel.tp_size
         backend = backend_class(backend_name)(
             model_config.num_heads // tp,

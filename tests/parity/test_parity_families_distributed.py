@@ -4,8 +4,8 @@ tokens equal to `generate`, over a chunked prefill with decodes. Past the origin
 Phi-3's longrope long factors and dynamic NTK's rescaled base at TP=2 as well.
 
 At TP=2 each rank holds half the attention heads, half of every expert's intermediate
-dimension (Mixtral, Qwen3-MoE: the experts are split across the ranks) and half of Phi-3's
-fused q/k/v and gate/up rows.
+dimension (Mixtral, Qwen3-MoE) and half of Phi-3's fused q/k/v and gate/up rows. With expert
+parallelism ("ep2": TP=2 and enable_expert_parallel) each rank holds half of the experts, whole.
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ CASES = [
     ("tp2", "qwen3_moe"),
     ("tp2", "yarn_rope"),
     ("tp2", "dynamic_rope"),
+    ("ep2", "mixtral"),
+    ("ep2", "qwen3_moe"),
     ("pp2", "gemma3"),
     ("pp2", "mixtral"),
 ]
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+# (tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
+LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +67,14 @@ def group() -> Iterator[SpawnedRanks]:
 
 @contextmanager
 def serving(group: SpawnedRanks, path: Path, layout: str, max_model_len: int) -> Iterator[None]:
-    tp, pp = LAYOUTS[layout]
+    tp, pp, enable_expert_parallel = LAYOUTS[layout]
     config = LoadModelConfig(
         str(path),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
+        enable_expert_parallel=enable_expert_parallel,
     )
     group.load(config)
     try:

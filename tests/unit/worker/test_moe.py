@@ -1,5 +1,6 @@
 """Mixture-of-experts pieces: routing as each model defines it, the grouped expert path against
-a per-token reference, and the tensor-parallel split of every expert."""
+a per-token reference, the tensor-parallel split of every expert and the expert-parallel split
+of the experts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from worker_svc.distributed import ParallelState
 from worker_svc.layers import moe as moe_layer
-from worker_svc.layers.moe import FusedExperts, route
+from worker_svc.layers.moe import FusedExperts, expert_range, route
 from worker_svc.layers.tensor_source import InMemoryTensor
 from worker_svc.models.model_config import MoeConfig
 
@@ -124,4 +125,53 @@ def test_an_expert_size_that_tp_cannot_split_is_refused() -> None:
     with pytest.raises(ValueError, match="expert intermediate size"):
         FusedExperts(
             HIDDEN, MOE, parallel=ParallelState(tp_size=5), dtype=torch.float32, device=CPU
+        )
+
+
+def test_expert_parallel_ranks_each_hold_whole_experts() -> None:
+    """6 experts over 4 ranks: 2, 2, 1, 1 whole experts; each rank runs only the pairs routed
+    to its experts, and the partial outputs sum (the all-reduce) to the whole."""
+    tensors = checkpoint_experts(2)
+    whole = load_experts(tensors, ParallelState())
+    ranks = [
+        load_experts(tensors, ParallelState(rank=r, tp_size=4, enable_expert_parallel=True))
+        for r in range(4)
+    ]
+    assert [(r.expert_start, r.num_local_experts) for r in ranks] == [
+        (0, 2),
+        (2, 2),
+        (4, 1),
+        (5, 1),
+    ]
+    assert ranks[1].w13_weight.shape == (2, 2 * INTER, HIDDEN)
+    assert torch.equal(ranks[1].w13_weight[1, :INTER], tensors["3.gate"])
+    assert torch.equal(ranks[1].w13_weight[1, INTER:], tensors["3.up"])
+    assert torch.equal(ranks[2].w2_weight[0], tensors["4.down"])
+    x, weights, ids = routed_inputs(num_tokens=9)
+    partials = [rank(x, weights, ids) for rank in ranks]
+    assert float(partials[3].abs().max()) == 0.0  # expert 5 got no token
+    summed = torch.stack(partials).sum(0)
+    assert torch.allclose(summed, whole(x, weights, ids), atol=1e-5)
+    reference = per_token_reference(x, tensors, weights, ids)
+    assert float((summed - reference).abs().max()) < 1e-5
+
+
+def test_expert_placement_is_contiguous_and_covers_every_expert() -> None:
+    for num_experts, ep_size in [(8, 2), (7, 3), (5, 5), (64, 6)]:
+        ranges = [expert_range(num_experts, ep_size, r) for r in range(ep_size)]
+        assert ranges[0][0] == 0
+        for (start, count), (next_start, _) in zip(ranges, ranges[1:], strict=False):
+            assert start + count == next_start
+        assert sum(count for _, count in ranges) == num_experts
+        assert max(c for _, c in ranges) - min(c for _, c in ranges) <= 1
+
+
+def test_expert_parallelism_with_more_ranks_than_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one expert per rank"):
+        FusedExperts(
+            HIDDEN,
+            MOE,
+            parallel=ParallelState(tp_size=8, enable_expert_parallel=True),
+            dtype=torch.float32,
+            device=CPU,
         )
