@@ -173,6 +173,7 @@ class WorkerPool:
                 block_size=config.block_size,
                 owner_epoch=self.owner_epoch,
                 revision=config.revision,
+                enable_expert_parallel=config.enable_expert_parallel,
             )
             for rank in range(world)
         ]

@@ -140,6 +140,8 @@ class EngineOptions:
     seed: int = 0
     device: str = "auto"
     served_model_name: str = ""
+    enable_expert_parallel: bool = False
+    """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
 
 @dataclass

@@ -99,6 +99,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         rendezvous_id=req.rendezvous_id,
         block_size=req.block_size,
         revision=req.revision,
+        enable_expert_parallel=req.enable_expert_parallel,
     )
 
 

@@ -1,5 +1,6 @@
 """FP8 checkpoints (per-tensor and block-wise scales) against transformers running the same
-weights dequantized to float32: logits within 1e-4, greedy tokens equal, at TP=1 and TP=2.
+weights dequantized to float32: logits within 1e-4, greedy tokens equal, at TP=1 and TP=2
+(Qwen3-MoE's FP8 experts also split whole over the ranks: expert parallelism).
 
 Llama (q/k/v and gate/up fused at load), Phi-3 (FP8 tensors that are themselves fused, split
 at load with their block scales) and Qwen3-MoE (FP8 experts) are covered. The layers that keep
@@ -143,9 +144,13 @@ def group() -> Iterator[SpawnedRanks]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "enable_expert_parallel"),
+    [(case, False) for case in CASES] + [("qwen3_moe-block", True)],
+)
 def test_fp8_checkpoint_at_tp2(
     case: str,
+    enable_expert_parallel: bool,
     group: SpawnedRanks,
     fp8_pairs: dict[str, tuple[Path, Path]],
     references: dict[Path, Any],
@@ -154,7 +159,11 @@ def test_fp8_checkpoint_at_tp2(
     max_model_len = MAX_MODEL_LEN.get(CASES[case][0], 0)
     group.load(
         LoadModelConfig(
-            str(fp8_dir), tensor_parallel_size=2, block_size=BLOCK_SIZE, max_model_len=max_model_len
+            str(fp8_dir),
+            tensor_parallel_size=2,
+            block_size=BLOCK_SIZE,
+            max_model_len=max_model_len,
+            enable_expert_parallel=enable_expert_parallel,
         )
     )
     try:

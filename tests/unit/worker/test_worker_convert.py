@@ -102,7 +102,11 @@ def test_load_model_request_validation() -> None:
         1,
         "auto",
     )
-    assert config.block_size == 8
+    assert config.block_size == 8 and config.enable_expert_parallel is False
+    expert_parallel = pb.LoadModelRequest(
+        model_path="/m", block_size=8, enable_expert_parallel=True
+    )
+    assert convert.load_model_config_from_proto(expert_parallel).enable_expert_parallel is True
     with pytest.raises(ValueError, match="dtype"):
         convert.load_model_config_from_proto(
             pb.LoadModelRequest(model_path="/m", dtype="int8", block_size=8)
