@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
@@ -78,6 +79,8 @@ class LoadModelConfig:
     rendezvous_id: str = ""
     block_size: int = 16
     revision: str = ""
+    enforce_eager: bool = False
+    """Never compile the model into graphs (vLLM's --enforce-eager)."""
     enable_expert_parallel: bool = False
 
 
@@ -213,7 +216,8 @@ class Worker:
             if checkpoint.fp8 is not None and can_keep_fp8(self.device, dtype):
                 num_kept = keep_fp8_weights(model, checkpoint.fp8)
                 logger.info("%d linear layers keep their weights in FP8", num_kept)
-            model.load_weights(checkpoint.weights())
+            # vLLM's bar on one rank only, and never inside JSON logs.
+            model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()
