@@ -149,7 +149,9 @@ def build_parser() -> FlagParser:
         "--kv-cache-memory-bytes",
         type=non_negative_int,
         default=0,
-        help="KV-cache bytes per worker; 0 derives it (CUDA) or uses 4 GiB (CPU)",
+        help="KV-cache bytes per worker; 0 derives it: on CUDA from --gpu-memory-utilization, "
+        "on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the workers' environment, else "
+        "half their free memory) but no more than max_num_seqs x max_model_len tokens use",
     )
     p.add_argument(
         "--dtype",

@@ -17,7 +17,7 @@ from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.stats_logger import StatsLogger, log_stats_every
 from core_svc.step_budget import StepBudget
-from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
+from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool, kv_sizing_reason
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
@@ -69,10 +69,11 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
         facts.vocab_size,
     )
     logger.info(
-        "KV cache: %d blocks x %d tokens, %.2f GiB per rank",
+        "KV cache: %d blocks x %d tokens, %.2f GiB per rank, sized by %s",
         facts.num_kv_blocks,
         config.block_size,
         facts.kv_cache_bytes_per_rank / GIB,
+        kv_sizing_reason(config, facts),
     )
     logger.info(  # vLLM's wording: operators grep for it
         "%s KV cache size: %d tokens, Maximum concurrency for %d tokens per request: %.2fx",

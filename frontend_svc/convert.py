@@ -146,7 +146,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
     )
 
 
-def _scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
+def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
     return SchedulerStats(
         num_running_reqs=msg.num_running_reqs,
         num_waiting_reqs=msg.num_waiting_reqs,
@@ -167,7 +167,7 @@ def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
         timestamp=msg.timestamp,
         step_id=msg.step_id,
         scheduler_stats=(
-            _scheduler_stats_from_proto(msg.scheduler_stats)
+            scheduler_stats_from_proto(msg.scheduler_stats)
             if msg.HasField("scheduler_stats")
             else None
         ),

@@ -93,7 +93,9 @@ async def serve(config: FrontendConfig) -> int:
     if config.http_port is not None:
         context = ServingContext(engine, inputs, info, served_name, time.time())
         app = build_app(context, host.registry, config.api_key)
-        http = HttpServer(app, config.http_host, config.http_port, _uvicorn_level(config))
+        http = HttpServer(
+            app, config.http_host, config.http_port, _uvicorn_level(config), config.ssl
+        )
     await host.start()
     engine.start()
     if http is not None:

@@ -21,8 +21,9 @@ import torch
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
+from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
-from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
+from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
@@ -263,10 +264,10 @@ class Worker:
         runner = self._require_runner()
         assert self.config is not None
         block_size = self.config.block_size
+        if self.device.type == "cpu":
+            return self._cpu_kv_capacity(kv_cache_memory_bytes)
         if kv_cache_memory_bytes > 0:
             available = kv_cache_memory_bytes
-        elif self.device.type == "cpu":
-            available = CPU_DEFAULT_KV_CACHE_BYTES
         else:
             if not 0.0 < gpu_memory_utilization <= 1.0:
                 raise ValueError(
@@ -274,6 +275,20 @@ class Worker:
                 )
             available = self._cuda_kv_budget(gpu_memory_utilization, block_size)
         return kv_capacity(runner.kv_cache_spec, block_size, available)
+
+    def _cpu_kv_capacity(self, kv_cache_memory_bytes: int) -> KvCapacity:
+        """vLLM-CPU's sizing, capped by what the engine can use (worker_svc/cpu_kv_budget)."""
+        runner = self._require_runner()
+        assert self.config is not None
+        block_size = self.config.block_size
+        spec = runner.kv_cache_spec
+        max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
+        budget = cpu_kv_budget(
+            kv_cache_memory_bytes, spec.bytes_per_block(block_size), shape, os.environ
+        )
+        logger.info("KV cache on CPU: %.3f GiB, %s", budget.num_bytes / (1 << 30), budget.reason)
+        return kv_capacity(spec, block_size, budget.num_bytes)
 
     def _cuda_kv_budget(self, utilization: float, block_size: int) -> int:
         """utilization x total memory - (weights + peak activations + memory outside torch).
