@@ -51,6 +51,7 @@ class CoreConfig(TransportConfig):
     scheduling_policy: str = "fcfs"
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
+    disable_chunked_mm_input: bool = False
     attention_backend: str = "auto"
     distributed_init_method: str = ""
     host: str = LOOPBACK
@@ -185,6 +186,12 @@ def build_parser() -> FlagParser:
         default=0,
         help="most prompt tokens waiting to be scheduled; more are refused like "
         "--max-num-queued-reqs (0: unlimited)",
+    )
+    p.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="multimodal models: never split an image's placeholder tokens over two steps "
+        "(by default a chunk may end inside an image whose encoder output is cached)",
     )
     p.add_argument(
         "--attention-backend",

@@ -54,6 +54,7 @@ def engine_info(config: CoreConfig, facts: ModelFacts) -> core_pb2.EngineInfo:
         enable_prefix_caching=config.enable_prefix_caching,
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
     )
 
 
@@ -112,6 +113,8 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) 
         vocab_size=facts.vocab_size,
         max_num_queued_reqs=config.max_num_queued_reqs,
         max_num_queued_tokens=config.max_num_queued_tokens,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
+        disable_chunked_mm_input=config.disable_chunked_mm_input,
     )
     cache = CacheConfig(
         num_blocks=facts.num_kv_blocks,

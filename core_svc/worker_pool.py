@@ -59,6 +59,8 @@ class ModelFacts:
     sliding_window: int = 0
     device_type: str = ""
     """Rank 0's device ("cpu", "cuda"), from Describe."""
+    max_tokens_per_mm_item: int = 0
+    """Most placeholder tokens of one image; 0 for a text-only model."""
 
 
 class WorkerPool:
@@ -203,7 +205,8 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
-            min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
+            sliding_window=min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
+            max_tokens_per_mm_item=first.max_tokens_per_mm_item,
         )
 
     async def close(self) -> None:

@@ -172,6 +172,7 @@ class AsyncEngine:
                 request.eos_token_id,
                 request.priority,
                 request.cache_salt,
+                request.mm_features,
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(

@@ -41,7 +41,11 @@ def read_model_files(config: FrontendConfig) -> ModelFiles:
     """The tokenizer and generation config that --model, --revision, --tokenizer and
     --generation-config name."""
     return load_model_files(
-        config.model, config.revision, config.tokenizer, config.generation_config
+        config.model,
+        config.revision,
+        config.tokenizer,
+        config.generation_config,
+        config.media_limits,
     )
 
 

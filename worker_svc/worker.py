@@ -28,7 +28,7 @@ from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class
+from worker_svc.models.registry import model_class, read_model_config
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
@@ -101,6 +101,8 @@ class LoadedModel:
     head_dim: int
     sliding_window: int = 0
     """The window every layer attends within (0: some layer attends fully)."""
+    max_tokens_per_mm_item: int = 0
+    """Placeholder tokens of one image; 0 for a text-only model."""
 
 
 def resolve_device(requested: str, rank: int = 0) -> torch.device:
@@ -177,7 +179,7 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
-        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        model_config = read_model_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
@@ -251,6 +253,9 @@ class Worker:
             num_kv_heads=backend.num_kv_heads,
             head_dim=model_config.head_dim,
             sliding_window=model_config.kv_sliding_window or 0,
+            max_tokens_per_mm_item=(
+                model_config.vision.num_image_tokens if model_config.vision is not None else 0
+            ),
         )
 
     def _require_runner(self) -> ModelRunner:

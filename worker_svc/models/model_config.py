@@ -19,6 +19,7 @@ from worker_svc.models.rope_config import (
     RopeConfig,
     layer_type_rope_configs,
 )
+from worker_svc.models.vision_config import LlavaVisionConfig
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "MoeConfig", "RopeConfig", "parse_dtype"]
 
@@ -100,6 +101,8 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     """Rope of the sliding-window layers when it differs (Gemma 3's local base frequency)."""
     moe: MoeConfig | None = None
+    vision: LlavaVisionConfig | None = None
+    """A LLaVA model's vision tower and projector (models/llava.py); None for text-only."""
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (None: full attention)."""

@@ -83,6 +83,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "Phi3ForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "LlavaForConditionalGeneration",
         "Qwen3MoeForCausalLM",
     } == set(SUPPORTED_ARCHITECTURES)
 
