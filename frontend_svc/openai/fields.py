@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import types
 from collections.abc import Callable
 from typing import Any, Union, get_args, get_origin
@@ -68,7 +69,16 @@ def as_float(value: Any, name: str) -> float:
         raise _wrong(name, "a number", value)
     if not math.isfinite(value):
         raise InvalidRequest(f"`{name}` must be a finite number", name)
-    return float(value)
+    return as_float32(value, name)
+
+
+def as_float32(value: float, name: str) -> float:
+    """`value` as the contract carries it (a 32-bit float), so the checks see what the engine
+    gets: 1e-130 is 0.0 there, and 1e39 does not fit."""
+    (rounded,) = struct.unpack("f", struct.pack("f", value))
+    if not math.isfinite(rounded):
+        raise InvalidRequest(f"`{name}` is too large ({value:g}; the largest is 3.4e38)", name)
+    return float(rounded)
 
 
 def as_str(value: Any, name: str) -> str:
