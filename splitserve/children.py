@@ -4,7 +4,8 @@ stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tes
 benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
-tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout.
+tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout, and
+optionally frontend_flags (more `splitserve frontend` flags, e.g. --max-inflight-requests).
 With a LocalPki every internal hop is mutual TLS; without, plaintext.
 """
 
@@ -179,6 +180,7 @@ def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | Non
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
         *("--log-level", args.log_level),
         *_drain_flags(args),
+        *getattr(args, "frontend_flags", []),
     ]
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
     frontend = _spawn("frontend", "frontend", argv, f"{args.host}:{port}", fe_metrics, pki, env)

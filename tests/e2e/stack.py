@@ -24,7 +24,8 @@ KV_BYTES = str(64 * 1024 * 1024)
 
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
-    plaintext unless `pki` gives their certificates; `api_key` guards the frontend."""
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
+    `frontend_flags` go to every frontend (e.g. --max-inflight-requests)."""
 
     def __init__(
         self,
@@ -36,12 +37,14 @@ class Stack:
         api_key: str = "",
         revision: str = "",
         generation_config: str = "auto",
+        frontend_flags: list[str] | None = None,
     ):
         self.model = model
         self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
+        self.frontend_flags = list(frontend_flags or [])
         self.children: list[Child] = []
 
     def _args(self, **overrides: object) -> argparse.Namespace:
@@ -57,6 +60,7 @@ class Stack:
             http_port=0,
             api_key=self.api_key,
             log_level="warning",
+            frontend_flags=self.frontend_flags,
         )
         vars(args).update(overrides)
         return args
