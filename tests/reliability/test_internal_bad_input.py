@@ -44,10 +44,10 @@ def _address(stack: Stack, method: str) -> str:
 
 @pytest.mark.parametrize("case", RPC_CASES, ids=lambda c: c.id)
 def test_internal_calls_get_their_status_and_the_engine_keeps_serving(
-    module_stack: Stack, case: RpcCase
+    shared_stack: Stack, case: RpcCase
 ) -> None:
     payload = case.request if isinstance(case.request, bytes) else case.request.SerializeToString()
-    with grpc.insecure_channel(_address(module_stack, case.method)) as channel:
+    with grpc.insecure_channel(_address(shared_stack, case.method)) as channel:
         if case.kind == "stream":
             call = channel.stream_stream(case.method)
             err = call_error(lambda: call(iter([payload]), timeout=60, metadata=case.metadata))
@@ -61,7 +61,7 @@ def test_internal_calls_get_their_status_and_the_engine_keeps_serving(
         assert err.code() == case.code, err.details()
         assert case.fragment in (err.details() or ""), err.details()
         assert_proper_status(err)
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
 
 
 def run_stream(
@@ -96,10 +96,10 @@ def _add(*requests: core_pb2.EngineCoreRequest) -> core_pb2.EngineStreamRequest:
 
 
 @pytest.mark.parametrize("case", ADD_CASES, ids=lambda c: c.id)
-def test_a_bad_request_on_the_core_stream_fails_alone(module_stack: Stack, case: AddCase) -> None:
+def test_a_bad_request_on_the_core_stream_fails_alone(shared_stack: Stack, case: AddCase) -> None:
     bad = core_request(BAD_HANDLE, case)
     valid = core_request(VALID_HANDLE)
-    outputs = run_stream(module_stack.core, [_add(valid, bad)], 2)
+    outputs = run_stream(shared_stack.core, [_add(valid, bad)], 2)
     finished = {d.request_handle: d for d in outputs}
     assert finished[VALID_HANDLE].finish_reason == LENGTH, finished[VALID_HANDLE]
     outcome = finished[bad.request_handle]
@@ -108,11 +108,11 @@ def test_a_bad_request_on_the_core_stream_fails_alone(module_stack: Stack, case:
         assert case.fragment in outcome.error_message
     else:
         assert outcome.finish_reason == LENGTH, outcome
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
 
 
 def test_aborts_of_unknown_handles_empty_messages_and_pings_are_harmless(
-    module_stack: Stack,
+    shared_stack: Stack,
 ) -> None:
     messages = [
         core_pb2.EngineStreamRequest(),
@@ -120,15 +120,15 @@ def test_aborts_of_unknown_handles_empty_messages_and_pings_are_harmless(
         core_pb2.EngineStreamRequest(ping=core_pb2.Ping(ping_id=2**64 - 1)),
         _add(core_request(VALID_HANDLE)),
     ]
-    (finished,) = run_stream(module_stack.core, messages, 1)
+    (finished,) = run_stream(shared_stack.core, messages, 1)
     assert (finished.request_handle, finished.finish_reason) == (VALID_HANDLE, LENGTH)
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
 
 
-def test_a_handle_used_twice_refuses_the_second_only(module_stack: Stack) -> None:
+def test_a_handle_used_twice_refuses_the_second_only(shared_stack: Stack) -> None:
     first, second = core_request(VALID_HANDLE), core_request(VALID_HANDLE)
     first.max_tokens = 40
-    refused, served = run_stream(module_stack.core, [_add(first, second)], 2)
+    refused, served = run_stream(shared_stack.core, [_add(first, second)], 2)
     assert refused.finish_reason == ERROR and "already in use" in refused.error_message
     assert served.finish_reason == LENGTH
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)

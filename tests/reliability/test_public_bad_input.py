@@ -47,8 +47,8 @@ REASONS = {INVALID: "INVALID_REQUEST", NOT_FOUND: "MODEL_NOT_FOUND"}
 
 
 @pytest.fixture(scope="module")
-def channel(module_stack: Stack) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(module_stack.frontend) as ch:
+def channel(shared_stack: Stack) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(shared_stack.frontend) as ch:
         info = gen_grpc.GenerationServiceStub(ch).GetModelInfo(
             gen_pb2.GetModelInfoRequest(), timeout=30
         )
@@ -72,7 +72,7 @@ def test_the_table_has_the_cases_the_issue_asks_for() -> None:
 
 @pytest.mark.parametrize("case", REFUSED, ids=lambda c: c.id)
 def test_bad_input_is_refused_and_the_engine_keeps_serving(
-    module_stack: Stack, channel: grpc.Channel, case: Case
+    shared_stack: Stack, channel: grpc.Channel, case: Case
 ) -> None:
     err = call_error(lambda: invoke(channel, case.rpc, case.request))
     assert err is not None, f"{case.id} was served"
@@ -85,19 +85,19 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(
         assert status.reason == REASONS[case.code]
     if case.field:
         assert status.fields == [case.field]
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_edges_vllm_accepts_are_served(
-    module_stack: Stack, channel: grpc.Channel, name: str
+    shared_stack: Stack, channel: grpc.Channel, name: str
 ) -> None:
     request = ACCEPTED[name]
     completions = join(invoke(channel, "Generate", request))
     assert sorted(completions) == list(range(request.sampling_params.n or 1))
     for completion in completions.values():
         assert completion.finish_reason in FINISHED and completion.token_ids
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
 
 
 def test_seed_minus_one_is_a_seed_not_unset(channel: grpc.Channel) -> None:
@@ -173,15 +173,15 @@ HTTP_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(HTTP_CASES))
-def test_bad_http_bodies_get_openai_errors(module_stack: Stack, name: str) -> None:
+def test_bad_http_bodies_get_openai_errors(shared_stack: Stack, name: str) -> None:
     method, path, body, code, fragment = HTTP_CASES[name]
     payload: bytes | Iterator[bytes] | None = body
     if name == "chunked-over-the-limit":
         payload = _chunked(MAX_BODY_BYTES + MIB)
     if name == "length-over-the-limit":
         payload = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
-    status, reply = http_call(module_stack.http, method, path, payload)
+    status, reply = http_call(shared_stack.http, method, path, payload)
     assert status == code, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["code"] == code and fragment in reply["error"]["message"]
-    assert_serving_and_idle(module_stack)
+    assert_serving_and_idle(shared_stack)
