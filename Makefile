@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -75,6 +75,11 @@ bench: setup-dev
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
+
+# A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
+# RSS grows more than 50 MB after the warm-up. Not part of `make test`. SOAK_ARGS="--duration 60"
+soak: setup-dev
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
