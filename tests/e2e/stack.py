@@ -18,6 +18,7 @@ from splitserve.children import (
 from splitserve.local_pki import LocalPki
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
 
 KV_BYTES = str(64 * 1024 * 1024)
 
@@ -38,6 +39,7 @@ class Stack:
         revision: str = "",
         generation_config: str = "auto",
         frontend_flags: list[str] | None = None,
+        frontend_probe: ChannelSecurity | None = None,
     ):
         self.model = model
         self.revision, self.generation_config = revision, generation_config
@@ -45,6 +47,8 @@ class Stack:
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.frontend_flags = list(frontend_flags or [])
+        self.frontend_probe = frontend_probe
+        """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
 
     def _args(self, **overrides: object) -> argparse.Namespace:
@@ -67,6 +71,8 @@ class Stack:
 
     def start(self, timeout: float = 240.0) -> Stack:
         self.children = start_children(self._args(), self.core_flags, self.pki)
+        if self.frontend_probe is not None:
+            self.child("frontend").probe = self.frontend_probe
         try:
             wait_ready(self.children, timeout)
         except Exception:
