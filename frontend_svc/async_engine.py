@@ -119,12 +119,17 @@ class AsyncEngine:
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         children = self._add(request, queue, arrival or time.monotonic())
         remaining = set(children.values())
+        lengths: list[int] = []  # completion_tokens of each finished index
         try:
             while remaining:
                 first = await queue.get()
                 for item in _drain(first, queue) if coalesce else (first,):
                     if isinstance(item, Exception):
                         raise item
+                    if item.is_finished:
+                        lengths.append(item.completion_tokens)
+                        if len(lengths) == request.params.n:
+                            self.metrics.on_parent_finished(max(lengths))
                     yield item
                     if item.is_finished:
                         remaining.discard(children[item.index])

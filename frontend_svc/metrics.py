@@ -174,6 +174,11 @@ class FrontendMetrics:
             "Histogram of the max_tokens request parameter.",
             lengths,
         )
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            lengths,
+        )
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -239,6 +244,10 @@ class FrontendMetrics:
     def on_request(self, n: int, max_tokens: int) -> None:
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
+
+    def on_parent_finished(self, max_num_generation_tokens: int) -> None:
+        """Every one of a request's n completions finished; the longest had this many tokens."""
+        self.max_num_generation_tokens.observe(max_num_generation_tokens)
 
     def on_output(
         self,

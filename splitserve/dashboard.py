@@ -1,375 +1,155 @@
-"""The Grafana dashboard shipped in the Helm chart, generated from this file.
+"""The Grafana dashboard shipped in the Helm chart, built with grafana-foundation-sdk.
 
-`python -m splitserve.dashboard > helm/splitserve/dashboards/splitserve.json` rewrites it; a test
-checks that the committed JSON equals this output. Panels follow vLLM's reference dashboard
-(so its users see the same graphs), plus splitserve's own: the cost of each gRPC hop, the worker
-step split, and gRPC status codes.
+`make dashboard` (`python -m splitserve.dashboard --output helm/splitserve/dashboards/
+splitserve.json`) rewrites the committed JSON; a test fails when it differs from `build()`. What
+the panels show lives in splitserve/dashboard_panels.py; this module lays them out as Grafana
+rows and panels with the variables every query filters on: the Prometheus data source,
+`model_name`, `engine` and `pod`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-SEL = '{model_name="$model_name"}'
-RATE = "[$__rate_interval]"
-QUANTILES = (0.99, 0.95, 0.9, 0.5)
-WIDTH, HEIGHT = 12, 8
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as builders
+from grafana_foundation_sdk.builders import heatmap, prometheus, timeseries
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as models
+from grafana_foundation_sdk.models import prometheus as prometheus_models
+
+from splitserve.dashboard_panels import ROWS, PanelSpec
+
+JSON_PATH = Path(__file__).resolve().parents[1] / "helm/splitserve/dashboards/splitserve.json"
+DATASOURCE = models.DataSourceRef(type_val="prometheus", uid="${DS_PROMETHEUS}")
+HEIGHT = 8
+VARIABLES = (
+    ("model_name", "label_values(vllm:num_requests_running, model_name)", False),
+    ("engine", 'label_values(vllm:num_requests_running{model_name="$model_name"}, engine)', True),
+    ("pod", 'label_values({model_name="$model_name", engine=~"$engine"}, pod)', True),
+)
+"""(name, query, is_multi) of each query variable, in the order Grafana resolves them. A multi
+variable offers All, which matches every value, and series without the label too."""
 
 
-def _target(expr: str, legend: str, ref: int, fmt: str = "time_series") -> dict[str, Any]:
-    return {
-        "datasource": DS,
-        "expr": expr,
-        "legendFormat": legend,
-        "refId": chr(65 + ref),
-        "format": fmt,
-        "range": True,
-    }
-
-
-def _quantiles(metric: str, by: str = "") -> list[tuple[str, str]]:
-    group = f"le, {by}" if by else "le"
-    legend_suffix = f" {{{{{by}}}}}" if by else ""
-    exprs = [
-        (
-            f"histogram_quantile({q}, sum by({group}) (rate({metric}_bucket{SEL}{RATE})))",
-            f"P{int(q * 100)}{legend_suffix}",
+def _variables() -> list[Builder[models.VariableModel]]:
+    found: list[Builder[models.VariableModel]] = [
+        builders.DatasourceVariable("DS_PROMETHEUS").label("datasource").type("prometheus")
+    ]
+    for name, query, is_multi in VARIABLES:
+        variable = (
+            builders.QueryVariable(name)
+            .label(name)
+            .datasource(DATASOURCE)
+            .query(query)
+            .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(models.VariableSort.ALPHABETICAL_ASC)
         )
-        for q in QUANTILES
-    ]
-    if not by:
-        exprs.append(
-            (f"rate({metric}_sum{SEL}{RATE}) / rate({metric}_count{SEL}{RATE})", "Average")
+        if is_multi:
+            variable = variable.multi(True).include_all(True).all_value(".*")
+        found.append(variable)
+    return found
+
+
+def _legend() -> common_builders.VizLegendOptions:
+    return (
+        common_builders.VizLegendOptions()
+        .display_mode(common.LegendDisplayMode.LIST)
+        .placement(common.LegendPlacement.BOTTOM)
+        .show_legend(True)
+    )
+
+
+def _panel(spec: PanelSpec, panel_id: int) -> timeseries.Panel | heatmap.Panel:
+    is_heatmap = spec.kind == "heatmap"
+    panel: timeseries.Panel | heatmap.Panel
+    if is_heatmap:
+        panel = heatmap.Panel().calculate(False).show_legend().show_tooltip()
+    else:
+        panel = timeseries.Panel().legend(_legend())
+    panel = (
+        panel.id(panel_id)
+        .title(spec.title)
+        .description(spec.description)
+        .datasource(DATASOURCE)
+        .unit(spec.unit)
+        .height(HEIGHT)
+        .span(spec.width)
+    )
+    for i, query in enumerate(spec.queries):
+        target = (
+            prometheus.Dataquery()
+            .ref_id(chr(ord("A") + i))
+            .expr(query.expr)
+            .legend_format(query.legend)
+            .range()
         )
-    return exprs
-
-
-def _panel(
-    title: str, description: str, exprs: list[tuple[str, str]], unit: str, kind: str = "timeseries"
-) -> dict[str, Any]:
-    fmt = "heatmap" if kind == "heatmap" else "time_series"
-    return {
-        "type": kind,
-        "title": title,
-        "description": description,
-        "datasource": DS,
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
-        "targets": [_target(e, legend, i, fmt) for i, (e, legend) in enumerate(exprs)],
-    }
-
-
-def vllm_panels() -> list[dict[str, Any]]:
-    """The panels of vLLM's reference dashboard, on the same metric names."""
-    return [
-        _panel(
-            "E2E Request Latency",
-            "End-to-end latency, on the frontend's clock.",
-            _quantiles("vllm:e2e_request_latency_seconds"),
-            "s",
-        ),
-        _panel(
-            "Token Throughput",
-            "Prompt and generation tokens per second.",
-            [
-                (f"rate(vllm:prompt_tokens_total{SEL}{RATE})", "Prompt Tokens/s"),
-                (f"rate(vllm:generation_tokens_total{SEL}{RATE})", "Generation Tokens/s"),
-            ],
-            "none",
-        ),
-        _panel(
-            "Inter Token Latency",
-            "Time between engine steps that gave a request tokens.",
-            _quantiles("vllm:inter_token_latency_seconds"),
-            "s",
-        ),
-        _panel(
-            "Scheduler State",
-            "Requests running and waiting in the engine core.",
-            [
-                (f"vllm:num_requests_running{SEL}", "Num Running"),
-                (f"vllm:num_requests_waiting{SEL}", "Num Waiting"),
-            ],
-            "none",
-        ),
-        _panel(
-            "Time To First Token Latency",
-            "Arrival at the frontend to the first token.",
-            _quantiles("vllm:time_to_first_token_seconds"),
-            "s",
-        ),
-        _panel(
-            "Cache Utilization",
-            "Fraction of KV-cache blocks in use.",
-            [(f"vllm:kv_cache_usage_perc{SEL}", "KV Cache Usage")],
-            "percentunit",
-        ),
-        _panel(
-            "Request Prompt Length",
-            "Prompt tokens per finished request.",
-            [(f"sum by(le) (increase(vllm:request_prompt_tokens_bucket{SEL}{RATE}))", "{{le}}")],
-            "none",
-            "heatmap",
-        ),
-        _panel(
-            "Request Generation Length",
-            "Generated tokens per finished request.",
-            [
-                (
-                    f"sum by(le) (increase(vllm:request_generation_tokens_bucket{SEL}{RATE}))",
-                    "{{le}}",
-                )
-            ],
-            "none",
-            "heatmap",
-        ),
-        _panel(
-            "Finish Reason",
-            "Finished requests by reason.",
-            [
-                (
-                    f"sum by(finished_reason) (increase(vllm:request_success_total{SEL}{RATE}))",
-                    "{{finished_reason}}",
-                )
-            ],
-            "none",
-        ),
-        _panel(
-            "Queue Time",
-            "Seconds requests spent waiting, per second.",
-            [(f"rate(vllm:request_queue_time_seconds_sum{SEL}{RATE})", "Queue Time")],
-            "s",
-        ),
-        _panel(
-            "Requests Prefill and Decode Time",
-            "Seconds in prefill and decode, per second.",
-            [
-                (f"rate(vllm:request_prefill_time_seconds_sum{SEL}{RATE})", "Prefill"),
-                (f"rate(vllm:request_decode_time_seconds_sum{SEL}{RATE})", "Decode"),
-            ],
-            "s",
-        ),
-        _panel(
-            "Time Per Output Token",
-            "Per request: decode time / (tokens - 1).",
-            _quantiles("vllm:request_time_per_output_token_seconds"),
-            "s",
-        ),
-        _panel(
-            "Prefix Cache Hit Rate",
-            "Prompt tokens served from the prefix cache.",
-            [
-                (
-                    f"rate(vllm:prefix_cache_hits_total{SEL}{RATE}) / "
-                    f"clamp_min(rate(vllm:prefix_cache_queries_total{SEL}{RATE}), 1)",
-                    "Hit Rate",
-                )
-            ],
-            "percentunit",
-        ),
-        _panel(
-            "Preemptions",
-            "Requests preempted (KV blocks ran out), per second.",
-            [(f"rate(vllm:num_preemptions_total{SEL}{RATE})", "Preemptions/s")],
-            "none",
-        ),
-        _panel(
-            "Tokens per Engine Step",
-            "Prompt + generation tokens scheduled per step.",
-            _quantiles("vllm:iteration_tokens_total")[:3],
-            "none",
-        ),
-        _panel(
-            "Request Parameters",
-            "n and max_tokens of incoming requests.",
-            [
-                (
-                    f"rate(vllm:request_params_n_sum{SEL}{RATE}) / "
-                    f"rate(vllm:request_params_n_count{SEL}{RATE})",
-                    "mean n",
-                ),
-                (
-                    f"rate(vllm:request_params_max_tokens_sum{SEL}{RATE}) / "
-                    f"rate(vllm:request_params_max_tokens_count{SEL}{RATE})",
-                    "mean max_tokens",
-                ),
-            ],
-            "none",
-        ),
-    ]
-
-
-def splitserve_panels() -> list[dict[str, Any]]:
-    """What only a split design shows: each hop, each worker, each RPC."""
-    return [
-        _panel(
-            "Frontend <-> Core Round Trip",
-            "Ping RTT over the EngineStream (frontend clock).",
-            _quantiles("splitserve_frontend_core_rtt_seconds"),
-            "s",
-        ),
-        _panel(
-            "Core <-> Worker Hop per Step",
-            "Step round trip minus the worker's own step time (core clock).",
-            _quantiles("splitserve_core_worker_hop_seconds"),
-            "s",
-        ),
-        _panel(
-            "Core <-> Worker Step Round Trip",
-            "SchedulerOutput out to ModelRunnerOutput back.",
-            _quantiles("splitserve_core_worker_rtt_seconds"),
-            "s",
-        ),
-        _panel(
-            "Per-Message Hop Latency",
-            "Core: outputs handed to a stream until written; frontend: processing per message.",
-            [
-                (
-                    f"histogram_quantile(0.99, sum by(le) (rate("
-                    f"splitserve_core_output_send_seconds_bucket{SEL}{RATE})))",
-                    "core send P99",
-                ),
-                (
-                    f"histogram_quantile(0.99, sum by(le) (rate("
-                    f"splitserve_frontend_output_processing_seconds_bucket{SEL}{RATE})))",
-                    "frontend processing P99",
-                ),
-            ],
-            "s",
-        ),
-        _panel(
-            "Worker Step Time by Phase",
-            "P90 of prepare inputs / forward / sample per rank.",
-            [
-                (
-                    f"histogram_quantile(0.9, sum by(le, phase, rank) (rate("
-                    f"splitserve_worker_step_seconds_bucket{SEL}{RATE})))",
-                    "{{phase}} rank {{rank}}",
-                )
-            ],
-            "s",
-        ),
-        _panel(
-            "Worker KV Blocks in Use",
-            "Blocks referenced by live requests, per rank.",
-            [(f"splitserve_worker_kv_blocks_used{SEL}", "rank {{rank}}")],
-            "none",
-        ),
-        _panel(
-            "gRPC Requests by Method and Code",
-            "RPCs completed per second, all services.",
-            [
-                (
-                    f"sum by(grpc_method, grpc_code) (rate(splitserve_grpc_server_handled_total{RATE}))",
-                    "{{grpc_method}} {{grpc_code}}",
-                )
-            ],
-            "reqps",
-        ),
-        _panel(
-            "Stream Reconnects and Open Streams",
-            "Frontend reconnects to the core; frontends connected to the core.",
-            [
-                (f"increase(splitserve_frontend_core_reconnects_total{SEL}{RATE})", "reconnects"),
-                (f"splitserve_core_frontend_streams{SEL}", "open streams"),
-            ],
-            "none",
-        ),
-    ]
-
-
-def _layout(panels: list[dict[str, Any]], first_id: int, top: int) -> int:
-    for i, panel in enumerate(panels):
-        panel["id"] = first_id + i
-        panel["gridPos"] = {
-            "h": HEIGHT,
-            "w": WIDTH,
-            "x": (i % 2) * WIDTH,
-            "y": top + (i // 2) * HEIGHT,
-        }
-    return top + ((len(panels) + 1) // 2) * HEIGHT
-
-
-def _row(title: str, panel_id: int, top: int) -> dict[str, Any]:
-    return {
-        "type": "row",
-        "title": title,
-        "id": panel_id,
-        "collapsed": False,
-        "panels": [],
-        "gridPos": {"h": 1, "w": 24, "x": 0, "y": top},
-    }
-
-
-def templating() -> dict[str, Any]:
-    return {
-        "list": [
-            {
-                "name": "DS_PROMETHEUS",
-                "label": "datasource",
-                "type": "datasource",
-                "query": "prometheus",
-                "current": {},
-                "hide": 0,
-                "refresh": 1,
-            },
-            {
-                "name": "model_name",
-                "label": "model_name",
-                "type": "query",
-                "datasource": DS,
-                "definition": "label_values(vllm:num_requests_running, model_name)",
-                "query": {
-                    "query": "label_values(vllm:num_requests_running, model_name)",
-                    "refId": "model_name",
-                },
-                "current": {},
-                "hide": 0,
-                "refresh": 2,
-                "includeAll": False,
-                "multi": False,
-            },
-        ]
-    }
+        if is_heatmap:
+            target = target.format(prometheus_models.PromQueryFormat.HEATMAP)
+        panel = panel.with_target(target)
+    return panel
 
 
 def build() -> dict[str, Any]:
-    vllm, split = vllm_panels(), splitserve_panels()
-    top = _layout(vllm, 2, 1)
-    _layout(split, 2 + len(vllm) + 1, top + 1)
-    rows = [
-        _row("vLLM", 1, 0),
-        *vllm,
-        _row("splitserve: hops and workers", 2 + len(vllm), top),
-        *split,
-    ]
-    return {
-        "title": "splitserve",
-        "uid": "splitserve",
-        "editable": True,
-        "schemaVersion": 39,
-        "version": 1,
-        "tags": ["splitserve", "vllm"],
-        "timezone": "browser",
-        "time": {"from": "now-30m", "to": "now"},
-        "refresh": "10s",
-        "templating": templating(),
-        "panels": rows,
-        "annotations": {"list": []},
-    }
+    """The dashboard as Grafana JSON (a dict, as committed)."""
+    board = (
+        builders.Dashboard("splitserve")
+        .uid("splitserve")
+        .description("vLLM's panels, errors, the hops of the split stack and recovery.")
+        .tags(["splitserve", "vllm"])
+        .editable()
+        .timezone("browser")
+        .time("now-30m", "now")
+        .refresh("10s")
+        .variables(_variables())
+    )
+    next_id = 1
+    for row in ROWS:  # expanded rows: their panels follow them on the dashboard's top level
+        board = board.with_row(builders.Row(row.title).id(next_id).collapsed(False))
+        for panel in row.panels:
+            next_id += 1
+            board = board.with_panel(_panel(panel, next_id))
+        next_id += 1
+    encoded: dict[str, Any] = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    return encoded
 
 
-def expressions(dashboard: dict[str, Any]) -> list[str]:
-    """Every PromQL expression in a dashboard."""
-    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
 
 
-def main() -> int:
-    json.dump(build(), sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
+def expressions(board: dict[str, Any]) -> list[str]:
+    """Every PromQL expression of a dashboard's panels (rows' panels included)."""
+    return [target["expr"] for panel in panels(board) for target in panel.get("targets", [])]
+
+
+def panels(board: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel that is not a row, in order (a row's own panels follow it)."""
+    found: list[dict[str, Any]] = []
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            found += panel.get("panels", [])
+        else:
+            found.append(panel)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write splitserve's Grafana dashboard JSON.")
+    parser.add_argument("--output", type=Path, help=f"file to write (e.g. {JSON_PATH})")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text)
     return 0
 
 

@@ -4,7 +4,8 @@ Every route goes through `_route`, which authenticates /v1/* routes (on the rout
 on a rebuilt URL), turns FrontendError into OpenAI's error JSON with its HTTP status (429 adds
 Retry-After) and anything unexpected into a logged 500, so no request body can take the server
 down. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
-a stream is cancelled by Starlette when its client goes away.
+a stream is cancelled by Starlette when its client goes away. Every other request is counted in
+vLLM's HTTP metrics (prometheus-fastapi-instrumentator, as vLLM does).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -35,6 +37,8 @@ from frontend_svc.openai.sse import error_body, guarded
 logger = logging.getLogger(__name__)
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[Request], Awaitable[Response]]
+UNMEASURED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
+"""Probes and scrapes, left out of the HTTP request metrics (vLLM leaves out the same)."""
 
 
 def error_response(err: FrontendError) -> JSONResponse:
@@ -139,4 +143,8 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         Route(path, _route(handler, api_key, protected), methods=methods)
         for path, methods, handler, protected in table
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    # vLLM's HTTP metrics: http_requests_total{handler,method,status="2xx|4xx|5xx"} and the
+    # http_request_duration_seconds / _size_bytes histograms, on the same registry.
+    Instrumentator(excluded_handlers=UNMEASURED_PATHS, registry=registry).instrument(app)
+    return app

@@ -363,3 +363,57 @@ def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
         [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_requests_waiting_alert_counts_an_engine_once(tmp_path: Path) -> None:
+    """The core and every frontend export the engine's vllm:num_requests_waiting on the same
+    labels: a core with 30 waiting behind two frontends is 30, not 90 (promtool test rules)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    values = {"metrics": {"prometheusRule": {"enabled": True}}}
+    rule = render(values).of_kind("PrometheusRule")[0]
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
+    labels = 'model_name="m", engine="0", namespace="llm", service="splitserve-metrics"'
+    series = [
+        {"series": f'vllm:num_requests_waiting{{{labels}, pod="{pod}"}}', "values": f"{n}x10"}
+        for pod, n in (("core", 30), ("frontend-a", 30), ("frontend-b", 30))
+    ]
+    engine = {"model_name": "m", "engine": "0", "severity": "warning"}
+    notes = {
+        "summary": "More than 50 requests are waiting in engine 0 (m)",
+        "description": "vllm:num_requests_waiting has been 60 for 5m; the engine is saturated.",
+    }
+    test = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "10m", "alertname": "SplitserveRequestsWaiting", "exp_alerts": []}
+                ],
+            },
+            {
+                "interval": "1m",
+                "input_series": [{**s, "values": "60x10"} for s in series],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "10m",
+                        "alertname": "SplitserveRequestsWaiting",
+                        "exp_alerts": [{"exp_labels": engine, "exp_annotations": notes}],
+                    }
+                ],
+            },
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool, "test", "rules", "test.yml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

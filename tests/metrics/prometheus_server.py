@@ -17,7 +17,9 @@ SCRAPE_INTERVAL = "1s"
 
 
 class PrometheusServer:
-    """Started with a config that scrapes the given /metrics URLs; stopped by PID."""
+    """Started with a config that scrapes the given /metrics URLs; stopped by PID. Each target's
+    series get the label pod=<its job name>, as Prometheus Operator's ServiceMonitor gives them
+    the pod's name (the dashboard's `pod` variable)."""
 
     def __init__(self, targets: dict[str, str], workdir: Path) -> None:
         self.binary = shutil.which("prometheus")
@@ -38,7 +40,7 @@ class PrometheusServer:
                 {
                     "job_name": job,
                     "metrics_path": parsed.path,
-                    "static_configs": [{"targets": [parsed.netloc]}],
+                    "static_configs": [{"targets": [parsed.netloc], "labels": {"pod": job}}],
                 }
             )
         return json.dumps(
@@ -92,6 +94,15 @@ class PrometheusServer:
             body = json.load(reply)
         assert body["status"] == "success", body
         return list(body["data"]["result"])
+
+    def label_values(self, label: str, selector: str) -> list[str]:
+        """Values of `label` on the series `selector` matches (Grafana's label_values())."""
+        query = urllib.parse.urlencode({"match[]": selector})
+        url = f"{self.url}/api/v1/label/{label}/values?{query}"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            body = json.load(reply)
+        assert body["status"] == "success", body
+        return sorted(body["data"])
 
     def value(self, expr: str) -> float:
         """The single value of an instant query (summed over series)."""

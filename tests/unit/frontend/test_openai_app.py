@@ -5,6 +5,7 @@ over an engine stand-in."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import urllib.error
@@ -15,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, Overloaded
@@ -78,3 +80,28 @@ def test_refusals_map_to_status_and_sdk_class(server: tuple[str, str]) -> None:
     except urllib.error.HTTPError as exc:
         status = exc.code
     assert status == (200 if kind == "overloaded" else 503)
+
+
+def test_requests_are_counted_in_vllms_http_metrics(server: tuple[str, str]) -> None:
+    """http_requests_total{handler,method,status} as vLLM exports it: status grouped (4xx, 5xx),
+    probes and scrapes left out; on the app's own /metrics."""
+    kind, base = server
+    sdk = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError):
+            sdk.completions.create(model="m", prompt="hi", max_tokens=2)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"{base}/v1/no-such-route", timeout=10)
+    for path in ("/health", "/metrics"):  # /health is 503 when the engine is down: still a probe
+        with contextlib.suppress(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{base}{path}", timeout=10).close()
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    counted = {
+        (s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+        for s in families["http_requests"].samples
+        if s.name == "http_requests_total"
+    }
+    refused = "4xx" if kind == "overloaded" else "5xx"
+    assert counted == {("/v1/completions", "POST", refused): 2, ("none", "GET", "4xx"): 1}
+    assert "http_request_duration_seconds" in families
