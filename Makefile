@@ -82,7 +82,8 @@ bench: setup-dev
 	$(PY) -m benchmarks.serve_compare
 
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
-# RSS grows more than 50 MB after the warm-up. Not part of `make test`. SOAK_ARGS="--duration 60"
+# RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of
+# `make test`. SOAK_ARGS="--duration 60"
 soak: setup-dev
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 

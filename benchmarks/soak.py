@@ -5,6 +5,9 @@ Starts worker, core and frontend on loopback (splitserve.children, as `splitserv
 the tiny model unless --model), drives benchmarks/soak_load.py's mix (gRPC and HTTP, streaming,
 cancels, n > 1, bad requests) from --concurrency client loops for --duration seconds, and
 samples each service's resident memory (RSS, /proc/PID/status) every --sample-interval seconds.
+Before the warm-up it uses every KV block once (prompts of random token ids): on CPU the workers
+allocate their cache lazily (torch.empty), so its pages become resident as blocks are first used,
+and the first pass over the cache (its whole size, 256 MiB here) would read as growth.
 Fails (exit 1) when a service's RSS grew more than --max-rss-growth-mb from the end of the
 --warmup to the end, when any request got an unexpected outcome, or when a service died.
 """
@@ -18,8 +21,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from benchmarks.soak_load import SoakClients, client_loop
 from splitserve.children import Child, start_children, stop_children, wait_ready
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_runtime.flags import positive_int
 
 KV_CACHE_BYTES = str(256 * 1024 * 1024)
@@ -64,6 +73,41 @@ async def sample_rss(
         await asyncio.sleep(min(every, max(0.0, until - time.monotonic())))
 
 
+def core_address(children: list[Child]) -> str:
+    return next(c.address for c in children if c.kind == "core")
+
+
+def kv_cache_tokens(core: str) -> int:
+    """How many tokens the engine's KV cache holds (blocks x block size), from the core."""
+    with grpc.insecure_channel(core) as channel:
+        stub = core_grpc.EngineCoreServiceStub(channel)
+        reply = stub.Handshake(core_pb2.HandshakeRequest(client_name="soak"), timeout=30)
+    return int(reply.engine_info.num_kv_blocks) * int(reply.engine_info.block_size)
+
+
+async def fill_kv_cache(clients: SoakClients, num_tokens: int, concurrency: int = 4) -> int:
+    """Prefill prompts of random token ids (no prefix-cache hits) until they have used at least
+    `num_tokens` KV slots: freed blocks go to the back of the free queue, so every block is used
+    once. Returns the prompt tokens sent."""
+    info = await clients.stub.GetModelInfo(gen_pb2.GetModelInfoRequest(), timeout=60)
+    length = min(int(info.max_model_len) - 1, 2048)
+    num_prompts = -(-num_tokens // length) + 1
+    sampling = types_pb2.SamplingParams(max_tokens=1)
+
+    async def prefill(i: int) -> None:
+        while i < num_prompts:
+            ids = [clients.rng.randrange(3, int(info.vocab_size)) for _ in range(length)]
+            request = gen_pb2.GenerateRequest(
+                prompt_token_ids=gen_pb2.TokenIds(ids=ids), sampling_params=sampling
+            )
+            async for _ in clients.stub.Generate(request, timeout=600):
+                pass
+            i += concurrency
+
+    await asyncio.gather(*(prefill(i) for i in range(concurrency)))
+    return num_prompts * length
+
+
 def stack_args(model: str) -> argparse.Namespace:
     return argparse.Namespace(
         model=model,
@@ -87,6 +131,9 @@ async def soak(
     frontend = children[-1]
     clients = SoakClients(frontend.address, f"http://{frontend.http_address}")
     tracks = [RssTrack(c.name, c.process.pid) for c in children]
+    filled_at = time.monotonic()
+    num_filled = await fill_kv_cache(clients, kv_cache_tokens(core_address(children)))
+    print(f"KV cache: {num_filled} prompt tokens in {time.monotonic() - filled_at:.0f} s")
     started = time.monotonic()
     until = started + args.warmup + args.duration
     try:
@@ -112,6 +159,10 @@ def report(tracks: list[RssTrack], clients: SoakClients, args: argparse.Namespac
         print(f"{t.name:<10} {t.pid:>7} {first:>10.1f} {t.measured[0]:>14.1f} "
               f"{t.measured[-1]:>8.1f} {peak:>8.1f} {t.growth:>+8.1f}")  # fmt: skip
         is_ok = is_ok and t.growth <= args.max_rss_growth_mb
+    per_minute = max(1, round(60 / args.sample_interval))
+    for t in tracks:
+        series = " ".join(f"{v:.0f}" for v in t.measured[::per_minute])
+        print(f"{t.name:<10} RSS (MiB) each minute after the warm-up: {series}")
     total = sum(clients.outcomes.values())
     print(f"\n{total} requests ({total / (args.warmup + args.duration):.1f}/s):")
     for outcome, count in sorted(clients.outcomes.items()):
