@@ -80,6 +80,7 @@ bench: setup-dev
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
+	$(PY) -m benchmarks.detokenizer
 
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
 # RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of

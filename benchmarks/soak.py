@@ -121,7 +121,7 @@ def stack_args(model: str) -> argparse.Namespace:
         http_port=0,
         api_key="",
         log_level="warning",
-        frontend_flags=["--max-inflight-requests", "256"],
+        service_flags={"frontend": ["--max-inflight-requests", "256"]},
     )
 
 

@@ -12,8 +12,8 @@ from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
-from splitserve_runtime.log_config import LOG_LEVELS
-from splitserve_runtime.model_spec import add_model_arguments
+from splitserve_runtime.log_config import add_logging_flags
+from splitserve_runtime.model_spec import DTYPE_CHOICES, add_model_arguments, canonical_dtype
 from splitserve_runtime.services import CORE
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -61,7 +61,10 @@ class CoreConfig(TransportConfig):
     step_timeout_floor: float = 5.0
     step_timeout_multiple: float = 10.0
     shutdown_timeout: float = 30.0
+    enforce_eager: bool = False
+    log_stats_interval: float = 10.0
     log_level: str = "info"
+    log_format: str = "text"
 
     @property
     def world_size(self) -> int:
@@ -69,7 +72,11 @@ class CoreConfig(TransportConfig):
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(prog="splitserve core", description="Run the engine core service (vLLM's P1).")
+    p = FlagParser(
+        prog="splitserve core",
+        description="Run the engine core service (vLLM's P1).",
+        config_file=True,
+    )
     add_model_arguments(p, is_frontend=False)
     p.add_argument(
         "--worker-addrs",
@@ -85,13 +92,19 @@ def build_parser() -> FlagParser:
     )
     p.add_argument(
         "--tensor-parallel-size",
+        "-tp",
         "--tp",
         type=positive_int,
         default=1,
         help="tensor-parallel ranks per pipeline stage",
     )
     p.add_argument(
-        "--pipeline-parallel-size", "--pp", type=positive_int, default=1, help="pipeline stages"
+        "--pipeline-parallel-size",
+        "-pp",
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="pipeline stages",
     )
     p.add_argument(
         "--max-model-len",
@@ -134,8 +147,14 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="compute dtype of the workers",
+        choices=DTYPE_CHOICES,
+        help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
+        "CPU); half = float16, float = float32",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="always run the model eagerly in the workers: no compiled graphs",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workers' default generator")
     p.add_argument(
@@ -216,7 +235,19 @@ def build_parser() -> FlagParser:
         help="on SIGTERM, seconds running requests may take to finish (no new ones are "
         "admitted) before they are aborted",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the stats lines (throughput, running and waiting requests, KV "
+        "cache usage, prefix cache hit rate) logged while the engine is busy; 0 disables them",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats lines (vLLM's name; same as --log-stats-interval 0)",
+    )
+    add_logging_flags(p)
     add_internal_tls_flags(p, "the port the frontends call and the calls to the workers")
     add_listener_flags(p, reflection_default=False)
     return p
@@ -240,8 +271,14 @@ def parse_config(
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
     check_internal_tls(parser, args)
+    if args.log_stats_interval < 0:
+        parser.error("--log-stats-interval must be >= 0")
     values = vars(args)
+    values.pop("config", None)
     values["health_port"] = optional_port(args.health_port)
+    values["dtype"] = canonical_dtype(args.dtype)
+    if values.pop("disable_log_stats"):
+        values["log_stats_interval"] = 0.0
     if args.max_num_batched_tokens is None:
         values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port

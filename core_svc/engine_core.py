@@ -240,6 +240,8 @@ class EngineCore:
             num_scheduled_tokens=scheduler.num_scheduled_tokens,
             num_used_blocks=pool.get_num_used_blocks(),
             num_total_blocks=pool.num_usable_blocks,
+            num_prompt_tokens=scheduler.num_prompt_tokens,
+            num_generation_tokens=scheduler.num_generation_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

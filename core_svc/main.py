@@ -15,6 +15,7 @@ from core_svc.grpc_executor import GrpcExecutor
 from core_svc.metrics import CoreMetrics
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import ClientStreams, EngineCoreServicer
+from core_svc.stats_logger import StatsLogger, log_stats_every
 from core_svc.step_budget import StepBudget
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -68,14 +69,15 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
         facts.vocab_size,
     )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB per rank",
+        "KV cache: %d blocks x %d tokens, %.2f GiB per rank",
         facts.num_kv_blocks,
         config.block_size,
-        tokens,
         facts.kv_cache_bytes_per_rank / GIB,
     )
-    logger.info(
-        "maximum concurrency for %d-token requests: %.2fx",
+    logger.info(  # vLLM's wording: operators grep for it
+        "%s KV cache size: %d tokens, Maximum concurrency for %d tokens per request: %.2fx",
+        "CPU" if facts.device_type == "cpu" else "GPU",
+        tokens,
         facts.max_model_len,
         info.max_concurrency,
     )
@@ -183,12 +185,20 @@ async def serve(config: CoreConfig) -> int:
     proc.start()
     await host.start()
     await host.set_ready(True)
+    stats_task = None
+    if config.log_stats_interval > 0:
+        stats_logger = StatsLogger(config.engine_id, facts.device_type, time.monotonic())
+        stats_task = asyncio.create_task(
+            log_stats_every(config.log_stats_interval, stats_logger, lambda: proc.latest_stats)
+        )
 
     async def drain() -> None:
         await drain_engine(proc, config.shutdown_timeout)
         await servicer.close_streams()
 
     code = await host.run_until_stopped(on_shutdown=drain)
+    if stats_task is not None:
+        stats_task.cancel()
     await asyncio.to_thread(proc.stop, 10.0)
     await pool.close()
     return code
@@ -209,5 +219,5 @@ async def drain_engine(proc: EngineCoreProc, timeout: float) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    configure_logging(config.log_level, "core")
+    configure_logging(config.log_level, "core", config.log_format)
     return asyncio.run(serve(config))

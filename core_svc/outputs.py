@@ -80,6 +80,10 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    num_prompt_tokens: int = 0
+    """Cumulative: prompts whose first token was sampled (see Scheduler.num_prompt_tokens)."""
+    num_generation_tokens: int = 0
+    """Cumulative: tokens sampled."""
 
 
 @dataclass(slots=True)

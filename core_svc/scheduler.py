@@ -30,6 +30,8 @@ class StepUpdate:
     sampled_token_ids: list[int] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that sampled their first token in this step."""
 
 
 _RUNNING = RequestStatus.RUNNING
@@ -76,6 +78,11 @@ class Scheduler:
         """Tokens of the waiting requests (to compute when they are admitted)."""
         self.num_scheduled_tokens = 0
         """Tokens scheduled in the latest step."""
+        self.num_prompt_tokens = 0
+        """Prompt tokens of the requests that have sampled their first token (vLLM's prompt
+        throughput counts a prompt when its first token arrives), since the engine started."""
+        self.num_generation_tokens = 0
+        """Tokens sampled since the engine started."""
         self._scheduled_reqs: list[Request] = []
         """The latest step's requests, in num_scheduled_tokens order."""
 
@@ -232,6 +239,8 @@ class Scheduler:
         vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
         refused = self._fail_refused(model_runner_output.failed_reqs)
         update = self._append_sampled_tokens(scheduler_output, model_runner_output)
+        self.num_prompt_tokens += update.num_prompt_tokens
+        self.num_generation_tokens += len(update.sampled_token_ids)
         outputs = make_step_outputs(
             update.sampled_reqs, update.sampled_token_ids, model_runner_output
         )
@@ -289,6 +298,8 @@ class Scheduler:
                 )
                 update.failed.append(request)
                 continue
+            if not request.output_token_ids:
+                update.num_prompt_tokens += request.num_prompt_tokens
             request.output_token_ids.append(token)
             all_token_ids.append(token)
             if cache_blocks and len(all_token_ids) % block_size == 0:

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -56,6 +56,8 @@ class ModelFacts:
     attention_backend: str
     num_kv_blocks: int
     kv_cache_bytes_per_rank: int
+    device_type: str = ""
+    """Rank 0's device ("cpu", "cuda"), from Describe."""
 
 
 class WorkerPool:
@@ -138,8 +140,9 @@ class WorkerPool:
         attempt = 1
         while True:
             try:
-                await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
-                return await self.bring_up(config, model_path, served_model_name)
+                ranks = await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
+                facts = await self.bring_up(config, model_path, served_model_name)
+                return replace(facts, device_type=ranks[0].device_type)
             except WorkerBringUpError as err:
                 if not err.is_retryable or time.monotonic() + RETRY_DELAY_SECONDS > deadline:
                     raise
@@ -172,6 +175,7 @@ class WorkerPool:
                 block_size=config.block_size,
                 owner_epoch=self.owner_epoch,
                 revision=config.revision,
+                enforce_eager=config.enforce_eager,
             )
             for rank in range(world)
         ]

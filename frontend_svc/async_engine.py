@@ -19,7 +19,8 @@ from frontend_svc.engine_types import CoreOutputs, SchedulerStats
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, EngineRequest
+from frontend_svc.request_log import RequestLogger
+from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
 from splitserve_contracts import sampling_rules
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class AsyncEngine:
         """Set on shutdown: new requests are refused, running ones finish."""
         self.scheduler_stats = SchedulerStats()
         """The engine core's scheduler after the latest step that sent this frontend outputs."""
+        self.request_logger: RequestLogger | None = None
+        """Set: one log line per finished request (--enable-log-requests)."""
         self._puller: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -117,19 +120,26 @@ class AsyncEngine:
             )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
-        children = self._add(request, queue, arrival or time.monotonic())
+        arrival = arrival or time.monotonic()
+        children = self._add(request, queue, arrival)
         remaining = set(children.values())
         lengths: list[int] = []  # completion_tokens of each finished index
+        log = self.request_logger
+        outcome = log.start(request, arrival) if log is not None else None
+        unfinished = FinishReason.ABORT  # the caller stopped reading (cancel, deadline)
         try:
             while remaining:
                 first = await queue.get()
                 for item in _drain(first, queue) if coalesce else (first,):
                     if isinstance(item, Exception):
+                        unfinished = FinishReason.ERROR
                         raise item
                     if item.is_finished:
                         lengths.append(item.completion_tokens)
                         if len(lengths) == request.params.n:
                             self.metrics.on_parent_finished(max(lengths))
+                    if outcome is not None:
+                        outcome.observe(item)
                     yield item
                     if item.is_finished:
                         remaining.discard(children[item.index])
@@ -138,6 +148,8 @@ class AsyncEngine:
                 for handle in remaining:
                     self.output_processor.remove_request(handle)
                 self.client.abort_requests(sorted(remaining))
+            if log is not None and outcome is not None:
+                log.finished(request, outcome, unfinished)
 
     def _add(
         self, request: EngineRequest, queue: asyncio.Queue[Any], arrival: float

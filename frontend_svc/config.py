@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
-from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.log_config import add_logging_flags
 from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
@@ -47,7 +47,10 @@ class FrontendConfig(TransportConfig):
     core_connect_timeout: float = 900.0
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
+    enable_log_requests: bool = False
+    max_log_len: int = 0
     log_level: str = "info"
+    log_format: str = "text"
     api_key: str = field(default="", repr=False)
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
@@ -65,7 +68,9 @@ class FrontendConfig(TransportConfig):
 
 def build_parser() -> FlagParser:
     p = FlagParser(
-        prog="splitserve frontend", description="Run the public gRPC frontend (vLLM's P0)."
+        prog="splitserve frontend",
+        description="Run the public gRPC frontend (vLLM's P0).",
+        config_file=True,
     )
     add_model_arguments(p, is_frontend=True)
     p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
@@ -121,7 +126,20 @@ def build_parser() -> FlagParser:
         help="most engine requests this frontend streams at once (n > 1 counts n); more are "
         "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per finished request: id, prompt and output token counts, finish "
+        "reason, latency (never the prompt, unless --max-log-len)",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=non_negative_int,
+        default=0,
+        help="with --enable-log-requests, also log the first this-many characters of each "
+        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
+    )
+    add_logging_flags(p)
     add_public_security_flags(p)
     add_internal_tls_flags(p, "the calls to the engine core")
     add_listener_flags(p, reflection_default=True)
@@ -171,6 +189,7 @@ def parse_config(
     except TlsConfigError as err:
         parser.error(str(err))
     values = vars(args)
+    values.pop("config", None)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     values["health_port"] = optional_port(args.health_port)
     values["http_port"] = None if args.http_port < 0 else args.http_port

@@ -3,9 +3,11 @@
 Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
 coalesced into one wire message. What comes back is a single ordered stream of events for the
 frontend's engine to pull (`next_event`): each step's outputs, ping round trips, and
-`Disconnected` when the stream breaks. After a break the client reconnects with exponential
-backoff (Handshake, then a new stream), but only once the consumer has taken the `Disconnected`
-event, so the requests it fails are exactly those of the broken stream.
+`Disconnected` when the stream breaks. After a break the client reconnects (Handshake, then a new
+stream), but only once the consumer has taken the `Disconnected` event, so the requests it fails
+are exactly those of the broken stream. Reconnecting is gRPC's own: the channel retries the
+connection with its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it
+(`wait_for_ready`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from splitserve_runtime.services import CORE
 from splitserve_runtime.tls import CORE_ROLE
 
 logger = logging.getLogger(__name__)
+HANDSHAKE_WAIT_SECONDS = 10.0
+"""How long one Handshake waits for the channel to connect before the wait is logged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +98,14 @@ class EngineCoreClient:
         self._ping_ids = itertools.count(1)
         self.num_reconnects = 0
         self._handles = itertools.count(1)
-        self._channel = open_aio_channel(core_addr, security or ChannelSecurity(None, CORE_ROLE))
+        self._channel = open_aio_channel(
+            core_addr,
+            security or ChannelSecurity(None, CORE_ROLE),
+            extra_options=(
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
+            ),
+        )
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
         self._connected = asyncio.Event()
@@ -133,22 +144,25 @@ class EngineCoreClient:
         return info
 
     async def _handshake_until_ok(self) -> EngineInfo:
-        delay = 0.1
+        """Handshake as soon as the channel connects (gRPC reconnects it with its backoff); an
+        error the core itself answers is retried a second later."""
+        request = core_pb2.HandshakeRequest(client_name=self._client_name)
         while True:
             try:
                 reply = await self._stub.Handshake(
-                    core_pb2.HandshakeRequest(client_name=self._client_name), timeout=5.0
+                    request, timeout=HANDSHAKE_WAIT_SECONDS, wait_for_ready=True
                 )
                 return convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
+                state = self._channel.get_state().name
                 logger.info(
-                    "engine core at %s not ready (%s); retrying in %.1f s",
+                    "waiting for the engine core at %s (%s, channel %s)",
                     self.core_addr,
                     err.code().name,
-                    delay,
+                    state,
                 )
-            await asyncio.sleep(delay)
-            delay = min(self.max_backoff, delay * 2)
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await asyncio.sleep(min(1.0, self.max_backoff))
 
     async def _supervise(self) -> None:
         """Keep one stream open; after a break, reconnect with backoff."""

@@ -16,6 +16,7 @@ from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
+from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
@@ -84,6 +85,8 @@ async def serve(config: FrontendConfig) -> int:
     )
     parts = build_frontend(client, info, files, host.registry, served_name, limits)
     engine, inputs = parts.engine, parts.inputs
+    if config.enable_log_requests:
+        engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     http = None
@@ -125,5 +128,5 @@ def _uvicorn_level(config: FrontendConfig) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    configure_logging(config.log_level, "frontend")
+    configure_logging(config.log_level, "frontend", config.log_format)
     return asyncio.run(serve(config))

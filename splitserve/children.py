@@ -4,8 +4,8 @@ stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tes
 benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
-tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, shutdown_timeout, and
-optionally frontend_flags (more `splitserve frontend` flags, e.g. --max-inflight-requests).
+tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, log_format,
+shutdown_timeout, and service_flags (kind -> the operator's own flags for that service).
 With a LocalPki every internal hop is mutual TLS; without, plaintext.
 """
 
@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
 from splitserve_runtime.channels import ChannelSecurity, open_channel
+from splitserve_runtime.flags import env_name
 from splitserve_runtime.services import FRONTEND, SERVICES
 from splitserve_runtime.termination import TERMINATION_MESSAGE_ENV, read_termination_message
 from splitserve_runtime.tls import FRONTEND_ROLE, ROLE_OF_SERVICE, TlsFiles
@@ -87,6 +88,7 @@ def _spawn(
     fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
     os.close(fd)
     child_env = {**os.environ, **(env or {}), TERMINATION_MESSAGE_ENV: message_path}
+    child_env.pop(env_name("config"), None)  # the launcher read the file and passes its flags on
     process = subprocess.Popen(cmd, env=child_env)
     probe = ChannelSecurity(None, ROLE_OF_SERVICE[kind])
     if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
@@ -124,6 +126,15 @@ def _drain_flags(args: argparse.Namespace) -> list[str]:
     return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
 
 
+def _log_flags(args: argparse.Namespace) -> list[str]:
+    return ["--log-level", args.log_level, "--log-format", getattr(args, "log_format", "text")]
+
+
+def _service_flags(args: argparse.Namespace, kind: str) -> list[str]:
+    """The operator's own flags for every process of service `kind` (`splitserve serve`)."""
+    return list(getattr(args, "service_flags", {}).get(kind, []))
+
+
 def start_children(
     args: argparse.Namespace, core_flags: list[str], pki: LocalPki | None = None
 ) -> list[Child]:
@@ -140,7 +151,7 @@ def _start_worker(
     args: argparse.Namespace, rank: int, port: int, metrics_port: int, pki: LocalPki | None
 ) -> Child:
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics_port)]
-    argv += ["--log-level", args.log_level]
+    argv += [*_log_flags(args), *_service_flags(args, "worker")]
     return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics_port, pki)
 
 
@@ -160,7 +171,7 @@ def start_engine_children(
         *("--tensor-parallel-size", str(args.tensor_parallel_size)),
         *("--pipeline-parallel-size", str(args.pipeline_parallel_size)),
         *("--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}"),
-        *("--log-level", args.log_level),
+        *_log_flags(args),
         *_drain_flags(args),
         *core_flags,
     ]
@@ -178,9 +189,9 @@ def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | Non
         *model_flags(args)[1],
         *("--core-addr", core_addr, "--host", args.host, "--port", str(port)),
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
-        *("--log-level", args.log_level),
+        *_log_flags(args),
         *_drain_flags(args),
-        *getattr(args, "frontend_flags", []),
+        *_service_flags(args, "frontend"),
     ]
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
     frontend = _spawn("frontend", "frontend", argv, f"{args.host}:{port}", fe_metrics, pki, env)

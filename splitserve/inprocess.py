@@ -140,6 +140,7 @@ class EngineOptions:
     seed: int = 0
     device: str = "auto"
     served_model_name: str = ""
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -171,6 +172,7 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 block_size=options.block_size,
+                enforce_eager=options.enforce_eager,
             )
         )
         capacity = worker.get_kv_capacity(

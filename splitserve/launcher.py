@@ -1,11 +1,15 @@
-"""`splitserve up`: start worker ranks, engine core and frontend as child processes on loopback.
+"""`splitserve serve MODEL` (alias `splitserve up`, which `make run` uses): start worker ranks,
+engine core and frontend as child processes on loopback.
 
-The launcher first resolves `--model` (and `--tokenizer`) as the services will, fetching what
+Every service flag the launcher does not wire itself is a flag here too, passed to the service
+that owns it (splitserve/serve_flags.py). The launcher first resolves the model (the positional
+MODEL or `--model`) and `--tokenizer` as the services will, fetching what
 needs fetching once. The internal hops (frontend -> core -> workers) use mutual TLS by default:
 the launcher makes a throwaway CA and per-role certificates (splitserve/local_pki.py) in a
 private temporary folder that it deletes on exit (`--no-internal-tls` for plaintext). It waits
 until every child reports SERVING on its readiness health check, prints one `READY ...` line,
-optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM drains and stops every
+records the frontend's address for `splitserve generate` and `bench serve`
+(splitserve_client/last_serve.py), optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM drains and stops every
 child; a child that dies takes the launcher down with a non-zero exit naming it and the one-line
 reason it gave (its termination message).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -34,22 +39,38 @@ from splitserve.children import (
     wait_ready,
 )
 from splitserve.local_pki import LocalPki
-from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
-from splitserve_runtime.log_config import LOG_LEVELS, configure_logging
+from splitserve.serve_flags import add_service_flags, split_service_flags
+from splitserve_client.cli import distribution_version
+from splitserve_client.last_serve import forget_serve, record_serve
+from splitserve_runtime.flags import FlagParser, non_negative_int
+from splitserve_runtime.log_config import add_logging_flags, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 from splitserve_runtime.model_spec import add_model_arguments
 from splitserve_runtime.services import FRONTEND, SERVICES
 
+logger = logging.getLogger("splitserve.launcher")
 
-def build_parser() -> FlagParser:
+
+def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, str]]:
+    """The launcher's parser, and which service owns each flag it passes on."""
     p = FlagParser(
-        prog="splitserve up",
-        description="Start the whole stack on loopback. Any other `splitserve core` flag "
-        "(e.g. --max-model-len, --max-num-seqs, --dtype) is passed to the engine core.",
+        prog=prog,
+        description="Serve a model: start worker ranks, engine core and frontend on loopback "
+        "(vLLM's `vllm serve`). The core's, frontend's and worker's own flags are accepted "
+        "too and passed to them.",
+        config_file=True,
     )
-    add_model_arguments(p, is_frontend=True)
-    p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1)
-    p.add_argument("--pipeline-parallel-size", "--pp", type=positive_int, default=1)
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default="",
+        metavar="MODEL",
+        help="the model, as --model names it (vLLM's positional model)",
+    )
+    p.add_argument(
+        "--version", action="version", version=f"splitserve {distribution_version('splitserve')}"
+    )
+    add_model_arguments(p, is_frontend=True)  # -tp and -pp come with the core's flags
     p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
     p.add_argument(
         "--port",
@@ -89,8 +110,8 @@ def build_parser() -> FlagParser:
         default=True,
         help="mutual TLS between frontend, core and workers with a throwaway CA",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    return p
+    add_logging_flags(p)
+    return p, add_service_flags(p)
 
 
 def ready_line(children: Sequence[Child]) -> str:
@@ -123,6 +144,11 @@ def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
 
 def _serve(children: list[Child], args: argparse.Namespace) -> int:
     wait_ready(children, args.startup_timeout)
+    frontend = children[-1]
+    try:  # first: READY means the clients can find it
+        record_serve(frontend.address, frontend.http_address)
+    except OSError as err:  # e.g. a read-only home: the clients then need --addr
+        logger.warning("could not record the address for the clients: %s", err)
     print(ready_line(children), flush=True)
     if args.sample_prompt:
         stream_sample(children[-1].address, args.sample_prompt, args.api_key)
@@ -141,35 +167,53 @@ def _run(args: argparse.Namespace, core_flags: list[str]) -> tuple[int, str]:
             children = start_children(args, core_flags, pki)
             code = _serve(children, args)
         except KeyboardInterrupt:
-            print("splitserve up: stopping", file=sys.stderr)
+            logger.info("stopping")
         except (LaunchError, grpc.RpcError) as err:
             code = 1
             failure = err.details() if isinstance(err, grpc.RpcError) else str(err)
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut it short
                 signal.signal(signum, signal.SIG_IGN)
+            forget_serve()
             stop_children(children, args.shutdown_timeout)  # before the certificates go
     return code, failure
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    parser = build_parser()
+def parse_args(
+    argv: Sequence[str] | None, environ: Mapping[str, str], prog: str = "splitserve serve"
+) -> argparse.Namespace:
+    """The launcher's flags; `service_flags` holds the tokens to pass to each service kind."""
+    parser, owners = build_parser(prog)
+    tokens = parser.expand(argv, environ)
+    args = parser.parse_args(tokens)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"the model is named twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag or args.model
+    args.service_flags = split_service_flags(tokens, parser, owners)
+    return args
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str = "splitserve serve",
+) -> int:
     env = os.environ if environ is None else environ
-    args, core_flags = parser.parse_known_env(argv, env)
-    configure_logging(args.log_level, "launcher")  # e.g. the default model's first-use build
+    args = parse_args(argv, env, prog)
+    configure_logging(args.log_level, "launcher", args.log_format)  # e.g. a first-use build
     try:
         # Fetch (or build) the model once, here, and refuse what the services would refuse.
         model = resolve_model(args.model, args.revision, env)
         resolve_tokenizer(model, args.tokenizer, args.revision, env)
     except (ValueError, OSError, RuntimeError) as err:
-        print(f"splitserve up: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    code, failure = _run(args, core_flags)
+    code, failure = _run(args, args.service_flags["core"])
     if failure:  # last, after the children's own goodbyes: the one line to read
-        print(f"splitserve up: {failure}; stopped everything", file=sys.stderr)
+        print(f"{prog}: {failure}; stopped everything", file=sys.stderr)
     return code

@@ -72,7 +72,7 @@ class LLM:
     ) -> None:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
-        kv_cache_memory_bytes, seed, device, served_model_name)."""
+        kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager)."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 
@@ -241,6 +241,8 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
     core_flags = [str(x) for k, v in flags.items() if v not in ("", None) for x in (k, v)]
     if not options.enable_prefix_caching:
         core_flags.append("--no-enable-prefix-caching")
+    if options.enforce_eager:
+        core_flags.append("--enforce-eager")
     children = start_engine_children(args, core_flags)
     try:
         wait_ready(children, timeout)

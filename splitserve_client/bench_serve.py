@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from splitserve_client.last_serve import ADDR_HELP, default_address
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -190,7 +191,7 @@ def build_parser() -> FlagParser:
         prog="splitserve bench serve",
         description="Benchmark a running frontend (like `vllm bench serve`).",
     )
-    p.add_argument("--addr", default="127.0.0.1:50051", help="frontend HOST:PORT")
+    p.add_argument("--addr", default="", help=ADDR_HELP)
     p.add_argument("--num-prompts", type=positive_int, default=32)
     p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens")
     p.add_argument("--output-len", type=positive_int, default=64, help="tokens to generate")
@@ -215,6 +216,7 @@ def print_table(title: str, summary: Mapping[str, float]) -> None:
 
 async def _amain(argv: Sequence[str] | None) -> int:
     args = build_parser().parse(argv, os.environ)
+    addr = args.addr or default_address(os.environ)
     workload = Workload(
         args.num_prompts,
         args.input_len,
@@ -222,10 +224,10 @@ async def _amain(argv: Sequence[str] | None) -> int:
         args.request_rate,
         not args.no_ignore_eos,
         args.temperature,
-        await vocab_size_of(args.addr),
+        await vocab_size_of(addr),
         args.seed,
     )
-    generate, close = grpc_generate(args.addr)
+    generate, close = grpc_generate(addr)
     results, duration = await run_workload(generate, workload)
     await close()
     summary = summarize(results, duration)

@@ -13,9 +13,9 @@ commands (splitserve-client, the light client without torch):
   bench      benchmarks (`splitserve bench serve --help`)
 
 Run `splitserve COMMAND --help` for a command's flags. Serving (`up`, `frontend`, `core`,
-`worker`) needs the full splitserve package.
+`worker`) needs the full splitserve package. `splitserve --version` prints the version.
 """
-SERVER_COMMANDS = ("up", "frontend", "core", "worker")
+SERVER_COMMANDS = ("serve", "up", "frontend", "core", "worker")
 Command = Callable[[Sequence[str]], int]
 
 
@@ -40,12 +40,21 @@ CLIENT_COMMANDS: dict[str, Command] = {
 }
 
 
-def dispatch(argv: Sequence[str] | None, commands: Mapping[str, Command], usage: str) -> int:
-    """Run `splitserve COMMAND ARGS...` with one of `commands`; usage on -h or nothing."""
+def dispatch(
+    argv: Sequence[str] | None,
+    commands: Mapping[str, Command],
+    usage: str,
+    distribution: str = "splitserve-client",
+) -> int:
+    """Run `splitserve COMMAND ARGS...` with one of `commands`; usage on -h or nothing, the
+    installed `distribution`'s version on --version."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage, end="")
         return 0 if args else 2
+    if args[0] in ("-v", "--version"):
+        print(f"{distribution} {distribution_version(distribution)}")
+        return 0
     command = commands.get(args[0])
     if command is not None:
         return command(args[1:])
@@ -58,6 +67,15 @@ def dispatch(argv: Sequence[str] | None, commands: Mapping[str, Command], usage:
     else:
         print(f"splitserve: unknown command {args[0]!r}\n\n{usage}", file=sys.stderr, end="")
     return 2
+
+
+def distribution_version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,18 +10,17 @@ from typing import TextIO
 
 import grpc
 
+from splitserve_client.last_serve import ADDR_HELP, default_address
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 
-DEFAULT_ADDR = "127.0.0.1:50051"
-
 
 def build_parser() -> FlagParser:
     p = FlagParser(prog="splitserve generate", description="Stream a completion to stdout.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--addr", default=DEFAULT_ADDR, help="frontend HOST:PORT")
+    p.add_argument("--addr", default="", help=ADDR_HELP)
     p.add_argument(
         "--chat",
         action="store_true",
@@ -130,10 +129,12 @@ def print_stream(responses: Iterator[gen_pb2.GenerateResponse], out: TextIO) -> 
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = build_parser().parse(argv, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    args = build_parser().parse(argv, env)
+    addr = args.addr or default_address(env)
     try:
         responses = stream_text(
-            args.addr, build_request(args), args.timeout, args.api_key, args.ssl_ca_certs
+            addr, build_request(args), args.timeout, args.api_key, args.ssl_ca_certs
         )
         print_stream(responses, sys.stdout)
     except grpc.RpcError as err:

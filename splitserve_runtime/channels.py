@@ -3,6 +3,7 @@ plaintext or mutual TLS, the expected role of the server, message sizes and keep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +47,12 @@ def open_channel(addr: str, security: ChannelSecurity) -> grpc.Channel:
     return grpc.secure_channel(addr, creds, options=security.options())
 
 
-def open_aio_channel(addr: str, security: ChannelSecurity) -> grpc.aio.Channel:
-    """A grpc.aio channel to `addr`."""
+def open_aio_channel(
+    addr: str, security: ChannelSecurity, extra_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `addr` (`extra_options` add channel arguments)."""
+    options = [*security.options(), *extra_options]
     if security.tls is None:
-        return grpc.aio.insecure_channel(addr, options=security.options())
+        return grpc.aio.insecure_channel(addr, options=options)
     creds = channel_credentials(security.tls)
-    return grpc.aio.secure_channel(addr, creds, options=security.options())
+    return grpc.aio.secure_channel(addr, creds, options=options)

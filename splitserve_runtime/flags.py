@@ -1,19 +1,29 @@
-"""Command-line flags with `SPLITSERVE_*` environment fallbacks, parsed once at start-up.
+"""Command-line flags with a `--config` YAML file and `SPLITSERVE_*` environment fallbacks,
+parsed once at start-up.
 
-Every flag `--some-name` can also be set through the environment variable `SPLITSERVE_SOME_NAME`;
-a flag given on the command line wins. Nothing is read from the environment at import time: the
-environment is passed to `FlagParser.parse` explicitly.
+Every flag `--some-name` can also be set through the environment variable `SPLITSERVE_SOME_NAME`
+and, where the parser takes `--config FILE` (or `SPLITSERVE_CONFIG`), through the key
+`some-name` or `some_name` of that YAML mapping (vLLM's `--config`). The command line wins over
+the file, the file over the environment, the environment over the built-in default. As in vLLM,
+`--some_name` is the same flag as `--some-name`; unlike argparse's default, a prefix of a flag
+(`--max-model` for `--max-model-len`) is an error, never a guess. Nothing is read from the
+environment at import time: the environment is passed to `FlagParser.parse` explicitly.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 ENV_PREFIX = "SPLITSERVE_"
+CONFIG_FLAG = "--config"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_SAYS_DEFAULT = re.compile(r"\(default|\bdefault:", re.IGNORECASE)
 
 
 def env_name(dest: str) -> str:
@@ -56,39 +66,181 @@ def address_list(text: str) -> list[str]:
     return addrs
 
 
+def dashed_spelling(argv: Sequence[str]) -> list[str]:
+    """`--max_model_len=8` -> `--max-model-len=8` (vLLM accepts both spellings); values and
+    everything after a bare `--` stay as they are."""
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            return out + list(argv[i:])
+        if token.startswith("--") and "_" in token.partition("=")[0]:
+            name, eq, value = token.partition("=")
+            token = name.replace("_", "-") + eq + value
+        out.append(token)
+    return out
+
+
+class RefuseFlag(argparse.Action):
+    """A flag users bring from vLLM that splitserve refuses on purpose: naming it is an error
+    that says why (`help` is the reason)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.pop("default", None)
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> NoReturn:
+        parser.error(f"{option_string}: {self.help}")
+
+
+_NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
+_NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
+"""Flags no environment variable stands for."""
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` ends every flag's text with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is argparse.SUPPRESS
+            or isinstance(action, _NO_ENVIRONMENT)
+            or _SAYS_DEFAULT.search(text)
+        ):
+            return text
+        return f"{text} (default: {_shown(default).replace('%', '%%')})".lstrip()
+
+
 class FlagParser(argparse.ArgumentParser):
-    """ArgumentParser whose options fall back to `SPLITSERVE_<DEST>` environment variables."""
+    """ArgumentParser whose options fall back to `SPLITSERVE_<DEST>` environment variables and,
+    with `config_file=True`, to a `--config` YAML file; see the module docstring."""
+
+    def __init__(self, *args: Any, config_file: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        if config_file:
+            self.add_argument(
+                CONFIG_FLAG,
+                default="",
+                metavar="FILE",
+                help="YAML mapping of flag names (without the leading --) to values, e.g. "
+                "`max-model-len: 2048`; flags on the command line win over it",
+            )
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)
-        if action.option_strings and action.dest != "help":
+        if action.option_strings and not isinstance(action, _NO_ENVIRONMENT):
             note = f"[env {env_name(action.dest)}]"
             action.help = f"{action.help} {note}" if action.help else note
         return action
 
     def parse(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
-        """Parse `argv`, taking defaults for absent flags from `environ`."""
-        self._apply_environ(environ)
-        return self.parse_args(argv)
+        """Parse `argv`, taking defaults for absent flags from the --config file and `environ`."""
+        return self.parse_args(self.expand(argv, environ))
 
-    def parse_known_env(
-        self, argv: Sequence[str] | None, environ: Mapping[str, str]
-    ) -> tuple[argparse.Namespace, list[str]]:
-        """Like `parse`, but return the arguments this parser does not know instead of failing."""
+    def expand(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> list[str]:
+        """The command line as parsed: dashed spellings, the --config file's flags first (so
+        the command line's own come later and win); applies `environ` as defaults."""
+        tokens = dashed_spelling(sys.argv[1:] if argv is None else argv)
         self._apply_environ(environ)
-        return self.parse_known_args(argv)
+        path = self._config_path(tokens, environ)
+        return [*self._config_tokens(path), *tokens] if path else tokens
+
+    def has_flag(self, option: str) -> bool:
+        return option in self._option_string_actions
+
+    def _config_path(self, tokens: list[str], environ: Mapping[str, str]) -> str:
+        if not self.has_flag(CONFIG_FLAG):
+            return ""
+        path = environ.get(env_name("config"), "")
+        for i, token in enumerate(tokens):
+            if token == CONFIG_FLAG and i + 1 < len(tokens):
+                path = tokens[i + 1]
+            elif token.startswith(CONFIG_FLAG + "="):
+                path = token.partition("=")[2]
+        return path
+
+    def _config_tokens(self, path: str) -> list[str]:
+        """The YAML file's keys and values as command-line tokens."""
+        try:
+            import yaml
+        except ImportError:  # the light client has no PyYAML (and no --config)
+            self.error(f"{CONFIG_FLAG} {path}: reading YAML needs the PyYAML package")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as err:
+            self.error(f"{CONFIG_FLAG} {path}: {err}")
+        if values is None:
+            return []
+        if not isinstance(values, dict):
+            self.error(f"{CONFIG_FLAG} {path}: expected a mapping of flag names to values")
+        tokens: list[str] = []
+        for key, value in values.items():
+            option = "--" + str(key).replace("_", "-")
+            action = self._option_string_actions.get(option)
+            if action is None or option == CONFIG_FLAG or isinstance(action, _NOT_SETTINGS):
+                self.error(f"{CONFIG_FLAG} {path}: {key!r} is not a flag of {self.prog}")
+            try:
+                tokens += config_value_tokens(action, option, value)
+            except ValueError as err:
+                self.error(f"{CONFIG_FLAG} {path}: {key}: {err}")
+        return tokens
 
     def _apply_environ(self, environ: Mapping[str, str]) -> None:
         defaults: dict[str, Any] = {}
         for action in self._actions:
             value = environ.get(env_name(action.dest)) if action.option_strings else None
-            if value is None or action.dest == "help":
+            if value is None or isinstance(action, _NO_ENVIRONMENT):
                 continue
             try:
                 defaults[action.dest] = _convert(action, value)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 self.error(f"{env_name(action.dest)}={value!r}: {exc}")
         self.set_defaults(**defaults)
+
+
+def _shown(default: Any) -> str:
+    if default == "":
+        return '""'
+    if isinstance(default, list):
+        return ",".join(map(str, default)) or "[]"
+    return str(default)
+
+
+def config_value_tokens(action: argparse.Action, option: str, value: Any) -> list[str]:
+    """One --config entry as command-line tokens (`--name=value`, so negative numbers and
+    values starting with '-' stay values)."""
+    if value is None:
+        return []
+    if action.nargs == 0:  # a switch: true/false
+        is_on = value if isinstance(value, bool) else parse_bool(str(value))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [option if is_on else "--no-" + option[2:]]
+        return [option] if is_on else []
+    if isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        return [f"{option}={_scalar(item)}" for item in items]
+    if isinstance(value, list):
+        return [f"{option}={','.join(_scalar(item) for item in value)}"]
+    return [f"{option}={_scalar(value)}"]
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
 
 
 def _convert(action: argparse.Action, value: str) -> Any:

@@ -1,19 +1,65 @@
-"""Logging set-up shared by the services: one line per record, tagged with the service name."""
+"""Logging set-up shared by the services: one line per record, tagged with the service name, as
+text (the default) or as one JSON object per line (`--log-format json`, for log pipelines)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
-def configure_logging(level: str, service: str) -> None:
-    """Route all loggers to stderr with the service name in every line."""
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
+def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format (every service and the launcher)."""
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text: one readable line per record; json: one JSON object per line with time, "
+        "level, service, logger and message",
     )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, service, logger, message, and
+    exception when the record carries one."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, service: str, log_format: str = "text") -> None:
+    """Route all loggers to stderr with the service name in every line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter(service))
+    else:
+        handler.setFormatter(
+            logging.Formatter(
+                f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+            )
+        )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def is_text_logging() -> bool:
+    """Whether the root logger writes text (progress bars would corrupt JSON lines)."""
+    return not any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)

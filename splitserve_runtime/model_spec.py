@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from splitserve_runtime.flags import RefuseFlag
+
 TINY_MODEL = "tiny"
 GGUF_SUFFIX = ".gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -17,6 +19,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 TINY_MODEL_DIRNAME = "tiny-llama-v1"
 """The tiny test model's folder and served name (tiny_model.py builds it)."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's `--dtype` spellings and the name each stands for."""
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+TRUST_REMOTE_CODE_REFUSAL = (
+    "refused: splitserve never runs code from a model repository; it serves the "
+    "architectures it implements itself (see docs/models.md)"
+)
 
 
 class ModelSourceError(ValueError):
@@ -33,6 +42,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, is_frontend: bool) -
         " default: SmolLM2-135M-Instruct, fetched once",
     )
     parser.add_argument("--revision", default="", help="Hub revision of a Hub id --model")
+    parser.add_argument("--trust-remote-code", action=RefuseFlag, help=TRUST_REMOTE_CODE_REFUSAL)
     if not is_frontend:
         return
     parser.add_argument(
@@ -44,6 +54,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, is_frontend: bool) -
         help="auto: the model's generation_config.json sampling defaults fill unset request "
         "fields; vllm: vLLM's own defaults; or a folder holding a generation_config.json",
     )
+
+
+def canonical_dtype(name: str) -> str:
+    """`--dtype` as the workers name it: half -> float16, float -> float32."""
+    return DTYPE_ALIASES.get(name, name)
 
 
 def model_kind(spec: str) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve_runtime.flags import FlagParser, non_negative_int
-from splitserve_runtime.log_config import LOG_LEVELS
+from splitserve_runtime.log_config import add_logging_flags
 from splitserve_runtime.services import WORKER
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -32,12 +32,14 @@ class WorkerConfig(TransportConfig):
     device: str = "auto"
     torch_threads: int = 0
     log_level: str = "info"
+    log_format: str = "text"
 
 
 def build_parser() -> FlagParser:
     p = FlagParser(
         prog="splitserve worker",
         description="Run one worker rank; the engine core tells it what to load.",
+        config_file=True,
     )
     p.add_argument(
         "--host",
@@ -63,7 +65,7 @@ def build_parser() -> FlagParser:
         default=0,
         help="CPU threads for torch (0: torch's default)",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_logging_flags(p)
     add_internal_tls_flags(p, "the port the engine core calls")
     add_listener_flags(p, reflection_default=False)
     return p
@@ -76,6 +78,7 @@ def parse_config(
     args = parser.parse(argv, os.environ if environ is None else environ)
     check_internal_tls(parser, args)
     values = vars(args)
+    values.pop("config", None)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     values["health_port"] = optional_port(args.health_port)
     return WorkerConfig(**values)

@@ -93,6 +93,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         distributed_init_method=req.distributed_init_method,
         seed=req.seed,
         max_model_len=req.max_model_len,
+        enforce_eager=req.enforce_eager,
         attention_backend=req.attention_backend or "auto",
         max_num_batched_tokens=req.max_num_batched_tokens,
         max_num_seqs=req.max_num_seqs,

@@ -48,5 +48,5 @@ def serve(config: WorkerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    configure_logging(config.log_level, "worker")
+    configure_logging(config.log_level, "worker", config.log_format)
     return serve(config)

@@ -123,13 +123,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._metrics.bind(
             request.served_model_name or config.model_path, request.engine_id, config.rank
         )
-        logger.info(
-            "loaded %s: %d layers, %s, %.1f MB in %.2fs, attention %s",
+        logger.info(  # vLLM's wording first: operators grep for it
+            "Model loading took %.4f GiB and %.2f seconds (%s, %d layers, %s, attention %s)",
+            loaded.weight_bytes / 2**30,
+            loaded.load_seconds,
             loaded.architecture,
             loaded.num_layers,
             loaded.dtype,
-            loaded.weight_bytes / 1e6,
-            loaded.load_seconds,
             loaded.attention_backend,
         )
         return convert.loaded_model_to_proto(loaded)
@@ -142,12 +142,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             check_model_loadable(config.model_path, config.revision)
         self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
         logger.info(
-            "loading %s as rank %d (tp=%d, pp=%d, dtype=%s)",
+            "loading %s as rank %d (tp=%d, pp=%d, dtype=%s%s)",
             config.model_path or "the default model",
             config.rank,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
             config.dtype,
+            ", enforce_eager" if config.enforce_eager else "",
         )
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)

@@ -3,19 +3,23 @@ json) and GGUF files (splitserve_runtime.gguf_checkpoint, dequantized when read)
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
+Loading shows vLLM's progress bar ("Loading safetensors checkpoint shards", or per tensor for a
+GGUF file) when asked (rank 0, text logs); otherwise each shard is a log line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from tqdm import tqdm
 
 from splitserve_runtime.model_source import ModelSource
 from worker_svc.layers.tensor_source import TensorSource
@@ -28,6 +32,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+SHARDS_PROGRESS = "Loading safetensors checkpoint shards"
+"""vLLM's words for its weight-loading bar (operators grep for them)."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +44,8 @@ class Checkpoint:
 
     hf_config: Any
     stored_dtype: torch.dtype
-    weights: Callable[[], Iterator[tuple[str, TensorSource]]]
+    weights: Callable[[bool], Iterator[tuple[str, TensorSource]]]
+    """weights(show_progress): every tensor, once."""
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:
@@ -50,13 +58,20 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
         config = gguf.hf_config()
         model_class(config.architectures[0])
         # Dequantized values are exact in float32; `--dtype` picks another serving dtype.
-        return Checkpoint(config, torch.float32, gguf.tensors)
+        num_tensors = len(gguf.reader.tensors)
+
+        def gguf_weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
+            return progress(gguf.tensors(), num_tensors, "Loading GGUF tensors", show_progress)
+
+        return Checkpoint(config, torch.float32, gguf_weights)
     declared = json.loads((source.path / "config.json").read_text()).get("architectures") or []
     if declared:
         model_class(str(declared[0]))  # before transformers parses a model type it may not know
     files = checkpoint_files(source.path)
     return Checkpoint(
-        read_hf_config(source.path), stored_dtype(files), lambda: iter_checkpoint(files)
+        read_hf_config(source.path),
+        stored_dtype(files),
+        lambda show_progress: iter_checkpoint(files, show_progress),
     )
 
 
@@ -81,22 +96,38 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, TensorSource]]:
-    """Every tensor of the checkpoint as (name, lazily-readable slice), logging each shard."""
+def progress(items: Iterator[T], total: int, desc: str, is_shown: bool) -> Iterator[T]:
+    """`items`, with tqdm's bar on stderr when `is_shown`."""
+    if not is_shown:
+        yield from items
+        return
+    with tqdm(total=total, desc=desc, file=sys.stderr, unit="") as bar:
+        for item in items:
+            yield item
+            bar.update(1)
+
+
+def iter_checkpoint(
+    files: list[Path], show_progress: bool = False
+) -> Iterator[tuple[str, TensorSource]]:
+    """Every tensor of the checkpoint as (name, lazily-readable slice); a progress bar over the
+    shards when `show_progress`, else a log line per shard."""
     from safetensors import safe_open
 
     started = time.perf_counter()
-    for i, path in enumerate(files, start=1):
+    shards = progress(iter(files), len(files), SHARDS_PROGRESS, show_progress)
+    for i, path in enumerate(shards, start=1):
         with safe_open(str(path), framework="pt", device="cpu") as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, shard.get_slice(name)
-        logger.info(
-            "loaded shard %d/%d (%s) after %.1fs",
-            i,
-            len(files),
-            path.name,
-            time.perf_counter() - started,
-        )
+        if not show_progress:
+            logger.info(
+                "loaded shard %d/%d (%s) after %.1fs",
+                i,
+                len(files),
+                path.name,
+                time.perf_counter() - started,
+            )
 
 
 def stored_dtype(files: list[Path]) -> torch.dtype:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
@@ -72,6 +73,8 @@ class LoadModelConfig:
     rendezvous_id: str = ""
     block_size: int = 16
     revision: str = ""
+    enforce_eager: bool = False
+    """Never compile the model into graphs (vLLM's --enforce-eager)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +202,8 @@ class Worker:
                 device=self.device,
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
             )
-            model.load_weights(checkpoint.weights())
+            # vLLM's bar on one rank only, and never inside JSON logs.
+            model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()

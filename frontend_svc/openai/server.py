@@ -30,6 +30,7 @@ class HttpServer:
             host=host,
             port=port,
             log_level=log_level,
+            log_config=None,  # uvicorn's records go through the service's handler (text or JSON)
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,

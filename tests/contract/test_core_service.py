@@ -37,8 +37,9 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 class CoreHarness:
     """A core service on an ephemeral loopback port with a FakeExecutor behind it."""
 
-    def __init__(self, step_delay: float = 0.0) -> None:
+    def __init__(self, step_delay: float = 0.0, port: int = 0) -> None:
         self.step_delay = step_delay
+        self.port = port
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
@@ -67,7 +68,7 @@ class CoreHarness:
         )
         servicer = EngineCoreServicer(self.proc, streams, info, metrics)
         core_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
-        self.addr = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.addr = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{self.port}')}"
         self.proc.start()
         await self.server.start()
         return self

@@ -108,7 +108,8 @@ def test_a_fatal_error_exits_non_zero_with_a_clear_message() -> None:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["up"], ["frontend"], ["core"], ["worker"], ["generate"], ["bench", "serve"]]
+    "command",
+    [[], ["serve"], ["up"], ["frontend"], ["core"], ["worker"], ["generate"], ["bench", "serve"]],
 )
 def test_every_command_has_help(command: list[str]) -> None:
     result = subprocess.run(
@@ -168,8 +169,8 @@ def test_a_dying_child_takes_the_launcher_down_naming_it(tiny_model_dir: Path) -
             "0",
             "--http-port",
             "0",
-            "--max-num-seqs",
-            "0",
+            "--gpu-memory-utilization",  # well typed, so only the core's own check refuses it
+            "2",
         ],
         capture_output=True,
         text=True,

@@ -64,7 +64,7 @@ class Stack:
             http_port=0,
             api_key=self.api_key,
             log_level="warning",
-            frontend_flags=self.frontend_flags,
+            service_flags={"frontend": self.frontend_flags},
         )
         vars(args).update(overrides)
         return args

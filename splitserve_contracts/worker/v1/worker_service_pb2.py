@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve_contracts.common.v1 import types_pb2 as splitserve_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/worker/v1/worker_service.proto\x12\x14splitserve.worker.v1\x1a splitserve/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc5\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x1a\n\x12\x61ttention_backends\x18\x08 \x03(\t\"\x98\x03\n\x10LoadModelRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x05 \x01(\r\x12\x1f\n\x17\x64istributed_init_method\x18\x06 \x01(\t\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\rrendezvous_id\x18\x0e \x01(\t\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x13\n\x0bowner_epoch\x18\x10 \x01(\x04\x12\x10\n\x08revision\x18\x11 \x01(\t\"\xe6\x01\n\x11LoadModelResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\"g\n\x14GetKvCapacityRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x02 \x01(\x01\x12\x1d\n\x15kv_cache_memory_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\nblock_size\"]\n\x15GetKvCapacityResponse\x12\x17\n\x0f\x61vailable_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"@\n\x18InitializeKvCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\nblock_size\"3\n\x19InitializeKvCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\"Q\n\x0e\x45xecuteRequest\x12?\n\x10scheduler_output\x18\x01 \x01(\x0b\x32%.splitserve.worker.v1.SchedulerOutput\"W\n\x0f\x45xecuteResponse\x12\x44\n\x13model_runner_output\x18\x01 \x01(\x0b\x32\'.splitserve.worker.v1.ModelRunnerOutput\"\x8c\x02\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12@\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32$.splitserve.worker.v1.NewRequestData\x12\x46\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\'.splitserve.worker.v1.CachedRequestData\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x66inished_req_handles\x18\x06 \x03(\x04\"\x82\x02\n\x0eNewRequestData\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12;\n\x0esampler_params\x18\x08 \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12\x12\n\nmin_tokens\x18\t \x01(\rJ\x04\x08\x04\x10\x05R\x0fsampling_params\"\x84\x02\n\x11\x43\x61\x63hedRequestData\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x15\n\rnew_token_ids\x18\x06 \x03(\r\x12\x1b\n\x13resumed_req_handles\x18\x07 \x03(\x04\x12\x1d\n\x15num_resumed_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15resumed_all_token_ids\x18\t \x03(\r\"\xa8\x03\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .splitserve.worker.v1.StepStatus\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0breq_handles\x18\x05 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x06 \x03(\r\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.splitserve.worker.v1.StepTimings\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12\x66\x61iled_req_handles\x18\x0b \x03(\x04\x12\x16\n\x0e\x66\x61iled_reasons\x18\x0c \x03(\t\"Y\n\x0fRequestLogprobs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x32\n\x05table\x18\x02 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\"u\n\x0bStepTimings\x12\x1e\n\x16prepare_inputs_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01*T\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x15\n\x11STEP_STATUS_ERROR\x10\x02\x32\x84\x04\n\rWorkerService\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12\\\n\tLoadModel\x12&.splitserve.worker.v1.LoadModelRequest\x1a\'.splitserve.worker.v1.LoadModelResponse\x12h\n\rGetKvCapacity\x12*.splitserve.worker.v1.GetKvCapacityRequest\x1a+.splitserve.worker.v1.GetKvCapacityResponse\x12t\n\x11InitializeKvCache\x12..splitserve.worker.v1.InitializeKvCacheRequest\x1a/.splitserve.worker.v1.InitializeKvCacheResponse\x12Z\n\x07\x45xecute\x12$.splitserve.worker.v1.ExecuteRequest\x1a%.splitserve.worker.v1.ExecuteResponse(\x01\x30\x01\x42y\n\x17io.splitserve.worker.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\xaa\x02\x14Splitserve.Worker.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/worker/v1/worker_service.proto\x12\x14splitserve.worker.v1\x1a splitserve/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc5\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x1a\n\x12\x61ttention_backends\x18\x08 \x03(\t\"\xaf\x03\n\x10LoadModelRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x05 \x01(\r\x12\x1f\n\x17\x64istributed_init_method\x18\x06 \x01(\t\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\rrendezvous_id\x18\x0e \x01(\t\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x13\n\x0bowner_epoch\x18\x10 \x01(\x04\x12\x10\n\x08revision\x18\x11 \x01(\t\x12\x15\n\renforce_eager\x18\x12 \x01(\x08\"\xe6\x01\n\x11LoadModelResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\"g\n\x14GetKvCapacityRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x02 \x01(\x01\x12\x1d\n\x15kv_cache_memory_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\nblock_size\"]\n\x15GetKvCapacityResponse\x12\x17\n\x0f\x61vailable_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"@\n\x18InitializeKvCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\nblock_size\"3\n\x19InitializeKvCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\"Q\n\x0e\x45xecuteRequest\x12?\n\x10scheduler_output\x18\x01 \x01(\x0b\x32%.splitserve.worker.v1.SchedulerOutput\"W\n\x0f\x45xecuteResponse\x12\x44\n\x13model_runner_output\x18\x01 \x01(\x0b\x32\'.splitserve.worker.v1.ModelRunnerOutput\"\x8c\x02\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12@\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32$.splitserve.worker.v1.NewRequestData\x12\x46\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\'.splitserve.worker.v1.CachedRequestData\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x66inished_req_handles\x18\x06 \x03(\x04\"\x82\x02\n\x0eNewRequestData\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12;\n\x0esampler_params\x18\x08 \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12\x12\n\nmin_tokens\x18\t \x01(\rJ\x04\x08\x04\x10\x05R\x0fsampling_params\"\x84\x02\n\x11\x43\x61\x63hedRequestData\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x15\n\rnew_token_ids\x18\x06 \x03(\r\x12\x1b\n\x13resumed_req_handles\x18\x07 \x03(\x04\x12\x1d\n\x15num_resumed_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15resumed_all_token_ids\x18\t \x03(\r\"\xa8\x03\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .splitserve.worker.v1.StepStatus\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0breq_handles\x18\x05 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x06 \x03(\r\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.splitserve.worker.v1.StepTimings\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12\x66\x61iled_req_handles\x18\x0b \x03(\x04\x12\x16\n\x0e\x66\x61iled_reasons\x18\x0c \x03(\t\"Y\n\x0fRequestLogprobs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x32\n\x05table\x18\x02 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\"u\n\x0bStepTimings\x12\x1e\n\x16prepare_inputs_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01*T\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x15\n\x11STEP_STATUS_ERROR\x10\x02\x32\x84\x04\n\rWorkerService\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12\\\n\tLoadModel\x12&.splitserve.worker.v1.LoadModelRequest\x1a\'.splitserve.worker.v1.LoadModelResponse\x12h\n\rGetKvCapacity\x12*.splitserve.worker.v1.GetKvCapacityRequest\x1a+.splitserve.worker.v1.GetKvCapacityResponse\x12t\n\x11InitializeKvCache\x12..splitserve.worker.v1.InitializeKvCacheRequest\x1a/.splitserve.worker.v1.InitializeKvCacheResponse\x12Z\n\x07\x45xecute\x12$.splitserve.worker.v1.ExecuteRequest\x1a%.splitserve.worker.v1.ExecuteResponse(\x01\x30\x01\x42y\n\x17io.splitserve.worker.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\xaa\x02\x14Splitserve.Worker.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve_contracts.worker
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\027io.splitserve.worker.v1P\001ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\252\002\024Splitserve.Worker.V1'
-  _globals['_STEPSTATUS']._serialized_start=2887
-  _globals['_STEPSTATUS']._serialized_end=2971
+  _globals['_STEPSTATUS']._serialized_start=2910
+  _globals['_STEPSTATUS']._serialized_end=2994
   _globals['_DESCRIBEREQUEST']._serialized_start=101
   _globals['_DESCRIBEREQUEST']._serialized_end=118
   _globals['_DESCRIBERESPONSE']._serialized_start=121
   _globals['_DESCRIBERESPONSE']._serialized_end=318
   _globals['_LOADMODELREQUEST']._serialized_start=321
-  _globals['_LOADMODELREQUEST']._serialized_end=729
-  _globals['_LOADMODELRESPONSE']._serialized_start=732
-  _globals['_LOADMODELRESPONSE']._serialized_end=962
-  _globals['_GETKVCAPACITYREQUEST']._serialized_start=964
-  _globals['_GETKVCAPACITYREQUEST']._serialized_end=1067
-  _globals['_GETKVCAPACITYRESPONSE']._serialized_start=1069
-  _globals['_GETKVCAPACITYRESPONSE']._serialized_end=1162
-  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_start=1164
-  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_end=1228
-  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_start=1230
-  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_end=1281
-  _globals['_EXECUTEREQUEST']._serialized_start=1283
-  _globals['_EXECUTEREQUEST']._serialized_end=1364
-  _globals['_EXECUTERESPONSE']._serialized_start=1366
-  _globals['_EXECUTERESPONSE']._serialized_end=1453
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1456
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1724
-  _globals['_NEWREQUESTDATA']._serialized_start=1727
-  _globals['_NEWREQUESTDATA']._serialized_end=1985
-  _globals['_CACHEDREQUESTDATA']._serialized_start=1988
-  _globals['_CACHEDREQUESTDATA']._serialized_end=2248
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=2251
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=2675
-  _globals['_REQUESTLOGPROBS']._serialized_start=2677
-  _globals['_REQUESTLOGPROBS']._serialized_end=2766
-  _globals['_STEPTIMINGS']._serialized_start=2768
-  _globals['_STEPTIMINGS']._serialized_end=2885
-  _globals['_WORKERSERVICE']._serialized_start=2974
-  _globals['_WORKERSERVICE']._serialized_end=3490
+  _globals['_LOADMODELREQUEST']._serialized_end=752
+  _globals['_LOADMODELRESPONSE']._serialized_start=755
+  _globals['_LOADMODELRESPONSE']._serialized_end=985
+  _globals['_GETKVCAPACITYREQUEST']._serialized_start=987
+  _globals['_GETKVCAPACITYREQUEST']._serialized_end=1090
+  _globals['_GETKVCAPACITYRESPONSE']._serialized_start=1092
+  _globals['_GETKVCAPACITYRESPONSE']._serialized_end=1185
+  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_start=1187
+  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_end=1251
+  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_start=1253
+  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_end=1304
+  _globals['_EXECUTEREQUEST']._serialized_start=1306
+  _globals['_EXECUTEREQUEST']._serialized_end=1387
+  _globals['_EXECUTERESPONSE']._serialized_start=1389
+  _globals['_EXECUTERESPONSE']._serialized_end=1476
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1479
+  _globals['_SCHEDULEROUTPUT']._serialized_end=1747
+  _globals['_NEWREQUESTDATA']._serialized_start=1750
+  _globals['_NEWREQUESTDATA']._serialized_end=2008
+  _globals['_CACHEDREQUESTDATA']._serialized_start=2011
+  _globals['_CACHEDREQUESTDATA']._serialized_end=2271
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=2274
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=2698
+  _globals['_REQUESTLOGPROBS']._serialized_start=2700
+  _globals['_REQUESTLOGPROBS']._serialized_end=2789
+  _globals['_STEPTIMINGS']._serialized_start=2791
+  _globals['_STEPTIMINGS']._serialized_end=2908
+  _globals['_WORKERSERVICE']._serialized_start=2997
+  _globals['_WORKERSERVICE']._serialized_end=3513
 # @@protoc_insertion_point(module_scope)

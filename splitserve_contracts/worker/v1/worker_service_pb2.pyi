@@ -138,6 +138,7 @@ class LoadModelRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     OWNER_EPOCH_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -195,6 +196,10 @@ class LoadModelRequest(_message.Message):
     """Hub revision (branch, tag or commit) of a Hub id model_path; "" means
     "main". Ignored for local paths.
     """
+    enforce_eager: _builtins.bool
+    """Run the model eagerly, never as compiled graphs (vLLM's --enforce-eager);
+    false lets the rank compile where it can.
+    """
     def __init__(
         self,
         *,
@@ -215,10 +220,11 @@ class LoadModelRequest(_message.Message):
         block_size: _builtins.int = ...,
         owner_epoch: _builtins.int = ...,
         revision: _builtins.str = ...,
+        enforce_eager: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

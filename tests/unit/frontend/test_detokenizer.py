@@ -1,11 +1,15 @@
-"""The incremental detokenizer: streamed text always equals decoding the whole output."""
+"""The incremental detokenizer: streamed text always equals decoding the whole output, through
+tokenizers' DecodeStream and through the windowed fallback alike."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
 from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, backend_decoder
 
@@ -18,8 +22,10 @@ TEXTS = [
 ]
 
 
-def stream(tokenizer: Any, ids: list[int], chunks: list[int], skip: bool = True) -> list[str]:
-    detok = IncrementalDetokenizer(backend_decoder(tokenizer), skip_special_tokens=skip)
+def stream(
+    tokenizer: Any, ids: list[int], chunks: list[int], skip: bool = True, use_stream: bool = True
+) -> list[str]:
+    detok = IncrementalDetokenizer(backend_decoder(tokenizer), skip, use_stream)
     pieces, start = [], 0
     for size in chunks:
         if start >= len(ids):
@@ -32,10 +38,11 @@ def stream(tokenizer: Any, ids: list[int], chunks: list[int], skip: bool = True)
     return pieces
 
 
-def test_multibyte_text_streams_without_broken_characters(tokenizer: Any) -> None:
+@pytest.mark.parametrize("use_stream", [True, False])
+def test_multibyte_text_streams_without_broken_characters(tokenizer: Any, use_stream: bool) -> None:
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        pieces = stream(tokenizer, ids, [1] * len(ids))
+        pieces = stream(tokenizer, ids, [1] * len(ids), use_stream=use_stream)
         assert "".join(pieces) == text
         assert all(REPLACEMENT_CHAR not in p for p in pieces), pieces
         assert len(ids) > len(text.split())  # the byte-level BPE really splits characters
@@ -50,7 +57,8 @@ def test_concatenation_equals_full_decode(tokenizer: Any, data: st.DataObject) -
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
     chunks = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=40))
     skip = data.draw(st.booleans())
-    pieces = stream(tokenizer, ids, chunks, skip)
+    use_stream = data.draw(st.booleans())
+    pieces = stream(tokenizer, ids, chunks, skip, use_stream)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
@@ -67,3 +75,59 @@ def test_incomplete_character_is_held_until_complete(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(backend_decoder(tokenizer))
     assert [detok.step([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.step(ids[-1:]) == "\U0001f600"
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> Tokenizer:
+    """A Llama-2-style tokenizer: BPE with byte fallback (<0xNN> tokens), "\u2581" for spaces,
+    a decoder that strips the sequence's leading space. On invalid UTF-8 byte runs DecodeStream
+    raises ("Invalid prefix encountered"), which the detokenizer must absorb."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + [decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, limit_alphabet=100)
+    tok.train_from_iterator([" ".join(TEXTS)] * 20, trainer)
+    return tok
+
+
+def test_byte_fallback_text_streams_exactly(byte_fallback: Tokenizer) -> None:
+    for text in TEXTS:
+        ids = byte_fallback.encode(text).ids
+        pieces = stream(byte_fallback, ids, [1] * len(ids))
+        assert "".join(pieces) == byte_fallback.decode(ids) == text
+
+
+def test_invalid_byte_runs_fall_back_to_windows_with_the_same_output(
+    byte_fallback: Tokenizer,
+) -> None:
+    """Random ids make invalid UTF-8 byte runs: DecodeStream gives up on some, the request goes
+    on with windows, and every piece equals what the windowed decoder alone streams."""
+    rng = random.Random(0)
+    num_fell_back = 0
+    for _ in range(400):
+        ids = [rng.randrange(byte_fallback.get_vocab_size()) for _ in range(rng.randint(1, 30))]
+        chunks = [rng.randint(1, 4) for _ in ids]
+        skip = rng.random() < 0.5
+        detok = IncrementalDetokenizer(byte_fallback, skip)
+        pieces, start = [], 0
+        for size in chunks:
+            if start < len(ids):
+                pieces.append(detok.step(ids[start : start + size]))
+                start += size
+        pieces.append(detok.flush())
+        num_fell_back += detok._stream is None
+        assert pieces == stream(byte_fallback, ids, chunks, skip, use_stream=False)
+    assert num_fell_back > 0  # the fallback really ran
+
+
+def test_a_tokenizer_without_decode_stream_uses_windows(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer)  # the HF wrapper, not a tokenizers.Tokenizer
+    ids = tokenizer.encode("caf\u00e9 \U0001f600", add_special_tokens=False)
+    assert detok._stream is None
+    assert "".join(detok.step([i]) for i in ids) + detok.flush() == "caf\u00e9 \U0001f600"

@@ -1,0 +1,81 @@
+"""The flags of `splitserve serve` (and `up`) that belong to one service: every flag of
+`splitserve core`, `frontend` and `worker` that the launcher does not set itself is also a flag of
+the launcher (so `--help` lists it with its default, a typo or a prefix is an error before anything
+starts, and a positional MODEL is never mistaken for a value), and is passed on, as typed, to every
+process of the service that owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from splitserve_runtime.flags import FlagParser
+
+LAUNCHER_WIRED = frozenset(
+    {
+        # Where each service listens and whom it calls: the launcher picks free loopback ports.
+        "--worker-addrs",
+        "--distributed-init-method",
+        "--core-addr",
+        "--metrics-port",
+        "--http-host",
+        "--health-port",
+        "--enable-reflection",
+        # The launcher's throwaway CA secures the internal hops; it probes its frontend in
+        # plaintext, so the public port's TLS is not offered here.
+        "--tls-cert-file",
+        "--tls-key-file",
+        "--tls-ca-file",
+        "--ssl-certfile",
+        "--ssl-keyfile",
+        "--ssl-ca-certs",
+    }
+)
+"""Service flags the launcher sets itself for its loopback stack."""
+SERVICE_KINDS = ("core", "frontend", "worker")
+
+
+def _service_parsers() -> dict[str, Callable[[], FlagParser]]:
+    from core_svc.config import build_parser as core_parser
+    from frontend_svc.config import build_parser as frontend_parser
+    from worker_svc.config import build_parser as worker_parser
+
+    return {"core": core_parser, "frontend": frontend_parser, "worker": worker_parser}
+
+
+def add_service_flags(parser: FlagParser) -> dict[str, str]:
+    """Add the services' own flags to `parser` (one group per service, the core's first: a flag
+    several services have goes to the first); returns option string -> owning service kind."""
+    owners: dict[str, str] = {}
+    for kind, build in _service_parsers().items():
+        group = parser.add_argument_group(f"{kind} flags (passed to `splitserve {kind}`)")
+        for action in build()._actions:
+            options = action.option_strings
+            if not options or action.dest in ("help", "config"):
+                continue
+            if any(parser.has_flag(o) or o in LAUNCHER_WIRED for o in options):
+                continue
+            group._add_action(action)
+            owners.update(dict.fromkeys(options, kind))
+    return owners
+
+
+def split_service_flags(
+    tokens: Sequence[str], parser: FlagParser, owners: dict[str, str]
+) -> dict[str, list[str]]:
+    """The command-line tokens (already parsed by `parser`, so well formed) of each service's
+    flags, in order: service kind -> tokens."""
+    out: dict[str, list[str]] = {kind: [] for kind in SERVICE_KINDS}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            break
+        option, has_value, _ = token.partition("=")
+        action = parser._option_string_actions.get(option) if token.startswith("-") else None
+        takes_value = action is not None and action.nargs != 0 and not has_value
+        width = 2 if takes_value else 1
+        if action is not None and option in owners:
+            out[owners[option]] += tokens[i : i + width]
+        i += width
+    return out

@@ -1,0 +1,94 @@
+"""`splitserve serve MODEL` as an operator from vLLM runs it: the positional model, a --config
+file, -tp, --enforce-eager, JSON logs with the periodic stats line, per-request lines and the
+load line; `generate` and `bench serve` find the server without --addr; SIGTERM removes the
+recorded address."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+CONFIG = """\
+max_model_len: 512
+kv_cache_memory_bytes: 16777216
+http_port: 0
+log_format: json
+enable_log_requests: true
+log_stats_interval: 0.5
+"""
+
+
+def client(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "splitserve"), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def log_records(text: str) -> list[dict[str, str]]:
+    """Every stderr line but the launcher's own plain last words is a JSON object."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(records) == len(lines), [line for line in lines if not line.startswith("{")]
+    return records
+
+
+def test_serve_a_model_positionally_with_a_config_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    for name in ("SPLITSERVE_ADDR", "SPLITSERVE_LOG_LEVEL", "SPLITSERVE_API_KEY"):
+        env.pop(name, None)
+    stderr_path = tmp_path / "serve.err"
+    with stderr_path.open("w") as stderr:
+        serve = subprocess.Popen(
+            [str(BIN / "splitserve"), "serve", str(tiny_model_dir), "--config", str(config)]
+            + ["--port", "0", "-tp", "1", "--enforce-eager"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        try:
+            assert serve.stdout is not None
+            line = serve.stdout.readline()
+            match = re.match(r"READY frontend=(\S+) .* http=(\S+)\n", line)
+            assert match, line
+            state = tmp_path / "cache" / "last-serve.json"
+            recorded = json.loads(state.read_text())
+            assert (recorded["frontend"], recorded["http"]) == match.groups()
+
+            generated = client("generate", "The quick brown fox", "--max-tokens", "6", env=env)
+            assert generated.returncode == 0, generated.stderr
+            assert generated.stdout.endswith("\n") and generated.stdout.strip()
+            bench = client("bench", "serve", "--num-prompts", "3", "--input-len", "8", "--json",
+                           "--output-len", "4", env=env)  # fmt: skip
+            assert bench.returncode == 0, bench.stderr
+            assert json.loads(bench.stdout.splitlines()[-1])["completed"] == 3
+            time.sleep(1.5)  # a stats interval or three
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(timeout=90) == 0
+    assert not state.exists()
+    records = log_records(stderr_path.read_text())
+    assert {r["service"] for r in records} >= {"launcher", "worker", "core", "frontend"}
+    messages = [r["message"] for r in records]
+    loading = [m for m in messages if m.startswith("loading ") and "enforce_eager" in m]
+    assert loading and any(m.startswith("Model loading took ") for m in messages)
+    stats = [m for m in messages if "Avg prompt throughput" in m]
+    assert stats and all("CPU KV cache usage" in m for m in stats)
+    assert any("Avg generation throughput: 0.0" not in m for m in stats)
+    finished = [m for m in messages if m.startswith("Finished request")]
+    assert len(finished) == 4  # generate's request and bench's three
+    assert all("The quick" not in m for m in finished)  # no prompt text by default

@@ -1,0 +1,219 @@
+"""vLLM's CLI vocabulary: `serve MODEL`, -tp/-pp, underscore spellings, --config YAML, no prefix
+guessing, defaults in --help, --version, --dtype aliases, --trust-remote-code refused, and the
+service flags `serve` passes on to the service that owns them."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from core_svc.config import build_parser as core_parser
+from core_svc.config import parse_config as parse_core
+from frontend_svc.config import build_parser as frontend_parser
+from frontend_svc.config import parse_config as parse_frontend
+from splitserve.cli import main as splitserve_main
+from splitserve.launcher import build_parser as serve_parser
+from splitserve.launcher import parse_args as parse_serve
+from splitserve_client.bench_serve import build_parser as bench_parser
+from splitserve_client.generate import build_parser as generate_parser
+from splitserve_runtime.flags import FlagParser
+from worker_svc.config import build_parser as worker_parser
+from worker_svc.config import parse_config as parse_worker
+
+WORKERS = "127.0.0.1:1,127.0.0.1:2"
+PARSERS: dict[str, Callable[[], FlagParser]] = {
+    "serve": lambda: serve_parser()[0],
+    "core": core_parser,
+    "frontend": frontend_parser,
+    "worker": worker_parser,
+    "generate": generate_parser,
+    "bench": bench_parser,
+}
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def refusal(capsys: pytest.CaptureFixture[str], parse: Callable[[], object]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse()
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_serve_takes_the_model_positionally_like_vllm_serve() -> None:
+    args = parse_serve(["/models/llama", "--max-model-len", "128", "-tp", "2"], {})
+    assert (args.model, args.tensor_parallel_size) == ("/models/llama", 2)
+    assert args.service_flags["core"] == ["--max-model-len", "128", "-tp", "2"]
+    assert parse_serve(["--model", "tiny"], {}).model == "tiny"  # `up`'s spelling still works
+    assert parse_serve(["tiny", "--model", "tiny"], {}).model == "tiny"
+
+
+def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refusal(capsys, lambda: parse_serve(["a/b", "--model", "c/d"], {}))
+    assert "named twice" in err
+
+
+def test_short_and_long_parallel_flags() -> None:
+    for argv in (["-tp", "2", "-pp", "1"], ["--tp", "2"], ["--tensor-parallel-size=2"]):
+        assert parse_core([*argv, "--worker-addrs", WORKERS], {}).world_size == 2
+    assert parse_core(["-pp", "2", "--worker-addrs", WORKERS], {}).pipeline_parallel_size == 2
+
+
+def test_underscore_spellings_are_the_same_flags() -> None:
+    config = parse_core(
+        ["--worker_addrs", WORKERS, "--max_model_len=99", "--tensor_parallel_size", "2"]
+        + ["--no-enable_prefix_caching", "--gpu_memory_utilization", "0.5"],
+        {},
+    )
+    assert (config.max_model_len, config.world_size, config.enable_prefix_caching) == (99, 2, False)
+    assert config.gpu_memory_utilization == 0.5
+    assert parse_frontend(["--max_logprobs", "3"], {}).max_logprobs == 3
+    assert parse_worker(["--torch_threads", "2"], {}).torch_threads == 2
+    # A value is a value: underscores in it stay.
+    named = parse_core(["--worker-addrs", "h:1", "--served_model_name", "a_b"], {})
+    assert named.served_model_name == "a_b"
+
+
+@pytest.mark.parametrize(
+    ("parse", "argv"),
+    [
+        (parse_core, ["--worker-addrs", WORKERS, "--max-model", "128"]),
+        (parse_core, ["--worker-addrs", WORKERS, "--max_model", "128"]),
+        (parse_frontend, ["--max-log", "3"]),
+        (parse_worker, ["--torch", "2"]),
+        (lambda argv, env: parse_serve(argv, env), ["tiny", "--max-model", "128"]),
+        (lambda argv, env: generate_parser().parse(argv, env), ["hi", "--max-tok", "3"]),
+    ],
+)
+def test_a_prefix_of_a_flag_is_an_error_never_a_guess(
+    parse: Callable[[list[str], dict[str, str]], object],
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = refusal(capsys, lambda: parse(argv, {}))
+    assert "unrecognized arguments" in err
+
+
+def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "max_num_seqs: 8\nmax-model-len: 77\nenable_prefix_caching: false\n"
+        f"worker_addrs: [{WORKERS}]\ntp: 2\nmetrics-port: -1\n",
+    )
+    env = {"SPLITSERVE_MAX_NUM_SEQS": "12", "SPLITSERVE_SEED": "5", "SPLITSERVE_MAX_MODEL_LEN": "9"}
+    config = parse_core(["--config", path, "--max-num-seqs", "3"], env)
+    assert config.max_num_seqs == 3  # the command line wins over the file
+    assert config.max_model_len == 77  # the file wins over the environment
+    assert config.seed == 5  # the environment fills what neither sets
+    assert config.enable_prefix_caching is False
+    assert config.worker_addrs == WORKERS.split(",") and config.world_size == 2
+    assert config.metrics_port is None
+    assert parse_core([], {"SPLITSERVE_CONFIG": path}).max_num_seqs == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_model_length: 5\n", "'max_model_length' is not a flag of splitserve core"),
+        ("- a\n- b\n", "expected a mapping"),
+        ("enable_prefix_caching: maybe\n", "not a boolean"),
+        ("max_num_seqs: [\n", "--config"),
+        ("max_num_seqs: 0\n", "must be >= 1"),
+        ("trust_remote_code: true\n", "never runs code from a model repository"),
+        ("help: true\n", "'help' is not a flag"),
+    ],
+)
+def test_a_bad_config_file_is_refused_saying_where(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, text)
+    err = refusal(capsys, lambda: parse_core(["--config", path, "--worker-addrs", WORKERS], {}))
+    assert message in err
+
+
+def test_serve_reads_a_config_file_and_passes_each_flag_to_its_service(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "model: tiny\nmax_model_len: 256\nenable-log-requests: true\ndevice: cpu\n"
+        "log_format: json\nenforce_eager: true\n",
+    )
+    args = parse_serve(["--config", path, "--max-num-seqs", "4", "--max_log_len=10"], {})
+    assert (args.model, args.log_format) == ("tiny", "json")
+    assert args.service_flags == {
+        "core": ["--max-model-len=256", "--enforce-eager", "--max-num-seqs", "4"],
+        "frontend": ["--enable-log-requests", "--max-log-len=10"],
+        "worker": ["--device=cpu"],
+    }
+
+
+def test_the_launcher_keeps_its_own_wiring_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--worker-addrs", "--metrics-port", "--core-addr", "--tls-cert-file"):
+        assert flag in refusal(capsys, lambda f=flag: parse_serve(["tiny", f, "x"], {}))
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_help_shows_every_flags_default(name: str) -> None:
+    parser = PARSERS[name]()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            continue
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        text = formatter._expand_help(action)
+        assert "(default" in text or "default:" in text, (name, action.option_strings, text)
+
+
+def test_help_lists_the_services_flags_under_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_serve(["--help"], {})
+    out = capsys.readouterr().out
+    for text in ("-tp", "--max-num-seqs", "(default: 256)", "--enable-log-requests", "--device"):
+        assert text in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert splitserve_main(["--version"]) == 0
+    version = capsys.readouterr().out.strip()
+    assert version.startswith("splitserve ") and version != "splitserve unknown"
+    with pytest.raises(SystemExit) as exited:
+        parse_serve(["--version"], {})
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == version
+
+
+@pytest.mark.parametrize(
+    ("given", "served"),
+    [("half", "float16"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float", "float32")]
+    + [("float32", "float32"), ("auto", "auto")],
+)
+def test_dtype_takes_vllms_aliases(given: str, served: str) -> None:
+    assert parse_core(["--worker-addrs", "h:1", "--dtype", given], {}).dtype == served
+
+
+def test_dtype_refuses_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "invalid choice" in refusal(
+        capsys, lambda: parse_core(["--worker-addrs", "h:1", "--dtype", "fp8"], {})
+    )
+
+
+@pytest.mark.parametrize("name", ["serve", "core", "frontend"])
+def test_trust_remote_code_is_refused_with_the_reason(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refusal(capsys, lambda: PARSERS[name]().parse(["--trust-remote-code"], {}))
+    assert "--trust-remote-code: refused" in err and "never runs code" in err
+
+
+def test_enforce_eager_and_the_stats_interval_reach_the_core_config() -> None:
+    config = parse_core(["--worker-addrs", "h:1", "--enforce-eager"], {})
+    assert config.enforce_eager is True and config.log_stats_interval == 10.0
+    assert parse_core(["--worker-addrs", "h:1", "--disable-log-stats"], {}).log_stats_interval == 0
+    quiet = parse_core(["--worker-addrs", "h:1", "--log-stats-interval", "0"], {})
+    assert quiet.log_stats_interval == 0
