@@ -72,8 +72,10 @@ def test_500_concurrent_streams_finish_without_an_error(tiny_model_dir: Path) ->
     try:
         rng = random.Random(0)
         requests = [_request(i, rng) for i in range(NUM_STREAMS)]
+        started = time.monotonic()
         results = asyncio.run(_stream_all(stack.frontend, requests))
         errors = [r for r in results if isinstance(r, grpc.RpcError)]
+        print(f"{NUM_STREAMS} streams: {time.monotonic() - started:.1f} s, {len(errors)} errors")
         assert not errors, f"{len(errors)} of {NUM_STREAMS} failed, e.g. {errors[0]}"
         for request, completions in zip(requests, results, strict=True):
             params = request.sampling_params
