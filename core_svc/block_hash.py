@@ -1,7 +1,10 @@
 """Chained prefix-cache hashes of full KV blocks (vLLM's hash_block_tokens, SHA-256).
 
 hash(block i) = SHA-256(hash(block i-1) | token ids as little-endian uint32 | extra keys),
-with NONE_HASH as the parent of block 0 and the cache salt as block 0's only extra key.
+with NONE_HASH as the parent of block 0 and the cache salt as an extra key of block 0. Every
+multimodal item whose placeholders overlap a block adds (its content hash, its offset relative
+to the block start) to the block's extra keys (vLLM's mm extra keys), so the same text with
+another image never hits.
 The parent is always 32 bytes and a block always holds block_size tokens, so the encoding
 is unambiguous; the result depends on nothing but these bytes, so it is identical in every
 process (no PYTHONHASHSEED). A hit on a hash is trusted: equal hashes mean equal prefixes
@@ -12,6 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
+
+from core_svc.mm_inputs import MultiModalFeatureSpec
 
 BlockHash = bytes
 
@@ -36,7 +42,13 @@ class BlockHasher:
         self.block_size = block_size
         self._pack = struct.Struct(f"<{block_size}I").pack
 
-    def extend(self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str) -> None:
+    def extend(
+        self,
+        block_hashes: list[BlockHash],
+        token_ids: list[int],
+        cache_salt: str,
+        mm_features: Sequence[MultiModalFeatureSpec] = (),
+    ) -> None:
         """Append the hashes of the full blocks of token_ids not hashed yet."""
         block_size = self.block_size
         num_full_blocks = len(token_ids) // block_size
@@ -51,5 +63,22 @@ class BlockHasher:
             h.update(pack(*token_ids[i * block_size : (i + 1) * block_size]))
             if i == 0 and cache_salt:
                 h.update(cache_salt.encode())
+            if mm_features:
+                h.update(mm_extra_keys(mm_features, i * block_size, block_size))
             parent = h.digest()
             block_hashes.append(parent)
+
+
+def mm_extra_keys(features: Sequence[MultiModalFeatureSpec], start: int, block_size: int) -> bytes:
+    """(hash, offset from `start`) of every item overlapping [start, start + block_size),
+    length-prefixed so that no two lists encode alike."""
+    keys = b""
+    end = start + block_size
+    for feature in features:
+        if feature.offset >= end:
+            break
+        if feature.end > start:
+            identifier = feature.identifier.encode()
+            keys += struct.pack("<4sIi", b"mm\0\0", len(identifier), feature.offset - start)
+            keys += identifier
+    return keys

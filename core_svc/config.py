@@ -50,6 +50,7 @@ class CoreConfig(TransportConfig):
     scheduling_policy: str = "fcfs"
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
+    disable_chunked_mm_input: bool = False
     attention_backend: str = "auto"
     distributed_init_method: str = ""
     host: str = LOOPBACK
@@ -142,7 +143,9 @@ def build_parser() -> FlagParser:
         "--kv-cache-memory-bytes",
         type=non_negative_int,
         default=0,
-        help="KV-cache bytes per worker; 0 derives it (CUDA) or uses 4 GiB (CPU)",
+        help="KV-cache bytes per worker; 0 derives it: on CUDA from --gpu-memory-utilization, "
+        "on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the workers' environment, else "
+        "half their free memory) but no more than max_num_seqs x max_model_len tokens use",
     )
     p.add_argument(
         "--dtype",
@@ -176,6 +179,12 @@ def build_parser() -> FlagParser:
         default=0,
         help="most prompt tokens waiting to be scheduled; more are refused like "
         "--max-num-queued-reqs (0: unlimited)",
+    )
+    p.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="multimodal models: never split an image's placeholder tokens over two steps "
+        "(by default a chunk may end inside an image whose encoder output is cached)",
     )
     p.add_argument(
         "--attention-backend",

@@ -6,6 +6,7 @@ call per column) so a step with a thousand requests costs a handful of calls.
 
 from __future__ import annotations
 
+from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -44,6 +45,10 @@ def request_from_proto(
         cache_salt=msg.cache_salt,
         priority=msg.priority,
         arrival_time=arrival_time,
+        mm_features=tuple(
+            MultiModalFeatureSpec(f.identifier, f.offset, f.length, f.SerializeToString())
+            for f in msg.mm_features
+        ),
     )
 
 
@@ -78,6 +83,8 @@ def scheduler_stats_to_proto(
     msg.num_scheduled_tokens = stats.num_scheduled_tokens
     msg.num_used_blocks = stats.num_used_blocks
     msg.num_total_blocks = stats.num_total_blocks
+    msg.encoder_cache_queries = stats.encoder_cache_queries
+    msg.encoder_cache_hits = stats.encoder_cache_hits
     return msg
 
 
@@ -93,6 +100,8 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
         num_scheduled_tokens=msg.num_scheduled_tokens,
         num_used_blocks=msg.num_used_blocks,
         num_total_blocks=msg.num_total_blocks,
+        encoder_cache_queries=msg.encoder_cache_queries,
+        encoder_cache_hits=msg.encoder_cache_hits,
     )
 
 
@@ -179,6 +188,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         new_msg.block_ids.extend(new_req.block_ids)
         new_msg.stop_token_ids.extend(new_req.stop_token_ids)
         new_msg.min_tokens = new_req.min_tokens
+        for feature in new_req.mm_features:
+            new_msg.mm_features.add().MergeFromString(feature)
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -191,6 +202,9 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     cached_msg.resumed_all_token_ids.extend(cached.resumed_all_token_ids)
     msg.num_scheduled_tokens.extend(output.num_scheduled_tokens)
     msg.finished_req_handles.extend(output.finished_req_handles)
+    for handle, input_ids in output.scheduled_encoder_inputs.items():
+        msg.scheduled_encoder_inputs.add(req_handle=handle, input_ids=input_ids)
+    msg.free_encoder_mm_hashes.extend(output.free_encoder_mm_hashes)
     return msg
 
 
@@ -206,6 +220,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
             num_computed_tokens=r.num_computed_tokens,
             stop_token_ids=tuple(r.stop_token_ids),
             min_tokens=r.min_tokens,
+            mm_features=[f.SerializeToString() for f in r.mm_features],
         )
         for r in msg.scheduled_new_reqs
     ]
@@ -228,6 +243,10 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         num_scheduled_tokens=list(msg.num_scheduled_tokens),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_handles=list(msg.finished_req_handles),
+        scheduled_encoder_inputs={
+            e.req_handle: list(e.input_ids) for e in msg.scheduled_encoder_inputs
+        },
+        free_encoder_mm_hashes=list(msg.free_encoder_mm_hashes),
     )
 
 

@@ -242,6 +242,8 @@ class EngineCore:
             num_total_blocks=pool.num_usable_blocks,
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
+            encoder_cache_queries=scheduler.encoder.stats.queries,
+            encoder_cache_hits=scheduler.encoder.stats.hits,
         )
 
     def reset_prefix_cache(self) -> bool:

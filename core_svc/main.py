@@ -17,7 +17,7 @@ from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.stats_logger import StatsLogger, log_stats_every
 from core_svc.step_budget import StepBudget
-from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
+from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool, kv_sizing_reason
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
@@ -54,6 +54,7 @@ def engine_info(config: CoreConfig, facts: ModelFacts) -> core_pb2.EngineInfo:
         enable_prefix_caching=config.enable_prefix_caching,
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
     )
 
 
@@ -69,10 +70,11 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
         facts.vocab_size,
     )
     logger.info(
-        "KV cache: %d blocks x %d tokens, %.2f GiB per rank",
+        "KV cache: %d blocks x %d tokens, %.2f GiB per rank, sized by %s",
         facts.num_kv_blocks,
         config.block_size,
         facts.kv_cache_bytes_per_rank / GIB,
+        kv_sizing_reason(config, facts),
     )
     logger.info(  # vLLM's wording: operators grep for it
         "%s KV cache size: %d tokens, Maximum concurrency for %d tokens per request: %.2fx",
@@ -105,6 +107,8 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) 
         vocab_size=facts.vocab_size,
         max_num_queued_reqs=config.max_num_queued_reqs,
         max_num_queued_tokens=config.max_num_queued_tokens,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
+        disable_chunked_mm_input=config.disable_chunked_mm_input,
     )
     cache = CacheConfig(
         num_blocks=facts.num_kv_blocks,

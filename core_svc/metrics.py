@@ -87,6 +87,14 @@ class CoreMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.encoder_queries = counter(
+            "splitserve_core_encoder_cache_queries",
+            "Multimodal items (images) looked up in the workers' encoder cache.",
+        )
+        self.encoder_hits = counter(
+            "splitserve_core_encoder_cache_hits",
+            "Multimodal items whose encoder output was already cached (no encoder run).",
+        )
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total",
             "Number of tokens per engine step.",
@@ -137,6 +145,10 @@ class CoreMetrics:
             self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         if stats.prefix_cache_hits > last.prefix_cache_hits:
             self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        if stats.encoder_cache_queries > last.encoder_cache_queries:
+            self.encoder_queries.inc(stats.encoder_cache_queries - last.encoder_cache_queries)
+        if stats.encoder_cache_hits > last.encoder_cache_hits:
+            self.encoder_hits.inc(stats.encoder_cache_hits - last.encoder_cache_hits)
         if stats.num_preemptions > last.num_preemptions:
             self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
         if stats.step_id > last.step_id and stats.num_scheduled_tokens:

@@ -84,6 +84,8 @@ class SchedulerStats:
     """Cumulative: prompts whose first token was sampled (see Scheduler.num_prompt_tokens)."""
     num_generation_tokens: int = 0
     """Cumulative: tokens sampled."""
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass(slots=True)

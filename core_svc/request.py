@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
+from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, ErrorKind, FinishReason
 
 
@@ -76,6 +77,7 @@ class Request:
         "error_kind",
         "num_sent_token_ids",
         "is_known_to_workers",
+        "mm_features",
     )
 
     def __init__(
@@ -94,6 +96,7 @@ class Request:
         cache_salt: str = "",
         priority: int = 0,
         arrival_time: float | None = None,
+        mm_features: tuple[MultiModalFeatureSpec, ...] = (),
     ) -> None:
         self.req_handle = -1
         self.client_id = client_id
@@ -136,6 +139,9 @@ class Request:
         self.num_sent_token_ids = 0
         """Token ids (prompt and outputs) the workers already have."""
         self.is_known_to_workers = False
+        self.mm_features = mm_features
+        """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept
+        until the request finishes: a recompute may run the encoder again."""
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@ data is untrusted. A bad request is refused alone (INVALID_REQUEST); the engine 
 
 from __future__ import annotations
 
+from core_svc.mm_inputs import mm_features_problem
 from core_svc.request import Request
 from core_svc.scheduler_config import SchedulerConfig
 
@@ -38,4 +39,6 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
     if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
         return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
-    return None
+    return mm_features_problem(
+        request.mm_features, num_prompt_tokens, scheduler_config.max_tokens_per_mm_item
+    )

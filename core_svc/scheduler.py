@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from core_svc.block_hash import BlockHasher
 from core_svc.block_pool import KVCacheBlock
+from core_svc.encoder_budget import EncoderScheduler
 from core_svc.engine_outputs import make_final_outputs, make_step_outputs, merge_outputs
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ErrorKind, ModelRunnerOutput
@@ -67,6 +68,9 @@ class Scheduler:
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = kv_cache_manager
         self.block_hasher = BlockHasher(cache_config.block_size)
+        budget = scheduler_config.encoder_compute_budget
+        self.encoder = EncoderScheduler(budget, budget, scheduler_config.disable_chunked_mm_input)
+        """Encoder inputs of multimodal requests (idle for text-only ones)."""
         self.requests: dict[int, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -89,7 +93,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if self.enable_caching:
             self.block_hasher.extend(
-                request.block_hashes, request.all_token_ids, request.cache_salt
+                request.block_hashes, request.all_token_ids, request.cache_salt, request.mm_features
             )
         self.requests[request.req_handle] = request
         self.waiting.add_request(request)
@@ -107,10 +111,12 @@ class Scheduler:
         self.step_id += 1
         step = StepBuilder(self.step_id, self.finished_req_handles)
         self.finished_req_handles = []
+        self.encoder.begin_step()
         token_budget, preempted = self._schedule_running(step)
         if not preempted:
             self._schedule_waiting(step, token_budget, time.monotonic())
         output, self._scheduled_reqs = step.build()
+        output.free_encoder_mm_hashes = self.encoder.take_freed()
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         return output
 
@@ -135,6 +141,11 @@ class Scheduler:
                 num_new_tokens = max_model_len - 1 - num_computed
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
+            encoder_inputs = None
+            if request.mm_features and num_new_tokens > 0:
+                num_new_tokens, encoder_inputs = self.encoder.plan(
+                    request, num_computed, num_new_tokens
+                )
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -147,6 +158,9 @@ class Scheduler:
                 if blocks is None:
                     break
             add_running(request, num_new_tokens, blocks)
+            if encoder_inputs:
+                self.encoder.commit(request, encoder_inputs)
+                step.add_encoder_inputs(request, encoder_inputs)
             request.num_computed_tokens = num_computed + num_new_tokens
             token_budget -= num_new_tokens
             i += 1
@@ -169,6 +183,7 @@ class Scheduler:
             if num_returned is not None:
                 token_budget += num_returned
                 index -= 1
+                self.encoder.cancel(victim, step.remove_encoder_inputs(victim))
             self._preempt(victim)
             if victim is request:
                 return None, token_budget, index
@@ -188,6 +203,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over from the waiting queue front."""
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -207,6 +224,13 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
+            encoder_inputs = None
+            if request.mm_features:
+                num_new_tokens, encoder_inputs = self.encoder.plan(
+                    request, num_hit_tokens, num_new_tokens
+                )
+                if num_new_tokens <= 0:
+                    break
             blocks = kv.allocate_slots(
                 request, num_new_tokens, num_hit_tokens, hit_blocks, full_sequence_must_fit=True
             )
@@ -226,6 +250,9 @@ class Scheduler:
                 step.add_resumed(request, num_new_tokens, block_ids)
             else:
                 step.add_new(request, num_new_tokens, block_ids)
+            if encoder_inputs:
+                self.encoder.commit(request, encoder_inputs)
+                step.add_encoder_inputs(request, encoder_inputs)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
 
@@ -287,6 +314,8 @@ class Scheduler:
             all_token_ids = request.all_token_ids
             if cache_blocks and num_computed % block_size < num_new_tokens:
                 cache_blocks(request, num_computed)  # a block became full this step
+            if request.mm_features:
+                self.encoder.release_computed(request)
             if num_computed < len(all_token_ids):
                 continue  # a prefill chunk: nothing sampled
             token = sampled.get(request.req_handle)
@@ -303,7 +332,9 @@ class Scheduler:
             request.output_token_ids.append(token)
             all_token_ids.append(token)
             if cache_blocks and len(all_token_ids) % block_size == 0:
-                extend_hashes(request.block_hashes, all_token_ids, request.cache_salt)
+                extend_hashes(
+                    request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
+                )
             if (
                 token in request.all_stop_token_ids
                 or len(request.output_token_ids) >= request.max_tokens
@@ -315,6 +346,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder.free(request)
         self.requests.pop(request.req_handle, None)
         if request.is_known_to_workers:
             self.finished_req_handles.append(request.req_handle)

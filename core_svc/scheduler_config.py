@@ -35,6 +35,16 @@ class SchedulerConfig:
     """When > 0, most requests waiting to be scheduled; more are refused as OVERLOADED."""
     max_num_queued_tokens: int = 0
     """When > 0, most prompt tokens waiting to be scheduled; more are refused as OVERLOADED."""
+    max_tokens_per_mm_item: int = 0
+    """Most placeholder tokens one image takes (the workers' report); 0: a text-only model."""
+    disable_chunked_mm_input: bool = False
+    """Never split an image's placeholders over steps (vLLM's --disable-chunked-mm-input)."""
+
+    @property
+    def encoder_compute_budget(self) -> int:
+        """Encoder tokens one step may compute, and the size of the workers' encoder cache in
+        encoder tokens (vLLM's compute_encoder_budget: at least one whole item)."""
+        return max(self.max_num_batched_tokens, self.max_tokens_per_mm_item)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -51,6 +61,14 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        item, chunk = self.max_tokens_per_mm_item, self.long_prefill_token_threshold
+        if self.disable_chunked_mm_input and (
+            item > self.max_num_batched_tokens or 0 < chunk < item
+        ):
+            raise ValueError(
+                f"disable_chunked_mm_input needs a step to fit a whole image ({item} tokens): "
+                "raise max_num_batched_tokens / long_prefill_token_threshold"
+            )
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,6 +22,8 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids: tuple[int, ...]
     min_tokens: int
+    mm_features: list[bytes] = field(default_factory=list)
+    """The serialized common.v1.MultiModalFeature of each image, as the frontend sent them."""
 
 
 @dataclass(slots=True)
@@ -83,3 +85,7 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     finished_req_handles: list[int] = field(default_factory=list)
+    scheduled_encoder_inputs: dict[int, list[int]] = field(default_factory=dict)
+    """Request handle -> indices of its mm_features whose encoder runs this step."""
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    """Encoder cache entries the workers drop before the step."""

@@ -104,6 +104,7 @@ class StepBuilder:
                 num_computed_tokens=request.num_computed_tokens,
                 stop_token_ids=tuple(sorted(request.all_stop_token_ids)),
                 min_tokens=request.min_tokens,
+                mm_features=[f.serialized for f in request.mm_features],
             )
         )
         request.is_known_to_workers = True
@@ -119,6 +120,14 @@ class StepBuilder:
         request.num_sent_token_ids = len(request.all_token_ids)
         self._resumed_reqs.append(request)
         self._num_resumed.append(num_new_tokens)
+
+    def add_encoder_inputs(self, request: Request, input_ids: list[int]) -> None:
+        """Items of a scheduled request whose encoder runs in this step."""
+        self.output.scheduled_encoder_inputs[request.req_handle] = input_ids
+
+    def remove_encoder_inputs(self, request: Request) -> list[int]:
+        """Take a request's encoder inputs back out of the step (it was preempted)."""
+        return self.output.scheduled_encoder_inputs.pop(request.req_handle, [])
 
     def build(self) -> tuple[SchedulerOutput, list[Request]]:
         """The step and its requests, both in the contract's order (checked)."""

@@ -58,6 +58,8 @@ class ModelFacts:
     kv_cache_bytes_per_rank: int
     device_type: str = ""
     """Rank 0's device ("cpu", "cuda"), from Describe."""
+    max_tokens_per_mm_item: int = 0
+    """Most placeholder tokens of one image; 0 for a text-only model."""
 
 
 class WorkerPool:
@@ -201,6 +203,7 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
+            max_tokens_per_mm_item=first.max_tokens_per_mm_item,
         )
 
     async def close(self) -> None:
@@ -219,3 +222,18 @@ def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
             "give the KV cache more memory (--kv-cache-memory-bytes / --gpu-memory-utilization)",
             is_retryable=False,
         )
+
+
+def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
+    """Why the KV cache has the size it has, for the start-up log (each rank logs its own
+    figures: free memory, cgroup limit, VLLM_CPU_KVCACHE_SPACE)."""
+    if config.kv_cache_memory_bytes > 0:
+        return "--kv-cache-memory-bytes"
+    blocks_per_request = -(-facts.max_model_len // config.block_size)
+    usable = config.max_num_seqs * blocks_per_request + 1
+    if facts.num_kv_blocks >= usable:
+        return (
+            f"room for max_num_seqs {config.max_num_seqs} x max_model_len "
+            f"{facts.max_model_len} tokens, all the engine can use"
+        )
+    return "the workers' memory budget (their logs say which)"

@@ -69,5 +69,6 @@ def build_frontend(
         request_limits,
         files.eos_token_ids,
         files.sampling_defaults,
+        multimodal=files.multimodal,
     )
     return Frontend(engine, inputs, info, served_model_name)

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend_svc.core_client import CoreClient, RoundTrip
+from frontend_svc.core_client import CoreClient, RoundTrip, StatsRefresh
 from frontend_svc.engine_types import CoreOutputs, SchedulerStats
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
@@ -44,7 +44,8 @@ class AsyncEngine:
         self.is_draining = False
         """Set on shutdown: new requests are refused, running ones finish."""
         self.scheduler_stats = SchedulerStats()
-        """The engine core's scheduler after the latest step that sent this frontend outputs."""
+        """The engine core's scheduler after the latest step that sent this frontend outputs,
+        or fetched when none did for a second (core_client.STATS_MAX_AGE_S)."""
         self.request_logger: RequestLogger | None = None
         """Set: one log line per finished request (--enable-log-requests)."""
         self._puller: asyncio.Task[None] | None = None
@@ -84,7 +85,11 @@ class AsyncEngine:
                     self._process(event)
                 elif isinstance(event, RoundTrip):
                     self.metrics.core_rtt.observe(event.seconds)
+                elif isinstance(event, StatsRefresh):
+                    if event.stats.step_id >= self.scheduler_stats.step_id:  # not older
+                        self.scheduler_stats = event.stats
                 else:
+                    self.scheduler_stats = SchedulerStats()  # a new core counts steps from 1
                     self.metrics.reconnects.inc()
                     self.output_processor.fail_all(
                         "lost the engine core; retry the request",
@@ -167,6 +172,7 @@ class AsyncEngine:
                 request.eos_token_id,
                 request.priority,
                 request.cache_salt,
+                request.mm_features,
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import add_logging_flags
@@ -56,7 +57,23 @@ class FrontendConfig(TransportConfig):
     ssl_keyfile: str = ""
     ssl_ca_certs: str = ""
     max_receive_message_bytes: int = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+    limit_mm_per_prompt: int = DEFAULT_MEDIA_LIMITS.max_images_per_prompt
+    max_image_bytes: int = DEFAULT_MEDIA_LIMITS.max_image_bytes
+    max_image_pixels: int = DEFAULT_MEDIA_LIMITS.max_image_pixels
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = DEFAULT_MEDIA_LIMITS.media_fetch_timeout
     enable_reflection: bool = field(default=True, kw_only=True)
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """Bounds on the images of one request (multimodal models)."""
+        return MediaLimits(
+            self.limit_mm_per_prompt,
+            self.max_image_bytes,
+            self.max_image_pixels,
+            self.allowed_media_domains,
+            self.media_fetch_timeout,
+        )
 
     @property
     def ssl(self) -> TlsFiles | None:
@@ -140,10 +157,52 @@ def build_parser() -> FlagParser:
         "prompt (vLLM's name; 0, the default here, logs no prompt text)",
     )
     add_logging_flags(p)
+    add_media_flags(p)
     add_public_security_flags(p)
     add_internal_tls_flags(p, "the calls to the engine core")
     add_listener_flags(p, reflection_default=True)
     return p
+
+
+def _domains(value: str) -> tuple[str, ...]:
+    return tuple(d for d in value.replace(",", " ").split() if d)
+
+
+def add_media_flags(p: FlagParser) -> None:
+    """Images on multimodal models; vLLM's names where vLLM has the flag."""
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=parse_limit_mm_per_prompt,
+        default=DEFAULT_MEDIA_LIMITS.max_images_per_prompt,
+        help='most images per request, as JSON {"image": N} (default: 4)',
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.max_image_bytes,
+        help="largest encoded image a request may send or a URL may serve, in bytes (gRPC "
+        "requests are also bounded by --max-receive-message-bytes)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.max_image_pixels,
+        help="largest decoded image, width x height pixels",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=_domains,
+        default=(),
+        help="hosts whose http(s) image URLs the frontend may fetch (space or comma "
+        "separated; public addresses only); empty: remote URLs are refused, only inline "
+        "images (bytes, data: URLs) are taken",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=DEFAULT_MEDIA_LIMITS.media_fetch_timeout,
+        help="seconds one remote image may take to fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+    )
 
 
 def add_public_security_flags(p: FlagParser) -> None:

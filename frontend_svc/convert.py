@@ -17,8 +17,10 @@ from frontend_svc.engine_types import (
 from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
+    ContentPart,
     EngineRequest,
     GenerateInput,
+    ImageInput,
     Logprob,
     PromptInput,
     TokenLogprobs,
@@ -30,8 +32,29 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.sampling_types import SamplingParams
 
 
+def _part_from_proto(part: gen_pb2.ContentPart, where: str) -> ContentPart:
+    if part.WhichOneof("part") != "image":
+        return ContentPart(text=part.text)
+    image = part.image
+    source = image.WhichOneof("source")
+    return ContentPart(
+        image=ImageInput(
+            where=f"{where}.image",
+            data=image.data if source == "data" else None,
+            mime_type=image.mime_type,
+            url=image.url if source == "url" else None,
+        )
+    )
+
+
+def _turn_from_proto(message: gen_pb2.ChatMessage, index: int) -> ChatTurn:
+    where = f"chat.messages[{index}].content_parts"
+    parts = tuple(_part_from_proto(p, f"{where}[{j}]") for j, p in enumerate(message.content_parts))
+    return ChatTurn(message.role, message.content, parts)
+
+
 def _chat_from_proto(chat: gen_pb2.Chat) -> tuple[tuple[ChatTurn, ...], bool]:
-    turns = tuple(ChatTurn(m.role, m.content) for m in chat.messages)
+    turns = tuple(_turn_from_proto(m, i) for i, m in enumerate(chat.messages))
     add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     return turns, add_prompt
 
@@ -121,6 +144,16 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.eos_token_id is not None:
         msg.eos_token_id = req.eos_token_id
     sampling_convert.to_proto(params, msg.sampler_params)
+    for feature in req.mm_features:
+        entry = msg.mm_features.add(
+            modality=feature.modality,
+            identifier=feature.identifier,
+            offset=feature.offset,
+            length=feature.length,
+        )
+        entry.pixel_values.data = feature.data
+        entry.pixel_values.shape.extend(feature.shape)
+        entry.pixel_values.dtype = feature.dtype
     return msg
 
 
@@ -146,7 +179,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
     )
 
 
-def _scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
+def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
     return SchedulerStats(
         num_running_reqs=msg.num_running_reqs,
         num_waiting_reqs=msg.num_waiting_reqs,
@@ -167,7 +200,7 @@ def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
         timestamp=msg.timestamp,
         step_id=msg.step_id,
         scheduler_stats=(
-            _scheduler_stats_from_proto(msg.scheduler_stats)
+            scheduler_stats_from_proto(msg.scheduler_stats)
             if msg.HasField("scheduler_stats")
             else None
         ),

@@ -2,12 +2,12 @@
 
 Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
 coalesced into one wire message. What comes back is a single ordered stream of events for the
-frontend's engine to pull (`next_event`): each step's outputs, ping round trips, and
-`Disconnected` when the stream breaks. After a break the client reconnects (Handshake, then a new
-stream), but only once the consumer has taken the `Disconnected` event, so the requests it fails
-are exactly those of the broken stream. Reconnecting is gRPC's own: the channel retries the
-connection with its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it
-(`wait_for_ready`).
+frontend's engine to pull (`next_event`): each step's outputs, ping round trips, the core's
+scheduler stats when no outputs brought them for a while (`StatsRefresh`), and `Disconnected`
+when the stream breaks. After a break the client reconnects (Handshake, then a new stream), but
+only once the consumer has taken the `Disconnected` event, so the requests it fails are exactly
+those of the broken stream. Reconnecting is gRPC's own: the channel retries the connection with
+its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it (`wait_for_ready`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.engine_types import CoreOutputs, EngineInfo, SchedulerStats
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -53,7 +53,20 @@ class RoundTrip:
     seconds: float
 
 
-CoreEvent = CoreOutputs | Disconnected | RoundTrip
+STATS_MAX_AGE_S = 1.0
+"""The core's scheduler stats (the engine gauges this frontend exports) come with this frontend's
+outputs; when none brought them for this long - this frontend idle while others keep the engine
+busy, or the engine idle - the client asks the core (GetSchedulerStats)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRefresh:
+    """The core's scheduler stats, fetched because no outputs brought them lately."""
+
+    stats: SchedulerStats
+
+
+CoreEvent = CoreOutputs | Disconnected | RoundTrip | StatsRefresh
 
 
 class CoreClient(Protocol):
@@ -113,6 +126,7 @@ class EngineCoreClient:
         self._state_changed = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
+        self._stats_at = time.monotonic()
 
     @property
     def is_connected(self) -> bool:
@@ -186,6 +200,7 @@ class EngineCoreClient:
             asyncio.create_task(self._write(call)),
             asyncio.create_task(self._ping()),
             asyncio.create_task(self._watch_core_health()),
+            asyncio.create_task(self._refresh_stats()),
         ]
         self._connected.set()
         self._state_changed.set()
@@ -197,7 +212,10 @@ class EngineCoreClient:
                 if msg.HasField("pong"):
                     self._on_pong(msg.pong.ping_id)
                 else:
-                    self._events.put_nowait(convert.core_outputs_from_proto(msg.outputs))
+                    outputs = convert.core_outputs_from_proto(msg.outputs)
+                    if outputs.scheduler_stats is not None:
+                        self._stats_at = time.monotonic()
+                    self._events.put_nowait(outputs)
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"
         finally:
@@ -222,6 +240,21 @@ class EngineCoreClient:
                                    "" if is_serving else "not ")  # fmt: skip
         except grpc.RpcError:
             return  # the stream's own read reports the break
+
+    async def _refresh_stats(self) -> None:
+        """Fetch the core's scheduler stats when no outputs brought them for STATS_MAX_AGE_S."""
+        request = core_pb2.GetSchedulerStatsRequest()
+        while True:
+            await asyncio.sleep(STATS_MAX_AGE_S)
+            if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
+                continue
+            try:
+                reply = await self._stub.GetSchedulerStats(request, timeout=5.0)
+            except grpc.RpcError:
+                continue  # the stream's own read reports a break
+            self._stats_at = time.monotonic()
+            stats = convert.scheduler_stats_from_proto(reply.scheduler_stats)
+            self._events.put_nowait(StatsRefresh(stats))
 
     async def _ping(self) -> None:
         """Time the hop to the core in this process's clock (the core echoes off its loop)."""

@@ -4,7 +4,8 @@ A router or autoscaler scraping the serving port (the production-stack router, K
 endpoint picker) reads vLLM's names there: vllm:num_requests_running, vllm:num_requests_waiting,
 vllm:kv_cache_usage_perc and vllm:cache_config_info, labelled with model_name and the engine's
 id. The values are the core's SchedulerStats as of the latest step that sent this frontend
-outputs (read at scrape time, so serving pays nothing). Several frontends on one core export the
+outputs, or, when none did for a second (this frontend idle while others keep the engine busy),
+as the frontend last asked the core for them; read at scrape time, so serving pays nothing. Several frontends on one core export the
 same series with the same `engine` label: aggregate with max by engine, never sum.
 """
 

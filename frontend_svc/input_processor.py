@@ -11,9 +11,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from frontend_svc.errors import InvalidRequest
+from frontend_svc.multimodal import (
+    MultiModalProcessor,
+    ProcessedImage,
+    chat_messages,
+    template_uses_content_parts,
+)
 from frontend_svc.requests import (
     EngineRequest,
     GenerateInput,
+    MultiModalFeature,
     PromptInput,
 )
 from splitserve_contracts import sampling_rules
@@ -70,13 +77,15 @@ CVE-2025-62426: `tokenize=True` from a request)."""
 class TokenizedPrompt:
     token_ids: list[int]
     text: str | None
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 class InputProcessor:
     """Turns a public Generate call into an EngineRequest, or raises InvalidRequest.
 
     `sampling_defaults` (SamplingParams field -> value, from the generation config) fill the
-    fields a request leaves unset, when its protobuf is converted."""
+    fields a request leaves unset, when its protobuf is converted. `multimodal` processes the
+    images of chat messages (None: a text-only model, which refuses them)."""
 
     def __init__(
         self,
@@ -86,8 +95,10 @@ class InputProcessor:
         extra_eos_ids: tuple[int, ...] = (),
         sampling_defaults: Mapping[str, Any] | None = None,
         tokenizer_threads: int = 4,
+        multimodal: MultiModalProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.multimodal = multimodal
         self.max_model_len = max_model_len
         self.limits = limits
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -110,17 +121,39 @@ class InputProcessor:
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Token ids of a prompt, as Generate would send them to the engine."""
         if prompt.token_ids is not None:
-            return TokenizedPrompt(list(prompt.token_ids), None)
+            token_ids = list(prompt.token_ids)
+            if self.multimodal is not None:  # image tokens need images: refuse them here
+                self.multimodal.expand(token_ids, [])
+            return TokenizedPrompt(token_ids, None)
         self._check_size(prompt)
+        images: list[ProcessedImage] = []
         if prompt.chat is not None:
             text = self.render_chat(prompt)
+            images = self._process_images(prompt)
             # The template already holds the special tokens it wants (vLLM does the same).
-            return TokenizedPrompt(self._encode(text, add_special_tokens=False), text)
-        text = prompt.text or ""
-        return TokenizedPrompt(self._encode(text, prompt.add_special_tokens), text)
+            token_ids = self._encode(text, add_special_tokens=False)
+        else:
+            text = prompt.text or ""
+            token_ids = self._encode(text, prompt.add_special_tokens)
+        if self.multimodal is None:
+            return TokenizedPrompt(token_ids, text)
+        token_ids, features = self.multimodal.expand(token_ids, images)
+        return TokenizedPrompt(token_ids, text, features)
+
+    def _process_images(self, prompt: PromptInput) -> list[ProcessedImage]:
+        images = [image for turn in prompt.chat or () for image in turn.images]
+        if not images:
+            return []
+        if self.multimodal is None:
+            raise InvalidRequest(
+                f"{images[0].where}: this model takes text only; send the message without "
+                "images, or serve a multimodal model (e.g. LLaVA)",
+                images[0].where,
+            )
+        return self.multimodal.process_images(images)
 
     def _check_size(self, prompt: PromptInput) -> None:
-        texts = [t.content for t in prompt.chat] if prompt.chat is not None else [prompt.text or ""]
+        texts = [t.text for t in prompt.chat] if prompt.chat is not None else [prompt.text or ""]
         num_bytes = sum(len(text.encode(errors="replace")) for text in texts)
         if num_bytes > self.max_prompt_bytes:
             raise InvalidRequest(
@@ -141,6 +174,12 @@ class InputProcessor:
             raise InvalidRequest(
                 "this model has no chat template; send `prompt` text instead", "chat"
             )
+        for i, turn in enumerate(chat):
+            if turn.parts and turn.content:
+                raise InvalidRequest(
+                    f"chat.messages[{i}] sets both content and content_parts; send one of them",
+                    f"chat.messages[{i}]",
+                )
         if prompt.continue_final_message and prompt.add_generation_prompt:
             raise InvalidRequest(
                 "continue_final_message and add_generation_prompt cannot both be true; "
@@ -155,7 +194,12 @@ class InputProcessor:
                 "use the request's own fields",
                 "chat_template_kwargs",
             )
-        messages = [{"role": t.role, "content": t.content} for t in chat]
+        mm = self.multimodal
+        messages = chat_messages(
+            chat,
+            mm.spec.image_token if mm is not None else None,
+            mm is not None and template_uses_content_parts(str(self.tokenizer.chat_template)),
+        )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -218,6 +262,7 @@ class InputProcessor:
             eos_token_id,
             call.priority,
             call.cache_salt,
+            prompt.mm_features,
         )
 
 

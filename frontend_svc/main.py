@@ -41,7 +41,11 @@ def read_model_files(config: FrontendConfig) -> ModelFiles:
     """The tokenizer and generation config that --model, --revision, --tokenizer and
     --generation-config name."""
     return load_model_files(
-        config.model, config.revision, config.tokenizer, config.generation_config
+        config.model,
+        config.revision,
+        config.tokenizer,
+        config.generation_config,
+        config.media_limits,
     )
 
 
@@ -93,7 +97,9 @@ async def serve(config: FrontendConfig) -> int:
     if config.http_port is not None:
         context = ServingContext(engine, inputs, info, served_name, time.time())
         app = build_app(context, host.registry, config.api_key)
-        http = HttpServer(app, config.http_host, config.http_port, _uvicorn_level(config))
+        http = HttpServer(
+            app, config.http_host, config.http_port, _uvicorn_level(config), config.ssl
+        )
     await host.start()
     engine.start()
     if http is not None:

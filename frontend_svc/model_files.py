@@ -14,6 +14,8 @@ from frontend_svc.generation_config import (
     sampling_defaults,
 )
 from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from frontend_svc.multimodal import MultiModalProcessor, load_multimodal_processor
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_contracts.sampling_types import SamplingParams
@@ -27,10 +29,16 @@ class ModelFiles:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, Any]
+    multimodal: MultiModalProcessor | None = None
+    """The image processor of a multimodal model; None for a text-only one."""
 
 
 def load_model_files(
-    model_spec: str, revision: str = "", tokenizer_spec: str = "", generation_config: str = "auto"
+    model_spec: str,
+    revision: str = "",
+    tokenizer_spec: str = "",
+    generation_config: str = "auto",
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
 ) -> ModelFiles:
     """Resolve --model/--tokenizer as the workers do and read the files; ValueError/OSError
     when they cannot be found or read, or the generation config's defaults are invalid."""
@@ -48,4 +56,7 @@ def load_model_files(
             "--generation-config vllm"
         ) from None
     log_sampling_defaults(defaults, generation_config)
-    return ModelFiles(tokenizer, eos_token_ids(generation), defaults)
+    multimodal = None
+    if folder is not None:
+        multimodal = load_multimodal_processor(folder, tokenizer, media_limits)
+    return ModelFiles(tokenizer, eos_token_ids(generation), defaults, multimodal)

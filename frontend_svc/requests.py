@@ -23,9 +23,56 @@ class FinishReason(IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """An image as the client sent it: encoded bytes with their MIME type, or a URL (`data:`,
+    or http(s) when the server allows remote media). `where` names the request part, for
+    errors."""
+
+    where: str
+    data: bytes | None = None
+    mime_type: str = ""
+    url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One piece of a chat message: text or an image."""
+
+    text: str | None = None
+    image: ImageInput | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ChatTurn:
     role: str
     content: str
+    parts: tuple[ContentPart, ...] = ()
+    """When set, the message is these parts in order and `content` is unused."""
+
+    @property
+    def text(self) -> str:
+        """The message's text (its text parts joined by newlines)."""
+        if not self.parts:
+            return self.content
+        return "\n".join(p.text for p in self.parts if p.text is not None)
+
+    @property
+    def images(self) -> tuple[ImageInput, ...]:
+        return tuple(p.image for p in self.parts if p.image is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One processed image of a prompt, as the engine gets it: its placeholder range in the
+    prompt token ids, its content hash and the encoder input (raw tensor bytes)."""
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +115,8 @@ class EngineRequest:
     eos_token_id: int | None
     priority: int = 0
     cache_salt: str = ""
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The prompt's images, in placeholder order (empty for a text-only prompt)."""
 
 
 @dataclass(slots=True)

@@ -108,6 +108,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             num_kv_blocks=info.num_kv_blocks,
             max_num_seqs=info.max_num_seqs,
         )
+        if inputs.multimodal is not None:
+            reply.supports_vision = True
+            reply.max_images_per_prompt = inputs.multimodal.limits.max_images_per_prompt
         if tok.eos_token_id is not None:
             reply.eos_token_id = tok.eos_token_id
         if tok.bos_token_id is not None:

@@ -5,7 +5,8 @@ benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
 tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, log_format,
-shutdown_timeout, and service_flags (kind -> the operator's own flags for that service).
+shutdown_timeout, service_flags (kind -> the operator's own flags for that service), and
+optionally frontend/core/worker_metrics_port (absent or 0: a free port each; -1: no metrics).
 With a LocalPki every internal hop is mutual TLS; without, plaintext.
 """
 
@@ -93,8 +94,24 @@ def _spawn(
     probe = ChannelSecurity(None, ROLE_OF_SERVICE[kind])
     if pki is not None and kind != FRONTEND.kind:  # the frontend's public port stays as asked
         probe = ChannelSecurity(pki.files[LAUNCHER_IDENTITY], ROLE_OF_SERVICE[kind])
-    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    metrics_url = ""
+    if metrics_port >= 0:  # served on the child's listen address
+        metrics_url = f"http://{connect_host(address.rsplit(':', 1)[0])}:{metrics_port}/metrics"
     return Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+
+
+def connect_host(listen_host: str) -> str:
+    """Where a client on this machine reaches a service listening on `listen_host`."""
+    return LOOPBACK if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
+
+
+def metrics_port(args: argparse.Namespace, kind: str, free_port: int, rank: int = 0) -> int:
+    """The --metrics-port of a child: `args.<kind>_metrics_port` (+ `rank` for workers) when
+    positive, `free_port` when 0 or absent (tests, the offline LLM), -1 (none) when negative."""
+    base = int(getattr(args, f"{kind}_metrics_port", 0) or 0)
+    if base > 0:
+        return base + rank
+    return free_port if base == 0 else -1
 
 
 def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
@@ -148,11 +165,12 @@ def start_children(
 
 
 def _start_worker(
-    args: argparse.Namespace, rank: int, port: int, metrics_port: int, pki: LocalPki | None
+    args: argparse.Namespace, rank: int, port: int, free_metrics_port: int, pki: LocalPki | None
 ) -> Child:
-    argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics_port)]
-    argv += [*_log_flags(args), *_service_flags(args, "worker")]
-    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics_port, pki)
+    metrics = metrics_port(args, "worker", free_metrics_port, rank)
+    argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
+    argv += [*_log_flags(args), *_drain_flags(args), *_service_flags(args, "worker")]
+    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics, pki)
 
 
 def start_engine_children(
@@ -163,7 +181,8 @@ def start_engine_children(
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     ports = free_ports(2 * world + 3)
     workers = [_start_worker(args, r, ports[r], ports[world + r], pki) for r in range(world)]
-    core_port, core_metrics, dist_port = ports[2 * world :]
+    core_port, free_core_metrics, dist_port = ports[2 * world :]
+    core_metrics = metrics_port(args, "core", free_core_metrics)
     argv = [
         *model_flags(args)[0],
         *("--host", LOOPBACK, "--port", str(core_port), "--metrics-port", str(core_metrics)),
@@ -181,7 +200,8 @@ def start_engine_children(
 
 def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | None = None) -> Child:
     """Start a frontend on the engine core at `core_addr` (several may share one core)."""
-    fe_metrics, fe_port, free_http_port = free_ports(3)
+    free_metrics_port, fe_port, free_http_port = free_ports(3)
+    fe_metrics = metrics_port(args, "frontend", free_metrics_port)
     port = args.port or fe_port
     http_port = args.http_port or free_http_port
     api_key = getattr(args, "api_key", "")

@@ -46,7 +46,7 @@ from splitserve_runtime.flags import FlagParser, non_negative_int
 from splitserve_runtime.log_config import add_logging_flags, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 from splitserve_runtime.model_spec import add_model_arguments
-from splitserve_runtime.services import FRONTEND, SERVICES
+from splitserve_runtime.services import CORE, FRONTEND, SERVICES, WORKER
 
 logger = logging.getLogger("splitserve.launcher")
 
@@ -84,6 +84,18 @@ def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, 
         default=DEFAULT_HTTP_PORT,
         help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
     )
+    metrics_help = {
+        FRONTEND: "the frontend's Prometheus /metrics port",
+        CORE: "the engine core's Prometheus /metrics port",
+        WORKER: "worker rank 0's Prometheus /metrics port; rank r uses this + r",
+    }
+    for spec, text in metrics_help.items():
+        p.add_argument(
+            f"--{spec.kind}-metrics-port",
+            type=int,
+            default=spec.default_metrics_port,
+            help=f"{text} (0: any free port, -1: off)",
+        )
     p.add_argument(
         "--api-key",
         default="",
@@ -119,7 +131,7 @@ def ready_line(children: Sequence[Child]) -> str:
     return (
         f"READY frontend={by_kind['frontend'][0].address} core={by_kind['core'][0].address} "
         f"workers={','.join(c.address for c in by_kind['worker'])} "
-        f"metrics={','.join(c.metrics_url for c in children)}"
+        f"metrics={','.join(c.metrics_url for c in children if c.metrics_url) or 'off'}"
         + "".join(f" http={c.http_address}" for c in by_kind["frontend"] if c.http_address)
     )
 

@@ -4,6 +4,9 @@ vLLM's metric names contain colons (`vllm:num_requests_running`). prometheus_cli
 rewrites colons in sample names to underscores when a scraper negotiates OpenMetrics (as
 Prometheus does by default), which would silently rename every vLLM series. Serving the classic
 text format (0.0.4) keeps the names exactly as vLLM's dashboards and alerts expect them.
+
+prometheus_client's app answers every path with the metrics page; here only `/metrics` does, and
+any other path gets 404, so a mistyped scrape path or a probe fails loudly instead of scraping.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_PATHS = ("/metrics", "/metrics/")
 Wsgi = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
@@ -30,6 +34,9 @@ def classic_text_app(registry: CollectorRegistry) -> Wsgi:
     app = make_wsgi_app(registry)
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") not in METRICS_PATHS:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"Not Found: metrics are served on /metrics\n"]
         return app({**environ, "HTTP_ACCEPT": CLASSIC_TEXT}, start_response)
 
     return serve

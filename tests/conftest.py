@@ -34,3 +34,12 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
     running = Stack(tiny_model_dir).start()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def llava_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA-1.5-style checkpoint (tests/fixtures/llava_checkpoint.py), built
+    once per test session."""
+    from tests.fixtures.llava_checkpoint import make_llava_checkpoint
+
+    return make_llava_checkpoint(tmp_path_factory.mktemp("llava") / "tiny-llava")

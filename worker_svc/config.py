@@ -31,6 +31,7 @@ class WorkerConfig(TransportConfig):
     metrics_port: int | None = DEFAULT_METRICS_PORT
     device: str = "auto"
     torch_threads: int = 0
+    shutdown_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -64,6 +65,14 @@ def build_parser() -> FlagParser:
         type=non_negative_int,
         default=0,
         help="CPU threads for torch (0: torch's default)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the engine core's open step stream may keep running (new calls "
+        "are refused), so that a core stopping at the same time can finish its own drain; the "
+        "worker exits as soon as that stream ends",
     )
     add_logging_flags(p)
     add_internal_tls_flags(p, "the port the engine core calls")

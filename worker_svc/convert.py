@@ -20,6 +20,7 @@ from worker_svc.outputs import LogprobsTable, ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
     IntArray,
+    MultiModalInput,
     NewRequestData,
     SchedulerOutput,
 )
@@ -45,6 +46,17 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         num_computed_tokens=req.num_computed_tokens,
         stop_token_ids=_column(req.stop_token_ids),
         min_tokens=req.min_tokens,
+        mm_features=tuple(
+            MultiModalInput(
+                identifier=f.identifier,
+                offset=f.offset,
+                length=f.length,
+                data=f.pixel_values.data,
+                shape=tuple(f.pixel_values.shape),
+                dtype=f.pixel_values.dtype,
+            )
+            for f in req.mm_features
+        ),
     )
 
 
@@ -70,6 +82,10 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         num_scheduled_tokens=_column(msg.num_scheduled_tokens),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_handles=_column(msg.finished_req_handles),
+        scheduled_encoder_inputs={
+            e.req_handle: list(e.input_ids) for e in msg.scheduled_encoder_inputs
+        },
+        free_encoder_mm_hashes=tuple(msg.free_encoder_mm_hashes),
     )
 
 
@@ -131,6 +147,7 @@ def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
         num_layers=m.num_layers,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
+        max_tokens_per_mm_item=m.max_tokens_per_mm_item,
     )
 
 

@@ -19,8 +19,6 @@ import torch
 
 from worker_svc.attention.backend import AttentionBackend
 
-CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
-
 
 @dataclass(frozen=True, slots=True)
 class KvCacheSpec:

@@ -30,6 +30,7 @@ def serve(config: WorkerConfig) -> int:
         port=config.port,
         service_names=[WORKER.grpc_service],
         metrics_port=config.metrics_port,
+        grace_seconds=config.shutdown_timeout,  # the core's Execute stream keeps running
         # Only the engine core may call a worker (health: any peer of the same CA).
         listener=internal_listener(
             tls=config.tls,

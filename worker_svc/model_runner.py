@@ -21,10 +21,12 @@ import torch
 
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
+from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.input_batch import InputBatch, StepInputs
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.llava import LlavaForConditionalGeneration
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
@@ -69,6 +71,10 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self._failed: dict[int, str] = {}
         """Requests the current step refused, reported in its output."""
+        self.encoder_runner: EncoderRunner | None = None
+        """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
+        if isinstance(model, LlavaForConditionalGeneration):
+            self.encoder_runner = EncoderRunner(model, device)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate the cache and the per-request tables; returns the cache's bytes."""
@@ -145,7 +151,13 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache must run before execute")
         started = time.perf_counter()
         batch = self.batch
+        mm_refused: dict[int, str] = {}
+        if self.encoder_runner is not None:
+            step, mm_refused = self.encoder_runner.refuse_bad_requests(step)
         step_plan = batch.update_states(step)
+        if self.encoder_runner is not None:
+            step_plan.failed.update(mm_refused)
+            self.encoder_runner.update(step, step_plan.failed)
         self.prompt_logprobs.forget([*step.finished_req_handles.tolist(), *step_plan.failed])
         if len(step_plan.fresh_block_ids):
             self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
@@ -156,7 +168,10 @@ class ModelRunner:
         plan = self.prompt_logprobs.plan(batch, inputs) if self.parallel.is_last_stage else None
         prepared = time.perf_counter()
 
-        hidden = self._forward(inputs, self.kv_cache)
+        mm = None
+        if self.encoder_runner is not None and self.parallel.is_first_stage:
+            mm = self.encoder_runner.step_embeddings(step, inputs)
+        hidden = self._forward(inputs, self.kv_cache, mm)
         batch.finish_step(inputs)
         if hidden is None:  # not the last pipeline stage
             return None
@@ -195,8 +210,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor | None:
-        """This stage's forward; returns final hidden states on the last stage, else None."""
+    def _forward(
+        self, inputs: StepInputs, kv_cache: PagedKVCache, mm: MmEmbeddings | None = None
+    ) -> torch.Tensor | None:
+        """This stage's forward; returns final hidden states on the last stage, else None.
+        `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings."""
         attn_inputs = AttentionInputs(
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
@@ -213,6 +231,8 @@ class ModelRunner:
         input_ids = None
         if parallel.is_first_stage:
             input_ids = self._to_device(inputs.input_ids)
+            if mm is not None and self.encoder_runner is not None:
+                hidden, input_ids = self.encoder_runner.embed(input_ids, mm), None
         else:
             shape = (inputs.num_tokens, self.model.config.hidden_size)
             hidden, residual = parallel.recv_from_prev_stage(2, shape, self.dtype, self.device)

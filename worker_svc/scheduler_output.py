@@ -22,6 +22,23 @@ def _empty() -> IntArray:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """One image of a request: its placeholder tokens [offset, offset + length) of the prompt,
+    its content hash and its encoder input (raw tensor bytes, checked by the rank)."""
+
+    identifier: str
+    offset: int
+    length: int
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the ranks see for the first time.
 
@@ -37,6 +54,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
     stop_token_ids: IntArray = field(default_factory=_empty)
     min_tokens: int = 0
+    mm_features: tuple[MultiModalInput, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +96,10 @@ class SchedulerOutput:
     num_scheduled_tokens: IntArray = field(default_factory=_empty)
     total_num_scheduled_tokens: int = 0
     finished_req_handles: IntArray = field(default_factory=_empty)
+    scheduled_encoder_inputs: dict[int, list[int]] = field(default_factory=dict)
+    """Request handle -> indices of its mm_features whose encoder runs this step."""
+    free_encoder_mm_hashes: tuple[str, ...] = ()
+    """Encoder cache entries to drop before the step."""
 
     @property
     def num_reqs(self) -> int:

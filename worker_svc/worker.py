@@ -21,12 +21,13 @@ import torch
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import available_backends, backend_class, select_backend
+from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
-from worker_svc.kv_cache import CPU_DEFAULT_KV_CACHE_BYTES, KvCapacity, kv_capacity
+from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class
+from worker_svc.models.registry import model_class, read_model_config
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
@@ -91,6 +92,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    max_tokens_per_mm_item: int = 0
+    """Placeholder tokens of one image; 0 for a text-only model."""
 
 
 def resolve_device(requested: str, rank: int = 0) -> torch.device:
@@ -167,7 +170,7 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
-        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        model_config = read_model_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
@@ -235,6 +238,9 @@ class Worker:
             num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=model_config.head_dim,
+            max_tokens_per_mm_item=(
+                model_config.vision.num_image_tokens if model_config.vision is not None else 0
+            ),
         )
 
     def _require_runner(self) -> ModelRunner:
@@ -248,10 +254,10 @@ class Worker:
         runner = self._require_runner()
         assert self.config is not None
         block_size = self.config.block_size
+        if self.device.type == "cpu":
+            return self._cpu_kv_capacity(kv_cache_memory_bytes)
         if kv_cache_memory_bytes > 0:
             available = kv_cache_memory_bytes
-        elif self.device.type == "cpu":
-            available = CPU_DEFAULT_KV_CACHE_BYTES
         else:
             if not 0.0 < gpu_memory_utilization <= 1.0:
                 raise ValueError(
@@ -259,6 +265,20 @@ class Worker:
                 )
             available = self._cuda_kv_budget(gpu_memory_utilization, block_size)
         return kv_capacity(runner.kv_cache_spec, block_size, available)
+
+    def _cpu_kv_capacity(self, kv_cache_memory_bytes: int) -> KvCapacity:
+        """vLLM-CPU's sizing, capped by what the engine can use (worker_svc/cpu_kv_budget)."""
+        runner = self._require_runner()
+        assert self.config is not None
+        block_size = self.config.block_size
+        spec = runner.kv_cache_spec
+        max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
+        budget = cpu_kv_budget(
+            kv_cache_memory_bytes, spec.bytes_per_block(block_size), shape, os.environ
+        )
+        logger.info("KV cache on CPU: %.3f GiB, %s", budget.num_bytes / (1 << 30), budget.reason)
+        return kv_capacity(spec, block_size, budget.num_bytes)
 
     def _cuda_kv_budget(self, utilization: float, block_size: int) -> int:
         """utilization x total memory - (weights + peak activations + memory outside torch).

@@ -22,12 +22,13 @@ from frontend_svc.openai.fields import (
     read,
 )
 from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, sampling_params
-from frontend_svc.requests import ChatTurn, PromptInput
+from frontend_svc.requests import ChatTurn, ContentPart, ImageInput, PromptInput
 from splitserve_contracts.sampling_types import SamplingParams
 
 MEDIA_PARTS = frozenset(
-    {"image_url", "input_image", "image", "image_embeds", "input_audio", "audio_url", "video_url"}
+    {"input_image", "image", "image_embeds", "input_audio", "audio_url", "video_url"}
 )
+"""Media part types other than `image_url`: refused with a message saying what to send."""
 
 
 def _set(value: Any) -> bool:
@@ -155,26 +156,39 @@ def parse_completion(
     return CompletionRequest(prompts=prompts, params=params, echo=echo, **_common(body))
 
 
-def _content(value: Any, where: str) -> str:
-    """A message's content: a string, or content parts of which only text is supported yet."""
+def _image_part(part: dict[str, Any], where: str) -> ContentPart:
+    """An `image_url` part: {"image_url": {"url": ...}} (or the URL as a plain string)."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{where}: `image_url` needs a `url` string", where)
+    return ContentPart(image=ImageInput(where=where, url=url))
+
+
+def _content(value: Any, where: str) -> ChatTurn:
+    """A message's content: a string, or text and `image_url` parts (images need a
+    multimodal model; the InputProcessor refuses them otherwise)."""
     if value is None:
-        return ""
+        return ChatTurn("", "")
     if isinstance(value, str):
-        return value
-    texts = []
-    for part in as_list(value, where):
+        return ChatTurn("", value)
+    parts = []
+    for j, part in enumerate(as_list(value, where)):
         kind = as_object(part, where).get("type")
         if kind == "text":
-            texts.append(read(part, "text", as_str, ""))
+            parts.append(ContentPart(text=read(part, "text", as_str, "")))
+        elif kind == "image_url":
+            parts.append(_image_part(part, f"{where}[{j}].image_url"))
         elif kind in MEDIA_PARTS:
             raise InvalidRequest(
-                f"{where}: `{kind}` content parts need a multimodal model, which splitserve "
-                "does not serve yet; send text parts only",
+                f"{where}: `{kind}` content parts are not supported; send images as "
+                "`image_url` parts with data: URLs",
                 "messages",
             )
         else:
             raise InvalidRequest(f"{where}: unknown content part type {kind!r}", "messages")
-    return "\n".join(texts)
+    turn = ChatTurn("", "", tuple(parts))
+    return turn if turn.images else ChatTurn("", turn.text)
 
 
 def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
@@ -185,7 +199,8 @@ def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
         role = read(message, "role", as_str)
         if role is None:
             raise InvalidRequest(f"{where} has no `role`", "messages")
-        turns.append(ChatTurn(role, _content(message.get("content"), f"{where}.content")))
+        content = _content(message.get("content"), f"{where}.content")
+        turns.append(ChatTurn(role, content.content, content.parts))
     if not turns:
         raise InvalidRequest("`messages` is empty; send at least one message", "messages")
     return tuple(turns)

@@ -1,16 +1,20 @@
 """The HTTP server: uvicorn on the frontend's own asyncio loop, so HTTP and gRPC share one
 AsyncEngine. The frontend's ServiceHost owns SIGTERM/SIGINT; uvicorn's own signal capture is
-switched off."""
+switched off. With `--ssl-certfile`/`--ssl-keyfile` (the same files as the gRPC port) it serves
+HTTPS, and with `--ssl-ca-certs` it requires client certificates, as vLLM's server does."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
 from starlette.applications import Starlette
+
+from splitserve_runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,14 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """Serve `app` on host:port (0 picks a free port) until `stop`."""
 
-    def __init__(self, app: Starlette, host: str, port: int, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        host: str,
+        port: int,
+        log_level: str = "warning",
+        tls: TlsFiles | None = None,
+    ) -> None:
         config = uvicorn.Config(
             app,
             host=host,
@@ -35,11 +46,16 @@ class HttpServer:
             lifespan="off",
             timeout_graceful_shutdown=5,
             http="httptools",
+            ssl_certfile=tls.cert_file if tls else None,
+            ssl_keyfile=tls.key_file if tls else None,
+            ssl_ca_certs=tls.ca_file if tls and tls.ca_file else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.ca_file else ssl.CERT_NONE,
         )
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
         self.host = host
         self.port = port
+        self.scheme = "https" if tls is not None else "http"
 
     async def start(self) -> int:
         """Bind and serve in a task; returns the bound port. Raises OSError if binding fails."""
@@ -51,7 +67,9 @@ class HttpServer:
             await asyncio.sleep(0.01)
         sockets = self._server.servers[0].sockets
         self.port = int(sockets[0].getsockname()[1])
-        logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", self.host, self.port)
+        logger.info(
+            "OpenAI-compatible HTTP API on %s://%s:%d/v1", self.scheme, self.host, self.port
+        )
         return self.port
 
     async def stop(self) -> None:

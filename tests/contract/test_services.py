@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.children import free_ports
 from splitserve_runtime.services import SERVICES
-from tests.e2e.stack import Stack
+from tests.e2e.stack import UP_ANY_METRICS_PORTS, Stack
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -121,6 +122,8 @@ def test_every_command_has_help(command: list[str]) -> None:
 
 def test_launcher_ready_line_and_sigterm(tiny_model_dir: Path) -> None:
     env = dict(os.environ, SPLITSERVE_LOG_LEVEL="warning")
+    # Ports chosen here stand in for the stable defaults (9400, 9401, 9402 + rank).
+    fe_metrics, core_metrics, worker_metrics = free_ports(3)
     up = subprocess.Popen(
         [
             str(BIN / "splitserve"),
@@ -133,6 +136,9 @@ def test_launcher_ready_line_and_sigterm(tiny_model_dir: Path) -> None:
             "0",
             "--kv-cache-memory-bytes",
             "16777216",
+            *("--frontend-metrics-port", str(fe_metrics)),
+            *("--core-metrics-port", str(core_metrics)),
+            *("--worker-metrics-port", str(worker_metrics)),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -146,7 +152,16 @@ def test_launcher_ready_line_and_sigterm(tiny_model_dir: Path) -> None:
             r"READY frontend=(\S+) core=(\S+) workers=(\S+) metrics=(\S+) http=(\S+)\n", line
         )
         assert match, line
-        assert len(match.group(4).split(",")) == 3
+        # workers, core, frontend: each URL the port asked for, where it answers
+        urls = match.group(4).split(",")
+        ports = [worker_metrics, core_metrics, fe_metrics]
+        assert urls == [f"http://127.0.0.1:{port}/metrics" for port in ports]
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200 and b"# TYPE " in reply.read()
+            with pytest.raises(urllib.error.HTTPError) as not_found:
+                urllib.request.urlopen(url.removesuffix("metrics") + "healthz", timeout=10)
+            assert not_found.value.code == 404
         assert health(match.group(1), SERVICES["frontend"].grpc_service) == 1
         with urllib.request.urlopen(f"http://{match.group(5)}/health", timeout=10) as reply:
             assert reply.status == 200
@@ -171,6 +186,7 @@ def test_a_dying_child_takes_the_launcher_down_naming_it(tiny_model_dir: Path) -
             "0",
             "--gpu-memory-utilization",  # well typed, so only the core's own check refuses it
             "2",
+            *UP_ANY_METRICS_PORTS,
         ],
         capture_output=True,
         text=True,

@@ -21,6 +21,13 @@ from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
 
 KV_BYTES = str(64 * 1024 * 1024)
+# `splitserve up` serves metrics on stable ports (9400, 9401, 9402 + rank); tests that run it
+# take free ones, so that they can run beside each other and beside a `make run`.
+UP_ANY_METRICS_PORTS = [
+    *("--frontend-metrics-port", "0"),
+    *("--core-metrics-port", "0"),
+    *("--worker-metrics-port", "0"),
+]
 
 
 class Stack:

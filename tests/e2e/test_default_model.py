@@ -15,6 +15,7 @@ import pytest
 
 from splitserve_runtime.default_model import DefaultModelError, ensure_default_gguf
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
+from tests.e2e.stack import UP_ANY_METRICS_PORTS
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
 from worker_svc.worker import LoadModelConfig
@@ -39,7 +40,8 @@ def sample_answer(cache: Path) -> str:
     """`splitserve up --sample-prompt QUESTION` (make run) until its answer, then SIGTERM."""
     env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache), "SPLITSERVE_LOG_LEVEL": "warning"}
     up = subprocess.Popen(
-        [str(BIN / "splitserve"), "up", "--port", "0", "--sample-prompt", QUESTION],
+        [str(BIN / "splitserve"), "up", "--port", "0", *UP_ANY_METRICS_PORTS]
+        + ["--sample-prompt", QUESTION],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -115,3 +115,23 @@ def test_sigterm_drains_the_core(tiny_model_dir: Path) -> None:
         assert later.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         stack.stop()
+
+
+def test_sigterm_to_every_process_at_once_still_drains(tiny_model_dir: Path) -> None:
+    """What `helm uninstall` does (every pod gets SIGTERM together): the worker keeps running
+    the core's open step stream (--shutdown-timeout), so the core's and the frontend's drains
+    finish the in-flight request; the worker then exits as soon as the core closed the stream."""
+    stack = Stack(tiny_model_dir).start()
+    processes = [c.process for c in stack.children]
+    try:
+        thread, started, results = stream_in_thread(stack.frontend, 200)
+        assert started.wait(60)
+        for process in reversed(processes):  # workers first: the harshest order
+            process.send_signal(signal.SIGTERM)
+        thread.join(60)
+        (completion,) = results
+        assert isinstance(completion, Completion), completion
+        assert len(completion.token_ids) == 200
+        assert [p.wait(timeout=60) for p in processes] == [0] * len(processes)
+    finally:
+        stack.stop()

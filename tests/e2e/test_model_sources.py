@@ -23,7 +23,7 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from splitserve_runtime.tiny_model import write_tokenizer
 from tests.e2e.client import generate
-from tests.e2e.stack import Stack
+from tests.e2e.stack import UP_ANY_METRICS_PORTS, Stack
 from tests.fixtures.checkpoints import VOCAB_SIZE, CheckpointCache
 from tests.fixtures.gguf_files import write_gguf
 from tests.fixtures.hub_server import HubStandIn
@@ -116,7 +116,7 @@ def test_a_hub_id_at_a_revision_serves_with_its_generation_defaults(
 
 def up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "splitserve"), "up", "--port", "0", *args],
+        [str(BIN / "splitserve"), "up", "--port", "0", *UP_ANY_METRICS_PORTS, *args],
         capture_output=True,
         text=True,
         timeout=180,

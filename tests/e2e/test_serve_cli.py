@@ -22,6 +22,9 @@ CONFIG = """\
 max_model_len: 512
 kv_cache_memory_bytes: 16777216
 http_port: 0
+frontend_metrics_port: 0
+core-metrics-port: 0
+worker_metrics_port: 0
 log_format: json
 enable_log_requests: true
 log_stats_interval: 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helm.chart_render import CI_DIR, Manifests, render, render_values_file
+from tests.helm.security_values import GIVEN, TLS_OFF, user_secrets
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +21,20 @@ def cpu_manifests() -> Manifests:
 @pytest.fixture(scope="session")
 def gpu_manifests() -> Manifests:
     return render_values_file(CI_DIR / "gpu-tp2-pp2-values.yaml")
+
+
+@pytest.fixture(scope="session")
+def tls_off_manifests() -> Manifests:
+    return render(TLS_OFF)
+
+
+@pytest.fixture(scope="session")
+def given_manifests() -> Manifests:
+    """Every certificate from the user's Secrets, an API key, public TLS, both Ingresses."""
+    return render(GIVEN)
+
+
+@pytest.fixture(scope="session")
+def user_secret_data() -> dict[str, dict[str, str]]:
+    """The Secrets GIVEN names, with real certificates."""
+    return user_secrets()

@@ -15,12 +15,16 @@ machine:
   controller creates) - is rewritten to the loopback port of the pod it reaches; an
   unresolvable name is a wiring error;
 * every volume becomes a folder (emptyDir: per pod; PVC: shared per claim; hostPath: itself;
-  ConfigMap / Secret: files) and every absolute path in args or env is translated through the
-  container's volume mounts; a path on no volume would be on the read-only root filesystem and is a
+  ConfigMap / Secret: files, only the listed `items` when there are some, a missing key a wiring
+  error) and every absolute path in args or env is translated through the container's volume
+  mounts; a path on no volume would be on the read-only root filesystem and is a
   wiring error. A path a process only forwards to other pods (the core's --model, which the
   workers open) is translated through those pods' mounts instead, and must mean one folder.
 
-Readiness is what the pods' own gRPC probes say. Processes are stopped by PID.
+Readiness is what the pods' own probes say (gRPC, or HTTP GET over HTTP or HTTPS without
+verifying the certificate, as the kubelet does). Stopping runs each container's preStop command
+first, then SIGTERM, then SIGKILL at terminationGracePeriodSeconds counted from the preStop's
+start, as the kubelet does. Processes are stopped by PID.
 """
 
 from __future__ import annotations
@@ -29,17 +33,14 @@ import base64
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tests.helm.chart_render import Doc, Manifests
+from tests.helm.local_kubelet import run_probe, terminate
 from tests.helm.local_pods import (
     LOOPBACK,
     ContainerRun,
@@ -62,6 +63,8 @@ IP = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 # Paths a component passes on to another component's pods, which open them: (component, flag).
 FORWARDED_PATHS = {("core", "--model"): "worker"}
 SHELLS = ("bash", "/bin/bash", "/usr/bin/bash", "sh", "/bin/sh")
+# Other programs of the image a container's command or hook may run (from this machine's PATH).
+IMAGE_TOOLS = ("sleep",)
 
 
 class LocalCluster:
@@ -152,8 +155,13 @@ class LocalCluster:
             elif "configMap" in volume or "secret" in volume:
                 folder = pod.root / "volumes" / name
                 folder.mkdir(parents=True)
-                for key, value in self._object_data(volume).items():
-                    (folder / key).write_text(value)
+                data = self._object_data(volume)
+                source = volume.get("configMap") or volume["secret"]
+                items = source.get("items") or [{"key": k, "path": k} for k in data]
+                for item in items:
+                    if item["key"] not in data:
+                        raise WiringError(f"{pod.name}: volume {name} has no key {item['key']}")
+                    (folder / item["path"]).write_text(data[item["key"]])
             else:
                 raise WiringError(f"{pod.name}: volume {name} of an unsupported type")
             folders[name] = folder
@@ -277,11 +285,11 @@ class LocalCluster:
     def _executable(self, pod: LocalPod, name: str) -> str:
         if name in ("python", "python3", "python3.11"):
             return sys.executable
-        if name in SHELLS:
-            shell = shutil.which(Path(name).name)
-            if shell is None:
+        if name in SHELLS or name in IMAGE_TOOLS:
+            program = shutil.which(Path(name).name)
+            if program is None:
                 raise WiringError(f"{pod.name}: {name} is not installed here")
-            return shell
+            return program
         local = self.bin_dir / Path(name).name
         if not local.exists():
             raise WiringError(f"{pod.name}: command {name!r} is not installed here")
@@ -335,7 +343,9 @@ class LocalCluster:
         previous = ""
         for arg in args:
             flag, eq, value = arg.partition("=")
-            if previous.startswith("--") and previous.endswith("port"):
+            if previous.startswith("--") and previous.endswith("port") and int(arg) < 0:
+                out.append(arg)  # a port turned off
+            elif previous.startswith("--") and previous.endswith("port"):
                 out.append(str(pod.loopback_port(int(arg))))  # a listen port
             elif (pod.component, previous) in FORWARDED_PATHS:
                 out.append(self._forwarded_path(pod, previous, arg))
@@ -424,24 +434,12 @@ class LocalCluster:
         process (SIGTERM, SIGKILL after the grace period) and start the container again, in the
         same pod (same name, ports and emptyDirs)."""
         if pod.process is not None:
-            self._terminate([pod.process], self._grace([pod]))
+            terminate([pod], self._executable)
         self._run(pod)
 
     def probe(self, pod: LocalPod, kind: str) -> bool:
-        """Run the container's own probe once (gRPC probes only)."""
-        probe = pod.container.get(kind)
-        if probe is None:
-            return True
-        if "grpc" not in probe:
-            raise WiringError(f"{pod.name}: {kind} is not a gRPC probe")
-        target = f"{LOOPBACK}:{pod.loopback_port(int(probe['grpc']['port']))}"
-        request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
-        try:
-            with grpc.insecure_channel(target) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2.0)
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        """Run the container's own probe once (gRPC or HTTP GET)."""
+        return run_probe(pod, kind)
 
     def check_alive(self) -> None:
         for pod in self.pods:
@@ -475,29 +473,10 @@ class LocalCluster:
             raise PodFailed(f"liveness fails for ready pods {not_live}")
 
     def stop(self) -> None:
-        """SIGTERM every process by PID (frontends first); SIGKILL what outlives its pod's
-        terminationGracePeriodSeconds, as the kubelet does."""
-        pods = [p for p in reversed(self.pods) if p.process]
-        self._terminate([p.process for p in pods if p.process], self._grace(pods))
-
-    @staticmethod
-    def _grace(pods: list[LocalPod]) -> float:
-        return max(
-            (float(p.spec.get("terminationGracePeriodSeconds", 30)) for p in pods), default=30.0
-        )
-
-    @staticmethod
-    def _terminate(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
-        running = [p for p in processes if p.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for process in running:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the container's process group
-                process.wait()
+        """Stop every pod as the kubelet does (frontends first): its preStop hook, then SIGTERM
+        by PID, then SIGKILL once terminationGracePeriodSeconds (counted from the preStop's
+        start) have passed."""
+        terminate([p for p in reversed(self.pods) if p.process], self._executable)
 
     def describe(self) -> str:
         return "\n".join(f"{p.name}: {' '.join(p.argv)}" for p in self.pods)

@@ -325,19 +325,26 @@ def inference_pool(values: dict[str, Any]) -> tuple[Manifests, Doc]:
     return m, found[0]
 
 
-def test_inference_pool_targets_the_frontends_grpc_port_by_default() -> None:
+def test_inference_pool_targets_the_frontends_http_port_by_default() -> None:
+    """As for vLLM model servers: the gateway and its endpoint picker speak OpenAI HTTP."""
     m, pool = inference_pool({"inferencePool": {"endpointPicker": {"name": "epp"}}})
     selector = pool["spec"]["selector"]["matchLabels"]
     selected = [w for w in m.workloads() if labels_match(selector, pod_labels(w))]
     assert selected == [m.workload("frontend")]
     frontend = only_container(m.workload("frontend"))
-    assert pool["spec"]["targetPorts"] == [{"number": container_port(frontend, "grpc")}]
-    assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"  # gRPC is HTTP/2 cleartext
+    assert pool["spec"]["targetPorts"] == [{"number": container_port(frontend, "http")}]
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["appProtocol"] == "http"
     assert pool["spec"]["endpointPickerRef"] == {
         "name": "epp",
         "port": {"number": 9002},
         "failureMode": "FailClose",
     }
+    # Without the HTTP port, the pool targets gRPC (HTTP/2 cleartext).
+    m, pool = inference_pool({"frontend": {"httpPort": 0}})
+    frontend = only_container(m.workload("frontend"))
+    assert pool["spec"]["targetPorts"] == [{"number": container_port(frontend, "grpc")}]
+    assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"
 
 
 def test_inference_pool_can_pool_every_release_of_a_model() -> None:
@@ -352,15 +359,11 @@ def test_inference_pool_can_pool_every_release_of_a_model() -> None:
     assert all(component_of(w) == "frontend" for w in selected)
 
 
-def test_http_port_is_wired_only_when_set(default_manifests: Manifests) -> None:
+def test_http_port_is_on_by_default_and_off_when_zero(default_manifests: Manifests) -> None:
     frontend = only_container(default_manifests.workload("frontend"))
-    assert "--http-port" not in frontend["args"]
-    assert "http" not in {p["name"] for p in frontend["ports"]}
-    m, pool = inference_pool({"frontend": {"httpPort": 8000}})
-    frontend = only_container(m.workload("frontend"))
     assert flag_value(frontend["args"], "--http-port") == "8000"
     assert container_port(frontend, "http") == 8000
-    service = m.get("Service", "splitserve-frontend")
+    service = default_manifests.get("Service", "splitserve-frontend")
     assert {
         "name": "http",
         "port": 8000,
@@ -368,10 +371,17 @@ def test_http_port_is_wired_only_when_set(default_manifests: Manifests) -> None:
         "protocol": "TCP",
         "appProtocol": "http",
     } in service["spec"]["ports"]
-    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
-    assert pool["spec"]["appProtocol"] == "http"
-    p = peers(m)
-    assert allowed(m, p["client"], p["frontend"], 8000)
+    p = peers(default_manifests)
+    assert allowed(default_manifests, p["client"], p["frontend"], 8000)
+    # 0 turns it off: the service's own default (8000) must not come back.
+    m = render({"frontend": {"httpPort": 0}})
+    frontend = only_container(m.workload("frontend"))
+    assert flag_value(frontend["args"], "--http-port") == "-1"
+    assert "http" not in {p["name"] for p in frontend["ports"]}
+    assert "http" not in {
+        p["name"] for p in m.get("Service", "splitserve-frontend")["spec"]["ports"]
+    }
+    assert "httpGet" not in frontend["readinessProbe"]
 
 
 def test_ci_values_render_the_hooks() -> None:

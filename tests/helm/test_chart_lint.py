@@ -15,10 +15,12 @@ from tests.helm.chart_render import (
     render,
     render_files,
 )
+from tests.helm.security_values import GIVEN, TLS_OFF
 
 VALUES_CASES = [pytest.param(None, id="defaults")] + [
     pytest.param(path, id=path.name) for path in ci_values_files()
 ]
+SECURITY_CASES = [pytest.param(TLS_OFF, id="internal-tls-off"), pytest.param(GIVEN, id="given")]
 
 
 def lint(values: dict[str, Any] | None) -> dict[str, Any]:
@@ -43,6 +45,13 @@ def test_helm_lint_strict_is_clean(values_file: Path | None) -> None:
     assert report["total_charts_linted"] == 1
     assert not report["errors"], report["errors"]
     assert not problems, problems
+
+
+@pytest.mark.parametrize("values", SECURITY_CASES)
+def test_helm_lint_strict_is_clean_for_the_security_options(values: dict[str, Any]) -> None:
+    report = lint(values)
+    assert not report["errors"], report["errors"]
+    assert not [m for m in report["messages"] if m["severity"] >= 2]
 
 
 def test_helm_lint_strict_fails_on_a_broken_values_file() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from tests.helm.chart_render import (
     render,
 )
 from tests.helm.network_policies import Peer, allowed, peers
+from tests.helm.security_values import mount_secrets, translate
 from worker_svc.config import build_parser as worker_parser
 from worker_svc.config import parse_config as parse_worker
 
@@ -137,28 +139,51 @@ def test_pods_are_locked_down(fixture: str, request: pytest.FixtureRequest) -> N
         )
 
 
-@pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests"])
-def test_every_container_has_native_grpc_probes_on_its_grpc_port(
+@pytest.mark.parametrize("fixture", ["default_manifests", "gpu_manifests", "tls_off_manifests"])
+def test_probes_reach_a_port_the_kubelet_can_speak_to(
     fixture: str, request: pytest.FixtureRequest
 ) -> None:
+    """No exec probes. Core and workers: native gRPC probes, on the plaintext health-only port
+    when their gRPC port demands a client certificate (mutual TLS), else on it. Frontend: ready
+    when GET /health on the HTTP port answers, live while gRPC health "" does."""
     manifests: Manifests = request.getfixturevalue(fixture)
-    for workload, container in manifests.containers():
+    is_tls = bool(manifests.of_kind("Secret"))
+    for workload, container in manifests.main_containers():
         component = component_of(workload)
-        grpc_port = container_port(container, "grpc")
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-            probe = container[kind]
-            assert set(probe) & {"exec", "httpGet", "tcpSocket"} == set(), f"{component} {kind}"
-            assert probe["grpc"]["port"] == grpc_port, f"{component} {kind}"
-        assert container["livenessProbe"]["grpc"].get("service", "") == ""
-        assert container["readinessProbe"]["grpc"]["service"] == READINESS[component]
+            assert set(container[kind]) & {"exec", "tcpSocket"} == set(), f"{component} {kind}"
+        liveness = container["livenessProbe"]["grpc"]
+        assert liveness.get("service", "") == ""
+        if component == "frontend":
+            for kind in ("startupProbe", "readinessProbe"):
+                probe = container[kind]["httpGet"]
+                assert (probe["path"], probe["port"], probe["scheme"]) == (
+                    "/health",
+                    "http",
+                    "HTTP",
+                )
+            assert liveness["port"] == container_port(container, "grpc")
+            continue
+        args = container_processes(container)[0].argv  # local rank 0 in a tpGroup pod
+        port_name = "health" if is_tls else "grpc"
+        assert liveness["port"] == container_port(container, port_name)
+        readiness = container["readinessProbe"]["grpc"]
+        assert readiness == {"port": liveness["port"], "service": READINESS[component]}
+        if is_tls:
+            assert flag_value(args, "--health-port") == str(liveness["port"])
+        else:
+            assert "--health-port" not in args
+            assert "health" not in {p["name"] for p in container["ports"]}
 
 
 def test_startup_probes_leave_time_for_loading_the_model(default_manifests: Manifests) -> None:
-    for component in ("frontend", "core"):
-        probe = only_container(default_manifests.workload(component))["startupProbe"]
-        # The frontend and core turn ready only once every rank has loaded the model.
-        assert probe["grpc"]["service"] == READINESS[component]
-        assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60, component
+    frontend = only_container(default_manifests.workload("frontend"))["startupProbe"]
+    # GET /health is 200 only once the engine core serves, i.e. every rank has loaded the model.
+    assert frontend["httpGet"]["path"] == "/health"
+    core = only_container(default_manifests.workload("core"))["startupProbe"]
+    assert core["grpc"]["service"] == READINESS["core"]
+    for probe in (frontend, core):
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
     worker = only_container(default_manifests.workload("worker"))
     assert worker["startupProbe"]["grpc"].get("service", "") == ""
     liveness = worker["livenessProbe"]
@@ -221,12 +246,16 @@ def test_frontend_replicas_or_hpa(default_manifests: Manifests, gpu_manifests: M
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (3, 12)
 
 
-@pytest.mark.parametrize("fixture", ["default_manifests", "cpu_manifests", "gpu_manifests"])
+@pytest.mark.parametrize(
+    "fixture", ["default_manifests", "cpu_manifests", "gpu_manifests", "given_manifests"]
+)
 def test_service_flag_parsers_accept_every_container(
-    fixture: str, request: pytest.FixtureRequest
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """Run the services' real flag parsers on each container's args and environment."""
+    """Run the services' real flag parsers on each container's args and environment, with the
+    files of its Secret volumes where its flags point (the parsers read the certificates)."""
     m: Manifests = request.getfixturevalue(fixture)
+    given = request.getfixturevalue("user_secret_data")
     parsers: dict[str, Callable[..., Any]] = {
         "frontend": parse_frontend,
         "core": parse_core,
@@ -235,15 +264,20 @@ def test_service_flag_parsers_accept_every_container(
     num_ranks = 0
     for workload, container in m.main_containers():
         ports = {p["containerPort"] for p in container["ports"]}
+        root = tmp_path / workload["metadata"]["name"]
+        folders = mount_secrets(m, workload, container, root, given)
         for process in container_processes(container):
-            argv = process.argv
+            argv = translate(process.argv, folders)
             assert argv[0] == "splitserve" and argv[1] == component_of(workload), argv
             env = {**container_env(m, container), **process.env}
             config = parsers[argv[1]](argv[2:], environ=env)
             assert config.port in ports and config.metrics_port in ports
+            assert config.health_port is None or config.health_port in ports
             num_ranks += argv[1] == "worker"
     core_container = only_container(m.workload("core"))
-    core = parse_core(core_container["args"], environ=container_env(m, core_container))
+    core_folders = mount_secrets(m, m.workload("core"), core_container, tmp_path / "c", given)
+    core_args = translate(core_container["args"], core_folders)
+    core = parse_core(core_args, environ=container_env(m, core_container))
     worker_pods = m.workload("worker")["spec"]["replicas"]
     assert core.world_size == num_ranks * worker_pods
 
@@ -442,7 +476,10 @@ def test_grafana_dashboards_configmap_packages_every_dashboard(gpu_manifests: Ma
 
 def test_monitoring_objects_are_optional(default_manifests: Manifests) -> None:
     kinds = {d["kind"] for d in default_manifests.docs}
-    assert not kinds & {"ServiceMonitor", "PrometheusRule", "Ingress", "Secret"}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule", "Ingress"}
+    # The only Secrets by default: the generated internal certificates.
+    secrets = sorted(d["metadata"]["name"] for d in default_manifests.of_kind("Secret"))
+    assert secrets == [f"splitserve-internal-tls-{r}" for r in ("core", "frontend", "worker")]
     m = render(
         {
             "grafanaDashboard": {"enabled": False},
@@ -497,3 +534,14 @@ def test_scheduling_knobs_reach_the_pods(gpu_manifests: Manifests) -> None:
     assert frontend["imagePullSecrets"] == [{"name": "regcred"}]
     env = only_container(gpu_manifests.workload("worker"))["env"]
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in env
+
+
+def test_log_level_and_format_reach_every_process() -> None:
+    """logLevel and logFormat (json for log collectors) apply to every process of every pod."""
+    m = render({"logLevel": "debug", "logFormat": "json"})
+    for _, container in m.main_containers():
+        env = container_env(m, container)
+        for process in container_processes(container):
+            parser = PARSERS[process.argv[1]]()
+            args = parser.parse(process.argv[2:], {**env, **process.env})
+            assert (args.log_level, args.log_format) == ("debug", "json"), process.argv[1]

@@ -26,6 +26,7 @@ from tests.helm.chart_render import (
     load_values,
     render,
 )
+from tests.helm.security_values import GIVEN, TLS_OFF
 
 # Everything optional switched on at once, so that every template is validated.
 KITCHEN_SINK: dict[str, Any] = {
@@ -89,9 +90,12 @@ KITCHEN_SINK: dict[str, Any] = {
     ],
 }
 
-CASES = [pytest.param(None, id="defaults"), pytest.param(KITCHEN_SINK, id="kitchen-sink")] + [
-    pytest.param(load_values(p), id=p.name) for p in ci_values_files()
-]
+CASES = [
+    pytest.param(None, id="defaults"),
+    pytest.param(KITCHEN_SINK, id="kitchen-sink"),
+    pytest.param(TLS_OFF, id="internal-tls-off"),
+    pytest.param(GIVEN, id="secrets-given-api-key-public-tls"),
+] + [pytest.param(load_values(p), id=p.name) for p in ci_values_files()]
 
 DURATION = {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h|d|w|y))+$"}
 LABELS = {"type": "object", "additionalProperties": {"type": "string"}}

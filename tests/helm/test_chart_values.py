@@ -141,6 +141,7 @@ BAD_VALUES = [
     pytest.param({"worker": {"port": 70000}}, "maximum", id="port-out-of-range"),
     pytest.param({"worker": {"device": "tpu"}}, "device", id="bad-device"),
     pytest.param({"logLevel": "verbose"}, "logLevel", id="bad-log-level"),
+    pytest.param({"logFormat": "logfmt"}, "logFormat", id="bad-log-format"),
     pytest.param({"cache": {"sizeLimit": "lots"}}, "sizeLimit", id="bad-quantity"),
     pytest.param({"image": {"digest": "abc"}}, "digest", id="bad-digest"),
     pytest.param(

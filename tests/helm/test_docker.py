@@ -293,12 +293,19 @@ def test_healthcheck_runs_a_script_the_image_contains(dockerfile: Dockerfile, na
     assert (REPO_ROOT / source).read_text().startswith("#!/usr/bin/env python3\n")
 
 
+# Programs of both base images (Debian / Ubuntu coreutils) the chart's hooks may run.
+BASE_IMAGE_TOOLS = {"sleep"}
+
+
 def test_chart_commands_exist_in_the_image(default_manifests: Manifests) -> None:
     for _, container in default_manifests.containers():
         command = container["command"]
         assert command[0] == "splitserve", command
         assert command[1] in COMMANDS
         assert importlib.util.find_spec(f"{command[1]}_svc.__main__") is not None
+        pre_stop = container.get("lifecycle", {}).get("preStop", {})
+        if pre_stop:  # the drain's sleep (docs/deploy.md#drain)
+            assert pre_stop["exec"]["command"][0] in BASE_IMAGE_TOOLS, pre_stop
 
 
 # -- pinned dependencies ----------------------------------------------------------------------

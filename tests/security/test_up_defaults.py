@@ -19,6 +19,7 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.tls import CORE_ROLE, FRONTEND_ROLE, WORKER_ROLE
 from tests.e2e.client import join, text_request
+from tests.e2e.stack import UP_ANY_METRICS_PORTS
 from tests.security.peers import health_status, rpc_error
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,7 @@ def test_up_serves_over_mutual_tls_with_an_api_key(tiny_model_dir: Path, tmp_pat
     env.pop("SPLITSERVE_API_KEY", None)
     up = subprocess.Popen(
         [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--port", "0"]
+        + UP_ANY_METRICS_PORTS
         + ["--kv-cache-memory-bytes", "16777216", "--api-key", KEY, "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -226,10 +226,11 @@ class LlamaForCausalLM(nn.Module):
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run this stage. The first stage embeds `input_ids`; later stages continue from the
-        previous stage's (hidden, residual). The last stage returns normalised hidden states."""
-        if self.embed_tokens is not None:
-            assert input_ids is not None
+        """Run this stage. The first stage embeds `input_ids` (unless given their embeddings as
+        `hidden`: multimodal prompts); later stages continue from the previous stage's (hidden,
+        residual). The last stage returns normalised hidden states."""
+        if hidden is None:
+            assert self.embed_tokens is not None and input_ids is not None
             hidden = self.embed_tokens(input_ids)
         assert hidden is not None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

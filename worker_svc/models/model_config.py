@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from worker_svc.models.vision_config import LlavaVisionConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu",)
 # Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load.
@@ -76,6 +78,8 @@ class ModelConfig:
     qk_norm: bool = False
     checkpoint_dtype: torch.dtype | None = None
     sliding_window: int | None = None
+    vision: LlavaVisionConfig | None = None
+    """A LLaVA model's vision tower and projector (models/llava.py); None for text-only."""
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:

@@ -142,7 +142,8 @@ Pod parts shared by the three workloads
     name: {{ include "splitserve.configName" . }}
 {{- end }}
 
-{{/* Pod spec fields every workload shares: (dict "root" $ "values" .Values.frontend). */}}
+{{/* Pod spec fields every workload shares: (dict "root" $ "values" .Values.frontend
+"component" "frontend"). */}}
 {{- define "splitserve.podCommon" -}}
 {{- $root := .root -}}
 serviceAccountName: {{ include "splitserve.serviceAccountName" $root }}
@@ -150,7 +151,7 @@ automountServiceAccountToken: {{ $root.Values.serviceAccount.automountServiceAcc
 {{- /* Service links would inject e.g. SPLITSERVE_PORT=tcp://... for a Service named "splitserve",
        which the services would read as their --port flag. */}}
 enableServiceLinks: false
-terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ include "splitserve.terminationGrace" (dict "root" $root "component" .component) }}
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- with $root.Values.imagePullSecrets }}
@@ -181,6 +182,9 @@ topologySpreadConstraints:
 {{/* Pod annotations: config checksum (restarts pods when the ConfigMap changes) + user's. */}}
 {{- define "splitserve.podAnnotations" -}}
 checksum/config: {{ include (print .root.Template.BasePath "/configmap.yaml") .root | sha256sum }}
+{{- with include "splitserve.internalTlsAnnotation" .root }}
+{{ . }}
+{{- end }}
 {{- with .values.podAnnotations }}
 {{ toYaml . }}
 {{- end }}
@@ -198,6 +202,40 @@ grpc:
   {{- end }}
 {{- range $key, $value := .probe }}
 {{ $key }}: {{ $value }}
+{{- end }}
+{{- end }}
+
+{{/* HTTP GET probe: (dict "probe" .Values.frontend.probes.readiness "port" "http" "path" "/health"
+"scheme" "HTTPS"). The kubelet does not verify the server's certificate. */}}
+{{- define "splitserve.httpProbe" -}}
+httpGet:
+  path: {{ .path }}
+  port: {{ .port }}
+  scheme: {{ .scheme | default "HTTP" }}
+{{- range $key, $value := .probe }}
+{{ $key }}: {{ $value }}
+{{- end }}
+{{- end }}
+
+{{/*
+env of a service container: (dict "root" $ "values" .Values.core "component" "core"). The core
+and the workers get their pod's IP (POD_IP, for --host); the frontend its API key from the
+user's Secret; then chart-wide and per-component extras.
+*/}}
+{{- define "splitserve.env" -}}
+{{- $env := list }}
+{{- if ne .component "frontend" }}
+{{- $podIp := dict "fieldRef" (dict "fieldPath" "status.podIP") }}
+{{- $env = append $env (dict "name" "POD_IP" "valueFrom" $podIp) }}
+{{- end }}
+{{- $key := .root.Values.frontend.apiKey }}
+{{- if and (eq .component "frontend") $key.secretName }}
+{{- $ref := dict "secretKeyRef" (dict "name" $key.secretName "key" $key.key) }}
+{{- $env = append $env (dict "name" "SPLITSERVE_API_KEY" "valueFrom" $ref) }}
+{{- end }}
+{{- $env = concat $env .root.Values.extraEnv .values.extraEnv }}
+{{- if $env }}
+{{- toYaml $env }}
 {{- end }}
 {{- end }}
 

@@ -113,7 +113,41 @@ Values the schema cannot check on its own; rendering stops with a message that s
 {{- if and .Values.frontend.autoscaling.enabled .Values.frontend.keda.enabled }}
 {{- fail "frontend.autoscaling.enabled (HPA) and frontend.keda.enabled (KEDA ScaledObject, which owns an HPA of its own) are mutually exclusive: enable one" }}
 {{- end }}
+{{- include "splitserve.validateSecurity" . }}
 {{- if and (eq .Values.model.source "hub") (not .Values.model.hub.repoId) }}
 {{- fail "model.source is hub: set model.hub.repoId (e.g. meta-llama/Llama-3.1-8B-Instruct)" }}
+{{- end }}
+{{- end }}
+
+{{/* Transport-security and drain values (_security.tpl). */}}
+{{- define "splitserve.validateSecurity" -}}
+{{- $tls := .Values.tls.internal }}
+{{- $given := $tls.existingSecrets }}
+{{- if and $tls.enabled (or $given.frontend $given.core $given.worker) (not (and $given.frontend $given.core $given.worker)) }}
+{{- fail "tls.internal.existingSecrets: name the Secrets of all three roles (frontend, core, worker; one CA) or none (Helm then generates them)" }}
+{{- end }}
+{{- range $component := list "frontend" "core" "worker" }}
+{{- $explicit := int (get (get $.Values $component) "terminationGracePeriodSeconds") }}
+{{- $drain := int (include "splitserve.drainSeconds" (dict "root" $ "component" $component)) }}
+{{- if and $explicit (le $explicit $drain) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds %d leaves no time after the drain (preStop sleep + shutdownTimeout = %d s): raise it, or set 0 to have it computed" $component $explicit $drain) }}
+{{- end }}
+{{- end }}
+{{- $fe := .Values.frontend }}
+{{- if and (include "splitserve.isPublicTls" .) (has (int $fe.healthPort) (list (int $fe.port) (int $fe.httpPort) (int $fe.metricsPort))) }}
+{{- fail (printf "frontend.healthPort %d collides with another frontend port" (int $fe.healthPort)) }}
+{{- end }}
+{{- $core := .Values.core }}
+{{- if and $tls.enabled (has (int $core.healthPort) (list (int $core.port) (int $core.metricsPort))) }}
+{{- fail (printf "core.healthPort %d collides with another core port" (int $core.healthPort)) }}
+{{- end }}
+{{- $w := .Values.worker }}
+{{- $perPod := int (include "splitserve.ranksPerPod" .) }}
+{{- $h := int $w.healthPort }}
+{{- if and $tls.enabled (or (eq $h (int $w.distributedPort)) (and (le (int $w.port) $h) (lt $h (add (int $w.port) $perPod))) (and (le (int $w.metricsPort) $h) (lt $h (add (int $w.metricsPort) $perPod)))) }}
+{{- fail (printf "worker.healthPort %d collides with a rank's gRPC, metrics or rendezvous port" $h) }}
+{{- end }}
+{{- if and $fe.httpIngress.enabled (not $fe.httpPort) }}
+{{- fail "frontend.httpIngress needs frontend.httpPort (the OpenAI HTTP port)" }}
 {{- end }}
 {{- end }}

@@ -6,11 +6,20 @@ The worker pod template, shared by the StatefulSet and the LeaderWorkerSet (see 
 {{- define "splitserve.workerRankArgs" -}}
 {{- $w := .root.Values.worker -}}
 - --host
-- {{ .root.Values.listenAddress | quote }}
+- {{ .root.Values.internalListenAddress | quote }}
 - --port
 - {{ add (int $w.port) .localRank | quote }}
 - --metrics-port
 - {{ add (int $w.metricsPort) .localRank | quote }}
+- --shutdown-timeout
+- {{ include "splitserve.shutdownSeconds" (dict "root" .root "component" "worker") | quote }}
+{{- if include "splitserve.isInternalTls" .root }}
+{{- if eq (int .localRank) 0 }}
+- --health-port
+- {{ $w.healthPort | int | quote }}
+{{- end }}
+{{- include "splitserve.internalTlsArgs" .root | nindent 0 }}
+{{- end }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -65,6 +74,8 @@ done
 {{- define "splitserve.workerContainer" -}}
 {{- $root := . }}
 {{- $w := .Values.worker }}
+{{- $tls := include "splitserve.isInternalTls" . }}
+{{- $probePort := ternary $w.healthPort $w.port (not (empty $tls)) }}
 {{- $perPod := int (include "splitserve.ranksPerPod" .) -}}
 - name: worker
   image: {{ include "splitserve.workerImage" . }}
@@ -97,10 +108,8 @@ done
   {{- end }}
   envFrom:
     {{- include "splitserve.envFrom" . | nindent 4 }}
-  {{- with (concat .Values.extraEnv $w.extraEnv) }}
   env:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- include "splitserve.env" (dict "root" . "values" $w "component" "worker") | nindent 4 }}
   ports:
     {{- range $i := until $perPod }}
     - name: {{ include "splitserve.rankPortName" (dict "base" "grpc" "index" $i) }}
@@ -113,19 +122,31 @@ done
     - name: dist
       containerPort: {{ $w.distributedPort }}
       protocol: TCP
-  # Probes reach local rank 0; a tpGroup supervisor ends the container when any rank exits.
+    {{- if $tls }}
+    - name: health
+      containerPort: {{ $w.healthPort }}
+      protocol: TCP
+    {{- end }}
+  # Probes reach local rank 0 (on its plaintext health port under mutual TLS); a tpGroup
+  # supervisor ends the container when any rank exits.
   startupProbe:
-    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.startup "port" $w.port "service" "") | nindent 4 }}
+    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.startup "port" $probePort "service" "") | nindent 4 }}
   livenessProbe:
-    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.liveness "port" $w.port "service" "") | nindent 4 }}
+    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.liveness "port" $probePort "service" "") | nindent 4 }}
   readinessProbe:
-    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.readiness "port" $w.port "service" (include "splitserve.readinessService.worker" .)) | nindent 4 }}
+    {{- include "splitserve.grpcProbe" (dict "probe" $w.probes.readiness "port" $probePort "service" (include "splitserve.readinessService.worker" .)) | nindent 4 }}
+  {{- with include "splitserve.lifecycle" (dict "root" . "component" "worker") }}
+  {{- . | nindent 2 }}
+  {{- end }}
   resources:
     {{- include "splitserve.workerResources" . | nindent 4 }}
   securityContext:
     {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     {{- include "splitserve.scratchVolumeMounts" . | nindent 4 }}
+    {{- with include "splitserve.internalTlsMount" . }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with include "splitserve.modelVolumeMount" . }}
     {{- . | nindent 4 }}
     {{- end }}
@@ -148,7 +169,7 @@ metadata:
     # A new layout restarts every rank (they re-join a fresh torch.distributed world).
     splitserve.io/parallelism: {{ printf "tp=%d,pp=%d,layout=%s" (int $par.tensorParallelSize) (int $par.pipelineParallelSize) (include "splitserve.workerLayout" .) | quote }}
 spec:
-  {{- include "splitserve.podCommon" (dict "root" . "values" $w) | nindent 2 }}
+  {{- include "splitserve.podCommon" (dict "root" . "values" $w "component" "worker") | nindent 2 }}
   {{- with $w.runtimeClassName }}
   runtimeClassName: {{ . }}
   {{- end }}
@@ -161,6 +182,9 @@ spec:
     {{- include "splitserve.workerContainer" . | nindent 4 }}
   volumes:
     {{- include "splitserve.scratchVolumes" . | nindent 4 }}
+    {{- with include "splitserve.internalTlsVolume" (dict "root" . "role" "worker") }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with include "splitserve.modelVolume" . }}
     {{- . | nindent 4 }}
     {{- end }}

@@ -492,3 +492,88 @@ class TokenLogprobs(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
+
+@_typing.final
+class TensorData(_message.Message):
+    """TensorData is a dense tensor: its raw bytes, row-major, little-endian."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The elements, row-major, little-endian; exactly prod(shape) * itemsize
+    bytes.
+    """
+    dtype: _builtins.str
+    """Element type: "float32", "float16" or "bfloat16"."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Size of each dimension, outermost first."""
+
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorData: _TypeAlias = TensorData  # noqa: Y015
+
+@_typing.final
+class MultiModalFeature(_message.Message):
+    """MultiModalFeature is one multimodal item of a prompt (an image), processed
+    by the frontend: where its placeholder tokens sit in the prompt and the
+    encoder's input. It travels once with its request (frontend -> core ->
+    workers), never per step.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODALITY_FIELD_NUMBER: _builtins.int
+    IDENTIFIER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    PIXEL_VALUES_FIELD_NUMBER: _builtins.int
+    modality: _builtins.str
+    """The item's kind: "image"."""
+    identifier: _builtins.str
+    """Content hash of the encoder input (hex SHA-256 of dtype, shape and
+    data): equal identifiers mean equal encoder outputs, so it keys the
+    workers' encoder cache and goes into the prefix-cache block hashes.
+    """
+    offset: _builtins.int
+    """Position of the first placeholder token in the prompt."""
+    length: _builtins.int
+    """Number of placeholder tokens, equal to the rows the encoder produces for
+    the item.
+    """
+    @_builtins.property
+    def pixel_values(self) -> Global___TensorData:
+        """The encoder's input, e.g. pixel values [channels, height, width] as the
+        model's image processor made them.
+        """
+
+    def __init__(
+        self,
+        *,
+        modality: _builtins.str = ...,
+        identifier: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+        pixel_values: Global___TensorData | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pixel_values", b"pixel_values"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identifier", b"identifier", "length", b"length", "modality", b"modality", "offset", b"offset", "pixel_values", b"pixel_values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiModalFeature: _TypeAlias = MultiModalFeature  # noqa: Y015

@@ -142,6 +142,7 @@ class EngineInfo(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Model name reported to clients and used as the metrics label model_name."""
     model_path: _builtins.str
@@ -174,6 +175,10 @@ class EngineInfo(_message.Message):
     """Requests the KV cache can hold at once when each uses max_model_len
     tokens ((num_kv_blocks - 1) * block_size / max_model_len).
     """
+    max_tokens_per_mm_item: _builtins.int
+    """Most placeholder tokens one multimodal item (image) takes; 0 when the
+    model takes text only.
+    """
     def __init__(
         self,
         *,
@@ -191,10 +196,11 @@ class EngineInfo(_message.Message):
         enable_prefix_caching: _builtins.bool = ...,
         engine_id: _builtins.str = ...,
         max_concurrency: _builtins.float = ...,
+        max_tokens_per_mm_item: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -216,6 +222,7 @@ class EngineCoreRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
+    MM_FEATURES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -260,6 +267,15 @@ class EngineCoreRequest(_message.Message):
         passes the rest to the workers untouched.
         """
 
+    @_builtins.property
+    def mm_features(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.MultiModalFeature]:
+        """Images of the prompt, in placeholder order (offsets ascending, ranges
+        disjoint, inside the prompt). The engine core reads offset, length and
+        identifier (encoder budget, prefix-cache hashes), keeps the rest until the
+        request finishes and forwards it to the workers untouched. Empty for a
+        text-only prompt.
+        """
+
     def __init__(
         self,
         *,
@@ -273,10 +289,11 @@ class EngineCoreRequest(_message.Message):
         min_tokens: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampler_params: _types_pb2.SamplerParams | None = ...,
+        mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -635,6 +652,8 @@ class SchedulerStats(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_USED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENCODER_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    ENCODER_CACHE_HITS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -657,6 +676,14 @@ class SchedulerStats(_message.Message):
     """KV blocks in use (held by at least one request)."""
     num_total_blocks: _builtins.int
     """KV blocks in total."""
+    encoder_cache_queries: _builtins.int
+    """Multimodal items (images) whose placeholders were scheduled and that were
+    looked up in the encoder cache, cumulative.
+    """
+    encoder_cache_hits: _builtins.int
+    """Of those, items whose encoder output was already cached on the workers
+    (or scheduled earlier in the same step), cumulative.
+    """
     def __init__(
         self,
         *,
@@ -670,10 +697,12 @@ class SchedulerStats(_message.Message):
         num_scheduled_tokens: _builtins.int = ...,
         num_used_blocks: _builtins.int = ...,
         num_total_blocks: _builtins.int = ...,
+        encoder_cache_queries: _builtins.int = ...,
+        encoder_cache_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

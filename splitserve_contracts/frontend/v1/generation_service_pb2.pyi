@@ -53,25 +53,98 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    CONTENT_PARTS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """Speaker: "system", "user" or "assistant" (whatever the chat template
     knows).
     """
     content: _builtins.str
-    """What was said."""
+    """What was said, as text."""
+    @_builtins.property
+    def content_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """What was said, as parts in order: text and images (OpenAI's content
+        array). When set, content must be empty. Images need a multimodal model
+        (GetModelInfo's supports_vision).
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        content_parts: _abc.Iterable[Global___ContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "content_parts", b"content_parts", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ContentPart(_message.Message):
+    """ContentPart is one piece of a chat message: text or an image."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text."""
+    @_builtins.property
+    def image(self) -> Global___Image:
+        """An image."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        image: Global___Image | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ContentPart: _TypeAlias = ContentPart  # noqa: Y015
+
+@_typing.final
+class Image(_message.Message):
+    """Image is an image for a multimodal model, given inline or by URL."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    MIME_TYPE_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The encoded image file (PNG, JPEG, WebP, GIF or BMP); set mime_type."""
+    url: _builtins.str
+    """A `data:` URL ("data:image/png;base64,..."), or an http(s) URL when the
+    server allows remote media (--allowed-media-domains).
+    """
+    mime_type: _builtins.str
+    """MIME type of data, e.g. "image/png"; required with data, ignored with url."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        url: _builtins.str = ...,
+        mime_type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "source", b"source", "url", b"url"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "mime_type", b"mime_type", "source", b"source", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["data", "url"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___Image: _TypeAlias = Image  # noqa: Y015
 
 @_typing.final
 class Chat(_message.Message):
@@ -444,6 +517,8 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    SUPPORTS_VISION_FIELD_NUMBER: _builtins.int
+    MAX_IMAGES_PER_PROMPT_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Name clients use for the model."""
     model_path: _builtins.str
@@ -472,6 +547,12 @@ class GetModelInfoResponse(_message.Message):
     """KV-cache blocks per worker rank."""
     max_num_seqs: _builtins.int
     """Most requests running at once in the engine."""
+    supports_vision: _builtins.bool
+    """Whether chat messages may carry images (a multimodal model)."""
+    max_images_per_prompt: _builtins.int
+    """Most images one request may carry (--limit-mm-per-prompt); 0 when the
+    model takes text only.
+    """
     def __init__(
         self,
         *,
@@ -488,10 +569,12 @@ class GetModelInfoResponse(_message.Message):
         block_size: _builtins.int = ...,
         num_kv_blocks: _builtins.int = ...,
         max_num_seqs: _builtins.int = ...,
+        supports_vision: _builtins.bool = ...,
+        max_images_per_prompt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "bos_token_id", b"bos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "max_images_per_prompt", b"max_images_per_prompt", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "supports_vision", b"supports_vision", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

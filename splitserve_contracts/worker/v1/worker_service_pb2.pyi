@@ -246,6 +246,7 @@ class LoadModelResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
     architecture: _builtins.str
     """Architecture from config.json, e.g. "LlamaForCausalLM"."""
     vocab_size: _builtins.int
@@ -266,6 +267,10 @@ class LoadModelResponse(_message.Message):
     """KV heads this rank holds per layer."""
     head_dim: _builtins.int
     """Size of one attention head."""
+    max_tokens_per_mm_item: _builtins.int
+    """Most placeholder tokens one multimodal item (image) takes; 0 when the
+    model takes text only (it has no encoder).
+    """
     def __init__(
         self,
         *,
@@ -279,10 +284,11 @@ class LoadModelResponse(_message.Message):
         num_layers: _builtins.int = ...,
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
+        max_tokens_per_mm_item: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -460,6 +466,8 @@ class SchedulerOutput(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
     FINISHED_REQ_HANDLES_FIELD_NUMBER: _builtins.int
+    SCHEDULED_ENCODER_INPUTS_FIELD_NUMBER: _builtins.int
+    FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step sequence number, 1, 2, 3, ...; a rank rejects a gap."""
     total_num_scheduled_tokens: _builtins.int
@@ -484,6 +492,19 @@ class SchedulerOutput(_message.Message):
         their state.
         """
 
+    @_builtins.property
+    def scheduled_encoder_inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduledEncoderInputs]:
+        """Multimodal items whose encoder runs this step (vLLM's
+        scheduled_encoder_inputs): their outputs cover placeholder positions this
+        step computes and are not in the ranks' encoder cache yet.
+        """
+
+    @_builtins.property
+    def free_encoder_mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Encoder cache entries (MultiModalFeature.identifier) no request needs any
+        more; ranks drop them before running the step.
+        """
+
     def __init__(
         self,
         *,
@@ -493,14 +514,46 @@ class SchedulerOutput(_message.Message):
         num_scheduled_tokens: _abc.Iterable[_builtins.int] | None = ...,
         total_num_scheduled_tokens: _builtins.int = ...,
         finished_req_handles: _abc.Iterable[_builtins.int] | None = ...,
+        scheduled_encoder_inputs: _abc.Iterable[Global___ScheduledEncoderInputs] | None = ...,
+        free_encoder_mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SchedulerOutput: _TypeAlias = SchedulerOutput  # noqa: Y015
+
+@_typing.final
+class ScheduledEncoderInputs(_message.Message):
+    """ScheduledEncoderInputs names the multimodal items of one request whose
+    encoder runs this step.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQ_HANDLE_FIELD_NUMBER: _builtins.int
+    INPUT_IDS_FIELD_NUMBER: _builtins.int
+    req_handle: _builtins.int
+    """The request."""
+    @_builtins.property
+    def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices into the request's mm_features."""
+
+    def __init__(
+        self,
+        *,
+        req_handle: _builtins.int = ...,
+        input_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "req_handle", b"req_handle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduledEncoderInputs: _TypeAlias = ScheduledEncoderInputs  # noqa: Y015
 
 @_typing.final
 class NewRequestData(_message.Message):
@@ -516,6 +569,7 @@ class NewRequestData(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    MM_FEATURES_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -548,6 +602,13 @@ class NewRequestData(_message.Message):
         core).
         """
 
+    @_builtins.property
+    def mm_features(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.MultiModalFeature]:
+        """Images of the prompt (placeholder ranges, content hashes, encoder
+        inputs), sent once with the request; ranks keep them until it finishes,
+        so a recompute after a preemption can run the encoder again.
+        """
+
     def __init__(
         self,
         *,
@@ -559,10 +620,11 @@ class NewRequestData(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampler_params: _types_pb2.SamplerParams | None = ...,
         min_tokens: _builtins.int = ...,
+        mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "num_computed_tokens", b"num_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,8 +119,13 @@ def test_chat_content_parts_and_options() -> None:
         ({"messages": [{"content": "x"}]}, "messages", "role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].image_url",
+            "needs a `url`",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages",
-            "multimodal",
+            "not supported",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "x"}]}]}, "messages", "unknown"),
     ],

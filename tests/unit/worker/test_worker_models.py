@@ -79,6 +79,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "LlavaForConditionalGeneration",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
@@ -103,13 +104,15 @@ def test_worker_refuses_out_of_order_calls(worker_checkpoints: CheckpointCache) 
     worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
     assert not worker.is_kv_cache_ready
     capacity = worker.get_kv_capacity(0.9, 0)
-    # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes, 4 GiB default on CPU
+    # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes
     assert capacity.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
-    assert capacity.available_bytes == 4 << 30
-    # the null block (block 0) is one of the blocks counted, once
-    assert capacity.num_blocks == (4 << 30) // capacity.bytes_per_block
-    assert worker.get_kv_capacity(0.9, 10 * capacity.bytes_per_block).num_blocks == 10
+    # On CPU without a size: room for max_num_seqs (256 by default) x max_model_len tokens, the
+    # null block (block 0) counted once (the tiny model is far below half the free memory).
     assert worker.runner is not None
+    usable_blocks = 256 * -(-worker.runner.max_model_len // 16) + 1
+    assert capacity.num_blocks == usable_blocks
+    assert capacity.available_bytes == usable_blocks * capacity.bytes_per_block
+    assert worker.get_kv_capacity(0.9, 10 * capacity.bytes_per_block).num_blocks == 10
     assert worker.runner.profile_run(40, 16) == 4 * capacity.bytes_per_block  # 3 + null block
     assert worker.initialize_kv_cache(8) == 8 * capacity.bytes_per_block
     with pytest.raises(WorkerStateError):

@@ -1,0 +1,202 @@
+"""The frontend's multimodal processing: images decoded within limits, processed by the model's
+image processor, hashed, their placeholders expanded in the prompt; every bad image refused
+with a message naming its part; text-only models refuse images; remote URLs off by default."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from frontend_svc.errors import InvalidRequest
+from frontend_svc.input_processor import InputProcessor, load_tokenizer
+from frontend_svc.media import MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.multimodal import (
+    chat_messages,
+    load_multimodal_processor,
+    template_uses_content_parts,
+)
+from frontend_svc.openai.protocol import parse_chat
+from frontend_svc.requests import ChatTurn, ContentPart, GenerateInput, ImageInput, PromptInput
+from splitserve_contracts.mm_features import feature_identifier
+from splitserve_contracts.sampling_rules import Limits
+from splitserve_contracts.sampling_types import SamplingParams
+from tests.fixtures.llava_checkpoint import (
+    IMAGE_TOKEN,
+    NUM_IMAGE_TOKENS,
+    png_bytes,
+)
+
+LIMITS = MediaLimits(max_images_per_prompt=2, max_image_bytes=20_000, max_image_pixels=64 * 64)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(llava_model_dir: Path) -> Path:
+    return llava_model_dir
+
+
+@pytest.fixture(scope="module")
+def mm_inputs(llava_dir: Path) -> InputProcessor:
+    tokenizer = load_tokenizer(str(llava_dir))
+    multimodal = load_multimodal_processor(llava_dir, tokenizer, LIMITS)
+    assert multimodal is not None
+    return InputProcessor(tokenizer, 256, Limits(vocab_size=len(tokenizer)), multimodal=multimodal)
+
+
+def png_part(seed: int, where: str = "img", size: tuple[int, int] = (40, 48)) -> ContentPart:
+    return ContentPart(image=ImageInput(where, png_bytes(seed, size), "image/png"))
+
+
+def chat(*parts: ContentPart) -> GenerateInput:
+    turn = ChatTurn("user", "", (*parts, ContentPart(text="what is it?")))
+    return GenerateInput("r", PromptInput(chat=(turn,)), SamplingParams(max_tokens=4))
+
+
+def test_images_become_placeholders_with_hashes(mm_inputs: InputProcessor) -> None:
+    request = mm_inputs.process(chat(png_part(1), png_part(2)))
+    assert mm_inputs.multimodal is not None
+    image_id = mm_inputs.multimodal.spec.image_token_id
+    ids = request.prompt_token_ids
+    assert [f.length for f in request.mm_features] == [NUM_IMAGE_TOKENS] * 2
+    for feature in request.mm_features:
+        span = ids[feature.offset : feature.offset + feature.length]
+        assert span == [image_id] * NUM_IMAGE_TOKENS
+        assert feature.shape == (3, 32, 32) and len(feature.data) == 3 * 32 * 32 * 4
+        assert feature.identifier == feature_identifier("float32", feature.shape, feature.data)
+    assert ids.count(image_id) == 2 * NUM_IMAGE_TOKENS
+    first, second = request.mm_features
+    assert first.identifier != second.identifier
+    again = mm_inputs.process(chat(png_part(1)))
+    assert again.mm_features[0].identifier == first.identifier
+
+
+def test_a_data_url_is_the_same_image(mm_inputs: InputProcessor) -> None:
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(1)).decode()
+    by_url = mm_inputs.process(chat(ContentPart(image=ImageInput("u", url=url))))
+    by_bytes = mm_inputs.process(chat(png_part(1)))
+    assert by_url.mm_features == by_bytes.mm_features
+    assert by_url.prompt_token_ids == by_bytes.prompt_token_ids
+
+
+def _image(where: str, **kwargs: Any) -> ContentPart:
+    return ContentPart(image=ImageInput(where, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "parts, words",
+    [
+        ([_image("p0", data=b"\x89PNG\r\n\x1a\n...", mime_type="image/png")], "not a valid"),
+        ([_image("p0", data=png_bytes(1), mime_type="application/pdf")], "MIME type"),
+        ([_image("p0", data=png_bytes(1))], "set mime_type"),
+        ([png_part(1, "a"), png_part(2, "b"), png_part(3, "p0")], "3 images"),
+        ([png_part(1, "p0", (80, 80))], "80x80"),
+        ([_image("p0", data=b"\0" * 30_000, mime_type="image/png")], "--max-image-bytes"),
+        ([_image("p0", url="data:image/png;base64,@@@")], "not valid base64"),
+        ([_image("p0", url="data:image/png,raw")], "data:image/png;base64"),
+        ([_image("p0", url="file:///etc/passwd")], "scheme 'file'"),
+        ([_image("p0", url="http://example.com/a.png")], "remote image URLs are disabled"),
+    ],
+    ids=[
+        "corrupt",
+        "mime",
+        "no-mime",
+        "too-many",
+        "too-many-pixels",
+        "too-many-bytes",
+        "bad-base64",
+        "not-base64",
+        "file-url",
+        "remote",
+    ],
+)
+def test_bad_images_are_refused_naming_the_part(
+    mm_inputs: InputProcessor, parts: list[ContentPart], words: str
+) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        mm_inputs.process(chat(*parts))
+    assert err.value.param == "p0" and "p0" in str(err.value)
+    assert words in str(err.value)
+
+
+def test_placeholders_without_images_are_refused(mm_inputs: InputProcessor) -> None:
+    typed = GenerateInput("r", PromptInput(text=f"look {IMAGE_TOKEN} here"), SamplingParams())
+    with pytest.raises(InvalidRequest, match="1 image placeholders"):
+        mm_inputs.process(typed)
+    assert mm_inputs.multimodal is not None
+    ids = (1, 2, mm_inputs.multimodal.spec.image_token_id)
+    with pytest.raises(InvalidRequest, match="but 0 images"):
+        mm_inputs.process(GenerateInput("r", PromptInput(token_ids=ids), SamplingParams()))
+
+
+def test_text_only_prompts_work_on_a_multimodal_model(mm_inputs: InputProcessor) -> None:
+    request = mm_inputs.process(chat())
+    assert request.mm_features == () and request.prompt_token_ids
+
+
+def test_a_text_only_model_refuses_images_clearly(tokenizer: Any) -> None:
+    inputs = InputProcessor(tokenizer, 64, Limits(vocab_size=len(tokenizer)))
+    with pytest.raises(InvalidRequest) as err:
+        inputs.process(chat(png_part(1, "chat.messages[0].content_parts[0].image")))
+    assert "takes text only" in str(err.value)
+    assert err.value.param == "chat.messages[0].content_parts[0].image"
+    assert inputs.process(chat()).mm_features == ()
+
+
+def test_part_templates_get_image_parts_and_string_templates_placeholders() -> None:
+    llava_hf = (
+        "{% for message in messages %}{% for content in message['content'] | "
+        "selectattr('type', 'equalto', 'image') %}<image>\n{% endfor %}{% endfor %}"
+    )
+    assert template_uses_content_parts(llava_hf)
+    assert not template_uses_content_parts("{{ message['content'] }}")
+    turn = ChatTurn("user", "", (png_part(1), ContentPart(text="hi")))
+    assert chat_messages([turn], "<image>", True)[0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "hi"},
+    ]
+    assert chat_messages([turn], "<image>", False)[0]["content"] == "<image>\nhi"
+
+
+def test_openai_image_url_parts_name_their_place() -> None:
+    body = {
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+        ]
+    }
+    turns = parse_chat(body).prompt.chat
+    assert turns is not None and turns[0].content == "hello"
+    (image,) = turns[1].images
+    assert image.where == "messages[1].content[1].image_url" and image.url is not None
+
+
+def test_limit_mm_per_prompt_takes_vllm_forms() -> None:
+    assert parse_limit_mm_per_prompt('{"image": 3}') == 3
+    assert parse_limit_mm_per_prompt("image=5") == 5
+    with pytest.raises(ValueError, match="only modality"):
+        parse_limit_mm_per_prompt('{"video": 1}')
+
+
+def test_processed_pixels_are_what_transformers_makes(llava_dir: Path) -> None:
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    tokenizer = load_tokenizer(str(llava_dir))
+    processor = load_multimodal_processor(llava_dir, tokenizer, LIMITS)
+    assert processor is not None
+    (processed,) = processor.process_images([png_part(4).image])  # type: ignore[list-item]
+    reference = AutoImageProcessor.from_pretrained(str(llava_dir), backend="pil")
+    import io
+
+    image = Image.open(io.BytesIO(png_bytes(4))).convert("RGB")
+    expected = reference(images=[image], return_tensors="np")["pixel_values"][0]
+    np.testing.assert_array_equal(processed.pixel_values, expected)
