@@ -43,11 +43,19 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object, refused past MAX_BODY_BYTES."""
-    size = request.headers.get("content-length") or "0"
-    if not size.isdigit() or int(size) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"the body is over {MAX_BODY_BYTES} bytes (or its length is bad)")
-    return parse_json_object(await request.body())
+    """The request's body as a JSON object, refused past MAX_BODY_BYTES: by its Content-Length,
+    and while it arrives (a chunked body announces no length)."""
+    too_big = InvalidRequest(f"the body is over {MAX_BODY_BYTES} bytes (or its length is bad)")
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        raise too_big
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return parse_json_object(b"".join(chunks))
 
 
 def as_bool(value: Any, name: str) -> bool:

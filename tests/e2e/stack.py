@@ -18,6 +18,7 @@ from splitserve.children import (
 from splitserve.local_pki import LocalPki
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
 
 KV_BYTES = str(64 * 1024 * 1024)
 # `splitserve up` serves metrics on stable ports (9400, 9401, 9402 + rank); tests that run it
@@ -31,7 +32,8 @@ UP_ANY_METRICS_PORTS = [
 
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
-    plaintext unless `pki` gives their certificates; `api_key` guards the frontend."""
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
+    `frontend_flags` go to every frontend (e.g. --max-inflight-requests)."""
 
     def __init__(
         self,
@@ -43,12 +45,17 @@ class Stack:
         api_key: str = "",
         revision: str = "",
         generation_config: str = "auto",
+        frontend_flags: list[str] | None = None,
+        frontend_probe: ChannelSecurity | None = None,
     ):
         self.model = model
         self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
+        self.frontend_flags = list(frontend_flags or [])
+        self.frontend_probe = frontend_probe
+        """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
 
     def _args(self, **overrides: object) -> argparse.Namespace:
@@ -64,12 +71,15 @@ class Stack:
             http_port=0,
             api_key=self.api_key,
             log_level="warning",
+            service_flags={"frontend": self.frontend_flags},
         )
         vars(args).update(overrides)
         return args
 
     def start(self, timeout: float = 240.0) -> Stack:
         self.children = start_children(self._args(), self.core_flags, self.pki)
+        if self.frontend_probe is not None:
+            self.child("frontend").probe = self.frontend_probe
         try:
             wait_ready(self.children, timeout)
         except Exception:
