@@ -62,6 +62,7 @@ class CoreConfig(TransportConfig):
     step_timeout_floor: float = 5.0
     step_timeout_multiple: float = 10.0
     shutdown_timeout: float = 30.0
+    max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
     log_stats_interval: float = 10.0
     log_level: str = "info"
@@ -245,6 +246,15 @@ def build_parser() -> FlagParser:
         "admitted) before they are aborted",
     )
     p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank dies or hangs, keep every request and wait this long for the "
+        "ranks to come back (restarted by `splitserve up` or the kubelet), bring them up again "
+        "and resume the requests by recompute; past it they fail with UNAVAILABLE and the core "
+        "exits non-zero. 0: fail at once (fail-stop)",
+    )
+    p.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,
@@ -279,6 +289,8 @@ def parse_config(
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     check_internal_tls(parser, args)
     if args.log_stats_interval < 0:
         parser.error("--log-stats-interval must be >= 0")

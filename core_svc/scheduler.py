@@ -202,16 +202,35 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over from the waiting queue front."""
+        self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
         self.num_waiting_tokens += request.num_tokens
+
+    def requeue_all(self) -> None:
+        """The ranks lost every request's state (a rank restarted): each running request goes
+        back to the waiting queue, in its order, to be computed again from its prompt and the
+        tokens it generated (preemption by recompute, not counted as a preemption), and the
+        ranks of the next bring-up get every request as new (images included: their encoders
+        run again)."""
+        for request in reversed(self.running):
+            self._requeue(request)
+        self.running = []
+        self.encoder.reset()  # the new ranks' encoder caches start empty
+        for request in self.requests.values():
+            request.is_known_to_workers = False
+            request.num_sent_token_ids = 0
+        self.finished_req_handles = []
+        self._scheduled_reqs = []
 
     def _schedule_waiting(self, step: StepBuilder, token_budget: int, now: float) -> None:
         """Pass 2: admit waiting requests while budget and sequence slots last; the first

@@ -57,6 +57,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
             )
             for f in req.mm_features
         ),
+        output_token_ids=_column(req.output_token_ids),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from splitserve.children import (
     wait_ready,
 )
 from splitserve.local_pki import LocalPki
+from splitserve.supervisor import Supervisor
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
@@ -33,7 +35,9 @@ UP_ANY_METRICS_PORTS = [
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
     plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
-    `frontend_flags` go to every frontend (e.g. --max-inflight-requests)."""
+    `frontend_flags` go to every frontend (e.g. --max-inflight-requests). With
+    `supervise`, children that exit once the stack is ready are restarted as `splitserve up`
+    restarts them; `max_recovery_seconds` goes to the core and the frontend."""
 
     def __init__(
         self,
@@ -47,6 +51,8 @@ class Stack:
         generation_config: str = "auto",
         frontend_flags: list[str] | None = None,
         frontend_probe: ChannelSecurity | None = None,
+        supervise: bool = False,
+        max_recovery_seconds: float | None = None,
     ):
         self.model = model
         self.revision, self.generation_config = revision, generation_config
@@ -57,6 +63,8 @@ class Stack:
         self.frontend_probe = frontend_probe
         """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
+        self.supervise, self.max_recovery_seconds = supervise, max_recovery_seconds
+        self.supervisor: Supervisor | None = None
 
     def _args(self, **overrides: object) -> argparse.Namespace:
         args = argparse.Namespace(
@@ -70,8 +78,9 @@ class Stack:
             port=0,
             http_port=0,
             api_key=self.api_key,
-            log_level="warning",
             service_flags={"frontend": self.frontend_flags},
+            log_level=os.environ.get("SPLITSERVE_TEST_LOG_LEVEL", "warning"),
+            max_recovery_seconds=self.max_recovery_seconds,
         )
         vars(args).update(overrides)
         return args
@@ -85,9 +94,13 @@ class Stack:
         except Exception:
             self.stop()
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(self.children).start()
         return self
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         stop_children(self.children)
 
     def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:
