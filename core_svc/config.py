@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
 )
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import add_logging_flags
@@ -41,6 +42,8 @@ class CoreConfig(TransportConfig):
     max_model_len: int = 0
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
+    long_prefill_token_threshold: int = 0
+    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -127,6 +130,20 @@ def build_parser() -> FlagParser:
         help="token budget of one engine step (default: vLLM's on CPU, "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK} x tp x pp)",
     )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=non_negative_int,
+        default=0,
+        help="most prompt tokens one request computes per step (0: no cap)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=non_negative_int,
+        default=DEFAULT_PREFILL_TOKEN_BUDGET,
+        help="while some request decodes, the most prompt tokens one step computes (bounds the "
+        "decoders' inter-token latency under a burst of prompts; 0: up to "
+        "--max-num-batched-tokens)",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
         "--enable-prefix-caching",
@@ -190,7 +207,7 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton", "flash_attn"],
+        choices=["auto", "torch", "triton", "flash_attn", "cpu"],
         help="workers' attention",
     )
     p.add_argument(

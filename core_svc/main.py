@@ -105,6 +105,8 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: Executor) -> E
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=facts.max_model_len,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        prefill_token_budget=config.prefill_token_budget,
         policy=config.scheduling_policy,  # type: ignore[arg-type]
         vocab_size=facts.vocab_size,
         max_num_queued_reqs=config.max_num_queued_reqs,

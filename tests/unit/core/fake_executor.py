@@ -220,6 +220,7 @@ def make_engine(
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
     can_recover: bool = False,
+    prefill_token_budget: int = 0,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     scheduler_config = SchedulerConfig(
@@ -228,6 +229,7 @@ def make_engine(
         max_model_len=max_model_len,
         policy=policy,  # type: ignore[arg-type]
         long_prefill_token_threshold=long_prefill_token_threshold,
+        prefill_token_budget=prefill_token_budget,
         **limits,
     )
     cache_config = CacheConfig(
