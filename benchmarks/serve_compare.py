@@ -102,8 +102,9 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
     }
 
 
-async def grpc_stack(model: str) -> dict[str, float]:
-    args = argparse.Namespace(
+def stack_args(model: str) -> argparse.Namespace:
+    """What `start_children` needs for one worker, core and frontend on loopback."""
+    return argparse.Namespace(
         model=model,
         revision="",
         tokenizer="",
@@ -115,6 +116,10 @@ async def grpc_stack(model: str) -> dict[str, float]:
         http_port=-1,
         log_level="warning",
     )
+
+
+async def grpc_stack(model: str) -> dict[str, float]:
+    args = stack_args(model)
     flags = [
         "--dtype",
         DTYPE,

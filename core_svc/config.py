@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
 )
 from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
 from splitserve_runtime.log_config import add_logging_flags
@@ -42,6 +43,8 @@ class CoreConfig(TransportConfig):
     max_model_len: int = 0
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
+    long_prefill_token_threshold: int = 0
+    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -63,6 +66,7 @@ class CoreConfig(TransportConfig):
     step_timeout_floor: float = 5.0
     step_timeout_multiple: float = 10.0
     shutdown_timeout: float = 30.0
+    max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
     log_stats_interval: float = 10.0
     log_level: str = "info"
@@ -133,6 +137,20 @@ def build_parser() -> FlagParser:
         help="token budget of one engine step (default: vLLM's on CPU, "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK} x tp x pp)",
     )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=non_negative_int,
+        default=0,
+        help="most prompt tokens one request computes per step (0: no cap)",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=non_negative_int,
+        default=DEFAULT_PREFILL_TOKEN_BUDGET,
+        help="while some request decodes, the most prompt tokens one step computes (bounds the "
+        "decoders' inter-token latency under a burst of prompts; 0: up to "
+        "--max-num-batched-tokens)",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
         "--enable-prefix-caching",
@@ -196,7 +214,7 @@ def build_parser() -> FlagParser:
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton", "flash_attn"],
+        choices=["auto", "torch", "triton", "flash_attn", "cpu"],
         help="workers' attention",
     )
     p.add_argument(
@@ -252,6 +270,15 @@ def build_parser() -> FlagParser:
         "admitted) before they are aborted",
     )
     p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank dies or hangs, keep every request and wait this long for the "
+        "ranks to come back (restarted by `splitserve up` or the kubelet), bring them up again "
+        "and resume the requests by recompute; past it they fail with UNAVAILABLE and the core "
+        "exits non-zero. 0: fail at once (fail-stop)",
+    )
+    p.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,
@@ -286,6 +313,8 @@ def parse_config(
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     check_internal_tls(parser, args)
     if args.log_stats_interval < 0:
         parser.error("--log-stats-interval must be >= 0")

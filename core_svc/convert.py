@@ -36,6 +36,7 @@ def request_from_proto(
         client_handle=msg.request_handle,
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
+        output_token_ids=list(msg.output_token_ids),
         max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -190,6 +191,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         new_msg.min_tokens = new_req.min_tokens
         for feature in new_req.mm_features:
             new_msg.mm_features.add().MergeFromString(feature)
+        if new_req.output_token_ids:
+            new_msg.output_token_ids.extend(new_req.output_token_ids)
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -221,6 +224,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
             stop_token_ids=tuple(r.stop_token_ids),
             min_tokens=r.min_tokens,
             mm_features=[f.SerializeToString() for f in r.mm_features],
+            output_token_ids=list(r.output_token_ids),
         )
         for r in msg.scheduled_new_reqs
     ]

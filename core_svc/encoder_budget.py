@@ -162,6 +162,18 @@ class EncoderScheduler:
             self.freeable[feature.identifier] = feature.length
             self.num_freeable_slots += feature.length
 
+    def reset(self) -> None:
+        """The ranks were brought up again with empty encoder caches: nothing is cached and
+        nothing is left to free. Only when no request holds a reference (every one was
+        requeued); the stats go on."""
+        if any(self.req_inputs.values()):
+            raise AssertionError("requests still hold encoder cache references")
+        self.cached.clear()
+        self.freeable.clear()
+        self.req_inputs.clear()
+        self.freed = []
+        self.num_free_slots = self.num_freeable_slots = self.cache_size
+
     def take_freed(self) -> list[str]:
         """Hashes evicted since the last call: the workers drop them."""
         freed, self.freed = self.freed, []

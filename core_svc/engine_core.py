@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from core_svc.engine_outputs import merge_outputs
-from core_svc.executor import Executor, ExecutorError
+from core_svc.engine_outputs import make_final_outputs, merge_outputs
+from core_svc.executor import Executor, ExecutorError, FaultCause
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import (
     EngineCoreOutput,
@@ -25,17 +26,31 @@ from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Why the engine stopped stepping: the executor's failure."""
+
+    cause: FaultCause
+    message: str
+
+
 class EngineCore:
     """Adds, aborts and steps requests of any number of clients.
 
     A request is known to its client by (client_id, client_handle) and to the workers by
-    `req_handle`, which EngineCore assigns in arrival order. Once an executor step fails
-    the engine is failed for good: every request finishes with ERROR and later adds are
-    refused the same way.
+    `req_handle`, which EngineCore assigns in arrival order. When an executor step fails and
+    the engine `can_recover`, it suspends: it stops stepping and keeps every request (running
+    ones go back to waiting, to be computed again) until `resume` gives it a new executor, or
+    `fail` ends them. Without recovery, or once failed, the engine is failed for good: every
+    request finishes with ERROR and later adds are refused the same way.
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        executor: Executor,
+        can_recover: bool = False,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -50,8 +65,13 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_manager)
         self.client_requests: dict[int, dict[int, Request]] = {}
         """client_id -> client_handle -> live request."""
+        self.can_recover = can_recover
         self.is_failed = False
         self.failure_message = ""
+        self.suspension: Fault | None = None
+        """Set while the engine waits for its ranks to come back (suspended)."""
+        self.can_step = True
+        """Neither failed nor suspended (one flag for the busy loop's checks)."""
         self.is_draining = False
         """Set when the service is shutting down: new requests are refused, running ones
         finish."""
@@ -156,10 +176,9 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether step() has anything to do: requests to run, finished handles to tell
         the workers about, or outputs of refused requests to return."""
-        return (
-            self.scheduler.has_unfinished_requests()
-            or (self.scheduler.has_finished_requests() and not self.is_failed)
-            or bool(self._pending_outputs)
+        return bool(self._pending_outputs) or (
+            self.can_step
+            and (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests())
         )
 
     def step(self, before_update: Callable[[], None] | None = None) -> dict[int, EngineCoreOutputs]:
@@ -169,10 +188,11 @@ class EngineCore:
         the busy loop applies aborts that arrived during the step there.
         """
         outputs, self._pending_outputs = self._pending_outputs, {}
-        if not self.is_failed and (
+        if self.can_step and (
             self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
         ):
             scheduler_output = self.scheduler.schedule()
+            cause: FaultCause = "rank_died"
             try:
                 model_runner_output = self.executor.execute_model(scheduler_output)
                 error = model_runner_output.error_message
@@ -182,7 +202,7 @@ class EngineCore:
                         f"for step {scheduler_output.step_id}"
                     )
             except ExecutorError as exc:
-                error = str(exc) or type(exc).__name__
+                error, cause = str(exc) or type(exc).__name__, exc.cause
             if before_update is not None:
                 before_update()
             if error is None:
@@ -190,9 +210,14 @@ class EngineCore:
                     scheduler_output, model_runner_output
                 )
             else:
-                step_outputs = self.fail(f"executor failed: {error}")
+                step_outputs = self.on_fault(Fault(cause, f"executor failed: {error}"))
             self._forget_finished(step_outputs)
             merge_outputs(outputs, step_outputs)
+        return self.stamp(outputs)
+
+    def stamp(self, outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
+        """Give outputs the time, the step and the scheduler's state after it (step() does;
+        outputs made between steps, e.g. requests failed on giving up, need it too)."""
         if outputs:
             stats = self.make_stats()
             now = time.monotonic()
@@ -217,8 +242,49 @@ class EngineCore:
         """Enter the failed state: every request finishes with ERROR and `message`."""
         logger.error("engine core failed: %s", message)
         self.is_failed = True
+        self.can_step = False
+        self.suspension = None
         self.failure_message = message
-        return self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        self._forget_finished(outputs)
+        return outputs
+
+    def on_fault(self, fault: Fault) -> dict[int, EngineCoreOutputs]:
+        """The executor failed (a step, or a rank seen dying while idle): suspend when the
+        engine can recover, else fail. Returns the outputs to send (none when suspended)."""
+        if not self.can_step:
+            return {}
+        if not self.can_recover:
+            return self.fail(fault.message)
+        logger.error("engine core suspended (%s): %s", fault.cause, fault.message)
+        self.suspension = fault
+        self.can_step = False
+        self.scheduler.requeue_all()
+        return {}
+
+    @property
+    def num_requests(self) -> int:
+        """Requests running or waiting."""
+        return len(self.scheduler.requests)
+
+    def resume(self, executor: Executor, num_blocks: int) -> dict[int, EngineCoreOutputs]:
+        """The ranks are back (brought up again, with `num_blocks` KV blocks): step on the new
+        executor with a fresh KV cache. Requests that no longer fit a smaller cache fail;
+        the others are scheduled again, the running ones by recompute."""
+        self.executor = executor
+        self.kv_cache_manager.reset(num_blocks)
+        self.suspension = None
+        self.can_step = True
+        too_big = [r for r in self.scheduler.requests.values() if self._kv_capacity_problem(r)]
+        if not too_big:
+            return {}
+        message = "the KV cache shrank when the worker ranks came back; the request no longer fits"
+        for request in too_big:
+            request.error_kind, request.error_message = ErrorKind.ENGINE_FAILURE, message
+        self.scheduler.finish_requests(too_big, RequestStatus.FINISHED_ERROR)
+        outputs = make_final_outputs(too_big)
+        self._forget_finished(outputs)
+        return outputs
 
     def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
         """End every request with an error (shutdown); the engine itself stays usable."""

@@ -2,7 +2,10 @@
 
 Network handlers only enqueue commands; the loop thread owns the EngineCore. Each
 iteration (1) drains every pending command, blocking on the queue when there is nothing
-to step, then (2) runs one step and hands each client's outputs to `output_sink`.
+to step, then (2) runs one step and hands each client's outputs to `output_sink`. A rank
+restart (core_svc/recovery.py) talks to the loop the same way: the executor's failure, the
+new executor once the ranks are back, or giving up, are commands in the same order as the
+clients' adds and aborts.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
-from core_svc.engine_core import EngineCore
+from core_svc.engine_core import EngineCore, Fault
+from core_svc.executor import Executor, FaultCause
 from core_svc.outputs import EngineCoreOutputs, SchedulerStats
 from core_svc.request import Request
 
@@ -37,6 +42,12 @@ class CommandKind(Enum):
     """Refuse new requests from now on; running ones finish."""
     ABORT_ALL = 6
     """End every request with an error (the drain ran out of time)."""
+    FAULT = 7
+    """The executor failed outside a step (a rank seen dying while the engine was idle)."""
+    RESUME = 8
+    """The ranks are back: step on a new executor."""
+    GIVE_UP = 9
+    """The ranks did not come back in time: fail every request."""
 
 
 @dataclass(slots=True)
@@ -47,6 +58,11 @@ class EngineCommand:
     client_id: int = 0
     requests: list[Request] = field(default_factory=list)
     client_handles: list[int] = field(default_factory=list)
+    executor: Executor | None = None
+    fault: Fault | None = None
+    num_blocks: int = 0
+    done: Future[int] | None = None
+    """RESUME: resolved with the number of requests resumed."""
 
 
 class EngineCoreProc:
@@ -66,6 +82,7 @@ class EngineCoreProc:
         on_stats: StatsSink,
         on_failed: Callable[[str], None],
         input_queue: queue.Queue[EngineCommand] | None = None,
+        on_suspended: Callable[[Fault], None] = lambda fault: None,
     ) -> None:
         self.engine_core = engine_core
         self._output_sink = output_sink
@@ -74,6 +91,9 @@ class EngineCoreProc:
         """Called once, on the loop thread, when the engine has failed and the failure's outputs
         went to their clients."""
         self._is_failure_reported = False
+        self._on_suspended = on_suspended
+        """Called once per suspension, on the loop thread: the engine waits for its ranks."""
+        self._reported_suspension: Fault | None = None
         self._input_queue: queue.Queue[EngineCommand] = input_queue or queue.Queue()
         self._lock = threading.Lock()
         self._step_aborts: list[EngineCommand] = []
@@ -111,6 +131,25 @@ class EngineCoreProc:
         """End every request now, with an error saying the engine is shutting down."""
         self._put_abort(EngineCommand(CommandKind.ABORT_ALL))
 
+    def executor_failed(self, executor: Executor, message: str, cause: FaultCause) -> None:
+        """`executor` failed (any thread); ignored unless it is still the engine's."""
+        fault = Fault(cause, f"executor failed: {message}")
+        self._input_queue.put(EngineCommand(CommandKind.FAULT, executor=executor, fault=fault))
+
+    def resume(self, executor: Executor, num_blocks: int) -> Future[int]:
+        """Step on `executor` (the ranks are back, with `num_blocks` KV blocks); the future
+        gives the number of requests resumed."""
+        done: Future[int] = Future()
+        command = EngineCommand(CommandKind.RESUME, executor=executor, num_blocks=num_blocks)
+        command.done = done
+        self._input_queue.put(command)
+        return done
+
+    def give_up(self, message: str) -> None:
+        """Fail every request with `message` (the ranks did not come back); the engine is
+        failed from now on."""
+        self._input_queue.put(EngineCommand(CommandKind.GIVE_UP, fault=Fault("rank_died", message)))
+
     @property
     def is_idle(self) -> bool:
         """No request runs or waits (as of the loop's latest iteration)."""
@@ -138,7 +177,7 @@ class EngineCoreProc:
                 logger.exception("engine core loop error")
                 try:
                     self._route(self.engine_core.fail(f"engine core loop error: {exc!r}"))
-                    self._report_failure()
+                    self._report_fault()
                 except Exception:
                     logger.exception("engine core could not fail cleanly; the loop stops")
                     return
@@ -164,7 +203,8 @@ class EngineCoreProc:
             outputs = engine_core.step(self._apply_step_aborts)
             step_seconds = time.perf_counter() - started
             self._route(outputs)
-            self._report_failure()
+            if not engine_core.can_step:
+                self._report_fault()
             # step() already snapshotted the scheduler for its outputs; reuse it.
             stats = next((o.scheduler_stats for o in outputs.values()), None)
         self._stats = stats or engine_core.make_stats()
@@ -183,13 +223,40 @@ class EngineCoreProc:
         elif command.kind is CommandKind.DRAIN:
             engine_core.is_draining = True
         elif command.kind is CommandKind.ABORT_ALL:
-            self._route(engine_core.abort_all("the engine is shutting down; retry elsewhere"))
+            message = "the engine is shutting down; retry elsewhere"
+            self._route(engine_core.stamp(engine_core.abort_all(message)))
+        else:
+            self._apply_recovery(command)
 
-    def _report_failure(self) -> None:
+    def _apply_recovery(self, command: EngineCommand) -> None:
+        engine_core = self.engine_core
+        if command.kind is CommandKind.FAULT and command.executor is engine_core.executor:
+            assert command.fault is not None
+            self._route(engine_core.stamp(engine_core.on_fault(command.fault)))
+        elif command.kind is CommandKind.RESUME:
+            assert command.executor is not None and command.done is not None
+            if engine_core.suspension is None:  # failed meanwhile (or never suspended)
+                command.executor.shutdown()
+                command.done.set_result(0)
+                return
+            num_requests = engine_core.num_requests
+            self._route(engine_core.stamp(engine_core.resume(command.executor, command.num_blocks)))
+            command.done.set_result(num_requests)
+        elif command.kind is CommandKind.GIVE_UP and not engine_core.is_failed:
+            assert command.fault is not None
+            self._route(engine_core.stamp(engine_core.fail(command.fault.message)))
+        self._report_fault()
+
+    def _report_fault(self) -> None:
+        """Tell the service once that the engine failed, or once per suspension."""
         engine_core = self.engine_core
         if engine_core.is_failed and not self._is_failure_reported:
             self._is_failure_reported = True
             self._on_failed(engine_core.failure_message)
+        suspension = engine_core.suspension
+        if suspension is not None and suspension is not self._reported_suspension:
+            self._reported_suspension = suspension
+            self._on_suspended(suspension)
 
     def _apply_step_aborts(self) -> None:
         with self._lock:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
 
+FaultCause = Literal["rank_died", "rank_hung"]
+"""Why the ranks stopped serving: a rank died, broke its stream or failed a step (rank_died),
+or a step outlived its budget (rank_hung). The label `cause` of the recovery metrics."""
+FAULT_CAUSES: tuple[FaultCause, ...] = ("rank_died", "rank_hung")
+
 
 class ExecutorError(Exception):
-    """A step could not be run or its result is unusable; the engine stops serving."""
+    """A step could not be run or its result is unusable: the ranks must be brought up again
+    (or, without recovery, the engine stops serving)."""
+
+    def __init__(self, message: str, cause: FaultCause = "rank_died") -> None:
+        super().__init__(message)
+        self.cause: FaultCause = cause
 
 
 class Executor(Protocol):

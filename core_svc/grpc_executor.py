@@ -8,6 +8,8 @@ frontends (which may be busy sending the previous step's outputs). One watcher t
 rank reads its stream: an error reply, a closed stream or a broken connection on ANY rank fails
 the executor at once (the pending step raises ExecutorError and `on_failure` reports it) instead
 of waiting for a timeout; a watchdog cancels a step that outlives its budget (core_svc.step_budget).
+A failed executor stays failed: after the ranks are brought up again (core_svc/recovery.py) the
+engine runs on a new one, with new streams and the new owner epoch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from core_svc import convert
-from core_svc.executor import ExecutorError
+from core_svc.executor import ExecutorError, FaultCause
 from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_budget import StepBudget
@@ -84,7 +86,7 @@ class GrpcExecutor:
         addrs: list[str],
         output_rank: int,
         budget: StepBudget,
-        on_failure: Callable[[str], None],
+        on_failure: Callable[[str, FaultCause], None],
         on_timing: Callable[[float, float], None],
         security: ChannelSecurity | None = None,
         owner_epoch: int = 0,
@@ -102,6 +104,12 @@ class GrpcExecutor:
         self._step_budget = 0.0
         self._stopped = threading.Event()
         self.failure: str | None = None
+        self.failure_cause: FaultCause = "rank_died"
+
+    @property
+    def has_stepped(self) -> bool:
+        """Whether any step ran to its end on these ranks."""
+        return self.budget.has_observed
 
     def open(self) -> None:
         """Open one Execute stream per rank; start the watchers and the watchdog."""
@@ -122,7 +130,7 @@ class GrpcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank (busy-loop thread); raise ExecutorError on any failure."""
         if self.failure is not None:
-            raise ExecutorError(self.failure)
+            raise ExecutorError(self.failure, self.failure_cause)
         body = convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
         payload = _frame_execute_request(body)
         sent = time.perf_counter()
@@ -139,18 +147,18 @@ class GrpcExecutor:
             self._fail(
                 f"worker rank {reply.rank} failed step {reply.step_id}: {reply.error_message}"
             )
-            raise ExecutorError(self.failure or reply.error_message)
+            raise ExecutorError(self.failure or reply.error_message, self.failure_cause)
         if reply.step_id != scheduler_output.step_id:
             self._fail(
                 f"worker rank {self.output_rank} answered step {reply.step_id} to step "
                 f"{scheduler_output.step_id}"
             )
-            raise ExecutorError(self.failure or "step out of order")
+            raise ExecutorError(self.failure or "step out of order", self.failure_cause)
         try:
             return convert.model_runner_output_from_proto(reply)
         except ValueError as err:
             self._fail(f"worker rank {reply.rank} sent a malformed output: {err}")
-            raise ExecutorError(self.failure or str(err)) from None
+            raise ExecutorError(self.failure or str(err), self.failure_cause) from None
 
     def _read_output_rank(self) -> worker_pb2.ModelRunnerOutput:
         stream = self._streams[self.output_rank]
@@ -163,7 +171,7 @@ class GrpcExecutor:
                 f"worker rank {stream.rank} ({stream.addr}) is unreachable: "
                 f"{err.code().name}: {err.details()}"
             )
-        raise ExecutorError(self.failure or "executor failed")
+        raise ExecutorError(self.failure or "executor failed", self.failure_cause)
 
     def _watch(self, stream: _RankStream) -> None:
         """Read a non-output rank: it only ever answers to report an error."""
@@ -190,18 +198,19 @@ class GrpcExecutor:
             if started is not None and time.monotonic() - started > budget:
                 self._fail(
                     f"a step got no answer from worker rank {self.output_rank} within its "
-                    f"budget of {budget:.1f} s (a rank is hung or stopped)"
+                    f"budget of {budget:.1f} s (a rank is hung or stopped)",
+                    "rank_hung",
                 )
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, cause: FaultCause = "rank_died") -> None:
         """First failure wins: report it once and cancel the output rank's stream, which wakes a
         step blocked on it (any thread)."""
         with self._lock:
             if self.failure is not None or self._stopped.is_set():
                 return
-            self.failure = message
+            self.failure, self.failure_cause = message, cause
         logger.error("executor failed: %s", message)
-        self._on_failure(message)
+        self._on_failure(message, cause)
         self._streams[self.output_rank].replies.cancel()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:

@@ -226,3 +226,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def reset(self, num_blocks: int) -> None:
+        """A fresh cache of `num_blocks` blocks, all free, nothing cached (the ranks were brought
+        up again: the KV they held is gone). Requires that no request holds blocks; the
+        prefix-cache counters go on."""
+        if self.req_to_blocks:
+            raise AssertionError(f"{len(self.req_to_blocks)} requests still hold KV blocks")
+        self.block_pool = BlockPool(num_blocks, self.enable_caching)
+        self.num_cached_blocks.clear()

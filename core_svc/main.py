@@ -9,10 +9,12 @@ import time
 from collections.abc import Sequence
 
 from core_svc.config import CoreConfig, parse_config
-from core_svc.engine_core import EngineCore
+from core_svc.engine_core import EngineCore, Fault
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.executor import Executor
 from core_svc.grpc_executor import GrpcExecutor
 from core_svc.metrics import CoreMetrics
+from core_svc.recovery import RankRecovery
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.stats_logger import StatsLogger, log_stats_every
@@ -104,11 +106,13 @@ def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]
     }
 
 
-def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) -> EngineCore:
+def build_engine(config: CoreConfig, facts: ModelFacts, executor: Executor) -> EngineCore:
     scheduler = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=facts.max_model_len,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        prefill_token_budget=config.prefill_token_budget,
         policy=config.scheduling_policy,  # type: ignore[arg-type]
         vocab_size=facts.vocab_size,
         max_num_queued_reqs=config.max_num_queued_reqs,
@@ -122,7 +126,7 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: GrpcExecutor) 
         enable_prefix_caching=config.enable_prefix_caching,
         sliding_window=facts.sliding_window,
     )
-    return EngineCore(scheduler, cache, executor)
+    return EngineCore(scheduler, cache, executor, can_recover=config.max_recovery_seconds > 0)
 
 
 async def serve(config: CoreConfig) -> int:
@@ -158,36 +162,54 @@ async def serve(config: CoreConfig) -> int:
         host.registry, info.served_model_name, config.engine_id, cache_config_labels(config, facts)
     )
 
-    def on_executor_failure(message: str) -> None:  # any thread: not serving from now on
-        loop.call_soon_threadsafe(
-            lambda: loop.create_task(host.set_unhealthy(f"engine failed: {message}"))
-        )
-
     def on_engine_failed(message: str) -> None:  # loop thread, failure outputs already sent
         loop.call_soon_threadsafe(
             lambda: loop.create_task(host.fail(f"engine failed: {message}; exiting"))
         )
 
-    output_rank = config.world_size - config.tensor_parallel_size
-    budget = StepBudget(
-        config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
-    )
-    executor = GrpcExecutor(
-        config.worker_addrs,
-        output_rank,
-        budget,
-        on_executor_failure,
-        metrics.observe_worker_step,
-        to_workers,
-        pool.owner_epoch,
-    )
-    executor.open()
+    def on_suspended(fault: Fault) -> None:  # loop thread: the ranks are lost, requests kept
+        loop.call_soon_threadsafe(recovery.start, fault)
+
+    def open_executor() -> GrpcExecutor:
+        """Execute streams to every rank under the pool's epoch, with a fresh step budget (new
+        ranks get the first-step allowance again)."""
+        executor = GrpcExecutor(
+            config.worker_addrs,
+            config.world_size - config.tensor_parallel_size,
+            StepBudget(
+                config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
+            ),
+            lambda message, cause: proc.executor_failed(executor, message, cause),
+            metrics.observe_worker_step,
+            to_workers,
+            pool.owner_epoch,
+        )
+        executor.open()
+        return executor
+
+    async def bring_up_again(deadline: float) -> ModelFacts:
+        pool.next_epoch()
+        return await pool.bring_up_with_retries(config, config.model, info.served_model_name,
+                                                deadline)  # fmt: skip
+
+    executor = open_executor()
     streams = ClientStreams(loop)
     proc = EngineCoreProc(
         build_engine(config, facts, executor),
         streams.deliver,
         on_stats=metrics.observe_stats,
         on_failed=on_engine_failed,
+        on_suspended=on_suspended,
+    )
+    recovery = RankRecovery(
+        proc=proc,
+        executor=executor,
+        bring_up=bring_up_again,
+        open_executor=open_executor,
+        set_ready=host.set_ready,
+        metrics=metrics,
+        facts=facts,
+        max_recovery_seconds=config.max_recovery_seconds,
     )
     servicer = EngineCoreServicer(proc, streams, info, metrics)
     core_grpc.add_EngineCoreServiceServicer_to_server(servicer, host.server)
@@ -208,6 +230,7 @@ async def serve(config: CoreConfig) -> int:
         await servicer.close_streams()
 
     code = await host.run_until_stopped(on_shutdown=drain)
+    await recovery.close()
     if stats_task is not None:
         stats_task.cancel()
     await asyncio.to_thread(proc.stop, 10.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from core_svc.executor import FAULT_CAUSES
 from core_svc.outputs import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -52,6 +53,7 @@ STEP_BUCKETS = (
     5.0,
     10.0,
 )
+RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LABELS = ["model_name", "engine"]
 
 
@@ -131,6 +133,24 @@ class CoreMetrics:
             HOP_BUCKETS,
         )
         self.streams = gauge("splitserve_core_frontend_streams", "Open frontend EngineStreams.")
+        recoveries = Counter(
+            "splitserve_engine_recoveries",
+            "Times the engine lost its worker ranks and began bringing them up again, by cause "
+            "(rank_died: a rank exited, broke its stream or failed a step; rank_hung: a step "
+            "outlived its budget).",
+            [*LABELS, "cause"],
+            registry=registry,
+        )
+        self.recoveries = {cause: recoveries.labels(*values, cause) for cause in FAULT_CAUSES}
+        self.recovery_seconds = histogram(
+            "splitserve_engine_recovery_seconds",
+            "Time from losing the worker ranks to stepping again on the ranks brought up anew.",
+            RECOVERY_BUCKETS,
+        )
+        self.requests_resumed = counter(
+            "splitserve_engine_requests_resumed",
+            "Requests kept through a recovery and scheduled again on the new ranks.",
+        )
         self._last = SchedulerStats()
 
     def observe_stats(self, stats: SchedulerStats, step_seconds: float | None) -> None:

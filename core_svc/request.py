@@ -88,6 +88,7 @@ class Request:
         prompt_token_ids: list[int],
         *,
         max_tokens: int,
+        output_token_ids: list[int] | None = None,
         min_tokens: int = 0,
         stop_token_ids: tuple[int, ...] = (),
         eos_token_id: int | None = None,
@@ -103,8 +104,10 @@ class Request:
         self.client_handle = client_handle
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        """Outputs so far; a request a frontend resubmitted (its engine core restarted)
+        arrives with the ones it already had."""
+        self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_params = sampler_params
         self.skip_reading_prefix_cache = skip_reading_prefix_cache

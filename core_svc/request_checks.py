@@ -29,6 +29,10 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     if max(request.prompt_token_ids) >= vocab_size:
         return f"a prompt token id is outside the vocabulary (valid ids: 0..{vocab_size - 1})"
+    if request.output_token_ids:
+        problem = _resumed_outputs_problem(request, scheduler_config)
+        if problem is not None:
+            return problem
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return f"{len(request.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}"
     if any(token_id >= vocab_size for token_id in request.all_stop_token_ids):
@@ -42,3 +46,17 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
     return mm_features_problem(
         request.mm_features, num_prompt_tokens, scheduler_config.max_tokens_per_mm_item
     )
+
+
+def _resumed_outputs_problem(request: Request, scheduler_config: SchedulerConfig) -> str | None:
+    """A resubmitted request's outputs must be valid ids and leave room to generate."""
+    num_outputs = request.num_output_tokens
+    if max(request.output_token_ids) >= scheduler_config.vocab_size:
+        return "an output token id is outside the vocabulary"
+    if num_outputs >= request.max_tokens or request.num_tokens >= scheduler_config.max_model_len:
+        return (
+            f"the request already has {num_outputs} output tokens: nothing is left to generate "
+            f"within max_tokens={request.max_tokens} and max_model_len="
+            f"{scheduler_config.max_model_len}"
+        )
+    return None

@@ -62,6 +62,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.prefill_token_budget = scheduler_config.prefill_token_budget
         self.vocab_size = scheduler_config.vocab_size
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
@@ -112,19 +113,42 @@ class Scheduler:
         step = StepBuilder(self.step_id, self.finished_req_handles)
         self.finished_req_handles = []
         self.encoder.begin_step()
-        token_budget, preempted = self._schedule_running(step)
+        threshold, prefill_budget = self._prefill_limits()
+        token_budget, prefill_budget, preempted = self._schedule_running(
+            step, threshold, prefill_budget
+        )
         if not preempted:
-            self._schedule_waiting(step, token_budget, time.monotonic())
+            self._schedule_waiting(step, token_budget, threshold, prefill_budget, time.monotonic())
         output, self._scheduled_reqs = step.build()
         output.free_encoder_mm_hashes = self.encoder.take_freed()
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         return output
 
-    def _schedule_running(self, step: StepBuilder) -> tuple[int, bool]:
-        """Pass 1 over RUNNING requests (the hot path of a decode-heavy step); returns the
-        budget left and whether it preempted."""
-        token_budget = self.max_num_batched_tokens
+    def _prefill_limits(self) -> tuple[int, int]:
+        """This step's cap on one request's prefill chunk (0: none) and on all prefill tokens:
+        prefills share the step with decodes within `prefill_token_budget` when some request
+        decodes."""
         threshold = self.long_prefill_token_threshold
+        prefill_budget = self.max_num_batched_tokens
+        if self.prefill_token_budget and self._has_decodes():
+            prefill_budget = min(prefill_budget, self.prefill_token_budget)
+        return threshold, prefill_budget
+
+    def _has_decodes(self) -> bool:
+        """Whether a running request is decoding (usually the first one looked at)."""
+        for request in self.running:
+            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+                return True
+        return False
+
+    def _schedule_running(
+        self, step: StepBuilder, threshold: int, prefill_budget: int
+    ) -> tuple[int, int, bool]:
+        """Pass 1 over RUNNING requests (the hot path of a decode-heavy step); returns the
+        token and prefill budgets left and whether it preempted. A prefill chunk (more than
+        one new token) also spends `prefill_budget`; a preempted victim's chunk stays spent
+        (the step just carries fewer prefill tokens)."""
+        token_budget = self.max_num_batched_tokens
         max_model_len = self.max_model_len
         allocate_slots = self.kv_cache_manager.allocate_slots
         add_running = step.add_running
@@ -135,12 +159,16 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             num_new_tokens = len(request.all_token_ids) - num_computed
+            is_prefill = num_new_tokens > 1
+            if is_prefill:
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if num_new_tokens > prefill_budget:
+                    num_new_tokens = prefill_budget
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             if num_new_tokens > max_model_len - 1 - num_computed:
                 num_new_tokens = max_model_len - 1 - num_computed
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
             encoder_inputs = None
             if request.mm_features and num_new_tokens > 0:
                 num_new_tokens, encoder_inputs = self.encoder.plan(
@@ -163,8 +191,10 @@ class Scheduler:
                 step.add_encoder_inputs(request, encoder_inputs)
             request.num_computed_tokens = num_computed + num_new_tokens
             token_budget -= num_new_tokens
+            if is_prefill:
+                prefill_budget -= num_new_tokens
             i += 1
-        return token_budget, preempted
+        return token_budget, prefill_budget, preempted
 
     def _preempt_until_allocated(
         self,
@@ -202,22 +232,48 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, start over from the waiting queue front."""
+        self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
         self.num_waiting_tokens += request.num_tokens
 
-    def _schedule_waiting(self, step: StepBuilder, token_budget: int, now: float) -> None:
-        """Pass 2: admit waiting requests while budget and sequence slots last; the first
+    def requeue_all(self) -> None:
+        """The ranks lost every request's state (a rank restarted): each running request goes
+        back to the waiting queue, in its order, to be computed again from its prompt and the
+        tokens it generated (preemption by recompute, not counted as a preemption), and the
+        ranks of the next bring-up get every request as new (images included: their encoders
+        run again)."""
+        for request in reversed(self.running):
+            self._requeue(request)
+        self.running = []
+        self.encoder.reset()  # the new ranks' encoder caches start empty
+        for request in self.requests.values():
+            request.is_known_to_workers = False
+            request.num_sent_token_ids = 0
+        self.finished_req_handles = []
+        self._scheduled_reqs = []
+
+    def _schedule_waiting(
+        self,
+        step: StepBuilder,
+        token_budget: int,
+        threshold: int,
+        prefill_budget: int,
+        now: float,
+    ) -> None:
+        """Pass 2: admit waiting requests while budgets and sequence slots last; the first
         that does not fit (its whole sequence must fit) stops it."""
         kv = self.kv_cache_manager
-        threshold = self.long_prefill_token_threshold
+        token_budget = min(token_budget, prefill_budget)
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)

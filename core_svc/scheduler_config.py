@@ -12,6 +12,9 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK = 2048
 """Token budget of one step per worker rank, unless configured: vLLM's `vllm serve` default on
 CPU (2048 x tensor_parallel_size x pipeline_parallel_size)."""
+DEFAULT_PREFILL_TOKEN_BUDGET = 0
+"""Prompt tokens one step computes while some request decodes, unless configured (0: no cap
+beyond max_num_batched_tokens)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,7 +30,12 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "fcfs"
     """"fcfs": arrival order; "priority": lower `priority` first, ties by arrival."""
     long_prefill_token_threshold: int = 0
-    """When > 0, most tokens one request may compute in one step."""
+    """When > 0, most prompt tokens one request may compute in one step (vLLM's flag)."""
+    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
+    """When > 0 and some running request is decoding, the most prompt tokens (running prefill
+    chunks and new admissions together) one step computes, so a burst of prompts cannot
+    stretch the decoders' inter-token gap; decodes keep their own tokens. 0: prefills share
+    max_num_batched_tokens with decodes freely (vLLM's behaviour)."""
     vocab_size: int = 1 << 32
     """Token ids must be below it, in requests and in what the workers sample (the default
     accepts every uint32)."""
@@ -59,6 +67,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.prefill_token_budget < 0:
+            raise ValueError("prefill_token_budget must be >= 0")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         item, chunk = self.max_tokens_per_mm_item, self.long_prefill_token_threshold

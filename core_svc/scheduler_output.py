@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class NewRequestData:
     """A request sent to the ranks for the first time; `block_ids` are all of its blocks.
-    `sampler_params` is the serialized common.v1.SamplerParams, as the frontend built it."""
+    `sampler_params` is the serialized common.v1.SamplerParams, as the frontend built it;
+    `output_token_ids` are the outputs of a request that resumes after a restart."""
 
     req_handle: int
     request_id: str
@@ -24,6 +25,7 @@ class NewRequestData:
     min_tokens: int
     mm_features: list[bytes] = field(default_factory=list)
     """The serialized common.v1.MultiModalFeature of each image, as the frontend sent them."""
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,11 @@ class StepBudget:
         self._times: dict[int, deque[float]] = {}
         self._max_seconds_per_token = 0.0
 
+    @property
+    def has_observed(self) -> bool:
+        """Whether any step finished yet."""
+        return bool(self._times)
+
     @staticmethod
     def _bucket(num_tokens: int) -> int:
         return max(num_tokens, 1).bit_length()

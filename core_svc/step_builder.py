@@ -105,6 +105,7 @@ class StepBuilder:
                 stop_token_ids=tuple(sorted(request.all_stop_token_ids)),
                 min_tokens=request.min_tokens,
                 mm_features=[f.serialized for f in request.mm_features],
+                output_token_ids=list(request.output_token_ids),  # it grows in place
             )
         )
         request.is_known_to_workers = True

@@ -82,6 +82,12 @@ class WorkerPool:
         self.channels = [open_aio_channel(a, self.security) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
 
+    def next_epoch(self) -> int:
+        """Move to a larger epoch (a new bring-up of ranks this core may already own: ranks
+        it loaded take LoadModel only with a larger one)."""
+        self.owner_epoch = max(self.owner_epoch + 1, time.time_ns())
+        return self.owner_epoch
+
     @property
     def owner_metadata(self) -> tuple[tuple[str, str], ...]:
         """The epoch as gRPC metadata (a retried bring-up may move to a larger epoch)."""
@@ -90,18 +96,27 @@ class WorkerPool:
     async def _call_all(
         self, name: str, requests: Sequence[object], timeout: float
     ) -> list[object]:
+        """Call every rank at once. The first rank that fails cancels the calls still running
+        (e.g. LoadModels waiting in the rendezvous for the rank that failed)."""
         calls = [
             getattr(stub, name)(req, timeout=timeout, metadata=self.owner_metadata)
             for stub, req in zip(self.stubs, requests, strict=True)
         ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for call in calls:
+                call.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         for rank, result in enumerate(results):
-            if isinstance(result, grpc.RpcError):
+            if isinstance(result, grpc.RpcError) and result.code() != grpc.StatusCode.CANCELLED:
                 raise WorkerBringUpError(
                     f"worker rank {rank} ({self.addrs[rank]}) failed {name}: "
                     f"{result.code().name}: {result.details()}",
                     is_retryable=result.code() not in _REFUSALS,
                 )
+        for result in results:
             if isinstance(result, BaseException):
                 raise result
         return results
@@ -134,14 +149,22 @@ class WorkerPool:
         return replies
 
     async def bring_up_with_retries(
-        self, config: CoreConfig, model_path: str, served_model_name: str
+        self,
+        config: CoreConfig,
+        model_path: str,
+        served_model_name: str,
+        deadline: float | None = None,
     ) -> ModelFacts:
         """Bring the ranks up, starting over while attempts fail for reasons that may pass (a
-        rank restarting, a wedged rank that exits to restart clean), until
-        --worker-connect-timeout; a refusal (bad model, bad flags) fails at once."""
-        deadline = time.monotonic() + config.worker_connect_timeout
+        rank restarting, a wedged rank that exits to restart clean), until `deadline`
+        (time.monotonic(); default --worker-connect-timeout from now); a refusal (bad model,
+        bad flags) fails at once. Every attempt after the first takes a larger epoch."""
+        if deadline is None:
+            deadline = time.monotonic() + config.worker_connect_timeout
         attempt = 1
         while True:
+            if attempt > 1:
+                self.next_epoch()
             try:
                 ranks = await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
                 facts = await self.bring_up(config, model_path, served_model_name)

@@ -28,6 +28,8 @@ class FrontendLimits:
     max_n: int = 64
     max_stop_strings: int = 32
     max_inflight_requests: int = 0
+    max_recovery_seconds: float = 0.0
+    """How long requests in flight wait for a lost engine core to come back."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ def build_frontend(
         OutputProcessor(backend_decoder(files.tokenizer), metrics),
         metrics,
         limits.max_inflight_requests,
+        limits.max_recovery_seconds,
     )
     register_engine_stats(registry, lambda: engine.scheduler_stats, served_model_name, info)
     request_limits = Limits(

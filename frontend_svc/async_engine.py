@@ -3,6 +3,12 @@
 n > 1 is fanned out here into n engine requests (child i gets seed + i when a seed is set) whose
 deltas are merged by `index`; the engine core never sees n > 1. A caller that stops consuming
 (client cancel, deadline) aborts every unfinished child in the core, which frees their KV blocks.
+
+When the stream to the engine core breaks (the core died; `splitserve up` or the kubelet
+restarts it at the same address), the requests in flight pause instead of failing, for up to
+`max_recovery_seconds`: once a new stream is open, each is resubmitted with its prompt and the
+tokens it has so far, and continues where it stopped (its detokenizer and stop-string state never
+left this process). Past the bound, or with a bound of 0, they fail with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -12,9 +18,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.core_client import CoreClient, RoundTrip, StatsRefresh
+from frontend_svc.core_client import (
+    CoreClient,
+    Disconnected,
+    Reconnected,
+    RoundTrip,
+    StatsRefresh,
+)
 from frontend_svc.engine_types import CoreOutputs, SchedulerStats
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
@@ -35,10 +48,14 @@ class AsyncEngine:
         output_processor: OutputProcessor,
         metrics: FrontendMetrics,
         max_inflight_requests: int = 0,
+        max_recovery_seconds: float = 0.0,
     ) -> None:
         self.client = client
         self.max_inflight_requests = max_inflight_requests
         """When > 0, most engine requests in flight here (n > 1 counts n)."""
+        self.max_recovery_seconds = max_recovery_seconds
+        """How long requests in flight wait for a lost engine core to come back (0: fail)."""
+        self._pause: RecoveryPause | None = None
         self.output_processor = output_processor
         self.metrics = metrics
         self.is_draining = False
@@ -88,20 +105,74 @@ class AsyncEngine:
                 elif isinstance(event, StatsRefresh):
                     if event.stats.step_id >= self.scheduler_stats.step_id:  # not older
                         self.scheduler_stats = event.stats
-                else:
+                elif isinstance(event, Disconnected):
                     self.scheduler_stats = SchedulerStats()  # a new core counts steps from 1
                     self.metrics.reconnects.inc()
-                    self.output_processor.fail_all(
-                        "lost the engine core; retry the request",
-                        detail=f"engine core at {client.core_addr}: {event.reason}",
-                    )
+                    self._on_core_lost(event.reason)
+                else:
+                    self._on_core_back(event)
             except Exception:  # one bad event must not stop the frontend
                 logger.exception("processing an engine-core event failed")
             finally:
                 client.event_done()
 
+    def _on_core_lost(self, reason: str) -> None:
+        """Pause the requests in flight (or fail them: no bound, or nothing to wait for). A core
+        lost again before its resubmitted requests ran gets no fresh bound."""
+        detail = f"engine core at {self.client.core_addr}: {reason}"
+        states = self.output_processor.states
+        if self.max_recovery_seconds <= 0 or not states:
+            self._fail_paused(detail)
+            return
+        now = time.monotonic()
+        started = now
+        if self._pause is not None:
+            self._pause.timer.cancel()
+            started = self._pause.started
+        remaining = max(0.0, started + self.max_recovery_seconds - now)
+        timer = asyncio.get_running_loop().call_later(remaining, self._fail_paused, detail)
+        self._pause = RecoveryPause(started, timer)
+        logger.warning(
+            "lost the engine core (%s); %d requests paused, waiting up to %.0f s for it",
+            reason,
+            len(states),
+            remaining,
+        )
+
+    def _fail_paused(self, detail: str) -> None:
+        if self._pause is not None:
+            self._pause.timer.cancel()
+            self._pause = None
+        if self.output_processor.states:
+            logger.error(
+                "%d requests in flight lost with the engine core (%s)",
+                len(self.output_processor.states),
+                detail,
+            )
+        self.output_processor.fail_all("lost the engine core; retry the request", detail=detail)
+
+    def _on_core_back(self, event: Reconnected) -> None:
+        """A new stream is open: resubmit the paused requests (or fail them: another engine).
+        The pause lasts until the engine sends outputs again."""
+        pause = self._pause
+        if pause is None:
+            return
+        if event.problem:
+            self._fail_paused(f"engine core at {self.client.core_addr}: {event.problem}")
+            return
+        pause.timer.cancel()
+        requests = self.output_processor.resubmissions()
+        self.client.resubmit_requests(requests)
+        self.metrics.resubmitted.inc(len(requests))
+        logger.warning(
+            "the engine core is back after %.2f s: %d requests resubmitted",
+            time.monotonic() - pause.started,
+            len(requests),
+        )
+
     def _process(self, outputs: CoreOutputs) -> None:
         started = time.perf_counter()
+        self._pause = None  # the engine steps again
         if outputs.scheduler_stats is not None:
             self.scheduler_stats = outputs.scheduler_stats
         to_abort = self.output_processor.process_outputs(outputs)
@@ -176,7 +247,7 @@ class AsyncEngine:
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(
-                handle, index, child.params, len(request.prompt_token_ids), queue, arrival
+                handle, index, child.params, len(request.prompt_token_ids), queue, arrival, child
             )
             children[index] = handle
             batch.append((handle, child))
@@ -189,11 +260,22 @@ class AsyncEngine:
         return children
 
     async def close(self) -> None:
+        if self._pause is not None:
+            self._pause.timer.cancel()
         self.output_processor.fail_all("the frontend is shutting down")
         if self._puller is not None:
             self._puller.cancel()
             await asyncio.wait([self._puller])
         await self.client.close()
+
+
+@dataclass(slots=True)
+class RecoveryPause:
+    """Requests in flight wait for a lost engine core: since `started` (the first loss since
+    the engine last sent outputs), failed by `timer` unless it comes back."""
+
+    started: float
+    timer: asyncio.TimerHandle
 
 
 def _drain(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:

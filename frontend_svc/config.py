@@ -48,6 +48,7 @@ class FrontendConfig(TransportConfig):
     core_connect_timeout: float = 900.0
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
+    max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
     log_level: str = "info"
@@ -144,6 +145,14 @@ def build_parser() -> FlagParser:
         "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
     )
     p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when the stream to the engine core breaks (the core restarts), requests in flight "
+        "wait this long for it to come back and are then resubmitted with the tokens they have "
+        "so far; past it they fail with UNAVAILABLE. 0: fail at once",
+    )
+    p.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="log one line per finished request: id, prompt and output token counts, finish "
@@ -237,6 +246,8 @@ def parse_config(
     parser = build_parser()
     args = parser.parse(argv, env)
     check_internal_tls(parser, args)
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     try:
         TlsFiles.from_flags(
             args.ssl_certfile,

@@ -3,11 +3,13 @@
 Adds and aborts go through one ordered outbox; consecutive messages of the same kind are
 coalesced into one wire message. What comes back is a single ordered stream of events for the
 frontend's engine to pull (`next_event`): each step's outputs, ping round trips, the core's
-scheduler stats when no outputs brought them for a while (`StatsRefresh`), and `Disconnected`
-when the stream breaks. After a break the client reconnects (Handshake, then a new stream), but
-only once the consumer has taken the `Disconnected` event, so the requests it fails are exactly
-those of the broken stream. Reconnecting is gRPC's own: the channel retries the connection with
-its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it (`wait_for_ready`).
+scheduler stats when no outputs brought them for a while (`StatsRefresh`), `Disconnected` when
+the stream breaks and `Reconnected` when a new one is open. After a break the client reconnects
+(Handshake, then a new stream), but only once the consumer has taken the `Disconnected` event, so
+the requests it pauses (or fails) are exactly those of the broken stream; on `Reconnected` it may
+resubmit them (`resubmit_requests`). Reconnecting is gRPC's own: the channel retries the
+connection with its backoff (0.1 s growing to `max_backoff`) and the Handshake waits for it
+(`wait_for_ready`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,16 @@ class StatsRefresh:
     stats: SchedulerStats
 
 
-CoreEvent = CoreOutputs | Disconnected | RoundTrip | StatsRefresh
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """A new stream to the engine core is open after a break. `problem` is set when the core
+    that answered serves something else than before (another model, vocabulary or context
+    length): requests of the old one cannot continue there."""
+
+    problem: str = ""
+
+
+CoreEvent = CoreOutputs | Disconnected | Reconnected | RoundTrip | StatsRefresh
 
 
 class CoreClient(Protocol):
@@ -88,6 +99,8 @@ class CoreClient(Protocol):
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
 
+    def resubmit_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
+
     def abort_requests(self, handles: list[int]) -> None: ...
 
     async def close(self) -> None: ...
@@ -99,7 +112,7 @@ class EngineCoreClient:
     def __init__(
         self,
         core_addr: str,
-        max_backoff: float = 5.0,
+        max_backoff: float = 1.0,
         ping_interval: float = 1.0,
         security: ChannelSecurity | None = None,
     ) -> None:
@@ -126,6 +139,8 @@ class EngineCoreClient:
         self._state_changed = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._client_name = f"frontend@{socket.gethostname()}:{os.getpid()}"
+        self.info: EngineInfo | None = None
+        """The engine's facts at the first handshake."""
         self._stats_at = time.monotonic()
 
     @property
@@ -153,6 +168,7 @@ class EngineCoreClient:
     async def connect(self, timeout: float) -> EngineInfo:
         """Handshake (retrying until `timeout`), open the stream, keep it open from now on."""
         info = await asyncio.wait_for(self._handshake_until_ok(), timeout)
+        self.info = info
         self._supervisor = asyncio.create_task(self._supervise())
         await asyncio.wait_for(self._connected.wait(), timeout)
         return info
@@ -180,19 +196,21 @@ class EngineCoreClient:
 
     async def _supervise(self) -> None:
         """Keep one stream open; after a break, reconnect with backoff."""
+        reconnected: Reconnected | None = None
         while True:
-            reason = await self._run_stream()
+            reason = await self._run_stream(reconnected)
             self._connected.clear()
             self._state_changed.set()
             self._events.put_nowait(Disconnected(reason))
-            await self._events.join()  # the consumer failed the broken stream's requests
+            await self._events.join()  # the consumer paused or failed the stream's requests
             self.num_reconnects += 1
             logger.warning(
                 "stream to engine core %s broke (%s); reconnecting", self.core_addr, reason
             )
-            await self._handshake_until_ok()
+            info = await self._handshake_until_ok()
+            reconnected = Reconnected(_change_problem(self.info, info))
 
-    async def _run_stream(self) -> str:
+    async def _run_stream(self, reconnected: Reconnected | None) -> str:
         self._outbox = asyncio.Queue()
         self._pings.clear()
         call = self._stub.EngineStream()
@@ -204,6 +222,8 @@ class EngineCoreClient:
         ]
         self._connected.set()
         self._state_changed.set()
+        if reconnected is not None:
+            self._events.put_nowait(reconnected)
         try:
             while True:
                 msg = await call.read()
@@ -288,14 +308,24 @@ class EngineCoreClient:
                 "the engine core is unreachable or not serving; retry shortly",
                 detail=f"engine core at {self.core_addr}",
             )
+        self._send_add(requests)
+
+    def resubmit_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
+        """Queue requests of a broken stream again (with the outputs they have) on the new
+        one, whether or not the core reports itself serving yet; a no-op while disconnected."""
+        if requests and self._connected.is_set():
+            self._send_add(requests)
+
+    def _send_add(self, requests: list[tuple[int, EngineRequest]]) -> None:
         add = core_pb2.AddRequests(
             requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
 
     def abort_requests(self, handles: list[int]) -> None:
-        """Queue an abort; a no-op while disconnected (the core already dropped them)."""
-        if handles and self.is_connected:
+        """Queue an abort, also while the core is not serving (its requests wait there); a
+        no-op while disconnected (the core already dropped them)."""
+        if handles and self._connected.is_set():
             abort = core_pb2.AbortRequests(request_handles=handles)
             self._outbox.put_nowait(core_pb2.EngineStreamRequest(abort=abort))
 
@@ -304,6 +334,17 @@ class EngineCoreClient:
             self._supervisor.cancel()
             await asyncio.wait([self._supervisor], timeout=5.0)
         await self._channel.close()
+
+
+def _change_problem(before: EngineInfo | None, after: EngineInfo) -> str:
+    """Why requests of the engine `before` cannot continue on `after` ("" when they can)."""
+    if before is None:
+        return ""
+    for name in ("served_model_name", "vocab_size", "max_model_len"):
+        old, new = getattr(before, name), getattr(after, name)
+        if old != new:
+            return f"the engine core now reports {name} {new!r}, not {old!r}"
+    return ""
 
 
 def _coalesce(batch: list[core_pb2.EngineStreamRequest]) -> list[core_pb2.EngineStreamRequest]:

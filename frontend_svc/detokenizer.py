@@ -61,6 +61,11 @@ class IncrementalDetokenizer:
         if use_decode_stream and self._tokenizer is not None:
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every id given to `step` so far (do not modify)."""
+        return self._ids
+
     def step(self, new_ids: list[int]) -> str:
         """Add tokens; return the text they complete (may be empty)."""
         self._ids.extend(new_ids)

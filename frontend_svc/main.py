@@ -85,7 +85,11 @@ async def serve(config: FrontendConfig) -> int:
     )
     served_name = config.served_model_name or info.served_model_name
     limits = FrontendLimits(
-        config.max_logprobs, config.max_n, config.max_stop_strings, config.max_inflight_requests
+        config.max_logprobs,
+        config.max_n,
+        config.max_stop_strings,
+        config.max_inflight_requests,
+        config.max_recovery_seconds,
     )
     parts = build_frontend(client, info, files, host.registry, served_name, limits)
     engine, inputs = parts.engine, parts.inputs

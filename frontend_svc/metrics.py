@@ -234,6 +234,11 @@ class FrontendMetrics:
             "splitserve_frontend_core_reconnects",
             "Times the stream to the engine core broke and was reopened.",
         )
+        self.resubmitted = counter(
+            "splitserve_frontend_requests_resubmitted",
+            "Requests in flight resubmitted (prompt and the tokens so far) to an engine core "
+            "that came back after the stream to it broke.",
+        )
         self.in_flight = Gauge(
             "splitserve_frontend_requests_in_flight",
             "Engine requests this frontend is streaming.",

@@ -9,6 +9,7 @@ caller can abort them in the core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,13 @@ from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
-from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
+from frontend_svc.requests import (
+    CompletionDelta,
+    EngineRequest,
+    FinishReason,
+    Logprob,
+    TokenLogprobs,
+)
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
 from splitserve_contracts.sampling_types import SamplingParams
 
@@ -42,6 +49,8 @@ class RequestState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     is_finished: bool = False
+    request: EngineRequest | None = None
+    """What was sent to the engine core, kept to resubmit it to a restarted core."""
 
 
 class OutputProcessor:
@@ -60,10 +69,12 @@ class OutputProcessor:
         num_prompt_tokens: int,
         queue: asyncio.Queue[Any],
         arrival: float | None = None,
+        request: EngineRequest | None = None,
     ) -> RequestState:
         detok = IncrementalDetokenizer(self.decoder, params.skip_special_tokens)
         stats = RequestStats(arrival or time.monotonic(), num_prompt_tokens)
         state = RequestState(handle, index, params, num_prompt_tokens, queue, detok, stats)
+        state.request = request
         self.states[handle] = state
         self._count_in_flight()
         return state
@@ -82,6 +93,19 @@ class OutputProcessor:
             self._finish_stats(state, FinishReason.ERROR)
         self.states.clear()
         self._count_in_flight()
+
+    def resubmissions(self) -> list[tuple[int, EngineRequest]]:
+        """Every live request as it is resubmitted to a restarted engine core: its prompt and
+        the outputs it has so far (the engine continues after them; detokenizer, stop-string
+        and usage state stay here)."""
+        resubmitted = []
+        for handle, state in self.states.items():
+            if state.request is not None:
+                outputs = list(state.detokenizer.token_ids)
+                resubmitted.append(
+                    (handle, dataclasses.replace(state.request, output_token_ids=outputs))
+                )
+        return resubmitted
 
     def _finish_stats(self, state: RequestState, reason: FinishReason) -> None:
         if not state.is_finished:

@@ -107,6 +107,8 @@ class EngineRequest:
 
     `params` has max_tokens resolved and stop_token_ids completed with the generation
     config's extra EOS ids; `eos_token_id` is None when the request ignores EOS.
+    `output_token_ids` are the outputs it already has when it is resubmitted to a restarted
+    engine core (which continues after them).
     """
 
     request_id: str
@@ -117,6 +119,7 @@ class EngineRequest:
     cache_salt: str = ""
     mm_features: tuple[MultiModalFeature, ...] = ()
     """The prompt's images, in placeholder order (empty for a text-only prompt)."""
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

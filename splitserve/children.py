@@ -5,8 +5,9 @@ benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
 tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, log_format,
-shutdown_timeout, service_flags (kind -> the operator's own flags for that service), and
-optionally frontend/core/worker_metrics_port (absent or 0: a free port each; -1: no metrics).
+shutdown_timeout, max_recovery_seconds, service_flags (kind -> the operator's own flags for
+that service), and optionally frontend/core/worker_metrics_port (absent or 0: a free port each;
+-1: no metrics).
 With a LocalPki every internal hop is mutual TLS; without, plaintext.
 """
 
@@ -53,6 +54,9 @@ class Child:
     """How the launcher reaches the child's health service."""
     http_address: str = ""
     """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """How it was started (splitserve/supervisor.py starts it again the same way)."""
 
     def exit_reason(self, code: int) -> str:
         reason = read_termination_message(self.termination_message)
@@ -97,7 +101,9 @@ def _spawn(
     metrics_url = ""
     if metrics_port >= 0:  # served on the child's listen address
         metrics_url = f"http://{connect_host(address.rsplit(':', 1)[0])}:{metrics_port}/metrics"
-    return Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+    child = Child(name, kind, address, metrics_url, process, Path(message_path), probe)
+    child.command, child.env = cmd, child_env
+    return child
 
 
 def connect_host(listen_host: str) -> str:
@@ -141,6 +147,14 @@ def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def _drain_flags(args: argparse.Namespace) -> list[str]:
     return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+
+
+def _recovery_flags(args: argparse.Namespace) -> list[str]:
+    """How long the core and the frontends wait for a lost rank or core (absent: their
+    default)."""
+    if getattr(args, "max_recovery_seconds", None) is None:
+        return []
+    return ["--max-recovery-seconds", str(args.max_recovery_seconds)]
 
 
 def _log_flags(args: argparse.Namespace) -> list[str]:
@@ -192,6 +206,7 @@ def start_engine_children(
         *("--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}"),
         *_log_flags(args),
         *_drain_flags(args),
+        *_recovery_flags(args),
         *core_flags,
     ]
     core_addr = f"{LOOPBACK}:{core_port}"
@@ -211,6 +226,7 @@ def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | Non
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
         *_log_flags(args),
         *_drain_flags(args),
+        *_recovery_flags(args),
         *_service_flags(args, "frontend"),
     ]
     env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it

@@ -116,6 +116,9 @@ class InProcessCoreClient:
             ],
         )
 
+    def resubmit_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
+        self.add_requests(requests)  # never disconnects: nothing is ever resubmitted
+
     def abort_requests(self, handles: list[int]) -> None:
         if handles:
             self.proc.abort_requests(CLIENT_ID, handles)

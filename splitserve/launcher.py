@@ -9,9 +9,12 @@ the launcher makes a throwaway CA and per-role certificates (splitserve/local_pk
 private temporary folder that it deletes on exit (`--no-internal-tls` for plaintext). It waits
 until every child reports SERVING on its readiness health check, prints one `READY ...` line,
 records the frontend's address for `splitserve generate` and `bench serve`
-(splitserve_client/last_serve.py), optionally streams a sample answer, and keeps running. Ctrl-C or SIGTERM drains and stops every
-child; a child that dies takes the launcher down with a non-zero exit naming it and the one-line
-reason it gave (its termination message).
+(splitserve_client/last_serve.py), optionally streams a sample answer, and keeps running. Ctrl-C or
+SIGTERM drains and stops every child. Once the stack is ready, a child that exits is started again
+with the same port and flags (splitserve/supervisor.py): a worker rank or an engine core comes back
+and the requests in flight resume. A child that dies before the stack is ready, or keeps dying,
+takes the launcher down with a non-zero exit naming it and the one-line reason it gave (its
+termination message).
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from splitserve.children import (
     LOOPBACK,
     Child,
     LaunchError,
-    check_alive,
     start_children,
     stop_children,
     wait_ready,
 )
 from splitserve.local_pki import LocalPki
 from splitserve.serve_flags import add_service_flags, split_service_flags
+from splitserve.supervisor import Supervisor
 from splitserve_client.cli import distribution_version
 from splitserve_client.last_serve import forget_serve, record_serve
 from splitserve_runtime.flags import FlagParser, non_negative_int
@@ -117,6 +120,13 @@ def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, 
         "and the core stop admitting) before they are aborted",
     )
     p.add_argument(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank or the engine core dies or hangs, requests in flight wait this "
+        "long for it to be restarted and resume (engine core and frontend); 0: they fail at once",
+    )
+    p.add_argument(
         "--internal-tls",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -164,9 +174,14 @@ def _serve(children: list[Child], args: argparse.Namespace) -> int:
     print(ready_line(children), flush=True)
     if args.sample_prompt:
         stream_sample(children[-1].address, args.sample_prompt, args.api_key)
+    supervisor = Supervisor(children, report=_report)
     while True:
-        check_alive(children)
+        supervisor.poll()
         time.sleep(0.25)
+
+
+def _report(line: str) -> None:
+    print(f"splitserve up: {line}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace, core_flags: list[str]) -> tuple[int, str]:
@@ -201,6 +216,8 @@ def parse_args(
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"the model is named twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag or args.model
+    if args.max_recovery_seconds < 0:
+        parser.error("--max-recovery-seconds must be >= 0")
     args.service_flags = split_service_flags(tokens, parser, owners)
     return args
 

@@ -226,7 +226,11 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
 
 def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
     args = argparse.Namespace(
-        model=options.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, log_level="warning"
+        model=options.model,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        log_level="warning",
+        max_recovery_seconds=0.0,  # nothing here restarts a rank: fail at once
     )
     flags = {
         "--dtype": options.dtype,

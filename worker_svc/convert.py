@@ -26,7 +26,7 @@ from worker_svc.scheduler_output import (
 )
 from worker_svc.worker import LoadedModel, LoadModelConfig, WorkerDescription
 
-ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn", "cpu")
 
 
 def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
@@ -57,6 +57,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
             )
             for f in req.mm_features
         ),
+        output_token_ids=_column(req.output_token_ids),
     )
 
 
@@ -96,7 +97,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
     if req.attention_backend not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(
             f"unknown attention_backend {req.attention_backend!r}; choose one of "
-            "auto, torch, triton, flash_attn"
+            "auto, torch, triton, flash_attn, cpu"
         )
     if req.block_size < 1:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")

@@ -181,13 +181,21 @@ class InputBatch:
         if new.req_handle in self.handle_to_row:
             return f"request handle {new.req_handle} is already known to this rank"
         num_prompt = len(new.prompt_token_ids)
-        if not 0 < num_prompt <= self.max_model_len:
-            return f"prompt of {num_prompt} tokens does not fit max_model_len {self.max_model_len}"
-        for what, ids in (("prompt", new.prompt_token_ids), ("stop", new.stop_token_ids)):
+        num_tokens = num_prompt + len(new.output_token_ids)
+        if not 0 < num_prompt <= num_tokens <= self.max_model_len:
+            return (
+                f"{num_tokens} tokens (prompt and outputs) do not fit max_model_len "
+                f"{self.max_model_len}"
+            )
+        for what, ids in (
+            ("prompt", new.prompt_token_ids),
+            ("output", new.output_token_ids),
+            ("stop", new.stop_token_ids),
+        ):
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
                 return f"{what} token id outside the vocabulary"
-        if not 0 <= new.num_computed_tokens < num_prompt:
-            return f"{new.num_computed_tokens} computed tokens for a prompt of {num_prompt}"
+        if not 0 <= new.num_computed_tokens < num_tokens:
+            return f"{new.num_computed_tokens} computed tokens for a request of {num_tokens}"
         blocks = new.block_ids
         if (
             len(blocks) > self.max_blocks_per_req
@@ -208,14 +216,17 @@ class InputBatch:
             self._grow(2 * self.capacity)
         row = self.free_rows.pop()
         num_prompt = len(new.prompt_token_ids)
+        num_outputs = len(new.output_token_ids)
         self.handle_to_row[new.req_handle] = row
         self.row_handles[row] = new.req_handle
         self.token_ids[row, :num_prompt] = new.prompt_token_ids
-        self.num_tokens[row] = self.num_prompt_tokens[row] = num_prompt
+        self.token_ids[row, num_prompt : num_prompt + num_outputs] = new.output_token_ids
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = num_prompt + num_outputs
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = len(new.block_ids)
         self.block_table[row, : len(new.block_ids)] = new.block_ids
-        self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens)
+        self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens, num_outputs)
         return row
 
     def _check_cached(self, cached: CachedRequestData, failed: dict[int, str]) -> BoolArray:

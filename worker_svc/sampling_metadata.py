@@ -105,10 +105,16 @@ class SamplingStates:
             getattr(self, name)[: len(values)] = values
 
     def add(
-        self, row: int, params: SamplerParams, stop_token_ids: IntArray, min_tokens: int
+        self,
+        row: int,
+        params: SamplerParams,
+        stop_token_ids: IntArray,
+        min_tokens: int,
+        num_output_tokens: int = 0,
     ) -> None:
         """Store a new request's settings (checked by the caller with sampling_rules against
-        `limits`)."""
+        `limits`). A request resumed with `num_output_tokens` outputs already generated sends
+        no prompt logprobs again, and its seeded generator skips the draws they used."""
         greedy = sampling_rules.is_greedy(params)
         self.temperature[row] = 0.0 if greedy else params.temperature
         self.top_p[row] = 1.0 if greedy else params.top_p
@@ -120,8 +126,12 @@ class SamplingStates:
         self.min_tokens[row] = min_tokens
         self.num_logprobs[row] = self._num_logprobs(params.logprobs)
         self.num_prompt_logprobs[row] = self._num_logprobs(params.prompt_logprobs)
+        if num_output_tokens:
+            self.num_prompt_logprobs[row] = NO_LOGPROBS  # sent before the request resumed
         if params.seed is not None and not greedy:
-            self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+            skip_draws(generator, num_output_tokens, self.vocab_size, self.device)
+            self.generators[row] = generator
         if params.logit_bias:
             ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
             values = np.fromiter(params.logit_bias.values(), np.float32, len(ids))
@@ -245,6 +255,18 @@ class SamplingStates:
             return None
         flat = self._flatten(rows, self.stop_token_ids, keep=num_outputs < self.min_tokens[rows])
         return None if flat is None else (self._tensor(flat[0]), self._tensor(flat[1]))
+
+
+def skip_draws(
+    generator: torch.Generator, num_tokens: int, vocab_size: int, device: torch.device
+) -> None:
+    """Advance a request's generator past the draws of `num_tokens` sampled tokens: the sampler
+    draws one Exp(1) row of `vocab_size` float32 values per token (sampler.py), so drawing the
+    same rows here leaves the generator where the request left it."""
+    if num_tokens:
+        row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+        for _ in range(num_tokens):
+            row.exponential_(generator=generator)
 
 
 _COLUMNS = (

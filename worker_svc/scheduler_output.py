@@ -42,8 +42,10 @@ class MultiModalInput:
 class NewRequestData:
     """A request the ranks see for the first time.
 
-    Invariant: `num_computed_tokens` tokens of the prompt already have KV in `block_ids`
-    (a prefix-cache hit); the step computes from that position on.
+    Invariant: `num_computed_tokens` tokens of the prompt (and then of `output_token_ids`)
+    already have KV in `block_ids` (a prefix-cache hit); the step computes from that position
+    on. `output_token_ids` are outputs generated before the request reached these ranks (it
+    resumed after a rank or engine-core restart).
     """
 
     req_handle: int
@@ -55,6 +57,7 @@ class NewRequestData:
     stop_token_ids: IntArray = field(default_factory=_empty)
     min_tokens: int = 0
     mm_features: tuple[MultiModalInput, ...] = ()
+    output_token_ids: IntArray = field(default_factory=_empty)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,13 @@ from worker_svc.ownership import (
 )
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
-from worker_svc.worker import LoadedModel, LoadModelConfig, Worker, WorkerStateError
+from worker_svc.worker import (
+    LoadedModel,
+    LoadModelConfig,
+    Worker,
+    WorkerDescription,
+    WorkerStateError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +80,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._failure: str | None = None
         self._is_closed = False
         self._ownership = Ownership()
+        self._description: WorkerDescription | None = None
 
     @property
     def worker(self) -> Worker:
@@ -98,8 +105,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def Describe(
         self, request: pb.DescribeRequest, context: grpc.ServicerContext
     ) -> pb.DescribeResponse:
-        description = self._call(context, self._worker.describe)
-        return convert.description_to_proto(description)
+        """Answers at once, also while a step holds the rank (a bring-up must reach a rank that
+        is stuck in a collective, to reload it): then with what it said last time."""
+        if self._description is None or not self._lock.locked():
+            self._description = self._call(context, self._worker.describe)
+        return convert.description_to_proto(self._description)
 
     def LoadModel(
         self, request: pb.LoadModelRequest, context: grpc.ServicerContext
@@ -140,7 +150,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._ownership.check_load(claim, is_loaded)
         if is_loaded:
             check_model_loadable(config.model_path, config.revision)
-        self._last_step_id, self._failure = 0, None  # a (re)starting core counts steps from 1
+        # A (re)starting core's first step sets the count (a core that recovered from a rank
+        # restart goes on counting where it was); later steps must follow one by one.
+        self._last_step_id, self._failure = 0, None
         logger.info(
             "loading %s as rank %d (tp=%d, pp=%d, dtype=%s%s)",
             config.model_path or "the default model",
@@ -219,7 +231,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         received = time.perf_counter()
         step_id = request.scheduler_output.step_id
         rank = self._worker.parallel.rank
-        if self._failure is None and step_id != self._last_step_id + 1:
+        if self._failure is None and self._last_step_id and step_id != self._last_step_id + 1:
             self._failure = (
                 f"step {step_id} arrived after step {self._last_step_id}; steps must be consecutive"
             )

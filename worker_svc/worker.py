@@ -187,6 +187,7 @@ class Worker:
         backend_name = select_backend(
             config.attention_backend, self.device, config.block_size, dtype
         )
+        backend_name = backend_for_model(backend_name, config.attention_backend, model_config)
         check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
             config.rank,
@@ -343,6 +344,19 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
+
+
+def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
+    """The cpu backend has no sliding windows or soft caps: "auto" takes the torch backend for
+    models that need them; asking for cpu by name is refused."""
+    if name != "cpu" or (model.sliding_window is None and model.attn_logit_softcapping is None):
+        return name
+    if requested in ("", "auto"):
+        return "torch"
+    raise ValueError(
+        "attention backend 'cpu' has no sliding windows or soft caps, which this model uses; "
+        "use --attention-backend torch (or auto)"
+    )
 
 
 def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:

@@ -40,6 +40,7 @@ class CoreHarness:
     def __init__(self, step_delay: float = 0.0, port: int = 0) -> None:
         self.step_delay = step_delay
         self.port = port
+        """0: any free port; a restarted core takes its predecessor's."""
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
@@ -68,7 +69,8 @@ class CoreHarness:
         )
         servicer = EngineCoreServicer(self.proc, streams, info, metrics)
         core_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
-        self.addr = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{self.port}')}"
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self.addr = f"127.0.0.1:{self.port}"
         self.proc.start()
         await self.server.start()
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from splitserve.children import (
     wait_ready,
 )
 from splitserve.local_pki import LocalPki
+from splitserve.supervisor import Supervisor
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
 
 KV_BYTES = str(64 * 1024 * 1024)
 # `splitserve up` serves metrics on stable ports (9400, 9401, 9402 + rank); tests that run it
@@ -31,7 +34,10 @@ UP_ANY_METRICS_PORTS = [
 
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
-    plaintext unless `pki` gives their certificates; `api_key` guards the frontend."""
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
+    `frontend_flags` go to every frontend (e.g. --max-inflight-requests). With
+    `supervise`, children that exit once the stack is ready are restarted as `splitserve up`
+    restarts them; `max_recovery_seconds` goes to the core and the frontend."""
 
     def __init__(
         self,
@@ -43,13 +49,22 @@ class Stack:
         api_key: str = "",
         revision: str = "",
         generation_config: str = "auto",
+        frontend_flags: list[str] | None = None,
+        frontend_probe: ChannelSecurity | None = None,
+        supervise: bool = False,
+        max_recovery_seconds: float | None = None,
     ):
         self.model = model
         self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
+        self.frontend_flags = list(frontend_flags or [])
+        self.frontend_probe = frontend_probe
+        """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
+        self.supervise, self.max_recovery_seconds = supervise, max_recovery_seconds
+        self.supervisor: Supervisor | None = None
 
     def _args(self, **overrides: object) -> argparse.Namespace:
         args = argparse.Namespace(
@@ -63,21 +78,29 @@ class Stack:
             port=0,
             http_port=0,
             api_key=self.api_key,
-            log_level="warning",
+            service_flags={"frontend": self.frontend_flags},
+            log_level=os.environ.get("SPLITSERVE_TEST_LOG_LEVEL", "warning"),
+            max_recovery_seconds=self.max_recovery_seconds,
         )
         vars(args).update(overrides)
         return args
 
     def start(self, timeout: float = 240.0) -> Stack:
         self.children = start_children(self._args(), self.core_flags, self.pki)
+        if self.frontend_probe is not None:
+            self.child("frontend").probe = self.frontend_probe
         try:
             wait_ready(self.children, timeout)
         except Exception:
             self.stop()
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(self.children).start()
         return self
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         stop_children(self.children)
 
     def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:

@@ -50,8 +50,13 @@ def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, thre
     return thread, started, results
 
 
-def test_a_stopped_worker_is_noticed_within_its_step_budget(tiny_model_dir: Path) -> None:
-    stack = Stack(tiny_model_dir, core_flags=["--step-timeout-floor", "2"]).start()
+def test_fail_stop_a_stopped_worker_is_noticed_within_its_step_budget(
+    tiny_model_dir: Path,
+) -> None:
+    """With --max-recovery-seconds 0 (fail-stop); test_recovery.py resumes instead."""
+    stack = Stack(
+        tiny_model_dir, core_flags=["--step-timeout-floor", "2"], max_recovery_seconds=0
+    ).start()
     worker = next(stack.workers()).process
     try:
         thread, started, results = stream_in_thread(stack.frontend, 1900)

@@ -1,4 +1,4 @@
-"""A TP=2 stack, and a worker rank that dies while serving."""
+"""A TP=2 stack, and a worker rank or an engine core that dies while serving (fail-stop)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,11 @@ def _readiness(addr: str, service: str) -> int:
         )
 
 
-def test_a_dead_worker_fails_requests_at_once_and_readiness_drops(tiny_model_dir: Path) -> None:
-    stack = Stack(tiny_model_dir).start()
+def test_fail_stop_a_dead_worker_fails_requests_at_once_and_readiness_drops(
+    tiny_model_dir: Path,
+) -> None:
+    """With --max-recovery-seconds 0 (fail-stop; tests/e2e/test_recovery.py has the default)."""
+    stack = Stack(tiny_model_dir, max_recovery_seconds=0).start()
     try:
         errors: list[grpc.RpcError] = []
         started = threading.Event()

@@ -1,4 +1,5 @@
-"""Paged attention backends: torch (reference), our Triton kernel, flash-attn's paged API."""
+"""Paged attention backends: torch (reference), cpu (faster prefills on CPU), our Triton kernel,
+flash-attn's paged API."""
 
 from worker_svc.attention.backend import (
     BACKEND_NAMES,

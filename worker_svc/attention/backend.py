@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-BACKEND_NAMES = ("torch", "triton", "flash_attn")
+BACKEND_NAMES = ("torch", "triton", "flash_attn", "cpu")
 
 IntArray = npt.NDArray[np.int64]
 
@@ -176,6 +176,10 @@ def backend_class(name: str) -> type[AttentionBackend]:
         from worker_svc.attention.flash_attn_backend import FlashAttnBackend
 
         return FlashAttnBackend
+    if name == "cpu":
+        from worker_svc.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend
     raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKEND_NAMES}")
 
 
@@ -190,7 +194,8 @@ def select_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> str:
-    """Resolve "auto" (flash_attn, else triton, else torch) or check an explicit choice.
+    """Resolve "auto" (CPU: cpu; CUDA: flash_attn, else triton, else torch) or check an
+    explicit choice.
 
     "auto" on CUDA prefers flash_attn, whose paged API needs a block size that is a multiple of
     256; before the block size is known it picks flash_attn provisionally and the KV cache
@@ -198,7 +203,7 @@ def select_backend(
     """
     if requested in ("", "auto"):
         if device.type != "cuda":
-            return "torch"
+            return "cpu" if device.type == "cpu" else "torch"
         for name in BACKEND_NAMES:
             if backend_class(name).unsupported_reason(device, block_size, dtype) is None:
                 return name

@@ -223,6 +223,7 @@ class EngineCoreRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -276,6 +277,16 @@ class EngineCoreRequest(_message.Message):
         text-only prompt.
         """
 
+    @_builtins.property
+    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output tokens the request already generated: a frontend resubmits its
+        in-flight requests this way after the stream to the engine core broke (a
+        restarted core). The engine continues the request after them: it computes
+        their KV again, max_tokens and min_tokens count them, stops are checked
+        only on tokens generated from now on, and outputs carry only new tokens.
+        Each id is below the vocabulary size; fewer than max_tokens of them.
+        """
+
     def __init__(
         self,
         *,
@@ -290,10 +301,11 @@ class EngineCoreRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampler_params: _types_pb2.SamplerParams | None = ...,
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
+        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015

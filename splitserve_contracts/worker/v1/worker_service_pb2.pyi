@@ -584,6 +584,7 @@ class NewRequestData(_message.Message):
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -623,6 +624,16 @@ class NewRequestData(_message.Message):
         so a recompute after a preemption can run the encoder again.
         """
 
+    @_builtins.property
+    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output tokens the request generated before it reached these ranks (a
+        request resumed after a rank or engine-core restart). They follow the
+        prompt: penalties and min_tokens count them, their KV is computed like the
+        prompt's (num_computed_tokens counts prompt and these tokens), prompt
+        logprobs are not sent again, and a seeded request's generator skips the
+        draws these tokens used, so it continues its random stream.
+        """
+
     def __init__(
         self,
         *,
@@ -635,10 +646,11 @@ class NewRequestData(_message.Message):
         sampler_params: _types_pb2.SamplerParams | None = ...,
         min_tokens: _builtins.int = ...,
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
+        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -78,6 +78,8 @@ class FakeExecutor:
         ]
         self.reqs: dict[int, ShadowRequest] = {}
         self.is_shut_down = False
+        self.first_step_id: int | None = None
+        """The first step this executor ran (an engine that recovered goes on counting)."""
 
     def shutdown(self) -> None:
         self.is_shut_down = True
@@ -91,7 +93,9 @@ class FakeExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
-        assert so.step_id == len(self.seen) + 1, "step ids must count 1, 2, 3, ..."
+        if self.first_step_id is None:
+            self.first_step_id = so.step_id
+        assert so.step_id == self.first_step_id + len(self.seen), "step ids must count up by 1"
         self.seen.append(so)
         if self.on_execute is not None:
             self.on_execute(so)
@@ -140,7 +144,7 @@ class FakeExecutor:
             shadow = ShadowRequest(
                 request_id=new.request_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 wants_logprobs=sp.HasField("logprobs"),
@@ -215,6 +219,8 @@ def make_engine(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
+    can_recover: bool = False,
+    prefill_token_budget: int = 0,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     scheduler_config = SchedulerConfig(
@@ -223,13 +229,14 @@ def make_engine(
         max_model_len=max_model_len,
         policy=policy,  # type: ignore[arg-type]
         long_prefill_token_threshold=long_prefill_token_threshold,
+        prefill_token_budget=prefill_token_budget,
         **limits,
     )
     cache_config = CacheConfig(
         num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
     )
     executor = FakeExecutor(block_size, num_blocks)
-    return EngineCore(scheduler_config, cache_config, executor), executor
+    return EngineCore(scheduler_config, cache_config, executor, can_recover), executor
 
 
 def make_request(
@@ -245,6 +252,7 @@ def make_request(
     min_tokens: int = 0,
     stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
+    output_token_ids: list[int] | None = None,
     **sampler: Any,
 ) -> Request:
     """A request as a frontend would send it: ignore_eos drops eos_token_id, max_tokens None
@@ -255,6 +263,7 @@ def make_request(
         request_id=request_id or f"req-{client_id}-{client_handle}",
         prompt_token_ids=list(prompt_token_ids),
         max_tokens=1 << 30 if max_tokens is None else max_tokens,
+        output_token_ids=output_token_ids,
         min_tokens=min_tokens,
         stop_token_ids=stop_token_ids,
         eos_token_id=None if ignore_eos else eos_token_id,

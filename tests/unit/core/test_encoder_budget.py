@@ -183,3 +183,21 @@ def test_features_travel_untouched_from_the_frontend_to_the_workers() -> None:
         (request.req_handle, [0])
     ]
     assert convert.scheduler_output_from_proto(wire) == executor.seen[-1]
+
+
+def test_after_a_rank_restart_the_new_ranks_encode_the_images_again() -> None:
+    """The new ranks' encoder caches are empty: a resumed image request schedules its encoder
+    input again, nothing is counted as cached and nothing is freed on ranks that never had it."""
+    engine, executor = make_engine(max_tokens_per_mm_item=ITEM, can_recover=True)
+    view = ClientView()
+    engine.add_request(mm_request(1, 20, image("x", 3)))
+    assert step(engine, executor, view).scheduled_encoder_inputs == {1: [0]}
+    executor.fail_at_step = engine.scheduler.step_id + 1
+    assert engine.step() == {} and engine.suspension is not None
+    new_ranks = FakeExecutor(block_size=4, num_blocks=64)
+    engine.resume(new_ranks, num_blocks=64)
+    view.absorb(engine.step())
+    first = new_ranks.seen[0]
+    assert first.scheduled_encoder_inputs == {1: [0]} and first.free_encoder_mm_hashes == []
+    run_to_completion(engine, view)
+    assert set(view.finished.values()) == {FinishReason.LENGTH}

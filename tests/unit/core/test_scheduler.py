@@ -70,8 +70,28 @@ def test_long_prompt_is_chunked_while_decodes_keep_flowing() -> None:
 def test_long_prefill_token_threshold_caps_each_chunk() -> None:
     engine, executor = make_engine(long_prefill_token_threshold=5)
     engine.add_request(make_request(1, list(range(12)), max_tokens=2))
+    engine.add_request(make_request(2, list(range(50, 53)), max_tokens=8))
     run_to_completion(engine)
-    assert [so.num_scheduled_tokens for so in executor.seen[:4]] == [[5], [5], [2], [1]]
+    assert [scheduled(so).get(1) for so in executor.seen[:4]] == [5, 5, 2, 1]
+    assert scheduled(executor.seen[0])[2] == 3
+
+
+def test_prefill_token_budget_bounds_prompt_tokens_while_requests_decode() -> None:
+    engine, executor = make_engine(max_num_batched_tokens=64, prefill_token_budget=8)
+    view = ClientView()
+    for handle in (1, 2):
+        engine.add_request(make_request(handle, [handle] * 20, max_tokens=30))
+    first = step(engine, executor, view)
+    assert first.num_scheduled_tokens == [20, 20], "nothing decodes yet: the whole budget"
+    for handle in (3, 4):
+        engine.add_request(make_request(handle, list(range(handle * 10, handle * 10 + 12)), 1,
+                                        max_tokens=3))  # fmt: skip
+    prompt_tokens = []
+    for _ in range(3):
+        per_request = scheduled(step(engine, executor, view))
+        assert per_request[1] == per_request[2] == 1, "decodes keep flowing"
+        prompt_tokens.append([per_request.get(3, 0), per_request.get(4, 0)])
+    assert prompt_tokens == [[8, 0], [4, 4], [1, 8]]  # 3 decodes once its 12 are in
 
 
 def test_max_num_seqs_limits_running_requests() -> None:

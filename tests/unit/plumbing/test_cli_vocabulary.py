@@ -12,6 +12,8 @@ import pytest
 
 from core_svc.config import build_parser as core_parser
 from core_svc.config import parse_config as parse_core
+from core_svc.main import build_engine
+from core_svc.worker_pool import ModelFacts
 from frontend_svc.config import build_parser as frontend_parser
 from frontend_svc.config import parse_config as parse_frontend
 from splitserve.cli import main as splitserve_main
@@ -217,3 +219,13 @@ def test_enforce_eager_and_the_stats_interval_reach_the_core_config() -> None:
     assert parse_core(["--worker-addrs", "h:1", "--disable-log-stats"], {}).log_stats_interval == 0
     quiet = parse_core(["--worker-addrs", "h:1", "--log-stats-interval", "0"], {})
     assert quiet.log_stats_interval == 0
+
+
+def test_the_latency_policy_flags_reach_the_scheduler() -> None:
+    argv = ["--worker-addrs", "h:1", "--prefill-token-budget", "128"]
+    config = parse_core([*argv, "--long-prefill-token-threshold", "64"], {})
+    facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
+    scheduler = build_engine(config, facts, None).scheduler  # type: ignore[arg-type]
+    assert scheduler.prefill_token_budget == 128
+    assert scheduler.long_prefill_token_threshold == 64
+    assert parse_core(["--worker-addrs", "h:1"], {}).prefill_token_budget == 0, "off by default"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.checkpoints import CheckpointCache, hf_config
 from worker_svc.models.model_config import SUPPORTED_ROPE_TYPES
 from worker_svc.worker import LoadModelConfig, Worker
 
@@ -105,3 +105,19 @@ def test_an_architecture_transformers_does_not_know_is_refused_by_name(
     message = refusal(path)
     assert message.startswith("architecture 'BrandNewForCausalLM' is not supported")
     assert "LlamaForCausalLM" in message
+
+
+def test_models_with_windows_or_soft_caps_leave_the_cpu_backend_for_torch() -> None:
+    from dataclasses import replace
+
+    from worker_svc.models.model_config import ModelConfig
+    from worker_svc.worker import backend_for_model
+
+    plain = ModelConfig.from_hf_config(hf_config("llama", architectures=["LlamaForCausalLM"]))
+    windowed = replace(plain, sliding_window=6)
+    assert backend_for_model("cpu", "auto", plain) == "cpu"
+    assert backend_for_model("cpu", "auto", windowed) == "torch"
+    assert backend_for_model("cpu", "auto", replace(plain, attn_logit_softcapping=3.0)) == "torch"
+    assert backend_for_model("triton", "triton", windowed) == "triton"
+    with pytest.raises(ValueError, match="attention-backend torch"):
+        backend_for_model("cpu", "cpu", windowed)

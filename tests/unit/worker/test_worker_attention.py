@@ -172,8 +172,16 @@ def test_flash_attn_backend_matches_reference() -> None:
         assert worst < 2e-2
 
 
-def test_selector_picks_torch_on_cpu_and_explains_refusals() -> None:
-    assert select_backend("auto", CPU) == "torch"
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpu_backend_matches_dense_reference(block_size: int) -> None:
+    backend = backend_class("cpu")(H, KVH, D, dtype=torch.float32, device=CPU)
+    worst, checked = run_two_steps(backend, block_size, seed=block_size)
+    assert checked == 23
+    assert worst < 1e-5
+
+
+def test_selector_picks_cpu_on_cpu_and_explains_refusals() -> None:
+    assert select_backend("auto", CPU) == "cpu"
     assert select_backend("torch", CPU) == "torch"
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", CPU)

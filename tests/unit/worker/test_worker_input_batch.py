@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +244,28 @@ def test_out_of_range_ids_refuse_that_request_only(
     plan = batch.update_states(step(1, [request_data, new(2, [3, 4], [30])], [2, 2]))
     assert message in plan.failed[1]
     assert set(batch.handle_to_row) == {2} and plan.num_scheduled_tokens.tolist() == [2]
+
+
+def test_a_new_request_may_bring_the_outputs_it_had() -> None:
+    """A request resumed on new ranks (a rank or the core restarted): its outputs follow the
+    prompt, are recomputed like it, and count as outputs (penalties, min_tokens)."""
+    batch = make_batch()
+    resumed = dataclasses.replace(new(3, [5, 6, 7], [10, 11]), output_token_ids=ids([30, 31]))
+    plan = batch.update_states(step(1, [resumed], [5]))
+    row = int(plan.rows[0])
+    assert batch.token_ids[row, :5].tolist() == [5, 6, 7, 30, 31]
+    assert (batch.num_prompt_tokens[row], batch.num_tokens[row]) == (3, 5)
+    inputs = batch.prepare_inputs(plan)
+    assert inputs.input_ids.tolist() == [5, 6, 7, 30, 31]
+    assert inputs.positions.tolist() == list(range(5)) and inputs.logits_indices.tolist() == [4]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "problem"),
+    [([30, 100], "output token id outside the vocabulary"), (list(range(62)), "do not fit")],
+)
+def test_bad_outputs_of_a_resumed_request_refuse_it(outputs: list[int], problem: str) -> None:
+    batch = make_batch()
+    resumed = dataclasses.replace(new(3, [5, 6, 7], [10]), output_token_ids=ids(outputs))
+    plan = batch.update_states(step(1, [resumed], [3]))
+    assert problem in plan.failed[3] and batch.num_reqs == 0

@@ -170,3 +170,31 @@ def test_sampler_logprobs_come_from_logits_before_penalties() -> None:
     ids, values, ranks = out.logprobs
     assert ids.tolist() == [[3, 0]] and ranks.tolist() == [4]
     assert values[0, 0] == pytest.approx(float(raw[0, 3]))
+
+
+def test_a_resumed_seeded_request_continues_its_random_stream() -> None:
+    """A request resumed on new ranks with k outputs (after a rank or core restart) samples its
+    next token as the undisturbed request would: its generator skips the k draws."""
+    vocab = 1000
+    seeded = SamplerParams(temperature=1.0, seed=4321)
+    logits = torch.zeros(1, vocab)  # uniform: the choice is the noise's alone
+
+    def draws(num_output_tokens: int, count: int) -> list[int]:
+        states = SamplingStates(1, vocab, CPU)
+        states.add(0, seeded, np.zeros(0, np.int64), 0, num_output_tokens)
+        table = np.zeros((1, 4), np.int32)
+        meta = states.build(np.arange(1), table, np.array([1]), np.array([1]))
+        sampler = Sampler(CPU, 0)
+        return [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(count)]
+
+    undisturbed = draws(0, 6)
+    assert undisturbed[4:6] != undisturbed[:2]  # restarting the stream would repeat these
+    assert draws(4, 2) == undisturbed[4:6]
+
+
+def test_a_resumed_request_sends_no_prompt_logprobs_again() -> None:
+    states = SamplingStates(2, V, CPU)
+    params = SamplerParams(temperature=0.0, prompt_logprobs=1)
+    states.add(0, params, np.zeros(0, np.int64), 0)
+    states.add(1, params, np.zeros(0, np.int64), 0, num_output_tokens=3)
+    assert states.wants_prompt_logprobs(0) and not states.wants_prompt_logprobs(1)

@@ -1,0 +1,180 @@
+"""`python -m benchmarks.latency_policy`: the scheduler's latency policy on W1/W3, in model time.
+
+Runs the real EngineCore (scheduler, KV-cache manager) against an executor that plays the
+worker and charges every step a modelled duration, on a virtual clock:
+
+    step seconds = fixed + prefill_token * (prompt tokens) + decode * (decoding requests)
+                   + context_token * (context tokens the decodes attend to)
+
+so a policy's effect on TTFT and inter-token latency (ITL) is measured without the noise of a
+shared machine, in seconds instead of minutes. The default coefficients were fitted to
+`python -m benchmarks.worker` on the 2-core benchmark machine (bf16, ~100M Llama, including
+~1 ms per step for the hops); pass your own with the flags. Real runs (benchmarks.serve_compare)
+confirm the choice.
+
+Workloads (the issue's): W1 = 32 x (256 in, 64 out) at once -> output tok/s; W3 = 64 requests,
+input 128-384, output 48-144, Poisson arrivals at 2 req/s -> TTFT p99, ITL p99; W3-burst = the
+same 64 at once -> output tok/s. Prints one JSON line per (policy, workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.scheduler import TrivialExecutor
+from core_svc.engine_core import EngineCore
+from core_svc.outputs import ModelRunnerOutput
+from core_svc.request import Request
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.scheduler_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Coefficients of the modelled step duration, in seconds."""
+
+    fixed: float = 0.0095
+    prefill_token: float = 0.00022
+    decode: float = 0.00012
+    context_token: float = 0.0000008
+
+    def seconds(self, so: SchedulerOutput) -> float:
+        computed = [r.num_computed_tokens for r in so.scheduled_new_reqs]
+        computed += so.scheduled_cached_reqs.num_computed_tokens
+        num_prefill = num_decodes = num_context = 0
+        for num_computed, num_new in zip(computed, so.num_scheduled_tokens, strict=True):
+            if num_new == 1 and num_computed > 0:
+                num_decodes += 1
+                num_context += num_computed
+            else:
+                num_prefill += num_new
+        return (
+            self.fixed
+            + self.prefill_token * num_prefill
+            + self.decode * num_decodes
+            + self.context_token * num_context
+        )
+
+
+class TimedExecutor(TrivialExecutor):
+    """The trivial worker, plus the modelled duration of the step it last ran."""
+
+    def __init__(self, cost: StepCost) -> None:
+        super().__init__(with_proto=False)
+        self.cost = cost
+        self.last_seconds = 0.0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.last_seconds = self.cost.seconds(scheduler_output)
+        return super().execute_model(scheduler_output)
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_prompt_tokens: int
+    max_tokens: int
+    arrival: float
+
+
+def w1() -> list[Spec]:
+    return [Spec(256, 64, 0.0)] * 32
+
+
+def w3(burst: bool, seed: int = 3) -> list[Spec]:
+    """64 requests, input 128-384, output 48-144; Poisson at 2 req/s, or all at once."""
+    shapes = random.Random(f"{seed}:shapes")
+    lengths = [(shapes.randint(128, 384), shapes.randint(48, 144)) for _ in range(64)]
+    arrivals = random.Random(f"{seed}:arrivals")
+    clock, specs = 0.0, []
+    for num_in, num_out in lengths:
+        specs.append(Spec(num_in, num_out, 0.0 if burst else clock))
+        clock += arrivals.expovariate(2.0)
+    return specs
+
+
+def simulate(config: SchedulerConfig, cost: StepCost, specs: list[Spec]) -> dict[str, float]:
+    """Run `specs` to completion on the virtual clock; returns the serving metrics."""
+    executor = TimedExecutor(cost)
+    engine = EngineCore(config, CacheConfig(num_blocks=20_000), executor)
+    rng = random.Random(0)
+    pending = sorted(enumerate(specs), key=lambda item: item[1].arrival)
+    token_times: dict[int, list[float]] = {handle: [] for handle in range(len(specs))}
+    clock = 0.0
+    while pending or engine.has_work():
+        while pending and pending[0][1].arrival <= clock:
+            handle, spec = pending.pop(0)
+            prompt = [rng.randrange(10, 32_000) for _ in range(spec.num_prompt_tokens)]
+            engine.add_request(Request(1, handle, f"r{handle}", prompt, max_tokens=spec.max_tokens))
+        if not engine.has_work():
+            clock = pending[0][1].arrival
+            continue
+        outputs = engine.step()
+        clock += executor.last_seconds
+        for out in outputs.values():
+            for handle, count in zip(out.request_handles, out.num_new_tokens, strict=True):
+                token_times[handle].extend([clock] * count)
+    return summarize(specs, token_times)
+
+
+def summarize(specs: Sequence[Spec], token_times: dict[int, list[float]]) -> dict[str, float]:
+    ttfts = [token_times[h][0] - spec.arrival for h, spec in enumerate(specs)]
+    itls = [b - a for times in token_times.values() for a, b in zip(times, times[1:], strict=False)]
+    end = max(times[-1] for times in token_times.values())
+    num_tokens = sum(len(times) for times in token_times.values())
+    return {
+        "output_tok_s": num_tokens / (end - min(s.arrival for s in specs)),
+        "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+        "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts),
+        "itl_p99_ms": 1e3 * percentile(itls, 0.99),
+        "itl_p50_ms": 1e3 * percentile(itls, 0.5),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, as `vllm bench` reports)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--prefill-token-budgets", type=int, nargs="+", default=[0, 128, 192, 256, 384, 512]
+    )
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    defaults = StepCost()
+    for name in ("fixed", "prefill_token", "decode", "context_token"):
+        flag = "--" + name.replace("_", "-") + "-seconds"
+        parser.add_argument(flag, type=float, default=getattr(defaults, name))
+    args = parser.parse_args(argv)
+    cost = StepCost(
+        args.fixed_seconds,
+        args.prefill_token_seconds,
+        args.decode_seconds,
+        args.context_token_seconds,
+    )
+    workloads = {"W1": w1(), "W3": w3(burst=False), "W3-burst": w3(burst=True)}
+    for budget in args.prefill_token_budgets:
+        config = SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=1024,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            prefill_token_budget=budget,
+        )
+        for name, specs in workloads.items():
+            result = simulate(config, cost, specs)
+            row = {"prefill_token_budget": budget, "workload": name}
+            print(json.dumps(row | {k: round(v, 1) for k, v in result.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
