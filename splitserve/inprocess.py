@@ -144,6 +144,8 @@ class EngineOptions:
     device: str = "auto"
     served_model_name: str = ""
     enforce_eager: bool = False
+    enable_expert_parallel: bool = False
+    """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
 
 @dataclass
@@ -222,7 +224,12 @@ async def start_in_process(
     info = _engine_info(options, loaded, num_blocks)
     core = EngineCore(
         SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, info.max_model_len),
-        CacheConfig(num_blocks, options.block_size, options.enable_prefix_caching),
+        CacheConfig(
+            num_blocks,
+            options.block_size,
+            options.enable_prefix_caching,
+            sliding_window=loaded.sliding_window,
+        ),
         InProcessExecutor(worker),
     )
     bridge = OutputBridge(asyncio.get_running_loop())

@@ -72,7 +72,8 @@ class LLM:
     ) -> None:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
-        kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager)."""
+        kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
+        enable_expert_parallel)."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 
@@ -247,6 +248,8 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
         core_flags.append("--no-enable-prefix-caching")
     if options.enforce_eager:
         core_flags.append("--enforce-eager")
+    if options.enable_expert_parallel:
+        core_flags.append("--enable-expert-parallel")
     children = start_engine_children(args, core_flags)
     try:
         wait_ready(children, timeout)
