@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu dashboard clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -81,6 +81,12 @@ bench: setup-dev
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
+
+# A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
+# RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of
+# `make test`. SOAK_ARGS="--duration 60"
+soak: setup-dev
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 # On a CUDA machine: the Triton and flash-attn paged decode on an 8B shape against the HBM
 # roofline, and a whole decode step eager vs CUDA graph (not part of `make test`, which runs its

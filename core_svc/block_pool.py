@@ -172,7 +172,7 @@ class BlockPool:
         cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 continue
             block_hash = block_hashes[i]
             if block_hash not in cached:

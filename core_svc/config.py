@@ -39,6 +39,7 @@ class CoreConfig(TransportConfig):
     served_model_name: str = ""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     max_model_len: int = 0
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
@@ -111,6 +112,12 @@ def build_parser() -> FlagParser:
         type=positive_int,
         default=1,
         help="pipeline stages",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts layers split whole experts over the tensor-parallel ranks "
+        "(default: every rank holds a slice of every expert)",
     )
     p.add_argument(
         "--max-model-len",

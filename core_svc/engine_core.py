@@ -67,6 +67,7 @@ class EngineCore:
             block_size=cache_config.block_size,
             max_model_len=scheduler_config.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
         )
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_manager)
         self.client_requests: dict[int, dict[int, Request]] = {}

@@ -1,5 +1,13 @@
 """Which KV blocks each request holds, and the prefix-cache lookups (vLLM's KVCacheManager
-for a single full-attention KV-cache group)."""
+for a single KV-cache group: full attention, or a sliding window that every layer shares).
+
+With a sliding window w, a running request's blocks that hold only tokens no future query can
+see (positions below num_computed_tokens - w + 1) are freed before each allocation and their
+table entries become the null block (vLLM's SlidingWindowManager.remove_skipped_blocks). The
+workers keep their own copies of the block tables, whose stale entries the attention masks
+out. Admission still asks for room for the whole prompt, and prefix-cache hits still need the
+whole chain from the first block: both stay as without a window.
+"""
 
 from __future__ import annotations
 
@@ -50,11 +58,17 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[int, int] = {}
@@ -115,6 +129,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         req_blocks = self.req_to_blocks.get(request.req_handle)
         if req_blocks is not None and not new_computed_blocks and not full_sequence_must_fit:
+            if self.sliding_window:
+                self.remove_skipped_blocks(req_blocks, request.num_computed_tokens)
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens > self.max_model_len:
                 num_tokens = self.max_model_len
@@ -146,6 +162,19 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         return new_blocks
+
+    def remove_skipped_blocks(self, req_blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the blocks below the window of the next query (position `num_computed`), latest
+        first, so the earliest (most shareable prefix) blocks are evicted last."""
+        num_skipped_tokens = num_computed - self.sliding_window + 1
+        null_block = self.block_pool.null_block
+        removed = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(req_blocks)) - 1, -1, -1):
+            if req_blocks[i] is null_block:
+                break  # the earlier ones went before
+            removed.append(req_blocks[i])
+            req_blocks[i] = null_block
+        self.block_pool.free_blocks(removed)
 
     def _get_num_blocks_to_allocate(
         self,
@@ -186,7 +215,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.req_handle, None)
         self.num_cached_blocks.pop(request.req_handle, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            null_block = self.block_pool.null_block
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null_block)
 
     def get_blocks(self, request: Request) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request.req_handle, [])

@@ -85,6 +85,12 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
         facts.max_model_len,
         info.max_concurrency,
     )
+    if facts.sliding_window:
+        logger.info(
+            "every layer attends within a %d-token sliding window: KV blocks out of it are "
+            "freed while requests run",
+            facts.sliding_window,
+        )
 
 
 def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]:
@@ -119,6 +125,7 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: Executor) -> E
         num_blocks=facts.num_kv_blocks,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
+        sliding_window=facts.sliding_window,
     )
     return EngineCore(scheduler, cache, executor, can_recover=config.max_recovery_seconds > 0)
 

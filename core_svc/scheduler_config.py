@@ -98,10 +98,15 @@ class CacheConfig:
     """Tokens per block."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests with the same prefix."""
+    sliding_window: int = 0
+    """When > 0, every layer attends only to this many latest tokens: blocks that fall out of
+    the window are freed while the request runs (0: the model needs all of its KV)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"

@@ -56,6 +56,7 @@ class ModelFacts:
     attention_backend: str
     num_kv_blocks: int
     kv_cache_bytes_per_rank: int
+    sliding_window: int = 0
     device_type: str = ""
     """Rank 0's device ("cpu", "cuda"), from Describe."""
     max_tokens_per_mm_item: int = 0
@@ -200,6 +201,7 @@ class WorkerPool:
                 block_size=config.block_size,
                 owner_epoch=self.owner_epoch,
                 revision=config.revision,
+                enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
                 async_scheduling=config.async_scheduling,
             )
@@ -227,6 +229,7 @@ class WorkerPool:
             first.attention_backend,
             num_blocks,
             kv_bytes,
+            sliding_window=min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
             max_tokens_per_mm_item=first.max_tokens_per_mm_item,
         )
 

@@ -102,5 +102,18 @@ def check_model(requested: str | None, served_model_name: str) -> None:
     NOT_FOUND); no name means the served model."""
     if requested and requested != served_model_name:
         raise ModelNotFound(
-            f"the model `{requested}` does not exist; this server serves `{served_model_name}`"
+            f"the model `{shorten(requested)}` does not exist; this server serves "
+            f"`{served_model_name}`"
         )
+
+
+MAX_ECHO_CHARS = 64
+"""Most characters of a client's own value a message repeats back to it."""
+
+
+def shorten(value: str) -> str:
+    """`value` as a message may quote it: a client's 1 MB field is not echoed back (in gRPC it
+    would not even fit the status metadata, and the client would get RESOURCE_EXHAUSTED)."""
+    if len(value) <= MAX_ECHO_CHARS:
+        return value
+    return f"{value[:MAX_ECHO_CHARS]}... ({len(value)} characters)"

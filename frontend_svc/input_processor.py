@@ -221,7 +221,8 @@ class InputProcessor:
         try:
             sampling_rules.validate(call.params, self.limits)
         except InvalidSamplingParams as err:
-            raise InvalidRequest(str(err), f"sampling_params.{err.field}") from None
+            field = f"sampling_params.{err.field}" if err.field else "sampling_params"
+            raise InvalidRequest(str(err), field) from None
         params = sampling_rules.normalize(call.params)
         params = sampling_rules.clamp_top_k(params, self.limits.vocab_size)
         prompt = self.tokenize(call.prompt)

@@ -169,6 +169,8 @@ class EngineOptions:
     served_model_name: str = ""
     enforce_eager: bool = False
     async_scheduling: bool = False
+    enable_expert_parallel: bool = False
+    """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
 
 @dataclass
@@ -253,7 +255,12 @@ async def start_in_process(
             info.max_model_len,
             async_scheduling=options.async_scheduling,
         ),
-        CacheConfig(num_blocks, options.block_size, options.enable_prefix_caching),
+        CacheConfig(
+            num_blocks,
+            options.block_size,
+            options.enable_prefix_caching,
+            sliding_window=loaded.sliding_window,
+        ),
         InProcessExecutor(worker),
     )
     bridge = OutputBridge(asyncio.get_running_loop())

@@ -169,18 +169,25 @@ def _check_token_ids(name: str, ids: Iterable[int], limits: Limits) -> None:
 
 def _check_cross_field(p: SamplingParams, limits: Limits) -> None:
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-        _fail(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+        _fail(
+            f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens"
+        )
     if p.n > 1 and is_greedy(p):
         _fail(
             f"n = {p.n} with greedy sampling (temperature 0) would return {p.n} identical "
-            "completions; set temperature > 0 or n = 1"
+            "completions; set temperature > 0 or n = 1",
+            "n",
         )
     if len(p.stop) > limits.max_stop_strings:
-        _fail(f"{len(p.stop)} stop strings given; at most {limits.max_stop_strings} are allowed")
+        _fail(
+            f"{len(p.stop)} stop strings given; at most {limits.max_stop_strings} are allowed",
+            "stop",
+        )
     for i, text in enumerate(p.stop):
         if not 0 < len(text) <= limits.max_stop_string_chars:
             _fail(
-                f"stop[{i}] must have 1..{limits.max_stop_string_chars} characters, got {len(text)}"
+                f"stop[{i}] must have 1..{limits.max_stop_string_chars} characters, got {len(text)}",
+                "stop",
             )
 
 

@@ -120,6 +120,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         rendezvous_id=req.rendezvous_id,
         block_size=req.block_size,
         revision=req.revision,
+        enable_expert_parallel=req.enable_expert_parallel,
     )
 
 
@@ -152,6 +153,7 @@ def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         max_tokens_per_mm_item=m.max_tokens_per_mm_item,
+        sliding_window=m.sliding_window,
     )
 
 

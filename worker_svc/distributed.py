@@ -32,6 +32,8 @@ class ParallelState:
     pp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
     is_initialized: bool = False
+    enable_expert_parallel: bool = False
+    """MoE layers split whole experts over the TP ranks instead of every expert's rows."""
 
     @property
     def world_size(self) -> int:

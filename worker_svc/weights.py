@@ -3,8 +3,9 @@ json) and GGUF files (splitserve_runtime.gguf_checkpoint, dequantized when read)
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
-Loading shows vLLM's progress bar ("Loading safetensors checkpoint shards", or per tensor for a
-GGUF file) when asked (rank 0, text logs); otherwise each shard is a log line.
+FP8 checkpoints (layers/fp8.py) are scanned once for their scales, which then travel with each
+FP8 weight. Loading shows vLLM's progress bar ("Loading safetensors checkpoint shards", or per
+tensor for a GGUF file) when asked (rank 0, text logs); otherwise each shard is a log line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch
 from tqdm import tqdm
 
 from splitserve_runtime.model_source import ModelSource
+from worker_svc.layers.fp8 import SCALE_SUFFIXES, Fp8Format, Fp8Weight, fp8_weights
+from worker_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.model_config import parse_dtype, read_hf_config
 from worker_svc.models.registry import model_class
 
@@ -38,6 +42,16 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class Fp8Checkpoint:
+    """What an FP8 checkpoint's scan found: its layout, every tensor name and the FP8 weights
+    (those with a scale)."""
+
+    fmt: Fp8Format
+    tensor_names: list[str]
+    quantized: set[str]
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """An opened checkpoint: its transformers configuration, its tensors (read on demand) and
     the dtype they are stored in."""
@@ -46,6 +60,7 @@ class Checkpoint:
     stored_dtype: torch.dtype
     weights: Callable[[bool], Iterator[tuple[str, TensorSource]]]
     """weights(show_progress): every tensor, once."""
+    fp8: Fp8Checkpoint | None = None
 
 
 def open_checkpoint(source: ModelSource) -> Checkpoint:
@@ -68,11 +83,83 @@ def open_checkpoint(source: ModelSource) -> Checkpoint:
     if declared:
         model_class(str(declared[0]))  # before transformers parses a model type it may not know
     files = checkpoint_files(source.path)
+    hf_config = read_hf_config(source.path)
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization and _quant_method(quantization) == "fp8":
+        return open_fp8_checkpoint(
+            hf_config, files, Fp8Format.from_quantization_config(quantization)
+        )
     return Checkpoint(
-        read_hf_config(source.path),
+        hf_config,
         stored_dtype(files),
         lambda show_progress: iter_checkpoint(files, show_progress),
     )
+
+
+def _quant_method(quantization: Any) -> str:
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    return str(getattr(method, "value", method))
+
+
+def open_fp8_checkpoint(hf_config: Any, files: list[Path], fmt: Fp8Format) -> Checkpoint:
+    """An FP8 checkpoint whose weights read dequantized unless a layer keeps them FP8."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    fp8_names: list[str] = []
+    scales: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                names.append(name)
+                if name.endswith(SCALE_SUFFIXES):
+                    scales[name] = shard.get_tensor(name)
+                elif shard.get_slice(name).get_dtype().startswith("F8"):
+                    fp8_names.append(name)
+    quantized = {n for n in names if f"{n}_scale_inv" in scales or f"{n}_scale" in scales}
+    unscaled = [n for n in fp8_names if n not in quantized]
+    if unscaled:
+        raise ValueError(f"fp8 tensor {unscaled[0]} has no weight_scale or weight_scale_inv")
+    logger.info("fp8 checkpoint: %d FP8 weights, block size %s", len(quantized), fmt.block_size)
+    return Checkpoint(
+        hf_config,
+        stored_dtype(files),
+        lambda show_progress: fp8_weights(iter_checkpoint(files, show_progress), scales, fmt),
+        Fp8Checkpoint(fmt, [n for n in names if not n.endswith(SCALE_SUFFIXES)], quantized),
+    )
+
+
+def keep_fp8_weights(model: LlamaForCausalLM, fp8: Fp8Checkpoint) -> int:
+    """Give the dense linear layers whose checkpoint weights are all FP8 (and whose slice fits
+    the FP8 kernels) an `Fp8Weight` before loading; returns how many layers keep FP8."""
+    kept: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+    mixed: set[str] = set()
+    for name in fp8.tensor_names:
+        for target in model.resolve_weight_name(name):
+            path = model.target_path(target)
+            module = None if path is None else model.get_submodule(path)
+            if path is None or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                continue
+            if name in fp8.quantized:
+                kept[path] = module
+            else:
+                mixed.add(path)
+    num_kept = 0
+    for path, module in kept.items():
+        shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+        starts = [0]
+        if isinstance(module, ColumnParallelLinear):
+            starts = [*module.part_starts, *module.part_offsets]
+        if path in mixed or not Fp8Weight.fits(shape, fp8.fmt, starts):
+            continue
+        module.fp8 = Fp8Weight(shape, fp8.fmt, module.weight.device)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        num_kept += 1
+    return num_kept
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -154,8 +241,9 @@ def resolve_compute_dtype(
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct parameters this rank holds (tied weights counted once)."""
+    """Bytes of the distinct parameters and buffers (FP8 weights) this rank holds (tied weights
+    counted once)."""
     seen: dict[int, int] = {}
-    for param in model.parameters():
+    for param in [*model.parameters(), *model.buffers()]:
         seen[id(param)] = param.numel() * param.element_size()
     return sum(seen.values())

@@ -24,13 +24,19 @@ from worker_svc.attention.backend import available_backends, backend_class, sele
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_cache import KvCapacity, kv_capacity
+from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class, read_model_config
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
-from worker_svc.weights import open_checkpoint, resolve_compute_dtype, weight_bytes
+from worker_svc.weights import (
+    keep_fp8_weights,
+    open_checkpoint,
+    resolve_compute_dtype,
+    weight_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ class LoadModelConfig:
     revision: str = ""
     enforce_eager: bool = False
     """Never compile the model into graphs (vLLM's --enforce-eager)."""
+    enable_expert_parallel: bool = False
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
@@ -95,6 +102,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int = 0
+    """The window every layer attends within (0: some layer attends fully)."""
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens of one image; 0 for a text-only model."""
 
@@ -181,6 +190,7 @@ class Worker:
         backend_name = select_backend(
             config.attention_backend, self.device, config.block_size, dtype
         )
+        backend_name = backend_for_model(backend_name, config.attention_backend, model_config)
         check_parallel_shape(config, model_config)
         self.parallel = init_parallel_state(
             config.rank,
@@ -191,6 +201,7 @@ class Worker:
             rendezvous=self.rendezvous,
             rendezvous_id=config.rendezvous_id,
         )
+        self.parallel.enable_expert_parallel = config.enable_expert_parallel
         tp = self.parallel.tp_size
         backend = backend_class(backend_name)(
             model_config.num_heads // tp,
@@ -207,7 +218,11 @@ class Worker:
                 dtype=dtype,
                 device=self.device,
                 max_positions=max(max_model_len, model_config.max_position_embeddings),
+                context_len=max_model_len,
             )
+            if checkpoint.fp8 is not None and can_keep_fp8(self.device, dtype):
+                num_kept = keep_fp8_weights(model, checkpoint.fp8)
+                logger.info("%d linear layers keep their weights in FP8", num_kept)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
         except BaseException:
@@ -242,6 +257,7 @@ class Worker:
             num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=model_config.head_dim,
+            sliding_window=model_config.kv_sliding_window or 0,
             max_tokens_per_mm_item=(
                 model_config.vision.num_image_tokens if model_config.vision is not None else 0
             ),
@@ -334,6 +350,19 @@ class Worker:
         self.parallel = ParallelState()
 
 
+def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
+    """The cpu backend has no sliding windows or soft caps: "auto" takes the torch backend for
+    models that need them; asking for cpu by name is refused."""
+    if name != "cpu" or (model.sliding_window is None and model.attn_logit_softcapping is None):
+        return name
+    if requested in ("", "auto"):
+        return "torch"
+    raise ValueError(
+        "attention backend 'cpu' has no sliding windows or soft caps, which this model uses; "
+        "use --attention-backend torch (or auto)"
+    )
+
+
 def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp < 1 or pp < 1:
@@ -351,9 +380,7 @@ def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
 
 
 def _max_model_len(requested: int, model: ModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if model.sliding_window:
-        limit = min(limit, model.sliding_window)  # within the window, attention is full
+    limit = model.max_context_len
     if requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
     return requested or limit

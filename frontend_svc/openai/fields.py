@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 import types
 from collections.abc import Callable
 from typing import Any, Union, get_args, get_origin
@@ -42,11 +43,19 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object, refused past MAX_BODY_BYTES."""
-    size = request.headers.get("content-length") or "0"
-    if not size.isdigit() or int(size) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"the body is over {MAX_BODY_BYTES} bytes (or its length is bad)")
-    return parse_json_object(await request.body())
+    """The request's body as a JSON object, refused past MAX_BODY_BYTES: by its Content-Length,
+    and while it arrives (a chunked body announces no length)."""
+    too_big = InvalidRequest(f"the body is over {MAX_BODY_BYTES} bytes (or its length is bad)")
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        raise too_big
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return parse_json_object(b"".join(chunks))
 
 
 def as_bool(value: Any, name: str) -> bool:
@@ -68,7 +77,16 @@ def as_float(value: Any, name: str) -> float:
         raise _wrong(name, "a number", value)
     if not math.isfinite(value):
         raise InvalidRequest(f"`{name}` must be a finite number", name)
-    return float(value)
+    return as_float32(value, name)
+
+
+def as_float32(value: float, name: str) -> float:
+    """`value` as the contract carries it (a 32-bit float), so the checks see what the engine
+    gets: 1e-130 is 0.0 there, and 1e39 does not fit."""
+    (rounded,) = struct.unpack("f", struct.pack("f", value))
+    if not math.isfinite(rounded):
+        raise InvalidRequest(f"`{name}` is too large ({value:g}; the largest is 3.4e38)", name)
+    return float(rounded)
 
 
 def as_str(value: Any, name: str) -> str:

@@ -20,6 +20,7 @@ from splitserve.local_pki import LocalPki
 from splitserve.supervisor import Supervisor
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.channels import ChannelSecurity
 
 KV_BYTES = str(64 * 1024 * 1024)
 # `splitserve up` serves metrics on stable ports (9400, 9401, 9402 + rank); tests that run it
@@ -33,7 +34,8 @@ UP_ANY_METRICS_PORTS = [
 
 class Stack:
     """Processes started with the launcher's own wiring; stopped by PID. Internal hops are
-    plaintext unless `pki` gives their certificates; `api_key` guards the frontend. With
+    plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
+    `frontend_flags` go to every frontend (e.g. --max-inflight-requests). With
     `supervise`, children that exit once the stack is ready are restarted as `splitserve up`
     restarts them; `max_recovery_seconds` goes to the core and the frontend."""
 
@@ -47,6 +49,8 @@ class Stack:
         api_key: str = "",
         revision: str = "",
         generation_config: str = "auto",
+        frontend_flags: list[str] | None = None,
+        frontend_probe: ChannelSecurity | None = None,
         supervise: bool = False,
         max_recovery_seconds: float | None = None,
     ):
@@ -55,6 +59,9 @@ class Stack:
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
+        self.frontend_flags = list(frontend_flags or [])
+        self.frontend_probe = frontend_probe
+        """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
         self.supervise, self.max_recovery_seconds = supervise, max_recovery_seconds
         self.supervisor: Supervisor | None = None
@@ -71,6 +78,7 @@ class Stack:
             port=0,
             http_port=0,
             api_key=self.api_key,
+            service_flags={"frontend": self.frontend_flags},
             log_level=os.environ.get("SPLITSERVE_TEST_LOG_LEVEL", "warning"),
             max_recovery_seconds=self.max_recovery_seconds,
         )
@@ -79,6 +87,8 @@ class Stack:
 
     def start(self, timeout: float = 240.0) -> Stack:
         self.children = start_children(self._args(), self.core_flags, self.pki)
+        if self.frontend_probe is not None:
+            self.child("frontend").probe = self.frontend_probe
         try:
             wait_ready(self.children, timeout)
         except Exception:

@@ -133,14 +133,14 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_quantized_checkpoint_is_refused_in_one_line(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    folder = tmp_path / "fp8"
+    folder = tmp_path / "gptq"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(config))
     line = last_line(up("--model", str(folder)))
     assert line.startswith("splitserve up: core exited with code 1: worker rank 0")
-    assert "quantization method 'fp8'" in line and "not supported" in line
+    assert "quantization method 'gptq'" in line and "not supported" in line
 
 
 def test_source_errors_are_one_line_before_anything_starts(

@@ -4,10 +4,15 @@ A backend owns the layout of one layer's paged KV cache and does two things per 
 the step's keys and values into the cache at `slot_mapping`, then attend each query token
 over its request's cached context (read through the request's block table), causally.
 Per-step index work happens once in `build_metadata`; `forward` runs once per layer.
+
+Layers may differ in `AttentionOptions` (a sliding window, soft-capped scores, their own softmax
+scale): `with_options` gives a layer its own view of the shared backend, and the step's metadata
+serves every view.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -59,10 +64,31 @@ class AttentionInputs:
         return int(self.seq_lens.max(initial=0))
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """How one layer attends, beyond causality.
+
+    `sliding_window` w: query position p sees keys at p - w < k <= p (w keys, itself included;
+    transformers' and Mistral's convention). `logits_soft_cap` c: scores become
+    c * tanh(scores / c) before the mask and softmax (Gemma 2). `scale` replaces head_dim ** -0.5
+    (Gemma's query_pre_attn_scalar ** -0.5)."""
+
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {self.logits_soft_cap}")
+
+
 class AttentionBackend(ABC):
     """One paged-attention implementation, built for one model shard's head layout."""
 
     name: ClassVar[str]
+    options: AttentionOptions = AttentionOptions()
 
     def __init__(
         self,
@@ -82,6 +108,13 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.dtype = dtype
         self.device = device
+
+    def with_options(self, options: AttentionOptions) -> AttentionBackend:
+        """This backend for a layer that attends with `options` (shares the step's metadata)."""
+        layer = copy.copy(self)
+        layer.options = options
+        layer.scale = self.head_dim**-0.5 if options.scale is None else options.scale
+        return layer
 
     @classmethod
     def unsupported_reason(

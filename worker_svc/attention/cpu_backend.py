@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc.attention.backend import AttentionInputs
+from worker_svc.attention.backend import AttentionBackend, AttentionInputs, AttentionOptions
 from worker_svc.attention.torch_backend import (
     DecodeBatch,
     TorchAttentionBackend,
@@ -71,6 +71,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cls, device: torch.device, block_size: int | None, dtype: torch.dtype | None = None
     ) -> str | None:
         return None if device.type == "cpu" else "the cpu backend runs on CPU only"
+
+    def with_options(self, options: AttentionOptions) -> AttentionBackend:
+        if options.sliding_window is not None or options.logits_soft_cap is not None:
+            raise ValueError("the cpu attention backend has no sliding windows or soft caps")
+        return super().with_options(options)
 
     def build_metadata(self, inputs: AttentionInputs) -> CpuAttentionMetadata:
         write = head_major_write_index(inputs.slot_mapping, inputs.block_size, self.num_kv_heads)

@@ -4,7 +4,8 @@ Cache layout per layer: [2, num_blocks, block_size, kv_heads, head_dim], which i
 flash-attn's paged API reads. Decode-only steps call `flash_attn_with_kvcache(...,
 block_table=...)`; steps with a prefill chunk call `flash_attn_varlen_func(...,
 block_table=...)`, whose causal mask is aligned bottom-right, so chunks with prior context
-work. Stock flash-attn requires the page (block) size to be a multiple of 256 (vLLM's own
+work. A sliding window w is flash-attn's `window_size=(w - 1, 0)` and a soft cap its `softcap`
+(flash-attn >= 2.6). Stock flash-attn requires the page (block) size to be a multiple of 256 (vLLM's own
 fork lifts this to 16); the backend refuses other block sizes rather than read garbage.
 """
 
@@ -87,6 +88,11 @@ class FlashAttnBackend(AttentionBackend):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         assert isinstance(metadata, FlashAttnMetadata)
+        window = self.options.sliding_window
+        extra = {
+            "window_size": (-1, -1) if window is None else (window - 1, 0),
+            "softcap": self.options.logits_soft_cap or 0.0,
+        }
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         per_slot = (-1, self.num_kv_heads, self.head_dim)  # slot = block * block_size + offset
         k_cache.view(per_slot).index_copy_(0, metadata.slot_mapping, key)
@@ -100,6 +106,7 @@ class FlashAttnBackend(AttentionBackend):
                 block_table=metadata.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
+                **extra,
             )
             return out.squeeze(1)  # type: ignore[no-any-return, unused-ignore]
         return flash_attn_varlen_func(  # type: ignore[no-any-return, unused-ignore]
@@ -113,4 +120,5 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=self.scale,
             causal=True,
             block_table=metadata.block_tables,
+            **extra,
         )

@@ -12,6 +12,10 @@ from the null block or from positions past seq_len, both finite (blocks are zero
 assignment), so the masked products are exact zeros. Prefill chunks run one request at a
 time through `scaled_dot_product_attention`, reading prior context from the cache when there
 is any.
+
+A layer with a sliding window masks the keys that fell out of its window too; its masks are
+built on the first such layer of a step and shared by the others (`windowed`). With a soft cap
+the scores are capped before the mask, so prefills then take the explicit matmul path.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class DecodeBatch:
     bias: torch.Tensor  # [num_decodes * kv_heads, queries_per_kv, max_seq]: 0 or -inf
     num_decodes: int
     max_seq_len: int  # padded to whole blocks
+    seq_lens: IntArray
+    windowed: dict[int, torch.Tensor]  # bias by sliding window, built on first use
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,9 @@ class PrefillSpan:
     end: int
     gather_index: torch.Tensor | None
     mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+    num_context: int
+    num_keys: int  # keys attended: the gathered blocks' slots, or the chunk itself
+    windowed: dict[int, torch.Tensor]  # mask by sliding window, built on first use
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,36 +104,74 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = -(-int(seq_lens.max()) // bs)
         tables = inputs.block_tables[reqs, :num_blocks]
         max_seq = num_blocks * bs
-        is_pad = np.arange(max_seq)[None, :] >= seq_lens[:, None]
-        bias = torch.zeros(len(reqs), max_seq, dtype=self.dtype)
-        bias.masked_fill_(torch.from_numpy(is_pad), float("-inf"))
-        bias = bias[:, None, None, :].expand(
-            len(reqs), self.num_kv_heads, self.num_queries_per_kv, max_seq
-        )
         all_decode = len(reqs) == inputs.num_tokens
         token_index = None if all_decode else self._to_device(inputs.query_start_loc[reqs])
         return DecodeBatch(
             token_index=token_index,
             gather_index=self._to_device(self._gather_rows(tables)),
-            bias=bias.reshape(-1, self.num_queries_per_kv, max_seq).to(self.device),
+            bias=self._decode_bias(seq_lens, max_seq, None),
             num_decodes=len(reqs),
             max_seq_len=max_seq,
+            seq_lens=seq_lens,
+            windowed={},
         )
+
+    def _decode_bias(self, seq_lens: IntArray, max_seq: int, window: int | None) -> torch.Tensor:
+        """0 for the keys each decode sees, -inf for padding (and keys out of `window`)."""
+        key_pos = np.arange(max_seq)[None, :]
+        is_hidden = key_pos >= seq_lens[:, None]
+        if window is not None:
+            is_hidden |= key_pos <= seq_lens[:, None] - 1 - window
+        bias = torch.zeros(len(seq_lens), max_seq, dtype=self.dtype)
+        bias.masked_fill_(torch.from_numpy(is_hidden), float("-inf"))
+        bias = bias[:, None, None, :].expand(
+            len(seq_lens), self.num_kv_heads, self.num_queries_per_kv, max_seq
+        )
+        return bias.reshape(-1, self.num_queries_per_kv, max_seq).to(self.device)
+
+    def _window_bias(self, batch: DecodeBatch) -> torch.Tensor:
+        window = self.options.sliding_window
+        if window is None:
+            return batch.bias
+        if window not in batch.windowed:
+            batch.windowed[window] = self._decode_bias(batch.seq_lens, batch.max_seq_len, window)
+        return batch.windowed[window]
 
     def _prefill_span(self, inputs: AttentionInputs, req: int) -> PrefillSpan:
         start, end = int(inputs.query_start_loc[req]), int(inputs.query_start_loc[req + 1])
         seq_len = int(inputs.seq_lens[req])
         num_context = seq_len - (end - start)
         if num_context == 0:
-            return PrefillSpan(start, end, None, None)
+            return PrefillSpan(start, end, None, None, 0, end - start, {})
         num_blocks = -(-seq_len // inputs.block_size)
         gather = self._gather_rows(inputs.block_tables[req : req + 1, :num_blocks])
-        key_pos = np.arange(num_blocks * inputs.block_size)
-        query_pos = np.arange(num_context, seq_len)
-        mask = key_pos[None, :] <= query_pos[:, None]  # causal, aligned bottom-right
-        return PrefillSpan(
-            start, end, self._to_device(gather), torch.from_numpy(mask).to(self.device)
-        )
+        num_keys = num_blocks * inputs.block_size
+        mask = self._prefill_mask(num_context, seq_len, num_keys, None)
+        return PrefillSpan(start, end, self._to_device(gather), mask, num_context, num_keys, {})
+
+    def _prefill_mask(
+        self, num_context: int, seq_len: int, num_keys: int, window: int | None
+    ) -> torch.Tensor:
+        """[query_len, num_keys] True where query (at num_context + i) may attend: causal,
+        aligned bottom-right, and within `window`."""
+        key_pos = np.arange(num_keys)[None, :]
+        query_pos = np.arange(num_context, seq_len)[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        return torch.from_numpy(mask).to(self.device)
+
+    def _span_mask(self, span: PrefillSpan) -> torch.Tensor | None:
+        """The span's mask for this layer; None = plain causal (no context, no window)."""
+        window = self.options.sliding_window
+        if window is None or window >= span.num_context + span.end - span.start:
+            return span.mask
+        if window not in span.windowed:
+            seq_len = span.num_context + span.end - span.start
+            span.windowed[window] = self._prefill_mask(
+                span.num_context, seq_len, span.num_keys, window
+            )
+        return span.windowed[window]
 
     def forward(
         self,
@@ -154,7 +201,12 @@ class TorchAttentionBackend(AttentionBackend):
         n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         key, value = self._gather(kv_cache, batch.gather_index, n * kvh)
         q = query.reshape(n * kvh, g, d)
-        scores = torch.baddbmm(batch.bias, q, key.transpose(1, 2), alpha=self.scale)
+        bias = self._window_bias(batch)
+        cap = self.options.logits_soft_cap
+        if cap is None:
+            scores = torch.baddbmm(bias, q, key.transpose(1, 2), alpha=self.scale)
+        else:
+            scores = soft_cap(torch.bmm(q, key.transpose(1, 2)).mul_(self.scale), cap).add_(bias)
         probs = torch.softmax(scores, dim=-1)
         return torch.bmm(probs, value).view(n, kvh * g, d)
 
@@ -184,13 +236,43 @@ class TorchAttentionBackend(AttentionBackend):
             v = value[span.start : span.end].transpose(0, 1)
         else:
             k, v = self._gather(kv_cache, span.gather_index, self.num_kv_heads)
+        mask = self._span_mask(span)
+        cap = self.options.logits_soft_cap
+        if cap is not None:
+            return self._capped_attention(q, k, v, mask, cap).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_queries_per_kv > 1,
         )
         return out[0].transpose(0, 1)
+
+    def _capped_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        cap: float,
+    ) -> torch.Tensor:
+        """softmax(cap * tanh(q k^T * scale / cap) + mask) v for q [H, Tq, D], k/v [KVH, S, D];
+        the query heads sharing a KV head form one matmul's rows."""
+        kvh, g = self.num_kv_heads, self.num_queries_per_kv
+        num_queries, num_keys = q.shape[1], k.shape[1]
+        grouped = q.reshape(kvh, g * num_queries, self.head_dim)
+        scores = soft_cap(torch.bmm(grouped, k.transpose(1, 2)).mul_(self.scale), cap)
+        scores = scores.view(kvh, g, num_queries, num_keys)
+        if mask is None:
+            mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril_()
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kvh, g * num_queries, num_keys)
+        return torch.bmm(probs, v).view(kvh * g, num_queries, self.head_dim)
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), in place."""
+    return scores.div_(cap).tanh_().mul_(cap)

@@ -96,6 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.query_start_loc,
             self.scale,
+            self.options.sliding_window or 0,
+            self.options.logits_soft_cap or 0.0,
             query.stride(0),
             query.stride(1),
             out.stride(0),
@@ -112,5 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_Q=block_q,
             BLOCK_N=BLOCK_N,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            IS_SLIDING=self.options.sliding_window is not None,
+            IS_SOFT_CAPPED=self.options.logits_soft_cap is not None,
         )
         return out

@@ -5,11 +5,15 @@ projections (q/k/v, gate/up) into one matmul: each fused part is split separatel
 holds [q_r; k_r; v_r]. `QKVParallelLinear` splits the KV heads too, or replicates them when
 there are fewer KV heads than ranks (as vLLM does). `RowParallelLinear` splits the input features and all-reduces the partial
 sums. The pair column -> row needs one all-reduce per block, as in Megatron-LM.
+
+A layer whose checkpoint weight is FP8 may keep its slice in FP8 (`fp8`, set before loading on
+devices with FP8 matmuls; layers/fp8.py): it then loads and multiplies through it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +21,9 @@ from torch import nn
 
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.tensor_source import TensorSource, copy_checked, read_cols, read_rows
+
+if TYPE_CHECKING:
+    from worker_svc.layers.fp8 import Fp8Tensor, Fp8Weight
 
 
 def cpu_packing_available() -> bool:
@@ -104,12 +111,18 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((out, input_size), dtype, device)
         self.bias = _param((out,), dtype, device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.fp8: Fp8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            y = self.fp8.linear(x)
+            return y if self.bias is None else y.add_(self.bias)
         return linear(x, self.weight, self.packed, self.bias)
 
     def pack(self) -> None:
         """Switch to the packed weight (after loading); the dense copy is released."""
+        if self.fp8 is not None:
+            return
         self.packed = pack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -120,6 +133,12 @@ class ColumnParallelLinear(nn.Module):
         if target is None:
             raise ValueError(f"checkpoint has a {param_name} this layer does not use")
         size = self.part_sizes[part]
+        if self.fp8 is not None and param_name == "weight":
+            rows = slice(self.part_starts[part], self.part_starts[part] + size)
+            offset = self.part_offsets[part]
+            fp8_source: Fp8Tensor = source  # type: ignore[assignment]
+            self.fp8.load(fp8_source, (rows, slice(None)), slice(offset, offset + size))
+            return
         loaded = read_rows(source, self.part_starts[part], size)
         copy_checked(target.narrow(0, self.part_offsets[part], size), loaded, param_name)
 
@@ -172,11 +191,16 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.input_size_per_rank = _divide(input_size, parallel.tp_size, "input size")
+        self.weight_rows = output_size
         self.weight = _param((output_size, self.input_size_per_rank), dtype, device)
         self.bias = _param((output_size,), dtype, device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.fp8: Fp8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            y = self.parallel.all_reduce(self.fp8.linear(x))
+            return y if self.bias is None else y.add_(self.bias)
         if self.parallel.tp_size == 1:
             return linear(x, self.weight, self.packed, self.bias)
         y = self.parallel.all_reduce(linear(x, self.weight, self.packed, None))
@@ -184,6 +208,8 @@ class RowParallelLinear(nn.Module):
 
     def pack(self) -> None:
         """Switch to the packed weight (after loading); the dense copy is released."""
+        if self.fp8 is not None:
+            return
         self.packed = pack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -195,4 +221,10 @@ class RowParallelLinear(nn.Module):
             copy_checked(self.bias, source[:], "bias")
             return
         size = self.input_size_per_rank
-        copy_checked(self.weight, read_cols(source, self.parallel.tp_rank * size, size), param_name)
+        start = self.parallel.tp_rank * size
+        if self.fp8 is not None:
+            fp8_source: Fp8Tensor = source  # type: ignore[assignment]
+            cols = slice(start, start + size)
+            self.fp8.load(fp8_source, (slice(None), cols), slice(0, self.weight_rows))
+            return
+        copy_checked(self.weight, read_cols(source, start, size), param_name)

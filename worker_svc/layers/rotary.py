@@ -1,8 +1,16 @@
 """Rotary position embedding (neox layout: the two halves of each head rotate together).
 
-The inverse frequencies follow transformers' `default`, `linear` and `llama3` rope types bit
-for bit. cos/sin are tabulated once per position at load time and gathered once per step, so
-the decoder layers only multiply.
+The inverse frequencies follow transformers' `default`, `linear`, `llama3`, `yarn`, `dynamic`
+and `longrope` rope types bit for bit; yarn and longrope also scale cos and sin by their
+attention factor. cos/sin are tabulated once per position at load time and gathered once per
+step, so the decoder layers only multiply. With a `partial_rotary_factor` (Phi-4-mini) only the
+first part of each head rotates.
+
+transformers recomputes `dynamic` and `longrope` frequencies from each forward's sequence
+length, which a paged KV cache cannot follow (cached keys keep their rotation). Here the served
+context length `context_len` (max_model_len) fixes them once: dynamic NTK scales its base for
+context_len (no scaling within max_position_embeddings, as transformers), longrope takes its long
+factors when context_len exceeds original_max_position_embeddings, its short ones otherwise.
 """
 
 from __future__ import annotations
@@ -14,15 +22,82 @@ import torch
 from worker_svc.models.model_config import RopeConfig
 
 
-def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, scaled as `rope.rope_type` says."""
+def inverse_frequencies(
+    head_dim: int, rope: RopeConfig, context_len: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, scaled as `rope.rope_type` says;
+    `head_dim` is the rotated width, `context_len` the served context (dynamic, longrope)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    if rope.rope_type == "dynamic":
+        return 1.0 / (_dynamic_ntk_base(head_dim, rope, context_len) ** exponents)
+    if rope.rope_type == "longrope":
+        return 1.0 / (_longrope_factors(rope, context_len) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_scaling(head_dim, rope)
     return inv_freq
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor on cos and sin: yarn's mscale ratio, longrope's sqrt(1 + ln s / ln L)."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.rope_type == "yarn":
+        if rope.mscale and rope.mscale_all_dim:
+            return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(
+                rope.factor, rope.mscale_all_dim
+            )
+        return _yarn_mscale(rope.factor)
+    if rope.rope_type == "longrope" and rope.factor > 1.0:
+        return math.sqrt(
+            1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings)
+        )
+    return 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_scaling(dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: interpolate (divide by `factor`) the low frequencies, keep the high ones, ramp
+    linearly in between (the band set by beta_fast / beta_slow rotations)."""
+    base, original = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+
+
+def _dynamic_ntk_base(dim: int, rope: RopeConfig, context_len: int | None) -> float:
+    """transformers' dynamic NTK base for a sequence of `context_len` tokens (unchanged up to
+    max_position_embeddings)."""
+    max_positions = rope.max_position_embeddings
+    seq_len = max(context_len or max_positions, max_positions)
+    stretch = (rope.factor * seq_len / max_positions) - (rope.factor - 1)
+    return float(rope.theta * stretch ** (dim / (dim - 2)))
+
+
+def _longrope_factors(rope: RopeConfig, context_len: int | None) -> torch.Tensor:
+    """The long factors when the served context exceeds the original one, else the short."""
+    is_long = context_len is not None and context_len > rope.original_max_position_embeddings
+    return torch.tensor(rope.long_factor if is_long else rope.short_factor, dtype=torch.float32)
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -41,7 +116,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Tabulated cos/sin [max_positions, head_dim / 2] in the compute dtype."""
+    """Tabulated cos/sin [max_positions, rotary_dim / 2] in the compute dtype."""
 
     def __init__(
         self,
@@ -51,13 +126,17 @@ class RotaryEmbedding:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        context_len: int | None = None,
     ) -> None:
-        self.half_dim = head_dim // 2
-        inv_freq = inverse_frequencies(head_dim, rope)
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.is_partial = self.rotary_dim < head_dim
+        self.half_dim = self.rotary_dim // 2
+        inv_freq = inverse_frequencies(self.rotary_dim, rope, context_len or max_positions)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
-        self.cos_cache = freqs.cos().to(dtype=dtype, device=device)
-        self.sin_cache = freqs.sin().to(dtype=dtype, device=device)
+        scaling = attention_scaling(rope)
+        self.cos_cache = (freqs.cos() * scaling).to(dtype=dtype, device=device)
+        self.sin_cache = (freqs.sin() * scaling).to(dtype=dtype, device=device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [num_tokens, 1, head_dim] of the step's positions, once per step:
@@ -75,6 +154,12 @@ class RotaryEmbedding:
         """Rotate `x` [num_tokens, num_heads, head_dim]; q and k may be rotated together.
 
         x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2 | x1), i.e. (x2 | x1) times
-        the signed sin."""
+        the signed sin. A partial rotary passes the rest of each head through."""
+        if self.is_partial:
+            rotated = self._rotate(x[..., : self.rotary_dim], cos, sin)
+            return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+        return self._rotate(x, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
         return torch.addcmul(x * cos, swapped, sin)

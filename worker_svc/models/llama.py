@@ -1,8 +1,10 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as one decoder built from our layers.
 
 Flavours differ only in flags of `ModelConfig`: Qwen2 biases q/k/v, Qwen3 RMS-normalises q and
-k per head before the rotary embedding, Llama 3.1 scales its rotary frequencies. q/k/v and
-gate/up are fused into single matmuls at load time.
+k per head before the rotary embedding, Llama 3.1 scales its rotary frequencies, Mistral's
+layers attend within a sliding window. q/k/v and gate/up are fused into single matmuls at load
+time. Other families subclass `LlamaForCausalLM` and swap pieces: the MLP (`_make_mlp`, the
+mixture-of-experts models) and the checkpoint's tensor names (`resolve_weight_name`, Phi-3).
 
 Pipeline parallelism: a stage owns the contiguous layer range `layer_range`; the first stage
 embeds tokens, the last normalises and owns the LM head. Between stages travel the hidden
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.backend import AttentionBackend, AttentionOptions
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,7 +31,7 @@ from worker_svc.layers.linear import (
 )
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.layers.tensor_source import TensorSource, row_range
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.weight_names import WeightTarget, resolve_weight_name
 
@@ -152,11 +154,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, parallel, backend, rotary, dtype, device)
-        self.mlp = LlamaMLP(config, parallel, dtype, device)
+        self.mlp = LlamaMLP(config, parallel, dtype, device) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
@@ -185,13 +188,19 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        context_len: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel
         self.layer_range = stage_layer_range(config.num_layers, parallel.pp_rank, parallel.pp_size)
         self.rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope, dtype=dtype, device=device
+            config.head_dim,
+            max_positions,
+            config.rope,
+            dtype=dtype,
+            device=device,
+            context_len=context_len,
         )
         self.embed_tokens = (
             VocabParallelEmbedding(
@@ -201,8 +210,8 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self.layers: list[LlamaDecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            LlamaDecoderLayer(config, parallel, backend, self.rotary, dtype, device)
-            for _ in range(*self.layer_range)
+            self._make_layer(i, backend.with_options(self.attention_options(i)), dtype, device)
+            for i in range(*self.layer_range)
         )
         self.norm: RMSNorm | None = None
         self.lm_head: ParallelLMHead | None = None
@@ -213,6 +222,28 @@ class LlamaForCausalLM(nn.Module):
             )
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_options(self, layer: int) -> AttentionOptions:
+        """How decoder layer `layer` attends (its sliding window, Gemma's scale and soft cap)."""
+        config = self.config
+        return AttentionOptions(
+            sliding_window=config.layer_window(layer),
+            logits_soft_cap=config.attn_logit_softcapping,
+            scale=config.attn_scale,
+        )
+
+    def _make_layer(
+        self, layer: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> LlamaDecoderLayer:
+        """Decoder layer `layer`, attending through `backend` (already given its options)."""
+        mlp = self._make_mlp(layer, dtype, device)
+        return LlamaDecoderLayer(
+            self.config, self.parallel, backend, self.rotary, dtype, device, mlp=mlp
+        )
+
+    def _make_mlp(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+        """The MLP of decoder layer `layer`; None = the dense Llama MLP."""
+        return None
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
@@ -257,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
                 and self.lm_head.weight is self.embed_tokens.weight
             )
 
-    def _target_path(self, target: WeightTarget) -> str | None:
+    def target_path(self, target: WeightTarget) -> str | None:
         """Our module path for `target`, or None when it belongs to another stage (or is tied)."""
         if target.layer is None:
             module = getattr(self, target.module, None)
@@ -274,27 +305,34 @@ class LlamaForCausalLM(nn.Module):
             return None
         return f"layers.{target.layer - start}.{target.module}"
 
+    def resolve_weight_name(self, name: str) -> list[WeightTarget]:
+        """Where checkpoint tensor `name` goes (empty: ignored); ValueError if it fits nowhere."""
+        return resolve_weight_name(name, self.config.tie_word_embeddings)
+
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Load the checkpoint tensors this shard needs; raise if a parameter stays unset."""
         parts: dict[str, set[int]] = {}
         for name, source in weights:
-            for target in resolve_weight_name(name, self.config.tie_word_embeddings):
-                path = self._target_path(target)
+            for target in self.resolve_weight_name(name):
+                path = self.target_path(target)
                 if path is None:
                     continue
                 module = self.get_submodule(path)
-                module.load(target.param, source, target.part)  # type: ignore[operator]
+                view = source if target.rows is None else row_range(source, *target.rows)
+                module.load(target.param, view, target.part)  # type: ignore[operator]
                 parts.setdefault(f"{path}.{target.param}", set()).add(target.part)
         self._check_complete(parts)
 
     def _check_complete(self, parts: dict[str, set[int]]) -> None:
         missing = []
         for path, module in self.named_modules():
-            num_parts = len(getattr(module, "part_sizes", [0]))
+            num_parts = getattr(module, "num_parts", None)
             for param, _ in module.named_parameters(prefix=path, recurse=False):
                 if param == "lm_head.weight" and "embed_tokens.weight" in parts:
                     continue
-                if len(parts.get(param, ())) < num_parts:
+                name = param.rsplit(".", 1)[-1]
+                expected = num_parts(name) if num_parts else len(getattr(module, "part_sizes", [0]))
+                if len(parts.get(param, ())) < expected:
                     missing.append(param)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing))}")

@@ -135,9 +135,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
+        context_len: int | None = None,
     ) -> None:
         super().__init__(
-            config, parallel, backend, dtype=dtype, device=device, max_positions=max_positions
+            config,
+            parallel,
+            backend,
+            dtype=dtype,
+            device=device,
+            max_positions=max_positions,
+            context_len=context_len,
         )
         if config.vision is None:
             raise ValueError("a LLaVA model needs its vision config")

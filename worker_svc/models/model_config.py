@@ -1,8 +1,9 @@
-"""The facts of a Llama-family checkpoint that our model code needs, read from config.json.
+"""The facts of a decoder checkpoint that our model code needs, read from config.json.
 
 transformers' configuration classes parse the file (that also normalises old `rope_scaling` /
 `rope_theta` keys into transformers 5's `rope_parameters`); no transformers modelling code is
-used.
+used. One `ModelConfig` describes every family: Llama-like flags, per-layer attention (sliding
+windows, Gemma's soft caps and scale), and the mixture-of-experts shape.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ from typing import Any
 
 import torch
 
+from worker_svc.models.rope_config import (
+    SUPPORTED_ROPE_TYPES,
+    RopeConfig,
+    layer_type_rope_configs,
+)
 from worker_svc.models.vision_config import LlavaVisionConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED_ACTIVATIONS = ("silu",)
-# Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load.
-# No `quantization_config` method is served: its weights would be read as if unquantized.
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ()
+__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "MoeConfig", "RopeConfig", "parse_dtype"]
+
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # Gemma's MLP only; every other family's is SiLU
+# Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
+# FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
+# `quantization_config` method is refused: its weights would be read as if unquantized.
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
+SLIDING_ATTENTION = "sliding_attention"
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,15 +51,18 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary position embedding: base and optional scaling (linear or llama3)."""
+class MoeConfig:
+    """Sparse MLP: each token goes to `top_k` of `num_experts` SiLU-gated experts.
 
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    Routing: softmax over the router logits, the top_k probabilities, renormalised to sum to 1
+    when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob). `sparse_layers` marks the
+    layers whose MLP is sparse (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +91,35 @@ class ModelConfig:
     qk_norm: bool = False
     checkpoint_dtype: torch.dtype | None = None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    """Per layer "full_attention" or "sliding_attention" (empty: every layer full)."""
+    hidden_act: str = "silu"
+    attn_scale: float | None = None
+    """Softmax scale when not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope: RopeConfig | None = None
+    """Rope of the sliding-window layers when it differs (Gemma 3's local base frequency)."""
+    moe: MoeConfig | None = None
     vision: LlavaVisionConfig | None = None
     """A LLaVA model's vision tower and projector (models/llava.py); None for text-only."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of decoder layer `layer` (None: full attention)."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window when every layer has one (their KV past it can be freed), else None."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence the model takes (with rope scaling, as vLLM derives it)."""
+        return max(self.max_position_embeddings, self.rope.context_limit())
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
@@ -89,17 +129,15 @@ class ModelConfig:
     def from_hf_config(cls, hf: Any) -> ModelConfig:
         arch = architecture_of(hf)
         _refuse_quantization(hf)
-        act = getattr(hf, "hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
-                f"hidden_act {act!r} is not supported; supported activations: "
-                + ", ".join(SUPPORTED_ACTIVATIONS)
-            )
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (embedding models) is not supported")
         num_heads = int(hf.num_attention_heads)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         is_qwen2 = arch.startswith("Qwen2")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         use_sliding = getattr(hf, "use_sliding_window", True)
+        sliding_window = getattr(hf, "sliding_window", None) if use_sliding else None
+        rope, local_rope = layer_type_rope_configs(hf)
         return cls(
             architecture=arch,
             vocab_size=int(hf.vocab_size),
@@ -111,14 +149,21 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.rms_norm_eps),
             max_position_embeddings=int(hf.max_position_embeddings),
-            rope=_rope_config(hf),
+            rope=rope,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith("Qwen3") or arch.startswith("Gemma3"),
             checkpoint_dtype=_checkpoint_dtype(hf),
-            sliding_window=getattr(hf, "sliding_window", None) if use_sliding else None,
+            sliding_window=sliding_window,
+            layer_types=_layer_types(hf, sliding_window),
+            hidden_act=_activation(hf, arch),
+            attn_scale=_attn_scale(hf),
+            attn_logit_softcapping=_attn_softcap(hf, arch),
+            final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+            local_rope=local_rope,
+            moe=_moe_config(hf, arch),
         )
 
 
@@ -149,7 +194,7 @@ def _refuse_quantization(hf: Any) -> None:
     if method not in SUPPORTED_QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization method {method!r} (config.json quantization_config) is not supported; "
-            "serve an unquantized bfloat16/float16/float32 checkpoint or a GGUF file"
+            "serve an unquantized (bfloat16/float16/float32) or fp8 checkpoint, or a GGUF file"
         )
 
 
@@ -160,25 +205,51 @@ def _checkpoint_dtype(hf: Any) -> torch.dtype | None:
     return parse_dtype(str(dtype))
 
 
-def _rope_config(hf: Any) -> RopeConfig:
-    params: dict[str, Any] = dict(getattr(hf, "rope_parameters", None) or {})
-    legacy = getattr(hf, "rope_scaling", None)
-    if not params and isinstance(legacy, dict):
-        params = dict(legacy)
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+def _activation(hf: Any, arch: str) -> str:
+    """The MLP activation (Gemma names it `hidden_activation`)."""
+    act = str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"))
+    is_gemma = arch.startswith("Gemma")
+    if act not in SUPPORTED_ACTIVATIONS or (act == _GEMMA_ACTIVATION) != is_gemma:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported rope types: "
-            + ", ".join(SUPPORTED_ROPE_TYPES)
+            f"hidden_act {act!r} is not supported for {arch}; supported activations: "
+            + ("gelu_pytorch_tanh (Gemma)" if is_gemma else "silu")
         )
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", hf.max_position_embeddings)
-        ),
+    return act
+
+
+def _layer_types(hf: Any, sliding_window: int | None) -> tuple[str, ...]:
+    """Per-layer attention types: the config's `layer_types`, else every layer sliding when
+    the config has a window (Mistral, Phi-3, Mixtral)."""
+    if sliding_window is None:
+        return ()
+    declared = getattr(hf, "layer_types", None)
+    if declared:
+        return tuple(str(t) for t in declared)
+    return (SLIDING_ATTENTION,) * int(hf.num_hidden_layers)
+
+
+def _attn_scale(hf: Any) -> float | None:
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    return None if scalar is None else float(scalar) ** -0.5
+
+
+def _attn_softcap(hf: Any, arch: str) -> float | None:
+    """Gemma 2 caps attention scores; transformers' Gemma 3 never applies the setting."""
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    return None if cap is None or arch.startswith("Gemma3") else float(cap)
+
+
+def _moe_config(hf: Any, arch: str) -> MoeConfig | None:
+    num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    if not num_experts:
+        return None
+    num_layers = int(hf.num_hidden_layers)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    return MoeConfig(
+        num_experts=int(num_experts),
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size),
+        renormalize=arch.startswith("Mixtral") or bool(getattr(hf, "norm_topk_prob", False)),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
     )

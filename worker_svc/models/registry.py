@@ -4,15 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker_svc.models.gemma2 import Gemma2ForCausalLM
+from worker_svc.models.gemma3 import Gemma3ForCausalLM
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.llava import LlavaForConditionalGeneration, llava_model_config
+from worker_svc.models.mixtral import MixtralForCausalLM
 from worker_svc.models.model_config import ModelConfig, architecture_of
+from worker_svc.models.phi3 import Phi3ForCausalLM
+from worker_svc.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 

@@ -20,6 +20,8 @@ _LAYER_MODULES: dict[str, tuple[str, int]] = {
     "mlp.down_proj": ("mlp.down_proj", 0),
     "input_layernorm": ("input_layernorm", 0),
     "post_attention_layernorm": ("post_attention_layernorm", 0),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm", 0),  # Gemma 2 / 3
+    "post_feedforward_layernorm": ("post_feedforward_layernorm", 0),
 }
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -27,12 +29,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True, slots=True)
 class WeightTarget:
-    """A destination: decoder layer (None = a top-level module), sub-module, parameter, part."""
+    """A destination: decoder layer (None = a top-level module), sub-module, parameter, part;
+    `rows` (first row, number of rows) when the destination takes only part of the tensor (a
+    checkpoint that stores q/k/v or gate/up fused, split at load)."""
 
     layer: int | None
     module: str
     param: str
     part: int = 0
+    rows: tuple[int, int] | None = None
 
 
 def resolve_weight_name(name: str, tie_word_embeddings: bool) -> list[WeightTarget]:

@@ -139,6 +139,7 @@ class LoadModelRequest(_message.Message):
     OWNER_EPOCH_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
+    ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _builtins.int
     ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
@@ -201,6 +202,11 @@ class LoadModelRequest(_message.Message):
     """Run the model eagerly, never as compiled graphs (vLLM's --enforce-eager);
     false lets the rank compile where it can.
     """
+    enable_expert_parallel: _builtins.bool
+    """Mixture-of-experts layers split whole experts over the tensor-parallel
+    ranks (vLLM's --enable-expert-parallel) instead of every expert's
+    intermediate rows. Ignored by dense models.
+    """
     async_scheduling: _builtins.bool
     """The engine core schedules a step before the previous one's output came
     back (vLLM's --async-scheduling): a rank that samples appends each token
@@ -228,11 +234,12 @@ class LoadModelRequest(_message.Message):
         owner_epoch: _builtins.int = ...,
         revision: _builtins.str = ...,
         enforce_eager: _builtins.bool = ...,
+        enable_expert_parallel: _builtins.bool = ...,
         async_scheduling: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -255,6 +262,7 @@ class LoadModelResponse(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
+    SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     architecture: _builtins.str
     """Architecture from config.json, e.g. "LlamaForCausalLM"."""
     vocab_size: _builtins.int
@@ -279,6 +287,11 @@ class LoadModelResponse(_message.Message):
     """Most placeholder tokens one multimodal item (image) takes; 0 when the
     model takes text only (it has no encoder).
     """
+    sliding_window: _builtins.int
+    """Sliding window, in tokens, when every layer of the model attends within
+    one (the engine core may then free KV blocks that fell out of it); 0 when
+    some layer attends to the whole sequence.
+    """
     def __init__(
         self,
         *,
@@ -293,10 +306,11 @@ class LoadModelResponse(_message.Message):
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
         max_tokens_per_mm_item: _builtins.int = ...,
+        sliding_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "sliding_window", b"sliding_window", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -232,8 +232,8 @@ def make_engine(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     long_prefill_token_threshold: int = 0,
-    prefill_token_budget: int = 0,
     can_recover: bool = False,
+    prefill_token_budget: int = 0,
     async_scheduling: bool = False,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:

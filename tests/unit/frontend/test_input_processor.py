@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -103,3 +105,21 @@ def test_oversized_ids_and_salts_are_refused_by_name(inputs: InputProcessor) -> 
 def test_top_k_above_the_vocabulary_is_clamped(inputs: InputProcessor, tokenizer: Any) -> None:
     req = inputs.process(call(PromptInput(text="hi"), top_k=10**6))
     assert req.params.top_k == len(tokenizer)
+
+
+def test_tokenizer_work_runs_off_the_event_loop(inputs: InputProcessor) -> None:
+    """A long tokenization must not stall the loop's other streams (issue 11, item 4: a 5 MB
+    prompt froze every stream for 7 s)."""
+    gate = threading.Event()
+
+    async def main() -> tuple[int, int, list[int]]:
+        loop_thread = threading.get_ident()
+        blocked = asyncio.ensure_future(inputs.run(gate.wait, 60))  # a tokenization that hangs
+        other = await inputs.run(inputs.tokenize, PromptInput(text="hi"))  # others still run
+        worker_thread = await inputs.run(threading.get_ident)
+        gate.set()
+        assert await blocked
+        return loop_thread, worker_thread, other.token_ids
+
+    loop_thread, worker_thread, token_ids = asyncio.run(main())
+    assert worker_thread != loop_thread and token_ids

@@ -59,6 +59,15 @@ def test_vllm_defaults_and_aliases() -> None:
     assert echo.params.prompt_logprobs == 2
 
 
+def test_numbers_are_read_as_the_contract_carries_them() -> None:
+    """A 32-bit float: the frontend checks what the engine gets (1.8e-130 arrives as 0.0, which
+    a top_p check must see, not the double that passes it)."""
+    assert parse_completion({"prompt": "x", "top_p": 1.8e-130}).params.top_p == 0.0
+    assert parse_completion(
+        {"prompt": "x", "temperature": 0.1}
+    ).params.temperature == pytest.approx(0.1, rel=1e-7)
+
+
 def test_null_and_unknown_fields_are_ignored() -> None:
     req = parse_completion({"prompt": "x", "stop": None, "frobnicate": {"a": 1}, "user": "u"})
     assert req.params == dataclasses.replace(SamplingParams(), max_tokens=16)
@@ -108,6 +117,8 @@ def test_chat_content_parts_and_options() -> None:
         ({"prompt": "x", "temperature": True}, "temperature", "number"),
         ({"prompt": "x", "stop": [1]}, "stop", "string"),
         ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+        # the contract carries 32-bit floats: too large for one is refused here
+        ({"prompt": "x", "temperature": 1e39}, "temperature", "too large"),
         ({"prompt": []}, "prompt", "empty"),
         ({"prompt": [1, "a"]}, "prompt", "must be"),
         ({}, "prompt", "required"),

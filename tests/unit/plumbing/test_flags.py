@@ -34,6 +34,9 @@ def test_command_line_wins_over_environment() -> None:
 
 def test_vllm_short_forms_and_layout_check() -> None:
     assert parse_core(["--tp", "2", "--worker-addrs", WORKERS], {}).tensor_parallel_size == 2
+    config = parse_core(["--tp", "2", "--enable-expert-parallel", "--worker-addrs", WORKERS], {})
+    assert config.enable_expert_parallel is True
+    assert parse_core(["--tp", "2", "--worker-addrs", WORKERS], {}).enable_expert_parallel is False
     with pytest.raises(SystemExit):
         parse_core(["--tp", "2", "--pp", "2", "--worker-addrs", WORKERS], {})
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.checkpoints import CheckpointCache, hf_config
 from worker_svc.models.model_config import SUPPORTED_ROPE_TYPES
 from worker_svc.worker import LoadModelConfig, Worker
 
@@ -31,7 +31,7 @@ def refusal(path: Path) -> str:
     return message
 
 
-@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors"])
 def test_quantized_checkpoints_are_refused_naming_the_method(
     worker_checkpoints: CheckpointCache, tmp_path: Path, method: str
 ) -> None:
@@ -45,11 +45,28 @@ def test_quantized_checkpoints_are_refused_naming_the_method(
 
 
 @pytest.mark.parametrize(
-    "rope",
+    ("quantization", "expected"),
     [
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-        {"rope_type": "dynamic", "factor": 2.0},
+        ({"weight_block_size": [128]}, "weight_block_size must be two positive sizes"),
+        ({"fmt": "e5m2"}, "fp8 format 'e5m2' is not supported"),
     ],
+)
+def test_fp8_layouts_we_cannot_read_are_refused(
+    worker_checkpoints: CheckpointCache,
+    tmp_path: Path,
+    quantization: dict[str, Any],
+    expected: str,
+) -> None:
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", **quantization}
+    path = edited_checkpoint(
+        worker_checkpoints.get("llama"), tmp_path / "f", quantization_config=config
+    )
+    assert expected in refusal(path)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [{"rope_type": "proportional", "factor": 2.0}],
 )
 def test_unknown_rope_types_are_refused_with_the_supported_list(
     worker_checkpoints: CheckpointCache, tmp_path: Path, rope: dict[str, Any]
@@ -66,7 +83,13 @@ def test_unknown_rope_types_are_refused_with_the_supported_list(
 
 def test_unknown_activation_is_refused(worker_checkpoints: CheckpointCache, tmp_path: Path) -> None:
     path = edited_checkpoint(worker_checkpoints.get("llama"), tmp_path / "a", hidden_act="gelu")
-    assert "hidden_act 'gelu' is not supported; supported activations: silu" in refusal(path)
+    message = refusal(path)
+    assert "hidden_act 'gelu' is not supported for LlamaForCausalLM" in message
+    assert message.endswith("supported activations: silu")
+    tanh = edited_checkpoint(
+        worker_checkpoints.get("llama"), tmp_path / "t", hidden_act="gelu_pytorch_tanh"
+    )
+    assert "hidden_act 'gelu_pytorch_tanh' is not supported for LlamaForCausalLM" in refusal(tanh)
 
 
 def test_an_architecture_transformers_does_not_know_is_refused_by_name(
@@ -82,3 +105,19 @@ def test_an_architecture_transformers_does_not_know_is_refused_by_name(
     message = refusal(path)
     assert message.startswith("architecture 'BrandNewForCausalLM' is not supported")
     assert "LlamaForCausalLM" in message
+
+
+def test_models_with_windows_or_soft_caps_leave_the_cpu_backend_for_torch() -> None:
+    from dataclasses import replace
+
+    from worker_svc.models.model_config import ModelConfig
+    from worker_svc.worker import backend_for_model
+
+    plain = ModelConfig.from_hf_config(hf_config("llama", architectures=["LlamaForCausalLM"]))
+    windowed = replace(plain, sliding_window=6)
+    assert backend_for_model("cpu", "auto", plain) == "cpu"
+    assert backend_for_model("cpu", "auto", windowed) == "torch"
+    assert backend_for_model("cpu", "auto", replace(plain, attn_logit_softcapping=3.0)) == "torch"
+    assert backend_for_model("triton", "triton", windowed) == "triton"
+    with pytest.raises(ValueError, match="attention-backend torch"):
+        backend_for_model("cpu", "cpu", windowed)

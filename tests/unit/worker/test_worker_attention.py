@@ -1,7 +1,8 @@
 """Paged attention backends against a dense causal-attention reference.
 
 The step mixes a prefill chunk with prior context (read back from the cache), a fresh prefill
-and decodes, with GQA, over several block sizes. The Triton kernel runs on CPU under
+and decodes, with GQA, over several block sizes; also with a sliding window (narrower than
+the chunk and than the context) and soft-capped scores (Gemma 2). The Triton kernel runs on CPU under
 TRITON_INTERPRET=1 (set before triton is imported) and is skipped when triton is absent;
 flash-attn's backend needs CUDA and is skipped without it.
 """
@@ -19,6 +20,7 @@ import torch
 from worker_svc.attention.backend import (
     AttentionBackend,
     AttentionInputs,
+    AttentionOptions,
     backend_class,
     is_importable,
     select_backend,
@@ -29,19 +31,41 @@ H, KVH, D = 6, 2, 16
 CPU = torch.device("cpu")
 
 
+FULL = AttentionOptions()
+WINDOWED = AttentionOptions(sliding_window=5)
+CAPPED = AttentionOptions(logits_soft_cap=1.5, scale=0.4)
+BOTH = AttentionOptions(sliding_window=3, logits_soft_cap=2.0)
+
+
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_context: int,
+    options: AttentionOptions = FULL,
 ) -> torch.Tensor:
     """Causal attention of q [Tq, H, D] over k/v [S, KVH, D]; query i sits at num_context + i."""
     rep = H // KVH
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * D**-0.5
+    scale = D**-0.5 if options.scale is None else options.scale
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if options.logits_soft_cap is not None:
+        scores = torch.tanh(scores / options.logits_soft_cap) * options.logits_soft_cap
     q_pos = torch.arange(q.shape[0])[:, None] + num_context
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(k.shape[0])[None, :]
+    hidden = k_pos > q_pos
+    if options.sliding_window is not None:
+        hidden |= k_pos <= q_pos - options.sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def run_two_steps(backend: AttentionBackend, block_size: int, seed: int) -> tuple[float, int]:
+def run_two_steps(
+    backend: AttentionBackend,
+    block_size: int,
+    seed: int,
+    options: AttentionOptions = FULL,
+) -> tuple[float, int]:
     """Step 1 caches context; step 2 mixes decodes, a continued chunk and a fresh prefill.
     Returns the largest difference from the dense reference, and the tokens checked."""
     gen = torch.Generator().manual_seed(seed)
@@ -76,14 +100,15 @@ def run_two_steps(backend: AttentionBackend, block_size: int, seed: int) -> tupl
         q = torch.cat([queries[r][slice(*spans[r])] for r in reqs])
         k = torch.cat([keys[r][slice(*spans[r])] for r in reqs])
         v = torch.cat([values[r][slice(*spans[r])] for r in reqs])
-        out = backend.forward(q, k, v, cache.layers[0], backend.build_metadata(inputs))
+        layer = backend.with_options(options)
+        out = layer.forward(q, k, v, cache.layers[0], backend.build_metadata(inputs))
         return dict(zip(reqs, torch.split(out, lens), strict=True))
 
     run({r: (0, n) for r, n in context.items() if n})
     outs = run({r: (context[r], seq_lens[r]) for r in seq_lens})
     worst, checked = 0.0, 0
     for r, out in outs.items():
-        ref = dense_reference(queries[r][context[r] :], keys[r], values[r], context[r])
+        ref = dense_reference(queries[r][context[r] :], keys[r], values[r], context[r], options)
         worst = max(worst, float((out - ref).abs().max()))
         checked += out.shape[0]
     return worst, checked
@@ -95,6 +120,33 @@ def test_torch_backend_matches_dense_reference(block_size: int) -> None:
     worst, checked = run_two_steps(backend, block_size, seed=block_size)
     assert checked == 1 + 1 + 14 + 7
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("options", [WINDOWED, CAPPED, BOTH], ids=["window", "cap", "both"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_torch_backend_windows_and_caps_match_dense_reference(
+    block_size: int, options: AttentionOptions
+) -> None:
+    backend = backend_class("torch")(H, KVH, D, dtype=torch.float32, device=CPU)
+    worst, checked = run_two_steps(backend, block_size, block_size, options)
+    assert checked == 23
+    assert worst < 1e-5
+
+
+@pytest.mark.skipif(not is_importable("triton"), reason="triton is not installed")
+@pytest.mark.parametrize("options", [WINDOWED, CAPPED, BOTH], ids=["window", "cap", "both"])
+def test_triton_kernel_windows_and_caps_match_reference(options: AttentionOptions) -> None:
+    backend = backend_class("triton")(H, KVH, D, dtype=torch.float32, device=CPU)
+    worst, checked = run_two_steps(backend, 4, seed=3, options=options)
+    assert checked == 23
+    assert worst < 1e-5
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionOptions(sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        AttentionOptions(logits_soft_cap=-1.0)
 
 
 @pytest.mark.skipif(not is_importable("triton"), reason="triton is not installed")
@@ -115,6 +167,9 @@ def test_flash_attn_backend_matches_reference() -> None:
     backend = backend_class("flash_attn")(H, KVH, D, dtype=torch.bfloat16, device=cuda)
     worst, checked = run_two_steps(backend, 256, seed=0)
     assert checked == 23 and worst < 2e-2
+    for options in (WINDOWED, CAPPED, BOTH):
+        worst, _ = run_two_steps(backend, 256, seed=1, options=options)
+        assert worst < 2e-2
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

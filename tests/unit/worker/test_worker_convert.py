@@ -102,7 +102,11 @@ def test_load_model_request_validation() -> None:
         1,
         "auto",
     )
-    assert config.block_size == 8
+    assert config.block_size == 8 and config.enable_expert_parallel is False
+    expert_parallel = pb.LoadModelRequest(
+        model_path="/m", block_size=8, enable_expert_parallel=True
+    )
+    assert convert.load_model_config_from_proto(expert_parallel).enable_expert_parallel is True
     with pytest.raises(ValueError, match="dtype"):
         convert.load_model_config_from_proto(
             pb.LoadModelRequest(model_path="/m", dtype="int8", block_size=8)
@@ -115,3 +119,11 @@ def test_load_model_request_validation() -> None:
         convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
     # No model path: the worker serves the embedded default model (built on first use).
     assert convert.load_model_config_from_proto(pb.LoadModelRequest(block_size=8)).model_path == ""
+
+
+def test_loaded_model_carries_the_kv_sliding_window() -> None:
+    from worker_svc.worker import LoadedModel
+
+    loaded = LoadedModel("MistralForCausalLM", 512, 64, "float32", 1, 0.1, "torch", 2, 2, 16, 6)
+    msg = convert.loaded_model_to_proto(loaded)
+    assert msg.sliding_window == 6 and msg.head_dim == 16

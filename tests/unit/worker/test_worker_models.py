@@ -75,11 +75,16 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
     assert "GPT2LMHeadModel" in message
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
     assert {
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "LlavaForConditionalGeneration",
+        "Qwen3MoeForCausalLM",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
