@@ -7,6 +7,7 @@ load is restarted and every request resumes with the steps in flight recomputed.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 from collections.abc import Iterator
@@ -19,7 +20,16 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from tests.e2e.client import Completion
 from tests.e2e.stack import Stack
 from tests.e2e.test_generate import _run_all
-from tests.e2e.test_recovery import CORE_FLAGS, assert_resumed, run_streams, wait_idle
+from tests.e2e.test_recovery import (
+    CORE_FLAGS,
+    Streams,
+    assert_resumed,
+    core_serving,
+    metric,
+    run_streams,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -86,17 +96,35 @@ def test_async_scheduling_gives_the_outputs_of_lockstep(
         stack.stop()
 
 
-def test_a_killed_rank_resumes_every_request_with_async_scheduling(tiny_model_dir: Path) -> None:
+def test_a_killed_or_hung_rank_resumes_every_request_with_async_scheduling(
+    tiny_model_dir: Path,
+) -> None:
+    """SIGKILL (the rank is restarted), then SIGSTOP (the step watchdog, whose clock starts
+    when the step before answered, finds the rank hung; SIGCONT brings it back)."""
     flags = [*CORE_FLAGS, "--async-scheduling"]
     stack = Stack(tiny_model_dir, tp=2, core_flags=flags, supervise=True).start()
     try:
         undisturbed = run_streams(stack.frontend)
         assert not undisturbed.errors
-        rank = stack.child("worker[1]")
+        rank, core = stack.child("worker[1]"), stack.child("core")
         old = rank.process
         streams = run_streams(stack.frontend, lambda s: old.send_signal(signal.SIGKILL))
         assert_resumed(streams, undisturbed.tokens)
-        assert rank.process is not old and stack.child("core").process.poll() is None
+        assert rank.process is not old and core.process.poll() is None
+        wait_idle(stack)
+
+        hung = metric(core, "splitserve_engine_recoveries_total", cause="rank_hung")
+        pid = stack.child("worker[0]").process.pid
+
+        def pause(streams: Streams) -> None:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: not core_serving(stack), 120, "the stopped rank was not noticed")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        assert_resumed(run_streams(stack.frontend, pause), undisturbed.tokens)
+        assert metric(core, "splitserve_engine_recoveries_total", cause="rank_hung") >= hung + 1
         wait_idle(stack)
     finally:
         stack.stop()
