@@ -68,6 +68,7 @@ class CoreConfig(TransportConfig):
     shutdown_timeout: float = 30.0
     max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
+    async_scheduling: bool = False
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -150,6 +151,12 @@ def build_parser() -> FlagParser:
         help="while some request decodes, the most prompt tokens one step computes (bounds the "
         "decoders' inter-token latency under a burst of prompts; 0: up to "
         "--max-num-batched-tokens)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule the next step while the workers run the current one (vLLM's flag): the "
+        "time between steps overlaps the forward; needs --pipeline-parallel-size 1",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
@@ -315,6 +322,8 @@ def parse_config(
         parser.error("--gpu-memory-utilization must be in (0, 1]")
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    if args.async_scheduling and args.pipeline_parallel_size > 1:
+        parser.error("--async-scheduling needs --pipeline-parallel-size 1 (every rank samples)")
     check_internal_tls(parser, args)
     if args.log_stats_interval < 0:
         parser.error("--log-stats-interval must be >= 0")

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
 from core_svc.executor import Executor, ExecutorError, FaultCause
 from core_svc.kv_cache_manager import KVCacheManager
@@ -16,12 +17,14 @@ from core_svc.outputs import (
     EngineCoreOutputs,
     ErrorKind,
     FinishReason,
+    ModelRunnerOutput,
     SchedulerStats,
 )
 from core_svc.request import Request, RequestStatus
 from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,10 @@ class EngineCore:
     ones go back to waiting, to be computed again) until `resume` gives it a new executor, or
     `fail` ends them. Without recovery, or once failed, the engine is failed for good: every
     request finishes with ERROR and later adds are refused the same way.
+
+    With `async_scheduling` (SchedulerConfig) a step runs ahead: `step` schedules and sends
+    step N+1 before it waits for step N's output (a BatchQueue of two), and a fault loses
+    both steps in flight (their requests are computed again after a recovery).
     """
 
     def __init__(
@@ -78,6 +85,8 @@ class EngineCore:
         self._next_req_handle = 1
         self._pending_outputs: dict[int, EngineCoreOutputs] = {}
         """Outputs of requests refused at add, returned by the next step()."""
+        self._batch_queue = BatchQueue(executor) if scheduler_config.async_scheduling else None
+        """Steps in flight, with async scheduling."""
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it (finished with ERROR in the next step's outputs)."""
@@ -175,45 +184,93 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether step() has anything to do: requests to run, finished handles to tell
-        the workers about, or outputs of refused requests to return."""
+        the workers about, a step in flight, or outputs of refused requests to return."""
         return bool(self._pending_outputs) or (
-            self.can_step
-            and (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests())
+            self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue))
         )
+
+    def _has_step_to_schedule(self) -> bool:
+        scheduler = self.scheduler
+        return scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
 
     def step(self, before_update: Callable[[], None] | None = None) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute and apply one step; returns the outputs per client_id.
 
         `before_update` runs after the executor returned and before the outputs are made:
-        the busy loop applies aborts that arrived during the step there.
+        the busy loop applies aborts that arrived during the step there. With async
+        scheduling, one call schedules and sends the next step, then applies the oldest step
+        in flight once two are (or when there is nothing more to schedule).
         """
         outputs, self._pending_outputs = self._pending_outputs, {}
-        if self.can_step and (
-            self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-        ):
-            scheduler_output = self.scheduler.schedule()
-            cause: FaultCause = "rank_died"
-            try:
-                model_runner_output = self.executor.execute_model(scheduler_output)
-                error = model_runner_output.error_message
-                if error is None and model_runner_output.step_id != scheduler_output.step_id:
-                    error = (
-                        f"got the output of step {model_runner_output.step_id} "
-                        f"for step {scheduler_output.step_id}"
-                    )
-            except ExecutorError as exc:
-                error, cause = str(exc) or type(exc).__name__, exc.cause
-            if before_update is not None:
-                before_update()
-            if error is None:
-                step_outputs = self.scheduler.update_from_output(
-                    scheduler_output, model_runner_output
-                )
+        if self.can_step:
+            if self._batch_queue is not None:
+                step_outputs = self._step_ahead(self._batch_queue, before_update)
+            elif self._has_step_to_schedule():
+                step_outputs = self._step_in_lockstep(before_update)
             else:
-                step_outputs = self.on_fault(Fault(cause, f"executor failed: {error}"))
+                step_outputs = {}
             self._forget_finished(step_outputs)
             merge_outputs(outputs, step_outputs)
         return self.stamp(outputs)
+
+    def _step_in_lockstep(
+        self, before_update: Callable[[], None] | None
+    ) -> dict[int, EngineCoreOutputs]:
+        scheduler_output = self.scheduler.schedule()
+        try:
+            model_runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorError as exc:
+            return self._on_step_error(exc, before_update)
+        return self._apply_output(scheduler_output, model_runner_output, before_update)
+
+    def _step_ahead(
+        self, queue: BatchQueue, before_update: Callable[[], None] | None
+    ) -> dict[int, EngineCoreOutputs]:
+        if not queue.is_full and self._has_step_to_schedule():
+            try:
+                queue.submit(self.scheduler.schedule())
+            except ExecutorError as exc:
+                return self._on_step_error(exc, before_update)
+            if not queue.is_full:
+                return {}  # the next call schedules the step after it before waiting
+        if not queue:
+            return {}
+        try:
+            scheduler_output, model_runner_output = queue.collect()
+        except ExecutorError as exc:
+            return self._on_step_error(exc, before_update)
+        return self._apply_output(scheduler_output, model_runner_output, before_update)
+
+    def _on_step_error(
+        self, exc: ExecutorError, before_update: Callable[[], None] | None
+    ) -> dict[int, EngineCoreOutputs]:
+        if before_update is not None:
+            before_update()
+        error = str(exc) or type(exc).__name__
+        return self.on_fault(Fault(exc.cause, f"executor failed: {error}"))
+
+    def _apply_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        before_update: Callable[[], None] | None,
+    ) -> dict[int, EngineCoreOutputs]:
+        error = model_runner_output.error_message
+        if error is None and model_runner_output.step_id != scheduler_output.step_id:
+            error = (
+                f"got the output of step {model_runner_output.step_id} "
+                f"for step {scheduler_output.step_id}"
+            )
+        if before_update is not None:
+            before_update()
+        if error is not None:
+            return self.on_fault(Fault("rank_died", f"executor failed: {error}"))
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def _drop_steps_in_flight(self) -> None:
+        if self._batch_queue is not None:
+            self._batch_queue.clear()
+        self.scheduler.drop_steps_in_flight()
 
     def stamp(self, outputs: dict[int, EngineCoreOutputs]) -> dict[int, EngineCoreOutputs]:
         """Give outputs the time, the step and the scheduler's state after it (step() does;
@@ -245,6 +302,7 @@ class EngineCore:
         self.can_step = False
         self.suspension = None
         self.failure_message = message
+        self._drop_steps_in_flight()
         outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
         self._forget_finished(outputs)
         return outputs
@@ -259,6 +317,7 @@ class EngineCore:
         logger.error("engine core suspended (%s): %s", fault.cause, fault.message)
         self.suspension = fault
         self.can_step = False
+        self._drop_steps_in_flight()  # lost with the ranks: computed again after resume
         self.scheduler.requeue_all()
         return {}
 
@@ -272,6 +331,8 @@ class EngineCore:
         executor with a fresh KV cache. Requests that no longer fit a smaller cache fail;
         the others are scheduled again, the running ones by recompute."""
         self.executor = executor
+        if self._batch_queue is not None:
+            self._batch_queue = BatchQueue(executor)
         self.kv_cache_manager.reset(num_blocks)
         self.suspension = None
         self.can_step = True

@@ -10,6 +10,10 @@ the executor at once (the pending step raises ExecutorError and `on_failure` rep
 of waiting for a timeout; a watchdog cancels a step that outlives its budget (core_svc.step_budget).
 A failed executor stays failed: after the ranks are brought up again (core_svc/recovery.py) the
 engine runs on a new one, with new streams and the new owner epoch.
+
+Under --async-scheduling the engine sends step N+1 (`submit_model`) before it reads step N's
+output (`collect_model`): the streams carry both, the ranks run them in order, and the budget
+clock of a step starts when the step before it answered.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -53,6 +59,16 @@ def _frame_execute_request(scheduler_output: bytes) -> bytes:
 
 def _identity(payload: bytes) -> bytes:
     return payload
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step sent to the ranks and not answered yet."""
+
+    step_id: int
+    num_tokens: int
+    sent: float
+    """perf_counter when it was sent."""
 
 
 class _RankStream:
@@ -100,8 +116,12 @@ class GrpcExecutor:
         self._on_timing = on_timing
         self._streams: list[_RankStream] = []
         self._lock = threading.Lock()
+        self._in_flight: deque[_InFlight] = deque()
         self._step_started: float | None = None
+        """monotonic time the oldest step in flight started running (for the watchdog)."""
         self._step_budget = 0.0
+        self._last_reply = 0.0
+        """perf_counter of the latest reply: a step sent before it waited for its turn."""
         self._stopped = threading.Event()
         self.failure: str | None = None
         self.failure_cause: FaultCause = "rank_died"
@@ -129,20 +149,46 @@ class GrpcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank (busy-loop thread); raise ExecutorError on any failure."""
+        self.submit_model(scheduler_output)
+        return self.collect_model(scheduler_output)
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Send one step to every rank without waiting (busy-loop thread)."""
         if self.failure is not None:
             raise ExecutorError(self.failure, self.failure_cause)
         body = convert.scheduler_output_to_proto(scheduler_output).SerializeToString()
         payload = _frame_execute_request(body)
-        sent = time.perf_counter()
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        self._step_budget = self.budget.budget(num_tokens)
-        self._step_started = time.monotonic()
+        self._in_flight.append(_InFlight(scheduler_output.step_id, num_tokens, time.perf_counter()))
+        if len(self._in_flight) == 1:
+            self._start_budget_clock(num_tokens)
         for stream in self._streams:
             stream.outbox.put(payload)
+
+    def _start_budget_clock(self, num_tokens: int) -> None:
+        self._step_budget = self.budget.budget(num_tokens)
+        self._step_started = time.monotonic()
+
+    def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Wait for the oldest step in flight's output, `scheduler_output` (busy-loop thread);
+        raise ExecutorError on any failure."""
+        if not self._in_flight or self._in_flight[0].step_id != scheduler_output.step_id:
+            raise ExecutorError(self.failure or "collected a step that was not sent first")
         reply = self._read_output_rank()
-        self.budget.observe(num_tokens, time.monotonic() - self._step_started)
+        step = self._in_flight.popleft()
+        assert self._step_started is not None
+        self.budget.observe(step.num_tokens, time.monotonic() - self._step_started)
         self._step_started = None
-        self._on_timing(time.perf_counter() - sent, reply.timings.total_seconds)
+        if self._in_flight:
+            self._start_budget_clock(self._in_flight[0].num_tokens)
+        now = time.perf_counter()
+        self._on_timing(now - max(step.sent, self._last_reply), reply.timings.total_seconds)
+        self._last_reply = now
+        return self._check_reply(reply, scheduler_output)
+
+    def _check_reply(
+        self, reply: worker_pb2.ModelRunnerOutput, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         if reply.status == worker_pb2.STEP_STATUS_ERROR:
             self._fail(
                 f"worker rank {reply.rank} failed step {reply.step_id}: {reply.error_message}"

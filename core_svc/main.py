@@ -119,6 +119,7 @@ def build_engine(config: CoreConfig, facts: ModelFacts, executor: Executor) -> E
         max_num_queued_tokens=config.max_num_queued_tokens,
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
+        async_scheduling=config.async_scheduling,
     )
     cache = CacheConfig(
         num_blocks=facts.num_kv_blocks,

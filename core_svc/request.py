@@ -76,6 +76,7 @@ class Request:
         "error_message",
         "error_kind",
         "num_sent_token_ids",
+        "num_output_placeholders",
         "is_known_to_workers",
         "mm_features",
     )
@@ -141,6 +142,9 @@ class Request:
         self.error_kind = ErrorKind.UNSPECIFIED
         self.num_sent_token_ids = 0
         """Token ids (prompt and outputs) the workers already have."""
+        self.num_output_placeholders = 0
+        """Async scheduling: tokens scheduled to be sampled by steps still in flight (vLLM's
+        num_output_placeholders); the workers feed each one to the next step themselves."""
         self.is_known_to_workers = False
         self.mm_features = mm_features
         """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,16 @@ class StepUpdate:
     failed: list[Request] = field(default_factory=list)
     num_prompt_tokens: int = 0
     """Prompt tokens of the requests that sampled their first token in this step."""
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A step sent to the workers whose output is not applied yet: its requests in the
+    contract's order and the num_computed_tokens each one has once the step has run."""
+
+    step_id: int
+    requests: list[Request]
+    num_computed_tokens: list[int]
 
 
 _RUNNING = RequestStatus.RUNNING
@@ -65,6 +76,7 @@ class Scheduler:
         self.prefill_token_budget = scheduler_config.prefill_token_budget
         self.vocab_size = scheduler_config.vocab_size
         self.policy = scheduler_config.policy
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = kv_cache_manager
@@ -88,8 +100,9 @@ class Scheduler:
         throughput counts a prompt when its first token arrives), since the engine started."""
         self.num_generation_tokens = 0
         """Tokens sampled since the engine started."""
-        self._scheduled_reqs: list[Request] = []
-        """The latest step's requests, in num_scheduled_tokens order."""
+        self._in_flight: deque[ScheduledStep] = deque()
+        """Scheduled steps whose outputs are not applied yet, oldest first (one at most unless
+        `async_scheduling`)."""
 
     def add_request(self, request: Request) -> None:
         if self.enable_caching:
@@ -119,10 +132,27 @@ class Scheduler:
         )
         if not preempted:
             self._schedule_waiting(step, token_budget, threshold, prefill_budget, time.monotonic())
-        output, self._scheduled_reqs = step.build()
+        output, scheduled = step.build()
         output.free_encoder_mm_hashes = self.encoder.take_freed()
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
+        num_computed = [request.num_computed_tokens for request in scheduled]
+        if self.async_scheduling:
+            self._add_output_placeholders(scheduled, num_computed)
+        self._in_flight.append(ScheduledStep(self.step_id, scheduled, num_computed))
         return output
+
+    @staticmethod
+    def _add_output_placeholders(scheduled: list[Request], num_computed: list[int]) -> None:
+        """A request whose scheduled tokens reach its end samples in this step: its token is
+        a placeholder until the step's output comes back (the next step may be scheduled
+        before that, with the placeholder as its input)."""
+        for request, num_computed_tokens in zip(scheduled, num_computed, strict=True):
+            if num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+
+    @property
+    def has_steps_in_flight(self) -> bool:
+        return bool(self._in_flight)
 
     def _prefill_limits(self) -> tuple[int, int]:
         """This step's cap on one request's prefill chunk (0: none) and on all prefill tokens:
@@ -137,7 +167,8 @@ class Scheduler:
     def _has_decodes(self) -> bool:
         """Whether a running request is decoding (usually the first one looked at)."""
         for request in self.running:
-            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+            if num_tokens - request.num_computed_tokens == 1:
                 return True
         return False
 
@@ -159,6 +190,12 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             num_new_tokens = len(request.all_token_ids) - num_computed
+            placeholders = request.num_output_placeholders
+            if placeholders:  # async scheduling: tokens still being sampled count as known
+                if len(request.output_token_ids) + placeholders >= request.max_tokens:
+                    i += 1  # the steps in flight already sample its last token
+                    continue
+                num_new_tokens += placeholders
             is_prefill = num_new_tokens > 1
             if is_prefill:
                 if 0 < threshold < num_new_tokens:
@@ -241,6 +278,7 @@ class Scheduler:
             self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # what steps in flight sample for it is dropped
         request.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
@@ -260,7 +298,7 @@ class Scheduler:
             request.is_known_to_workers = False
             request.num_sent_token_ids = 0
         self.finished_req_handles = []
-        self._scheduled_reqs = []
+        self._in_flight.clear()  # the steps in flight are lost with the ranks
 
     def _schedule_waiting(
         self,
@@ -316,7 +354,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Apply one step's sampled tokens and free the requests that finished; returns the
-        outputs per client_id. Requests aborted while the step ran are skipped. Requests the
+        outputs per client_id. Requests aborted (or, with a step scheduled ahead, finished or
+        preempted) while the step ran are skipped: what they sampled is dropped. Requests the
         ranks refused for their own invalid data end with INVALID_REQUEST; a request whose
         scheduled tokens reached its end but sampled nothing, or sampled an id outside the
         vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
@@ -352,6 +391,13 @@ class Scheduler:
     ) -> StepUpdate:
         """Per scheduled request: cache blocks that became full, then append its sampled
         token, extend its block hashes and check stops."""
+        scheduled = self._in_flight.popleft()
+        if scheduled.step_id != scheduler_output.step_id:
+            raise AssertionError(
+                f"the output of step {scheduler_output.step_id} came before step "
+                f"{scheduled.step_id}'s"
+            )
+        is_async = self.async_scheduling
         sampled = dict(
             zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
         )
@@ -361,12 +407,14 @@ class Scheduler:
         vocab_size = self.vocab_size
         cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
         extend_hashes = self.block_hasher.extend
-        for request, num_new_tokens in zip(
-            self._scheduled_reqs, scheduler_output.num_scheduled_tokens, strict=True
+        for request, num_new_tokens, num_computed in zip(
+            scheduled.requests,
+            scheduler_output.num_scheduled_tokens,
+            scheduled.num_computed_tokens,
+            strict=True,
         ):
-            if request.is_finished:
+            if request.status is not _RUNNING:
                 continue
-            num_computed = request.num_computed_tokens
             all_token_ids = request.all_token_ids
             if cache_blocks and num_computed % block_size < num_new_tokens:
                 cache_blocks(request, num_computed)  # a block became full this step
@@ -383,6 +431,9 @@ class Scheduler:
                 )
                 update.failed.append(request)
                 continue
+            if is_async:  # the ranks appended it themselves
+                request.num_output_placeholders -= 1
+                request.num_sent_token_ids += 1
             if not request.output_token_ids:
                 update.num_prompt_tokens += request.num_prompt_tokens
             request.output_token_ids.append(token)
@@ -426,6 +477,10 @@ class Scheduler:
         if removed_waiting:
             self.waiting.remove_requests(removed_waiting)
             self.num_waiting_tokens -= sum(r.num_tokens for r in removed_waiting)
+
+    def drop_steps_in_flight(self) -> None:
+        """The steps in flight will never be applied (the executor is gone)."""
+        self._in_flight.clear()
 
     def fail_all(self, kind: ErrorKind, message: str) -> dict[int, EngineCoreOutputs]:
         """Finish every request with ERROR (engine failure, shutdown); one detail per request

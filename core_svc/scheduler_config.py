@@ -47,6 +47,9 @@ class SchedulerConfig:
     """Most placeholder tokens one image takes (the workers' report); 0: a text-only model."""
     disable_chunked_mm_input: bool = False
     """Never split an image's placeholders over steps (vLLM's --disable-chunked-mm-input)."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
+    scheduled with output placeholders and the workers feed their own sampled tokens."""
 
     @property
     def encoder_compute_budget(self) -> int:

@@ -203,6 +203,7 @@ class WorkerPool:
                 revision=config.revision,
                 enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
+                async_scheduling=config.async_scheduling,
             )
             for rank in range(world)
         ]

@@ -16,6 +16,8 @@ import logging
 import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -38,6 +40,7 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
 from worker_svc import convert as worker_convert
+from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
 from worker_svc.worker import LoadedModel, LoadModelConfig, Worker
 
 logger = logging.getLogger(__name__)
@@ -49,22 +52,43 @@ def _log_failure(message: str) -> None:
 
 
 class InProcessExecutor:
-    """The core's Executor calling a Worker directly (the contract messages as objects)."""
+    """The core's Executor calling a Worker directly (the contract messages as objects).
+    Under async scheduling (`submit_model`) the steps run on one thread of their own, so the
+    core schedules the next step while the worker runs the current one."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: deque[Future[ModelRunnerOutput]] = deque()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        step = worker_convert.scheduler_output_from_proto(
+        return self._run(self._to_worker(scheduler_output))
+
+    @staticmethod
+    def _to_worker(scheduler_output: SchedulerOutput) -> WorkerSchedulerOutput:
+        return worker_convert.scheduler_output_from_proto(
             core_convert.scheduler_output_to_proto(scheduler_output)
         )
+
+    def _run(self, step: WorkerSchedulerOutput) -> ModelRunnerOutput:
         output = self.worker.execute(step)
         assert output is not None, "a single rank is always the output rank"
         return core_convert.model_runner_output_from_proto(
             worker_convert.model_runner_output_to_proto(output)
         )
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="in-process-step")
+        step = self._to_worker(scheduler_output)
+        self._in_flight.append(self._pool.submit(self._run, step))
+
+    def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._in_flight.popleft().result()
+
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.worker.shutdown()
 
 
@@ -144,6 +168,7 @@ class EngineOptions:
     device: str = "auto"
     served_model_name: str = ""
     enforce_eager: bool = False
+    async_scheduling: bool = False
     enable_expert_parallel: bool = False
     """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
@@ -178,6 +203,7 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 block_size=options.block_size,
                 enforce_eager=options.enforce_eager,
+                async_scheduling=options.async_scheduling,
             )
         )
         capacity = worker.get_kv_capacity(
@@ -223,7 +249,12 @@ async def start_in_process(
     worker, loaded, num_blocks = _load(options)
     info = _engine_info(options, loaded, num_blocks)
     core = EngineCore(
-        SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, info.max_model_len),
+        SchedulerConfig(
+            options.max_num_seqs,
+            options.max_num_batched_tokens,
+            info.max_model_len,
+            async_scheduling=options.async_scheduling,
+        ),
         CacheConfig(
             num_blocks,
             options.block_size,

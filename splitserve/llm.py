@@ -73,7 +73,7 @@ class LLM:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
         kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
-        enable_expert_parallel)."""
+        enable_expert_parallel, async_scheduling)."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 
@@ -250,6 +250,8 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
         core_flags.append("--enforce-eager")
     if options.enable_expert_parallel:
         core_flags.append("--enable-expert-parallel")
+    if options.async_scheduling:
+        core_flags.append("--async-scheduling")
     children = start_engine_children(args, core_flags)
     try:
         wait_ready(children, timeout)

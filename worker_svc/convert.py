@@ -101,6 +101,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         )
     if req.block_size < 1:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
+    if req.async_scheduling and req.pipeline_parallel_size > 1:
+        raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
     return LoadModelConfig(
         model_path=req.model_path,
         dtype=req.dtype or "auto",
@@ -111,6 +113,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         seed=req.seed,
         max_model_len=req.max_model_len,
         enforce_eager=req.enforce_eager,
+        async_scheduling=req.async_scheduling,
         attention_backend=req.attention_backend or "auto",
         max_num_batched_tokens=req.max_num_batched_tokens,
         max_num_seqs=req.max_num_seqs,

@@ -289,6 +289,9 @@ class InputBatch:
             self.num_tokens[resumed] = 0  # and rebuild their tokens from scratch
             _append_runs(self.token_ids, self.num_tokens, resumed,
                          cached.num_resumed_token_ids, cached.resumed_all_token_ids)  # fmt: skip
+            for row in resumed.tolist():
+                num_outputs = int(self.num_tokens[row] - self.num_prompt_tokens[row])
+                self.sampling.resync_generator(row, num_outputs)
         # New blocks at or past the first block without computed tokens are fresh.
         first_fresh = -(-self.num_computed_tokens[rows] // self.block_size)
         cols = _ragged_cols(first_new, cached.num_new_block_ids)
@@ -354,6 +357,14 @@ class InputBatch:
     def finish_step(self, inputs: StepInputs) -> None:
         """Record that the step's tokens now have KV."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
+
+    def append_sampled(self, rows: IntArray, token_ids: np.ndarray) -> None:
+        """Async scheduling: the tokens the rows sampled join their tokens now (the engine core
+        sends none for them); a row already at max_model_len takes none (it is finished)."""
+        fits = self.num_tokens[rows] < self.max_model_len
+        rows = rows[fits]
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids[fits]
+        self.num_tokens[rows] += 1
 
     def num_used_blocks(self) -> int:
         """Distinct blocks holding at least one computed token of a live request."""

@@ -8,7 +8,9 @@
 Every rank runs the same steps in the same order; tensor-parallel ranks of the last stage
 sample identically (all-gathered logits, identically seeded generators), so each keeps a
 consistent copy of every request's state. Sampled tokens reach the rank's state through the
-next step's diff (CachedRequestData.new_token_ids), as on every other rank.
+next step's diff (CachedRequestData.new_token_ids), as on every other rank; under async
+scheduling (the core schedules step N+1 before step N's output came back, so it cannot send
+them) each sampling rank appends them at once instead, and step N+1 takes them as its inputs.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         seed: int,
+        async_scheduling: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -60,6 +63,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(device, seed)
+        self.async_scheduling = async_scheduling
         self.kv_cache_spec = KvCacheSpec(
             num_layers=len(model.layers),
             num_kv_heads=backend.num_kv_heads,
@@ -192,6 +196,9 @@ class ModelRunner:
                 batch.num_tokens,
             )
             sampler_output = self.sampler(logits[:num_sampling], metadata)
+            if self.async_scheduling:
+                tokens = sampler_output.sampled_token_ids.cpu().numpy()
+                batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
         if plan is not None:
             self.prompt_logprobs.collect(plan, logits[num_sampling:])
         sampled_handles = set(inputs.req_handles[inputs.sampling_reqs].tolist())

@@ -142,6 +142,16 @@ class SamplingStates:
         if min_tokens > 0 and stop_token_ids.size:
             self.stop_token_ids[row] = stop_token_ids
 
+    def resync_generator(self, row: int, num_output_tokens: int) -> None:
+        """A preempted request resumes with `num_output_tokens` outputs: its seeded generator
+        restarts past their draws (under async scheduling it may also have drawn for a token
+        the engine core dropped with the step in flight)."""
+        generator = self.generators.get(row)
+        if generator is not None:
+            fresh = torch.Generator(self.device).manual_seed(generator.initial_seed())
+            skip_draws(fresh, num_output_tokens, self.vocab_size, self.device)
+            self.generators[row] = fresh
+
     def _num_logprobs(self, requested: int | None) -> int:
         return NO_LOGPROBS if requested is None else requested
 

@@ -83,6 +83,9 @@ class LoadModelConfig:
     enforce_eager: bool = False
     """Never compile the model into graphs (vLLM's --enforce-eager)."""
     enable_expert_parallel: bool = False
+    async_scheduling: bool = False
+    """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
+    to its requests itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,7 @@ class Worker:
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
+            async_scheduling=config.async_scheduling,
         )
         self.config, self.model_config = config, model_config
         start, end = model.layer_range

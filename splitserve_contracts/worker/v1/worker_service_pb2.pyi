@@ -140,6 +140,7 @@ class LoadModelRequest(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _builtins.int
+    ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -206,6 +207,12 @@ class LoadModelRequest(_message.Message):
     ranks (vLLM's --enable-expert-parallel) instead of every expert's
     intermediate rows. Ignored by dense models.
     """
+    async_scheduling: _builtins.bool
+    """The engine core schedules a step before the previous one's output came
+    back (vLLM's --async-scheduling): a rank that samples appends each token
+    it samples to the request at once, and the core sends no token ids for
+    them. Needs pipeline_parallel_size 1 (every rank samples).
+    """
     def __init__(
         self,
         *,
@@ -228,10 +235,11 @@ class LoadModelRequest(_message.Message):
         revision: _builtins.str = ...,
         enforce_eager: _builtins.bool = ...,
         enable_expert_parallel: _builtins.bool = ...,
+        async_scheduling: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,10 @@ the whole attention context of each scheduled request (positions below what it c
 holds exactly that request's tokens, so a wrong prefix hit, a block reused while still in
 use or a broken diff fails the test with an AssertionError. Sampled tokens are a pure
 function of (request_id, output index), so preemption cannot change them.
+
+With `feeds_sampled` it behaves like a rank under async scheduling: a sampled token joins the
+request's tokens at once (the next step, scheduled before this one's output was applied, takes
+it as its input) and the engine core must send no token ids for it.
 """
 
 from __future__ import annotations
@@ -62,8 +66,10 @@ class FakeExecutor:
         num_blocks: int,
         token_fn: TokenFn = default_token_fn,
         verify_context: bool = True,
+        feeds_sampled: bool = False,
     ) -> None:
         self.block_size = block_size
+        self.feeds_sampled = feeds_sampled
         self.token_fn = token_fn
         self.verify_context = verify_context
         self.scripts: dict[str, list[int]] = {}
@@ -120,7 +126,10 @@ class FakeExecutor:
             self._compute(shadow, num_tokens)
             if shadow.num_computed_tokens == len(shadow.token_ids):
                 token = self.sample(shadow)
-                shadow.unsent_sampled.append(token)
+                if self.feeds_sampled:
+                    shadow.token_ids.append(token)
+                else:
+                    shadow.unsent_sampled.append(token)
                 out.req_handles.append(handle)
                 out.sampled_token_ids.append(token)
                 if shadow.wants_logprobs:
@@ -170,8 +179,12 @@ class FakeExecutor:
                 n = resumed[handle]
                 all_tokens = c.resumed_all_token_ids[resumed_offset : resumed_offset + n]
                 resumed_offset += n
-                assert all_tokens[: len(shadow.token_ids)] == shadow.token_ids
-                assert all_tokens[len(shadow.token_ids) :] == shadow.unsent_sampled
+                if self.feeds_sampled:  # the core may have dropped what steps in flight sampled
+                    common = min(len(all_tokens), len(shadow.token_ids))
+                    assert all_tokens[:common] == shadow.token_ids[:common]
+                else:
+                    assert all_tokens[: len(shadow.token_ids)] == shadow.token_ids
+                    assert all_tokens[len(shadow.token_ids) :] == shadow.unsent_sampled
                 shadow.token_ids = list(all_tokens)
                 shadow.unsent_sampled = []
                 shadow.block_ids = list(new_blocks)
@@ -221,6 +234,7 @@ def make_engine(
     long_prefill_token_threshold: int = 0,
     can_recover: bool = False,
     prefill_token_budget: int = 0,
+    async_scheduling: bool = False,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     scheduler_config = SchedulerConfig(
@@ -230,12 +244,13 @@ def make_engine(
         policy=policy,  # type: ignore[arg-type]
         long_prefill_token_threshold=long_prefill_token_threshold,
         prefill_token_budget=prefill_token_budget,
+        async_scheduling=async_scheduling,
         **limits,
     )
     cache_config = CacheConfig(
         num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
     )
-    executor = FakeExecutor(block_size, num_blocks)
+    executor = FakeExecutor(block_size, num_blocks, feeds_sampled=async_scheduling)
     return EngineCore(scheduler_config, cache_config, executor, can_recover), executor
 
 

@@ -39,11 +39,16 @@ class EngineMachine(RuleBasedStateMachine):
         self.added: list[Request] = []
         self.next_handle = 0
 
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
-    def create(self, policy: str, caching: bool) -> None:
+    @initialize(
+        policy=st.sampled_from(["fcfs", "priority"]),
+        caching=st.booleans(),
+        async_scheduling=st.booleans(),
+    )
+    def create(self, policy: str, caching: bool, async_scheduling: bool) -> None:
         self.engine, self.executor = make_engine(
             num_blocks=12, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=16,
             max_model_len=32, policy=policy, enable_prefix_caching=caching or policy == "fcfs",
+            async_scheduling=async_scheduling,
         )  # fmt: skip
 
     @rule(

@@ -229,3 +229,21 @@ def test_the_latency_policy_flags_reach_the_scheduler() -> None:
     assert scheduler.prefill_token_budget == 128
     assert scheduler.long_prefill_token_threshold == 64
     assert parse_core(["--worker-addrs", "h:1"], {}).prefill_token_budget == 0, "off by default"
+
+
+def test_async_scheduling_reaches_the_scheduler_and_the_ranks_and_is_off_by_default() -> None:
+    facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
+    config = parse_core(["--worker-addrs", "h:1", "--async-scheduling"], {})
+    assert build_engine(config, facts, None).scheduler.async_scheduling  # type: ignore[arg-type]
+    assert parse_core(["--worker-addrs", "h:1"], {}).async_scheduling is False
+    serve = parse_serve(["/models/llama", "--async-scheduling"], {})
+    assert serve.service_flags["core"] == ["--async-scheduling"]
+
+
+def test_async_scheduling_refuses_pipeline_parallelism(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--worker-addrs", "h:1,h:2", "--pp", "2", "--async-scheduling"]
+    with pytest.raises(SystemExit):
+        parse_core(argv, {})
+    assert "--async-scheduling needs --pipeline-parallel-size 1" in capsys.readouterr().err

@@ -41,3 +41,13 @@ def test_enforce_eager_travels_in_load_model() -> None:
     assert convert.load_model_config_from_proto(request).enforce_eager is True
     plain = pb.LoadModelRequest(model_path="/m", block_size=8)
     assert convert.load_model_config_from_proto(plain).enforce_eager is False
+
+
+def test_async_scheduling_travels_in_load_model_and_refuses_pipeline_stages() -> None:
+    request = pb.LoadModelRequest(model_path="/m", block_size=8, async_scheduling=True)
+    assert convert.load_model_config_from_proto(request).async_scheduling is True
+    staged = pb.LoadModelRequest(
+        model_path="/m", block_size=8, async_scheduling=True, pipeline_parallel_size=2
+    )
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        convert.load_model_config_from_proto(staged)

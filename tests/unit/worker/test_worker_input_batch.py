@@ -269,3 +269,21 @@ def test_bad_outputs_of_a_resumed_request_refuse_it(outputs: list[int], problem:
     resumed = dataclasses.replace(new(3, [5, 6, 7], [10]), output_token_ids=ids(outputs))
     plan = batch.update_states(step(1, [resumed], [3]))
     assert problem in plan.failed[3] and batch.num_reqs == 0
+
+
+def test_async_scheduling_feeds_the_sampled_token_to_the_next_step() -> None:
+    """The core scheduled step 2 before step 1's token came back: no new token ids arrive, the
+    rank's own sampled token is step 2's input, and a row at max_model_len takes none."""
+    batch = make_batch()
+    plan = batch.update_states(step(1, [new(1, [5, 6, 7], [1])], [3]))
+    inputs = batch.prepare_inputs(plan)
+    batch.finish_step(inputs)
+    batch.append_sampled(inputs.rows[inputs.sampling_reqs], np.array([42]))
+    plan = batch.update_states(step(2, [], [1], cached([1], [3], [[]], [[]])))
+    inputs = batch.prepare_inputs(plan)
+    assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [3]
+    assert inputs.sampling_reqs.tolist() == [0]
+    row = inputs.rows[:1]
+    batch.num_tokens[row] = batch.max_model_len
+    batch.append_sampled(row, np.array([43]))
+    assert int(batch.num_tokens[row[0]]) == batch.max_model_len

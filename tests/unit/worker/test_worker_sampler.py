@@ -198,3 +198,20 @@ def test_a_resumed_request_sends_no_prompt_logprobs_again() -> None:
     states.add(0, params, np.zeros(0, np.int64), 0)
     states.add(1, params, np.zeros(0, np.int64), 0, num_output_tokens=3)
     assert states.wants_prompt_logprobs(0) and not states.wants_prompt_logprobs(1)
+
+
+def test_a_preempted_seeded_request_resumes_its_stream_at_its_outputs() -> None:
+    """A step in flight (async scheduling) drew for a token the engine core then dropped: when
+    the request resumes with k outputs, its generator stands past exactly k draws again."""
+    vocab = 1000
+    logits = torch.zeros(1, vocab)
+    states = SamplingStates(1, vocab, CPU)
+    states.add(0, SamplerParams(temperature=1.0, seed=99), np.zeros(0, np.int64), 0)
+    meta = states.build(np.arange(1), np.zeros((1, 4), np.int32), np.array([1]), np.array([1]))
+    sampler = Sampler(CPU, 0)
+    undisturbed = [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(4)]
+    states.resync_generator(0, 2)  # resumed with 2 outputs after 4 draws
+    meta = states.build(np.arange(1), np.zeros((1, 4), np.int32), np.array([1]), np.array([1]))
+    assert [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(2)] == (
+        undisturbed[2:4]
+    )

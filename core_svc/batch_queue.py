@@ -1,0 +1,85 @@
+"""BatchQueue: the steps sent to the executor whose outputs the engine has not taken yet
+(vLLM's batch_queue, for --async-scheduling).
+
+With a queue of two, the engine schedules and sends step N+1 before it waits for step N's
+output, so its scheduling, the step's serialisation and the hop to the ranks overlap the
+ranks' forward of step N. An executor that can pipeline (`PipelinedExecutor`: the gRPC one)
+gets the step at once; any other runs it in `submit`, so the engine's scheduling-ahead logic is
+the same whatever runs the model (the unit tests' fakes, for one).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from core_svc.executor import Executor, ExecutorError
+from core_svc.outputs import ModelRunnerOutput
+from core_svc.scheduler_output import SchedulerOutput
+
+
+@runtime_checkable
+class PipelinedExecutor(Protocol):
+    """An executor that takes a step without waiting for its output: `submit_model` sends it,
+    `collect_model` waits for the oldest submitted step's output (both on the engine loop
+    thread; steps run and answer in the order they were submitted)."""
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class _Submitted:
+    scheduler_output: SchedulerOutput
+    output: ModelRunnerOutput | None = None
+    error: ExecutorError | None = None
+
+
+class BatchQueue:
+    """Steps in flight on one executor, oldest first; see the module docstring."""
+
+    def __init__(self, executor: Executor, max_concurrent_batches: int = 2) -> None:
+        self.executor = executor
+        self.max_concurrent_batches = max_concurrent_batches
+        self._steps: deque[_Submitted] = deque()
+        self._error: ExecutorError | None = None
+        """The failure of a step run in `submit`: an executor that failed stays failed."""
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @property
+    def is_full(self) -> bool:
+        return len(self._steps) >= self.max_concurrent_batches
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step; raises ExecutorError when the executor cannot take it."""
+        submitted = _Submitted(scheduler_output)
+        executor = self.executor
+        if isinstance(executor, PipelinedExecutor):
+            executor.submit_model(scheduler_output)
+        elif self._error is not None:
+            submitted.error = self._error
+        else:
+            try:
+                submitted.output = executor.execute_model(scheduler_output)
+            except ExecutorError as exc:
+                submitted.error = self._error = exc
+        self._steps.append(submitted)
+
+    def collect(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Wait for the oldest step's output; raises ExecutorError when it failed."""
+        submitted = self._steps.popleft()
+        if submitted.error is not None:
+            raise submitted.error
+        if submitted.output is not None:
+            return submitted.scheduler_output, submitted.output
+        assert isinstance(self.executor, PipelinedExecutor)
+        output = self.executor.collect_model(submitted.scheduler_output)
+        return submitted.scheduler_output, output
+
+    def clear(self) -> None:
+        """Forget the steps in flight (their executor failed or was replaced)."""
+        self._steps.clear()
