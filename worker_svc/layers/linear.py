@@ -42,13 +42,43 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+ROW_BUCKET = 64
+"""Packed matmuls run with a row count padded to a power of two up to this, then to a multiple
+of it: 38 sizes for steps of 1..2048 tokens."""
+
+
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed matmul of `num_rows` rows runs with.
+
+    oneDNN builds one primitive per input shape and keeps it in two caches (ideep's
+    LRU_CACHE_CAPACITY and oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 entries each, both
+    holding it); a step's token count changes with every step of a mixed load, so without
+    buckets a worker's memory grew by about 2 MB a step, to gigabytes (docs/reliability.md, the
+    soak). Padding costs little: a small matmul is bound by reading the weight, and above 64
+    rows at most 63 padded rows are computed."""
+    if num_rows <= ROW_BUCKET:
+        return 1 << max(0, num_rows - 1).bit_length()
+    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul against a packed weight, `x` [rows, in] as is (no padding)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
+    """x W^T + b, through the packed weight when there is one (rows padded to a bucket)."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    num_padded = padded_rows(num_rows)
+    if num_padded != num_rows:
+        rows = F.pad(rows, (0, 0, 0, num_padded - num_rows))
+    out = packed_linear(rows, packed, bias)[:num_rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
