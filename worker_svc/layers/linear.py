@@ -42,9 +42,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-ROW_BUCKET = 64
-"""Packed matmuls run with a row count padded to a power of two up to this, then to a multiple
-of it: 38 sizes for steps of 1..2048 tokens."""
+BUCKETS_PER_OCTAVE = 8
+"""Packed matmuls run with a row count rounded up to one of this many sizes per power of two
+(exact up to twice this): 72 sizes for steps of 1..2048 tokens, at most 1/8 padded rows."""
 
 
 def padded_rows(num_rows: int) -> int:
@@ -53,12 +53,13 @@ def padded_rows(num_rows: int) -> int:
     oneDNN builds one primitive per input shape and keeps it in two caches (ideep's
     LRU_CACHE_CAPACITY and oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 entries each, both
     holding it); a step's token count changes with every step of a mixed load, so without
-    buckets a worker's memory grew by about 2 MB a step, to gigabytes (docs/reliability.md, the
-    soak). Padding costs little: a small matmul is bound by reading the weight, and above 64
-    rows at most 63 padded rows are computed."""
-    if num_rows <= ROW_BUCKET:
-        return 1 << max(0, num_rows - 1).bit_length()
-    return -(-num_rows // ROW_BUCKET) * ROW_BUCKET
+    buckets a worker's memory grew by about 2 MB a step (docs/reliability.md, the soak). Eight
+    sizes per octave keep the padding under 12.5% (a CPU matmul of a few dozen rows is already
+    bound by compute, so coarser buckets cost their padding in full)."""
+    if num_rows <= 2 * BUCKETS_PER_OCTAVE:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - BUCKETS_PER_OCTAVE.bit_length())
+    return -(-num_rows // step) * step
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
