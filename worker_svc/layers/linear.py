@@ -49,13 +49,44 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+BUCKETS_PER_OCTAVE = 8
+"""Packed matmuls run with a row count rounded up to one of this many sizes per power of two
+(exact up to twice this): 72 sizes for steps of 1..2048 tokens, at most 1/8 padded rows."""
+
+
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed matmul of `num_rows` rows runs with.
+
+    oneDNN builds one primitive per input shape and keeps it in two caches (ideep's
+    LRU_CACHE_CAPACITY and oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024 entries each, both
+    holding it); a step's token count changes with every step of a mixed load, so without
+    buckets a worker's memory grew by about 2 MB a step (docs/reliability.md, the soak). Eight
+    sizes per octave keep the padding under 12.5% (a CPU matmul of a few dozen rows is already
+    bound by compute, so coarser buckets cost their padding in full)."""
+    if num_rows <= 2 * BUCKETS_PER_OCTAVE:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - BUCKETS_PER_OCTAVE.bit_length())
+    return -(-num_rows // step) * step
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul against a packed weight, `x` [rows, in] as is (no padding)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
+    """x W^T + b, through the packed weight when there is one (rows padded to a bucket)."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    num_padded = padded_rows(num_rows)
+    if num_padded != num_rows:
+        rows = F.pad(rows, (0, 0, 0, num_padded - num_rows))
+    out = packed_linear(rows, packed, bias)[:num_rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
