@@ -102,9 +102,10 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
     }
 
 
-def stack_args(model: str) -> argparse.Namespace:
-    """What `start_children` needs for one worker, core and frontend on loopback."""
-    return argparse.Namespace(
+def stack_args(model: str, **overrides: object) -> argparse.Namespace:
+    """What `start_children` needs for one worker, core and frontend on loopback (HTTP off),
+    with `overrides` on top."""
+    args = argparse.Namespace(
         model=model,
         revision="",
         tokenizer="",
@@ -116,6 +117,8 @@ def stack_args(model: str) -> argparse.Namespace:
         http_port=-1,
         log_level="warning",
     )
+    vars(args).update(overrides)
+    return args
 
 
 async def grpc_stack(model: str) -> dict[str, float]:

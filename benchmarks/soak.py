@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.serve_compare import stack_args
 from benchmarks.soak_load import SoakClients, client_loop
 from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_contracts.common.v1 import types_pb2
@@ -108,19 +109,12 @@ async def fill_kv_cache(clients: SoakClients, num_tokens: int, concurrency: int 
     return num_prompts * length
 
 
-def stack_args(model: str) -> argparse.Namespace:
-    return argparse.Namespace(
-        model=model,
-        revision="",
-        tokenizer="",
-        generation_config="auto",
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        host="127.0.0.1",
-        port=0,
+def soak_stack_args(model: str) -> argparse.Namespace:
+    """The benchmark stack with its OpenAI HTTP port (a free one) and room for the soak's streams."""
+    return stack_args(
+        model,
         http_port=0,
         api_key="",
-        log_level="warning",
         service_flags={"frontend": ["--max-inflight-requests", "256"]},
     )
 
@@ -193,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     core_flags = ["--kv-cache-memory-bytes", KV_CACHE_BYTES]
-    children = start_children(stack_args(args.model), core_flags)
+    children = start_children(soak_stack_args(args.model), core_flags)
     try:
         wait_ready(children, 600.0)
         tracks, clients = asyncio.run(soak(args, children))
