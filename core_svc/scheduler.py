@@ -6,7 +6,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from core_svc.block_hash import BlockHasher
 from core_svc.block_pool import KVCacheBlock
@@ -19,31 +18,9 @@ from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_builder import StepBuilder
-from core_svc.stop_check import check_stop
+from core_svc.step_update import ScheduledStep, append_sampled_tokens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What applying one step's output did: who sampled what, who finished, who failed."""
-
-    sampled_reqs: list[Request] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    """Prompt tokens of the requests that sampled their first token in this step."""
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    """A step sent to the workers whose output is not applied yet: its requests in the
-    contract's order and the num_computed_tokens each one has once the step has run."""
-
-    step_id: int
-    requests: list[Request]
-    num_computed_tokens: list[int]
 
 
 _RUNNING = RequestStatus.RUNNING
@@ -360,7 +337,8 @@ class Scheduler:
         scheduled tokens reached its end but sampled nothing, or sampled an id outside the
         vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
         refused = self._fail_refused(model_runner_output.failed_reqs)
-        update = self._append_sampled_tokens(scheduler_output, model_runner_output)
+        scheduled = self._in_flight.popleft()
+        update = append_sampled_tokens(self, scheduled, scheduler_output, model_runner_output)
         self.num_prompt_tokens += update.num_prompt_tokens
         self.num_generation_tokens += len(update.sampled_token_ids)
         outputs = make_step_outputs(
@@ -385,71 +363,6 @@ class Scheduler:
                 request.fail(ErrorKind.INVALID_REQUEST, reason)
                 refused.append(request)
         return refused
-
-    def _append_sampled_tokens(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> StepUpdate:
-        """Per scheduled request: cache blocks that became full, then append its sampled
-        token, extend its block hashes and check stops."""
-        scheduled = self._in_flight.popleft()
-        if scheduled.step_id != scheduler_output.step_id:
-            raise AssertionError(
-                f"the output of step {scheduler_output.step_id} came before step "
-                f"{scheduled.step_id}'s"
-            )
-        is_async = self.async_scheduling
-        sampled = dict(
-            zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
-        )
-        update = StepUpdate()
-        block_size = self.block_size
-        max_model_len = self.max_model_len
-        vocab_size = self.vocab_size
-        cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
-        extend_hashes = self.block_hasher.extend
-        for request, num_new_tokens, num_computed in zip(
-            scheduled.requests,
-            scheduler_output.num_scheduled_tokens,
-            scheduled.num_computed_tokens,
-            strict=True,
-        ):
-            if request.status is not _RUNNING:
-                continue
-            all_token_ids = request.all_token_ids
-            if cache_blocks and num_computed % block_size < num_new_tokens:
-                cache_blocks(request, num_computed)  # a block became full this step
-            if request.mm_features:
-                self.encoder.release_computed(request)
-            if num_computed < len(all_token_ids):
-                continue  # a prefill chunk: nothing sampled
-            token = sampled.get(request.req_handle)
-            if token is None or token >= vocab_size:
-                request.fail(
-                    ErrorKind.ENGINE_FAILURE,
-                    f"step {self.step_id}: the output rank sampled "
-                    f"{'no token' if token is None else 'a token outside the vocabulary'}",
-                )
-                update.failed.append(request)
-                continue
-            if is_async:  # the ranks appended it themselves
-                request.num_output_placeholders -= 1
-                request.num_sent_token_ids += 1
-            if not request.output_token_ids:
-                update.num_prompt_tokens += request.num_prompt_tokens
-            request.output_token_ids.append(token)
-            all_token_ids.append(token)
-            if cache_blocks and len(all_token_ids) % block_size == 0:
-                extend_hashes(
-                    request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
-                )
-            if (
-                token in request.all_stop_token_ids
-                or len(request.output_token_ids) >= request.max_tokens
-            ) and check_stop(request, max_model_len):
-                update.finished.append(request)
-            update.sampled_reqs.append(request)
-            update.sampled_token_ids.append(token)
-        return update
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
