@@ -32,13 +32,14 @@ import torch
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from splitserve_contracts.sampling_types import SamplerParams
+from worker_svc.model_load import LoadModelConfig
 from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     SchedulerOutput,
 )
-from worker_svc.worker import LoadModelConfig, Worker
+from worker_svc.worker import Worker
 
 BLOCK_SIZE = 16
 GREEDY = SamplerParams(temperature=0.0)

@@ -40,8 +40,9 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
 from worker_svc import convert as worker_convert
+from worker_svc.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
-from worker_svc.worker import LoadedModel, LoadModelConfig, Worker
+from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
 CLIENT_ID = 1

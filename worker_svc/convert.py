@@ -15,6 +15,7 @@ from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc.kv_cache import KvCapacity
+from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.models.model_config import parse_dtype
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput
 from worker_svc.scheduler_output import (
@@ -24,7 +25,6 @@ from worker_svc.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from worker_svc.worker import LoadedModel, LoadModelConfig, WorkerDescription
 
 ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn", "cpu")
 

@@ -31,6 +31,7 @@ from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
+from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.ownership import (
     Claim,
     Ownership,
@@ -40,13 +41,7 @@ from worker_svc.ownership import (
 )
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
-from worker_svc.worker import (
-    LoadedModel,
-    LoadModelConfig,
-    Worker,
-    WorkerDescription,
-    WorkerStateError,
-)
+from worker_svc.worker import Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
 

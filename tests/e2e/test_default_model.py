@@ -18,7 +18,7 @@ from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
-from worker_svc.worker import LoadModelConfig
+from worker_svc.model_load import LoadModelConfig
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

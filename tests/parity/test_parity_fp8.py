@@ -31,7 +31,7 @@ from tests.parity.conftest import reference_for
 from worker_svc import worker as worker_module
 from worker_svc.layers.fp8 import Fp8Weight
 from worker_svc.layers.linear import ColumnParallelLinear
-from worker_svc.worker import LoadModelConfig
+from worker_svc.model_load import LoadModelConfig
 
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from tests.fixtures.checkpoints import CheckpointCache, hf_config
+from worker_svc.model_load import LoadModelConfig
 from worker_svc.models.model_config import SUPPORTED_ROPE_TYPES
-from worker_svc.worker import LoadModelConfig, Worker
+from worker_svc.worker import Worker
 
 
 def edited_checkpoint(source: Path, folder: Path, **changes: Any) -> Path:
