@@ -52,7 +52,7 @@ from benchmarks.peer_servers import (
 )
 from benchmarks.peer_stats import render_table, round_metrics, summarize
 from benchmarks.peer_workloads import Suite, Workload, build_suite
-from splitserve.children import free_ports
+from splitserve.loopback_ports import free_ports
 
 BENCH_DIR = Path(".bench")
 DEFAULT_VLLM_PYTHON = BENCH_DIR / "vllm-venv" / "bin" / "python"

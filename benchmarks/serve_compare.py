@@ -27,7 +27,8 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from splitserve.children import free_ports, start_children, stop_children, wait_ready
+from splitserve.children import start_children, stop_children, wait_ready
+from splitserve.loopback_ports import free_ports
 from splitserve_client.bench_serve import (
     GenerateFn,
     Workload,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
+from splitserve.loopback_ports import free_ports
 from splitserve_runtime.channels import ChannelSecurity, open_channel
 from splitserve_runtime.flags import env_name
 from splitserve_runtime.services import FRONTEND, SERVICES
@@ -65,18 +65,6 @@ class Child:
 
 class LaunchError(RuntimeError):
     """A child failed to start or died."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on loopback right now (all sockets held open together, so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _spawn(

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from typing import Any
 
 import pytest
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.request_log import RequestLogger
+from splitserve.loopback_ports import free_ports
 from tests.contract.test_core_service import (
     MAX_LEN,
     PROMPT,
@@ -78,9 +78,7 @@ def test_max_log_len_adds_the_prompts_first_characters(
 
 
 def test_a_frontend_started_before_its_core_connects_once_the_core_listens() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
 
     async def scenario() -> None:
         client = EngineCoreClient(f"127.0.0.1:{port}", max_backoff=0.5)

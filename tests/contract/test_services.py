@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.children import free_ports
+from splitserve.loopback_ports import free_ports
 from splitserve_runtime.services import SERVICES
 from tests.e2e.stack import UP_ANY_METRICS_PORTS, Stack
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from splitserve.loopback_ports import free_ports
 from tests.helm.chart_render import Doc, Manifests
 from tests.helm.local_kubelet import run_probe, terminate
 from tests.helm.local_pods import (
@@ -49,7 +50,6 @@ from tests.helm.local_pods import (
     WiringError,
     expand_pods,
     expand_refs,
-    free_ports,
 )
 
 __all__ = ["LocalCluster", "LocalPod", "PodFailed", "WiringError", "metric_names"]

@@ -6,7 +6,6 @@ and its single long-running container prepared as local command lines."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,18 +26,6 @@ class WiringError(AssertionError):
 
 class PodFailed(AssertionError):
     """A pod's process exited or did not become ready."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Loopback ports that are free right now (held open together, so they differ)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from splitserve.children import free_ports
+from splitserve.loopback_ports import free_ports
 
 SCRAPE_INTERVAL = "1s"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from splitserve.children import free_ports
 from splitserve.local_pki import LocalPki
+from splitserve.loopback_ports import free_ports
 from splitserve_runtime.tls import CORE_ROLE
 from tests.e2e.client import generate, text_request
 from tests.e2e.stack import KV_BYTES, Stack

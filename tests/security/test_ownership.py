@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from splitserve.children import free_ports
 from splitserve.local_pki import LAUNCHER_IDENTITY, LocalPki
+from splitserve.loopback_ports import free_ports
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc

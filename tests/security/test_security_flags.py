@@ -13,8 +13,8 @@ import pytest
 
 from core_svc.config import parse_config as parse_core
 from frontend_svc.config import parse_config as parse_frontend
-from splitserve.children import free_ports
 from splitserve.local_pki import LocalPki
+from splitserve.loopback_ports import free_ports
 from splitserve_runtime.listener import Listener, bind, internal_listener
 from splitserve_runtime.sync_service_host import SyncServiceHost
 from splitserve_runtime.tls import CORE_ROLE, WORKER_ROLE
