@@ -19,9 +19,16 @@ import torch
 
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
-from worker_svc.attention.backend import available_backends, backend_class, select_backend
+from worker_svc.attention.backend import (
+    AttentionBackend,
+    available_backends,
+    backend_class,
+    select_backend,
+)
+from worker_svc.attention.cpu_backend import CpuAttentionBackend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
@@ -150,6 +157,7 @@ class Worker:
             dtype=dtype,
             device=self.device,
         )
+        kernels = _cpu_kernels(backend)
         try:
             model = cls(
                 model_config,
@@ -173,6 +181,8 @@ class Worker:
         self.weight_bytes = weight_bytes(model)
         if self.device.type == "cpu":
             model.pack_weights()
+        if kernels is not None:
+            model.use_cpu_kernels(kernels)
         self.runner = ModelRunner(
             model,
             backend,
@@ -348,3 +358,12 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+def _cpu_kernels(backend: AttentionBackend) -> CpuKernels | None:
+    """The CPU kernels (worker_svc/kernels) for a model on the cpu attention backend, given to
+    the backend before the layers take their views; None: the torch path."""
+    if not isinstance(backend, CpuAttentionBackend):
+        return None
+    backend.kernels = CpuKernels.load()
+    return backend.kernels

@@ -441,6 +441,7 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
         "worker_svc/__main__.py",
         "splitserve_contracts/frontend/v1/generation_service_pb2.py",
         "splitserve_client/generate.py",
+        "worker_svc/kernels/cpu_ops.cpp",
     ):
         assert module in names, module
 

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.models.model_config import RopeConfig
 
 
@@ -116,7 +117,10 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Tabulated cos/sin [max_positions, rotary_dim / 2] in the compute dtype."""
+    """Tabulated cos/sin [max_positions, rotary_dim / 2] in the compute dtype. With `kernels`
+    (CPU), `apply_` rotates in place in one pass."""
+
+    kernels: CpuKernels | None = None
 
     def __init__(
         self,
@@ -159,6 +163,16 @@ class RotaryEmbedding:
             rotated = self._rotate(x[..., : self.rotary_dim], cos, sin)
             return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
         return self._rotate(x, cos, sin)
+
+    def apply_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """`apply`, in place where the CPU kernels are loaded (x [tokens, heads, head_dim] with
+        contiguous heads, e.g. a slice of the fused qkv output); returns the rotated tensor."""
+        if self.kernels is None or x.stride(2) != 1:
+            return self.apply(x, cos, sin)
+        self.kernels.rotary_neox_(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim)
+        return x
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)

@@ -78,7 +78,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         local = None
         if self.local_rotary is not None:
             local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata)
-        return LocalRopeContext(cos, sin, attn_metadata, local)
+        return LocalRopeContext(cos, sin, attn_metadata, local=local)
 
     def layer_context(self, layer: nn.Module, ctx: StepContext) -> StepContext:
         is_local = isinstance(layer, GemmaDecoderLayer) and layer.is_local

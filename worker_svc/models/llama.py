@@ -21,6 +21,7 @@ from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend, AttentionOptions
 from worker_svc.distributed import ParallelState
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import (
@@ -43,6 +44,7 @@ class StepContext:
     cos: torch.Tensor
     sin: torch.Tensor
     attn_metadata: object
+    positions: torch.Tensor | None = None  # for rotating in place (CPU kernels)
 
 
 def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -107,6 +109,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query = self.rotary.apply(self.q_norm(qkv[:, :h]), ctx.cos, ctx.sin)
             key = self.rotary.apply(self.k_norm(qkv[:, h : h + kvh]), ctx.cos, ctx.sin)
+        elif ctx.positions is not None:  # the CPU kernels rotate q and k in place
+            rotated = self.rotary.apply_(qkv[:, : h + kvh], ctx.positions, ctx.cos, ctx.sin)
+            query, key = rotated[:, :h], rotated[:, h:]
         else:
             rotated = self.rotary.apply(qkv[:, : h + kvh], ctx.cos, ctx.sin)
             query, key = rotated[:, :h], rotated[:, h:]
@@ -115,7 +120,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused; with `kernels` (CPU) the activation
+    is one fused kernel."""
+
+    kernels: CpuKernels | None = None
 
     def __init__(
         self, config: ModelConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device
@@ -140,7 +148,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -247,7 +258,15 @@ class LlamaForCausalLM(nn.Module):
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
-        return StepContext(cos, sin, attn_metadata)
+        in_place = self.rotary.kernels is not None
+        return StepContext(cos, sin, attn_metadata, positions if in_place else None)
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run RMSNorm, rotary and SiLU-and-mul through the CPU kernels (after loading)."""
+        self.rotary.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm) or type(module) is LlamaMLP:
+                module.kernels = kernels
 
     def forward(
         self,

@@ -10,6 +10,7 @@ import torch
 from worker_svc.attention import cpu_backend
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs, backend_class
 from worker_svc.attention.cpu_backend import QUERY_BLOCK
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 
 H, KVH, D, BLOCK_SIZE = 12, 4, 32, 16
@@ -18,11 +19,18 @@ CPU = torch.device("cpu")
 SPANS = {0: (0, 2 * QUERY_BLOCK + 37), 1: (40, 41), 2: (150, 150 + QUERY_BLOCK + 9), 3: (7, 8)}
 
 
-def two_steps(name: str, dtype: torch.dtype, then_decode: bool = False) -> torch.Tensor:
+def two_steps(
+    name: str, dtype: torch.dtype, then_decode: bool = False, native: bool = False
+) -> torch.Tensor:
     """Step 1 caches each request's context, step 2 runs SPANS; returns step 2's output, or
-    with `then_decode` that of a step 3 where every request decodes one more token."""
+    with `then_decode` that of a step 3 where every request decodes one more token. `native`:
+    the cpu backend's decodes run through the CPU kernel."""
     gen = torch.Generator().manual_seed(0)
     backend: AttentionBackend = backend_class(name)(H, KVH, D, dtype=dtype, device=CPU)
+    if native:
+        assert isinstance(backend, cpu_backend.CpuAttentionBackend)
+        backend.kernels = CpuKernels.load()
+        assert backend.kernels is not None
     spec = KvCacheSpec(num_layers=1, num_kv_heads=KVH, head_dim=D, dtype=dtype)
     cache = PagedKVCache(backend, spec, num_blocks=128, block_size=BLOCK_SIZE, device=CPU)
     cache.zero_blocks(np.arange(128))
@@ -78,3 +86,14 @@ def test_cpu_decodes_in_groups_match_torch_backend(monkeypatch: pytest.MonkeyPat
         reference = two_steps("torch", torch.float32, then_decode)
         assert fast.shape == reference.shape
         assert float((fast - reference).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_decodes_match_torch_backend(dtype: torch.dtype, tolerance: float) -> None:
+    """The CPU kernel's decodes (read in place through the block tables), in a step mixed with
+    prefill chunks and in a decode-only step, give the reference's output."""
+    for then_decode in (False, True):
+        fast = two_steps("cpu", dtype, then_decode, native=True)
+        reference = two_steps("torch", dtype, then_decode)
+        assert fast.shape == reference.shape and fast.dtype == dtype
+        assert float((fast.float() - reference.float()).abs().max()) < tolerance

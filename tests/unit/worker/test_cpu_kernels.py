@@ -1,0 +1,170 @@
+"""The CPU kernels (worker_svc/kernels/cpu_ops.cpp) against the torch path they replace: bf16
+bit for bit where the torch path rounds the same way, float32 within rounding; bad inputs
+refused with a message; the worker falls back to the torch path where they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_svc.kernels.cpu_kernels import DISABLE_ENV, CpuKernels
+from worker_svc.layers.activation import silu_and_mul
+from worker_svc.layers.rmsnorm import RMSNorm
+from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.models.model_config import RopeConfig
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = CpuKernels.load()
+    assert loaded is not None, "the CPU kernels did not build (is g++ installed?)"
+    return loaded
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16: identical bits; float32: within a few ulps."""
+    if a.dtype == torch.bfloat16:
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(768, 1e-5, dtype=dtype, device=CPU)
+    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    x, residual = (torch.randn(37, 768, generator=gen).to(dtype) for _ in range(2))
+    close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+    expected, expected_residual = norm.add_and_norm(x, residual.clone())
+    native_residual = residual.clone()
+    close(kernels.fused_add_rms_norm(x, native_residual, norm.weight, 1e-5), expected)
+    close(native_residual, expected_residual)
+    norm.kernels = kernels  # the layer takes the kernel for 2-D rows, torch for the rest
+    close(norm.add_and_norm(x, residual.clone())[0], expected)
+    heads = x.view(37, 12, 64)
+    small = RMSNorm(64, 1e-5, dtype=dtype, device=CPU)
+    small.kernels = kernels
+    close(small(heads), RMSNorm(64, 1e-5, dtype=dtype, device=CPU)(heads))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(19, 2 * 1000, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_in_place_on_the_fused_qkv(
+    kernels: CpuKernels, dtype: torch.dtype, partial: float
+) -> None:
+    h, kvh, d = 12, 4, 64
+    rope = RopeConfig(partial_rotary_factor=partial)
+    rotary = RotaryEmbedding(d, 4096, rope, dtype=dtype, device=CPU)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(23, h + 2 * kvh, d, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (23,), generator=gen)
+    cos, sin = rotary.cos_sin(positions)
+    expected = rotary.apply(qkv[:, : h + kvh], cos, sin)
+    rotated = qkv.clone()
+    rotary.kernels = kernels
+    out = rotary.apply_(rotated[:, : h + kvh], positions, cos, sin)
+    assert out.data_ptr() == rotated.data_ptr()  # in place, no copy
+    close(rotated[:, : h + kvh], expected)
+    assert torch.equal(rotated[:, h + kvh :], qkv[:, h + kvh :])  # the values stay as they were
+
+
+def test_bad_inputs_are_refused_with_a_message(kernels: CpuKernels) -> None:
+    rotary = RotaryEmbedding(64, 128, RopeConfig(), dtype=torch.float32, device=CPU)
+    x = torch.randn(2, 4, 64)
+    with pytest.raises(RuntimeError, match="position 128 outside"):
+        kernels.rotary_neox_(x, torch.tensor([0, 128]), rotary.cos_cache, rotary.sin_cache, 64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    cache = torch.zeros(2, 4, 2, 16, 64)
+    query, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
+    with pytest.raises(RuntimeError, match="block id 9 outside the cache"):
+        kernels.paged_decode_attention(
+            out, query, cache, torch.tensor([[1, 9]]), torch.tensor([20]), 0.125
+        )
+    with pytest.raises(RuntimeError, match="seq_len 33 does not fit"):
+        kernels.paged_decode_attention(
+            out, query, cache, torch.tensor([[1, 2]]), torch.tensor([33]), 0.125
+        )
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """CpuKernels.load() decides again, with an empty cache folder; restored afterwards."""
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
+    CpuKernels.load.cache_clear()
+    yield
+    CpuKernels.load.cache_clear()
+
+
+def test_disabled_by_the_environment(fresh_load: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert CpuKernels.load() is None
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "false")
+    with caplog.at_level(logging.WARNING):
+        assert CpuKernels.load() is None
+    assert "CPU kernels unavailable, running the torch path" in caplog.text
+
+
+def reference_decode(
+    query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v in float32, one request at a time, blocks gathered in order."""
+    num_kv_heads, block_size, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = tables[i, : -(-seq_len // block_size)]
+        k, v = (cache[h, blocks].transpose(0, 1).reshape(num_kv_heads, -1, d) for h in (0, 1))
+        k, v = k[:, :seq_len].float(), v[:, :seq_len].float()
+        q = query[i].float().view(num_kv_heads, group, d)
+        probs = torch.softmax(q @ k.transpose(1, 2) * d**-0.5, dim=-1)
+        out[i] = (probs @ v).reshape(-1, d)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(12, 4, 64, 16), (8, 8, 128, 8), (16, 2, 64, 32), (4, 1, 96, 16)],
+)
+def test_paged_decode_attention_against_float_reference(
+    kernels: CpuKernels,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    """Contexts of 1 key to several blocks with a partial last block (odd and even lengths),
+    blocks scattered over the cache, the query a strided slice of a fused qkv tensor."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, seq_lens = 64, torch.tensor([1, 2, 17, 3 * block_size, 5 * block_size - 3])
+    cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: 5 * width] + 1).view(5, width)
+    qkv = torch.randn(5, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    query = qkv[:, :heads]
+    out = torch.empty(query.shape, dtype=dtype)
+    kernels.paged_decode_attention(out, query, cache, tables, seq_lens, head_dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    error = (out.float() - reference_decode(query, cache, tables, seq_lens)).abs().max()
+    assert float(error) < tolerance

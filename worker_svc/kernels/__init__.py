@@ -1,0 +1,1 @@
+"""splitserve's own compiled kernels (built on the worker's machine on first use)."""

@@ -1,0 +1,139 @@
+"""The CPU kernels of cpu_ops.cpp: built once per machine with the system's C++ compiler,
+cached, loaded as torch.ops.splitserve.
+
+A bf16 decode step of a small Llama spends a few per cent of its time in RMSNorm, rotary and
+SiLU-and-mul, each of which torch runs as several kernels with a temporary per op; and its
+decode attention first gathers every request's context out of the paged cache (about as many
+bytes copied as read). cpu_ops.cpp does each in one pass, the attention reading the cache in
+place through the block table, like vLLM's CPU ops.
+
+Built for this machine's instruction set (-march=native), so the shared library is cached under
+a key of the source, the torch version, the compiler flags and the CPU's feature flags. Where no
+compiler is found, the build fails or the cache cannot be written, the worker logs why and
+runs the torch path (`CpuKernels.load` returns None).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from splitserve_runtime.model_cache import default_cache_dir, ensure_built
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+LIBRARY = "cpu_ops.so"
+COMPILE_FLAGS = [
+    *("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"),
+    *("-std=c++20", "-shared", "-fPIC", "-w"),
+]
+DISABLE_ENV = "SPLITSERVE_CPU_KERNELS"
+"""Set to 0 to run the torch path on CPU (the kernels are then neither built nor loaded)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def cache_key() -> str:
+    """What the library depends on: source, torch, flags and the CPU's features."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, " ".join(COMPILE_FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def compile_command(output: Path) -> list[str]:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    return [
+        *(compiler, *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes),
+        *(str(SOURCE), "-o", str(output)),
+        *(f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"),
+    ]
+
+
+def _build(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    done = subprocess.run(compile_command(folder / LIBRARY), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+
+
+class CpuKernels:
+    """torch.ops.splitserve, loaded; each method allocates its output (or works in place)."""
+
+    def __init__(self) -> None:
+        self.ops = torch.ops.splitserve
+
+    @staticmethod
+    @functools.cache
+    def load() -> CpuKernels | None:
+        """Build (first use on this machine) and load the kernels; None where they cannot."""
+        if os.environ.get(DISABLE_ENV, "1") == "0":
+            logger.info("%s=0: CPU layers run the torch path", DISABLE_ENV)
+            return None
+        try:
+            target = default_cache_dir() / "kernels" / cache_key()
+            folder = ensure_built(target, LIBRARY, _build, "CPU kernels (cpu_ops.cpp)")
+            torch.ops.load_library(str(folder / LIBRARY))
+        except (OSError, RuntimeError) as err:
+            logger.warning("CPU kernels unavailable, running the torch path: %s", err)
+            return None
+        logger.info("CPU kernels loaded from %s (set %s=0 for the torch path)", folder, DISABLE_ENV)
+        return CpuKernels()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.ops.rms_norm(out, x, weight, eps)
+        return out
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (in place); returns norm(residual) * weight."""
+        out = torch.empty_like(x)
+        self.ops.fused_add_rms_norm(out, residual, x, weight, eps)
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self.ops.silu_and_mul(out, gate_up)
+        return out
+
+    def rotary_neox_(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        rotary_dim: int,
+    ) -> None:
+        self.ops.rotary_neox_(x, positions, cos_cache, sin_cache, rotary_dim)
+
+    def paged_decode_attention(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.ops.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
