@@ -5,7 +5,7 @@
 //   paged_decode_attention        one query token per request over its paged KV cache, read
 //                                 in place through the block table (no gather copy)
 // The elementwise kernels compute in float32 and round where the torch path (worker_svc.layers)
-// rounds, so their bf16 results match it bit for bit. The decode attention keeps scores and
+// rounds, so their bf16 results match it (bit for bit in the tests). The decode attention keeps scores and
 // sums in float32; in bf16 on AVX512-BF16 machines it takes the bf16 dot-product instructions,
 // with the probabilities rounded to bf16 as the matmul path (worker_svc.attention) has them.
 // Small inputs run on one thread (torch's own grain: 32768 values). Built on the worker's
