@@ -154,9 +154,11 @@ def build_parser() -> FlagParser:
     )
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule the next step while the workers run the current one (vLLM's flag): the "
-        "time between steps overlaps the forward; needs --pipeline-parallel-size 1",
+        "time between steps overlaps the forward; needs --pipeline-parallel-size 1 (default: "
+        "on where it can run, as in vLLM)",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument(
@@ -324,6 +326,8 @@ def parse_config(
         parser.error("--max-recovery-seconds must be >= 0")
     if args.async_scheduling and args.pipeline_parallel_size > 1:
         parser.error("--async-scheduling needs --pipeline-parallel-size 1 (every rank samples)")
+    if args.async_scheduling is None:
+        args.async_scheduling = args.pipeline_parallel_size == 1
     check_internal_tls(parser, args)
     if args.log_stats_interval < 0:
         parser.error("--log-stats-interval must be >= 0")

@@ -84,6 +84,8 @@ class EngineCore:
         finish."""
         self._next_req_handle = 1
         self._pending_outputs: dict[int, EngineCoreOutputs] = {}
+        self.num_steps_applied = 0
+        """Steps whose output was applied (with async scheduling, fewer than step() calls)."""
         """Outputs of requests refused at add, returned by the next step()."""
         self._batch_queue = BatchQueue(executor) if scheduler_config.async_scheduling else None
         """Steps in flight, with async scheduling."""
@@ -265,6 +267,7 @@ class EngineCore:
             before_update()
         if error is not None:
             return self.on_fault(Fault("rank_died", f"executor failed: {error}"))
+        self.num_steps_applied += 1
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def _drop_steps_in_flight(self) -> None:

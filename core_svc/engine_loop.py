@@ -199,9 +199,10 @@ class EngineCoreProc:
             self._apply(command)
         step_seconds, stats = None, None
         if engine_core.has_work():
-            started = time.perf_counter()
+            started, num_applied = time.perf_counter(), engine_core.num_steps_applied
             outputs = engine_core.step(self._apply_step_aborts)
-            step_seconds = time.perf_counter() - started
+            if engine_core.num_steps_applied > num_applied:  # not a call that only sent a step
+                step_seconds = time.perf_counter() - started
             self._route(outputs)
             if not engine_core.can_step:
                 self._report_fault()

@@ -111,7 +111,9 @@ class CoreMetrics:
         info.labels(**cache_config).set(1)
         self.step_seconds = histogram(
             "splitserve_core_step_seconds",
-            "Engine step time (schedule, workers, update) on the core's clock.",
+            "Engine step time (schedule, workers, update) on the core's clock: one "
+            "observation per step whose output was applied (with async scheduling, the loop "
+            "iteration that applied it).",
             STEP_BUCKETS,
         )
         self.worker_rtt_seconds = histogram(

@@ -169,7 +169,7 @@ class EngineOptions:
     device: str = "auto"
     served_model_name: str = ""
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on where it can run (the core's default)
     enable_expert_parallel: bool = False
     """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
@@ -204,7 +204,7 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 block_size=options.block_size,
                 enforce_eager=options.enforce_eager,
-                async_scheduling=options.async_scheduling,
+                async_scheduling=options.async_scheduling is not False,
             )
         )
         capacity = worker.get_kv_capacity(
@@ -254,7 +254,7 @@ async def start_in_process(
             options.max_num_seqs,
             options.max_num_batched_tokens,
             info.max_model_len,
-            async_scheduling=options.async_scheduling,
+            async_scheduling=options.async_scheduling is not False,
         ),
         CacheConfig(
             num_blocks,

@@ -250,8 +250,10 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
         core_flags.append("--enforce-eager")
     if options.enable_expert_parallel:
         core_flags.append("--enable-expert-parallel")
-    if options.async_scheduling:
-        core_flags.append("--async-scheduling")
+    if options.async_scheduling is not None:  # else the core's default (on where it can run)
+        core_flags.append(
+            "--async-scheduling" if options.async_scheduling else "--no-async-scheduling"
+        )
     children = start_engine_children(args, core_flags)
     try:
         wait_ready(children, timeout)

@@ -37,7 +37,8 @@ class Stack:
     plaintext unless `pki` gives their certificates; `api_key` guards the frontend;
     `frontend_flags` go to every frontend (e.g. --max-inflight-requests). With
     `supervise`, children that exit once the stack is ready are restarted as `splitserve up`
-    restarts them; `max_recovery_seconds` goes to the core and the frontend."""
+    restarts them; `max_recovery_seconds` goes to the core and the frontend; `tokenizer` is the
+    frontends' --tokenizer."""
 
     def __init__(
         self,
@@ -53,8 +54,10 @@ class Stack:
         frontend_probe: ChannelSecurity | None = None,
         supervise: bool = False,
         max_recovery_seconds: float | None = None,
+        tokenizer: str = "",
     ):
         self.model = model
+        self.tokenizer = tokenizer
         self.revision, self.generation_config = revision, generation_config
         self.tp, self.pp = tp, pp
         self.pki, self.api_key = pki, api_key
@@ -70,7 +73,7 @@ class Stack:
         args = argparse.Namespace(
             model=str(self.model),
             revision=self.revision,
-            tokenizer="",
+            tokenizer=self.tokenizer,
             generation_config=self.generation_config,
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,

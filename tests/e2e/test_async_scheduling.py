@@ -63,10 +63,10 @@ def _outputs(results: list[dict[int, Completion]]) -> Outputs:
 
 @pytest.fixture(scope="module")
 def lockstep(tiny_model_dir: Path) -> Iterator[tuple[list[gen_pb2.GenerateRequest], Outputs]]:
-    """The requests and what a TP=1 stack without the flag answers to them."""
+    """The requests and what a TP=1 stack in lockstep (--no-async-scheduling) answers to them."""
     rng = random.Random(11)
     requests = [_request(i, rng) for i in range(24)]
-    stack = Stack(tiny_model_dir, core_flags=FLAGS).start()
+    stack = Stack(tiny_model_dir, core_flags=[*FLAGS, "--no-async-scheduling"]).start()
     try:
         first = _outputs(asyncio.run(_run_all(stack.frontend, requests)))
         greedy_long = [

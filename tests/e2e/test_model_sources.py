@@ -1,7 +1,8 @@
 """Model sources end to end, through real processes: a .gguf file (weights on the worker, tokenizer
 on the frontend, both from the file), a Hub id with --revision from a stand-in Hub (every process
-resolves it alike) whose generation_config.json sampling defaults the frontend applies, and
-refusals that reach the operator as one line from `splitserve up`."""
+resolves it alike) whose generation_config.json sampling defaults the frontend applies on gRPC
+and on the OpenAI HTTP API, a weights-only folder served with --tokenizer, and refusals that
+reach the operator as one line from `splitserve up`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,8 +24,9 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from splitserve_runtime.tiny_model import write_tokenizer
-from tests.e2e.client import generate
+from tests.e2e.client import generate, text_request
 from tests.e2e.stack import UP_ANY_METRICS_PORTS, Stack
+from tests.e2e.test_openai_http import post
 from tests.fixtures.checkpoints import VOCAB_SIZE, CheckpointCache
 from tests.fixtures.gguf_files import write_gguf
 from tests.fixtures.hub_server import HubStandIn
@@ -153,10 +156,62 @@ def test_source_errors_are_one_line_before_anything_starts(
     line = last_line(offline)
     assert "'acme/not-cached'" in line and str(cache) in line and "HF_HUB_OFFLINE" in line
     assert offline.stderr.strip() == line  # nothing was started
-    bare = tmp_path / "no-tokenizer"
-    bare.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(tiny_model_dir / name, bare / name)
+    bare = weights_only(tiny_model_dir, tmp_path / "no-tokenizer")
     no_tokenizer = up("--model", str(bare))
     assert no_tokenizer.stderr.strip() == last_line(no_tokenizer)
     assert "has no tokenizer" in no_tokenizer.stderr and "--tokenizer" in no_tokenizer.stderr
+
+
+def weights_only(tiny_model_dir: Path, folder: Path) -> Path:
+    """The tiny model's config and weights without any tokenizer file."""
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    return folder
+
+
+def test_a_separate_tokenizer_serves_a_folder_without_one(
+    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """--tokenizer: the frontend tokenizes, detokenizes and templates with the named folder's
+    tokenizer; the weights come from --model (which alone is refused: see above)."""
+    bare = weights_only(tiny_model_dir, tmp_path / "weights-only")
+    stack = Stack(bare, tokenizer=str(tiny_model_dir)).start()
+    try:
+        assert model_info(stack.frontend).has_chat_template
+        text = "river stone"
+        assert tokenize(stack.frontend, text) == tokenizer.encode(text)
+        request = text_request(text, max_tokens=4, ignore_eos=True, temperature=0.0)
+        completion = generate(stack.frontend, request)[0]
+    finally:
+        stack.stop()
+    assert len(completion.token_ids) == 4
+    assert completion.text == tokenizer.decode(completion.token_ids)
+
+
+def test_generation_defaults_apply_on_the_openai_http_api(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """generation_config.json's max_new_tokens is the default max_tokens of /v1/completions and
+    /v1/chat/completions when the request leaves it unset; a request's own value wins."""
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_model_dir, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "max_new_tokens": 5}))
+    stack = Stack(folder).start()
+    try:
+        model = model_info(stack.frontend).served_model_name
+        unset = {"model": model, "prompt": "river stone", "ignore_eos": True}
+        status, body = post(stack.http, "/v1/completions", unset)
+        assert status == 200, body
+        assert (body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]) == (
+            5,
+            "length",
+        )
+        status, body = post(stack.http, "/v1/completions", {**unset, "max_tokens": 2})
+        assert (status, body["usage"]["completion_tokens"]) == (200, 2)
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        status, body = post(stack.http, "/v1/chat/completions", {**chat, "ignore_eos": True})
+        assert (status, body["usage"]["completion_tokens"]) == (200, 5), body
+    finally:
+        stack.stop()

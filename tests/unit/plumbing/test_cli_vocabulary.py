@@ -231,11 +231,16 @@ def test_the_latency_policy_flags_reach_the_scheduler() -> None:
     assert parse_core(["--worker-addrs", "h:1"], {}).prefill_token_budget == 0, "off by default"
 
 
-def test_async_scheduling_reaches_the_scheduler_and_the_ranks_and_is_off_by_default() -> None:
+def test_async_scheduling_reaches_the_scheduler_and_is_on_where_it_can_run() -> None:
+    """vLLM's default: on, unless pipeline stages (which it cannot serve) or --no-...."""
     facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
     config = parse_core(["--worker-addrs", "h:1", "--async-scheduling"], {})
     assert build_engine(config, facts, None).scheduler.async_scheduling  # type: ignore[arg-type]
-    assert parse_core(["--worker-addrs", "h:1"], {}).async_scheduling is False
+    assert parse_core(["--worker-addrs", "h:1"], {}).async_scheduling is True
+    off = parse_core(["--worker-addrs", "h:1", "--no-async-scheduling"], {})
+    assert off.async_scheduling is False
+    assert not build_engine(off, facts, None).scheduler.async_scheduling  # type: ignore[arg-type]
+    assert parse_core(["--worker-addrs", "h:1,h:2", "--pp", "2"], {}).async_scheduling is False
     serve = parse_serve(["/models/llama", "--async-scheduling"], {})
     assert serve.service_flags["core"] == ["--async-scheduling"]
 
