@@ -337,61 +337,83 @@ inline uint32_t bf16_pair(float a, float b) {
   return uint32_t(BF16::store(a)) | (uint32_t(BF16::store(b)) << 16);
 }
 
-// The decode of one (request, kv head) in bf16 with AVX512-BF16 dot products: scores 16 keys
-// at a time, the values two rows at a time (interleaved pairs; probabilities in bf16 as the
-// matmul path has them); accumulators in float32, their lanes permuted by the interleave.
-void decode_one_avx512(const DecodeShape& s, int64_t req, int64_t kvh, const uint16_t* q,
-                       int64_t qst, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                       int64_t seq_len, float scale, uint16_t* out, std::vector<float>& scores) {
-  const int64_t g = s.group, d = s.head_dim, bs = s.block_size, nq = d / 32;
-  const int64_t block_stride = s.num_kv_heads * bs * d;
-  const int64_t used_blocks = (seq_len + bs - 1) / bs;
-  scores.resize(g * seq_len);
-  __m512bh qv[8][8];
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < nq; ++c)
-      qv[j][c] = (__m512bh)_mm512_loadu_si512(q + req * qst + (kvh * g + j) * d + 32 * c);
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const uint16_t* kb = kc + table[b] * block_stride + kvh * bs * d;
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t t = 0; t < num; t += 16)
-      for (int64_t j = 0; j < g; ++j)
-        qk_tile(qv[j], nq, kb + t * d, d, std::min<int64_t>(16, num - t), scale,
-                scores.data() + j * seq_len + b * bs + t);
-  }
-  float inv_sum[8];
-  for (int64_t j = 0; j < g; ++j) inv_sum[j] = exp_shifted(scores.data() + j * seq_len, seq_len);
-  __m512 acc[8][16];
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < 2 * nq; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const uint16_t* vb = vc + table[b] * block_stride + kvh * bs * d;
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t t = 0; t < num; t += 2) {
-      const bool is_pair = t + 1 < num;
-      const uint16_t* v0 = vb + t * d;
-      const uint16_t* v1 = is_pair ? v0 + d : v0;  // a lone last row pairs with itself at p = 0
-      __m512i lo[8], hi[8];
+
+// Scratch of one thread's decodes: scores [heads, seq_len], the query heads as bf16 vectors, and
+// the float32 accumulators of the values (lanes permuted by the interleave, see below).
+struct DecodeScratch {
+  std::vector<float> scores;
+  std::vector<__m512bh> queries;
+  std::vector<__m512> acc;
+};
+
+// acc += p v over the num value rows of one block of kv head `local` (its g query heads'
+// probabilities start at column `pos` of their score rows): two rows per step, interleaved
+// into bf16 pairs, so lane 4k + i of the lo (hi) accumulator of chunk c holds dimension
+// 32c + 8k + i (+ 4).
+void pv_block(DecodeScratch& x, int64_t local, int64_t g, int64_t nq, const uint16_t* vb,
+              int64_t d, int64_t num, int64_t seq_len, int64_t pos) {
+  for (int64_t t = 0; t < num; t += 2) {
+    const bool is_pair = t + 1 < num;
+    const uint16_t* v0 = vb + t * d;
+    const uint16_t* v1 = is_pair ? v0 + d : v0;  // a lone last row pairs with itself at p = 0
+    __m512i lo[8], hi[8];
+    for (int64_t c = 0; c < nq; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), e = _mm512_loadu_si512(v1 + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(a, e);
+      hi[c] = _mm512_unpackhi_epi16(a, e);
+    }
+    for (int64_t j = local * g; j < (local + 1) * g; ++j) {
+      const float* pj = x.scores.data() + j * seq_len + pos + t;
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(bf16_pair(pj[0], is_pair ? pj[1] : 0.0f)));
+      __m512* acc = &x.acc[j * 2 * nq];
       for (int64_t c = 0; c < nq; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), e = _mm512_loadu_si512(v1 + 32 * c);
-        lo[c] = _mm512_unpacklo_epi16(a, e);
-        hi[c] = _mm512_unpackhi_epi16(a, e);
-      }
-      for (int64_t j = 0; j < g; ++j) {
-        const float* pj = scores.data() + j * seq_len + b * bs + t;
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(bf16_pair(pj[0], is_pair ? pj[1] : 0.0f)));
-        for (int64_t c = 0; c < nq; ++c) {
-          acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], (__m512bh)lo[c], p);
-          acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], p);
-        }
+        acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], (__m512bh)lo[c], p);
+        acc[2 * c + 1] = _mm512_dpbf16_ps(acc[2 * c + 1], (__m512bh)hi[c], p);
       }
     }
   }
+}
+
+// softmax(q k^T * scale) v of one request's query heads sharing kv heads [h0, h1), in bf16 with
+// AVX512-BF16 dot products: scores 16 keys at a time, values two rows at a time (interleaved
+// pairs; probabilities in bf16 as the matmul path has them), accumulators in float32. Blocks
+// are the outer loop, so a block's kv heads are read in cache order (one contiguous span).
+void decode_heads_avx512(const DecodeShape& s, int64_t req, int64_t h0, int64_t h1,
+                         const uint16_t* q, int64_t qst, const uint16_t* kc, const uint16_t* vc,
+                         const int64_t* table, int64_t seq_len, float scale, uint16_t* out,
+                         DecodeScratch& x) {
+  const int64_t g = s.group, d = s.head_dim, bs = s.block_size, nq = d / 32;
+  const int64_t block_stride = s.num_kv_heads * bs * d, first = h0 * g, heads = (h1 - h0) * g;
+  const int64_t used_blocks = (seq_len + bs - 1) / bs;
+  x.scores.resize(heads * seq_len);
+  x.queries.resize(heads * nq);
+  x.acc.assign(heads * 2 * nq, _mm512_setzero_ps());
+  for (int64_t j = 0; j < heads; ++j)
+    for (int64_t c = 0; c < nq; ++c)
+      x.queries[j * nq + c] = (__m512bh)_mm512_loadu_si512(q + req * qst + (first + j) * d + 32 * c);
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t num = std::min(bs, seq_len - b * bs);
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint16_t* kb = kc + table[b] * block_stride + h * bs * d;
+      for (int64_t t = 0; t < num; t += 16)
+        for (int64_t j = (h - h0) * g; j < (h - h0 + 1) * g; ++j)
+          qk_tile(&x.queries[j * nq], nq, kb + t * d, d, std::min<int64_t>(16, num - t), scale,
+                  x.scores.data() + j * seq_len + b * bs + t);
+    }
+  }
+  std::vector<float> inv_sum(heads);
+  for (int64_t j = 0; j < heads; ++j) inv_sum[j] = exp_shifted(x.scores.data() + j * seq_len, seq_len);
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t num = std::min(bs, seq_len - b * bs);
+    for (int64_t h = h0; h < h1; ++h)
+      pv_block(x, h - h0, g, nq, vc + table[b] * block_stride + h * bs * d, d, num,
+               seq_len, b * bs);
+  }
   alignas(64) float lanes[16];
-  for (int64_t j = 0; j < g; ++j) {
-    uint16_t* orow = out + (req * s.num_heads + kvh * g + j) * d;
+  for (int64_t j = 0; j < heads; ++j) {
+    uint16_t* orow = out + (req * s.num_heads + first + j) * d;
     for (int64_t c = 0; c < 2 * nq; ++c) {  // lane 4k + i of the lo (hi) half: d = 32 (c / 2) + 8k + i (+ 4)
-      _mm512_store_ps(lanes, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j])));
+      _mm512_store_ps(lanes, _mm512_mul_ps(x.acc[j * 2 * nq + c], _mm512_set1_ps(inv_sum[j])));
       for (int k = 0; k < 4; ++k)
         for (int i = 0; i < 4; ++i) orow[32 * (c / 2) + 8 * k + 4 * (c % 2) + i] = BF16::store(lanes[4 * k + i]);
     }
@@ -438,12 +460,16 @@ void paged_decode_attention(Tensor out, Tensor query, Tensor kv_cache, Tensor bl
     const auto* q = ptr<BF16>(query);
     auto* o = ptr<BF16>(out);
     const int64_t qst = query.stride(0);
-    at::parallel_for(0, s.num_reqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+    // A task is a request (its blocks read in cache order) when there are enough of them to
+    // share out, else one kv head of a request.
+    const int64_t split = s.num_reqs >= 2 * at::get_num_threads() ? 1 : s.num_kv_heads;
+    at::parallel_for(0, s.num_reqs * split, 1, [&](int64_t begin, int64_t end) {
+      DecodeScratch scratch;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t req = task / s.num_kv_heads, kvh = task % s.num_kv_heads;
-        decode_one_avx512(s, req, kvh, q, qst, kc, vc, tables + req * s.max_blocks, lens[req],
-                          float(scale), o, scores);
+        const int64_t req = task / split, h0 = (task % split) * s.num_kv_heads / split;
+        const int64_t h1 = h0 + s.num_kv_heads / split;
+        decode_heads_avx512(s, req, h0, h1, q, qst, kc, vc, tables + req * s.max_blocks,
+                            lens[req], float(scale), o, scratch);
       }
     });
     return;
