@@ -4,13 +4,17 @@ A port the kernel hands out for `bind(0)` comes from its ephemeral range, the sa
 outgoing connection takes its local port from. Between finding such a port and the child
 binding it, any connection on the machine may take it ("address already in use" at start-up,
 seen on a busy CI machine). Ports below that range are never handed to connections, so they
-are picked there, at random, and checked by binding them.
+are picked there, at random, and checked by binding them. A port handed out stays unbound until
+its child starts, so this process never hands the same port out again while it is among the
+last RECENT_PORTS it gave (a second call for the next child would otherwise find it free).
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from pathlib import Path
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -18,7 +22,10 @@ LINUX_EPHEMERAL_RANGE = (32768, 60999)
 LOWEST_PICKED_PORT = 10000
 MIN_PICK_SPAN = 1000
 MAX_TRIES_PER_PORT = 50
+RECENT_PORTS = 4096
 _picker = random.Random()  # its own generator: tests that seed `random` must not align picks
+_lock = threading.Lock()
+_recent: deque[int] = deque(maxlen=RECENT_PORTS)
 
 
 def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -53,7 +60,10 @@ def _bound(host: str, port: int) -> socket.socket | None:
 
 def _bind_one(host: str, span: range | None) -> socket.socket:
     for _ in range(MAX_TRIES_PER_PORT if span else 0):
-        sock = _bound(host, _picker.choice(span))  # type: ignore[arg-type]
+        port = _picker.choice(span)  # type: ignore[arg-type]
+        if port in _recent:
+            continue
+        sock = _bound(host, port)
         if sock is not None:
             return sock
     sock = socket.socket()  # no room outside the ephemeral range: let the kernel pick
@@ -66,10 +76,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     leaves room (all held open together while picking, so they differ)."""
     span = pick_range(ephemeral_range())
     sockets: list[socket.socket] = []
-    try:
-        while len(sockets) < count:
-            sockets.append(_bind_one(host, span))
-        return [int(s.getsockname()[1]) for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    with _lock:
+        try:
+            while len(sockets) < count:
+                sockets.append(_bind_one(host, span))
+            ports = [int(s.getsockname()[1]) for s in sockets]
+            _recent.extend(ports)
+            return ports
+        finally:
+            for sock in sockets:
+                sock.close()

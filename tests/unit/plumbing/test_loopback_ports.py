@@ -68,3 +68,10 @@ def test_a_port_in_use_is_never_given(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         for sock in holders:
             sock.close()
+
+
+def test_a_port_is_not_handed_out_again_before_its_child_binds_it() -> None:
+    """Ports handed out stay unbound until their child starts: later calls (the next child's
+    ports) must not return them again, though binding would find them free."""
+    ports = [port for _ in range(1000) for port in free_ports(4)]
+    assert len(ports) == len(set(ports)) == 4000 <= loopback_ports.RECENT_PORTS
