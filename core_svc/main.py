@@ -144,6 +144,8 @@ async def serve(config: CoreConfig) -> int:
         return 1
     info = engine_info(config, facts)
     log_kv_cache(config, facts, info)
+    if config.async_scheduling:  # vLLM's wording
+        logger.info("Asynchronous scheduling is enabled (--no-async-scheduling: lockstep)")
     host = ServiceHost(
         name="core",
         host=config.host,

@@ -89,6 +89,8 @@ def test_serve_a_model_positionally_with_a_config_file(
     messages = [r["message"] for r in records]
     loading = [m for m in messages if m.startswith("loading ") and "enforce_eager" in m]
     assert loading and any(m.startswith("Model loading took ") for m in messages)
+    assert "Asynchronous scheduling is enabled (--no-async-scheduling: lockstep)" in messages
+    assert any(m.startswith("CPU kernels loaded from ") for m in messages)
     stats = [m for m in messages if "Avg prompt throughput" in m]
     assert stats and all("CPU KV cache usage" in m for m in stats)
     assert any("Avg generation throughput: 0.0" not in m for m in stats)

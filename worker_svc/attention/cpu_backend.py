@@ -17,8 +17,9 @@ avx512_bf16 host, one thread: 0.3 ms against SDPA's 0.7 ms for a 128-token bf16 
 1.1 ms against 2.6 ms for 256 tokens.
 
 With the CPU kernels loaded (worker_svc/kernels), decodes instead read the cache in place
-through their block tables, one pass per (request, KV head) with float32 scores and softmax: no
-gather, no bias tensor, no per-step index arrays beyond the block table itself.
+through their block tables (a request's blocks in cache order, or one KV head of it when there
+are few requests) with float32 scores and softmax: no gather, no bias tensor, no per-step index
+arrays beyond the block table itself.
 
 The torch backend stays the reference: tests compare the two on mixed steps.
 """

@@ -25,7 +25,6 @@ import subprocess
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from splitserve_runtime.model_cache import default_cache_dir, ensure_built
 
@@ -58,6 +57,8 @@ def cache_key() -> str:
 
 
 def compile_command(output: Path) -> list[str]:
+    from torch.utils import cpp_extension  # imports setuptools: only when a build is due
+
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
