@@ -113,19 +113,11 @@ class Scheduler:
         output.free_encoder_mm_hashes = self.encoder.take_freed()
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         num_computed = [request.num_computed_tokens for request in scheduled]
+        in_flight = ScheduledStep(self.step_id, scheduled, num_computed)
         if self.async_scheduling:
-            self._add_output_placeholders(scheduled, num_computed)
-        self._in_flight.append(ScheduledStep(self.step_id, scheduled, num_computed))
+            in_flight.add_output_placeholders()
+        self._in_flight.append(in_flight)
         return output
-
-    @staticmethod
-    def _add_output_placeholders(scheduled: list[Request], num_computed: list[int]) -> None:
-        """A request whose scheduled tokens reach its end samples in this step: its token is
-        a placeholder until the step's output comes back (the next step may be scheduled
-        before that, with the placeholder as its input)."""
-        for request, num_computed_tokens in zip(scheduled, num_computed, strict=True):
-            if num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1
 
     @property
     def has_steps_in_flight(self) -> bool:

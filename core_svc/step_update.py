@@ -38,6 +38,15 @@ class ScheduledStep:
     requests: list[Request]
     num_computed_tokens: list[int]
 
+    def add_output_placeholders(self) -> None:
+        """Async scheduling: a request whose scheduled tokens reach its end samples in this
+        step; its token is a placeholder until the step's output comes back (the next step may
+        be scheduled before that, with the placeholder as its input). Applying the output
+        takes the placeholder back."""
+        for request, num_computed in zip(self.requests, self.num_computed_tokens, strict=True):
+            if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+
 
 def append_sampled_tokens(
     scheduler: Scheduler,

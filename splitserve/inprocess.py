@@ -173,6 +173,11 @@ class EngineOptions:
     enable_expert_parallel: bool = False
     """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
 
+    @property
+    def is_async_scheduling(self) -> bool:
+        """The in-process engine has one stage, so async scheduling runs unless switched off."""
+        return self.async_scheduling is not False
+
 
 @dataclass
 class InProcessEngine:
@@ -204,7 +209,7 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 block_size=options.block_size,
                 enforce_eager=options.enforce_eager,
-                async_scheduling=options.async_scheduling is not False,
+                async_scheduling=options.is_async_scheduling,
             )
         )
         capacity = worker.get_kv_capacity(
@@ -254,7 +259,7 @@ async def start_in_process(
             options.max_num_seqs,
             options.max_num_batched_tokens,
             info.max_model_len,
-            async_scheduling=options.async_scheduling is not False,
+            async_scheduling=options.is_async_scheduling,
         ),
         CacheConfig(
             num_blocks,

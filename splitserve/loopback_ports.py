@@ -59,13 +59,14 @@ def _bound(host: str, port: int) -> socket.socket | None:
 
 
 def _bind_one(host: str, span: range | None) -> socket.socket:
-    for _ in range(MAX_TRIES_PER_PORT if span else 0):
-        port = _picker.choice(span)  # type: ignore[arg-type]
-        if port in _recent:
-            continue
-        sock = _bound(host, port)
-        if sock is not None:
-            return sock
+    if span is not None:
+        for _ in range(MAX_TRIES_PER_PORT):
+            port = _picker.choice(span)
+            if port in _recent:
+                continue
+            sock = _bound(host, port)
+            if sock is not None:
+                return sock
     sock = socket.socket()  # no room outside the ephemeral range: let the kernel pick
     sock.bind((host, 0))
     return sock

@@ -77,6 +77,11 @@ def _build(folder: Path) -> None:
         raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
 
 
+def is_rows(x: torch.Tensor) -> bool:
+    """A [rows, width] tensor whose rows are contiguous (what the row kernels take)."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
 class CpuKernels:
     """torch.ops.splitserve, loaded; each method allocates its output (or works in place)."""
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.kernels.cpu_kernels import CpuKernels, is_rows
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
 
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and _is_rows(x):
+        if self.kernels is not None and is_rows(x):
             return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
@@ -41,15 +41,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); the first layer passes residual=None."""
-        if self.kernels is not None and residual is not None and _is_rows(x) and _is_rows(residual):
+        if self.kernels is not None and residual is not None and is_rows(x) and is_rows(residual):
             return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x if residual is None else residual.add_(x)
         return self.forward(residual), residual
 
     def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
         copy_checked(self.weight, source[:], param_name)
-
-
-def _is_rows(x: torch.Tensor) -> bool:
-    """A [rows, width] tensor whose rows are contiguous (what the CPU kernels take)."""
-    return x.dim() == 2 and x.stride(1) == 1

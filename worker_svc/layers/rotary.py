@@ -165,11 +165,16 @@ class RotaryEmbedding:
         return self._rotate(x, cos, sin)
 
     def apply_(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> torch.Tensor:
-        """`apply`, in place where the CPU kernels are loaded (x [tokens, heads, head_dim] with
-        contiguous heads, e.g. a slice of the fused qkv output); returns the rotated tensor."""
-        if self.kernels is None or x.stride(2) != 1:
+        """`apply`, in place where the CPU kernels are loaded and `positions` given (x [tokens,
+        heads, head_dim] with contiguous heads, e.g. a slice of the fused qkv output); returns
+        the rotated tensor."""
+        if self.kernels is None or positions is None or x.stride(2) != 1:
             return self.apply(x, cos, sin)
         self.kernels.rotary_neox_(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim)
         return x

@@ -77,8 +77,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         cos, sin = self.rotary.cos_sin(positions)
         local = None
         if self.local_rotary is not None:
-            local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata)
-        return LocalRopeContext(cos, sin, attn_metadata, local=local)
+            local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata, positions)
+        return LocalRopeContext(cos, sin, attn_metadata, positions, local)
 
     def layer_context(self, layer: nn.Module, ctx: StepContext) -> StepContext:
         is_local = isinstance(layer, GemmaDecoderLayer) and layer.is_local

@@ -21,7 +21,7 @@ from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend, AttentionOptions
 from worker_svc.distributed import ParallelState
-from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.kernels.cpu_kernels import CpuKernels, is_rows
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import (
@@ -44,7 +44,7 @@ class StepContext:
     cos: torch.Tensor
     sin: torch.Tensor
     attn_metadata: object
-    positions: torch.Tensor | None = None  # for rotating in place (CPU kernels)
+    positions: torch.Tensor | None = None  # the step's positions (the CPU kernels rotate by them)
 
 
 def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -109,11 +109,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query = self.rotary.apply(self.q_norm(qkv[:, :h]), ctx.cos, ctx.sin)
             key = self.rotary.apply(self.k_norm(qkv[:, h : h + kvh]), ctx.cos, ctx.sin)
-        elif ctx.positions is not None:  # the CPU kernels rotate q and k in place
+        else:  # q and k together, in place where the CPU kernels are loaded
             rotated = self.rotary.apply_(qkv[:, : h + kvh], ctx.positions, ctx.cos, ctx.sin)
-            query, key = rotated[:, :h], rotated[:, h:]
-        else:
-            rotated = self.rotary.apply(qkv[:, : h + kvh], ctx.cos, ctx.sin)
             query, key = rotated[:, :h], rotated[:, h:]
         out = self.backend.forward(query, key, value, kv_cache, ctx.attn_metadata)
         return self.o_proj(out.reshape(num_tokens, h * d))
@@ -149,7 +146,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        if self.kernels is not None and is_rows(gate_up):
             return self.down_proj(self.kernels.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(gate_up))
 
@@ -258,8 +255,7 @@ class LlamaForCausalLM(nn.Module):
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
-        in_place = self.rotary.kernels is not None
-        return StepContext(cos, sin, attn_metadata, positions if in_place else None)
+        return StepContext(cos, sin, attn_metadata, positions)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
         """Run RMSNorm, rotary and SiLU-and-mul through the CPU kernels (after loading)."""
