@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from core_svc.block_hash import BlockHash
+from core_svc.kv_events import CachedSequence, KVEventRecorder
 
 
 class KVCacheBlock:
@@ -102,12 +103,14 @@ class BlockPool:
     Block 0 is the null block: reserved at start-up and never handed out or counted, so
     workers may use it as a padding target. Invariants: a block is in the free queue iff
     its ref_cnt is 0; `cached_block_hash_to_block[h].block_hash == h`; a block with a
-    hash that is not in the map (a duplicate of a cached block) cannot exist.
+    hash that is not in the map (a duplicate of a cached block) cannot exist. Every change
+    to the map is reported to `kv_events` (vLLM's kv_event_queue).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, kv_events: KVEventRecorder) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.kv_events = kv_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
@@ -134,9 +137,12 @@ class BlockPool:
         """Pop blocks from the free-queue head, evicting their cached hashes; ref_cnt = 1."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         cached = self.cached_block_hash_to_block
+        events = self.kv_events
         for block in blocks:
             if block.block_hash is not None:
                 del cached[block.block_hash]
+                if events.is_recording:
+                    events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -162,22 +168,34 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
+        sequence: CachedSequence,
         blocks: Sequence[KVCacheBlock],
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under their hashes. A block
-        whose hash another block already holds stays unregistered (a duplicate)."""
+        """Register blocks[num_cached_blocks:num_full_blocks] of `sequence` under their hashes.
+        A block whose hash another block already holds stays unregistered (a duplicate); each
+        run of newly registered blocks goes to `kv_events`."""
         cached = self.cached_block_hash_to_block
+        run_start = -1
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None or block is self.null_block:
-                continue
             block_hash = block_hashes[i]
-            if block_hash not in cached:
+            if (
+                block.block_hash is None
+                and block is not self.null_block
+                and block_hash not in cached
+            ):
                 block.block_hash = block_hash
                 cached[block_hash] = block
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                self.kv_events.stored(sequence, blocks, block_hashes, run_start, i)
+                run_start = -1
+        if run_start >= 0:
+            self.kv_events.stored(sequence, blocks, block_hashes, run_start, num_full_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
@@ -186,4 +204,5 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.kv_events.cleared()
         return True

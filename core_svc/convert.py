@@ -6,6 +6,15 @@ call per column) so a step with a thousand requests costs a handful of calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from core_svc.kv_events import (
+    AllBlocksCleared,
+    BlockExtraKeys,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import (
     EngineCoreEvent,
@@ -86,6 +95,8 @@ def scheduler_stats_to_proto(
     msg.num_total_blocks = stats.num_total_blocks
     msg.encoder_cache_queries = stats.encoder_cache_queries
     msg.encoder_cache_hits = stats.encoder_cache_hits
+    msg.num_generation_tokens = stats.num_generation_tokens
+    msg.num_waiting_tokens = stats.num_waiting_tokens
     return msg
 
 
@@ -103,7 +114,59 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
         num_total_blocks=msg.num_total_blocks,
         encoder_cache_queries=msg.encoder_cache_queries,
         encoder_cache_hits=msg.encoder_cache_hits,
+        num_generation_tokens=msg.num_generation_tokens,
+        num_waiting_tokens=msg.num_waiting_tokens,
     )
+
+
+def kv_events_to_proto(events: Iterable[KVCacheEvent], msg: core_pb2.KvCacheEvents) -> None:
+    """Each event once; a stored run's hashes as one bytes field, its tokens as one column."""
+    for event in events:
+        entry = msg.events.add()
+        if isinstance(event, BlockStored):
+            stored = entry.stored
+            stored.block_hashes = b"".join(event.block_hashes)
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = event.parent_block_hash
+            stored.token_ids.extend(event.token_ids)
+            for keys in event.extra_keys or ():
+                keys_msg = stored.extra_keys.add(cache_salt=keys.cache_salt)
+                for identifier, offset in keys.multimodal:
+                    keys_msg.multimodal.add(identifier=identifier, offset=offset)
+        elif isinstance(event, BlockRemoved):
+            entry.removed.block_hashes = b"".join(event.block_hashes)
+        else:
+            entry.cleared.SetInParent()
+
+
+def _split_hashes(data: bytes) -> list[bytes]:
+    return [data[i : i + 32] for i in range(0, len(data), 32)]
+
+
+def kv_events_from_proto(msg: core_pb2.KvCacheEvents) -> list[KVCacheEvent]:
+    """The inverse of kv_events_to_proto (for tests and tools that read a core's stream)."""
+    events: list[KVCacheEvent] = []
+    for entry in msg.events:
+        kind = entry.WhichOneof("event")
+        if kind == "stored":
+            stored = entry.stored
+            extra = [
+                BlockExtraKeys(k.cache_salt, tuple((m.identifier, m.offset) for m in k.multimodal))
+                for k in stored.extra_keys
+            ]
+            events.append(
+                BlockStored(
+                    _split_hashes(stored.block_hashes),
+                    stored.parent_block_hash or None,
+                    list(stored.token_ids),
+                    extra or None,
+                )
+            )
+        elif kind == "removed":
+            events.append(BlockRemoved(_split_hashes(entry.removed.block_hashes)))
+        else:
+            events.append(AllBlocksCleared())
+    return events
 
 
 def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -> None:
@@ -137,6 +200,14 @@ def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineC
     msg.step_id = outputs.step_id
     if outputs.scheduler_stats is not None:
         scheduler_stats_to_proto(outputs.scheduler_stats, msg.scheduler_stats)
+    return msg
+
+
+def stream_response_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineStreamResponse:
+    """One step's outputs for a client, with the KV-cache events it subscribed to."""
+    msg = core_pb2.EngineStreamResponse(outputs=engine_core_outputs_to_proto(outputs))
+    if outputs.kv_events:
+        kv_events_to_proto(outputs.kv_events, msg.kv_events)
     return msg
 
 

@@ -12,6 +12,7 @@ from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
 from core_svc.executor import Executor, ExecutorError, FaultCause
 from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.kv_events import KVEventBatch, KVEventRecorder
 from core_svc.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -178,6 +179,7 @@ class EngineCore:
         """Stop every live request of a client (its stream closed)."""
         live = self.client_requests.pop(client_id, None)
         self._pending_outputs.pop(client_id, None)
+        self.kv_events.unsubscribe(client_id)
         if live:
             self.scheduler.finish_requests(list(live.values()), RequestStatus.FINISHED_ABORTED)
 
@@ -375,10 +377,23 @@ class EngineCore:
             num_generation_tokens=scheduler.num_generation_tokens,
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
+            num_waiting_tokens=scheduler.num_waiting_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any
+        request holds KV blocks, steps in flight included."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def kv_events(self) -> KVEventRecorder:
+        return self.kv_cache_manager.kv_events
+
+    def subscribe_kv_events(self, client_id: int) -> list[KVEventBatch]:
+        """Send the client the KV-cache events from now on; returns its snapshot of the cache
+        (the caller hands the events recorded so far to the other subscribers first)."""
+        cached = self.kv_cache_manager.block_pool.cached_block_hash_to_block
+        return self.kv_events.subscribe(client_id, cached)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -21,13 +21,15 @@ from enum import Enum
 
 from core_svc.engine_core import EngineCore, Fault
 from core_svc.executor import Executor, FaultCause
+from core_svc.kv_events import KVEventBatch
 from core_svc.outputs import EngineCoreOutputs, SchedulerStats
 from core_svc.request import Request
 
 logger = logging.getLogger(__name__)
 
-OutputSink = Callable[[int, EngineCoreOutputs], None]
-"""Receives (client_id, outputs) on the loop thread; must not block for long."""
+OutputSink = Callable[[int, EngineCoreOutputs | KVEventBatch], None]
+"""Receives (client_id, outputs or KV-cache events) on the loop thread; must not block for
+long."""
 StatsSink = Callable[[SchedulerStats, float | None], None]
 """Called on the loop thread after every iteration with the scheduler snapshot and the step's
 duration in seconds (None when the iteration ran no step); feeds the metrics."""
@@ -48,6 +50,10 @@ class CommandKind(Enum):
     """The ranks are back: step on a new executor."""
     GIVE_UP = 9
     """The ranks did not come back in time: fail every request."""
+    SUBSCRIBE_KV_EVENTS = 10
+    """Send the client the prefix cache as events, then its changes (again: a resync)."""
+    RESET_PREFIX_CACHE = 11
+    """Forget the prefix cache unless requests hold blocks; `done` gets whether it did."""
 
 
 @dataclass(slots=True)
@@ -62,7 +68,8 @@ class EngineCommand:
     fault: Fault | None = None
     num_blocks: int = 0
     done: Future[int] | None = None
-    """RESUME: resolved with the number of requests resumed."""
+    """RESUME: resolved with the number of requests resumed; RESET_PREFIX_CACHE: with the
+    blocks held by requests when it refused (0: reset)."""
 
 
 class EngineCoreProc:
@@ -145,6 +152,20 @@ class EngineCoreProc:
         self._input_queue.put(command)
         return done
 
+    def subscribe_kv_events(self, client_id: int) -> None:
+        """From the next iteration on, send the client the KV-cache events, starting with a
+        snapshot of the cache (asked again: a fresh snapshot, for a client that fell behind)."""
+        self._input_queue.put(EngineCommand(CommandKind.SUBSCRIBE_KV_EVENTS, client_id))
+
+    def reset_prefix_cache(self) -> Future[int]:
+        """Forget the prefix cache between two steps; the future gives 0 when it did, else the
+        number of KV blocks requests held (it refused, as vLLM does)."""
+        done: Future[int] = Future()
+        command = EngineCommand(CommandKind.RESET_PREFIX_CACHE)
+        command.done = done
+        self._input_queue.put(command)
+        return done
+
     def give_up(self, message: str) -> None:
         """Fail every request with `message` (the ranks did not come back); the engine is
         failed from now on."""
@@ -203,11 +224,14 @@ class EngineCoreProc:
             outputs = engine_core.step(self._apply_step_aborts)
             if engine_core.num_steps_applied > num_applied:  # not a call that only sent a step
                 step_seconds = time.perf_counter() - started
+            self._send_kv_events(outputs)
             self._route(outputs)
             if not engine_core.can_step:
                 self._report_fault()
             # step() already snapshotted the scheduler for its outputs; reuse it.
             stats = next((o.scheduler_stats for o in outputs.values()), None)
+        else:
+            self._send_kv_events({})  # what the commands did (a reset, a fresh cache)
         self._stats = stats or engine_core.make_stats()
         self._on_stats(self._stats, step_seconds)
         return True
@@ -226,6 +250,15 @@ class EngineCoreProc:
         elif command.kind is CommandKind.ABORT_ALL:
             message = "the engine is shutting down; retry elsewhere"
             self._route(engine_core.stamp(engine_core.abort_all(message)))
+        elif command.kind is CommandKind.SUBSCRIBE_KV_EVENTS:
+            self._send_kv_events({})  # what happened before the snapshot, to the others
+            for batch in engine_core.subscribe_kv_events(command.client_id):
+                self._output_sink(command.client_id, batch)
+        elif command.kind is CommandKind.RESET_PREFIX_CACHE:
+            assert command.done is not None
+            is_reset = engine_core.reset_prefix_cache()
+            pool = engine_core.kv_cache_manager.block_pool
+            command.done.set_result(0 if is_reset else pool.get_num_used_blocks())
         else:
             self._apply_recovery(command)
 
@@ -264,6 +297,22 @@ class EngineCoreProc:
             aborts, self._step_aborts = self._step_aborts, []
         for command in aborts:
             self._apply(command)
+
+    def _send_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Hand the events recorded so far to every subscriber: with its outputs of this step
+        when it has some, else on their own."""
+        kv_events = self.engine_core.kv_events
+        if not kv_events.is_recording:
+            return
+        events = kv_events.take()
+        if not events:
+            return
+        for client_id in kv_events.subscribers:
+            engine_outputs = outputs.get(client_id)
+            if engine_outputs is not None:
+                engine_outputs.kv_events = events
+            else:
+                self._output_sink(client_id, KVEventBatch(events))
 
     def _route(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         for client_id, engine_outputs in outputs.items():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from core_svc.block_pool import BlockPool, KVCacheBlock
+from core_svc.kv_events import KVEventRecorder
 from core_svc.request import Request
 
 _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
@@ -69,7 +70,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.kv_events = KVEventRecorder(num_blocks, block_size)
+        """What happens to the prefix cache, for the frontends that subscribe."""
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.kv_events)
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -205,7 +208,11 @@ class KVCacheManager:
         if num_full_blocks <= num_cached_blocks:
             return
         self.block_pool.cache_full_blocks(
-            self.req_to_blocks[handle], request.block_hashes, num_cached_blocks, num_full_blocks
+            request,
+            self.req_to_blocks[handle],
+            request.block_hashes,
+            num_cached_blocks,
+            num_full_blocks,
         )
         self.num_cached_blocks[handle] = num_full_blocks
 
@@ -230,8 +237,9 @@ class KVCacheManager:
     def reset(self, num_blocks: int) -> None:
         """A fresh cache of `num_blocks` blocks, all free, nothing cached (the ranks were brought
         up again: the KV they held is gone). Requires that no request holds blocks; the
-        prefix-cache counters go on."""
+        prefix-cache counters go on, and KV-event subscribers get an AllBlocksCleared."""
         if self.req_to_blocks:
             raise AssertionError(f"{len(self.req_to_blocks)} requests still hold KV blocks")
-        self.block_pool = BlockPool(num_blocks, self.enable_caching)
+        self.kv_events.reset(num_blocks)
+        self.block_pool = BlockPool(num_blocks, self.enable_caching, self.kv_events)
         self.num_cached_blocks.clear()

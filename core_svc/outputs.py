@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from core_svc.kv_events import KVCacheEvent
+
 
 class FinishReason(IntEnum):
     """Why a request stopped; values match common.v1.FinishReason."""
@@ -86,6 +88,8 @@ class SchedulerStats:
     """Cumulative: tokens sampled."""
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
+    num_waiting_tokens: int = 0
+    """Tokens of the waiting requests (prefix-cache hits not subtracted)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +104,8 @@ class EngineCoreOutputs:
     timestamp: float = 0.0
     step_id: int = 0
     scheduler_stats: SchedulerStats | None = None
+    kv_events: list[KVCacheEvent] | None = None
+    """The prefix cache's changes up to and during this step, for a client that subscribed."""
 
     def merge(self, other: EngineCoreOutputs) -> None:
         """Append `other`'s columns and details (used when rejected requests share a step)."""

@@ -1,9 +1,11 @@
 """EngineCoreService servicer: handlers only convert and enqueue; the busy loop does the work.
 
 Each EngineStream gets a client id and an outbox in `ClientStreams`. The busy-loop thread hands
-a client's outputs to `ClientStreams.deliver`, which moves them onto that stream's asyncio queue
-without blocking the loop; the stream's handler converts and sends them. A stream that ends (or
-whose peer vanishes) aborts every request it added.
+a client's outputs (and the KV-cache events it subscribed to) to `ClientStreams.deliver`, which
+moves them onto that stream's asyncio queue without blocking the loop; the stream's handler
+converts and sends them. A stream that ends (or whose peer vanishes) aborts every request it
+added. A subscribed stream that falls behind stops getting KV-cache events until it has caught
+up, then gets the whole cache again (a fresh snapshot): events never pile up in the core.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.kv_events import KVEventBatch
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -32,6 +35,10 @@ _STREAM_CLOSED = object()
 MAX_UNSENT_OUTPUTS = 10_000
 """A frontend that leaves this many step outputs unread is dropped: its requests are aborted
 (their KV freed) and its stream ends; it reconnects when it reads again."""
+MAX_UNSENT_BEFORE_KV_RESYNC = 1_000
+"""A subscribed frontend with this many messages unsent loses its pending KV-cache events; once
+its outbox is empty again it gets a fresh snapshot of the cache."""
+RESET_PREFIX_CACHE_TIMEOUT_S = 30.0
 
 
 class ClientStreams:
@@ -44,6 +51,8 @@ class ClientStreams:
         self.overflowed: set[int] = set()
         """Clients dropped for not reading; their handlers end at the next chance."""
         self.on_overflow: Callable[[int], None] = lambda client_id: None
+        self._kv_lagging: dict[int, bool] = {}
+        """Clients whose KV-cache events are being dropped -> whether a resync was asked."""
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -57,17 +66,18 @@ class ClientStreams:
     def close(self, client_id: int) -> None:
         self._queues.pop(client_id, None)
         self.overflowed.discard(client_id)
+        self._kv_lagging.pop(client_id, None)
 
     def close_all(self) -> None:
         """End every stream (shutdown): their requests are aborted."""
         for queue in list(self._queues.values()):
             queue.put_nowait(_STREAM_CLOSED)
 
-    def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
+    def deliver(self, client_id: int, outputs: EngineCoreOutputs | KVEventBatch) -> None:
         """The busy loop's output sink (its thread): hand outputs over, never block."""
-        self._loop.call_soon_threadsafe(self._put, client_id, (outputs, time.perf_counter()))
+        self._loop.call_soon_threadsafe(self._put, client_id, outputs, time.perf_counter())
 
-    def _put(self, client_id: int, item: object) -> None:
+    def _put(self, client_id: int, item: EngineCoreOutputs | KVEventBatch, at: float) -> None:
         queue = self._queues.get(client_id)
         if queue is None or client_id in self.overflowed:
             return
@@ -76,7 +86,32 @@ class ClientStreams:
             self.overflowed.add(client_id)
             self.on_overflow(client_id)
             return
-        queue.put_nowait(item)
+        if isinstance(item, KVEventBatch) and item.is_snapshot:
+            self._kv_lagging.pop(client_id, None)  # a snapshot: events flow again after it
+        elif client_id in self._kv_lagging or queue.qsize() >= MAX_UNSENT_BEFORE_KV_RESYNC:
+            if isinstance(item, KVEventBatch):
+                self._drop_kv_events(client_id)
+                return
+            if item.kv_events:
+                item.kv_events = None
+                self._drop_kv_events(client_id)
+        queue.put_nowait((item, at))
+
+    def _drop_kv_events(self, client_id: int) -> None:
+        if client_id not in self._kv_lagging:
+            logger.warning(
+                "stream %d is behind; dropping its KV-cache events until it catches up, "
+                "then sending it the whole cache again",
+                client_id,
+            )
+            self._kv_lagging[client_id] = False
+
+    def needs_kv_resync(self, client_id: int, queue: asyncio.Queue[object]) -> bool:
+        """True once (until the snapshot came) for a lagging client whose outbox is empty."""
+        if self._kv_lagging.get(client_id) is False and queue.empty():
+            self._kv_lagging[client_id] = True
+            return True
+        return False
 
 
 class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
@@ -115,6 +150,24 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         stats = convert.scheduler_stats_to_proto(self._proc.latest_stats)
         return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
 
+    async def ResetPrefixCache(  # noqa: N802
+        self, request: core_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.ResetPrefixCacheResponse:
+        done = asyncio.wrap_future(self._proc.reset_prefix_cache())
+        try:
+            num_used_blocks = await asyncio.wait_for(done, RESET_PREFIX_CACHE_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the engine loop did not answer; retry later"
+            )
+        if num_used_blocks:
+            logger.info("prefix cache reset refused: requests hold %d KV blocks", num_used_blocks)
+        else:
+            logger.info("prefix cache reset")
+        return core_pb2.ResetPrefixCacheResponse(
+            reset=num_used_blocks == 0, num_used_blocks=num_used_blocks
+        )
+
     async def EngineStream(  # noqa: N802
         self,
         request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
@@ -133,13 +186,18 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 if isinstance(item, core_pb2.EngineStreamResponse):  # a pong
                     yield item
                     continue
-                outputs, handed_at = cast(tuple[EngineCoreOutputs, float], item)
-                yield core_pb2.EngineStreamResponse(
-                    outputs=convert.engine_core_outputs_to_proto(outputs)
-                )
-                self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
+                payload, handed_at = cast(tuple[EngineCoreOutputs | KVEventBatch, float], item)
+                if isinstance(payload, KVEventBatch):
+                    response = core_pb2.EngineStreamResponse()
+                    convert.kv_events_to_proto(payload.events, response.kv_events)
+                    yield response
+                else:
+                    yield convert.stream_response_to_proto(payload)
+                    self._metrics.output_send_seconds.observe(time.perf_counter() - handed_at)
                 if client_id in self._streams.overflowed:
                     return
+                if self._streams.needs_kv_resync(client_id, queue):
+                    proc.subscribe_kv_events(client_id)
         finally:
             self._streams.close(client_id)
             self._metrics.streams.set(len(self._streams))
@@ -172,6 +230,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     queue.put_nowait(
                         core_pb2.EngineStreamResponse(pong=core_pb2.Pong(ping_id=msg.ping.ping_id))
                     )
+                elif kind == "subscribe_kv_events":
+                    proc.subscribe_kv_events(client_id)
         except grpc.RpcError:
             pass
         finally:

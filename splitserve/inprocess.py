@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from core_svc import convert as core_convert
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.kv_events import KVEventBatch
 from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
@@ -100,7 +101,9 @@ class OutputBridge:
         self._loop = loop
         self.events: asyncio.Queue[CoreEvent] = asyncio.Queue()
 
-    def deliver(self, client_id: int, outputs: EngineCoreOutputs) -> None:
+    def deliver(self, client_id: int, outputs: EngineCoreOutputs | KVEventBatch) -> None:
+        if isinstance(outputs, KVEventBatch):
+            return  # never subscribed: the offline API serves no gateway
         msg = core_convert.engine_core_outputs_to_proto(outputs)
         self._loop.call_soon_threadsafe(
             self.events.put_nowait, frontend_convert.core_outputs_from_proto(msg)

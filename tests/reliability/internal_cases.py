@@ -61,6 +61,7 @@ RPC_CASES = [
         None,
     ),
     RpcCase("core-stats-garbage", CORE + "GetSchedulerStats", GARBAGE, INVALID, "malformed"),
+    RpcCase("core-reset-garbage", CORE + "ResetPrefixCache", GARBAGE, INVALID, "malformed"),
     RpcCase(
         "core-stream-malformed",
         CORE + "EngineStream",

@@ -35,6 +35,7 @@ def test_the_table_has_the_cases_the_issue_asks_for() -> None:
     assert len(RPC_CASES) + len(ADD_CASES) >= 20
     methods = {c.method.rsplit("/", 1)[1] for c in RPC_CASES}
     assert methods >= {"Handshake", "EngineStream", "GetSchedulerStats", "Describe", "LoadModel"}
+    assert "ResetPrefixCache" in methods
     assert methods >= {"GetKvCapacity", "InitializeKvCache", "Execute"}
 
 

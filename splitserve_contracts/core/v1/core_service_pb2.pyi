@@ -77,6 +77,51 @@ ENGINE_CORE_EVENT_TYPE_PREEMPTED: EngineCoreEventType.ValueType  # 3
 Global___EngineCoreEventType: _TypeAlias = EngineCoreEventType  # noqa: Y015
 
 @_typing.final
+class ResetPrefixCacheRequest(_message.Message):
+    """ResetPrefixCacheRequest asks the engine to forget its prefix cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetPrefixCacheRequest: _TypeAlias = ResetPrefixCacheRequest  # noqa: Y015
+
+@_typing.final
+class ResetPrefixCacheResponse(_message.Message):
+    """ResetPrefixCacheResponse says whether the prefix cache was reset."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESET_FIELD_NUMBER: _builtins.int
+    NUM_USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    reset: _builtins.bool
+    """True when every cached block was forgotten; false when requests still
+    held KV blocks (nothing changed then).
+    """
+    num_used_blocks: _builtins.int
+    """KV blocks held by requests when the reset was refused; 0 when reset."""
+    def __init__(
+        self,
+        *,
+        reset: _builtins.bool = ...,
+        num_used_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_used_blocks", b"num_used_blocks", "reset", b"reset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetPrefixCacheResponse: _TypeAlias = ResetPrefixCacheResponse  # noqa: Y015
+
+@_typing.final
 class HandshakeRequest(_message.Message):
     """HandshakeRequest introduces a frontend to the engine core."""
 
@@ -372,6 +417,7 @@ class EngineStreamRequest(_message.Message):
     ADD_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
+    SUBSCRIBE_KV_EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add(self) -> Global___AddRequests:
         """New requests."""
@@ -384,22 +430,49 @@ class EngineStreamRequest(_message.Message):
     def ping(self) -> Global___Ping:
         """A latency probe; the core answers with a Pong at once, off the engine loop."""
 
+    @_builtins.property
+    def subscribe_kv_events(self) -> Global___SubscribeKvEvents:
+        """From now on, send this stream the engine's KV-cache events."""
+
     def __init__(
         self,
         *,
         add: Global___AddRequests | None = ...,
         abort: Global___AbortRequests | None = ...,
         ping: Global___Ping | None = ...,
+        subscribe_kv_events: Global___SubscribeKvEvents | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping", "subscribe_kv_events"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___EngineStreamRequest: _TypeAlias = EngineStreamRequest  # noqa: Y015
+
+@_typing.final
+class SubscribeKvEvents(_message.Message):
+    """SubscribeKvEvents asks for the engine's KV-cache events on this stream:
+    first the whole prefix cache as it is (a KvCacheCleared, then every cached
+    block, parents first), then every step's changes, in order. A stream that
+    falls behind loses its pending events and gets the whole cache again, again
+    starting with a KvCacheCleared.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeKvEvents: _TypeAlias = SubscribeKvEvents  # noqa: Y015
 
 @_typing.final
 class Ping(_message.Message):
@@ -448,13 +521,15 @@ Global___Pong: _TypeAlias = Pong  # noqa: Y015
 @_typing.final
 class EngineStreamResponse(_message.Message):
     """EngineStreamResponse is one message from the engine core to a frontend:
-    either outputs or a pong.
+    outputs, KV-cache events (alone or with the outputs of the same step), or a
+    pong.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUTS_FIELD_NUMBER: _builtins.int
     PONG_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def outputs(self) -> Global___EngineCoreOutputs:
         """Outputs of one engine step for this frontend's requests."""
@@ -463,19 +538,234 @@ class EngineStreamResponse(_message.Message):
     def pong(self) -> Global___Pong:
         """The answer to a Ping; set instead of outputs."""
 
+    @_builtins.property
+    def kv_events(self) -> Global___KvCacheEvents:
+        """KV-cache events, for a stream that subscribed (SubscribeKvEvents): what
+        happened to the prefix cache before and during the step of `outputs`
+        (when set), in order.
+        """
+
     def __init__(
         self,
         *,
         outputs: Global___EngineCoreOutputs | None = ...,
         pong: Global___Pong | None = ...,
+        kv_events: Global___KvCacheEvents | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_events", b"kv_events", "outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_events", b"kv_events", "outputs", b"outputs", "pong", b"pong"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineStreamResponse: _TypeAlias = EngineStreamResponse  # noqa: Y015
+
+@_typing.final
+class KvCacheEvents(_message.Message):
+    """KvCacheEvents are changes to the engine's prefix cache, in the order they
+    happened (vLLM's KV-cache events). Blocks are named by their prefix-cache
+    hash: SHA-256 over the parent block's hash, the block's token ids and its
+    extra keys, 32 bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvCacheEvent]:
+        """The events, in order."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___KvCacheEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheEvents: _TypeAlias = KvCacheEvents  # noqa: Y015
+
+@_typing.final
+class KvCacheEvent(_message.Message):
+    """KvCacheEvent is one change to the prefix cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stored(self) -> Global___KvBlocksStored:
+        """Blocks became cached."""
+
+    @_builtins.property
+    def removed(self) -> Global___KvBlocksRemoved:
+        """Blocks left the cache (evicted to hold other tokens)."""
+
+    @_builtins.property
+    def cleared(self) -> Global___KvCacheCleared:
+        """Every block left the cache (a reset, a fresh cache, or the start of a
+        snapshot).
+        """
+
+    def __init__(
+        self,
+        *,
+        stored: Global___KvBlocksStored | None = ...,
+        removed: Global___KvBlocksRemoved | None = ...,
+        cleared: Global___KvCacheCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___KvCacheEvent: _TypeAlias = KvCacheEvent  # noqa: Y015
+
+@_typing.final
+class KvBlocksStored(_message.Message):
+    """KvBlocksStored is a run of consecutive full blocks of one token sequence
+    that became cached. Every block holds block_size tokens (EngineInfo).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    block_hashes: _builtins.bytes
+    """The blocks' hashes in sequence order, 32 bytes each, concatenated."""
+    parent_block_hash: _builtins.bytes
+    """Hash of the block before the first one in its sequence (32 bytes);
+    empty when the first block is the sequence's first.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The blocks' token ids, block_size per block, in order."""
+
+    @_builtins.property
+    def extra_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlockExtraKeys]:
+        """Empty, or one entry per block: the inputs besides token ids that went
+        into that block's hash (cache salt, images).
+        """
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _builtins.bytes = ...,
+        parent_block_hash: _builtins.bytes = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        extra_keys: _abc.Iterable[Global___KvBlockExtraKeys] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "extra_keys", b"extra_keys", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksStored: _TypeAlias = KvBlocksStored  # noqa: Y015
+
+@_typing.final
+class KvBlockExtraKeys(_message.Message):
+    """KvBlockExtraKeys are the inputs of one block's hash beyond its tokens."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    MULTIMODAL_FIELD_NUMBER: _builtins.int
+    cache_salt: _builtins.str
+    """The request's cache salt; only on a sequence's first block."""
+    @_builtins.property
+    def multimodal(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvMultimodalKey]:
+        """The multimodal items whose placeholders overlap the block."""
+
+    def __init__(
+        self,
+        *,
+        cache_salt: _builtins.str = ...,
+        multimodal: _abc.Iterable[Global___KvMultimodalKey] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "multimodal", b"multimodal"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlockExtraKeys: _TypeAlias = KvBlockExtraKeys  # noqa: Y015
+
+@_typing.final
+class KvMultimodalKey(_message.Message):
+    """KvMultimodalKey names one multimodal item overlapping a block."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTIFIER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    identifier: _builtins.str
+    """The item's content hash (MultiModalFeature.identifier)."""
+    offset: _builtins.int
+    """Position of the item's first placeholder relative to the block's first
+    token (negative when the item starts in an earlier block).
+    """
+    def __init__(
+        self,
+        *,
+        identifier: _builtins.str = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identifier", b"identifier", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvMultimodalKey: _TypeAlias = KvMultimodalKey  # noqa: Y015
+
+@_typing.final
+class KvBlocksRemoved(_message.Message):
+    """KvBlocksRemoved lists blocks that left the prefix cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    block_hashes: _builtins.bytes
+    """The blocks' hashes, 32 bytes each, concatenated."""
+    def __init__(
+        self,
+        *,
+        block_hashes: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksRemoved: _TypeAlias = KvBlocksRemoved  # noqa: Y015
+
+@_typing.final
+class KvCacheCleared(_message.Message):
+    """KvCacheCleared says that no block is cached any more."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheCleared: _TypeAlias = KvCacheCleared  # noqa: Y015
 
 @_typing.final
 class EngineCoreOutputs(_message.Message):
@@ -666,6 +956,8 @@ class SchedulerStats(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -696,6 +988,12 @@ class SchedulerStats(_message.Message):
     """Of those, items whose encoder output was already cached on the workers
     (or scheduled earlier in the same step), cumulative.
     """
+    num_generation_tokens: _builtins.int
+    """Tokens sampled since the engine started, cumulative."""
+    num_waiting_tokens: _builtins.int
+    """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits
+    not yet subtracted.
+    """
     def __init__(
         self,
         *,
@@ -711,10 +1009,12 @@ class SchedulerStats(_message.Message):
         num_total_blocks: _builtins.int = ...,
         encoder_cache_queries: _builtins.int = ...,
         encoder_cache_hits: _builtins.int = ...,
+        num_generation_tokens: _builtins.int = ...,
+        num_waiting_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -52,6 +52,11 @@ class EngineCoreServiceStub:
                 request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/splitserve.core.v1.EngineCoreService/ResetPrefixCache',
+                request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -84,6 +89,15 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
+        It is refused (reset false) while any request holds KV blocks; streams
+        that subscribed to KV-cache events get a KvCacheCleared.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +115,11 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.GetSchedulerStats,
                     request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsRequest.FromString,
                     response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -187,6 +206,33 @@ class EngineCoreService:
             '/splitserve.core.v1.EngineCoreService/GetSchedulerStats',
             splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsRequest.SerializeToString,
             splitserve_dot_core_dot_v1_dot_core__service__pb2.GetSchedulerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.core.v1.EngineCoreService/ResetPrefixCache',
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

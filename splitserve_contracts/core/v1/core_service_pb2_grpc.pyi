@@ -47,6 +47,11 @@ class EngineCoreServiceStub:
     """
     GetSchedulerStats: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.GetSchedulerStatsRequest, _core_service_pb2.GetSchedulerStatsResponse]
     """GetSchedulerStats returns a snapshot of the scheduler's state."""
+    ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ResetPrefixCacheRequest, _core_service_pb2.ResetPrefixCacheResponse]
+    """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
+    It is refused (reset false) while any request holds KV blocks; streams
+    that subscribed to KV-cache events get a KvCacheCleared.
+    """
 
 @_typing.type_check_only
 class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
@@ -67,6 +72,11 @@ class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
     """
     GetSchedulerStats: _aio.UnaryUnaryMultiCallable[_core_service_pb2.GetSchedulerStatsRequest, _core_service_pb2.GetSchedulerStatsResponse]  # type: ignore[assignment]
     """GetSchedulerStats returns a snapshot of the scheduler's state."""
+    ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ResetPrefixCacheRequest, _core_service_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
+    """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
+    It is refused (reset false) while any request holds KV blocks; streams
+    that subscribed to KV-cache events get a KvCacheCleared.
+    """
 
 class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """EngineCoreService schedules requests from any number of frontends onto the
@@ -102,5 +112,16 @@ class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_core_service_pb2.GetSchedulerStatsResponse, _abc.Awaitable[_core_service_pb2.GetSchedulerStatsResponse]]:
         """GetSchedulerStats returns a snapshot of the scheduler's state."""
+
+    @_abc_1.abstractmethod
+    def ResetPrefixCache(
+        self,
+        request: _core_service_pb2.ResetPrefixCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.ResetPrefixCacheResponse, _abc.Awaitable[_core_service_pb2.ResetPrefixCacheResponse]]:
+        """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
+        It is refused (reset false) while any request holds KV blocks; streams
+        that subscribed to KV-cache events get a KvCacheCleared.
+        """
 
 def add_EngineCoreServiceServicer_to_server(servicer: EngineCoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,253 @@
+"""KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) and the snapshot a new
+subscriber starts from.
+
+The block pool reports every block it caches, evicts or forgets to a `KVEventRecorder`. While
+some frontend stream subscribes, the recorder keeps those changes as events, in order, one
+`BlockStored` per run of consecutive blocks of a sequence cached together (columnar: the run's
+hashes and token ids are slices of the request's own lists), and the busy loop hands them out
+after each iteration. Whether anyone subscribes or not, the recorder keeps each cached block's
+tokens (one preallocated array, `block_size` slots per block id) and its parent's hash, so a
+subscriber that arrives later, or one that fell behind, gets the whole cache as events
+(`snapshot`): an `AllBlocksCleared`, then every cached block, parents first.
+
+Invariant: applying the events a subscriber got, in order, to an empty index gives exactly the
+hashes of `BlockPool.cached_block_hash_to_block` as of the last iteration they cover.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from core_svc.block_hash import BlockHash
+from core_svc.mm_inputs import MultiModalFeatureSpec
+
+MAX_SNAPSHOT_BLOCKS_PER_BATCH = 2048
+"""A snapshot goes out in batches of at most this many blocks (each a message under 1 MB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockExtraKeys:
+    """One block's hash inputs beyond its tokens: the cache salt (a sequence's first block)
+    and the (identifier, offset from the block's first token) of overlapping images."""
+
+    cache_salt: str = ""
+    multimodal: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks became cached: `block_hashes[i]` holds `token_ids[i * block_size:][:block_size]`;
+    `parent_block_hash` is the hash of the block before the first (None: the first block of
+    its sequence). `extra_keys` is None, or one entry per block."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    extra_keys: list[BlockExtraKeys] | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks left the cache (evicted to hold other tokens)."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """No block is cached any more."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """Events for one subscriber's stream that travel without step outputs: a snapshot's
+    batches (`is_snapshot`), or live events of an iteration that sent the client no outputs."""
+
+    events: list[KVCacheEvent]
+    is_snapshot: bool = False
+
+
+class CachedSequence(Protocol):
+    """What the recorder reads of a request whose blocks are cached."""
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def cache_salt(self) -> str: ...
+
+    @property
+    def mm_features(self) -> tuple[MultiModalFeatureSpec, ...]: ...
+
+
+class CachedBlock(Protocol):
+    @property
+    def block_id(self) -> int: ...
+
+
+class KVEventRecorder:
+    """The prefix cache's changes as events while any client subscribes, and what a snapshot
+    needs (each cached block's tokens, parent and extra keys) always."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.subscribers: set[int] = set()
+        """Client ids of the streams that get the events."""
+        self.is_recording = False
+        """Whether changes are kept as events (some client subscribes)."""
+        self.events: list[KVCacheEvent] = []
+        self._allocate(num_blocks)
+
+    def _allocate(self, num_blocks: int) -> None:
+        self._tokens = array("I", bytes(4 * num_blocks * self.block_size))
+        self._token_view = memoryview(self._tokens)
+        self._parents: list[BlockHash | None] = [None] * num_blocks
+        self._extra_keys: list[BlockExtraKeys | None] = [None] * num_blocks
+
+    def reset(self, num_blocks: int) -> None:
+        """A fresh cache of `num_blocks` blocks replaced the old one (recovery)."""
+        self._allocate(num_blocks)
+        self.cleared()
+
+    def subscribe(
+        self, client_id: int, cached: Mapping[BlockHash, CachedBlock]
+    ) -> list[KVEventBatch]:
+        """Start (or restart: a resync) the client's events; returns its snapshot of `cached`.
+        The caller hands the events recorded so far to the other subscribers first."""
+        self.subscribers.add(client_id)
+        self.is_recording = True
+        return self.snapshot(cached)
+
+    def unsubscribe(self, client_id: int) -> None:
+        self.subscribers.discard(client_id)
+        if not self.subscribers:
+            self.is_recording = False
+            self.events = []
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (empty when nothing happened)."""
+        events = self.events
+        if events:
+            self.events = []
+        return events
+
+    def stored(
+        self,
+        sequence: CachedSequence,
+        blocks: Sequence[CachedBlock],
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+    ) -> None:
+        """blocks[start:end], blocks start..end-1 of the sequence, were just cached."""
+        size = self.block_size
+        token_ids = sequence.all_token_ids[start * size : end * size]
+        run = memoryview(array("I", token_ids))
+        view, parents, extras = self._token_view, self._parents, self._extra_keys
+        extra_keys = _extra_keys(sequence, start, end, size)
+        for i in range(start, end):
+            block_id = blocks[i].block_id
+            offset = (i - start) * size
+            view[block_id * size : (block_id + 1) * size] = run[offset : offset + size]
+            parents[block_id] = block_hashes[i - 1] if i else None
+            extras[block_id] = extra_keys[i - start] if extra_keys is not None else None
+        if self.is_recording:
+            parent = block_hashes[start - 1] if start else None
+            hashes = list(block_hashes[start:end])
+            self.events.append(BlockStored(hashes, parent, token_ids, extra_keys))
+
+    def removed(self, block_hash: BlockHash) -> None:
+        """A cached block was evicted (call only while `is_recording`)."""
+        events = self.events
+        if events and isinstance(last := events[-1], BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash]))
+
+    def cleared(self) -> None:
+        """Every cached hash was forgotten."""
+        if self.is_recording:
+            self.events.append(AllBlocksCleared())
+
+    def snapshot(self, cached: Mapping[BlockHash, CachedBlock]) -> list[KVEventBatch]:
+        """The whole cache as events: AllBlocksCleared, then the cached blocks as chains,
+        every parent that is cached before its children, in batches."""
+        runs: list[BlockStored] = []
+        for block_hash, block in _parents_first(cached, self._parents):
+            self._append_to_runs(runs, block_hash, block.block_id)
+        batches = [KVEventBatch([AllBlocksCleared()], is_snapshot=True)]
+        num_blocks = 0
+        for run in runs:
+            if num_blocks + len(run.block_hashes) > MAX_SNAPSHOT_BLOCKS_PER_BATCH:
+                batches.append(KVEventBatch([], is_snapshot=True))
+                num_blocks = 0
+            batches[-1].events.append(run)
+            num_blocks += len(run.block_hashes)
+        return batches
+
+    def _append_to_runs(
+        self, runs: list[BlockStored], block_hash: BlockHash, block_id: int
+    ) -> None:
+        size = self.block_size
+        parent, extra = self._parents[block_id], self._extra_keys[block_id]
+        tokens = self._tokens[block_id * size : (block_id + 1) * size].tolist()
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.block_hashes[-1] == parent
+            and len(last.block_hashes) < MAX_SNAPSHOT_BLOCKS_PER_BATCH
+            and (last.extra_keys is None) == (extra is None)
+        ):
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(tokens)
+            if last.extra_keys is not None and extra is not None:
+                last.extra_keys.append(extra)
+            return
+        runs.append(BlockStored([block_hash], parent, tokens, None if extra is None else [extra]))
+
+
+def _parents_first(
+    cached: Mapping[BlockHash, CachedBlock], parents: list[BlockHash | None]
+) -> Iterable[tuple[BlockHash, CachedBlock]]:
+    """The cached blocks, each after its cached ancestors (depth first, so chains stay
+    together)."""
+    emitted: set[BlockHash] = set()
+    for block_hash, block in cached.items():
+        if block_hash in emitted:
+            continue
+        chain = [(block_hash, block)]
+        parent = parents[block.block_id]
+        while parent is not None and parent not in emitted:
+            parent_block = cached.get(parent)
+            if parent_block is None:
+                break
+            chain.append((parent, parent_block))
+            parent = parents[parent_block.block_id]
+        for item in reversed(chain):
+            emitted.add(item[0])
+            yield item
+
+
+def _extra_keys(
+    sequence: CachedSequence, start: int, end: int, block_size: int
+) -> list[BlockExtraKeys] | None:
+    """Per block of [start, end), what besides tokens went into its hash (block_hash.py's
+    salt and multimodal keys); None when nothing did (the common case)."""
+    salt = sequence.cache_salt if start == 0 else ""
+    features = sequence.mm_features
+    if not salt and not features:
+        return None
+    keys = []
+    for i in range(start, end):
+        first, last = i * block_size, (i + 1) * block_size
+        multimodal = tuple(
+            (f.identifier, f.offset - first) for f in features if f.offset < last and f.end > first
+        )
+        keys.append(BlockExtraKeys(salt if i == 0 else "", multimodal))
+    return keys
