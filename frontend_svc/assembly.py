@@ -14,6 +14,7 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.engine_stats import register_engine_stats
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.kv_events import KvEventHub
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.model_files import ModelFiles
 from frontend_svc.output_processor import OutputProcessor
@@ -49,8 +50,10 @@ def build_frontend(
     registry: CollectorRegistry,
     served_model_name: str,
     limits: FrontendLimits = FrontendLimits(),
+    kv_events: KvEventHub | None = None,
 ) -> Frontend:
-    """Metrics (with the engine core's queue and KV gauges), engine and input processor."""
+    """Metrics (with the engine core's queue and KV gauges), engine and input processor;
+    `kv_events` gets the engine's KV-cache events (when the client subscribed to them)."""
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
     engine = AsyncEngine(
         client,
@@ -58,6 +61,7 @@ def build_frontend(
         metrics,
         limits.max_inflight_requests,
         limits.max_recovery_seconds,
+        kv_events,
     )
     register_engine_stats(registry, lambda: engine.scheduler_stats, served_model_name, info)
     request_limits = Limits(

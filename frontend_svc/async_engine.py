@@ -29,7 +29,8 @@ from frontend_svc.core_client import (
     StatsRefresh,
 )
 from frontend_svc.engine_types import CoreOutputs, SchedulerStats
-from frontend_svc.errors import EngineUnavailable, Overloaded
+from frontend_svc.errors import EngineUnavailable, InvalidRequest, Overloaded
+from frontend_svc.kv_events import KvEventHub, KvEvents
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
@@ -49,8 +50,11 @@ class AsyncEngine:
         metrics: FrontendMetrics,
         max_inflight_requests: int = 0,
         max_recovery_seconds: float = 0.0,
+        kv_events: KvEventHub | None = None,
     ) -> None:
         self.client = client
+        self.kv_events = kv_events
+        """Where the engine's KV-cache events go (when the client subscribed to them)."""
         self.max_inflight_requests = max_inflight_requests
         """When > 0, most engine requests in flight here (n > 1 counts n)."""
         self.max_recovery_seconds = max_recovery_seconds
@@ -66,6 +70,8 @@ class AsyncEngine:
         self.request_logger: RequestLogger | None = None
         """Set: one log line per finished request (--enable-log-requests)."""
         self._puller: asyncio.Task[None] | None = None
+        self._abortable: dict[str, asyncio.Queue[Any]] = {}
+        """Calls that `abort` can end, by request id."""
 
     def start(self) -> None:
         """Start pulling the core's events (call once, on the serving event loop)."""
@@ -100,6 +106,9 @@ class AsyncEngine:
             try:
                 if isinstance(event, CoreOutputs):
                     self._process(event)
+                elif isinstance(event, KvEvents):
+                    if self.kv_events is not None:
+                        self.kv_events.apply(event.events)
                 elif isinstance(event, RoundTrip):
                     self.metrics.core_rtt.observe(event.seconds)
                 elif isinstance(event, StatsRefresh):
@@ -108,6 +117,8 @@ class AsyncEngine:
                 elif isinstance(event, Disconnected):
                     self.scheduler_stats = SchedulerStats()  # a new core counts steps from 1
                     self.metrics.reconnects.inc()
+                    if self.kv_events is not None:
+                        self.kv_events.clear()  # the new stream brings a fresh snapshot
                     self._on_core_lost(event.reason)
                 else:
                     self._on_core_back(event)
@@ -179,13 +190,32 @@ class AsyncEngine:
         self.client.abort_requests(to_abort)
         self.metrics.output_processing.observe(time.perf_counter() - started)
 
+    def abort(self, request_ids: list[str]) -> int:
+        """End the calls started with `abortable=True` under these ids (vLLM's
+        AsyncLLM.abort): each unfinished completion gets a final ABORT delta and its engine
+        request is aborted in the core, which frees its KV blocks. Unknown ids are ignored;
+        returns how many calls were ended."""
+        num_aborted = 0
+        for request_id in request_ids:
+            queue = self._abortable.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(_ABORTED)
+                num_aborted += 1
+        return num_aborted
+
     async def generate(
-        self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
+        self,
+        request: EngineRequest,
+        arrival: float | None = None,
+        coalesce: bool = True,
+        abortable: bool = False,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream deltas of all `request.params.n` completions until every one finished.
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency.
         With `coalesce`, deltas a slow consumer has not taken yet are merged; without it every
-        engine step's delta arrives on its own (one token each: what SSE clients count)."""
+        engine step's delta arrives on its own (one token each: what SSE clients count).
+        With `abortable`, `abort(request.request_id)` ends the call (the id must not belong
+        to another abortable call in flight)."""
         if self.is_draining:
             raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
         limit = self.max_inflight_requests
@@ -194,10 +224,17 @@ class AsyncEngine:
                 f"this frontend already streams {len(self.output_processor.states)} requests "
                 f"(--max-inflight-requests {limit}); retry shortly"
             )
+        if abortable and request.request_id in self._abortable:
+            raise InvalidRequest(
+                f"request id {request.request_id} is already running; use a new id",
+                "request_id",
+            )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         arrival = arrival or time.monotonic()
         children = self._add(request, queue, arrival)
+        if abortable:
+            self._abortable[request.request_id] = queue
         remaining = set(children.values())
         lengths: list[int] = []  # completion_tokens of each finished index
         log = self.request_logger
@@ -207,6 +244,10 @@ class AsyncEngine:
             while remaining:
                 first = await queue.get()
                 for item in _drain(first, queue) if coalesce else (first,):
+                    if item is _ABORTED:
+                        for index in sorted(i for i, h in children.items() if h in remaining):
+                            yield _aborted_delta(index, request, self.output_processor, children)
+                        return
                     if isinstance(item, Exception):
                         unfinished = FinishReason.ERROR
                         raise item
@@ -220,6 +261,8 @@ class AsyncEngine:
                     if item.is_finished:
                         remaining.discard(children[item.index])
         finally:
+            if abortable and self._abortable.get(request.request_id) is queue:
+                del self._abortable[request.request_id]
             if remaining:
                 for handle in remaining:
                     self.output_processor.remove_request(handle)
@@ -267,6 +310,26 @@ class AsyncEngine:
             self._puller.cancel()
             await asyncio.wait([self._puller])
         await self.client.close()
+
+
+_ABORTED = object()
+"""Queued by `abort`: the call ends now."""
+
+
+def _aborted_delta(
+    index: int, request: EngineRequest, processor: OutputProcessor, children: dict[int, int]
+) -> CompletionDelta:
+    """The final delta of a completion ended by `abort`."""
+    state = processor.states.get(children[index])
+    return CompletionDelta(
+        index=index,
+        token_ids=[],
+        text="",
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=state.num_output_tokens if state is not None else 0,
+        cached_tokens=state.num_cached_tokens if state is not None else 0,
+        finish_reason=FinishReason.ABORT,
+    )
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
@@ -63,6 +64,8 @@ class FrontendConfig(TransportConfig):
     max_image_pixels: int = DEFAULT_MEDIA_LIMITS.max_image_pixels
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = DEFAULT_MEDIA_LIMITS.media_fetch_timeout
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    data_parallel_rank: int = 0
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -167,6 +170,7 @@ def build_parser() -> FlagParser:
     )
     add_logging_flags(p)
     add_media_flags(p)
+    add_gateway_flags(p)
     add_public_security_flags(p)
     add_internal_tls_flags(p, "the calls to the engine core")
     add_listener_flags(p, reflection_default=True)
@@ -211,6 +215,28 @@ def add_media_flags(p: FlagParser) -> None:
         type=float,
         default=DEFAULT_MEDIA_LIMITS.media_fetch_timeout,
         help="seconds one remote image may take to fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+    )
+
+
+def add_gateway_flags(p: FlagParser) -> None:
+    """What a gateway in front of several engines needs from this one (vLLM's names)."""
+    p.add_argument(
+        "--kv-events-config",
+        type=parse_kv_events_config,
+        default=KVEventsConfig(),
+        help="vLLM's KV-cache events config as JSON, e.g. "
+        "'{\"enable_kv_cache_events\": true}': the engine's events are served on the gateway "
+        'contract\'s SubscribeKvEvents and, with "publisher": "zmq" (the default once enabled), '
+        'published on "endpoint" (default tcp://*:5557) as vLLM does; "publisher": "null" '
+        "serves them over gRPC only",
+    )
+    p.add_argument(
+        "--data-parallel-rank",
+        "-dpr",
+        type=non_negative_int,
+        default=0,
+        help="this engine's rank among data-parallel engines behind one gateway: its ZMQ "
+        "KV-event endpoints are offset by it and its events carry it (vLLM's flag)",
     )
 
 

@@ -14,6 +14,14 @@ from frontend_svc.engine_types import (
     LogprobsTable,
     SchedulerStats,
 )
+from frontend_svc.kv_events import (
+    AllBlocksCleared,
+    BlockExtraKeys,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEvents,
+)
 from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
@@ -190,7 +198,57 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
         prefix_cache_hits=msg.prefix_cache_hits,
         num_preemptions=msg.num_preemptions,
         step_id=msg.step_id,
+        num_generation_tokens=msg.num_generation_tokens,
+        num_waiting_tokens=msg.num_waiting_tokens,
     )
+
+
+HASH_BYTES = 32
+
+
+def _external_hashes(data: bytes) -> list[int]:
+    """32-byte prefix-cache hashes, concatenated -> vLLM's external block hashes (the low 64
+    bits of each digest, unsigned)."""
+    if len(data) % HASH_BYTES:
+        raise ValueError(f"block_hashes of {len(data)} bytes is not a list of 32-byte hashes")
+    return [int.from_bytes(data[i + 24 : i + 32], "big") for i in range(0, len(data), HASH_BYTES)]
+
+
+def _stored_from_proto(msg: core_pb2.KvBlocksStored, block_size: int) -> BlocksStored:
+    hashes = _external_hashes(msg.block_hashes)
+    parent = msg.parent_block_hash
+    if not hashes or len(parent) not in (0, HASH_BYTES):
+        raise ValueError("a stored run needs blocks and a 32-byte parent hash (or none)")
+    if len(msg.token_ids) != len(hashes) * block_size:
+        raise ValueError(f"{len(msg.token_ids)} token ids for {len(hashes)} full blocks")
+    if msg.extra_keys and len(msg.extra_keys) != len(hashes):
+        raise ValueError("extra_keys must name every block of the run or none")
+    extra = [
+        BlockExtraKeys(k.cache_salt, tuple((m.identifier, m.offset) for m in k.multimodal))
+        for k in msg.extra_keys
+    ]
+    return BlocksStored(
+        hashes,
+        int.from_bytes(parent[24:32], "big") if parent else None,
+        list(msg.token_ids),
+        extra or None,
+    )
+
+
+def kv_events_from_proto(msg: core_pb2.KvCacheEvents, block_size: int) -> KvEvents:
+    """The core's events; ValueError when one is malformed (the batch cannot be trusted)."""
+    events: list[KvEvent] = []
+    for entry in msg.events:
+        kind = entry.WhichOneof("event")
+        if kind == "stored":
+            events.append(_stored_from_proto(entry.stored, block_size))
+        elif kind == "removed":
+            events.append(BlocksRemoved(_external_hashes(entry.removed.block_hashes)))
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise ValueError("a KV-cache event with no kind")
+    return KvEvents(events)
 
 
 def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:

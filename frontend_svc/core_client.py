@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from frontend_svc import convert
 from frontend_svc.engine_types import CoreOutputs, EngineInfo, SchedulerStats
 from frontend_svc.errors import EngineUnavailable
+from frontend_svc.kv_events import AllBlocksCleared, KvEvents
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
@@ -77,7 +78,7 @@ class Reconnected:
     problem: str = ""
 
 
-CoreEvent = CoreOutputs | Disconnected | Reconnected | RoundTrip | StatsRefresh
+CoreEvent = CoreOutputs | KvEvents | Disconnected | Reconnected | RoundTrip | StatsRefresh
 
 
 class CoreClient(Protocol):
@@ -115,8 +116,11 @@ class EngineCoreClient:
         max_backoff: float = 1.0,
         ping_interval: float = 1.0,
         security: ChannelSecurity | None = None,
+        subscribe_kv_events: bool = False,
     ) -> None:
         self.core_addr = core_addr
+        self.subscribe_kv_events = subscribe_kv_events
+        """Ask every stream for the engine's KV-cache events (they arrive as KvEvents)."""
         self.max_backoff = max_backoff
         self.ping_interval = ping_interval
         self._events: asyncio.Queue[CoreEvent] = asyncio.Queue()
@@ -213,6 +217,9 @@ class EngineCoreClient:
     async def _run_stream(self, reconnected: Reconnected | None) -> str:
         self._outbox = asyncio.Queue()
         self._pings.clear()
+        if self.subscribe_kv_events:
+            subscribe = core_pb2.SubscribeKvEvents()
+            self._outbox.put_nowait(core_pb2.EngineStreamRequest(subscribe_kv_events=subscribe))
         call = self._stub.EngineStream()
         tasks = [
             asyncio.create_task(self._write(call)),
@@ -231,7 +238,10 @@ class EngineCoreClient:
                     return "the engine core closed the stream"
                 if msg.HasField("pong"):
                     self._on_pong(msg.pong.ping_id)
-                else:
+                    continue
+                if msg.HasField("kv_events"):
+                    self._events.put_nowait(self._kv_events(msg.kv_events))
+                if msg.HasField("outputs"):
                     outputs = convert.core_outputs_from_proto(msg.outputs)
                     if outputs.scheduler_stats is not None:
                         self._stats_at = time.monotonic()
@@ -245,6 +255,16 @@ class EngineCoreClient:
             # asyncio.wait, not `await task` under suppress(CancelledError): a cancellation of
             # this (supervisor) task arriving here must propagate, not be swallowed.
             await asyncio.wait(tasks)
+
+    def _kv_events(self, msg: core_pb2.KvCacheEvents) -> KvEvents:
+        assert self.info is not None
+        try:
+            return convert.kv_events_from_proto(msg, self.info.block_size)
+        except ValueError as err:
+            # The mirror can no longer be trusted: start over empty (it converges as the
+            # engine caches blocks again) rather than serve a wrong view.
+            logger.error("malformed KV-cache events from the engine core (%s); clearing", err)
+            return KvEvents([AllBlocksCleared()])
 
     async def _watch_core_health(self) -> None:
         """Follow the core's readiness; a core that stops serving (failed, draining) makes this
@@ -321,6 +341,13 @@ class EngineCoreClient:
             requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
+
+    async def reset_prefix_cache(self, timeout: float) -> int:
+        """Ask the core to forget its prefix cache: 0 when it did, else the number of KV blocks
+        requests hold (it refused). Raises grpc.RpcError when the core does not answer."""
+        request = core_pb2.ResetPrefixCacheRequest()
+        reply = await self._stub.ResetPrefixCache(request, timeout=timeout)
+        return 0 if reply.reset else max(1, reply.num_used_blocks)
 
     def abort_requests(self, handles: list[int]) -> None:
         """Queue an abort, also while the core is not serving (its requests wait there); a

@@ -73,6 +73,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_id: int = 0
+    num_generation_tokens: int = 0
+    """Tokens sampled since the engine started."""
+    num_waiting_tokens: int = 0
+    """Tokens of the waiting requests (prefix-cache hits not subtracted)."""
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
-"""The public gRPC API's key check: a grpc.aio server interceptor in front of every
-GenerationService call (health and reflection stay open, as in vLLM, so probes and tools work
-without the key). The check itself is frontend_svc/auth.py's, shared with the HTTP API."""
+"""The public gRPC API's key check: a grpc.aio server interceptor in front of every call of the
+public services (GenerationService, and the gateway contract's VllmEngine; health and reflection
+stay open, as in vLLM, so probes and tools work without the key). The check itself is frontend_svc/auth.py's, shared with the HTTP API."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def api_key_interceptors(api_key: str) -> tuple[ApiKeyInterceptor, ...]:
-    """The interceptors for `--api-key` (none when it is empty: the API is open)."""
-    return (ApiKeyInterceptor(api_key),) if api_key else ()
+def api_key_interceptors(
+    api_key: str, services: Iterable[str] = (FRONTEND.grpc_service,)
+) -> tuple[ApiKeyInterceptor, ...]:
+    """The interceptors for `--api-key` on `services` (none when the key is empty: the API is
+    open)."""
+    return (ApiKeyInterceptor(api_key, frozenset(services)),) if api_key else ()

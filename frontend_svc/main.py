@@ -8,10 +8,16 @@ import logging
 import time
 from collections.abc import Sequence
 
+from smg_grpc_proto import vllm_engine_pb2_grpc
+
 from frontend_svc.assembly import FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.gateway import convert as gateway_convert
+from frontend_svc.gateway.servicer import VllmEngineServicer
 from frontend_svc.grpc_auth import api_key_interceptors
+from frontend_svc.kv_events import KvEventHub
+from frontend_svc.kv_publisher import ZmqEventPublisher
 from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
@@ -57,7 +63,12 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
-    client = EngineCoreClient(config.core_addr, security=ChannelSecurity(config.tls, CORE_ROLE))
+    kv_config = config.kv_events_config
+    client = EngineCoreClient(
+        config.core_addr,
+        security=ChannelSecurity(config.tls, CORE_ROLE),
+        subscribe_kv_events=kv_config.enable_kv_cache_events,
+    )
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:
@@ -68,17 +79,18 @@ async def serve(config: FrontendConfig) -> int:
         )
         await client.close()
         return 1
+    public_services = [FRONTEND.grpc_service, gateway_convert.SERVICE_NAME]
     host = ServiceHost(
         name="frontend",
         host=config.host,
         port=config.port,
-        service_names=[FRONTEND.grpc_service],
+        service_names=public_services,
         metrics_port=config.metrics_port,
         grace_seconds=config.shutdown_timeout + 5.0,
         listener=public_listener(
             ssl=config.ssl,
             max_receive_message_bytes=config.max_receive_message_bytes,
-            interceptors=api_key_interceptors(config.api_key),
+            interceptors=api_key_interceptors(config.api_key, public_services),
             enable_reflection=config.enable_reflection,
             health_port=config.health_port,
         ),
@@ -91,12 +103,22 @@ async def serve(config: FrontendConfig) -> int:
         config.max_inflight_requests,
         config.max_recovery_seconds,
     )
-    parts = build_frontend(client, info, files, host.registry, served_name, limits)
+    publisher = None
+    if kv_config.publishes_zmq:
+        publisher = ZmqEventPublisher(kv_config, config.data_parallel_rank, info.block_size)
+    hub = None
+    if kv_config.enable_kv_cache_events:
+        hub = KvEventHub(info.block_size, sinks=[publisher] if publisher is not None else [])
+    parts = build_frontend(client, info, files, host.registry, served_name, limits, hub)
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
     servicer = GenerationServicer(engine, inputs, info, served_name)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    gateway = VllmEngineServicer(
+        engine, inputs, info, files, served_name, hub, client, config.data_parallel_rank
+    )
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
     http = None
     if config.http_port is not None:
         context = ServingContext(engine, inputs, info, served_name, time.time())
@@ -129,6 +151,8 @@ async def serve(config: FrontendConfig) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await tracker
     await engine.close()
+    if publisher is not None:
+        publisher.close()
     return code
 
 

@@ -3,7 +3,10 @@ sampling defaults). The frontend service and the offline `LLM` API read them the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from frontend_svc.generation_config import (
@@ -31,6 +34,10 @@ class ModelFiles:
     sampling_defaults: dict[str, Any]
     multimodal: MultiModalProcessor | None = None
     """The image processor of a multimodal model; None for a text-only one."""
+    tokenizer_folder: Path | None = None
+    """The folder the tokenizer was read from (None: it came out of a .gguf file)."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's config.json ({} when it has none, e.g. a .gguf file)."""
 
 
 def load_model_files(
@@ -59,4 +66,23 @@ def load_model_files(
     multimodal = None
     if folder is not None:
         multimodal = load_multimodal_processor(folder, tokenizer, media_limits)
-    return ModelFiles(tokenizer, eos_token_ids(generation), defaults, multimodal)
+    tokenizer_folder = None if source.is_gguf else source.path
+    return ModelFiles(
+        tokenizer,
+        eos_token_ids(generation),
+        defaults,
+        multimodal,
+        tokenizer_folder,
+        _read_config(folder),
+    )
+
+
+def _read_config(folder: Path | None) -> dict[str, Any]:
+    if folder is None or not (folder / "config.json").is_file():
+        return {}
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        logging.getLogger(__name__).warning("cannot read %s/config.json: %s", folder, err)
+        return {}
+    return config if isinstance(config, dict) else {}

@@ -1,0 +1,371 @@
+"""Where the gateway contract's protobuf stops: smg-grpc-proto's VllmEngine messages <-> the
+frontend's own types.
+
+Requests are read as vLLM's own servicer reads them (smg_grpc_servicer.vllm: an unset
+temperature is 1.0, a zero top_p or repetition_penalty means "off", n 0 means 1), then checked
+by the same InputProcessor as the public API. What this engine cannot honour yet is refused by
+the name of the field that asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
+
+from frontend_svc.engine_types import EngineInfo
+from frontend_svc.errors import InvalidRequest
+from frontend_svc.gateway.loads import EngineLoad
+from frontend_svc.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from frontend_svc.requests import (
+    CompletionDelta,
+    FinishReason,
+    GenerateInput,
+    PromptInput,
+    TokenLogprobs,
+)
+from splitserve_contracts.sampling_types import SamplingParams
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+MAX_ABORT_IDS = 1024
+MAX_REQUEST_ID_CHARS = 256
+UNSUPPORTED_REQUEST_FIELDS = {
+    "kv_transfer_params": "prefill/decode disaggregation (KV transfer) is not supported",
+    "kv_transfer_params_json": "prefill/decode disaggregation (KV transfer) is not supported",
+    "mm_inputs": "preprocessed multimodal inputs are not supported over this contract",
+    "media_refs": "media references are not supported over this contract",
+}
+UNSUPPORTED = "this engine cannot honour it yet; send the request without it"
+
+
+def _refuse(field: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{field}: {why}; {UNSUPPORTED}", field)
+
+
+def check_request_fields(msg: pb.GenerateRequest, data_parallel_rank: int) -> None:
+    """Refuse, by name, what the request asks for that this engine does not do."""
+    for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
+        if msg.HasField(name):
+            raise _refuse(name, why)
+    if msg.extra_mm_inputs:
+        raise _refuse("extra_mm_inputs", UNSUPPORTED_REQUEST_FIELDS["mm_inputs"])
+    constraint = msg.sampling_params.WhichOneof("constraint")
+    if constraint is not None:
+        raise _refuse(f"sampling_params.{constraint}", "structured outputs are not supported")
+    if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != data_parallel_rank:
+        raise InvalidRequest(
+            f"data_parallel_rank {msg.data_parallel_rank}: this engine is data-parallel rank "
+            f"{data_parallel_rank}; leave the field unset or send it there",
+            "data_parallel_rank",
+        )
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"request_id has {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}",
+            "request_id",
+        )
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """vLLM's servicer's reading of the gateway's sampling parameters (zero means "off" for
+    the fields that are not `optional`); InputProcessor validates the result."""
+    return SamplingParams(
+        n=msg.n or 1,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0.0 else 1.0,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        skip_special_tokens=msg.skip_special_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias),
+        spaces_between_special_tokens=msg.spaces_between_special_tokens,
+    )
+
+
+def _truncated(ids: list[int], msg: pb.SamplingParams, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len)."""
+    if not msg.HasField("truncate_prompt_tokens"):
+        return ids
+    k = msg.truncate_prompt_tokens
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens is {msg.truncate_prompt_tokens}; use -1 (max_model_len) "
+            "or a count >= 1",
+            "sampling_params.truncate_prompt_tokens",
+        )
+    return ids[-k:]
+
+
+def generate_input_from_proto(
+    msg: pb.GenerateRequest, request_id: str, max_model_len: int
+) -> GenerateInput:
+    """The request as the public API's InputProcessor takes it (tokenized, or text)."""
+    kind = msg.WhichOneof("input")
+    if kind == "tokenized":
+        ids = _truncated(list(msg.tokenized.input_ids), msg.sampling_params, max_model_len)
+        prompt = PromptInput(token_ids=tuple(ids))
+    elif kind == "text":
+        prompt = PromptInput(text=msg.text)
+    else:
+        raise InvalidRequest("no prompt: set `tokenized` (input_ids) or `text`", "input")
+    return GenerateInput(request_id, prompt, sampling_params_from_proto(msg.sampling_params))
+
+
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+def _output_logprobs(rows: list[TokenLogprobs], with_top: bool) -> pb.OutputLogProbs | None:
+    if not rows:
+        return None
+    msg = pb.OutputLogProbs()
+    for row in rows:
+        msg.token_ids.append(row.chosen.token_id)
+        msg.token_logprobs.append(row.chosen.logprob)
+        if with_top:
+            msg.top_logprobs.add(
+                values=[t.logprob for t in row.top], token_ids=[t.token_id for t in row.top]
+            )
+    return msg
+
+
+def _input_logprobs(
+    rows: list[TokenLogprobs], prompt_token_ids: list[int], with_top: bool
+) -> pb.InputLogProbs | None:
+    """Prompt logprobs; the first prompt token has none (vLLM's shape)."""
+    if not rows:
+        return None
+    msg = pb.InputLogProbs(token_ids=prompt_token_ids)
+    msg.token_logprobs.add()
+    if with_top:
+        msg.top_logprobs.add()
+    for row in rows:
+        msg.token_logprobs.add(value=row.chosen.logprob)
+        if with_top:
+            msg.top_logprobs.add(
+                values=[t.logprob for t in row.top], token_ids=[t.token_id for t in row.top]
+            )
+    return msg
+
+
+class ResponseBuilder:
+    """Deltas of one Generate call -> GenerateResponse messages: per completion index, chunks
+    as tokens arrive and a Complete at the end (streamed), or one Complete holding every token
+    (not streamed), as vLLM's servicer answers."""
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], stream: bool) -> None:
+        self.stream = stream
+        self.prompt_token_ids = prompt_token_ids
+        self.with_top = bool(params.logprobs)
+        self.with_prompt_top = bool(params.prompt_logprobs)
+        self._tokens: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[TokenLogprobs]] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        self._sent_prompt: set[int] = set()
+
+    def responses(self, delta: CompletionDelta) -> list[pb.GenerateResponse]:
+        index = delta.index
+        tokens = self._tokens.setdefault(index, [])
+        tokens.extend(delta.token_ids)
+        self._logprobs.setdefault(index, []).extend(delta.logprobs)
+        self._prompt_logprobs.setdefault(index, []).extend(delta.prompt_logprobs)
+        out = []
+        if self.stream and (delta.token_ids or delta.prompt_logprobs):
+            out.append(pb.GenerateResponse(chunk=self._chunk(delta)))
+        if delta.is_finished:
+            out.append(pb.GenerateResponse(complete=self._complete(delta)))
+        return out
+
+    def _prompt_rows(self, index: int) -> pb.InputLogProbs | None:
+        if index in self._sent_prompt:
+            return None
+        rows = self._prompt_logprobs.get(index, [])
+        if rows:
+            self._sent_prompt.add(index)
+        return _input_logprobs(rows, self.prompt_token_ids, self.with_prompt_top)
+
+    def _chunk(self, delta: CompletionDelta) -> pb.GenerateStreamChunk:
+        return pb.GenerateStreamChunk(
+            token_ids=delta.token_ids,
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=len(delta.token_ids),
+            cached_tokens=delta.cached_tokens,
+            output_logprobs=_output_logprobs(delta.logprobs, self.with_top),
+            input_logprobs=self._prompt_rows(delta.index),
+            index=delta.index,
+        )
+
+    def _complete(self, delta: CompletionDelta) -> pb.GenerateComplete:
+        index = delta.index
+        tokens = delta.token_ids if self.stream else self._tokens[index]
+        logprobs = delta.logprobs if self.stream else self._logprobs[index]
+        msg = pb.GenerateComplete(
+            output_ids=tokens,
+            finish_reason=FINISH_REASONS[delta.finish_reason],
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=delta.completion_tokens,
+            cached_tokens=delta.cached_tokens,
+            output_logprobs=_output_logprobs(logprobs, self.with_top),
+            input_logprobs=self._prompt_rows(index),
+            index=index,
+        )
+        if delta.stop_str is not None:
+            msg.matched_stop_str = delta.stop_str
+        elif delta.stop_token_id is not None:
+            msg.matched_token_id = delta.stop_token_id
+        return msg
+
+
+def model_info_to_proto(
+    info: EngineInfo,
+    served_model_name: str,
+    tokenizer: Any,
+    eos_token_ids: Iterable[int],
+    sampling_defaults: Mapping[str, Any],
+    model_config: Mapping[str, Any],
+) -> pb.GetModelInfoResponse:
+    """The model's facts; paths are never disclosed (the gateway fetches the tokenizer with
+    GetTokenizer)."""
+    architectures = model_config.get("architectures") or []
+    return pb.GetModelInfoResponse(
+        model_path=served_model_name,
+        is_generation=True,
+        max_context_length=info.max_model_len,
+        vocab_size=info.vocab_size,
+        supports_vision=False,
+        served_model_name=served_model_name,
+        tokenizer_path="",
+        model_type=str(model_config.get("model_type") or ""),
+        architectures=[str(a) for a in architectures if isinstance(a, str)],
+        eos_token_ids=list(eos_token_ids),
+        pad_token_id=_token_id(tokenizer.pad_token_id),
+        bos_token_id=_token_id(tokenizer.bos_token_id),
+        max_req_input_len=info.max_model_len,
+        default_sampling_params_json=json.dumps(dict(sampling_defaults), default=list)
+        if sampling_defaults
+        else "",
+    )
+
+
+def _token_id(value: Any) -> int:
+    return value if isinstance(value, int) else 0
+
+
+def server_info_to_proto(
+    info: EngineInfo,
+    active_requests: int,
+    is_paused: bool,
+    last_receive_timestamp: float,
+    uptime_seconds: float,
+    data_parallel_size: int,
+) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(
+        active_requests=active_requests,
+        is_paused=is_paused,
+        last_receive_timestamp=last_receive_timestamp,
+        uptime_seconds=uptime_seconds,
+        server_type="vllm-grpc",
+        data_parallel_size=data_parallel_size,
+        kv_cache_dtype="auto",
+        block_size=info.block_size,
+        model_dtype=f"torch.{info.dtype}" if info.dtype else "",
+        max_num_seqs=info.max_num_seqs,
+    )
+
+
+def scheduler_load_to_proto(load: EngineLoad, dp_rank: int) -> pb.SchedulerLoad:
+    return pb.SchedulerLoad(
+        dp_rank=dp_rank,
+        num_running_reqs=load.num_running,
+        num_waiting_reqs=load.num_waiting,
+        num_total_reqs=load.num_running + load.num_waiting,
+        num_used_tokens=load.num_used_tokens,
+        max_total_num_tokens=load.max_total_num_tokens,
+        token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput,
+        cache_hit_rate=load.cache_hit_rate,
+        utilization=load.token_usage,
+        max_running_requests=load.max_running_requests,
+        num_waiting_uncached_tokens=load.num_waiting_uncached_tokens,
+    )
+
+
+def _to_int64(value: int) -> int:
+    """An unsigned 64-bit hash as the proto's signed int64 (same bits)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _stored_to_proto(event: BlocksStored, block_size: int, msg: common_pb2.KvBlocksStored) -> None:
+    tokens = event.token_ids
+    for i, block_hash in enumerate(event.block_hashes):
+        block = msg.blocks.add(
+            block_hash=_to_int64(block_hash),
+            token_ids=tokens[i * block_size : (i + 1) * block_size],
+            block_size=block_size,
+        )
+        keys = event.extra_keys[i] if event.extra_keys else None
+        if keys is not None:
+            for identifier, offset in keys.multimodal:
+                block.extra_keys.add().multimodal.CopyFrom(
+                    common_pb2.KvMultimodalKey(identifier=identifier, offset=offset)
+                )
+            if keys.cache_salt:
+                block.extra_keys.add(text=keys.cache_salt)
+                msg.cache_salt = keys.cache_salt
+    if event.parent_block_hash is not None:
+        msg.parent_block_hash = _to_int64(event.parent_block_hash)
+    msg.tier = common_pb2.KV_CACHE_TIER_DEVICE
+    msg.medium = "GPU"
+    msg.group_idx = 0
+    msg.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+
+
+def kv_batch_to_proto(
+    events: list[KvEvent],
+    sequence_number: int,
+    timestamp: float,
+    block_size: int,
+    first_event_id: int,
+) -> common_pb2.KvEventBatch:
+    """One batch of the gateway's KV-event stream; its events are numbered from
+    `first_event_id` on (the stream's count)."""
+    msg = common_pb2.KvEventBatch(sequence_number=sequence_number, timestamp=timestamp)
+    for event_id, event in enumerate(events, start=first_event_id):
+        entry = msg.events.add(event_id=event_id)
+        if isinstance(event, BlocksStored):
+            _stored_to_proto(event, block_size, entry.stored)
+        elif isinstance(event, BlocksRemoved):
+            entry.removed.block_hashes.extend(_to_int64(h) for h in event.block_hashes)
+            entry.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
+            entry.removed.medium = "GPU"
+            entry.removed.group_idx = 0
+            entry.removed.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            entry.cleared.SetInParent()
+    return msg
+
+
+def check_flush_timeout(timeout_s: float) -> None:
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise InvalidRequest("timeout_s must be finite and >= 0", "timeout_s")
