@@ -1,0 +1,107 @@
+"""The gateway contract's conversions: vLLM's servicer's reading of SamplingParams, the responses
+of streamed and whole generations, KV-event batches as the gateway reads them, load rates."""
+
+from __future__ import annotations
+
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+
+from frontend_svc.engine_types import EngineInfo, SchedulerStats
+from frontend_svc.errors import InvalidRequest
+from frontend_svc.gateway import convert
+from frontend_svc.gateway.loads import LoadReporter
+from frontend_svc.kv_events import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
+from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
+from splitserve_contracts.sampling_types import SamplingParams
+
+INFO = EngineInfo("m", "", 512, 2048, 16, 101, 1, 1, "float32", 64, 2048, True, "0", 3.0)
+
+
+def test_unset_and_zero_fields_read_as_vllms_servicer_reads_them() -> None:
+    params = convert.sampling_params_from_proto(pb.SamplingParams())
+    assert params == SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert (params.n, params.temperature, params.top_p, params.repetition_penalty) == (1, 1, 1, 1)
+    explicit = convert.sampling_params_from_proto(
+        pb.SamplingParams(temperature=0.0, top_p=0.5, max_tokens=7, seed=3, logprobs=0, n=2)
+    )
+    assert (explicit.temperature, explicit.top_p, explicit.max_tokens) == (0.0, 0.5, 7)
+    assert (explicit.seed, explicit.logprobs, explicit.n) == (3, 0, 2)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    request = pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=list(range(10))),
+        sampling_params=pb.SamplingParams(truncate_prompt_tokens=3),
+    )
+    call = convert.generate_input_from_proto(request, "r", max_model_len=512)
+    assert call.prompt.token_ids == (7, 8, 9)
+    with pytest.raises(InvalidRequest):
+        convert.generate_input_from_proto(pb.GenerateRequest(), "r", 512)
+
+
+def delta(index: int, tokens: list[int], finish: FinishReason = FinishReason.UNSPECIFIED,
+          completion_tokens: int = 0, **more: object) -> CompletionDelta:  # fmt: skip
+    return CompletionDelta(index, tokens, "", 5, completion_tokens, 2, finish, **more)  # type: ignore[arg-type]
+
+
+def test_streamed_chunks_then_a_complete_per_index() -> None:
+    chosen = TokenLogprobs(Logprob(9, -0.5, 1, "x"), [Logprob(8, -1.0, 2, "y")])
+    builder = convert.ResponseBuilder(SamplingParams(logprobs=1), [1, 2, 3, 4, 5], stream=True)
+    first = builder.responses(delta(0, [9], logprobs=[chosen]))
+    (chunk,) = first
+    assert list(chunk.chunk.token_ids) == [9] and chunk.chunk.completion_tokens == 1
+    assert list(chunk.chunk.output_logprobs.top_logprobs[0].token_ids) == [8]
+    last = builder.responses(delta(0, [1], FinishReason.STOP, completion_tokens=2, stop_token_id=1))
+    assert [r.WhichOneof("response") for r in last] == ["chunk", "complete"]
+    complete = last[1].complete
+    assert (complete.finish_reason, complete.matched_token_id) == ("stop", 1)
+    assert (complete.prompt_tokens, complete.completion_tokens, complete.cached_tokens) == (5, 2, 2)
+
+
+def test_a_whole_generation_is_one_complete_with_every_token() -> None:
+    builder = convert.ResponseBuilder(SamplingParams(), [1, 2], stream=False)
+    assert builder.responses(delta(1, [7, 8])) == []
+    (done,) = builder.responses(
+        delta(1, [9], FinishReason.LENGTH, completion_tokens=3, stop_str=None)
+    )
+    assert list(done.complete.output_ids) == [7, 8, 9] and done.complete.index == 1
+    (aborted,) = convert.ResponseBuilder(SamplingParams(), [1], False).responses(
+        delta(0, [], FinishReason.ABORT)
+    )
+    assert aborted.complete.finish_reason == "abort"
+
+
+def test_kv_batches_carry_signed_hashes_and_the_device_tier() -> None:
+    events = [
+        AllBlocksCleared(),
+        BlocksStored([2**64 - 1, 5], 3, [1, 2, 3, 4], [BlockExtraKeys("s"), BlockExtraKeys()]),
+        BlocksRemoved([2**63]),
+    ]
+    batch = convert.kv_batch_to_proto(events, 4, 1.5, block_size=2, first_event_id=10)
+    assert batch.sequence_number == 4 and [e.event_id for e in batch.events] == [10, 11, 12]
+    stored = batch.events[1].stored
+    assert [b.block_hash for b in stored.blocks] == [-1, 5] and stored.parent_block_hash == 3
+    assert [list(b.token_ids) for b in stored.blocks] == [[1, 2], [3, 4]]
+    assert stored.cache_salt == "s" and stored.blocks[0].extra_keys[0].text == "s"
+    assert stored.medium == "GPU" and stored.blocks[1].block_size == 2
+    assert list(batch.events[2].removed.block_hashes) == [-(2**63)]
+
+
+def test_load_rates_come_from_the_cores_cumulative_counters() -> None:
+    now = [0.0]
+    stats = [SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5)]
+    reporter = LoadReporter(INFO, lambda: stats[-1], clock=lambda: now[0])
+    first = reporter.load()
+    assert (first.gen_throughput, first.max_total_num_tokens, first.num_used_tokens) == (
+        0,
+        1600,
+        800,
+    )
+    now[0] = 1.0
+    stats.append(SchedulerStats(num_waiting_reqs=1, step_id=9, prefix_cache_queries=100,
+                                prefix_cache_hits=75, num_generation_tokens=50,
+                                num_waiting_tokens=40))  # fmt: skip
+    load = reporter.load()
+    assert (load.gen_throughput, load.cache_hit_rate, load.num_waiting_uncached_tokens) == (
+        50.0, 0.75, 10,
+    )  # fmt: skip
