@@ -16,6 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from splitserve.children import stop_children
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from tests.e2e.client import generate
@@ -168,3 +169,17 @@ def test_model_server_loads_and_tokenizer_facts(engine: Engine, tokenizer: Any) 
         assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= names
         config = json.loads(archive.read("tokenizer_config.json"))
     assert config["eos_token"] == tokenizer.eos_token
+
+
+def test_the_api_key_guards_the_gateway_contract_too(stack: Stack) -> None:
+    child = stack.add_frontend(api_key="s3cret")
+    try:
+        with grpc.insecure_channel(child.address) as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            key = (("authorization", "Bearer s3cret"),)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=key).vocab_size
+    finally:
+        stop_children([child])
