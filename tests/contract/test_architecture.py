@@ -60,6 +60,11 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("worker_svc/model_runner.py", "import core_svc.request", "Imports point down"),
         ("splitserve_runtime/flags.py", "import splitserve.cli", "Imports point down"),
         ("splitserve_client/generate.py", "import torch", "The light client"),
+        (
+            "frontend_svc/async_engine.py",
+            "from smg_grpc_proto import vllm_engine_pb2",
+            "The gateway contract (smg-grpc-proto) stops",
+        ),
     ],
 )
 def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broken: str) -> None:
