@@ -6,7 +6,9 @@ end). `us_per_step` is the step's wall time minus that fake worker's own work, i
 the engine core costs; with `with_proto: true` it also includes converting the
 SchedulerOutput to the worker proto and serialising it, parsing and converting the
 ModelRunnerOutput reply, and converting and serialising every client's outputs. Adding
-requests (prompt hashing) is timed separately as `add_us_per_request`.
+requests (prompt hashing) is timed separately as `add_us_per_request`. With `--kv-events` every
+case also runs with a client subscribed to the KV-cache events (their cost: recording them in
+the block pool and, with the proto, converting them with the step's outputs).
 Prints one JSON line per case.
 """
 
@@ -104,6 +106,8 @@ CASES = [
          max_model_len=65_536, long_prompt_len=32_768),
     Case("prefix_cache_heavy", 256, num_blocks=40_000, measure_steps=600, prompt_len=32,
          shared_prefixes=8, arrivals_per_step=8),
+    Case("prefix_cache_evicting", 256, num_blocks=3_000, measure_steps=600, prompt_len=32,
+         shared_prefixes=8, arrivals_per_step=8),
 ]  # fmt: skip
 
 
@@ -145,7 +149,7 @@ class Workload:
             yield self.request(prompt, max_tokens=32)
 
 
-def run_case(case: Case, with_proto: bool) -> dict[str, object]:
+def run_case(case: Case, with_proto: bool, kv_events: bool = False) -> dict[str, object]:
     scheduler_config = SchedulerConfig(
         max_num_seqs=2048,
         max_num_batched_tokens=case.max_num_batched_tokens,
@@ -154,9 +158,11 @@ def run_case(case: Case, with_proto: bool) -> dict[str, object]:
     executor = TrivialExecutor(with_proto)
     engine = EngineCore(scheduler_config, CacheConfig(num_blocks=case.num_blocks), executor)
     workload = Workload(case, engine)
+    if kv_events:
+        engine.subscribe_kv_events(1)
     for request in workload.initial():
         engine.add_request(request)
-    publish = _publisher(with_proto)
+    publish = _publisher(with_proto, engine if kv_events else None)
     add_s, num_added, step_s = 0.0, 0, []
     warmup_steps = 40 + case.running * case.prompt_len // case.max_num_batched_tokens
     gc.collect()
@@ -178,6 +184,7 @@ def run_case(case: Case, with_proto: bool) -> dict[str, object]:
     return {
         "case": case.name,
         "with_proto": with_proto,
+        "kv_events": kv_events,
         "running": stats.num_running_reqs,
         "steps": len(step_us),
         "us_per_step": round(statistics.fmean(step_us), 1),
@@ -192,11 +199,20 @@ def run_case(case: Case, with_proto: bool) -> dict[str, object]:
     }
 
 
-def _publisher(with_proto: bool) -> Callable[[dict[int, EngineCoreOutputs]], None]:
+def _publisher(
+    with_proto: bool, engine: EngineCore | None
+) -> Callable[[dict[int, EngineCoreOutputs]], None]:
+    """What the busy loop and the stream handler do with a step's outputs: attach the KV-cache
+    events to the subscriber's (when `engine` has one), convert and serialise them."""
+
     def publish(outputs: dict[int, EngineCoreOutputs]) -> None:
+        if engine is not None:
+            events = engine.kv_events.take()
+            if events:
+                outputs.setdefault(1, EngineCoreOutputs()).kv_events = events
         if with_proto:
             for engine_outputs in outputs.values():
-                convert.engine_core_outputs_to_proto(engine_outputs).SerializeToString()
+                convert.stream_response_to_proto(engine_outputs).SerializeToString()
 
     return publish
 
@@ -204,12 +220,16 @@ def _publisher(with_proto: bool) -> Callable[[dict[int, EngineCoreOutputs]], Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", help="run only these cases")
+    parser.add_argument(
+        "--kv-events", action="store_true", help="also run each case with KV-cache events on"
+    )
     args = parser.parse_args()
     for case in CASES:
         if args.case and case.name not in args.case:
             continue
-        for with_proto in (False, True):
-            print(json.dumps(run_case(case, with_proto)), flush=True)
+        for kv_events in (False, True) if args.kv_events else (False,):
+            for with_proto in (False, True):
+                print(json.dumps(run_case(case, with_proto, kv_events)), flush=True)
 
 
 if __name__ == "__main__":

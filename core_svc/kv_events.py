@@ -148,15 +148,23 @@ class KVEventRecorder:
         """blocks[start:end], blocks start..end-1 of the sequence, were just cached."""
         size = self.block_size
         token_ids = sequence.all_token_ids[start * size : end * size]
-        run = memoryview(array("I", token_ids))
-        view, parents, extras = self._token_view, self._parents, self._extra_keys
-        extra_keys = _extra_keys(sequence, start, end, size)
-        for i in range(start, end):
-            block_id = blocks[i].block_id
-            offset = (i - start) * size
-            view[block_id * size : (block_id + 1) * size] = run[offset : offset + size]
-            parents[block_id] = block_hashes[i - 1] if i else None
-            extras[block_id] = extra_keys[i - start] if extra_keys is not None else None
+        parents, extras = self._parents, self._extra_keys
+        extra_keys = None
+        if sequence.mm_features or (start == 0 and sequence.cache_salt):
+            extra_keys = _extra_keys(sequence, start, end, size)
+        if end - start == 1:  # the common case (decode fills one block at a time)
+            block_id = blocks[start].block_id
+            self._tokens[block_id * size : (block_id + 1) * size] = array("I", token_ids)
+            parents[block_id] = block_hashes[start - 1] if start else None
+            extras[block_id] = extra_keys[0] if extra_keys is not None else None
+        else:
+            view, run = self._token_view, memoryview(array("I", token_ids))
+            for i in range(start, end):
+                block_id = blocks[i].block_id
+                offset = (i - start) * size
+                view[block_id * size : (block_id + 1) * size] = run[offset : offset + size]
+                parents[block_id] = block_hashes[i - 1] if i else None
+                extras[block_id] = extra_keys[i - start] if extra_keys is not None else None
         if self.is_recording:
             parent = block_hashes[start - 1] if start else None
             hashes = list(block_hashes[start:end])
@@ -236,13 +244,11 @@ def _parents_first(
 
 def _extra_keys(
     sequence: CachedSequence, start: int, end: int, block_size: int
-) -> list[BlockExtraKeys] | None:
+) -> list[BlockExtraKeys]:
     """Per block of [start, end), what besides tokens went into its hash (block_hash.py's
-    salt and multimodal keys); None when nothing did (the common case)."""
+    salt and multimodal keys)."""
     salt = sequence.cache_salt if start == 0 else ""
     features = sequence.mm_features
-    if not salt and not features:
-        return None
     keys = []
     for i in range(start, end):
         first, last = i * block_size, (i + 1) * block_size
