@@ -142,7 +142,7 @@ class BlockPool:
             if block.block_hash is not None:
                 del cached[block.block_hash]
                 if events.is_recording:
-                    events.removed(block.block_hash)
+                    events.removed(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks

@@ -5,13 +5,15 @@ The block pool reports every block it caches, evicts or forgets to a `KVEventRec
 some frontend stream subscribes, the recorder keeps those changes as events, in order, one
 `BlockStored` per run of consecutive blocks of a sequence cached together (columnar: the run's
 hashes and token ids are slices of the request's own lists), and the busy loop hands them out
-after each iteration. Whether anyone subscribes or not, the recorder keeps each cached block's
-tokens (one preallocated array, `block_size` slots per block id) and its parent's hash, so a
+after each iteration. From the first subscription on, the recorder also keeps each cached
+block's tokens (one preallocated array, a row per block id) and its parent's hash, so a
 subscriber that arrives later, or one that fell behind, gets the whole cache as events
-(`snapshot`): an `AllBlocksCleared`, then every cached block, parents first.
+(`snapshot`): an `AllBlocksCleared`, then every cached block, parents first. Before any client
+ever subscribed it does nothing.
 
 Invariant: applying the events a subscriber got, in order, to an empty index gives exactly the
-hashes of `BlockPool.cached_block_hash_to_block` as of the last iteration they cover.
+hashes of `BlockPool.cached_block_hash_to_block` as of the last iteration they cover, less the
+blocks cached before the first subscription that were not evicted since.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from core_svc.block_hash import BlockHash
 from core_svc.mm_inputs import MultiModalFeatureSpec
@@ -92,23 +96,35 @@ class CachedBlock(Protocol):
 
 
 class KVEventRecorder:
-    """The prefix cache's changes as events while any client subscribes, and what a snapshot
-    needs (each cached block's tokens, parent and extra keys) always."""
+    """The prefix cache's changes as events while any client subscribes; and, from the first
+    subscription on, what a snapshot needs of every block cached since (its tokens, parent and
+    extra keys). Until a client first subscribes it does nothing at all, so an engine nobody
+    asks for events pays nothing; blocks cached before then stay out of every snapshot (and
+    their eviction is not announced) until they are evicted and cached again."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.subscribers: set[int] = set()
         """Client ids of the streams that get the events."""
         self.is_recording = False
         """Whether changes are kept as events (some client subscribes)."""
+        self.keeps_blocks = False
+        """Whether cached blocks' tokens are kept (set at the first subscription, then kept)."""
         self.events: list[KVCacheEvent] = []
-        self._allocate(num_blocks)
+        self._tokens = np.zeros((0, block_size), dtype=np.uint32)
+        self._parents: list[BlockHash | None] = []
+        self._extra_keys: list[BlockExtraKeys | None] = []
+        self._is_known = bytearray()
+        """Per block id: 1 when its tokens were kept when it was last cached."""
 
     def _allocate(self, num_blocks: int) -> None:
-        self._tokens = array("I", bytes(4 * num_blocks * self.block_size))
-        self._token_view = memoryview(self._tokens)
-        self._parents: list[BlockHash | None] = [None] * num_blocks
-        self._extra_keys: list[BlockExtraKeys | None] = [None] * num_blocks
+        self.num_blocks = num_blocks
+        if self.keeps_blocks:
+            self._tokens = np.zeros((num_blocks, self.block_size), dtype=np.uint32)
+            self._parents = [None] * num_blocks
+            self._extra_keys = [None] * num_blocks
+            self._is_known = bytearray(num_blocks)
 
     def reset(self, num_blocks: int) -> None:
         """A fresh cache of `num_blocks` blocks replaced the old one (recovery)."""
@@ -120,6 +136,9 @@ class KVEventRecorder:
     ) -> list[KVEventBatch]:
         """Start (or restart: a resync) the client's events; returns its snapshot of `cached`.
         The caller hands the events recorded so far to the other subscribers first."""
+        if not self.keeps_blocks:
+            self.keeps_blocks = True
+            self._allocate(self.num_blocks)
         self.subscribers.add(client_id)
         self.is_recording = True
         return self.snapshot(cached)
@@ -146,32 +165,42 @@ class KVEventRecorder:
         end: int,
     ) -> None:
         """blocks[start:end], blocks start..end-1 of the sequence, were just cached."""
+        if not self.keeps_blocks:
+            return
         size = self.block_size
         token_ids = sequence.all_token_ids[start * size : end * size]
-        parents, extras = self._parents, self._extra_keys
         extra_keys = None
         if sequence.mm_features or (start == 0 and sequence.cache_salt):
             extra_keys = _extra_keys(sequence, start, end, size)
-        if end - start == 1:  # the common case (decode fills one block at a time)
+        parents, extras, known = self._parents, self._extra_keys, self._is_known
+        if end - start == 1:  # the common case: a decode fills one block at a time
             block_id = blocks[start].block_id
-            self._tokens[block_id * size : (block_id + 1) * size] = array("I", token_ids)
+            self._tokens[block_id] = token_ids
             parents[block_id] = block_hashes[start - 1] if start else None
             extras[block_id] = extra_keys[0] if extra_keys is not None else None
+            known[block_id] = 1
         else:
-            view, run = self._token_view, memoryview(array("I", token_ids))
-            for i in range(start, end):
-                block_id = blocks[i].block_id
-                offset = (i - start) * size
-                view[block_id * size : (block_id + 1) * size] = run[offset : offset + size]
-                parents[block_id] = block_hashes[i - 1] if i else None
-                extras[block_id] = extra_keys[i - start] if extra_keys is not None else None
+            block_ids = [block.block_id for block in blocks[start:end]]
+            rows = np.frombuffer(array("I", token_ids), dtype=np.uint32).reshape(-1, size)
+            self._tokens[block_ids] = rows
+            parents[block_ids[0]] = block_hashes[start - 1] if start else None
+            for block_id, parent_hash in zip(
+                block_ids[1:], block_hashes[start : end - 1], strict=True
+            ):
+                parents[block_id] = parent_hash
+            for i, block_id in enumerate(block_ids):
+                extras[block_id] = extra_keys[i] if extra_keys is not None else None
+                known[block_id] = 1
         if self.is_recording:
-            parent = block_hashes[start - 1] if start else None
+            first_parent = block_hashes[start - 1] if start else None
             hashes = list(block_hashes[start:end])
-            self.events.append(BlockStored(hashes, parent, token_ids, extra_keys))
+            self.events.append(BlockStored(hashes, first_parent, token_ids, extra_keys))
 
-    def removed(self, block_hash: BlockHash) -> None:
-        """A cached block was evicted (call only while `is_recording`)."""
+    def removed(self, block_id: int, block_hash: BlockHash) -> None:
+        """A cached block was evicted (call only while `is_recording`); not announced when it
+        was cached before the first subscription (no subscriber knows it)."""
+        if not self._is_known[block_id]:
+            return
         events = self.events
         if events and isinstance(last := events[-1], BlockRemoved):
             last.block_hashes.append(block_hash)
@@ -187,8 +216,10 @@ class KVEventRecorder:
         """The whole cache as events: AllBlocksCleared, then the cached blocks as chains,
         every parent that is cached before its children, in batches."""
         runs: list[BlockStored] = []
+        known = self._is_known
         for block_hash, block in _parents_first(cached, self._parents):
-            self._append_to_runs(runs, block_hash, block.block_id)
+            if known[block.block_id]:
+                self._append_to_runs(runs, block_hash, block.block_id)
         batches = [KVEventBatch([AllBlocksCleared()], is_snapshot=True)]
         num_blocks = 0
         for run in runs:
@@ -202,9 +233,8 @@ class KVEventRecorder:
     def _append_to_runs(
         self, runs: list[BlockStored], block_hash: BlockHash, block_id: int
     ) -> None:
-        size = self.block_size
         parent, extra = self._parents[block_id], self._extra_keys[block_id]
-        tokens = self._tokens[block_id * size : (block_id + 1) * size].tolist()
+        tokens = self._tokens[block_id].tolist()
         last = runs[-1] if runs else None
         if (
             last is not None

@@ -22,9 +22,10 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from tests.e2e.client import generate
 from tests.e2e.gateway_stack import Engine, is_idle, wait_for
 from tests.e2e.stack import Stack
-from tests.reliability.probes import rich_status
+from tests.reliability.probes import assert_proper_status, rich_status
 
 pytestmark = pytest.mark.slow
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 PROMPT = list(range(40, 90))
 
 
@@ -183,3 +184,23 @@ def test_the_api_key_guards_the_gateway_contract_too(stack: Stack) -> None:
             assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=key).vocab_size
     finally:
         stop_children([child])
+
+
+@pytest.mark.parametrize(
+    "method", ["Generate", "Abort", "GetLoads", "FlushCache", "SubscribeKvEvents", "GetTokenizer"]
+)
+def test_malformed_messages_are_refused_and_the_engine_keeps_serving(
+    engine: Engine, method: str
+) -> None:
+    streams = method in ("Generate", "SubscribeKvEvents", "GetTokenizer")
+    with grpc.insecure_channel(engine.stack.frontend) as channel:
+        path = f"/{SERVICE_NAME}/{method}"
+        call = channel.unary_stream(path) if streams else channel.unary_unary(path)
+        with pytest.raises(grpc.RpcError) as info:
+            reply = call(b"\x0a\x05ab", timeout=10)
+            if streams:
+                list(reply)
+    assert_proper_status(info.value)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed" in (info.value.details() or "")
+    assert engine.stub().HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy

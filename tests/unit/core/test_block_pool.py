@@ -270,6 +270,7 @@ def test_extra_keys_carry_the_salt_and_images() -> None:
 def test_snapshot_lists_parents_first_in_bounded_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_events, "MAX_SNAPSHOT_BLOCKS_PER_BATCH", 2)
     pool = make_pool(8)
+    pool.kv_events.subscribe(1, {})
     blocks = pool.get_new_blocks(5)
     hashes = [bytes([i]) * 32 for i in range(5)]
     pool.cache_full_blocks(SEQ, blocks, hashes, 3, 5)  # children cached first
@@ -285,3 +286,20 @@ def test_snapshot_lists_parents_first_in_bounded_batches(monkeypatch: pytest.Mon
 
 
 TestBlockPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_nothing_is_kept_before_the_first_subscription() -> None:
+    """An engine nobody subscribed to pays nothing; the blocks it cached then stay out of the
+    first subscriber's view (and their eviction is not announced) until cached again."""
+    pool = make_pool(5)
+    early = pool.get_new_blocks(2)
+    pool.cache_full_blocks(SEQ, early, [b"a" * 32, b"b" * 32], 0, 2)
+    assert not pool.kv_events.keeps_blocks
+    (snapshot,) = pool.kv_events.subscribe(1, pool.cached_block_hash_to_block)
+    assert snapshot.events == [kv_events.AllBlocksCleared()]
+    late = pool.get_new_blocks(2)
+    pool.cache_full_blocks(SEQ, late, [b"c" * 32, b"d" * 32], 0, 2)
+    pool.free_blocks(early + late)
+    pool.get_new_blocks(4)  # evicts all four
+    events = pool.kv_events.take()
+    assert events[-1] == BlockRemoved([b"c" * 32, b"d" * 32])
