@@ -26,6 +26,12 @@ logger = logging.getLogger(__name__)
 MAX_SNAPSHOT_BLOCKS_PER_BATCH = 2048
 DEFAULT_MAX_PENDING_BATCHES = 1024
 """Batches a subscriber may leave unsent before it is resynced."""
+MAX_SUBSCRIBERS = 64
+"""Gateway streams one frontend serves at once (each costs a queue and a snapshot)."""
+
+
+class TooManySubscribers(Exception):
+    """MAX_SUBSCRIBERS streams are open already."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +167,10 @@ class KvEventHub:
             self.apply([AllBlocksCleared()])
 
     def subscribe(self, max_pending: int | None = None) -> KvSubscriber:
-        """A new consumer; its first batches are the mirror (`snapshot`) as it is now."""
+        """A new consumer; its first batches are the mirror (`snapshot`) as it is now. Raises
+        TooManySubscribers past MAX_SUBSCRIBERS."""
+        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+            raise TooManySubscribers(f"{MAX_SUBSCRIBERS} KV-event streams are open already")
         subscriber = KvSubscriber(max_pending or self.max_pending_batches)
         subscriber.queue.put_nowait(self.snapshot())
         self._subscribers.add(subscriber)

@@ -30,7 +30,7 @@ from frontend_svc.gateway import convert
 from frontend_svc.gateway.loads import LoadReporter
 from frontend_svc.gateway.tokenizer_files import TokenizerFiles
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.kv_events import KvEventHub
+from frontend_svc.kv_events import KvEventHub, TooManySubscribers
 from frontend_svc.model_files import ModelFiles
 from frontend_svc.requests import FinishReason
 
@@ -184,7 +184,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 "sequence numbers count per subscription and nothing is kept between them; "
                 "subscribe from 0: the first batches carry the whole cache",
             )
-        subscriber = hub.subscribe()
+        try:
+            subscriber = hub.subscribe()
+        except TooManySubscribers as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{err}; retry later")
+            return
         recorder = LoadRecorder(self._load_record)
         sequence = event_id = 0
         try:

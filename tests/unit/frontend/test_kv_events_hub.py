@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from frontend_svc import convert
+from frontend_svc import convert, kv_events
 from frontend_svc.kv_events import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -97,6 +97,18 @@ def test_a_subscriber_that_falls_behind_is_resynced_from_the_mirror() -> None:
         hub.apply([stored([200])])
         rebuild(await hub.next_batches(subscriber), view)
         assert set(view.blocks) == set(hub.blocks) == {*range(101, 110), 200}
+
+    asyncio.run(scenario())
+
+
+def test_subscribers_are_bounded() -> None:
+    async def scenario() -> None:
+        hub = KvEventHub(SIZE)
+        subscribers = [hub.subscribe() for _ in range(kv_events.MAX_SUBSCRIBERS)]
+        with pytest.raises(kv_events.TooManySubscribers):
+            hub.subscribe()
+        hub.unsubscribe(subscribers[0])
+        hub.subscribe()
 
     asyncio.run(scenario())
 
