@@ -137,21 +137,33 @@ class ZmqEventPublisher:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        if _is_bind_endpoint(self.endpoint):
-            self._pub.bind(self.endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._pub.connect(self.endpoint)
         self._replay: zmq.Socket[bytes] | None = None
-        if self.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.bind(self.replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self._open_sockets()
+        except zmq.ZMQError as err:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise ValueError(
+                f"--kv-events-config: cannot open the KV-event endpoints {self.endpoint} / "
+                f"{self.replay_endpoint or '-'}: {err}"
+            ) from None
         self.num_resyncs = 0
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
         logger.info("publishing KV-cache events on %s (replay: %s)", self.endpoint,
                     self.replay_endpoint or "off")  # fmt: skip
+
+    def _open_sockets(self) -> None:
+        if _is_bind_endpoint(self.endpoint):
+            self._pub.bind(self.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._pub.connect(self.endpoint)
+        if self.replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.bind(self.replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def offer(self, events: list[KvEvent]) -> bool:
         """Queue a batch (serving loop); False when the queue is full (nothing queued)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from frontend_svc.assembly import FrontendLimits, build_frontend
+from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.gateway import convert as gateway_convert
@@ -63,11 +63,10 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
-    kv_config = config.kv_events_config
     client = EngineCoreClient(
         config.core_addr,
         security=ChannelSecurity(config.tls, CORE_ROLE),
-        subscribe_kv_events=kv_config.enable_kv_cache_events,
+        subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
     )
     try:
         info = await client.connect(config.core_connect_timeout)
@@ -103,22 +102,17 @@ async def serve(config: FrontendConfig) -> int:
         config.max_inflight_requests,
         config.max_recovery_seconds,
     )
-    publisher = None
-    if kv_config.publishes_zmq:
-        publisher = ZmqEventPublisher(kv_config, config.data_parallel_rank, info.block_size)
-    hub = None
-    if kv_config.enable_kv_cache_events:
-        hub = KvEventHub(info.block_size, sinks=[publisher] if publisher is not None else [])
+    try:
+        hub, publisher = kv_event_hub(config, info.block_size)
+    except ValueError as err:
+        report_fatal("frontend", str(err))
+        await client.close()
+        return 1
     parts = build_frontend(client, info, files, host.registry, served_name, limits, hub)
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    servicer = GenerationServicer(engine, inputs, info, served_name)
-    gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
-    gateway = VllmEngineServicer(
-        engine, inputs, info, files, served_name, hub, client, config.data_parallel_rank
-    )
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
+    add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
     http = None
     if config.http_port is not None:
         context = ServingContext(engine, inputs, info, served_name, time.time())
@@ -154,6 +148,36 @@ async def serve(config: FrontendConfig) -> int:
     if publisher is not None:
         publisher.close()
     return code
+
+
+def kv_event_hub(
+    config: FrontendConfig, block_size: int
+) -> tuple[KvEventHub | None, ZmqEventPublisher | None]:
+    """The engine's KV-cache events as --kv-events-config asks: their hub (None: off) and its
+    ZMQ publisher (None: gRPC only). ValueError when the ZMQ endpoints cannot be opened."""
+    kv_config = config.kv_events_config
+    if not kv_config.enable_kv_cache_events:
+        return None, None
+    publisher = None
+    if kv_config.publishes_zmq:
+        publisher = ZmqEventPublisher(kv_config, config.data_parallel_rank, block_size)
+    return KvEventHub(block_size, sinks=[publisher] if publisher else []), publisher
+
+
+def add_servicers(
+    host: ServiceHost,
+    parts: Frontend,
+    files: ModelFiles,
+    client: EngineCoreClient,
+    hub: KvEventHub | None,
+    data_parallel_rank: int,
+) -> None:
+    """The public API and, beside it on the same port, the gateway contract."""
+    engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
+    servicer = GenerationServicer(engine, inputs, info, name)
+    gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
 
 
 def _uvicorn_level(config: FrontendConfig) -> str:
