@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 from benchmarks.scheduler import TrivialExecutor
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.request import Request
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 
 @dataclass(frozen=True)

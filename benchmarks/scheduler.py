@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 from core_svc import convert
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts import output_convert
+from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 TOKEN = 7
@@ -52,7 +54,7 @@ class TrivialExecutor:
         output = self._sample(scheduler_output)
         wire = b""
         if self.with_proto:
-            wire = convert.model_runner_output_to_proto(output).SerializeToString()
+            wire = output_convert.model_runner_output_to_proto(output).SerializeToString()
         self.worker_s += time.perf_counter() - start
         if self.with_proto:
             msg = worker_pb2.ModelRunnerOutput.FromString(wire)
@@ -78,7 +80,12 @@ class TrivialExecutor:
             for h, c, n in zip(handles, computed, so.num_scheduled_tokens, strict=True)
             if c + n >= num_tokens[h]
         ]
-        return ModelRunnerOutput(so.step_id, sampled, [TOKEN] * len(sampled))
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            status=StepStatus.OK,
+            req_handles=sampled,
+            sampled_token_ids=[TOKEN] * len(sampled),
+        )
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from core_svc.executor import Executor, ExecutorError
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 
 @runtime_checkable

@@ -86,15 +86,6 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Free blocks from head to tail (for tests and debugging)."""
-        blocks = []
-        block = self._head.next_free_block
-        while block is not None and block is not self._tail:
-            blocks.append(block)
-            block = block.next_free_block
-        return blocks
-
 
 class BlockPool:
     """All KV blocks of the cache.
@@ -178,12 +169,3 @@ class BlockPool:
             if block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.get_num_used_blocks() > 0:
-            return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True

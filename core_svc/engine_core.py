@@ -8,23 +8,24 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
 from core_svc.executor import Executor, ExecutorError, FaultCause
 from core_svc.kv_cache_manager import KVCacheManager
-from core_svc.outputs import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ErrorKind,
-    FinishReason,
-    ModelRunnerOutput,
-    SchedulerStats,
-)
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import (
+    ErrorKind,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerStats,
+    StepStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
         )
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_manager)
+        scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
         self.client_requests: dict[int, dict[int, Request]] = {}
         """client_id -> client_handle -> live request."""
         self.can_recover = can_recover
@@ -87,8 +89,12 @@ class EngineCore:
         self.num_steps_applied = 0
         """Steps whose output was applied (with async scheduling, fewer than step() calls)."""
         """Outputs of requests refused at add, returned by the next step()."""
-        self._batch_queue = BatchQueue(executor) if scheduler_config.async_scheduling else None
-        """Steps in flight, with async scheduling."""
+        self._batch_queue = self._new_batch_queue(executor)
+        """Steps in flight, when the scheduler runs ahead (async scheduling)."""
+
+    def _new_batch_queue(self, executor: Executor) -> BatchQueue | None:
+        num_steps = self.scheduler.max_steps_in_flight
+        return BatchQueue(executor, num_steps) if num_steps > 1 else None
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it (finished with ERROR in the next step's outputs)."""
@@ -257,8 +263,10 @@ class EngineCore:
         model_runner_output: ModelRunnerOutput,
         before_update: Callable[[], None] | None,
     ) -> dict[int, EngineCoreOutputs]:
-        error = model_runner_output.error_message
-        if error is None and model_runner_output.step_id != scheduler_output.step_id:
+        error = None
+        if model_runner_output.status == StepStatus.ERROR:
+            error = model_runner_output.error_message
+        elif model_runner_output.step_id != scheduler_output.step_id:
             error = (
                 f"got the output of step {model_runner_output.step_id} "
                 f"for step {scheduler_output.step_id}"
@@ -335,7 +343,7 @@ class EngineCore:
         the others are scheduled again, the running ones by recompute."""
         self.executor = executor
         if self._batch_queue is not None:
-            self._batch_queue = BatchQueue(executor)
+            self._batch_queue = self._new_batch_queue(executor)
         self.kv_cache_manager.reset(num_blocks)
         self.suspension = None
         self.can_step = True
@@ -376,9 +384,6 @@ class EngineCore:
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
         )
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

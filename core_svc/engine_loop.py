@@ -21,8 +21,9 @@ from enum import Enum
 
 from core_svc.engine_core import EngineCore, Fault
 from core_svc.executor import Executor, FaultCause
-from core_svc.outputs import EngineCoreOutputs, SchedulerStats
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
+from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 FaultCause = Literal["rank_died", "rank_hung"]
 """Why the ranks stopped serving: a rank died, broke its stream or failed a step (rank_died),

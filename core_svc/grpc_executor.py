@@ -30,9 +30,9 @@ import grpc
 
 from core_svc import convert
 from core_svc.executor import ExecutorError, FaultCause
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_budget import StepBudget
+from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.channels import ChannelSecurity, open_channel
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY

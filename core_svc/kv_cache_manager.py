@@ -224,9 +224,6 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request.req_handle, ())]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
-
     def reset(self, num_blocks: int) -> None:
         """A fresh cache of `num_blocks` blocks, all free, nothing cached (the ranks were brought
         up again: the KV they held is gone). Requires that no request holds blocks; the

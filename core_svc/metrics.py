@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core_svc.executor import FAULT_CAUSES
-from core_svc.outputs import SchedulerStats
+from splitserve_contracts.output_types import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 HOP_BUCKETS = (

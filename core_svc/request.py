@@ -6,7 +6,12 @@ import time
 from enum import IntEnum
 
 from core_svc.mm_inputs import MultiModalFeatureSpec
-from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, ErrorKind, FinishReason
+from splitserve_contracts.output_types import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    ErrorKind,
+    FinishReason,
+)
 
 
 class RequestStatus(IntEnum):

@@ -22,6 +22,7 @@ from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
+from splitserve_contracts import output_convert
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -112,7 +113,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
     async def GetSchedulerStats(  # noqa: N802
         self, request: core_pb2.GetSchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.GetSchedulerStatsResponse:
-        stats = convert.scheduler_stats_to_proto(self._proc.latest_stats)
+        stats = output_convert.scheduler_stats_to_proto(self._proc.latest_stats)
         return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
 
     async def EngineStream(  # noqa: N802

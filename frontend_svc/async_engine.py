@@ -28,13 +28,14 @@ from frontend_svc.core_client import (
     RoundTrip,
     StatsRefresh,
 )
-from frontend_svc.engine_types import CoreOutputs, SchedulerStats
+from frontend_svc.engine_types import CoreOutputs
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts import sampling_rules
+from splitserve_contracts.output_types import FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

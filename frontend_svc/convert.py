@@ -7,13 +7,7 @@ from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import (
-    CoreOutputDetail,
-    CoreOutputs,
-    EngineInfo,
-    LogprobsTable,
-    SchedulerStats,
-)
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo
 from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
@@ -29,6 +23,13 @@ from splitserve_contracts import sampling_convert
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.output_convert import (
+    engine_core_event_from_proto,
+    enum_member,
+    logprobs_table_from_proto,
+    scheduler_stats_from_proto,
+)
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 
 
@@ -159,37 +160,20 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     return msg
 
 
-def _table_from_proto(msg: types_pb2.LogprobsTable) -> LogprobsTable:
-    return LogprobsTable(
-        msg.num_top_logprobs, list(msg.token_ids), list(msg.logprobs), list(msg.ranks)
-    )
-
-
 def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
+    has = d.HasField
     return CoreOutputDetail(
         handle=d.request_handle,
-        finish_reason=d.finish_reason,
-        stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
-        new_logprobs=_table_from_proto(d.new_logprobs) if d.HasField("new_logprobs") else None,
+        finish_reason=enum_member(FinishReason, d.finish_reason),
+        stop_token_id=d.stop_token_id if has("stop_token_id") else None,
+        new_logprobs=logprobs_table_from_proto(d.new_logprobs) if has("new_logprobs") else None,
         prompt_logprobs=(
-            _table_from_proto(d.prompt_logprobs) if d.HasField("prompt_logprobs") else None
+            logprobs_table_from_proto(d.prompt_logprobs) if has("prompt_logprobs") else None
         ),
-        events=[(e.type, e.timestamp) for e in d.events],
-        num_cached_tokens=d.num_cached_tokens if d.HasField("num_cached_tokens") else None,
+        events=[engine_core_event_from_proto(e) for e in d.events],
+        num_cached_tokens=d.num_cached_tokens if has("num_cached_tokens") else None,
         error_message=d.error_message,
-        error_kind=d.error_kind,
-    )
-
-
-def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
-    return SchedulerStats(
-        num_running_reqs=msg.num_running_reqs,
-        num_waiting_reqs=msg.num_waiting_reqs,
-        kv_cache_usage=msg.kv_cache_usage,
-        prefix_cache_queries=msg.prefix_cache_queries,
-        prefix_cache_hits=msg.prefix_cache_hits,
-        num_preemptions=msg.num_preemptions,
-        step_id=msg.step_id,
+        error_kind=enum_member(ErrorKind, d.error_kind),
     )
 
 

@@ -27,11 +27,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo, SchedulerStats
+from frontend_svc.engine_types import CoreOutputs, EngineInfo
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.output_types import SchedulerStats
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tls import CORE_ROLE

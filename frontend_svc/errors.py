@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from frontend_svc.engine_types import ERROR_KIND_INVALID_REQUEST, ERROR_KIND_OVERLOADED
+from splitserve_contracts.output_types import ErrorKind
 
 
 class FrontendError(Exception):
@@ -87,9 +87,9 @@ class EngineUnavailable(FrontendError):
 
 def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
     """The client-facing error for a request the engine ended with FINISH_REASON_ERROR."""
-    if kind == ERROR_KIND_INVALID_REQUEST:
+    if kind == ErrorKind.INVALID_REQUEST:
         return InvalidRequest(f"request {request_id} refused by the engine: {message}")
-    if kind == ERROR_KIND_OVERLOADED:
+    if kind == ErrorKind.OVERLOADED:
         return Overloaded(message)
     return EngineUnavailable(
         f"the engine failed while serving request {request_id}; retry it",

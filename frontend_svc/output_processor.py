@@ -15,17 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
-from frontend_svc.requests import (
-    CompletionDelta,
-    EngineRequest,
-    FinishReason,
-    Logprob,
-    TokenLogprobs,
-)
+from frontend_svc.requests import CompletionDelta, EngineRequest, Logprob, TokenLogprobs
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
+from splitserve_contracts.output_types import ErrorKind, FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams
 
 MAX_UNREAD_DELTAS = 4096
@@ -145,7 +140,7 @@ class OutputProcessor:
     ) -> bool:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
-        finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
+        finish = detail.finish_reason if detail else FinishReason.UNSPECIFIED
         self.metrics.on_output(
             state.stats, len(token_ids), core_ts, detail.events if detail else None
         )
@@ -228,17 +223,17 @@ class OutputProcessor:
             stop_token_id=detail.stop_token_id if detail and stop_str is None else None,
             stop_str=stop_str,
             error_message=detail.error_message if detail else "",
-            error_kind=detail.error_kind if detail else 0,
+            error_kind=detail.error_kind if detail else ErrorKind.UNSPECIFIED,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
     def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:
         """Columnar table -> per-position entries with each token's own text."""
-        width = table.num_top + 1
+        width = table.num_top_logprobs + 1
         decode = self.decoder.decode
         rows: list[TokenLogprobs] = []
-        for pos in range(table.num_positions):
+        for pos in range(len(table.ranks)):
             base = pos * width
             entries = [
                 Logprob(

@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
-
-
-class FinishReason(IntEnum):
-    """Why a completion stopped; values equal the proto FinishReason numbers."""
-
-    UNSPECIFIED = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +137,7 @@ class CompletionDelta:
     stop_token_id: int | None = None
     stop_str: str | None = None
     error_message: str = ""
-    error_kind: int = 0
+    error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 

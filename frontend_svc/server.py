@@ -14,9 +14,9 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
-"""Generate `splitserve_contracts/sampling_types.py`: plain dataclasses mirroring the sampling
-messages of `splitserve/common/v1/types.proto`.
+"""Generate the plain Python vocabulary of the contracts: `splitserve_contracts/sampling_types.py`,
+plain dataclasses mirroring the sampling messages of `splitserve/common/v1/types.proto` (here),
+and the enums and output records the services share, `splitserve_contracts/output_types.py` with
+their converters `output_convert.py` (protos/python_records.py).
 
 The services keep protobuf at their edges, so each needs a plain view of SamplingParams (the
 frontend, the offline LLM API) or SamplerParams (the workers' sampler). Those views are generated
@@ -20,6 +22,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import python_records
 from google.protobuf import descriptor_pb2
 
 MESSAGES = ("SamplingParams", "SamplerParams")
@@ -112,6 +115,8 @@ def main(descriptor_set: Path, out_dir: Path) -> None:
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
     source = next(f for f in files if f.name == SOURCE)
     (out_dir / TARGET).write_text(render(source, options.unset_means))
+    for name, text in python_records.render(list(files)).items():
+        (out_dir / TARGET.parent / name).write_text(text)
 
 
 if __name__ == "__main__":

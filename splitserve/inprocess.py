@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from core_svc import convert as core_convert
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineCoreProc
-from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
@@ -39,6 +39,7 @@ from frontend_svc.core_client import CoreEvent
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
+from splitserve_contracts.output_types import ModelRunnerOutput
 from worker_svc import convert as worker_convert
 from worker_svc.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput

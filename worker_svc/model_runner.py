@@ -21,6 +21,13 @@ import time
 import numpy as np
 import torch
 
+from splitserve_contracts.output_types import (
+    LogprobsTable,
+    ModelRunnerOutput,
+    RequestLogprobs,
+    StepStatus,
+    StepTimings,
+)
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
@@ -29,7 +36,6 @@ from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.llava import LlavaForConditionalGeneration
-from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
@@ -263,21 +269,23 @@ class ModelRunner:
     ) -> ModelRunnerOutput | None:
         if not self.parallel.is_output_rank:
             return None
-        handles = np.zeros(0, np.int64)
-        tokens = np.zeros(0, np.int64)
-        logprobs: dict[int, LogprobsTable] = {}
+        handles: list[int] = []
+        tokens: list[int] = []
+        logprobs: list[RequestLogprobs] = []
         if inputs is not None and sampler_output is not None:
-            handles = inputs.req_handles[inputs.sampling_reqs]
-            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64)
-            logprobs = self._sample_logprobs(inputs, handles, sampler_output)
+            sampled = inputs.req_handles[inputs.sampling_reqs]
+            handles = sampled.tolist()
+            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64).tolist()
+            logprobs = self._sample_logprobs(inputs, sampled, sampler_output)
         assert self.batch is not None
         return ModelRunnerOutput(
             step_id=step.step_id,
+            status=StepStatus.OK,
             rank=self.parallel.rank,
             req_handles=handles,
             sampled_token_ids=tokens,
             logprobs=logprobs,
-            prompt_logprobs=prompt_tables,
+            prompt_logprobs=[RequestLogprobs(h, t) for h, t in prompt_tables.items()],
             timings=StepTimings(
                 timings.prepare_inputs_seconds,
                 timings.forward_seconds,
@@ -285,17 +293,20 @@ class ModelRunner:
                 total_seconds=time.perf_counter() - started,
             ),
             num_used_kv_blocks=self.batch.num_used_blocks(),
-            failed_reqs=self._failed,
+            failed_req_handles=list(self._failed),
+            failed_reasons=list(self._failed.values()),
         )
 
     def _sample_logprobs(
         self, inputs: StepInputs, handles: np.ndarray, sampler_output: SamplerOutput
-    ) -> dict[int, LogprobsTable]:
+    ) -> list[RequestLogprobs]:
         if sampler_output.logprobs is None:
-            return {}
+            return []
         assert self.batch is not None
         num_tops = self.batch.sampling.num_logprobs[inputs.rows[inputs.sampling_reqs]]
         wanted = np.flatnonzero(num_tops >= 0)
         ids, values, ranks = (t[torch.from_numpy(wanted)] for t in sampler_output.logprobs)
         tables = split_tables(ids, values, ranks, [1] * len(wanted), num_tops[wanted].tolist())
-        return dict(zip(handles[wanted].tolist(), tables, strict=True))
+        return [
+            RequestLogprobs(h, t) for h, t in zip(handles[wanted].tolist(), tables, strict=True)
+        ]

@@ -13,7 +13,6 @@ step is answered with the same error.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -251,8 +250,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         if output is None:
             return None
-        timings = dataclasses.replace(output.timings, total_seconds=total_seconds)
-        output = dataclasses.replace(output, timings=timings)
+        if output.timings is not None:
+            output.timings.total_seconds = total_seconds
         return pb.ExecuteResponse(model_runner_output=convert.model_runner_output_to_proto(output))
 
     def close(self) -> None:

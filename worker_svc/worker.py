@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import (
@@ -36,7 +37,6 @@ from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescriptio
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class, read_model_config
-from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
     keep_fp8_weights,

@@ -14,7 +14,8 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, check_model
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason, GenerateInput
+from frontend_svc.requests import CompletionDelta, EngineRequest, GenerateInput
+from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]
 """(prompt index, delta of one of its completions)."""

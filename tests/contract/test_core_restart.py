@@ -15,7 +15,8 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, FinishReason
+from frontend_svc.requests import CompletionDelta
+from splitserve_contracts.output_types import FinishReason
 from tests.contract.test_core_service import (
     CoreHarness,
     collect,

@@ -24,9 +24,10 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from tests.unit.core.fake_executor import default_token_fn, make_engine
 

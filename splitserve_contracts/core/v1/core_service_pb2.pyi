@@ -666,6 +666,8 @@ class SchedulerStats(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -696,6 +698,13 @@ class SchedulerStats(_message.Message):
     """Of those, items whose encoder output was already cached on the workers
     (or scheduled earlier in the same step), cumulative.
     """
+    num_prompt_tokens: _builtins.int
+    """Prompt tokens of the requests that sampled their first token (a prompt
+    counts when its first token arrives, as in vLLM's prompt throughput),
+    cumulative.
+    """
+    num_generation_tokens: _builtins.int
+    """Tokens sampled, cumulative."""
     def __init__(
         self,
         *,
@@ -711,10 +720,12 @@ class SchedulerStats(_message.Message):
         num_total_blocks: _builtins.int = ...,
         encoder_cache_queries: _builtins.int = ...,
         encoder_cache_hits: _builtins.int = ...,
+        num_prompt_tokens: _builtins.int = ...,
+        num_generation_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,10 +9,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from core_svc.block_hash import hash_block_tokens
 from core_svc.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from tests.unit.core.kv_helpers import free_block_ids
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return free_block_ids(pool.free_block_queue)
 
 
 def test_free_queue_pops_appends_and_removes_from_the_middle() -> None:
@@ -20,10 +21,10 @@ def test_free_queue_pops_appends_and_removes_from_the_middle() -> None:
     queue = FreeKVCacheBlockQueue(blocks)
     assert [b.block_id for b in queue.popleft_n(2)] == [0, 1]
     queue.remove(blocks[3])
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [2, 4, 5]
+    assert free_block_ids(queue) == [2, 4, 5]
     queue.append(blocks[0])
     assert queue.popleft().block_id == 2
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [4, 5, 0]
+    assert free_block_ids(queue) == [4, 5, 0]
     assert queue.num_free_blocks == 3
     with pytest.raises(ValueError):
         queue.remove(blocks[3])
@@ -85,17 +86,6 @@ def test_duplicate_hash_stays_unregistered() -> None:
     assert second.block_hash is None
 
 
-def test_reset_prefix_cache_only_when_idle() -> None:
-    pool = BlockPool(num_blocks=4, enable_caching=True)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"y" * 32], 0, 1)
-    assert not pool.reset_prefix_cache()
-    pool.free_blocks([block])
-    assert pool.reset_prefix_cache()
-    assert pool.get_cached_block(b"y" * 32) is None
-    assert block.block_hash is None
-
-
 def test_double_free_is_detected() -> None:
     pool = BlockPool(num_blocks=3, enable_caching=False)
     (block,) = pool.get_new_blocks(1)
@@ -141,10 +131,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def free(self, index: int) -> None:
         blocks = self.holdings.pop(index % len(self.holdings))
         self.pool.free_blocks(reversed(blocks))
-
-    @rule()
-    def reset(self) -> None:
-        assert self.pool.reset_prefix_cache() == (not self.holdings)
 
     @invariant()
     def counts_match_holders(self) -> None:

@@ -7,9 +7,15 @@ from typing import Any
 import pytest
 
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import EngineCoreEventType, ErrorKind, FinishReason, ModelRunnerOutput
 from core_svc.request import RequestStatus
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import (
+    EngineCoreEventType,
+    ErrorKind,
+    FinishReason,
+    ModelRunnerOutput,
+    StepStatus,
+)
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,
@@ -179,7 +185,9 @@ def test_executor_failure_fails_every_request_and_the_engine() -> None:
 
 class ErrorStatusExecutor(FakeExecutor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return ModelRunnerOutput(step_id=scheduler_output.step_id, error_message="CUDA OOM")
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id, status=StepStatus.ERROR, error_message="CUDA OOM"
+        )
 
 
 def test_error_status_output_fails_the_engine() -> None:
@@ -254,7 +262,6 @@ def test_stats_are_cumulative() -> None:
     stats = engine.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
     assert stats.step_id == len(executor.seen)
-    assert engine.reset_prefix_cache()
 
 
 def test_a_request_the_ranks_refuse_fails_alone() -> None:

@@ -15,8 +15,9 @@ import pytest
 
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineCommand, EngineCoreProc
-from core_svc.outputs import EngineCoreOutputs, FinishReason, ModelRunnerOutput
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import FinishReason, ModelRunnerOutput
 from tests.unit.core.fake_executor import ClientView, FakeExecutor, make_engine, make_request
 
 GUARD_S = 30.0

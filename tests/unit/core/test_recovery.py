@@ -13,7 +13,8 @@ import pytest
 
 from core_svc.engine_core import EngineCore, Fault
 from core_svc.engine_loop import EngineCoreProc
-from core_svc.outputs import EngineCoreOutputs, ErrorKind, FinishReason
+from core_svc.outputs import EngineCoreOutputs
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,
