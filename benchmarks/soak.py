@@ -23,9 +23,9 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.serve_compare import stack_args
+from benchmarks.serve_compare import stack_options
 from benchmarks.soak_load import SoakClients, client_loop
-from splitserve.children import Child, start_children, stop_children, wait_ready
+from splitserve.children import Child, StackOptions, start_children, stop_children, wait_ready
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
@@ -109,14 +109,10 @@ async def fill_kv_cache(clients: SoakClients, num_tokens: int, concurrency: int 
     return num_prompts * length
 
 
-def soak_stack_args(model: str) -> argparse.Namespace:
+def soak_stack_options(model: str) -> StackOptions:
     """The benchmark stack with its OpenAI HTTP port (a free one) and room for the soak's streams."""
-    return stack_args(
-        model,
-        http_port=0,
-        api_key="",
-        service_flags={"frontend": ["--max-inflight-requests", "256"]},
-    )
+    core_flags = ["--kv-cache-memory-bytes", KV_CACHE_BYTES]
+    return stack_options(model, core_flags, ["--max-inflight-requests", "256"], http_port=0)
 
 
 async def soak(
@@ -186,8 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    core_flags = ["--kv-cache-memory-bytes", KV_CACHE_BYTES]
-    children = start_children(soak_stack_args(args.model), core_flags)
+    children = start_children(soak_stack_options(args.model))
     try:
         wait_ready(children, 600.0)
         tracks, clients = asyncio.run(soak(args, children))

@@ -6,10 +6,12 @@ call per column) so a step with a thousand requests costs a handful of calls.
 
 from __future__ import annotations
 
+from core_svc.config import CoreConfig
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -128,3 +130,27 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
     if len(msg.failed_req_handles) != len(msg.failed_reasons):
         raise ValueError(f"rank {msg.rank}: failed requests and reasons do not line up")
     return output
+
+
+def engine_info_to_proto(
+    config: CoreConfig, facts: ModelFacts, served_model_name: str
+) -> core_pb2.EngineInfo:
+    """The engine's facts for the frontends' Handshake."""
+    usable_tokens = (facts.num_kv_blocks - 1) * config.block_size  # block 0 is the null block
+    return core_pb2.EngineInfo(
+        served_model_name=served_model_name,
+        model_path=config.model,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        block_size=config.block_size,
+        num_kv_blocks=facts.num_kv_blocks,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        dtype=facts.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        engine_id=config.engine_id,
+        max_concurrency=usable_tokens / facts.max_model_len,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
+    )

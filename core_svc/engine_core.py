@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
-from core_svc.executor import Executor, ExecutorError, FaultCause
+from core_svc.executor import Executor, ExecutorError, Fault
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
@@ -28,14 +27,6 @@ from splitserve_contracts.output_types import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """Why the engine stopped stepping: the executor's failure."""
-
-    cause: FaultCause
-    message: str
 
 
 class EngineCore:

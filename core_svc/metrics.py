@@ -139,7 +139,7 @@ class CoreMetrics:
             "splitserve_engine_recoveries",
             "Times the engine lost its worker ranks and began bringing them up again, by cause "
             "(rank_died: a rank exited, broke its stream or failed a step; rank_hung: a step "
-            "outlived its budget).",
+            "outlived its timeout).",
             [*LABELS, "cause"],
             registry=registry,
         )

@@ -94,7 +94,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self._streams = streams
         self._info = info
         self._metrics = metrics
-        streams.on_overflow = proc.close_client
+        streams.on_overflow = proc.inbox.close_client
 
     async def close_streams(self) -> None:
         """End every EngineStream (shutdown): their requests are aborted."""
@@ -144,7 +144,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         finally:
             self._streams.close(client_id)
             self._metrics.streams.set(len(self._streams))
-            proc.close_client(client_id)
+            proc.inbox.close_client(client_id)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -163,12 +163,12 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 kind = msg.WhichOneof("payload")
                 if kind == "add":
                     now = time.monotonic()
-                    proc.add_requests(
+                    proc.inbox.add_requests(
                         client_id,
                         [convert.request_from_proto(r, client_id, now) for r in msg.add.requests],
                     )
                 elif kind == "abort":
-                    proc.abort_requests(client_id, list(msg.abort.request_handles))
+                    proc.inbox.abort_requests(client_id, list(msg.abort.request_handles))
                 elif kind == "ping":
                     queue.put_nowait(
                         core_pb2.EngineStreamResponse(pong=core_pb2.Pong(ping_id=msg.ping.ping_id))

@@ -7,17 +7,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
-from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
+from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
-from splitserve_runtime.log_config import add_logging_flags
-from splitserve_runtime.model_spec import add_model_arguments
+from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 from splitserve_runtime.transport_flags import (
     TransportConfig,
-    add_internal_tls_flags,
-    add_listener_flags,
     check_internal_tls,
+    internal_tls_flags,
+    listener_flags,
     optional_port,
 )
 
@@ -84,159 +84,163 @@ class FrontendConfig(TransportConfig):
         return TlsFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve frontend",
-        description="Run the public gRPC frontend (vLLM's P0).",
-        config_file=True,
-    )
-    add_model_arguments(p, is_frontend=True)
-    p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
-    p.add_argument(
-        "--served-model-name",
-        default="",
-        help="model name for clients (default: what the engine core reports)",
-    )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=DEFAULT_METRICS_PORT,
-        help="Prometheus /metrics port (-1 disables)",
-    )
-    p.add_argument(
-        "--http-host", default="", help="OpenAI HTTP server address (default: same as --host)"
-    )
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
-    )
-    p.add_argument(
-        "--max-logprobs",
-        type=non_negative_int,
-        default=20,
-        help="largest logprobs / prompt_logprobs a request may ask for",
-    )
-    p.add_argument("--max-n", type=positive_int, default=64, help="largest n a request may ask for")
-    p.add_argument(
-        "--max-stop-strings", type=positive_int, default=32, help="most stop strings per request"
-    )
-    p.add_argument(
-        "--core-connect-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for the engine core at start-up",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds running requests may take to finish (new ones are refused "
-        "with UNAVAILABLE) before they are aborted",
-    )
-    p.add_argument(
-        "--max-inflight-requests",
-        type=non_negative_int,
-        default=0,
-        help="most engine requests this frontend streams at once (n > 1 counts n); more are "
-        "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
-    )
-    p.add_argument(
-        "--max-recovery-seconds",
-        type=float,
-        default=120.0,
-        help="when the stream to the engine core breaks (the core restarts), requests in flight "
-        "wait this long for it to come back and are then resubmitted with the tokens they have "
-        "so far; past it they fail with UNAVAILABLE. 0: fail at once",
-    )
-    p.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="log one line per finished request: id, prompt and output token counts, finish "
-        "reason, latency (never the prompt, unless --max-log-len)",
-    )
-    p.add_argument(
-        "--max-log-len",
-        type=non_negative_int,
-        default=0,
-        help="with --enable-log-requests, also log the first this-many characters of each "
-        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
-    )
-    add_logging_flags(p)
-    add_media_flags(p)
-    add_public_security_flags(p)
-    add_internal_tls_flags(p, "the calls to the engine core")
-    add_listener_flags(p, reflection_default=True)
-    return p
-
-
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
 
 
-def add_media_flags(p: FlagParser) -> None:
-    """Images on multimodal models; vLLM's names where vLLM has the flag."""
-    p.add_argument(
+MEDIA_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--limit-mm-per-prompt",
         type=parse_limit_mm_per_prompt,
         default=DEFAULT_MEDIA_LIMITS.max_images_per_prompt,
         help='most images per request, as JSON {"image": N} (default: 4)',
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-image-bytes",
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_bytes,
         help="largest encoded image a request may send or a URL may serve, in bytes (gRPC "
         "requests are also bounded by --max-receive-message-bytes)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-image-pixels",
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_pixels,
         help="largest decoded image, width x height pixels",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--allowed-media-domains",
         type=_domains,
         default=(),
         help="hosts whose http(s) image URLs the frontend may fetch (space or comma "
         "separated; public addresses only); empty: remote URLs are refused, only inline "
         "images (bytes, data: URLs) are taken",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--media-fetch-timeout",
         type=float,
         default=DEFAULT_MEDIA_LIMITS.media_fetch_timeout,
         help="seconds one remote image may take to fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
-    )
+    ),
+)
+"""Images on multimodal models; vLLM's names where vLLM has the flag."""
 
 
-def add_public_security_flags(p: FlagParser) -> None:
-    """vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
-    p.add_argument(
+PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--api-key",
         default="",
         help="require `authorization: Bearer <key>` on every GenerationService call and on "
         "the HTTP /v1/* routes (health, metrics and reflection stay open); also read from "
         "SPLITSERVE_API_KEY or VLLM_API_KEY. Prefer the environment: command lines are "
         "visible to every user of the machine",
-    )
-    p.add_argument("--ssl-certfile", default="", help="PEM certificate: serve the API over TLS")
-    p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
-    p.add_argument(
+    ),
+    flag("--ssl-certfile", default="", help="PEM certificate: serve the API over TLS"),
+    flag("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile"),
+    flag(
         "--ssl-ca-certs",
         default="",
         help="PEM CA bundle: also require client certificates signed by it",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-receive-message-bytes",
         type=positive_int,
         default=DEFAULT_PUBLIC_MAX_RECEIVE_BYTES,
         help="largest request message the public port accepts",
+    ),
+)
+"""vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
+
+
+FRONTEND_FLAGS: tuple[Flag, ...] = (
+    *model_flags(is_frontend=True),
+    flag("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT"),
+    flag(
+        "--served-model-name",
+        default="",
+        help="model name for clients (default: what the engine core reports)",
+    ),
+    flag("--host", default="0.0.0.0", help="address to listen on"),
+    flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
+    flag(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    ),
+    flag("--http-host", default="", help="OpenAI HTTP server address (default: same as --host)"),
+    flag(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
+    ),
+    flag(
+        "--max-logprobs",
+        type=non_negative_int,
+        default=20,
+        help="largest logprobs / prompt_logprobs a request may ask for",
+    ),
+    flag("--max-n", type=positive_int, default=64, help="largest n a request may ask for"),
+    flag("--max-stop-strings", type=positive_int, default=32, help="most stop strings per request"),
+    flag(
+        "--core-connect-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the engine core at start-up",
+    ),
+    flag(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish (new ones are refused "
+        "with UNAVAILABLE) before they are aborted",
+    ),
+    flag(
+        "--max-inflight-requests",
+        type=non_negative_int,
+        default=0,
+        help="most engine requests this frontend streams at once (n > 1 counts n); more are "
+        "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
+    ),
+    flag(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when the stream to the engine core breaks (the core restarts), requests in flight "
+        "wait this long for it to come back and are then resubmitted with the tokens they have "
+        "so far; past it they fail with UNAVAILABLE. 0: fail at once",
+    ),
+    flag(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per finished request: id, prompt and output token counts, finish "
+        "reason, latency (never the prompt, unless --max-log-len)",
+    ),
+    flag(
+        "--max-log-len",
+        type=non_negative_int,
+        default=0,
+        help="with --enable-log-requests, also log the first this-many characters of each "
+        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
+    ),
+    *LOGGING_FLAGS,
+    *MEDIA_FLAGS,
+    *PUBLIC_SECURITY_FLAGS,
+    *internal_tls_flags("the calls to the engine core"),
+    *listener_flags(reflection_default=True),
+)
+"""The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(
+        prog="splitserve frontend",
+        description="Run the public gRPC frontend (vLLM's P0).",
+        config_file=True,
     )
+    p.add_flags(FRONTEND_FLAGS)
+    return p
 
 
 def parse_config(

@@ -10,7 +10,6 @@ Constructing nothing starts nothing: `import splitserve` stays cheap.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import threading
 import weakref
@@ -25,7 +24,13 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import FrontendError
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
-from splitserve.children import Child, start_engine_children, stop_children, wait_ready
+from splitserve.children import (
+    Child,
+    StackOptions,
+    start_engine_children,
+    stop_children,
+    wait_ready,
+)
 from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
 from splitserve_contracts.sampling_types import SamplingParams
 
@@ -225,36 +230,15 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
 
 
 def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
-    args = argparse.Namespace(
-        model=options.model,
+    stack = StackOptions(
+        options.model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         log_level="warning",
         max_recovery_seconds=0.0,  # nothing here restarts a rank: fail at once
+        service_flags={"core": options.core_flags(tp, pp)},
     )
-    flags = {
-        "--dtype": options.dtype,
-        "--max-model-len": options.max_model_len,
-        "--max-num-seqs": options.max_num_seqs,
-        "--max-num-batched-tokens": options.max_num_batched_tokens * tp * pp,
-        "--block-size": options.block_size,
-        "--gpu-memory-utilization": options.gpu_memory_utilization,
-        "--kv-cache-memory-bytes": options.kv_cache_memory_bytes,
-        "--seed": options.seed,
-        "--served-model-name": options.served_model_name,
-    }
-    core_flags = [str(x) for k, v in flags.items() if v not in ("", None) for x in (k, v)]
-    if not options.enable_prefix_caching:
-        core_flags.append("--no-enable-prefix-caching")
-    if options.enforce_eager:
-        core_flags.append("--enforce-eager")
-    if options.enable_expert_parallel:
-        core_flags.append("--enable-expert-parallel")
-    if options.async_scheduling is not None:  # else the core's default (on where it can run)
-        core_flags.append(
-            "--async-scheduling" if options.async_scheduling else "--no-async-scheduling"
-        )
-    children = start_engine_children(args, core_flags)
+    children = start_engine_children(stack)
     try:
         wait_ready(children, timeout)
     except BaseException:

@@ -6,43 +6,47 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from splitserve_runtime.flags import FlagParser
+from splitserve_runtime.flags import Flag, flag
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 
 INTERNAL_TLS_FLAGS = "--tls-cert-file, --tls-key-file and --tls-ca-file"
 LOOPBACK = "127.0.0.1"
 
 
-def add_internal_tls_flags(p: FlagParser, hop: str) -> None:
+def internal_tls_flags(hop: str) -> list[Flag]:
     """--tls-cert-file/--tls-key-file/--tls-ca-file: mutual TLS on `hop`."""
-    p.add_argument(
-        "--tls-cert-file",
-        default="",
-        help=f"PEM certificate for mutual TLS on {hop}; its names (CN or SAN) must include this "
-        "service's role (splitserve-frontend, -core or -worker). All three --tls-* or none: "
-        "without them the hop is plaintext",
-    )
-    p.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
-    p.add_argument(
-        "--tls-ca-file", default="", help="PEM CA bundle that the peers' certificates chain to"
-    )
+    return [
+        flag(
+            "--tls-cert-file",
+            default="",
+            help=f"PEM certificate for mutual TLS on {hop}; its names (CN or SAN) must include "
+            "this service's role (splitserve-frontend, -core or -worker). All three --tls-* or "
+            "none: without them the hop is plaintext",
+        ),
+        flag("--tls-key-file", default="", help="PEM private key of --tls-cert-file"),
+        flag(
+            "--tls-ca-file", default="", help="PEM CA bundle that the peers' certificates chain to"
+        ),
+    ]
 
 
-def add_listener_flags(p: FlagParser, *, reflection_default: bool) -> None:
+def listener_flags(*, reflection_default: bool) -> list[Flag]:
     """--enable-reflection and --health-port."""
-    p.add_argument(
-        "--enable-reflection",
-        action=argparse.BooleanOptionalAction,
-        default=reflection_default,
-        help="serve gRPC server reflection (lists the API to anyone who can call the port)",
-    )
-    p.add_argument(
-        "--health-port",
-        type=int,
-        default=-1,
-        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that "
-        "cannot present certificates, e.g. Kubernetes gRPC probes; -1: none)",
-    )
+    return [
+        flag(
+            "--enable-reflection",
+            action=argparse.BooleanOptionalAction,
+            default=reflection_default,
+            help="serve gRPC server reflection (lists the API to anyone who can call the port)",
+        ),
+        flag(
+            "--health-port",
+            type=int,
+            default=-1,
+            help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes that "
+            "cannot present certificates, e.g. Kubernetes gRPC probes; -1: none)",
+        ),
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)

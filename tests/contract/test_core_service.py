@@ -15,6 +15,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.server import ClientStreams, EngineCoreServicer
@@ -58,7 +59,11 @@ class CoreHarness:
         streams = ClientStreams(loop)
         metrics = CoreMetrics(CollectorRegistry(), "fake", "0", {"engine": "0"})
         self.proc = EngineCoreProc(
-            engine, streams.deliver, on_stats=metrics.observe_stats, on_failed=lambda m: None
+            engine,
+            EngineInbox(),
+            streams.deliver,
+            on_stats=metrics.observe_stats,
+            on_failed=lambda m: None,
         )
         info = core_pb2.EngineInfo(
             served_model_name="fake",

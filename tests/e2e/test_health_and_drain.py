@@ -50,7 +50,7 @@ def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, thre
     return thread, started, results
 
 
-def test_fail_stop_a_stopped_worker_is_noticed_within_its_step_budget(
+def test_fail_stop_a_stopped_worker_is_noticed_within_its_step_timeout(
     tiny_model_dir: Path,
 ) -> None:
     """With --max-recovery-seconds 0 (fail-stop); test_recovery.py resumes instead."""
