@@ -36,6 +36,8 @@ test: setup-dev lint proto-check
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# lint-imports checks the contracts in pyproject.toml: imports point down, protobuf stays at the
+# edges, the core has no torch, and no import circles (tools/import_cycles.py).
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -310,13 +310,9 @@ CORE_FLAGS: tuple[Flag, ...] = (
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve core",
-        description="Run the engine core service (vLLM's P1).",
-        config_file=True,
+    return FlagParser.of_service(
+        "splitserve core", "Run the engine core service (vLLM's P1).", CORE_FLAGS
     )
-    p.add_flags(CORE_FLAGS)
-    return p
 
 
 def parse_config(

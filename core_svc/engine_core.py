@@ -39,9 +39,10 @@ class EngineCore:
     `fail` ends them. Without recovery, or once failed, the engine is failed for good: every
     request finishes with ERROR and later adds are refused the same way.
 
-    With `async_scheduling` (SchedulerConfig) a step runs ahead: `step` schedules and sends
-    step N+1 before it waits for step N's output (a BatchQueue of two), and a fault loses
-    both steps in flight (their requests are computed again after a recovery).
+    With `async_scheduling` (SchedulerConfig) the scheduler is an AsyncScheduler, chosen here
+    once, and a step runs ahead: `step` schedules and sends step N+1 before it waits for step
+    N's output (a BatchQueue of the scheduler's `max_steps_in_flight`), and a fault loses both
+    steps in flight (their requests are computed again after a recovery).
     """
 
     def __init__(

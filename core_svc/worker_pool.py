@@ -263,4 +263,4 @@ def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
             f"room for max_num_seqs {config.max_num_seqs} x max_model_len "
             f"{facts.max_model_len} tokens, all the engine can use"
         )
-    return "the workers' memory budget (their logs say which)"
+    return "the memory the workers may use (their logs say how much)"

@@ -234,13 +234,9 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve frontend",
-        description="Run the public gRPC frontend (vLLM's P0).",
-        config_file=True,
+    return FlagParser.of_service(
+        "splitserve frontend", "Run the public gRPC frontend (vLLM's P0).", FRONTEND_FLAGS
     )
-    p.add_flags(FRONTEND_FLAGS)
-    return p
 
 
 def parse_config(

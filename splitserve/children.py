@@ -1,6 +1,6 @@
 """The service processes of one stack on loopback: start them wired to each other, wait until
-each reports SERVING, notice one dying (with its one-line termination reason), stop them in
-stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tests and the
+each reports SERVING, notice one dying (with its one-line termination reason), stop them
+service by service. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tests and the
 benchmarks all start their stacks here.
 
 What to start is a StackOptions: what `splitserve up` parses, or what the offline `LLM` API,
@@ -278,16 +278,16 @@ def wait_ready(children: Sequence[Child], timeout: float) -> None:
 
 
 def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
-    """Stop in stages, so a drain can finish: the frontends first (they stop admitting and let
-    their requests finish, which needs the core and the workers), then the core, then the
-    workers. Each stage gets SIGTERM and `shutdown_timeout` + STOP_GRACE_SECONDS before
-    SIGKILL."""
+    """Stop service by service, so a drain can finish: the frontends first (they stop admitting
+    and let their requests finish, which needs the core and the workers), then the core, then
+    the workers. Each service's processes get SIGTERM and `shutdown_timeout` +
+    STOP_GRACE_SECONDS before SIGKILL."""
     for kind in ("frontend", "core", "worker"):
-        stage = [c for c in children if c.kind == kind and c.process.poll() is None]
-        for child in stage:
+        running = [c for c in children if c.kind == kind and c.process.poll() is None]
+        for child in running:
             child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_SECONDS
-        for child in stage:
+        for child in running:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

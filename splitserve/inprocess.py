@@ -172,7 +172,8 @@ class EngineOptions:
 
     @property
     def is_async_scheduling(self) -> bool:
-        """The in-process engine has one stage, so async scheduling runs unless switched off."""
+        """The in-process engine has one pipeline stage, so async scheduling runs unless
+        switched off."""
         return self.async_scheduling is not False
 
     def core_config(self) -> CoreConfig:

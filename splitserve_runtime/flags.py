@@ -157,6 +157,13 @@ class FlagParser(argparse.ArgumentParser):
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         return _with_environment_note(super().add_argument(*args, **kwargs))
 
+    @classmethod
+    def of_service(cls, prog: str, description: str, table: Sequence[Flag]) -> FlagParser:
+        """A service's parser: its flag table, after `--config`."""
+        parser = cls(prog=prog, description=description, config_file=True)
+        parser.add_flags(table)
+        return parser
+
     def add_flags(self, table: Sequence[Flag], group: str = "") -> None:
         """Add every row of a flag table, in order (under the heading `group`, if given)."""
         container = self.add_argument_group(group) if group else self

@@ -77,13 +77,11 @@ WORKER_FLAGS: tuple[Flag, ...] = (
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve worker",
-        description="Run one worker rank; the engine core tells it what to load.",
-        config_file=True,
+    return FlagParser.of_service(
+        "splitserve worker",
+        "Run one worker rank; the engine core tells it what to load.",
+        WORKER_FLAGS,
     )
-    p.add_flags(WORKER_FLAGS)
-    return p
 
 
 def parse_config(
