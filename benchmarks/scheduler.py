@@ -22,16 +22,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from core_svc import convert
+from core_svc.assembly import build_engine
+from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
+from core_svc.executor import Executor
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 TOKEN = 7
+VOCAB_SIZE = 32_000
+"""Prompt token ids are drawn below it."""
 UNTIL_MAX_MODEL_LEN = 1 << 30
 """max_tokens of decode requests: the engine caps it at the room left in max_model_len."""
 
@@ -126,7 +131,7 @@ class Workload:
         self.prefixes = [self.tokens(1024) for _ in range(case.shared_prefixes)]
 
     def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(10, 32_000) for _ in range(n)]
+        return [self.rng.randrange(10, VOCAB_SIZE) for _ in range(n)]
 
     def request(self, prompt: list[int], max_tokens: int) -> Request:
         """A request that ignores EOS (no eos_token_id) and runs for max_tokens."""
@@ -152,14 +157,23 @@ class Workload:
             yield self.request(prompt, max_tokens=32)
 
 
+def bench_engine(
+    config: CoreConfig, num_blocks: int, max_model_len: int, executor: Executor
+) -> EngineCore:
+    """The engine core as the service assembles it, on ranks that would report these facts."""
+    facts = ModelFacts("bench", VOCAB_SIZE, max_model_len, "bfloat16", "none", num_blocks, 0)
+    return build_engine(config, facts, executor)
+
+
 def run_case(case: Case, with_proto: bool) -> dict[str, object]:
-    scheduler_config = SchedulerConfig(
+    config = CoreConfig(
+        "bench",
         max_num_seqs=2048,
         max_num_batched_tokens=case.max_num_batched_tokens,
-        max_model_len=case.max_model_len,
+        max_recovery_seconds=0.0,
     )
     executor = TrivialExecutor(with_proto)
-    engine = EngineCore(scheduler_config, CacheConfig(num_blocks=case.num_blocks), executor)
+    engine = bench_engine(config, case.num_blocks, case.max_model_len, executor)
     workload = Workload(case, engine)
     for request in workload.initial():
         engine.add_request(request)
