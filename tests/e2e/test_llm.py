@@ -32,6 +32,11 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, tiny_model_dir:
         chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
         sampled = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2))
         stopped = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, stop=["4"]))
+        # Assembled as the service's engine (core_svc/assembly.py): the scheduler knows the
+        # model's vocabulary (the in-process engine once built its own SchedulerConfig without).
+        assert llm._inprocess is not None
+        scheduler_config = llm._inprocess.proc.engine_core.scheduler_config
+        assert scheduler_config.vocab_size == llm.frontend.info.vocab_size
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         reply = served(
             stack, prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
