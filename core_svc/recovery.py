@@ -4,7 +4,7 @@ When a rank dies or hangs, the engine core suspends (EngineCore.on_fault): it st
 keeps every request, the running ones back in the waiting queue. This runs on the service's event
 loop: readiness NOT_SERVING, the failed executor closed, then the whole bring-up again (Describe
 until every rank answers, LoadModel under a new owner epoch, KV capacity, InitializeKvCache), a
-new executor, and EngineCoreProc.resume: a fresh KV cache, every request scheduled again by
+new executor, and EngineInbox.resume: a fresh KV cache, every request scheduled again by
 recompute (its prompt and the tokens it generated). Clients see a pause.
 
 `--max-recovery-seconds` bounds it, from the fault to stepping again; past it the engine fails its
