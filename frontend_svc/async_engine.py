@@ -179,6 +179,18 @@ class AsyncEngine:
         self.client.abort_requests(to_abort)
         self.metrics.output_processing.observe(time.perf_counter() - started)
 
+    def check_admission(self, num_requests: int) -> None:
+        """Refuse a call that would add `num_requests` engine requests now: EngineUnavailable
+        while draining, Overloaded past --max-inflight-requests."""
+        if self.is_draining:
+            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
+        limit, num_running = self.max_inflight_requests, len(self.output_processor.states)
+        if limit and num_running + num_requests > limit:
+            raise Overloaded(
+                f"this frontend already streams {num_running} requests and this call needs "
+                f"{num_requests} more (--max-inflight-requests {limit}); retry shortly"
+            )
+
     async def generate(
         self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
     ) -> AsyncIterator[CompletionDelta]:
@@ -186,14 +198,7 @@ class AsyncEngine:
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency.
         With `coalesce`, deltas a slow consumer has not taken yet are merged; without it every
         engine step's delta arrives on its own (one token each: what SSE clients count)."""
-        if self.is_draining:
-            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
-        limit = self.max_inflight_requests
-        if limit and len(self.output_processor.states) + request.params.n > limit:
-            raise Overloaded(
-                f"this frontend already streams {len(self.output_processor.states)} requests "
-                f"(--max-inflight-requests {limit}); retry shortly"
-            )
+        self.check_admission(request.params.n)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         arrival = arrival or time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -214,6 +214,25 @@ class InputProcessor:
             ) from exc
         return str(text)
 
+    def check_num_token_ids(self, num_ids: int, field: str) -> None:
+        """Ids to detokenize: at most max_model_len (both APIs)."""
+        if num_ids > self.max_model_len:
+            raise InvalidRequest(
+                f"{num_ids} token ids; at most max_model_len ({self.max_model_len})", field
+            )
+
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """Ids to detokenize: at most max_model_len, each in the vocabulary (both APIs)."""
+        self.check_num_token_ids(len(ids), field)
+        vocab_size = self.limits.vocab_size
+        bad = next((i for i, token_id in enumerate(ids) if not 0 <= token_id < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{field}[{bad}] = {ids[bad]} is outside the vocabulary (valid ids: "
+                f"0..{vocab_size - 1})",
+                field,
+            )
+
     def process(self, call: GenerateInput) -> EngineRequest:
         """Validate and tokenize; resolve max_tokens, EOS and the stop token ids."""
         _check_prompt_present(call.prompt)
@@ -300,7 +319,7 @@ def _check_prompt_present(prompt: PromptInput) -> None:
 
 def _check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     for i, token_id in enumerate(ids):
-        if token_id >= vocab_size:
+        if not 0 <= token_id < vocab_size:
             raise InvalidRequest(
                 f"prompt_token_ids[{i}] = {token_id} is outside the vocabulary "
                 f"(valid ids: 0..{vocab_size - 1})",

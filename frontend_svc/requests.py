@@ -8,6 +8,10 @@ from typing import Any
 
 from splitserve_contracts.sampling_types import SamplingParams
 
+DEFAULT_MAX_FAN_OUT = 1024
+"""Most engine requests one public call may make (--max-fan-out): prompts x n on
+/v1/completions, n elsewhere."""
+
 
 class FinishReason(IntEnum):
     """Why a completion stopped; values equal the proto FinishReason numbers."""

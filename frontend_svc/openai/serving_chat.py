@@ -25,11 +25,13 @@ class ChatRun:
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
-    def events(self, coalesce: bool) -> AsyncIterator[Event]:
+    async def events(self, coalesce: bool) -> AsyncIterator[Event]:
         call = GenerateInput(
             self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
         )
-        return generation.run(self.ctx, [call], coalesce)
+        requests = await generation.prepare(self.ctx, [call])
+        async for event in generation.run(self.ctx, requests, coalesce):
+            yield event
 
     def _logprobs(self, rows: list[Any]) -> Any:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)
