@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API as a Starlette app over the frontend's own engine.
 
-Every route goes through `_route`, which authenticates /v1/* routes (on the routed endpoint, not
-on a rebuilt URL), turns FrontendError into OpenAI's error JSON with its HTTP status (429 adds
-Retry-After) and anything unexpected into a logged 500, so no request body can take the server
-down. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
+Every route goes through `_route`, which authenticates every route but the probes and /metrics
+(on the routed endpoint, not on a rebuilt URL), turns FrontendError into OpenAI's error JSON with
+its HTTP status (429 adds Retry-After; server-side detail only in the log, under an error id) and
+anything unexpected into a 500 with an error id (its traceback logged at most once per route per
+interval), so no request body can take the server down or flood its log. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
 a stream is cancelled by Starlette when its client goes away. Every other request is counted in
 vLLM's HTTP metrics (prometheus-fastapi-instrumentator, as vLLM does).
 """
@@ -11,7 +12,6 @@ vLLM's HTTP metrics (prometheus-fastapi-instrumentator, as vLLM does).
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,19 +33,19 @@ from frontend_svc.openai.protocol import parse_chat, parse_completion
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.sse import error_body, guarded
+from frontend_svc.public_errors import unexpected_error_message
 
-logger = logging.getLogger(__name__)
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[Request], Awaitable[Response]]
 UNMEASURED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
 """Probes and scrapes, left out of the HTTP request metrics (vLLM leaves out the same)."""
 
 
-def error_response(err: FrontendError) -> JSONResponse:
+def error_response(err: FrontendError, message: str | None = None) -> JSONResponse:
     headers = {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+    return JSONResponse(error_body(err, message), status_code=err.http_status, headers=headers)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -77,15 +77,16 @@ def _sse_response(chunks: Any, rid: str) -> StreamingResponse:
 
 def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     async def handle(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, ctx.max_body_bytes)
+        limits, defaults = ctx.request_limits, ctx.inputs.sampling_defaults
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body, ctx.inputs.sampling_defaults)
+            req = parse_chat(body, limits, defaults)
             ctx.check_model(req.model)
             rid = request_id("chatcmpl", request.headers.get("x-request-id"), req.request_id)
             run = ChatRun(ctx, req, rid)
         else:
-            creq = parse_completion(body, ctx.inputs.sampling_defaults)
+            creq = parse_completion(body, limits, defaults)
             ctx.check_model(creq.model)
             rid = request_id("cmpl", request.headers.get("x-request-id"), creq.request_id)
             run = CompletionRun(ctx, creq, rid)
@@ -109,8 +110,8 @@ def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
         except asyncio.CancelledError:
             raise
         except Exception:
-            logger.exception("%s %s failed", request.method, request.url.path)
-            return error_response(FrontendError("internal server error; retry the request"))
+            message = unexpected_error_message(f"{request.method} {request.url.path}")
+            return error_response(FrontendError(), message)
 
     return guarded_handler
 
@@ -123,7 +124,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
-    """The app: /v1/* (behind `api_key` when set), health, metrics and tokenizer routes."""
+    """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
+    metrics (open, as vLLM's)."""
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CLASSIC_TEXT)
@@ -135,8 +137,8 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
         ("/version", ["GET"], admin.version, False),
-        ("/tokenize", ["POST"], admin.tokenize_route(ctx), False),
-        ("/detokenize", ["POST"], admin.detokenize_route(ctx), False),
+        ("/tokenize", ["POST"], admin.tokenize_route(ctx), True),
+        ("/detokenize", ["POST"], admin.detokenize_route(ctx), True),
         ("/metrics", ["GET"], metrics, False),
     ]
     routes = [
