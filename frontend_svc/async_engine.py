@@ -33,7 +33,12 @@ from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import (
+    CompletionDelta,
+    EngineRequest,
+    FinishReason,
+    derived_request_id,
+)
 from splitserve_contracts import sampling_rules
 
 logger = logging.getLogger(__name__)
@@ -242,7 +247,9 @@ class AsyncEngine:
         for index in range(params.n):
             seed = sampling_rules.child_seed(params.seed, index)
             child = EngineRequest(
-                request.request_id if params.n == 1 else f"{request.request_id}-{index}",
+                request.request_id
+                if params.n == 1
+                else derived_request_id(request.request_id, f"-{index}"),
                 request.prompt_token_ids,
                 dataclasses.replace(params, n=1, seed=seed),
                 request.eos_token_id,

@@ -18,6 +18,7 @@ from frontend_svc.multimodal import (
     template_uses_content_parts,
 )
 from frontend_svc.requests import (
+    MAX_REQUEST_ID_CHARS,
     EngineRequest,
     GenerateInput,
     MultiModalFeature,
@@ -246,15 +247,18 @@ class InputProcessor:
         params = sampling_rules.clamp_top_k(params, self.limits.vocab_size)
         prompt = self.tokenize(call.prompt)
         num_prompt = len(prompt.token_ids)
-        max_len = self.max_model_len
+        max_len, field = self.max_model_len, _prompt_field(call.prompt)
         if num_prompt == 0:
-            raise InvalidRequest("the prompt tokenizes to no tokens; send a non-empty prompt")
+            raise InvalidRequest(
+                "the prompt tokenizes to no tokens; send a non-empty prompt", field
+            )
         if call.prompt.token_ids is not None:
             _check_prompt_ids(prompt.token_ids, self.limits.vocab_size)
         if num_prompt >= max_len:
             raise InvalidRequest(
                 f"the prompt has {num_prompt} tokens but max_model_len is "
-                f"{max_len}; shorten it to at most {max_len - 1} tokens"
+                f"{max_len}; shorten it to at most {max_len - 1} tokens",
+                field,
             )
         max_tokens = params.max_tokens or max_len - num_prompt
         if num_prompt + max_tokens > max_len:
@@ -285,7 +289,6 @@ class InputProcessor:
         )
 
 
-MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -300,6 +303,12 @@ def _check_ids(call: GenerateInput) -> None:
             f"cache_salt has {len(call.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
             "cache_salt",
         )
+
+
+def _prompt_field(prompt: PromptInput) -> str:
+    if prompt.chat is not None:
+        return "chat"
+    return "prompt_token_ids" if prompt.token_ids is not None else "prompt"
 
 
 def _check_prompt_present(prompt: PromptInput) -> None:

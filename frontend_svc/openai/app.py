@@ -25,11 +25,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from frontend_svc.auth import check_api_key
-from frontend_svc.errors import FrontendError, Overloaded
+from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
 from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
-from frontend_svc.openai.protocol import parse_chat, parse_completion
+from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.sse import error_body, guarded
@@ -79,17 +79,19 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     async def handle(request: Request) -> Response:
         body = await read_json(request, ctx.max_body_bytes)
         limits, defaults = ctx.request_limits, ctx.inputs.sampling_defaults
+        header_id = request.headers.get("x-request-id")
+        if header_id is not None:
+            as_client_id(header_id, "the x-request-id header")
         run: CompletionRun | ChatRun
         if kind == "chat":
             req = parse_chat(body, limits, defaults)
             ctx.check_model(req.model)
-            rid = request_id("chatcmpl", request.headers.get("x-request-id"), req.request_id)
-            run = ChatRun(ctx, req, rid)
+            run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
         else:
             creq = parse_completion(body, limits, defaults)
             ctx.check_model(creq.model)
-            rid = request_id("cmpl", request.headers.get("x-request-id"), creq.request_id)
-            run = CompletionRun(ctx, creq, rid)
+            run = CompletionRun(ctx, creq, request_id("cmpl", header_id, creq.request_id))
+        rid = run.rid
         if run.req.stream is None:
             result = await unless_disconnected(request, run.response())
             return JSONResponse(result, headers={"x-request-id": rid})
@@ -117,9 +119,12 @@ def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown route (404) or method (405), in OpenAI's error shape."""
     assert isinstance(exc, HTTPException)
-    err = FrontendError(f"{request.method} {request.url.path}: {exc.detail}")
-    err.http_status, err.error_type = exc.status_code, "invalid_request_error"
+    err = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
+    err.http_status = exc.status_code
+    if exc.status_code == 404:
+        err.error_type = "not_found_error"
     return error_response(err)
 
 

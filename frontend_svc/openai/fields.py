@@ -24,8 +24,9 @@ from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 
 DEFAULT_MAX_BODY_BYTES = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-"""A JSON escape of a UTF-16 surrogate: a lone one decodes to a str no UTF-8 can carry."""
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""A JSON escape of a UTF-16 surrogate, or a surrogate encoded as UTF-8 bytes (which json.loads
+lets through): a lone one decodes to a str no UTF-8 can carry."""
 Coerce = Callable[[Any, str], Any]
 
 
@@ -103,12 +104,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         _refuse_huge_ints(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    if SURROGATE_ESCAPE.search(raw):
+    if SURROGATE.search(raw):
         name = _field_holding(body, _has_lone_surrogate)
         if name is not None:
             raise InvalidRequest(
-                f"`{name}` holds text with a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
-                "escape), which is not Unicode text; send valid text",
+                f"`{name}` holds text with a lone UTF-16 surrogate (an unpaired U+D800..U+DFFF), "
+                "which is not Unicode text; send valid text",
                 name,
             )
     return body

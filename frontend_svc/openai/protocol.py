@@ -25,6 +25,7 @@ from frontend_svc.openai.fields import (
 from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, FieldMap, sampling_params
 from frontend_svc.requests import (
     DEFAULT_MAX_FAN_OUT,
+    MAX_REQUEST_ID_CHARS,
     ChatTurn,
     ContentPart,
     ImageInput,
@@ -141,8 +142,19 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "stream": _stream(body),
         "priority": read(body, "priority", PRIORITY, 0),
         "cache_salt": read(body, "cache_salt", as_str, ""),
-        "request_id": read(body, "request_id", as_str),
+        "request_id": read(body, "request_id", as_client_id),
     }
+
+
+def as_client_id(value: Any, name: str) -> str:
+    """A request id a client chose (the body's `request_id`, the `x-request-id` header)."""
+    text = as_str(value, name)
+    if len(text) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"{name} has {len(text)} characters; at most {MAX_REQUEST_ID_CHARS}",
+            name if name == "request_id" else None,
+        )
+    return text
 
 
 def _check_fan_out(num_prompts: int, n: int, max_fan_out: int) -> None:

@@ -12,7 +12,7 @@ from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import ChatRequest
 from frontend_svc.openai.sse import DONE, sse
-from frontend_svc.requests import CompletionDelta, GenerateInput
+from frontend_svc.requests import CompletionDelta, GenerateInput, derived_request_id
 
 ROLE = "assistant"
 
@@ -26,9 +26,9 @@ class ChatRun:
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        call = GenerateInput(
-            self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
-        )
+        req = self.req
+        rid = derived_request_id(self.rid, "")
+        call = GenerateInput(rid, req.prompt, req.params, req.priority, req.cache_salt)
         requests = await generation.prepare(self.ctx, [call])
         async for event in generation.run(self.ctx, requests, coalesce):
             yield event

@@ -11,12 +11,14 @@ from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import CompletionRequest
 from frontend_svc.openai.sse import DONE, sse
-from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs
+from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs, derived_request_id
 
 
 def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
     return [
-        GenerateInput(f"{rid}-{i}", prompt, req.params, req.priority, req.cache_salt)
+        GenerateInput(
+            derived_request_id(rid, f"-{i}"), prompt, req.params, req.priority, req.cache_salt
+        )
         for i, prompt in enumerate(req.prompts)
     ]
 

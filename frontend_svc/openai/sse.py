@@ -11,13 +11,13 @@ from frontend_svc.public_errors import bounded, client_message, unexpected_error
 
 DONE = "data: [DONE]\n\n"
 GRPC_PARAMS = {
-    "sampling_params.": "",
+    "sampling_params": "",
     "prompt_token_ids": "prompt",
     "chat.messages": "messages",
     "chat": "messages",
 }
-"""Prefixes of the field names the shared checks (InputProcessor) give, as gRPC calls them ->
-the OpenAI request's names."""
+"""The fields the shared checks (InputProcessor) name as the gRPC API calls them -> the OpenAI
+request's names ("" : the part after it is the name)."""
 
 
 def sse(body: Any) -> str:
@@ -26,11 +26,10 @@ def sse(body: Any) -> str:
 
 def http_param(param: str | None) -> str | None:
     """The OpenAI request field for a field named as the gRPC API names it."""
-    if param is None:
-        return None
-    for prefix, replacement in GRPC_PARAMS.items():
-        if param.startswith(prefix):
-            return replacement + param[len(prefix) :]
+    for name, replacement in GRPC_PARAMS.items() if param is not None else ():
+        rest = param[len(name) :]
+        if param.startswith(name) and (not rest or rest[0] in ".["):
+            return replacement + rest if replacement else rest.lstrip(".")
     return param
 
 
