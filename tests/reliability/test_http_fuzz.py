@@ -97,7 +97,10 @@ def _check_reply(status: int, reply: Any, body: dict[str, Any]) -> None:
     if error["param"] is not None:
         named = _root(error["param"])
         aliases = {"top_logprobs": "logprobs", "max_completion_tokens": "max_tokens"}
-        assert named in body or named in UNSENT_NAMEABLE or aliases.get(named) in body, (error, body)
+        assert named in body or named in UNSENT_NAMEABLE or aliases.get(named) in body, (
+            error,
+            body,
+        )
 
 
 @settings(FUZZ, max_examples=100)
