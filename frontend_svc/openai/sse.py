@@ -26,7 +26,9 @@ def sse(body: Any) -> str:
 
 def http_param(param: str | None) -> str | None:
     """The OpenAI request field for a field named as the gRPC API names it."""
-    for name, replacement in GRPC_PARAMS.items() if param is not None else ():
+    if param is None:
+        return None
+    for name, replacement in GRPC_PARAMS.items():
         rest = param[len(name) :]
         if param.startswith(name) and (not rest or rest[0] in ".["):
             return replacement + rest if replacement else rest.lstrip(".")

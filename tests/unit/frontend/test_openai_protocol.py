@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from frontend_svc.config import parse_config
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai import sampling_map
 from frontend_svc.openai.fields import parse_json_object
@@ -235,3 +236,11 @@ def test_a_field_the_coercers_cannot_map_fails_at_import_not_at_request_time() -
     """The table is built when the module loads: a contract field of a new type shows up as a
     KeyError there, never as a 500 later."""
     assert set(sampling_map.FIELD_COERCERS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_the_fan_out_cap_is_a_flag_at_least_max_n() -> None:
+    assert parse_config(["--model", "m"], {}).max_fan_out == 1024
+    assert parse_config(["--model", "m", "--max-fan-out", "4096"], {}).max_fan_out == 4096
+    assert parse_config(["--model", "m"], {"SPLITSERVE_MAX_FAN_OUT": "64"}).max_fan_out == 64
+    with pytest.raises(SystemExit):  # n alone fans out up to --max-n (64)
+        parse_config(["--model", "m", "--max-fan-out", "8"], {})
