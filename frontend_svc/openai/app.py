@@ -4,9 +4,10 @@ Every route goes through `_route`, which authenticates every route but the probe
 (on the routed endpoint, not on a rebuilt URL), turns FrontendError into OpenAI's error JSON with
 its HTTP status (429 adds Retry-After; server-side detail only in the log, under an error id) and
 anything unexpected into a 500 with an error id (its traceback logged at most once per route per
-interval), so no request body can take the server down or flood its log. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
-a stream is cancelled by Starlette when its client goes away. Every other request is counted in
-vLLM's HTTP metrics (prometheus-fastapi-instrumentator, as vLLM does).
+interval), so no request body can take the server down or flood its log. A non-streaming call
+whose client disconnects is cancelled, which aborts it in the core; a stream is cancelled by
+Starlette when its client goes away. Every other request is counted in vLLM's HTTP metrics
+(prometheus-fastapi-instrumentator, as vLLM does).
 """
 
 from __future__ import annotations

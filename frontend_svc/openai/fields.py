@@ -39,14 +39,12 @@ def _reject_constant(text: str) -> Any:
 
 
 class _HugeInt:
-    """An integer literal longer than Python converts (sys.get_int_max_str_digits())."""
-
-    def __init__(self, text: str) -> None:
-        self.num_digits = len(text.lstrip("-"))
+    """Stands for an integer literal longer than Python converts (sys.get_int_max_str_digits()),
+    so that the field holding it can be found."""
 
 
 def _int_or_huge(text: str) -> int | _HugeInt:
-    return _HugeInt(text) if len(text) > sys.get_int_max_str_digits() else int(text)
+    return _HugeInt() if len(text.lstrip("-")) > sys.get_int_max_str_digits() else int(text)
 
 
 def _has_lone_surrogate(value: Any) -> bool:
