@@ -229,7 +229,8 @@ def add_public_security_flags(p: FlagParser) -> None:
         "--api-key",
         default="",
         help="require `authorization: Bearer <key>` on every GenerationService call and on "
-        "the HTTP /v1/* routes (health, metrics and reflection stay open); also read from "
+        "the HTTP /v1/*, /tokenize and /detokenize routes (health, /ping, /version, metrics "
+        "and reflection stay open); also read from "
         "SPLITSERVE_API_KEY or VLLM_API_KEY. Prefer the environment: command lines are "
         "visible to every user of the machine",
     )
