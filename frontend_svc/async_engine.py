@@ -33,7 +33,7 @@ from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.requests import CompletionDelta, EngineRequest
+from frontend_svc.requests import CompletionDelta, EngineRequest, derived_request_id
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.output_types import FinishReason, SchedulerStats
 
@@ -180,6 +180,18 @@ class AsyncEngine:
         self.client.abort_requests(to_abort)
         self.metrics.output_processing.observe(time.perf_counter() - started)
 
+    def check_admission(self, num_requests: int) -> None:
+        """Refuse a call that would add `num_requests` engine requests now: EngineUnavailable
+        while draining, Overloaded past --max-inflight-requests."""
+        if self.is_draining:
+            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
+        limit, num_running = self.max_inflight_requests, len(self.output_processor.states)
+        if limit and num_running + num_requests > limit:
+            raise Overloaded(
+                f"this frontend already streams {num_running} requests and this call needs "
+                f"{num_requests} more (--max-inflight-requests {limit}); retry shortly"
+            )
+
     async def generate(
         self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
     ) -> AsyncIterator[CompletionDelta]:
@@ -187,14 +199,7 @@ class AsyncEngine:
         `arrival` (time.monotonic() when the call came in) anchors TTFT and E2E latency.
         With `coalesce`, deltas a slow consumer has not taken yet are merged; without it every
         engine step's delta arrives on its own (one token each: what SSE clients count)."""
-        if self.is_draining:
-            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
-        limit = self.max_inflight_requests
-        if limit and len(self.output_processor.states) + request.params.n > limit:
-            raise Overloaded(
-                f"this frontend already streams {len(self.output_processor.states)} requests "
-                f"(--max-inflight-requests {limit}); retry shortly"
-            )
+        self.check_admission(request.params.n)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.metrics.on_request(request.params.n, request.params.max_tokens or 0)
         arrival = arrival or time.monotonic()
@@ -238,7 +243,9 @@ class AsyncEngine:
         for index in range(params.n):
             seed = sampling_rules.child_seed(params.seed, index)
             child = EngineRequest(
-                request.request_id if params.n == 1 else f"{request.request_id}-{index}",
+                request.request_id
+                if params.n == 1
+                else derived_request_id(request.request_id, f"-{index}"),
                 request.prompt_token_ids,
                 dataclasses.replace(params, n=1, seed=seed),
                 request.eos_token_id,

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOGGING_FLAGS
@@ -48,6 +49,7 @@ class FrontendConfig(TransportConfig):
     core_connect_timeout: float = 900.0
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT
     max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
@@ -131,7 +133,8 @@ PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
         "--api-key",
         default="",
         help="require `authorization: Bearer <key>` on every GenerationService call and on "
-        "the HTTP /v1/* routes (health, metrics and reflection stay open); also read from "
+        "the HTTP /v1/*, /tokenize and /detokenize routes (health, /ping, /version, metrics "
+        "and reflection stay open); also read from "
         "SPLITSERVE_API_KEY or VLLM_API_KEY. Prefer the environment: command lines are "
         "visible to every user of the machine",
     ),
@@ -146,7 +149,7 @@ PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
         "--max-receive-message-bytes",
         type=positive_int,
         default=DEFAULT_PUBLIC_MAX_RECEIVE_BYTES,
-        help="largest request message the public port accepts",
+        help="largest request the public ports accept: a gRPC message, an HTTP body",
     ),
 )
 """vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
@@ -204,6 +207,13 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
         "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
     ),
     flag(
+        "--max-fan-out",
+        type=positive_int,
+        default=DEFAULT_MAX_FAN_OUT,
+        help="most engine requests one call may make: prompts x n on /v1/completions, n "
+        "elsewhere (at least --max-n); more are refused at once with a 400",
+    ),
+    flag(
         "--max-recovery-seconds",
         type=float,
         default=120.0,
@@ -248,6 +258,8 @@ def parse_config(
     check_internal_tls(parser, args)
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    if args.max_fan_out < args.max_n:
+        parser.error("--max-fan-out must be at least --max-n (one call's n fans out n requests)")
     try:
         TlsFiles.from_flags(
             args.ssl_certfile,

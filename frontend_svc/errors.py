@@ -86,9 +86,13 @@ class EngineUnavailable(FrontendError):
 
 
 def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
-    """The client-facing error for a request the engine ended with FINISH_REASON_ERROR."""
+    """The client-facing error for a request the engine ended with FINISH_REASON_ERROR, the
+    same on both APIs: its own bad data -> InvalidRequest (400) with the engine's reason, which
+    is about the request (the same message over gRPC and HTTP); a full queue -> Overloaded
+    (429, RetryInfo / Retry-After); anything else -> EngineUnavailable (503), the engine's
+    text only in the log, under the error id the client gets."""
     if kind == ErrorKind.INVALID_REQUEST:
-        return InvalidRequest(f"request {request_id} refused by the engine: {message}")
+        return InvalidRequest(f"refused by the engine: {message}")
     if kind == ErrorKind.OVERLOADED:
         return Overloaded(message)
     return EngineUnavailable(

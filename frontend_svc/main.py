@@ -99,7 +99,15 @@ async def serve(config: FrontendConfig) -> int:
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     http = None
     if config.http_port is not None:
-        context = ServingContext(engine, inputs, info, served_name, time.time())
+        context = ServingContext(
+            engine,
+            inputs,
+            info,
+            served_name,
+            time.time(),
+            max_fan_out=config.max_fan_out,
+            max_body_bytes=config.max_receive_message_bytes,
+        )
         app = build_app(context, host.registry, config.api_key)
         http = HttpServer(
             app, config.http_host, config.http_port, _uvicorn_level(config), config.ssl

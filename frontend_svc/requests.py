@@ -8,6 +8,19 @@ from typing import Any
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 
+DEFAULT_MAX_FAN_OUT = 1024
+"""Most engine requests one public call may make (--max-fan-out): prompts x n on
+/v1/completions, n elsewhere."""
+MAX_REQUEST_ID_CHARS = 256
+"""The longest request id a client may choose, and the longest the engine core takes."""
+
+
+def derived_request_id(base: str, suffix: str) -> str:
+    """The engine's id for a part of a call (a prompt, a choice): `base` + `suffix`, `base` cut
+    so that the whole stays within MAX_REQUEST_ID_CHARS (a client's 256-character id with n > 1
+    must not be refused for the suffixes the frontend adds; the client's replies keep its id)."""
+    return base[: MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
+
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:

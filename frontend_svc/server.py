@@ -69,21 +69,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Detokenize(  # noqa: N802
         self, request: gen_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.DetokenizeResponse:
-        info = self.info
         ids = list(request.token_ids)
         try:
-            if len(ids) > info.max_model_len:
-                raise InvalidRequest(
-                    f"{len(ids)} token ids; at most max_model_len ({info.max_model_len})",
-                    "token_ids",
-                )
-            bad = next((i for i in ids if i >= info.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"token id {bad} is outside the vocabulary (valid ids: "
-                    f"0..{info.vocab_size - 1})",
-                    "token_ids",
-                )
+            self.inputs.check_token_ids(ids, "token_ids")
         except FrontendError as err:
             await grpc_errors.abort(context, err)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True

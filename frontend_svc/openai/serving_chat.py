@@ -12,7 +12,7 @@ from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import ChatRequest
 from frontend_svc.openai.sse import DONE, sse
-from frontend_svc.requests import CompletionDelta, GenerateInput
+from frontend_svc.requests import CompletionDelta, GenerateInput, derived_request_id
 
 ROLE = "assistant"
 
@@ -25,11 +25,13 @@ class ChatRun:
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
-    def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        call = GenerateInput(
-            self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
-        )
-        return generation.run(self.ctx, [call], coalesce)
+    async def events(self, coalesce: bool) -> AsyncIterator[Event]:
+        req = self.req
+        rid = derived_request_id(self.rid, "")
+        call = GenerateInput(rid, req.prompt, req.params, req.priority, req.cache_salt)
+        requests = await generation.prepare(self.ctx, [call])
+        async for event in generation.run(self.ctx, requests, coalesce):
+            yield event
 
     def _logprobs(self, rows: list[Any]) -> Any:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)

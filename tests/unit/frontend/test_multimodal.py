@@ -19,7 +19,7 @@ from frontend_svc.multimodal import (
     load_multimodal_processor,
     template_uses_content_parts,
 )
-from frontend_svc.openai.protocol import parse_chat
+from frontend_svc.openai.protocol import RequestLimits, parse_chat
 from frontend_svc.requests import ChatTurn, ContentPart, GenerateInput, ImageInput, PromptInput
 from splitserve_contracts.mm_features import feature_identifier
 from splitserve_contracts.sampling_rules import Limits
@@ -173,7 +173,7 @@ def test_openai_image_url_parts_name_their_place() -> None:
             },
         ]
     }
-    turns = parse_chat(body).prompt.chat
+    turns = parse_chat(body, RequestLimits(Limits(vocab_size=32))).prompt.chat
     assert turns is not None and turns[0].content == "hello"
     (image,) = turns[1].images
     assert image.where == "messages[1].content[1].image_url" and image.url is not None
