@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,19 +62,25 @@ class FrontendConfig(TransportConfig):
     limit_mm_per_prompt: int = DEFAULT_MEDIA_LIMITS.max_images_per_prompt
     max_image_bytes: int = DEFAULT_MEDIA_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_MEDIA_LIMITS.max_image_pixels
+    max_image_side: int = DEFAULT_MEDIA_LIMITS.max_image_side
+    max_image_aspect_ratio: float = DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = DEFAULT_MEDIA_LIMITS.media_fetch_timeout
+    mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
     def media_limits(self) -> MediaLimits:
-        """Bounds on the images of one request (multimodal models)."""
+        """Bounds on images (multimodal models)."""
         return MediaLimits(
-            self.limit_mm_per_prompt,
-            self.max_image_bytes,
-            self.max_image_pixels,
-            self.allowed_media_domains,
-            self.media_fetch_timeout,
+            max_images_per_prompt=self.limit_mm_per_prompt,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_image_side=self.max_image_side,
+            max_image_aspect_ratio=self.max_image_aspect_ratio,
+            allowed_media_domains=self.allowed_media_domains,
+            media_fetch_timeout=self.media_fetch_timeout,
+            mm_processor_threads=self.mm_processor_threads,
         )
 
     @property
@@ -86,6 +93,13 @@ class FrontendConfig(TransportConfig):
 
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
+
+
+def _aspect_ratio(value: str) -> float:
+    ratio = float(value)
+    if not ratio >= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"an aspect ratio is at least 1, got {value}")
+    return ratio
 
 
 MEDIA_FLAGS: tuple[Flag, ...] = (
@@ -107,6 +121,26 @@ MEDIA_FLAGS: tuple[Flag, ...] = (
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_pixels,
         help="largest decoded image, width x height pixels",
+    ),
+    flag(
+        "--max-image-side",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.max_image_side,
+        help="longest image width or height, in pixels",
+    ),
+    flag(
+        "--max-image-aspect-ratio",
+        type=_aspect_ratio,
+        default=DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio,
+        help="largest long side / short side of an image (Hugging Face's Qwen2-VL bound): a "
+        "processor that resizes the shortest side makes a larger image the thinner the input",
+    ),
+    flag(
+        "--mm-processor-threads",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.mm_processor_threads,
+        help="images decoded and processed at once by this frontend (each can take a few "
+        "hundred MB while it is resized); more wait their turn",
     ),
     flag(
         "--allowed-media-domains",
