@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -108,6 +108,8 @@ def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
             return error_response(err)
         except asyncio.CancelledError:
             raise
+        except ClientDisconnect:  # gone mid-body, or cut off by --http-body-timeout: no one to tell
+            return Response(status_code=400)
         except Exception:
             logger.exception("%s %s failed", request.method, request.url.path)
             return error_response(FrontendError("internal server error; retry the request"))
