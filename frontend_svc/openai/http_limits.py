@@ -207,6 +207,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise _HeadersTooLarge  # stops the parser; uvicorn's 400 for it is suppressed
 
     def _headers_timed_out(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request behind a response still streaming: its turn has not come.
+            self._arm(self.limits.header_timeout, self._headers_timed_out)
+            return
         self._refuse(
             408,
             f"the request's headers did not arrive within {self.limits.header_timeout:g} s "
@@ -214,6 +218,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _body_timed_out(self) -> None:
+        if self.pipeline:  # queued behind a response still streaming (reading is paused)
+            self._arm(self.limits.body_timeout, self._body_timed_out)
+            return
         cycle = self.cycle
         if cycle is not None and cycle.response_started:
             self._refuse_silently()  # answered already (e.g. 401) and the body still trickles

@@ -83,6 +83,13 @@ def test_a_silent_connection_is_closed_after_the_idle_timeout(stack: Stack) -> N
         assert read_until_closed(served, IDLE_S + SLACK_S)[0] == b""
 
 
+def test_pipelined_requests_are_answered_in_order(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 2 + b"GET /version HTTP/1.1\r\n")
+        reply, _ = read_until_closed(sock, HEADER_S + SLACK_S)  # the third never ends: 408
+    assert [status_of(b"HTTP/1.1 " + r) for r in reply.split(b"HTTP/1.1 ")[1:]] == [200, 200, 408]
+
+
 def test_headers_that_trickle_get_408(stack: Stack) -> None:
     with connect(stack) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
