@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.openai.http_limits import HttpLimits
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
@@ -26,6 +28,7 @@ DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 DEFAULT_HTTP_PORT = 8000
 """The OpenAI-compatible HTTP server's port, as vLLM's."""
+DEFAULT_HTTP_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -60,22 +63,42 @@ class FrontendConfig(TransportConfig):
     ssl_keyfile: str = ""
     ssl_ca_certs: str = ""
     max_receive_message_bytes: int = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+    timeout_keep_alive: float = DEFAULT_HTTP_LIMITS.timeout_keep_alive
+    http_header_timeout: float = DEFAULT_HTTP_LIMITS.header_timeout
+    http_body_timeout: float = DEFAULT_HTTP_LIMITS.body_timeout
+    max_http_connections: int = DEFAULT_HTTP_LIMITS.max_connections
     limit_mm_per_prompt: int = DEFAULT_MEDIA_LIMITS.max_images_per_prompt
     max_image_bytes: int = DEFAULT_MEDIA_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_MEDIA_LIMITS.max_image_pixels
+    max_image_side: int = DEFAULT_MEDIA_LIMITS.max_image_side
+    max_image_aspect_ratio: float = DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = DEFAULT_MEDIA_LIMITS.media_fetch_timeout
+    mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
     def media_limits(self) -> MediaLimits:
-        """Bounds on the images of one request (multimodal models)."""
+        """Bounds on images (multimodal models)."""
         return MediaLimits(
-            self.limit_mm_per_prompt,
-            self.max_image_bytes,
-            self.max_image_pixels,
-            self.allowed_media_domains,
-            self.media_fetch_timeout,
+            max_images_per_prompt=self.limit_mm_per_prompt,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_image_side=self.max_image_side,
+            max_image_aspect_ratio=self.max_image_aspect_ratio,
+            allowed_media_domains=self.allowed_media_domains,
+            media_fetch_timeout=self.media_fetch_timeout,
+            mm_processor_threads=self.mm_processor_threads,
+        )
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The HTTP port's timeouts and connection cap."""
+        return HttpLimits(
+            timeout_keep_alive=self.timeout_keep_alive,
+            header_timeout=self.http_header_timeout,
+            body_timeout=self.http_body_timeout,
+            max_connections=self.max_http_connections,
         )
 
     @property
@@ -88,6 +111,51 @@ class FrontendConfig(TransportConfig):
 
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
+
+
+def _seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0 or seconds == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
+    return seconds
+
+
+HTTP_LIMIT_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--timeout-keep-alive",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.timeout_keep_alive,
+        help="close an HTTP connection idle this many seconds: a new one before its first "
+        "byte, or one after its response (uvicorn's and vLLM's default)",
+    ),
+    flag(
+        "--http-header-timeout",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.header_timeout,
+        help="seconds from a request's first byte to the end of its headers; then 408",
+    ),
+    flag(
+        "--http-body-timeout",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.body_timeout,
+        help="seconds a request's whole body may take after its headers; then 408",
+    ),
+    flag(
+        "--max-http-connections",
+        type=positive_int,
+        default=DEFAULT_HTTP_LIMITS.max_connections,
+        help="HTTP connections open at once; more are refused with 503 (at most half the "
+        "process's open file limit, so that gRPC and the engine keep theirs)",
+    ),
+)
+"""The HTTP port's timeouts and connection cap (uvicorn's name where it has the setting)."""
+
+
+def _aspect_ratio(value: str) -> float:
+    ratio = float(value)
+    if not ratio >= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"an aspect ratio is at least 1, got {value}")
+    return ratio
 
 
 MEDIA_FLAGS: tuple[Flag, ...] = (
@@ -109,6 +177,26 @@ MEDIA_FLAGS: tuple[Flag, ...] = (
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_pixels,
         help="largest decoded image, width x height pixels",
+    ),
+    flag(
+        "--max-image-side",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.max_image_side,
+        help="longest image width or height, in pixels",
+    ),
+    flag(
+        "--max-image-aspect-ratio",
+        type=_aspect_ratio,
+        default=DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio,
+        help="largest long side / short side of an image (Hugging Face's Qwen2-VL bound): a "
+        "processor that resizes the shortest side makes a larger image the thinner the input",
+    ),
+    flag(
+        "--mm-processor-threads",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.mm_processor_threads,
+        help="images decoded and processed at once by this frontend (each can take a few "
+        "hundred MB while it is resized); more wait their turn",
     ),
     flag(
         "--allowed-media-domains",
@@ -235,6 +323,7 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
         "prompt (vLLM's name; 0, the default here, logs no prompt text)",
     ),
     *LOGGING_FLAGS,
+    *HTTP_LIMIT_FLAGS,
     *MEDIA_FLAGS,
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),

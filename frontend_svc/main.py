@@ -110,7 +110,12 @@ async def serve(config: FrontendConfig) -> int:
         )
         app = build_app(context, host.registry, config.api_key)
         http = HttpServer(
-            app, config.http_host, config.http_port, _uvicorn_level(config), config.ssl
+            app,
+            config.http_host,
+            config.http_port,
+            _uvicorn_level(config),
+            config.ssl,
+            config.http_limits,
         )
     await host.start()
     engine.start()

@@ -48,15 +48,25 @@ INTERNAL_SERVER_OPTIONS: ServerOptions = (
 )
 
 
+MAX_PENDING_CALLS = 16_384
+"""Calls gRPC core holds before the server's request loop takes them up. gRPC's own default
+refuses past 1000 such calls at random (all past 3000), and the caller sees CANCELLED: a burst of
+2000 streams on one channel lost about 1 in 10. Admission (--max-inflight-requests, the core's
+queue limits) is what refuses load here, with RESOURCE_EXHAUSTED and a retry hint."""
+
+
 def public_server_options(max_receive_message_bytes: int) -> ServerOptions:
-    """The public port's options: bounded requests, and connections that are recycled after
-    30 minutes (GOAWAY: no new calls on it) with 30 more minutes for running calls to end."""
+    """The public port's options: bounded requests, bursts of calls taken up to
+    MAX_PENDING_CALLS, and connections that are recycled after 30 minutes (GOAWAY: no new calls
+    on it) with 30 more minutes for running calls to end."""
     return (
         ("grpc.max_send_message_length", MAX_INTERNAL_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_message_bytes),
         *_CONNECTION_LIMITS,
         ("grpc.max_connection_age_ms", 1_800_000),
         ("grpc.max_connection_age_grace_ms", 1_800_000),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     )
 
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -112,6 +112,8 @@ def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
             return error_response(err)
         except asyncio.CancelledError:
             raise
+        except ClientDisconnect:  # gone mid-body, or cut off by --http-body-timeout: no one to tell
+            return Response(status_code=400)
         except Exception:
             message = unexpected_error_message(f"{request.method} {request.url.path}")
             return error_response(FrontendError(), message)

@@ -178,6 +178,11 @@ class TokenGaps:
 MAX_TOKEN_GAP_S = 1.5
 """A generous bound on the gap between two tokens of a stream (tens of ms on an idle machine):
 a correctness check that nothing holds the event loop for seconds, not a timing benchmark."""
+QUIET_WINDOW_S = 2.0
+LOAD_FACTOR = 4.0
+"""On a loaded machine the bound grows with the stream's own gaps in a quiet window just before
+(LOAD_FACTOR times its largest gap there); main's stall (8.9 s, 11.6 s in the issue) is far past
+either."""
 
 
 def test_huge_tokenizer_calls_are_refused_and_stall_no_stream(shared_stack: Stack) -> None:
@@ -189,6 +194,9 @@ def test_huge_tokenizer_calls_are_refused_and_stall_no_stream(shared_stack: Stac
         while len(stream.arrivals) < 5:
             assert stream.thread.is_alive(), "the stream ended early"
             time.sleep(0.01)
+        quiet_since = time.monotonic()
+        time.sleep(QUIET_WINDOW_S)
+        bound = max(MAX_TOKEN_GAP_S, LOAD_FACTOR * stream.max_gap_s(quiet_since))
         since = time.monotonic()
         calls = [
             (DETOKENIZE, {"tokens": [5] * 6_000_000}, "the body is over"),
@@ -198,7 +206,7 @@ def test_huge_tokenizer_calls_are_refused_and_stall_no_stream(shared_stack: Stac
         ]
         replies = [post_json(shared_stack.http, path, body) for path, body, _ in calls]
         gap = stream.max_gap_s(since)
-        assert gap < MAX_TOKEN_GAP_S, f"a concurrent stream stalled {gap:.1f} s"
+        assert gap < bound, f"a concurrent stream stalled {gap:.1f} s (bound {bound:.1f} s)"
         for (status, reply), (_, _, fragment) in zip(replies, calls, strict=True):
             if fragment:
                 assert status == 400, str(reply)[:200]
