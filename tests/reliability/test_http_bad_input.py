@@ -147,6 +147,10 @@ def test_a_huge_n_is_refused_at_once_and_the_frontend_stays_small(shared_stack: 
     assert_http_serving_and_idle(shared_stack)
 
 
+def _json(body: object) -> bytes:
+    return json.dumps(body).encode()
+
+
 class TokenGaps:
     """A long SSE completion read on its own thread; the arrival time of each token chunk."""
 
@@ -194,16 +198,18 @@ def test_huge_tokenizer_calls_are_refused_and_stall_no_stream(shared_stack: Stac
         while len(stream.arrivals) < 5:
             assert stream.thread.is_alive(), "the stream ended early"
             time.sleep(0.01)
+        # bodies serialized first: json.dumps of 6 M ids holds this process's GIL for seconds
+        # on a busy machine, which would stall the reader thread here, not the server
+        calls = [
+            (DETOKENIZE, _json({"tokens": [5] * 6_000_000}), "the body is over"),
+            (DETOKENIZE, _json({"tokens": [5] * 1_000_000}), "at most max_model_len"),
+            (TOKENIZE, _json({"prompt": "word " * 800_000}), "more than any prompt"),
+            (DETOKENIZE, _json({"tokens": [7] * 2048}), ""),
+        ]
         quiet_since = time.monotonic()
         time.sleep(QUIET_WINDOW_S)
         bound = max(MAX_TOKEN_GAP_S, LOAD_FACTOR * stream.max_gap_s(quiet_since))
         since = time.monotonic()
-        calls = [
-            (DETOKENIZE, {"tokens": [5] * 6_000_000}, "the body is over"),
-            (DETOKENIZE, {"tokens": [5] * 1_000_000}, "at most max_model_len"),
-            (TOKENIZE, {"prompt": "word " * 800_000}, "more than any prompt"),
-            (DETOKENIZE, {"tokens": [7] * 2048}, ""),
-        ]
         replies = [post_json(shared_stack.http, path, body) for path, body, _ in calls]
         gap = stream.max_gap_s(since)
         assert gap < bound, f"a concurrent stream stalled {gap:.1f} s (bound {bound:.1f} s)"
