@@ -25,6 +25,7 @@ from core_svc import convert
 from core_svc.assembly import build_engine
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import EngineInbox
 from core_svc.executor import Executor
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
@@ -162,7 +163,7 @@ def bench_engine(
 ) -> EngineCore:
     """The engine core as the service assembles it, on ranks that would report these facts."""
     facts = ModelFacts("bench", VOCAB_SIZE, max_model_len, "bfloat16", "none", num_blocks, 0)
-    return build_engine(config, facts, executor)
+    return build_engine(config, facts, executor, EngineInbox())
 
 
 def run_case(case: Case, with_proto: bool) -> dict[str, object]:

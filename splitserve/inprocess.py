@@ -292,14 +292,15 @@ async def start_in_process(
     as `splitserve up` would, in this process."""
     worker, facts = _load(options)
     config = options.core_config()
-    core = build_engine(config, facts, InProcessExecutor(worker))
+    inbox = EngineInbox()
+    core = build_engine(config, facts, InProcessExecutor(worker), inbox)
     info = frontend_convert.engine_info_from_proto(
         core_convert.engine_info_to_proto(config, facts, served_model_name(config))
     )
     bridge = OutputBridge(asyncio.get_running_loop())
     proc = EngineCoreProc(
         core,
-        EngineInbox(),
+        inbox,
         bridge.deliver,
         on_stats=lambda stats, seconds: None,
         on_failed=_log_failure,
