@@ -18,7 +18,7 @@ from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
-from core_svc.structured_output import StructuredOutputsConfig
+from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOutputsConfig
 from core_svc.structured_requests import StructuredRequests
 from splitserve_contracts.output_types import (
     ErrorKind,
@@ -53,7 +53,7 @@ class EngineCore:
         cache_config: CacheConfig,
         executor: Executor,
         can_recover: bool = False,
-        structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig(),
+        structured_outputs_config: StructuredOutputsConfig = DEFAULT_STRUCTURED_OUTPUTS,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler_config = scheduler_config

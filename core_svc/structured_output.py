@@ -60,6 +60,9 @@ class StructuredOutputsConfig:
     """Compiled grammars kept, by (tokenizer, constraint), least recently used dropped."""
 
 
+DEFAULT_STRUCTURED_OUTPUTS = StructuredOutputsConfig()
+
+
 class StructuredOutputRequest:
     """One request's grammar state (vLLM's StructuredOutputRequest): its matcher, once compiled.
 
@@ -143,7 +146,9 @@ class StructuredOutputManager:
 
     # -- tokenizers ----------------------------------------------------------------------------
 
-    def set_tokenizer(self, client_id: int, tokenizer_json: str, eos_token_ids: Sequence[int]) -> None:
+    def set_tokenizer(
+        self, client_id: int, tokenizer_json: str, eos_token_ids: Sequence[int]
+    ) -> None:
         """The client's tokenizer (untrusted: checked when built; a bad one fails the
         client's constrained requests with llguidance's reason)."""
         digest = hashlib.sha256(tokenizer_json.encode()).digest()
@@ -227,12 +232,15 @@ class StructuredOutputManager:
                 while len(self._compiled) > self.config.max_cached_grammars:
                     self._compiled.popitem(last=False)
         matcher = template.deep_copy()
-        if output_token_ids and state.reasoning_ended:
-            if not matcher.consume_tokens(output_token_ids):
-                raise InvalidStructuredOutputs(
-                    "the output tokens the request brings do not follow its grammar",
-                    state.params.kind,
-                )
+        if (
+            output_token_ids
+            and state.reasoning_ended
+            and not matcher.consume_tokens(output_token_ids)
+        ):
+            raise InvalidStructuredOutputs(
+                "the output tokens the request brings do not follow its grammar",
+                state.params.kind,
+            )
         return matcher
 
     def _compile_grammar(
@@ -300,7 +308,9 @@ class StructuredOutputManager:
         filled in parallel by llguidance."""
         num_rows = len(states)
         if self._bitmask.shape[0] < num_rows:
-            self._bitmask = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32)
+            self._bitmask = np.zeros(
+                (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
+            )
         bitmask = self._bitmask[:num_rows]
         if self._fill_executor is None:
             threads = self.config.num_fill_threads or None

@@ -54,9 +54,7 @@ def to_llguidance(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec)
         if params.disable_additional_properties:
             schema = _close_objects(schema, 0)
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults=_json_options(params)
-        )
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(params))
     if kind == "structural_tag":
         return _structural_tag(params.spec)
     fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
@@ -130,7 +128,9 @@ def _structural_tag(spec: str) -> str:
             )
         schema = structure.get("schema", {})
         if not isinstance(schema, dict):
-            raise InvalidStructuredOutputs("a structure's `schema` must be an object", "structural_tag")
+            raise InvalidStructuredOutputs(
+                "a structure's `schema` must be an object", "structural_tag"
+            )
         tags.append(
             llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=structure["end"])
         )

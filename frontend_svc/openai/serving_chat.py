@@ -26,8 +26,15 @@ class ChatRun:
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
     def events(self, coalesce: bool) -> AsyncIterator[Event]:
+        req = self.req
         call = GenerateInput(
-            self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
+            self.rid,
+            req.prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
         )
         return generation.run(self.ctx, [call], coalesce)
 

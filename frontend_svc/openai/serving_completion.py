@@ -16,7 +16,15 @@ from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs
 
 def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
     return [
-        GenerateInput(f"{rid}-{i}", prompt, req.params, req.priority, req.cache_salt)
+        GenerateInput(
+            f"{rid}-{i}",
+            prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
+        )
         for i, prompt in enumerate(req.prompts)
     ]
 
