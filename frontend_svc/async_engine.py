@@ -237,14 +237,10 @@ class AsyncEngine:
         batch: list[tuple[int, EngineRequest]] = []
         for index in range(params.n):
             seed = sampling_rules.child_seed(params.seed, index)
-            child = EngineRequest(
-                request.request_id if params.n == 1 else f"{request.request_id}-{index}",
-                request.prompt_token_ids,
-                dataclasses.replace(params, n=1, seed=seed),
-                request.eos_token_id,
-                request.priority,
-                request.cache_salt,
-                request.mm_features,
+            child = dataclasses.replace(
+                request,
+                request_id=request.request_id if params.n == 1 else f"{request.request_id}-{index}",
+                params=dataclasses.replace(params, n=1, seed=seed),
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(
