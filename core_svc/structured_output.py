@@ -36,7 +36,7 @@ from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
     StructuredOutputsParams,
 )
-from splitserve_runtime.grammars import parser_limits, to_llguidance
+from splitserve_runtime.grammars import parser_limits, summary, to_llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -250,11 +250,8 @@ class StructuredOutputManager:
         grammar = to_llguidance(params)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            message = matcher.get_error().strip().splitlines()
-            raise InvalidStructuredOutputs(
-                f"is not supported: {message[0][:500] if message else 'invalid grammar'}",
-                params.kind,
-            )
+            reason = summary([matcher.get_error()])
+            raise InvalidStructuredOutputs(f"is not supported: {reason}", params.kind)
         self.num_compiled += 1
         logger.debug(
             "compiled a %s grammar in %.1f ms", params.kind, 1e3 * (time.perf_counter() - started)

@@ -291,7 +291,8 @@ def _check_structured_outputs(params: StructuredOutputsParams, where: str) -> No
         check_grammar(params)
     except InvalidStructuredOutputs as err:
         if where == "structured_outputs":
-            raise InvalidRequest(err.describe(), where) from None
+            message = err.describe()
+            raise InvalidRequest(message, message.split(":", 1)[0]) from None
         raise InvalidRequest(f"{where}: {err}", where) from None
 
 

@@ -72,12 +72,15 @@ def check_grammar(params: StructuredOutputsParams) -> None:
         grammar, None, limits=parser_limits()
     )
     if is_error:
-        raise InvalidStructuredOutputs(f"is not supported: {_first_line(messages)}", params.kind)
+        raise InvalidStructuredOutputs(f"is not supported: {summary(messages)}", params.kind)
 
 
-def _first_line(messages: list[str]) -> str:
-    text = messages[0] if messages else "invalid grammar"
-    return text.strip().splitlines()[0][:500] if text.strip() else "invalid grammar"
+def summary(messages: list[str]) -> str:
+    """llguidance's error in one line: its first line and its `error:` lines (the source
+    excerpt between them is left out), at most 500 characters."""
+    lines = [line.strip() for line in (messages[0] if messages else "").splitlines()]
+    kept = [line for i, line in enumerate(lines) if line and (i == 0 or line.startswith("error:"))]
+    return " ".join(kept)[:500] or "invalid grammar"
 
 
 def _json_options(params: StructuredOutputsParams) -> JsonCompileOptions:
