@@ -128,7 +128,9 @@ def test_regex_choice_and_grammar_outputs_match_in_every_request_form(stack: Sta
     bodies.append(({"structured_outputs": {"choice": choices}}, choices))
     bodies.append(({"guided_choice": choices}, choices))
     grammar = 'root ::= "(" [0-9]{1,3} ("," [0-9]{1,3}){0,3} ")"'
-    bodies.append(({"structured_outputs": {"grammar": grammar}}, re.compile(r"\(\d{1,3}(,\d{1,3}){0,3}\)")))
+    bodies.append(
+        ({"structured_outputs": {"grammar": grammar}}, re.compile(r"\(\d{1,3}(,\d{1,3}){0,3}\)"))
+    )
     for body, expected in bodies:
         for seed in range(3):
             text = (
