@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import EngineInbox
 from core_svc.executor import Executor
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.structured_output import StructuredOutputsConfig
 from core_svc.worker_pool import ModelFacts
 from splitserve_runtime.model_spec import served_model_name as default_served_name
 
@@ -46,11 +48,18 @@ def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
     )
 
 
-def build_engine(config: CoreConfig, facts: ModelFacts, executor: Executor) -> EngineCore:
-    """The engine core stepping `executor`; it suspends on a lost rank when recovery is on."""
+def build_engine(
+    config: CoreConfig, facts: ModelFacts, executor: Executor, inbox: EngineInbox
+) -> EngineCore:
+    """The engine core stepping `executor`; it suspends on a lost rank when recovery is on;
+    a grammar compiled off its loop wakes the loop through `inbox`."""
     return EngineCore(
         scheduler_config(config, facts),
         cache_config(config, facts),
         executor,
         can_recover=config.max_recovery_seconds > 0,
+        structured_outputs_config=StructuredOutputsConfig(
+            compile_timeout_s=config.structured_outputs_compile_timeout
+        ),
+        wake=inbox.wake,
     )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
@@ -77,6 +79,7 @@ class CoreConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
     async_scheduling: bool = False
+    structured_outputs_compile_timeout: float = 10.0
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -84,6 +87,29 @@ class CoreConfig(TransportConfig):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+
+
+def structured_outputs_config(text: str) -> dict[str, Any]:
+    """--structured-outputs-config: a JSON object with `backend` and `compile_timeout`."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict) or set(value) - {"backend", "compile_timeout"}:
+        raise argparse.ArgumentTypeError('expected {"backend": ..., "compile_timeout": ...}')
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r} is not available; the engine core runs llguidance "
+            '("guidance" or "auto"): xgrammar would load torch into the core'
+        )
+    timeout = value.get("compile_timeout", 10.0)
+    if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
+        raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
+    return {"backend": backend, "compile_timeout": float(timeout)}
 
 
 CORE_FLAGS: tuple[Flag, ...] = (
@@ -291,6 +317,15 @@ CORE_FLAGS: tuple[Flag, ...] = (
         "exits non-zero. 0: fail at once (fail-stop)",
     ),
     flag(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default={},
+        help='structured outputs, as JSON (vLLM\'s flag): {"backend": "guidance" (llguidance, '
+        'the default; "auto" means it; xgrammar is not offered: it needs torch, which the core '
+        'never loads), "compile_timeout": seconds a grammar may take to compile before its '
+        "request fails (default 10)}",
+    ),
+    flag(
         "--log-stats-interval",
         type=float,
         default=10.0,
@@ -345,6 +380,8 @@ def parse_config(
     values.pop("config", None)
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
+    so_config = values.pop("structured_outputs_config")
+    values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
     if args.max_num_batched_tokens is None:

@@ -10,9 +10,10 @@ from core_svc.config import CoreConfig
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
-from splitserve_contracts import output_convert
+from splitserve_contracts import output_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
@@ -23,7 +24,14 @@ def request_from_proto(
     msg: core_pb2.EngineCoreRequest, client_id: int, arrival_time: float | None = None
 ) -> Request:
     """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
-    sampler's settings stay serialized: the core only forwards them to the workers."""
+    sampler's settings stay serialized: the core only forwards them to the workers. A
+    structured-outputs constraint is kept as given; the engine checks it when it adds the
+    request (core_svc/request_checks.py)."""
+    structured = None
+    if msg.HasField("structured_outputs"):
+        params = structured_outputs.from_proto(msg.structured_outputs)
+        if params is not None:
+            structured = StructuredOutputRequest(params)
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,
@@ -43,6 +51,7 @@ def request_from_proto(
             MultiModalFeatureSpec(f.identifier, f.offset, f.length, f.SerializeToString())
             for f in msg.mm_features
         ),
+        structured_output=structured,
     )
 
 
@@ -112,6 +121,23 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     for handle, input_ids in output.scheduled_encoder_inputs.items():
         msg.scheduled_encoder_inputs.add(req_handle=handle, input_ids=input_ids)
     msg.free_encoder_mm_hashes.extend(output.free_encoder_mm_hashes)
+    if output.grammar_bitmask is not None and not output.has_pending_grammar:
+        _grammar_bitmask_to_proto(output.grammar_bitmask, msg.grammar_bitmask)
+    msg.has_pending_grammar = output.has_pending_grammar
+    return msg
+
+
+def _grammar_bitmask_to_proto(bitmask: GrammarBitmask, msg: worker_pb2.GrammarBitmask) -> None:
+    msg.req_handles.extend(bitmask.req_handles)
+    msg.bitmask = bitmask.bitmask
+
+
+def grammar_output_to_proto(output: SchedulerOutput) -> worker_pb2.ExecuteRequest:
+    """The deferred grammar bitmask of a step sent with has_pending_grammar."""
+    msg = worker_pb2.ExecuteRequest()
+    msg.grammar_output.step_id = output.step_id
+    if output.grammar_bitmask is not None:
+        _grammar_bitmask_to_proto(output.grammar_bitmask, msg.grammar_output.grammar_bitmask)
     return msg
 
 

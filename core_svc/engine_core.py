@@ -18,6 +18,8 @@ from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOutputsConfig
+from core_svc.structured_requests import StructuredRequests
 from splitserve_contracts.output_types import (
     ErrorKind,
     FinishReason,
@@ -51,6 +53,8 @@ class EngineCore:
         cache_config: CacheConfig,
         executor: Executor,
         can_recover: bool = False,
+        structured_outputs_config: StructuredOutputsConfig = DEFAULT_STRUCTURED_OUTPUTS,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -64,6 +68,11 @@ class EngineCore:
         )
         scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
         self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
+        self.structured = StructuredRequests(
+            scheduler_config.vocab_size, structured_outputs_config, wake
+        )
+        """Requests compiling their grammar, and the steps' grammar bitmasks; `wake` tells
+        the busy loop a compile finished."""
         self.client_requests: dict[int, dict[int, Request]] = {}
         """client_id -> client_handle -> live request."""
         self.can_recover = can_recover
@@ -97,8 +106,37 @@ class EngineCore:
         if refusal is not None:
             self._reject(request, *refusal)
             return
+        if request.structured_output is not None:
+            problem = self.structured.submit(request)
+            if problem is not None:
+                self._reject(request, ErrorKind.INVALID_REQUEST, problem)
+                return
         self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
-        self.scheduler.add_request(request)
+        if request.structured_output is None:
+            self.scheduler.add_request(request)
+
+    def set_tokenizer(self, client_id: int, tokenizer_json: str, eos_token_ids: list[int]) -> None:
+        """The client's tokenizer, which its constrained requests' grammars are compiled for."""
+        self.structured.manager.set_tokenizer(client_id, tokenizer_json, eos_token_ids)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler; refused ones end with an error."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, problem in failed:
+            live = self.client_requests.get(request.client_id, {})
+            live.pop(request.client_handle, None)
+            self._reject(request, ErrorKind.INVALID_REQUEST, problem)
+
+    def _finish_compiling(self, requests: list[Request], status: RequestStatus) -> list[Request]:
+        """Finish those of `requests` still compiling (not in the scheduler); returns the
+        others."""
+        if not self.structured.compiling:
+            return requests
+        for request in self.structured.take_compiling(requests):
+            request.finish(status)
+        return [r for r in requests if not r.is_finished]
 
     def _refusal(self, request: Request) -> tuple[ErrorKind, str] | None:
         if self.is_failed:
@@ -166,7 +204,8 @@ class EngineCore:
         if not live:
             return
         requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
-        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)
+        scheduled = self._finish_compiling(requests, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
         if requests:
             self._pending_outputs.setdefault(client_id, EngineCoreOutputs())
         if not live:
@@ -176,8 +215,10 @@ class EngineCore:
         """Stop every live request of a client (its stream closed)."""
         live = self.client_requests.pop(client_id, None)
         self._pending_outputs.pop(client_id, None)
+        self.structured.manager.forget_client(client_id)
         if live:
-            self.scheduler.finish_requests(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            aborted = self._finish_compiling(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -185,8 +226,10 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether step() has anything to do: requests to run, finished handles to tell
         the workers about, a step in flight, or outputs of refused requests to return."""
-        return bool(self._pending_outputs) or (
-            self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue))
+        return (
+            bool(self._pending_outputs)
+            or self.structured.has_news
+            or (self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue)))
         )
 
     def _has_step_to_schedule(self) -> bool:
@@ -201,6 +244,8 @@ class EngineCore:
         scheduling, one call schedules and sends the next step, then applies the oldest step
         in flight once two are (or when there is nothing more to schedule).
         """
+        if self.structured.compiling:
+            self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, {}
         if self.can_step:
             if self._batch_queue is not None:
@@ -217,6 +262,8 @@ class EngineCore:
         self, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.num_structured:
+            self._fill_grammar(scheduler_output)
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)
         except ExecutorError as exc:
@@ -226,12 +273,16 @@ class EngineCore:
     def _step_ahead(
         self, queue: BatchQueue, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
+        deferred = None
         if not queue.is_full and self._has_step_to_schedule():
+            step = self.scheduler.schedule()
+            if self.scheduler.num_structured and not self._fill_grammar(step):
+                deferred = step  # its bitmask needs the older step's tokens
             try:
-                queue.submit(self.scheduler.schedule())
+                queue.submit(step)
             except ExecutorError as exc:
                 return self._on_step_error(exc, before_update)
-            if not queue.is_full:
+            if not queue.is_full and deferred is None:
                 return {}  # the next call schedules the step after it before waiting
         if not queue:
             return {}
@@ -239,7 +290,18 @@ class EngineCore:
             scheduler_output, model_runner_output = queue.collect()
         except ExecutorError as exc:
             return self._on_step_error(exc, before_update)
-        return self._apply_output(scheduler_output, model_runner_output, before_update)
+        outputs = self._apply_output(scheduler_output, model_runner_output, before_update)
+        if deferred is not None and self.can_step:
+            self._fill_grammar(deferred)
+            try:
+                queue.submit_grammar(deferred)
+            except ExecutorError as exc:
+                merge_outputs(outputs, self._on_step_error(exc, None))
+        return outputs
+
+    def _fill_grammar(self, step: SchedulerOutput) -> bool:
+        """The step's grammar bitmask, when its requests' earlier tokens are all applied."""
+        return self.structured.fill(step, self.scheduler.structured_rows(step.step_id))
 
     def _on_step_error(
         self, exc: ExecutorError, before_update: Callable[[], None] | None
@@ -306,8 +368,17 @@ class EngineCore:
         self.suspension = None
         self.failure_message = message
         self._drop_steps_in_flight()
-        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self._fail_all(message)
         self._forget_finished(outputs)
+        return outputs
+
+    def _fail_all(self, message: str) -> dict[int, EngineCoreOutputs]:
+        """Every request, compiling ones too, finishes with ERROR (engine failure)."""
+        compiling = self.structured.take_compiling(list(self.structured.compiling.values()))
+        for request in compiling:
+            request.fail(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        merge_outputs(outputs, make_final_outputs(compiling))
         return outputs
 
     def on_fault(self, fault: Fault) -> dict[int, EngineCoreOutputs]:
@@ -352,7 +423,7 @@ class EngineCore:
 
     def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
         """End every request with an error (shutdown); the engine itself stays usable."""
-        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self._fail_all(message)
         self._forget_finished(outputs)
         return outputs
 
@@ -378,4 +449,5 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -41,6 +41,10 @@ class CommandKind(Enum):
     """The ranks are back: step on a new executor."""
     GIVE_UP = 9
     """The ranks did not come back in time: fail every request."""
+    TOKENIZER = 10
+    """A client's tokenizer, for its structured-outputs requests."""
+    WAKE = 11
+    """Nothing but a wake-up: a grammar finished compiling (or ran out of time)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +60,8 @@ class EngineCommand:
     num_blocks: int = 0
     done: Future[int | None] | None = None
     """RESUME: resolved with the number of requests resumed (None: the engine failed first)."""
+    tokenizer_json: str = ""
+    """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles)."""
 
 
 class EngineInbox:
@@ -77,6 +83,16 @@ class EngineInbox:
     def close_client(self, client_id: int) -> None:
         """The client's stream closed: abort all of its requests."""
         self._put_abort(EngineCommand(CommandKind.CLOSE_CLIENT, client_id))
+
+    def set_tokenizer(self, client_id: int, tokenizer_json: str, eos_token_ids: list[int]) -> None:
+        """The client's tokenizer (before its structured-outputs requests, in stream order)."""
+        command = EngineCommand(CommandKind.TOKENIZER, client_id, client_handles=eos_token_ids)
+        command.tokenizer_json = tokenizer_json
+        self._queue.put(command)
+
+    def wake(self) -> None:
+        """Wake the loop (any thread): a grammar compile ended."""
+        self._queue.put(EngineCommand(CommandKind.WAKE))
 
     def drain(self) -> None:
         """Refuse new requests; the running ones finish."""

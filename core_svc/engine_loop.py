@@ -128,6 +128,12 @@ class EngineCoreProc:
             engine_core.abort_requests(command.client_id, command.client_handles)
         elif command.kind is CommandKind.CLOSE_CLIENT:
             engine_core.abort_client(command.client_id)
+        elif command.kind is CommandKind.TOKENIZER:
+            engine_core.set_tokenizer(
+                command.client_id, command.tokenizer_json, command.client_handles
+            )
+        elif command.kind is CommandKind.WAKE:
+            pass
         elif command.kind is CommandKind.DRAIN:
             engine_core.is_draining = True
         elif command.kind is CommandKind.ABORT_ALL:

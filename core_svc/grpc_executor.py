@@ -165,6 +165,15 @@ class GrpcExecutor:
         for stream in self._streams:
             stream.outbox.put(payload)
 
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the grammar bitmask of a step sent with has_pending_grammar (busy-loop
+        thread): every rank waits for it after the step's forward, before sampling."""
+        if self.failure is not None:
+            raise ExecutorError(self.failure, self.failure_cause)
+        payload = convert.grammar_output_to_proto(scheduler_output).SerializeToString()
+        for stream in self._streams:
+            stream.outbox.put(payload)
+
     def _start_timeout_clock(self, num_tokens: int) -> None:
         self._step_timeout = self.timeout.seconds(num_tokens)
         self._step_started = time.monotonic()

@@ -103,7 +103,7 @@ class CoreService:
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
         self.proc = EngineCoreProc(
-            build_engine(config, facts, self.recovery.executor),
+            build_engine(config, facts, self.recovery.executor, inbox),
             inbox,
             streams.deliver,
             on_stats=self.metrics.observe_stats,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from splitserve_contracts.output_types import (
@@ -12,6 +13,9 @@ from splitserve_contracts.output_types import (
     ErrorKind,
     FinishReason,
 )
+
+if TYPE_CHECKING:
+    from core_svc.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(IntEnum):
@@ -84,6 +88,7 @@ class Request:
         "num_output_placeholders",
         "is_known_to_workers",
         "mm_features",
+        "structured_output",
     )
 
     def __init__(
@@ -104,6 +109,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         mm_features: tuple[MultiModalFeatureSpec, ...] = (),
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         self.req_handle = -1
         self.client_id = client_id
@@ -154,6 +160,8 @@ class Request:
         self.mm_features = mm_features
         """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept
         until the request finishes: a recompute may run the encoder again."""
+        self.structured_output = structured_output
+        """Its grammar state when its output is constrained (structured outputs), else None."""
 
     @property
     def num_tokens(self) -> int:

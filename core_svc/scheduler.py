@@ -89,6 +89,8 @@ class Scheduler:
         throughput counts a prompt when its first token arrives), since the engine started."""
         self.num_generation_tokens = 0
         """Tokens sampled since the engine started."""
+        self.num_structured = 0
+        """Requests with a grammar among `requests` (0: steps skip the grammar work)."""
         self._in_flight: deque[ScheduledStep] = deque()
         """Scheduled steps whose outputs are not applied yet, oldest first (at most
         `max_steps_in_flight`)."""
@@ -99,6 +101,8 @@ class Scheduler:
                 request.block_hashes, request.all_token_ids, request.cache_salt, request.mm_features
             )
         self.requests[request.req_handle] = request
+        if request.structured_output is not None:
+            self.num_structured += 1
         self.waiting.add_request(request)
         self.num_waiting_tokens += request.num_tokens
         request.record_event(EngineCoreEventType.QUEUED)
@@ -126,9 +130,31 @@ class Scheduler:
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         num_computed = [request.num_computed_tokens for request in scheduled]
         in_flight = ScheduledStep(self.step_id, scheduled, num_computed)
+        if self.num_structured:
+            in_flight.structured = self._structured_rows(scheduled, num_computed)
         self._after_schedule(in_flight)
         self._in_flight.append(in_flight)
         return output
+
+    @staticmethod
+    def _structured_rows(
+        scheduled: list[Request], num_computed: list[int]
+    ) -> list[tuple[Request, int]]:
+        """The constrained requests that sample in the step (their scheduled tokens reach the
+        end of what is known, placeholders included), with the sampled token's position."""
+        return [
+            (request, position)
+            for request, position in zip(scheduled, num_computed, strict=True)
+            if request.structured_output is not None
+            and position == len(request.all_token_ids) + request.num_output_placeholders
+        ]
+
+    def structured_rows(self, step_id: int) -> list[tuple[Request, int]]:
+        """The constrained sampling requests of the step in flight `step_id`."""
+        for scheduled in reversed(self._in_flight):
+            if scheduled.step_id == step_id:
+                return scheduled.structured
+        return []
 
     def _after_schedule(self, scheduled: ScheduledStep) -> None:
         """Hook: the step is built and about to be sent (AsyncScheduler: output placeholders)."""
@@ -360,7 +386,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder.free(request)
-        self.requests.pop(request.req_handle, None)
+        if self.requests.pop(request.req_handle, None) is not None:
+            self.num_structured -= request.structured_output is not None
         if request.is_known_to_workers:
             self.finished_req_handles.append(request.req_handle)
 

@@ -169,6 +169,11 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     )
                 elif kind == "abort":
                     proc.inbox.abort_requests(client_id, list(msg.abort.request_handles))
+                elif kind == "tokenizer":
+                    info = msg.tokenizer
+                    proc.inbox.set_tokenizer(
+                        client_id, info.tokenizer_json, list(info.eos_token_ids)
+                    )
                 elif kind == "ping":
                     queue.put_nowait(
                         core_pb2.EngineStreamResponse(pong=core_pb2.Pong(ping_id=msg.ping.ping_id))

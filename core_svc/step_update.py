@@ -11,6 +11,7 @@ from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.stop_check import check_stop
+from core_svc.structured_output import StructuredOutputRequest
 from splitserve_contracts.output_types import ErrorKind, ModelRunnerOutput
 
 _RUNNING = RequestStatus.RUNNING
@@ -36,6 +37,9 @@ class ScheduledStep:
     step_id: int
     requests: list[Request]
     num_computed_tokens: list[int]
+    structured: list[tuple[Request, int]] = field(default_factory=list)
+    """The constrained requests that sample in the step, each with the position of the token
+    it samples (its num_computed_tokens once the step has run)."""
 
 
 class StepUpdater:
@@ -103,7 +107,10 @@ class StepUpdater:
                 extend_hashes(
                     request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
                 )
-            if (
+            grammar = request.structured_output
+            if grammar is not None and _grammar_stops(request, grammar, token, update):
+                pass
+            elif (
                 token in request.all_stop_token_ids
                 or len(request.output_token_ids) >= request.max_tokens
             ) and check_stop(request, max_model_len):
@@ -111,6 +118,25 @@ class StepUpdater:
             update.sampled_reqs.append(request)
             update.sampled_token_ids.append(token)
         return update
+
+
+def _grammar_stops(
+    request: Request, grammar: StructuredOutputRequest, token: int, update: StepUpdate
+) -> bool:
+    """Advance the request's matcher by its new token: a complete grammar finishes it (STOP), a
+    token the grammar refuses (its mask did not hold) fails it; True when it ended."""
+    if not grammar.accept(token):
+        request.fail(
+            ErrorKind.ENGINE_FAILURE,
+            f"the output rank sampled token {token}, which the request's grammar does not allow",
+        )
+        update.failed.append(request)
+        return True
+    if grammar.is_terminated:
+        request.finish(RequestStatus.FINISHED_STOPPED)
+        update.finished.append(request)
+        return True
+    return False
 
 
 def _check_order(scheduled: ScheduledStep, scheduler_output: SchedulerOutput) -> None:

@@ -242,16 +242,12 @@ class AsyncEngine:
         batch: list[tuple[int, EngineRequest]] = []
         for index in range(params.n):
             seed = sampling_rules.child_seed(params.seed, index)
-            child = EngineRequest(
-                request.request_id
+            child = dataclasses.replace(
+                request,
+                request_id=request.request_id
                 if params.n == 1
                 else derived_request_id(request.request_id, f"-{index}"),
-                request.prompt_token_ids,
-                dataclasses.replace(params, n=1, seed=seed),
-                request.eos_token_id,
-                request.priority,
-                request.cache_salt,
-                request.mm_features,
+                params=dataclasses.replace(params, n=1, seed=seed),
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(

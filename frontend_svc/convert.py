@@ -7,7 +7,8 @@ from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
@@ -19,7 +20,7 @@ from frontend_svc.requests import (
     PromptInput,
     TokenLogprobs,
 )
-from splitserve_contracts import sampling_convert
+from splitserve_contracts import sampling_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -31,6 +32,7 @@ from splitserve_contracts.output_convert import (
 )
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 
 def _part_from_proto(part: gen_pb2.ContentPart, where: str) -> ContentPart:
@@ -85,7 +87,20 @@ def generate_input_from_proto(
         params=sampling_convert.from_proto(msg.sampling_params, SamplingParams, defaults),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        structured_outputs=_structured_outputs_from_proto(msg),
     )
+
+
+def _structured_outputs_from_proto(msg: gen_pb2.GenerateRequest) -> StructuredOutputsParams | None:
+    if not msg.HasField("structured_outputs"):
+        return None
+    params = structured_outputs.from_proto(msg.structured_outputs)
+    if params is None:
+        raise InvalidRequest(
+            "structured_outputs is set but empty; set one constraint or leave it out",
+            "structured_outputs",
+        )
+    return params
 
 
 def _logprob_to_proto(src: Logprob, dst: types_pb2.Logprob) -> None:
@@ -127,6 +142,14 @@ def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateR
     return msg
 
 
+def tokenizer_info_to_proto(info: TokenizerInfo) -> core_pb2.EngineStreamRequest:
+    """The stream's first message: the tokenizer the core compiles grammars with."""
+    msg = core_pb2.EngineStreamRequest()
+    msg.tokenizer.tokenizer_json = info.tokenizer_json
+    msg.tokenizer.eos_token_ids.extend(info.eos_token_ids)
+    return msg
+
+
 def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineCoreRequest:
     """The engine core reads the stop conditions; the sampler's part of the params travels
     in sampler_params, copied field by field (same names) from SamplingParams."""
@@ -147,6 +170,8 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     sampling_convert.to_proto(params, msg.sampler_params)
+    if req.structured_outputs is not None:
+        structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
     for feature in req.mm_features:
         entry = msg.mm_features.add(
             modality=feature.modality,

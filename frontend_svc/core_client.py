@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo
+from frontend_svc.engine_types import CoreOutputs, EngineInfo, TokenizerInfo
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
@@ -116,8 +116,13 @@ class EngineCoreClient:
         max_backoff: float = 1.0,
         ping_interval: float = 1.0,
         security: ChannelSecurity | None = None,
+        tokenizer: TokenizerInfo | None = None,
     ) -> None:
         self.core_addr = core_addr
+        self._tokenizer_msg = (
+            None if tokenizer is None else convert.tokenizer_info_to_proto(tokenizer)
+        )
+        """Sent first on every stream: the core compiles structured outputs with it."""
         self.max_backoff = max_backoff
         self.ping_interval = ping_interval
         self._events: asyncio.Queue[CoreEvent] = asyncio.Queue()
@@ -213,6 +218,8 @@ class EngineCoreClient:
 
     async def _run_stream(self, reconnected: Reconnected | None) -> str:
         self._outbox = asyncio.Queue()
+        if self._tokenizer_msg is not None:
+            self._outbox.put_nowait(self._tokenizer_msg)
         self._pings.clear()
         call = self._stub.EngineStream()
         tasks = [

@@ -59,3 +59,12 @@ class CoreOutputs:
     timestamp: float
     step_id: int
     scheduler_stats: SchedulerStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """The tokenizer as the engine core's grammar matchers need it (core.v1.TokenizerInfo):
+    its tokenizer.json (added tokens included) and the ids that end a sequence."""
+
+    tokenizer_json: str
+    eos_token_ids: tuple[int, ...]

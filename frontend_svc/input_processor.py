@@ -24,8 +24,13 @@ from frontend_svc.requests import (
     MultiModalFeature,
     PromptInput,
 )
-from splitserve_contracts import sampling_rules
+from splitserve_contracts import sampling_rules, structured_outputs
 from splitserve_contracts.sampling_rules import InvalidSamplingParams, Limits
+from splitserve_contracts.structured_outputs import (
+    InvalidStructuredOutputs,
+    StructuredOutputsParams,
+)
+from splitserve_runtime.grammars import check_grammar
 from splitserve_runtime.model_spec import GGUF_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -245,6 +250,14 @@ class InputProcessor:
             raise InvalidRequest(str(err), field) from None
         params = sampling_rules.normalize(call.params)
         params = sampling_rules.clamp_top_k(params, self.limits.vocab_size)
+        if call.structured_outputs is not None:
+            if not hasattr(self.tokenizer, "backend_tokenizer"):
+                raise InvalidRequest(
+                    "structured outputs need a fast (Hugging Face tokenizers) tokenizer; this "
+                    "model's tokenizer is not one",
+                    call.structured_outputs_field,
+                )
+            _check_structured_outputs(call.structured_outputs, call.structured_outputs_field)
         prompt = self.tokenize(call.prompt)
         num_prompt = len(prompt.token_ids)
         max_len, field = self.max_model_len, _prompt_field(call.prompt)
@@ -286,10 +299,23 @@ class InputProcessor:
             call.priority,
             call.cache_salt,
             prompt.mm_features,
+            structured_outputs=call.structured_outputs,
         )
 
 
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _check_structured_outputs(params: StructuredOutputsParams, where: str) -> None:
+    """Refuse a constraint the engine could not compile, naming the request's field."""
+    try:
+        structured_outputs.validate(params)
+        check_grammar(params)
+    except InvalidStructuredOutputs as err:
+        if where == "structured_outputs":
+            message = err.describe()
+            raise InvalidRequest(message, message.split(":", 1)[0]) from None
+        raise InvalidRequest(f"{where}: {err}", where) from None
 
 
 def _check_ids(call: GenerateInput) -> None:

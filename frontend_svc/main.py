@@ -57,7 +57,11 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
-    client = EngineCoreClient(config.core_addr, security=ChannelSecurity(config.tls, CORE_ROLE))
+    client = EngineCoreClient(
+        config.core_addr,
+        security=ChannelSecurity(config.tls, CORE_ROLE),
+        tokenizer=files.tokenizer_info,
+    )
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:

@@ -48,6 +48,17 @@ class RequestState:
     """What was sent to the engine core, kept to resubmit it to a restarted core."""
 
 
+def _grammar_ended(state: RequestState, last_token_id: int) -> bool:
+    """A constrained request stopped because its grammar is complete: its last token is
+    output, unless it is EOS or a stop token id."""
+    request = state.request
+    if request is None or request.structured_outputs is None:
+        return False
+    return last_token_id != request.eos_token_id and (
+        last_token_id not in state.params.stop_token_ids
+    )
+
+
 class OutputProcessor:
     """Owns the RequestStates of live requests, keyed by their core handle."""
 
@@ -177,7 +188,7 @@ class OutputProcessor:
         params = state.params
         text_ids = token_ids
         is_stop_token = finish == FinishReason.STOP and not params.include_stop_str_in_output
-        if is_stop_token and token_ids:
+        if is_stop_token and token_ids and not _grammar_ended(state, token_ids[-1]):
             text_ids = token_ids[:-1]  # a stop token's own text is not part of the output
         new_text = state.detokenizer.step(text_ids) if text_ids else ""
         if finish != FinishReason.UNSPECIFIED:

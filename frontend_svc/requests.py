@@ -7,6 +7,7 @@ from typing import Any
 
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 DEFAULT_MAX_FAN_OUT = 1024
 """Most engine requests one public call may make (--max-fan-out): prompts x n on
@@ -99,6 +100,10 @@ class GenerateInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str = ""
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output's grammar (structured outputs); None: free text."""
+    structured_outputs_field: str = "structured_outputs"
+    """The request field the constraint came from, named in errors."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,8 @@ class EngineRequest:
     mm_features: tuple[MultiModalFeature, ...] = ()
     """The prompt's images, in placeholder order (empty for a text-only prompt)."""
     output_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output's grammar, checked to compile; the engine core enforces it."""
 
 
 @dataclass(slots=True)

@@ -78,8 +78,19 @@ class InProcessExecutor:
     def submit_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="in-process-step")
+        if scheduler_output.has_pending_grammar:  # runs when its masks come (submit_grammar)
+            self._in_flight.append(Future())
+            return
         step = self._to_worker(scheduler_output)
         self._in_flight.append(self._pool.submit(self._run, step))
+
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the newest step, submitted with has_pending_grammar, now that it has its masks."""
+        assert self._pool is not None
+        scheduler_output.has_pending_grammar = False
+        waiting = self._in_flight[-1]
+        done = self._pool.submit(self._run, self._to_worker(scheduler_output))
+        done.add_done_callback(lambda f: _settle(waiting, f))
 
     def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._in_flight.popleft().result()
@@ -88,6 +99,14 @@ class InProcessExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.worker.shutdown()
+
+
+def _settle(target: Future[ModelRunnerOutput], source: Future[ModelRunnerOutput]) -> None:
+    error = source.exception()
+    if error is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(error)
 
 
 class OutputBridge:
@@ -292,14 +311,15 @@ async def start_in_process(
     as `splitserve up` would, in this process."""
     worker, facts = _load(options)
     config = options.core_config()
-    core = build_engine(config, facts, InProcessExecutor(worker))
+    inbox = EngineInbox()
+    core = build_engine(config, facts, InProcessExecutor(worker), inbox)
     info = frontend_convert.engine_info_from_proto(
         core_convert.engine_info_to_proto(config, facts, served_model_name(config))
     )
     bridge = OutputBridge(asyncio.get_running_loop())
     proc = EngineCoreProc(
         core,
-        EngineInbox(),
+        inbox,
         bridge.deliver,
         on_stats=lambda stats, seconds: None,
         on_failed=_log_failure,

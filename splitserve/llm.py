@@ -248,10 +248,10 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
 
 
 async def _connect(options: EngineOptions, core_addr: str) -> Frontend:
-    client = EngineCoreClient(core_addr)
+    files = load_model_files(options.model)
+    client = EngineCoreClient(core_addr, tokenizer=files.tokenizer_info)
     info = await client.connect(60.0)
     name = options.served_model_name or info.served_model_name
-    files = load_model_files(options.model)
     frontend = build_frontend(client, info, files, CollectorRegistry(), name)
     frontend.engine.start()
     return frontend

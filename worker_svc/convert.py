@@ -14,11 +14,13 @@ from splitserve_contracts import output_convert, sampling_convert
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.models.model_config import parse_dtype
 from worker_svc.scheduler_output import (
     CachedRequestData,
+    GrammarBitmask,
     IntArray,
     MultiModalInput,
     NewRequestData,
@@ -86,7 +88,15 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             e.req_handle: list(e.input_ids) for e in msg.scheduled_encoder_inputs
         },
         free_encoder_mm_hashes=tuple(msg.free_encoder_mm_hashes),
+        grammar_bitmask=grammar_bitmask_from_proto(msg.grammar_bitmask),
+        has_pending_grammar=msg.has_pending_grammar,
     )
+
+
+def grammar_bitmask_from_proto(msg: pb.GrammarBitmask) -> GrammarBitmask | None:
+    """The step's token masks, or None (no constrained request samples); MalformedStep when
+    the blob does not split into one row per request."""
+    return grammar_bitmask_from_bytes(list(msg.req_handles), msg.bitmask)
 
 
 def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:

@@ -31,6 +31,7 @@ from splitserve_contracts.output_types import (
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
+from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
 from worker_svc.input_batch import InputBatch, StepInputs
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
@@ -155,8 +156,11 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; returns the output on the output rank, None elsewhere."""
+    def execute(
+        self, step: SchedulerOutput, grammar_source: GrammarSource | None = None
+    ) -> ModelRunnerOutput | None:
+        """Run one step; returns the output on the output rank, None elsewhere. A step with
+        has_pending_grammar takes its token masks from `grammar_source` before sampling."""
         if self.batch is None or self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache must run before execute")
         started = time.perf_counter()
@@ -201,6 +205,12 @@ class ModelRunner:
                 batch.num_prompt_tokens,
                 batch.num_tokens,
             )
+            grammar = step.grammar_bitmask
+            if step.has_pending_grammar and grammar_source is not None:
+                grammar = grammar_source()
+            if grammar is not None:
+                sampling_handles = inputs.req_handles[inputs.sampling_reqs]
+                apply_grammar_bitmask(logits[:num_sampling], sampling_handles, grammar)
             sampler_output = self.sampler(logits[:num_sampling], metadata)
             if self.async_scheduling:
                 tokens = sampler_output.sampled_token_ids.cpu().numpy()

@@ -23,6 +23,7 @@ from frontend_svc.openai.fields import (
     read,
 )
 from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, FieldMap, sampling_params
+from frontend_svc.openai.structured_map import structured_outputs
 from frontend_svc.requests import (
     DEFAULT_MAX_FAN_OUT,
     MAX_REQUEST_ID_CHARS,
@@ -34,6 +35,7 @@ from frontend_svc.requests import (
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import INT32_MAX, InvalidSamplingParams, Limits
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 MEDIA_PARTS = frozenset(
     {"input_image", "image", "image_embeds", "input_audio", "audio_url", "video_url"}
@@ -51,12 +53,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _set,
     "tools": _set,
     "functions": _set,
-    "response_format": lambda v: _set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
-    "structured_outputs": _set,
-    "guided_json": _set,
-    "guided_regex": _set,
-    "guided_choice": _set,
-    "guided_grammar": _set,
     "prompt_embeds": _set,
     "bad_words": _set,
     "logits_processors": _set,
@@ -96,6 +92,9 @@ class CompletionRequest:
     priority: int
     cache_salt: str
     request_id: str | None
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_field: str = ""
+    """The request field the constraint came from (for errors)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +106,8 @@ class ChatRequest:
     priority: int
     cache_salt: str
     request_id: str | None
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_field: str = ""
 
 
 def _refuse_unsupported(body: dict[str, Any], also: tuple[str, ...] = ()) -> None:
@@ -137,7 +138,10 @@ PRIORITY = as_int_within(-INT32_MAX - 1, INT32_MAX)
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
+    constraint, constraint_field = structured_outputs(body)
     return {
+        "structured_outputs": constraint,
+        "structured_outputs_field": constraint_field,
         "model": read(body, "model", as_str),
         "stream": _stream(body),
         "priority": read(body, "priority", PRIORITY, 0),

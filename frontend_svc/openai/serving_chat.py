@@ -28,7 +28,15 @@ class ChatRun:
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
         req = self.req
         rid = derived_request_id(self.rid, "")
-        call = GenerateInput(rid, req.prompt, req.params, req.priority, req.cache_salt)
+        call = GenerateInput(
+            rid,
+            req.prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
+        )
         requests = await generation.prepare(self.ctx, [call])
         async for event in generation.run(self.ctx, requests, coalesce):
             yield event

@@ -17,7 +17,13 @@ from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs, derived
 def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
     return [
         GenerateInput(
-            derived_request_id(rid, f"-{i}"), prompt, req.params, req.priority, req.cache_salt
+            derived_request_id(rid, f"-{i}"),
+            prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
         )
         for i, prompt in enumerate(req.prompts)
     ]

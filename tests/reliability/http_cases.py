@@ -122,8 +122,6 @@ UNSUPPORTED_CASES = [
         ("best_of", 2),
         ("use_beam_search", True),
         ("tools", [{"type": "function"}]),
-        ("response_format", {"type": "json_object"}),
-        ("guided_json", {"type": "object"}),
         ("prompt_embeds", "AAAA"),
         ("logits_processors", ["x"]),
         ("truncate_prompt_tokens", 5),

@@ -224,6 +224,7 @@ class EngineCoreRequest(_message.Message):
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -287,6 +288,16 @@ class EngineCoreRequest(_message.Message):
         Each id is below the vocabulary size; fewer than max_tokens of them.
         """
 
+    @_builtins.property
+    def structured_outputs(self) -> _types_pb2.StructuredOutputsParams:
+        """The grammar the output must follow (structured outputs), as the client
+        asked for it: the engine core compiles it with the tokenizer its stream
+        sent (TokenizerInfo), masks disallowed tokens on every step and finishes
+        the request with STOP when the grammar is complete. An invalid constraint,
+        or one on a stream without TokenizerInfo, finishes the request with
+        ERROR / INVALID_REQUEST. Unset: unconstrained.
+        """
+
     def __init__(
         self,
         *,
@@ -302,10 +313,11 @@ class EngineCoreRequest(_message.Message):
         sampler_params: _types_pb2.SamplerParams | None = ...,
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -372,6 +384,7 @@ class EngineStreamRequest(_message.Message):
     ADD_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add(self) -> Global___AddRequests:
         """New requests."""
@@ -384,22 +397,66 @@ class EngineStreamRequest(_message.Message):
     def ping(self) -> Global___Ping:
         """A latency probe; the core answers with a Pong at once, off the engine loop."""
 
+    @_builtins.property
+    def tokenizer(self) -> Global___TokenizerInfo:
+        """The frontend's tokenizer, for structured outputs; sent once, before any
+        request with structured_outputs. A later one replaces it for the
+        requests added after it.
+        """
+
     def __init__(
         self,
         *,
         add: Global___AddRequests | None = ...,
         abort: Global___AbortRequests | None = ...,
         ping: Global___Ping | None = ...,
+        tokenizer: Global___TokenizerInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "tokenizer", b"tokenizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping", "tokenizer"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___EngineStreamRequest: _TypeAlias = EngineStreamRequest  # noqa: Y015
+
+@_typing.final
+class TokenizerInfo(_message.Message):
+    """TokenizerInfo gives the engine core the frontend's tokenizer: the core's
+    grammar matchers need every token's bytes, and the core may not have the
+    model files.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    tokenizer_json: _builtins.str
+    """The tokenizer in the Hugging Face tokenizers library's serialized form
+    (tokenizer.json, with the added tokens), at most 64 MiB.
+    """
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end a sequence (the tokenizer's EOS and the generation
+        config's); each below the vocabulary size. A grammar allows them once it
+        is complete.
+        """
+
+    def __init__(
+        self,
+        *,
+        tokenizer_json: _builtins.str = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "tokenizer_json", b"tokenizer_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenizerInfo: _TypeAlias = TokenizerInfo  # noqa: Y015
 
 @_typing.final
 class Ping(_message.Message):
