@@ -134,7 +134,7 @@ async def serve(config: CoreConfig) -> int:
     """Bring the workers up first (as vLLM's engine does before serving), then build every piece
     complete and open the port."""
     loop = asyncio.get_running_loop()
-    to_workers = ChannelSecurity(config.tls, WORKER_ROLE)
+    to_workers = ChannelSecurity(config.tls, WORKER_ROLE, config.internal_secret)
     pool = WorkerPool(config.worker_addrs, to_workers)
     try:
         facts = await pool.bring_up_with_retries(config, config.model, served_model_name(config))
@@ -159,6 +159,7 @@ async def serve(config: CoreConfig) -> int:
             allowed_roles={CORE.grpc_service: frozenset({FRONTEND_ROLE})},
             enable_reflection=config.enable_reflection,
             health_port=config.health_port,
+            secret=config.internal_secret,
         ),
     )
     metrics = CoreMetrics(

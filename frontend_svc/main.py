@@ -57,7 +57,8 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
-    client = EngineCoreClient(config.core_addr, security=ChannelSecurity(config.tls, CORE_ROLE))
+    to_core = ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret)
+    client = EngineCoreClient(config.core_addr, security=to_core)
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:

@@ -4,7 +4,8 @@ stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tes
 benchmarks all start their stacks here.
 
 `args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
-tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, log_format,
+tensor/pipeline_parallel_size, host, port, http_port, api_key, internal_secret (absent or "":
+none), log_level, log_format,
 shutdown_timeout, max_recovery_seconds, service_flags (kind -> the operator's own flags for
 that service), and optionally frontend/core/worker_metrics_port (absent or 0: a free port each;
 -1: no metrics).
@@ -76,7 +77,8 @@ def _spawn(
     pki: LocalPki | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Child:
-    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
+    """Start one service; `env` adds variables (secrets go there, not on the command line:
+    the API key, the internal secret)."""
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
     fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
     os.close(fd)
@@ -106,6 +108,12 @@ def metrics_port(args: argparse.Namespace, kind: str, free_port: int, rank: int 
     if base > 0:
         return base + rank
     return free_port if base == 0 else -1
+
+
+def _secret_env(args: argparse.Namespace) -> dict[str, str]:
+    """The stack's internal secret (--internal-secret), for every service's environment."""
+    secret = getattr(args, "internal_secret", "")
+    return {env_name("internal_secret"): secret} if secret else {}
 
 
 def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
@@ -172,7 +180,8 @@ def _start_worker(
     metrics = metrics_port(args, "worker", free_metrics_port, rank)
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
     argv += [*_log_flags(args), *_drain_flags(args), *_service_flags(args, "worker")]
-    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics, pki)
+    address = f"{LOOPBACK}:{port}"
+    return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, _secret_env(args))
 
 
 def start_engine_children(
@@ -198,7 +207,8 @@ def start_engine_children(
         *core_flags,
     ]
     core_addr = f"{LOOPBACK}:{core_port}"
-    return [*workers, _spawn("core", "core", argv, core_addr, core_metrics, pki)]
+    core = _spawn("core", "core", argv, core_addr, core_metrics, pki, _secret_env(args))
+    return [*workers, core]
 
 
 def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | None = None) -> Child:
@@ -217,7 +227,9 @@ def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | Non
         *_recovery_flags(args),
         *_service_flags(args, "frontend"),
     ]
-    env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
+    env = _secret_env(args)  # not in argv, where ps shows it
+    if api_key:
+        env[env_name("api_key")] = api_key
     frontend = _spawn("frontend", "frontend", argv, f"{args.host}:{port}", fe_metrics, pki, env)
     if http_port >= 0:
         frontend.http_address = f"{args.host}:{http_port}"

@@ -101,6 +101,9 @@ class RefuseFlag(argparse.Action):
 _NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
 _NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
 """Flags no environment variable stands for."""
+SECRET_DESTS = frozenset({"api_key", "internal_secret"})
+"""Flags whose value is a credential: `--help` never shows their default (it may come from the
+environment)."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -113,6 +116,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             not action.option_strings
             or default is argparse.SUPPRESS
             or isinstance(action, _NO_ENVIRONMENT)
+            or action.dest in SECRET_DESTS
             or _SAYS_DEFAULT.search(text)
         ):
             return text
