@@ -116,10 +116,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             not action.option_strings
             or default is argparse.SUPPRESS
             or isinstance(action, _NO_ENVIRONMENT)
-            or action.dest in SECRET_DESTS
             or _SAYS_DEFAULT.search(text)
         ):
             return text
+        if action.dest in SECRET_DESTS:
+            return f"{text} (default: {'set, not shown' if default else 'none'})".lstrip()
         return f"{text} (default: {_shown(default).replace('%', '%%')})".lstrip()
 
 
