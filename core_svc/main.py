@@ -174,15 +174,15 @@ async def serve(config: CoreConfig) -> int:
     def on_suspended(fault: Fault) -> None:  # loop thread: the ranks are lost, requests kept
         loop.call_soon_threadsafe(recovery.start, fault)
 
-    def open_executor() -> GrpcExecutor:
+    def open_executor(first_step_seconds: float = config.execute_timeout) -> GrpcExecutor:
         """Execute streams to every rank under the pool's epoch, with a fresh step budget (new
-        ranks get the first-step allowance again)."""
+        ranks get a first-step allowance again: after a recovery, at most what is left of
+        --max-recovery-seconds)."""
+        first_step_seconds = min(config.execute_timeout, first_step_seconds)
         executor = GrpcExecutor(
             config.worker_addrs,
             config.world_size - config.tensor_parallel_size,
-            StepBudget(
-                config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
-            ),
+            StepBudget(config.step_timeout_floor, config.step_timeout_multiple, first_step_seconds),
             lambda message, cause: proc.executor_failed(executor, message, cause),
             metrics.observe_worker_step,
             to_workers,

@@ -10,7 +10,9 @@ recompute (its prompt and the tokens it generated). Clients see a pause.
 `--max-recovery-seconds` bounds it, from the fault to stepping again; past it the engine fails its
 requests (clients get UNAVAILABLE) and the service exits non-zero, as without recovery. A fault
 of ranks that ran no step since the previous recovery does not restart the clock, so a rank that
-keeps failing cannot hold requests forever.
+keeps failing cannot hold requests forever. The new ranks' first step may take only what is left
+of the bound (not the --execute-timeout allowance of a first start): a rank that hangs on it is
+noticed, and the recovery given up, at the bound.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 BringUp = Callable[[float], Awaitable[ModelFacts]]
 """Bring the ranks up under a new owner epoch, retrying until the deadline (time.monotonic())."""
+OpenExecutor = Callable[[float], GrpcExecutor]
+"""Open Execute streams to the ranks; their first step may take at most the given seconds."""
 
 
 class RecoveryFailed(Exception):
@@ -45,7 +49,7 @@ class RankRecovery:
         proc: EngineCoreProc,
         executor: GrpcExecutor,
         bring_up: BringUp,
-        open_executor: Callable[[], GrpcExecutor],
+        open_executor: OpenExecutor,
         set_ready: Callable[[bool], Awaitable[None]],
         metrics: CoreMetrics,
         facts: ModelFacts,
@@ -133,4 +137,5 @@ class RankRecovery:
                 expected.num_kv_blocks,
                 facts.num_kv_blocks,
             )
-        return self._open_executor(), facts.num_kv_blocks
+        first_step_seconds = max(0.0, self._deadline - time.monotonic())
+        return self._open_executor(first_step_seconds), facts.num_kv_blocks
