@@ -50,6 +50,7 @@ from tests.helm.launch_clients import FrontendClient, generate, sse_completion
 from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
 from tests.helm.security_values import GIVEN_LAUNCHED, PUBLIC_HOST, TLS_OFF, user_secrets
 from tests.metrics.dashboard_queries import metric_names as expr_metric_names
+from tests.security.peers import speaks_http2
 
 BIN_DIR = Path(sys.executable).parent
 READY_TIMEOUT_S = 420.0
@@ -308,6 +309,7 @@ def test_internal_ports_refuse_plaintext(launched: Launched) -> None:
             address = f"127.0.0.1:{pod.loopback_port(name)}"
             with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            assert not speaks_http2(address), address  # listening, and refusing plaintext
         with grpc.insecure_channel(f"127.0.0.1:{pod.loopback_port('health')}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
