@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import threading
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
@@ -28,6 +29,8 @@ from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
 from splitserve.children import Child, start_engine_children, stop_children, wait_ready
 from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.tls import CORE_ROLE
 
 T = TypeVar("T")
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -91,10 +94,18 @@ class LLM:
                 self._inprocess = self._run(start_in_process(self.options))
                 self.frontend = self._inprocess.frontend
             else:
+                # The ranks and the core listen in plaintext on loopback: a random internal
+                # secret keeps the machine's other users from driving them.
+                secret = secrets.token_urlsafe(32)
                 self._children += _spawn_engine(
-                    self.options, tensor_parallel_size, pipeline_parallel_size, startup_timeout
+                    self.options,
+                    tensor_parallel_size,
+                    pipeline_parallel_size,
+                    startup_timeout,
+                    secret,
                 )
-                self.frontend = self._run(_connect(self.options, self._children[-1].address))
+                core = self._children[-1].address
+                self.frontend = self._run(_connect(self.options, core, secret))
         except BaseException:
             self.close()
             raise
@@ -224,13 +235,16 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
     return list(await asyncio.gather(*(_generate_one(frontend, c) for c in calls)))
 
 
-def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
+def _spawn_engine(
+    options: EngineOptions, tp: int, pp: int, timeout: float, secret: str
+) -> list[Child]:
     args = argparse.Namespace(
         model=options.model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         log_level="warning",
         max_recovery_seconds=0.0,  # nothing here restarts a rank: fail at once
+        internal_secret=secret,
     )
     flags = {
         "--dtype": options.dtype,
@@ -263,8 +277,8 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
     return children
 
 
-async def _connect(options: EngineOptions, core_addr: str) -> Frontend:
-    client = EngineCoreClient(core_addr)
+async def _connect(options: EngineOptions, core_addr: str, secret: str) -> Frontend:
+    client = EngineCoreClient(core_addr, security=ChannelSecurity(None, CORE_ROLE, secret))
     info = await client.connect(60.0)
     name = options.served_model_name or info.served_model_name
     files = load_model_files(options.model)
