@@ -38,6 +38,7 @@ def request_from_proto(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         output_token_ids=list(msg.output_token_ids),
+        is_resumed=msg.resumed,
         max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),

@@ -167,19 +167,34 @@ class EngineCore:
         return None
 
     def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
+        """A full queue refuses a new request. A resumed one (a frontend resubmits what an
+        engine core admitted before) was admitted once: a core holds at most max_num_seqs
+        running requests, with their tokens in its KV cache, besides its queue, so resumed
+        requests get that much room beyond the limits - no more, whoever marks them."""
         config, scheduler = self.scheduler_config, self.scheduler
-        if config.max_num_queued_reqs and len(scheduler.waiting) >= config.max_num_queued_reqs:
+        max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+        room = ""
+        if request.is_resumed:
+            max_reqs += config.max_num_seqs if max_reqs else 0
+            max_tokens += self._kv_cache_tokens if max_tokens else 0
+            room = " even for a resumed request"
+        if max_reqs and len(scheduler.waiting) >= max_reqs:
             return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full ({len(scheduler.waiting)} requests waiting, "
+                f"the engine's queue is full{room} ({len(scheduler.waiting)} requests waiting, "
                 f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
             )
         num_tokens = scheduler.num_waiting_tokens + request.num_tokens
-        if config.max_num_queued_tokens and num_tokens > config.max_num_queued_tokens:
+        if max_tokens and num_tokens > max_tokens:
             return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full ({scheduler.num_waiting_tokens} prompt tokens "
-                f"waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); retry later"
+                f"the engine's queue is full{room} ({scheduler.num_waiting_tokens} prompt "
+                f"tokens waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); "
+                "retry later"
             )
         return None
+
+    @property
+    def _kv_cache_tokens(self) -> int:
+        return self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
 
     def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
         log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning

@@ -85,7 +85,7 @@ class _RankStream:
         self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.replies: Iterator[worker_pb2.ExecuteResponse] = method(
             iter(self.outbox.get, _CLOSE),
-            metadata=((OWNER_EPOCH_METADATA_KEY, str(owner_epoch)),),
+            metadata=security.call_metadata((OWNER_EPOCH_METADATA_KEY, str(owner_epoch))),
         )
 
     def close(self) -> None:

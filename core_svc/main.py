@@ -161,13 +161,16 @@ def service_host(config: CoreConfig) -> ServiceHost:
             allowed_roles={CORE.grpc_service: frozenset({FRONTEND_ROLE})},
             enable_reflection=config.enable_reflection,
             health_port=config.health_port,
+            secret=config.internal_secret,
         ),
     )
 
 
 async def serve(config: CoreConfig) -> int:
     """Bring the workers up first, then build the service complete and serve."""
-    pool = WorkerPool(config.worker_addrs, ChannelSecurity(config.tls, WORKER_ROLE))
+    pool = WorkerPool(
+        config.worker_addrs, ChannelSecurity(config.tls, WORKER_ROLE, config.internal_secret)
+    )
     try:
         try:
             facts = await pool.bring_up_with_retries(

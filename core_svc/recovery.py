@@ -10,7 +10,9 @@ recompute (its prompt and the tokens it generated). Clients see a pause.
 `--max-recovery-seconds` bounds it, from the fault to stepping again; past it the engine fails its
 requests (clients get UNAVAILABLE) and the service exits non-zero, as without recovery. A fault
 of ranks that ran no step since the previous recovery does not restart the clock, so a rank that
-keeps failing cannot hold requests forever.
+keeps failing cannot hold requests forever. The new ranks' first step may take only what is left
+of the bound (not the --execute-timeout allowance of a first start): a rank that hangs on it is
+noticed, and the recovery given up, at the bound.
 """
 
 from __future__ import annotations
@@ -68,16 +70,18 @@ class RankRecovery:
     def is_recovering(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def open_executor(self) -> GrpcExecutor:
+    def open_executor(self, first_step_seconds: float | None = None) -> GrpcExecutor:
         """Execute streams to every rank under the pool's epoch, with a fresh step timeout (new
-        ranks get the first-step allowance again)."""
+        ranks get a first-step allowance again: --execute-timeout, or less when given; after a
+        recovery, what is left of --max-recovery-seconds)."""
         config = self._config
+        first_step = config.execute_timeout
+        if first_step_seconds is not None:
+            first_step = min(first_step, first_step_seconds)
         executor = GrpcExecutor(
             config.worker_addrs,
             config.world_size - config.tensor_parallel_size,
-            StepTimeout(
-                config.step_timeout_floor, config.step_timeout_multiple, config.execute_timeout
-            ),
+            StepTimeout(config.step_timeout_floor, config.step_timeout_multiple, first_step),
             self._inbox.executor_failed,
             self._metrics.observe_worker_step,
             self._pool.security,
@@ -167,4 +171,5 @@ class RankRecovery:
                 expected.num_kv_blocks,
                 facts.num_kv_blocks,
             )
-        return self.open_executor(), facts.num_kv_blocks
+        first_step_seconds = max(0.0, self._deadline - time.monotonic())
+        return self.open_executor(first_step_seconds), facts.num_kv_blocks

@@ -89,6 +89,7 @@ class Request:
         "is_known_to_workers",
         "mm_features",
         "structured_output",
+        "is_resumed",
     )
 
     def __init__(
@@ -110,6 +111,7 @@ class Request:
         arrival_time: float | None = None,
         mm_features: tuple[MultiModalFeatureSpec, ...] = (),
         structured_output: StructuredOutputRequest | None = None,
+        is_resumed: bool = False,
     ) -> None:
         self.req_handle = -1
         self.client_id = client_id
@@ -119,6 +121,9 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or ())
         """Outputs so far; a request a frontend resubmitted (its engine core restarted)
         arrives with the ones it already had."""
+        self.is_resumed = is_resumed
+        """A frontend resubmitted it (EngineCoreRequest.resumed): an engine core admitted it
+        before, so the queue limits give it room (within a bound: EngineCore)."""
         self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_params = sampler_params

@@ -78,17 +78,22 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; wait up to `timeout` seconds for the running ones to finish
-        (vLLM's --shutdown-timeout). What still runs then ends when the engine closes."""
+        (vLLM's --shutdown-timeout), then end the rest: their streams fail with UNAVAILABLE
+        and the core aborts them (frees their KV blocks)."""
         self.is_draining = True
         deadline = time.monotonic() + timeout
         while self.output_processor.states and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.output_processor.states:
-            logger.warning(
-                "shutdown: %.0f s passed; aborting %d requests still running",
-                timeout,
-                len(self.output_processor.states),
-            )
+        handles = sorted(self.output_processor.states)
+        if not handles:
+            return
+        logger.warning(
+            "shutdown: %g s passed; aborting %d requests still running", timeout, len(handles)
+        )
+        self.output_processor.fail_all(
+            "this frontend is shutting down and its --shutdown-timeout passed; retry the request"
+        )
+        self.client.abort_requests(handles)
 
     @property
     def num_running(self) -> int:

@@ -169,6 +169,7 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         msg.eos_token_id = req.eos_token_id
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
+    msg.resumed = req.is_resumed
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)

@@ -130,9 +130,11 @@ class EngineCoreClient:
         self._ping_ids = itertools.count(1)
         self.num_reconnects = 0
         self._handles = itertools.count(1)
+        security = security or ChannelSecurity(None, CORE_ROLE)
+        self._metadata = security.call_metadata()
         self._channel = open_aio_channel(
             core_addr,
-            security or ChannelSecurity(None, CORE_ROLE),
+            security,
             extra_options=(
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
@@ -186,7 +188,10 @@ class EngineCoreClient:
         while True:
             try:
                 reply = await self._stub.Handshake(
-                    request, timeout=HANDSHAKE_WAIT_SECONDS, wait_for_ready=True
+                    request,
+                    timeout=HANDSHAKE_WAIT_SECONDS,
+                    wait_for_ready=True,
+                    metadata=self._metadata,
                 )
                 return convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
@@ -221,7 +226,7 @@ class EngineCoreClient:
         if self._tokenizer_msg is not None:
             self._outbox.put_nowait(self._tokenizer_msg)
         self._pings.clear()
-        call = self._stub.EngineStream()
+        call = self._stub.EngineStream(metadata=self._metadata)
         tasks = [
             asyncio.create_task(self._write(call)),
             asyncio.create_task(self._ping()),
@@ -277,7 +282,9 @@ class EngineCoreClient:
             if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
                 continue
             try:
-                reply = await self._stub.GetSchedulerStats(request, timeout=5.0)
+                reply = await self._stub.GetSchedulerStats(
+                    request, timeout=5.0, metadata=self._metadata
+                )
             except grpc.RpcError:
                 continue  # the stream's own read reports a break
             self._stats_at = time.monotonic()

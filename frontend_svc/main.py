@@ -59,7 +59,7 @@ async def serve(config: FrontendConfig) -> int:
         return 1
     client = EngineCoreClient(
         config.core_addr,
-        security=ChannelSecurity(config.tls, CORE_ROLE),
+        security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
         tokenizer=files.tokenizer_info,
     )
     try:

@@ -108,9 +108,10 @@ class OutputProcessor:
         for handle, state in self.states.items():
             if state.request is not None:
                 outputs = list(state.detokenizer.token_ids)
-                resubmitted.append(
-                    (handle, dataclasses.replace(state.request, output_token_ids=outputs))
+                request = dataclasses.replace(
+                    state.request, output_token_ids=outputs, is_resumed=True
                 )
+                resubmitted.append((handle, request))
         return resubmitted
 
     def _finish_stats(self, state: RequestState, reason: FinishReason) -> None:

@@ -113,7 +113,8 @@ class EngineRequest:
     `params` has max_tokens resolved and stop_token_ids completed with the generation
     config's extra EOS ids; `eos_token_id` is None when the request ignores EOS.
     `output_token_ids` are the outputs it already has when it is resubmitted to a restarted
-    engine core (which continues after them).
+    engine core (which continues after them); `is_resumed` marks such a resubmission (the core
+    admitted it once, so its queue limits give it room).
     """
 
     request_id: str
@@ -127,6 +128,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
+    is_resumed: bool = False
 
 
 @dataclass(slots=True)

@@ -53,6 +53,8 @@ class StackOptions:
     http_port: int = 0
     """The frontend's OpenAI HTTP port (0: a free one, -1: off)."""
     api_key: str = ""
+    internal_secret: str = dataclasses.field(default="", repr=False)
+    """The services' --internal-secret ("": none); passed in their environment."""
     log_level: str = "info"
     log_format: str = "text"
     shutdown_timeout: float = 30.0
@@ -123,7 +125,8 @@ def _spawn(
     pki: LocalPki | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Child:
-    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
+    """Start one service; `env` adds variables (secrets go there, not on the command line:
+    the API key, the internal secret)."""
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
     fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
     os.close(fd)
@@ -191,13 +194,20 @@ def start_children(options: StackOptions, pki: LocalPki | None = None) -> list[C
         raise
 
 
+def _secret_env(options: StackOptions) -> dict[str, str]:
+    """The stack's internal secret (--internal-secret), for every service's environment."""
+    secret = options.internal_secret
+    return {env_name("internal_secret"): secret} if secret else {}
+
+
 def _start_worker(
     options: StackOptions, rank: int, port: int, free_metrics_port: int, pki: LocalPki | None
 ) -> Child:
     metrics = options.metrics_port("worker", free_metrics_port, rank)
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
     argv += _common_flags(options, "worker")
-    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics, pki)
+    address = f"{LOOPBACK}:{port}"
+    return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, _secret_env(options))
 
 
 def start_engine_children(options: StackOptions, pki: LocalPki | None = None) -> list[Child]:
@@ -218,7 +228,8 @@ def start_engine_children(options: StackOptions, pki: LocalPki | None = None) ->
         *_common_flags(options, "core"),
     ]
     core_addr = f"{LOOPBACK}:{core_port}"
-    return [*workers, _spawn("core", "core", argv, core_addr, core_metrics, pki)]
+    core = _spawn("core", "core", argv, core_addr, core_metrics, pki, _secret_env(options))
+    return [*workers, core]
 
 
 def start_frontend(options: StackOptions, core_addr: str, pki: LocalPki | None = None) -> Child:
@@ -233,8 +244,9 @@ def start_frontend(options: StackOptions, core_addr: str, pki: LocalPki | None =
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
         *_common_flags(options, "frontend"),
     ]
-    api_key = options.api_key  # in the environment, not in argv, where ps shows it
-    env = {"SPLITSERVE_API_KEY": api_key} if api_key else None
+    env = _secret_env(options)  # in the environment, not in argv, where ps shows it
+    if options.api_key:
+        env[env_name("api_key")] = options.api_key
     frontend = _spawn("frontend", "frontend", argv, f"{host}:{port}", fe_metrics, pki, env)
     if http_port >= 0:
         frontend.http_address = f"{host}:{http_port}"

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -46,11 +47,12 @@ from splitserve.serve_flags import add_service_flags, split_service_flags
 from splitserve.supervisor import Supervisor
 from splitserve_client.cli import distribution_version
 from splitserve_client.last_serve import forget_serve, record_serve
-from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int
+from splitserve_runtime.flags import Flag, FlagParser, env_name, flag, non_negative_int
 from splitserve_runtime.log_config import LOGGING_FLAGS, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.services import CORE, FRONTEND, SERVICES, WORKER
+from splitserve_runtime.transport_flags import internal_secret_problem
 
 logger = logging.getLogger("splitserve.launcher")
 
@@ -123,7 +125,9 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
         "--internal-tls",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="mutual TLS between frontend, core and workers with a throwaway CA",
+        help="mutual TLS between frontend, core and workers with a throwaway CA; without it the "
+        "hops are plaintext on loopback and the launcher gives the services a random internal "
+        "secret (or SPLITSERVE_INTERNAL_SECRET) that the core and the workers require",
     ),
     *LOGGING_FLAGS,
 )
@@ -226,7 +230,21 @@ def parse_args(
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
     args.service_flags = split_service_flags(tokens, parser, owners)
+    args.internal_secret = internal_secret(args, environ)
+    problem = internal_secret_problem(args.internal_secret)
+    if problem:
+        parser.error(f"{env_name('internal_secret')}: {problem}")
     return args
+
+
+def internal_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The services' --internal-secret: SPLITSERVE_INTERNAL_SECRET when set; else, for plaintext
+    internal hops, a fresh random one (no stranger on this machine can then drive the core or a
+    worker through their loopback ports); else none (mutual TLS admits only the stack's roles)."""
+    given = environ.get(env_name("internal_secret"), "")
+    if given or args.internal_tls:
+        return given
+    return secrets.token_urlsafe(32)
 
 
 def main(

@@ -11,6 +11,7 @@ Constructing nothing starts nothing: `import splitserve` stays cheap.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
@@ -33,6 +34,8 @@ from splitserve.children import (
 )
 from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.tls import CORE_ROLE
 
 T = TypeVar("T")
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -96,10 +99,18 @@ class LLM:
                 self._inprocess = self._run(start_in_process(self.options))
                 self.frontend = self._inprocess.frontend
             else:
+                # The ranks and the core listen in plaintext on loopback: a random internal
+                # secret keeps the machine's other users from driving them.
+                secret = secrets.token_urlsafe(32)
                 self._children += _spawn_engine(
-                    self.options, tensor_parallel_size, pipeline_parallel_size, startup_timeout
+                    self.options,
+                    tensor_parallel_size,
+                    pipeline_parallel_size,
+                    startup_timeout,
+                    secret,
                 )
-                self.frontend = self._run(_connect(self.options, self._children[-1].address))
+                core = self._children[-1].address
+                self.frontend = self._run(_connect(self.options, core, secret))
         except BaseException:
             self.close()
             raise
@@ -229,9 +240,12 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
     return list(await asyncio.gather(*(_generate_one(frontend, c) for c in calls)))
 
 
-def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
+def _spawn_engine(
+    options: EngineOptions, tp: int, pp: int, timeout: float, secret: str
+) -> list[Child]:
     stack = StackOptions(
         options.model,
+        internal_secret=secret,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         log_level="warning",
@@ -247,9 +261,10 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
     return children
 
 
-async def _connect(options: EngineOptions, core_addr: str) -> Frontend:
+async def _connect(options: EngineOptions, core_addr: str, secret: str) -> Frontend:
     files = load_model_files(options.model)
-    client = EngineCoreClient(core_addr, tokenizer=files.tokenizer_info)
+    security = ChannelSecurity(None, CORE_ROLE, secret)
+    client = EngineCoreClient(core_addr, security=security, tokenizer=files.tokenizer_info)
     info = await client.connect(60.0)
     name = options.served_model_name or info.served_model_name
     frontend = build_frontend(client, info, files, CollectorRegistry(), name)

@@ -29,6 +29,9 @@ LAUNCHER_WIRED = frozenset(
         "--ssl-certfile",
         "--ssl-keyfile",
         "--ssl-ca-certs",
+        # Without internal TLS the launcher makes an internal secret (or takes
+        # SPLITSERVE_INTERNAL_SECRET) and gives it to every service through its environment.
+        "--internal-secret",
     }
 )
 """Service flags the launcher sets itself for its loopback stack."""

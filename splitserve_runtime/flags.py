@@ -119,6 +119,9 @@ def flag(*names: str, **settings: Any) -> Flag:
 _NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
 _NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
 """Flags no environment variable stands for."""
+SECRET_DESTS = frozenset({"api_key", "internal_secret"})
+"""Flags whose value is a credential: `--help` never shows their default (it may come from the
+environment)."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -134,6 +137,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             or _SAYS_DEFAULT.search(text)
         ):
             return text
+        if action.dest in SECRET_DESTS:
+            return f"{text} (default: {'set, not shown' if default else 'none'})".lstrip()
         return f"{text} (default: {_shown(default).replace('%', '%%')})".lstrip()
 
 

@@ -20,7 +20,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from splitserve_runtime.rpc_guard import GuardPolicy, role_admission
+from splitserve_runtime.rpc_guard import (
+    Admission,
+    GuardPolicy,
+    all_of,
+    role_admission,
+    secret_admission,
+)
 from splitserve_runtime.tls import TlsFiles, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -90,14 +96,21 @@ def internal_listener(
     allowed_roles: Mapping[str, frozenset[str]],
     enable_reflection: bool,
     health_port: int | None,
+    secret: str = "",
 ) -> Listener:
     """An internal port: mutual TLS when `tls` is given, where `allowed_roles` names, per gRPC
-    service, the roles that may call it (health and reflection: any peer of the same CA)."""
-    if tls is None:
-        return Listener(enable_reflection=enable_reflection, health_port=health_port)
-    admissions = {service: role_admission(roles) for service, roles in allowed_roles.items()}
+    service, the roles that may call it (health and reflection: any peer of the same CA). With
+    a `secret` (--internal-secret) those services also admit only calls that present it, over
+    TLS or plaintext; without TLS or a secret they are open to anyone who reaches the port."""
+    admissions: dict[str, Admission] = {}
+    for service, roles in allowed_roles.items():
+        checks = [role_admission(roles)] if tls is not None else []
+        if secret:
+            checks.append(secret_admission(secret))
+        if checks:
+            admissions[service] = all_of(*checks)
     return Listener(
-        credentials=server_credentials(tls, require_client_auth=True),
+        credentials=None if tls is None else server_credentials(tls, require_client_auth=True),
         guard=GuardPolicy(admissions=admissions),
         enable_reflection=enable_reflection,
         health_port=health_port,

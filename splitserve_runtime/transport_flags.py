@@ -4,13 +4,14 @@ and a plaintext health-only port (see docs/reliability.md#security)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import Flag, flag
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 
 INTERNAL_TLS_FLAGS = "--tls-cert-file, --tls-key-file and --tls-ca-file"
 LOOPBACK = "127.0.0.1"
+MIN_INTERNAL_SECRET_CHARS = 16
 
 
 def internal_tls_flags(hop: str) -> list[Flag]:
@@ -26,6 +27,17 @@ def internal_tls_flags(hop: str) -> list[Flag]:
         flag("--tls-key-file", default="", help="PEM private key of --tls-cert-file"),
         flag(
             "--tls-ca-file", default="", help="PEM CA bundle that the peers' certificates chain to"
+        ),
+        flag(
+            "--internal-secret",
+            default="",
+            help="a secret shared by the deployment's frontends, engine core and workers (at "
+            f"least {MIN_INTERNAL_SECRET_CHARS} characters): the core and the workers refuse calls "
+            "that do not present it (UNAUTHENTICATED), and this service presents it on its own "
+            "calls. For plaintext internal hops, which are otherwise open to anyone who reaches "
+            "the ports; with mutual TLS an extra check. Prefer the environment "
+            "(SPLITSERVE_INTERNAL_SECRET): command lines are visible to every user of the "
+            "machine",
         ),
     ]
 
@@ -56,6 +68,7 @@ class TransportConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    internal_secret: str = field(default="", repr=False)
     enable_reflection: bool = False
     health_port: int | None = None
 
@@ -70,7 +83,11 @@ class TransportConfig:
 
 
 def check_internal_tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a usage error unless all three --tls-* flags or none are given, readable."""
+    """Exit with a usage error unless all three --tls-* flags or none are given, readable, and
+    an --internal-secret, when given, is long enough."""
+    problem = internal_secret_problem(args.internal_secret)
+    if problem:
+        parser.error(problem)
     try:
         TlsFiles.from_flags(
             args.tls_cert_file,
@@ -81,6 +98,18 @@ def check_internal_tls(parser: argparse.ArgumentParser, args: argparse.Namespace
         )
     except TlsConfigError as err:
         parser.error(str(err))
+
+
+def internal_secret_problem(secret: str) -> str:
+    """Why `secret` cannot be an --internal-secret ("" when it can, or when none is given)."""
+    if secret and (
+        len(secret) < MIN_INTERNAL_SECRET_CHARS or not all("!" <= c <= "~" for c in secret)
+    ):
+        return (
+            f"--internal-secret must have at least {MIN_INTERNAL_SECRET_CHARS} characters, each "
+            "printable ASCII other than a space (it travels as gRPC metadata)"
+        )
+    return ""
 
 
 def optional_port(value: int) -> int | None:

@@ -39,10 +39,20 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 class CoreHarness:
     """A core service on an ephemeral loopback port with a FakeExecutor behind it."""
 
-    def __init__(self, step_delay: float = 0.0, port: int = 0) -> None:
+    def __init__(
+        self,
+        step_delay: float = 0.0,
+        port: int = 0,
+        info: dict[str, Any] | None = None,
+        **limits: int,
+    ) -> None:
         self.step_delay = step_delay
         self.port = port
         """0: any free port; a restarted core takes its predecessor's."""
+        self.info = info or {}
+        """EngineInfo fields the core reports other than the defaults (another model...)."""
+        self.limits = limits
+        """SchedulerConfig limits, e.g. max_num_queued_reqs."""
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
@@ -52,6 +62,7 @@ class CoreHarness:
             max_num_seqs=32,
             max_num_batched_tokens=256,
             max_model_len=MAX_LEN,
+            **self.limits,
         )
         if self.step_delay:
             self.executor.on_execute = lambda so: time.sleep(self.step_delay)
@@ -73,6 +84,7 @@ class CoreHarness:
             num_kv_blocks=NUM_BLOCKS,
             max_num_seqs=32,
         )
+        info.MergeFrom(core_pb2.EngineInfo(**self.info))
         servicer = EngineCoreServicer(self.proc, streams, info, metrics)
         core_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")

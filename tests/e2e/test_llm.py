@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from tests.e2e.stack import Stack
 from tests.e2e.test_generate import PROMPT
 
@@ -65,6 +68,11 @@ def test_tp2_llm_starts_and_stops_its_processes(tiny_model_dir: Path, stack: Sta
     children = [c.process for c in llm._children]
     try:
         assert len(children) == 3 and all(p.poll() is None for p in children)
+        with grpc.insecure_channel(llm._children[-1].address) as channel:  # plaintext loopback,
+            stub = core_grpc.EngineCoreServiceStub(channel)  # but not open to a stranger
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Handshake(core_pb2.HandshakeRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         out = llm.generate(
             [PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         )

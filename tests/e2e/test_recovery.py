@@ -111,6 +111,18 @@ def core_serving(stack: Stack) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def new_request_refused(frontend: str) -> bool:
+    """Whether a new request is refused at once with UNAVAILABLE (a one-second deadline)."""
+    with grpc.insecure_channel(frontend) as channel:
+        call = gen_grpc.GenerationServiceStub(channel).Generate(request(0), timeout=1.0)
+        try:
+            list(call)
+        except grpc.RpcError as err:
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return bool(err.code() == grpc.StatusCode.UNAVAILABLE)
+    raise AssertionError("a new request was served while the engine recovers")
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -176,7 +188,8 @@ def test_a_stopped_rank_is_noticed_and_every_request_resumes(
 ) -> None:
     """SIGSTOP: the step watchdog finds the rank hung; the core keeps the requests and waits.
     Then SIGCONT (the rank comes back as it was) or SIGKILL (it is restarted; its peer, stuck
-    in a collective with it, is reset by the bring-up). Two clients leave during the pause."""
+    in a collective with it, is reset by the bring-up). Two clients leave during the pause; a
+    new request meanwhile is refused at once with UNAVAILABLE (retry shortly), not queued."""
     core = tp2.child("core")
     hung = metric(core, "splitserve_engine_recoveries_total", cause="rank_hung")
     process = tp2.child(f"worker[{rank}]").process
@@ -187,6 +200,7 @@ def test_a_stopped_rank_is_noticed_and_every_request_resumes(
         try:
             wait_until(lambda: not core_serving(tp2), 120, "the stopped rank was never noticed")
             streams.cancel(leavers)
+            wait_until(lambda: new_request_refused(tp2.frontend), 10, "a new request waited")
         finally:
             os.kill(process.pid, then)
 

@@ -225,6 +225,7 @@ class EngineCoreRequest(_message.Message):
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -251,6 +252,15 @@ class EngineCoreRequest(_message.Message):
     min_tokens: _builtins.int
     """Output tokens to generate before eos_token_id or stop_token_ids may end
     the request.
+    """
+    resumed: _builtins.bool
+    """Set when a frontend resubmits a request that an engine core admitted
+    before the stream broke (with or without output_token_ids: it may not
+    have produced a token yet). Such a request is not refused for a full
+    queue (--max-num-queued-reqs, --max-num-queued-tokens): it was admitted
+    once. The core bounds what the mark buys, whoever sets it: resumed
+    requests may exceed the queue limits only by what the engine could have
+    been running (max_num_seqs requests, the KV cache's tokens).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -314,10 +324,11 @@ class EngineCoreRequest(_message.Message):
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
+        resumed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015

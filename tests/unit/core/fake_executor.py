@@ -270,6 +270,7 @@ def make_request(
     stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     output_token_ids: list[int] | None = None,
+    is_resumed: bool = False,
     **sampler: Any,
 ) -> Request:
     """A request as a frontend would send it: ignore_eos drops eos_token_id, max_tokens None
@@ -288,6 +289,7 @@ def make_request(
         skip_reading_prefix_cache=sampler.get("prompt_logprobs") is not None,
         cache_salt=cache_salt,
         priority=priority,
+        is_resumed=is_resumed,
     )
 
 

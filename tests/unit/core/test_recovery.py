@@ -5,6 +5,7 @@ checks every KV context it attends to, so a resumed request must reproduce an un
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from typing import Any
@@ -250,3 +251,66 @@ def test_giving_up_fails_every_request_with_an_engine_failure() -> None:
     assert recorder.last.scheduler_stats.num_running_reqs == 0  # the frontend's gauges too
     assert engine.is_failed and engine.make_stats().num_used_blocks == 0
     assert engine.scheduler.requests == {} and engine.client_requests == {}
+
+
+class SteppingExecutor(FakeExecutor):
+    """A FakeExecutor that says, as GrpcExecutor does, whether a step ran on it."""
+
+    @property
+    def has_stepped(self) -> bool:
+        return bool(self.seen)
+
+
+def test_the_first_step_after_a_recovery_gets_only_the_rest_of_the_bound() -> None:
+    """A fresh start's first step may take --execute-timeout (300 s); after a recovery that
+    allowance would outlast --max-recovery-seconds. The new ranks' first step gets what is left
+    of the bound, counted from the fault (here 2 s, of which the bring-up took 0.5)."""
+    from prometheus_client import CollectorRegistry
+
+    from core_svc.config import parse_config
+    from core_svc.metrics import CoreMetrics
+    from core_svc.recovery import RankRecovery
+    from core_svc.worker_pool import ModelFacts
+
+    engine, _ = make_engine(num_blocks=24, can_recover=True)
+    engine.executor = old = SteppingExecutor(4, 24)
+    recorder = Recorder()
+    proc = start_proc(engine, recorder)
+    facts = ModelFacts("LlamaForCausalLM", 2048, 256, "float32", "torch", 24, 1 << 20)
+    config = parse_config(
+        ["--worker-addrs", "127.0.0.1:1", "--max-recovery-seconds", "2", "--execute-timeout", "300"]
+    )
+    allowances: list[float | None] = []
+
+    class Pool:
+        def next_epoch(self) -> None:
+            pass
+
+        async def bring_up_with_retries(self, *args: Any) -> ModelFacts:
+            await asyncio.sleep(0.5)
+            return facts
+
+    class Recovery(RankRecovery):
+        def open_executor(self, first_step_seconds: float | None = None) -> Any:
+            allowances.append(first_step_seconds)
+            return old if len(allowances) == 1 else SteppingExecutor(4, 24)
+
+    async def set_ready(is_ready: bool) -> None:
+        pass
+
+    async def scenario() -> None:
+        metrics = CoreMetrics(CollectorRegistry(), "m", "0", {"engine": "0"})
+        recovery = Recovery(config, Pool(), proc.inbox, metrics, facts, set_ready)  # type: ignore[arg-type]
+        proc.inbox.add_requests(1, [make_request(1, [1, 2, 3], max_tokens=4, ignore_eos=True)])
+        proc.inbox.executor_failed(old, "rank 0 exited", "rank_died")
+        recovery.start(await asyncio.to_thread(recorder.suspended.get, timeout=GUARD_S), 1)
+        while recovery.is_recovering:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.stop(GUARD_S)
+    first, allowance = allowances
+    assert first is None  # the first start: --execute-timeout
+    assert allowance is not None and 1.0 < allowance <= 1.5, allowance
