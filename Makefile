@@ -36,6 +36,8 @@ test: setup-dev lint proto-check
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# lint-imports checks the contracts in pyproject.toml: imports point down, protobuf stays at the
+# edges, the core has no torch, and no import circles (tools/import_cycles.py).
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -45,7 +47,8 @@ lint: setup-dev
 
 # Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the
 # splitserve_contracts package (protos/python_package.py moves it there and fixes its imports),
-# plus the plain dataclasses of the sampling messages (protos/python_domain.py).
+# plus the plain Python vocabulary (protos/python_domain.py): the sampling messages' dataclasses
+# and the enums and output records the services share, with their converters.
 proto: setup-dev
 	mkdir -p $(PROTO_TMP)
 	$(PY) -m grpc_tools.protoc -I protos \

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.hops import W1, W2, per_step_ms, scrape
-from benchmarks.serve_compare import stack_args
+from benchmarks.serve_compare import stack_options
 from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import (
     GenerateFn,
@@ -61,7 +61,7 @@ async def run(flags: list[str], rounds: int) -> dict[str, list[Row]]:
     rows: dict[str, list[Row]] = {"W2": [], "W1": []}
     try:
         for name, extra in (("plain", []), ("flags", flags)):
-            children = start_children(stack_args(model), [*BASE_FLAGS, *extra])
+            children = start_children(stack_options(model, [*BASE_FLAGS, *extra]))
             started.append(children)
             await asyncio.to_thread(wait_ready, children, 600.0)
             stacks[name] = _Stack(children, *grpc_generate(children[-1].address))

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from benchmarks.serve_compare import stack_args
+from benchmarks.serve_compare import stack_options
 from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import Workload, grpc_generate, run_workload, summarize
 
@@ -103,8 +103,8 @@ async def measure(children: Sequence[Child]) -> dict[str, dict[str, float]]:
 
 
 async def run(flags: list[str]) -> dict[str, dict[str, float]]:
-    args = stack_args(str(ensure_bench_model(None)))
-    children = start_children(args, ["--dtype", "bfloat16", "--max-num-seqs", "64", *flags])
+    core_flags = ["--dtype", "bfloat16", "--max-num-seqs", "64", *flags]
+    children = start_children(stack_options(str(ensure_bench_model(None)), core_flags))
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         return await measure(children)

@@ -39,10 +39,13 @@ def starlette_app() -> Any:
     from starlette.routing import Route
 
     from frontend_svc.openai.fields import read_json
-    from frontend_svc.openai.protocol import parse_completion
+    from frontend_svc.openai.protocol import RequestLimits, parse_completion
+    from splitserve_contracts.sampling_rules import Limits
+
+    limits = RequestLimits(Limits(vocab_size=32_000))
 
     async def completions(request: Request) -> JSONResponse:
-        req = parse_completion(await read_json(request))
+        req = parse_completion(await read_json(request), limits)
         return JSONResponse({"id": "x", "max_tokens": req.params.max_tokens})
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])

@@ -25,12 +25,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.scheduler import TrivialExecutor
-from core_svc.engine_core import EngineCore
-from core_svc.outputs import ModelRunnerOutput
+from benchmarks.scheduler import VOCAB_SIZE, TrivialExecutor, bench_engine
+from core_svc.config import CoreConfig
 from core_svc.request import Request
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
+
+MAX_MODEL_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,10 @@ def w3(burst: bool, seed: int = 3) -> list[Spec]:
     return specs
 
 
-def simulate(config: SchedulerConfig, cost: StepCost, specs: list[Spec]) -> dict[str, float]:
+def simulate(config: CoreConfig, cost: StepCost, specs: list[Spec]) -> dict[str, float]:
     """Run `specs` to completion on the virtual clock; returns the serving metrics."""
     executor = TimedExecutor(cost)
-    engine = EngineCore(config, CacheConfig(num_blocks=20_000), executor)
+    engine = bench_engine(config, 20_000, MAX_MODEL_LEN, executor)
     rng = random.Random(0)
     pending = sorted(enumerate(specs), key=lambda item: item[1].arrival)
     token_times: dict[int, list[float]] = {handle: [] for handle in range(len(specs))}
@@ -107,7 +108,7 @@ def simulate(config: SchedulerConfig, cost: StepCost, specs: list[Spec]) -> dict
     while pending or engine.has_work():
         while pending and pending[0][1].arrival <= clock:
             handle, spec = pending.pop(0)
-            prompt = [rng.randrange(10, 32_000) for _ in range(spec.num_prompt_tokens)]
+            prompt = [rng.randrange(10, VOCAB_SIZE) for _ in range(spec.num_prompt_tokens)]
             engine.add_request(Request(1, handle, f"r{handle}", prompt, max_tokens=spec.max_tokens))
         if not engine.has_work():
             clock = pending[0][1].arrival
@@ -163,12 +164,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     workloads = {"W1": w1(), "W3": w3(burst=False), "W3-burst": w3(burst=True)}
     for budget in args.prefill_token_budgets:
-        config = SchedulerConfig(
+        config = CoreConfig(
+            "bench",
             max_num_seqs=64,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=1024,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             prefill_token_budget=budget,
+            max_recovery_seconds=0.0,
         )
         for name, specs in workloads.items():
             result = simulate(config, cost, specs)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.children import Child, start_children, stop_children, wait_ready
+from splitserve.children import Child, StackOptions, start_children, stop_children, wait_ready
 from splitserve.supervisor import Supervisor
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -129,13 +129,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON lines")
     args = parser.parse_args()
     model = ensure_tiny_model()
-    launch = argparse.Namespace(
-        model=str(model), revision="", tokenizer="", generation_config="auto",
-        tensor_parallel_size=2, pipeline_parallel_size=1, host="127.0.0.1", port=0, http_port=-1,
-        api_key="", log_level="error", max_recovery_seconds=120.0,
-    )  # fmt: skip
     flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20)]
-    children = start_children(launch, flags)
+    launch = StackOptions(
+        str(model), tensor_parallel_size=2, http_port=-1, log_level="error",
+        max_recovery_seconds=120.0, service_flags={"core": flags},
+    )  # fmt: skip
+    children = start_children(launch)
     supervisor = None
     try:
         wait_ready(children, 300)

@@ -17,21 +17,37 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from core_svc import convert
+from core_svc.assembly import build_engine
+from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
+from core_svc.engine_inbox import EngineInbox
+from core_svc.executor import Executor
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output import StructuredOutputRequest
+from core_svc.worker_pool import ModelFacts
+from splitserve_contracts import output_convert
+from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
+from splitserve_runtime.tiny_model import ensure_tiny_model
 
 TOKEN = 7
+STRUCTURED_REGEX = r"[a-z ,.]*"
+"""The constrained requests' grammar: never complete, so they keep decoding."""
+VOCAB_SIZE = 32_000
+"""Prompt token ids are drawn below it."""
 UNTIL_MAX_MODEL_LEN = 1 << 30
 """max_tokens of decode requests: the engine caps it at the room left in max_model_len."""
 
@@ -54,7 +70,7 @@ class TrivialExecutor:
         output = self._sample(scheduler_output)
         wire = b""
         if self.with_proto:
-            wire = convert.model_runner_output_to_proto(output).SerializeToString()
+            wire = output_convert.model_runner_output_to_proto(output).SerializeToString()
         self.worker_s += time.perf_counter() - start
         if self.with_proto:
             msg = worker_pb2.ModelRunnerOutput.FromString(wire)
@@ -80,7 +96,25 @@ class TrivialExecutor:
             for h, c, n in zip(handles, computed, so.num_scheduled_tokens, strict=True)
             if c + n >= num_tokens[h]
         ]
-        return ModelRunnerOutput(so.step_id, sampled, [TOKEN] * len(sampled))
+        tokens = [TOKEN] * len(sampled)
+        if so.grammar_bitmask is not None:
+            _sample_allowed(so.grammar_bitmask, sampled, tokens)
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            status=StepStatus.OK,
+            req_handles=sampled,
+            sampled_token_ids=tokens,
+        )
+
+
+def _sample_allowed(grammar: GrammarBitmask, sampled: list[int], tokens: list[int]) -> None:
+    """Constrained rows take the highest token id their mask allows (the lowest would be EOS,
+    which ends an accepting grammar)."""
+    words = np.frombuffer(grammar.bitmask, "<u4").reshape(len(grammar.req_handles), -1)
+    index = {handle: i for i, handle in enumerate(sampled)}
+    for handle, row in zip(grammar.req_handles, words, strict=True):
+        word = int(np.flatnonzero(row)[-1])
+        tokens[index[handle]] = 32 * word + int(row[word]).bit_length() - 1
 
 
 @dataclass
@@ -95,11 +129,16 @@ class Case:
     long_prompt_len: int = 0
     shared_prefixes: int = 0
     arrivals_per_step: int = 0
+    structured: int = 0
+    """Running requests constrained by a grammar (STRUCTURED_REGEX, the tiny model's tokenizer):
+    the step fills their token bitmask."""
 
 
 CASES = [
     Case("decode_256", 256, num_blocks=40_000, measure_steps=1000),
     Case("decode_1024", 1024, num_blocks=80_000, measure_steps=400),
+    Case("decode_256_structured_32", 256, num_blocks=40_000, measure_steps=1000, structured=32),
+    Case("decode_256_structured_256", 256, num_blocks=40_000, measure_steps=400, structured=256),
     Case("decode_256_with_32k_prefill", 256, num_blocks=50_000, measure_steps=600,
          max_model_len=65_536, long_prompt_len=32_768),
     Case("decode_1024_with_32k_prefill", 1024, num_blocks=90_000, measure_steps=300,
@@ -123,19 +162,25 @@ class Workload:
         self.prefixes = [self.tokens(1024) for _ in range(case.shared_prefixes)]
 
     def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(10, 32_000) for _ in range(n)]
+        return [self.rng.randrange(10, VOCAB_SIZE) for _ in range(n)]
 
-    def request(self, prompt: list[int], max_tokens: int) -> Request:
+    def request(self, prompt: list[int], max_tokens: int, structured: bool = False) -> Request:
         """A request that ignores EOS (no eos_token_id) and runs for max_tokens."""
         self.next_handle += 1
         handle = self.next_handle
-        return Request(1, handle, f"bench-{handle}", prompt, max_tokens=max_tokens)
+        grammar = None
+        if structured:
+            grammar = StructuredOutputRequest(StructuredOutputsParams(regex=STRUCTURED_REGEX))
+        return Request(
+            1, handle, f"bench-{handle}", prompt, max_tokens=max_tokens, structured_output=grammar
+        )
 
     def initial(self) -> Iterator[Request]:
         if self.case.shared_prefixes:
             return
-        for _ in range(self.case.running):
-            yield self.request(self.tokens(self.case.prompt_len), UNTIL_MAX_MODEL_LEN)
+        for i in range(self.case.running):
+            prompt = self.tokens(self.case.prompt_len)
+            yield self.request(prompt, UNTIL_MAX_MODEL_LEN, structured=i < self.case.structured)
 
     def arrivals(self) -> Iterator[Request]:
         case = self.case
@@ -149,19 +194,33 @@ class Workload:
             yield self.request(prompt, max_tokens=32)
 
 
+def bench_engine(
+    config: CoreConfig, num_blocks: int, max_model_len: int, executor: Executor
+) -> EngineCore:
+    """The engine core as the service assembles it, on ranks that would report these facts."""
+    facts = ModelFacts("bench", VOCAB_SIZE, max_model_len, "bfloat16", "none", num_blocks, 0)
+    return build_engine(config, facts, executor, EngineInbox())
+
+
 def run_case(case: Case, with_proto: bool, kv_events: bool = False) -> dict[str, object]:
-    scheduler_config = SchedulerConfig(
+    config = CoreConfig(
+        "bench",
         max_num_seqs=2048,
         max_num_batched_tokens=case.max_num_batched_tokens,
-        max_model_len=case.max_model_len,
+        max_recovery_seconds=0.0,
     )
     executor = TrivialExecutor(with_proto)
-    engine = EngineCore(scheduler_config, CacheConfig(num_blocks=case.num_blocks), executor)
+    engine = bench_engine(config, case.num_blocks, case.max_model_len, executor)
     workload = Workload(case, engine)
     if kv_events:
         engine.subscribe_kv_events(1)
+    if case.structured:
+        engine.set_tokenizer(1, _tiny_tokenizer_json(), [1])
     for request in workload.initial():
         engine.add_request(request)
+    while engine.structured.compiling:  # grammars compile off the loop; measure them running
+        engine.step()
+        time.sleep(0.001)
     publish = _publisher(with_proto, engine if kv_events else None)
     add_s, num_added, step_s = 0.0, 0, []
     warmup_steps = 40 + case.running * case.prompt_len // case.max_num_batched_tokens
@@ -197,6 +256,10 @@ def run_case(case: Case, with_proto: bool, kv_events: bool = False) -> dict[str,
             stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), 3
         ),
     }
+
+
+def _tiny_tokenizer_json() -> str:
+    return (ensure_tiny_model(dict(os.environ)) / "tokenizer.json").read_text()
 
 
 def _publisher(

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from splitserve.children import start_children, stop_children, wait_ready
+from splitserve.children import StackOptions, start_children, stop_children, wait_ready
 from splitserve.loopback_ports import free_ports
 from splitserve_client.bench_serve import (
     GenerateFn,
@@ -103,27 +103,16 @@ async def measure(generate: GenerateFn) -> dict[str, float]:
     }
 
 
-def stack_args(model: str, **overrides: object) -> argparse.Namespace:
-    """What `start_children` needs for one worker, core and frontend on loopback (HTTP off),
-    with `overrides` on top."""
-    args = argparse.Namespace(
-        model=model,
-        revision="",
-        tokenizer="",
-        generation_config="auto",
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        host="127.0.0.1",
-        port=0,
-        http_port=-1,
-        log_level="warning",
-    )
-    vars(args).update(overrides)
-    return args
+def stack_options(
+    model: str, core_flags: Sequence[str], frontend_flags: Sequence[str] = (), http_port: int = -1
+) -> StackOptions:
+    """One worker, core and frontend on loopback (HTTP off unless `http_port`), with these
+    core and frontend flags."""
+    flags = {"core": list(core_flags), "frontend": list(frontend_flags)}
+    return StackOptions(model, http_port=http_port, log_level="warning", service_flags=flags)
 
 
 async def grpc_stack(model: str) -> dict[str, float]:
-    args = stack_args(model)
     flags = [
         "--dtype",
         DTYPE,
@@ -134,7 +123,7 @@ async def grpc_stack(model: str) -> dict[str, float]:
         "--kv-cache-memory-bytes",
         str(KV_CACHE_BYTES),
     ]
-    children = start_children(args, flags)
+    children = start_children(stack_options(model, flags))
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         generate, close = grpc_generate(children[-1].address)

@@ -1,15 +1,18 @@
 """`make soak` (`python -m benchmarks.soak`): a stack under a steady mixed load for a long time,
 watching every service process's memory.
 
-Starts worker, core and frontend on loopback (splitserve.children, as `splitserve up` does;
-the tiny model unless --model), drives benchmarks/soak_load.py's mix (gRPC and HTTP, streaming,
-cancels, n > 1, bad requests) from --concurrency client loops for --duration seconds, and
-samples each service's resident memory (RSS, /proc/PID/status) every --sample-interval seconds.
+Starts worker, core and frontend on loopback (splitserve.children, as `splitserve up` does:
+mutual TLS inside with a throwaway CA; the tiny model unless --model), drives
+benchmarks/soak_load.py's mix (gRPC and HTTP, streaming, cancels, n > 1, bad requests) from
+--concurrency client loops for --duration seconds, and samples each service's resident memory
+(RSS, /proc/PID/status) every --sample-interval seconds.
 Before the warm-up it uses every KV block once (prompts of random token ids): on CPU the workers
 allocate their cache lazily (torch.empty), so its pages become resident as blocks are first used,
-and the first pass over the cache (its whole size, 256 MiB here) would read as growth.
+and the first pass over the cache (its whole size, 256 MiB here) would read as growth. The
+worker's RSS before and after that fill is reported.
 Fails (exit 1) when a service's RSS grew more than --max-rss-growth-mb from the end of the
---warmup to the end, when any request got an unexpected outcome, or when a service died.
+--warmup to the end, when any request got an unexpected outcome (an HTTP stream that ended in an
+error event included), or when a service died.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
-from benchmarks.serve_compare import stack_args
+from benchmarks.serve_compare import stack_options
 from benchmarks.soak_load import SoakClients, client_loop
-from splitserve.children import Child, start_children, stop_children, wait_ready
+from splitserve.children import Child, StackOptions, start_children, stop_children, wait_ready
+from splitserve.local_pki import LocalPki
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_runtime.channels import ChannelSecurity, open_channel
 from splitserve_runtime.flags import positive_int
+from splitserve_runtime.tls import CORE_ROLE, FRONTEND_ROLE
 
 KV_CACHE_BYTES = str(256 * 1024 * 1024)
 MIB = 1024 * 1024
@@ -78,9 +82,10 @@ def core_address(children: list[Child]) -> str:
     return next(c.address for c in children if c.kind == "core")
 
 
-def kv_cache_tokens(core: str) -> int:
-    """How many tokens the engine's KV cache holds (blocks x block size), from the core."""
-    with grpc.insecure_channel(core) as channel:
+def kv_cache_tokens(core: str, pki: LocalPki) -> int:
+    """How many tokens the engine's KV cache holds (blocks x block size), from the core (asked
+    as a frontend: the core admits no one else)."""
+    with open_channel(core, ChannelSecurity(pki.files[FRONTEND_ROLE], CORE_ROLE)) as channel:
         stub = core_grpc.EngineCoreServiceStub(channel)
         reply = stub.Handshake(core_pb2.HandshakeRequest(client_name="soak"), timeout=30)
     return int(reply.engine_info.num_kv_blocks) * int(reply.engine_info.block_size)
@@ -109,25 +114,27 @@ async def fill_kv_cache(clients: SoakClients, num_tokens: int, concurrency: int 
     return num_prompts * length
 
 
-def soak_stack_args(model: str) -> argparse.Namespace:
+def soak_stack_options(model: str) -> StackOptions:
     """The benchmark stack with its OpenAI HTTP port (a free one) and room for the soak's streams."""
-    return stack_args(
-        model,
-        http_port=0,
-        api_key="",
-        service_flags={"frontend": ["--max-inflight-requests", "256"]},
-    )
+    core_flags = ["--kv-cache-memory-bytes", KV_CACHE_BYTES]
+    return stack_options(model, core_flags, ["--max-inflight-requests", "256"], http_port=0)
 
 
 async def soak(
-    args: argparse.Namespace, children: list[Child]
+    args: argparse.Namespace, children: list[Child], pki: LocalPki
 ) -> tuple[list[RssTrack], SoakClients]:
     frontend = children[-1]
     clients = SoakClients(frontend.address, f"http://{frontend.http_address}")
     tracks = [RssTrack(c.name, c.process.pid) for c in children]
     filled_at = time.monotonic()
-    num_filled = await fill_kv_cache(clients, kv_cache_tokens(core_address(children)))
-    print(f"KV cache: {num_filled} prompt tokens in {time.monotonic() - filled_at:.0f} s")
+    workers = [c for c in children if c.kind == "worker"]
+    before = [rss_mib(w.process.pid) for w in workers]
+    num_tokens = kv_cache_tokens(core_address(children), pki)
+    num_filled = await fill_kv_cache(clients, num_tokens)
+    after = [rss_mib(w.process.pid) for w in workers]
+    print(f"KV cache ({num_tokens} tokens): {num_filled} prompt tokens in "
+          f"{time.monotonic() - filled_at:.0f} s; worker RSS "
+          + ", ".join(f"{b:.0f} -> {a:.0f} MiB" for b, a in zip(before, after, strict=True)))  # fmt: skip
     started = time.monotonic()
     until = started + args.warmup + args.duration
     try:
@@ -186,14 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    core_flags = ["--kv-cache-memory-bytes", KV_CACHE_BYTES]
-    children = start_children(soak_stack_args(args.model), core_flags)
-    try:
-        wait_ready(children, 600.0)
-        tracks, clients = asyncio.run(soak(args, children))
-        return 0 if report(tracks, clients, args) else 1
-    finally:
-        stop_children(children)
+    with LocalPki() as pki:  # mutual TLS inside, as `splitserve up` runs
+        children = start_children(soak_stack_options(args.model), pki)
+        try:
+            wait_ready(children, 600.0)
+            tracks, clients = asyncio.run(soak(args, children, pki))
+            return 0 if report(tracks, clients, args) else 1
+        finally:
+            stop_children(children)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The soak's steady mixed load: gRPC and OpenAI HTTP, streaming and not, cancels, n > 1 and a
 few bad requests, from a fixed number of client loops. Every outcome is counted; an outcome
-that is neither the expected answer nor the expected refusal is an error."""
+that is neither the expected answer nor the expected refusal is an error: a stream or response
+must end with a finish reason, and an HTTP stream that carries an error event failed whatever
+its status (an SSE stream's status is sent before its first event)."""
 
 from __future__ import annotations
 
@@ -97,8 +99,13 @@ class SoakClients:
 
     async def http_completion(self) -> str:
         body = {"prompt": self._prompt(), "max_tokens": self.rng.randint(1, MAX_TOKENS)}
-        status, _ = await self._post("/v1/completions", body)
-        return "http_completion" if status == 200 else f"http_completion_{status}"
+        status, raw = await self._post("/v1/completions", body)
+        if status != 200:
+            return f"http_completion_{status}"
+        choices = json.loads(raw).get("choices") or [{}]
+        return (
+            "http_completion" if choices[0].get("finish_reason") else "http_completion_unfinished"
+        )
 
     async def http_chat_stream(self) -> str:
         body = {
@@ -107,12 +114,29 @@ class SoakClients:
             "stream": True,
         }
         status, raw = await self._post("/v1/chat/completions", body)
-        done = raw.rstrip().endswith(b"data: [DONE]")
-        return "http_chat_stream" if status == 200 and done else f"http_chat_stream_{status}"
+        if status != 200:
+            return f"http_chat_stream_{status}"
+        return "http_chat_stream" + sse_problem(raw)
 
     async def http_bad(self) -> str:
         status, _ = await self._post("/v1/completions", {"prompt": "x", "n": 0})
         return "http_bad_refused" if status == 400 else f"http_bad_{status}"
+
+
+def sse_problem(raw: bytes) -> str:
+    """ "" for a server-sent event stream that finished: some chunk has a finish_reason, no event
+    is an error, and it ends with `data: [DONE]`; else the outcome's suffix naming what went
+    wrong ("_error: <its message>", "_unfinished")."""
+    events = [line[6:] for line in raw.splitlines() if line.startswith(b"data: ")]
+    is_finished = False
+    for data in events:
+        if data == b"[DONE]":
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            return f"_error: {event['error'].get('message', '')[:80]}"
+        is_finished |= any(c.get("finish_reason") for c in event.get("choices", ()))
+    return "" if is_finished and events[-1:] == [b"[DONE]"] else "_unfinished"
 
 
 Action = Callable[[SoakClients], Awaitable[str]]

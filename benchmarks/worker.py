@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
+from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus, StepTimings
 from splitserve_contracts.sampling_types import SamplerParams
 from worker_svc.model_load import LoadModelConfig
-from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -100,7 +100,7 @@ class Session:
         started = time.perf_counter()
         out = self.worker.execute(step)
         elapsed = time.perf_counter() - started
-        assert out is not None and out.is_ok
+        assert out is not None and out.status == StepStatus.OK
         return out, elapsed
 
     def new_request(self, prompt: np.ndarray, num_computed: int, reserve: int) -> NewRequestData:
@@ -116,7 +116,7 @@ class Session:
 
 
 def decode_cached(
-    handles: list[int], num_computed: list[int], tokens: np.ndarray
+    handles: list[int], num_computed: list[int], tokens: list[int]
 ) -> CachedRequestData:
     n = len(handles)
     return CachedRequestData(
@@ -125,7 +125,7 @@ def decode_cached(
         num_new_block_ids=np.zeros(n, np.int64),
         new_block_ids=np.zeros(0, np.int64),
         num_new_token_ids=np.ones(n, np.int64),
-        new_token_ids=tokens.astype(np.int64),
+        new_token_ids=arr(tokens),
     )
 
 
@@ -138,12 +138,14 @@ def bench_decode(session: Session, batch_size: int, context: int, steps: int) ->
     ]
     out, _ = session.execute(news, [1] * batch_size)
     handles = [n.req_handle for n in news]
-    times, parts = [], []
+    times: list[float] = []
+    parts: list[StepTimings] = []
     for i in range(steps + 2):
         cached = decode_cached(handles, [context + i] * batch_size, out.sampled_token_ids)
         out, elapsed = session.execute([], [1] * batch_size, cached)
         if i >= 2:  # warm-up
             times.append(elapsed)
+            assert out.timings is not None
             parts.append(out.timings)
     session.execute([], [], finished=handles)
     return {
@@ -180,13 +182,13 @@ def bench_serve_like(
     for i in range(0, num_prompts, per_step):
         batch = news[i : i + per_step]
         out, _ = session.execute(batch, [prompt_len] * len(batch))
-        last.update(zip(out.req_handles.tolist(), out.sampled_token_ids.tolist(), strict=True))
+        last.update(zip(out.req_handles, out.sampled_token_ids, strict=True))
     handles = [n.req_handle for n in news]
     for i in range(output_len - 1):
-        tokens = np.array([last[h] for h in handles])
+        tokens = [last[h] for h in handles]
         cached = decode_cached(handles, [prompt_len + i] * num_prompts, tokens)
         out, _ = session.execute([], [1] * num_prompts, cached)
-        last = dict(zip(out.req_handles.tolist(), out.sampled_token_ids.tolist(), strict=True))
+        last = dict(zip(out.req_handles, out.sampled_token_ids, strict=True))
     elapsed = time.perf_counter() - started
     session.execute([], [], finished=handles)
     return {"seconds": elapsed, "output_tokens_per_s": num_prompts * output_len / elapsed}

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from core_svc.executor import Executor, ExecutorError
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 
 @runtime_checkable
@@ -28,6 +28,10 @@ class PipelinedExecutor(Protocol):
     def submit_model(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the grammar bitmask of a step submitted with has_pending_grammar."""
+        ...
 
 
 @dataclass(slots=True)
@@ -60,14 +64,29 @@ class BatchQueue:
         executor = self.executor
         if isinstance(executor, PipelinedExecutor):
             executor.submit_model(scheduler_output)
-        elif self._error is not None:
-            submitted.error = self._error
-        else:
-            try:
-                submitted.output = executor.execute_model(scheduler_output)
-            except ExecutorError as exc:
-                submitted.error = self._error = exc
+        elif not scheduler_output.has_pending_grammar:
+            self._run(submitted)
         self._steps.append(submitted)
+
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """The grammar bitmask of the newest step, submitted with has_pending_grammar, is in
+        it now: a pipelined executor sends it; any other runs the step now."""
+        submitted = self._steps[-1]
+        assert submitted.scheduler_output is scheduler_output
+        if isinstance(self.executor, PipelinedExecutor):
+            self.executor.submit_grammar(scheduler_output)
+        else:
+            scheduler_output.has_pending_grammar = False
+            self._run(submitted)
+
+    def _run(self, submitted: _Submitted) -> None:
+        if self._error is not None:
+            submitted.error = self._error
+            return
+        try:
+            submitted.output = self.executor.execute_model(submitted.scheduler_output)
+        except ExecutorError as exc:
+            submitted.error = self._error = exc
 
     def collect(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Wait for the oldest step's output; raises ExecutorError when it failed."""

@@ -87,15 +87,6 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Free blocks from head to tail (for tests and debugging)."""
-        blocks = []
-        block = self._head.next_free_block
-        while block is not None and block is not self._tail:
-            blocks.append(block)
-            block = block.next_free_block
-        return blocks
-
 
 class BlockPool:
     """All KV blocks of the cache.

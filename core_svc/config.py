@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_TOKEN_BUDGET,
+    SchedulingPolicy,
 )
-from splitserve_runtime.flags import FlagParser, address_list, non_negative_int, positive_int
-from splitserve_runtime.log_config import add_logging_flags
-from splitserve_runtime.model_spec import DTYPE_CHOICES, add_model_arguments, canonical_dtype
+from splitserve_runtime.flags import (
+    Flag,
+    FlagParser,
+    address_list,
+    flag,
+    non_negative_int,
+    positive_int,
+)
+from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
 from splitserve_runtime.services import CORE
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
-    add_internal_tls_flags,
-    add_listener_flags,
     check_internal_tls,
+    internal_tls_flags,
+    listener_flags,
     optional_port,
 )
 
@@ -51,7 +61,7 @@ class CoreConfig(TransportConfig):
     kv_cache_memory_bytes: int = 0
     dtype: str = "auto"
     seed: int = 0
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
     disable_chunked_mm_input: bool = False
@@ -69,6 +79,7 @@ class CoreConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
     async_scheduling: bool = False
+    structured_outputs_compile_timeout: float = 10.0
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -78,207 +89,225 @@ class CoreConfig(TransportConfig):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve core",
-        description="Run the engine core service (vLLM's P1).",
-        config_file=True,
-    )
-    add_model_arguments(p, is_frontend=False)
-    p.add_argument(
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+
+
+def structured_outputs_config(text: str) -> dict[str, Any]:
+    """--structured-outputs-config: a JSON object with `backend` and `compile_timeout`."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict) or set(value) - {"backend", "compile_timeout"}:
+        raise argparse.ArgumentTypeError('expected {"backend": ..., "compile_timeout": ...}')
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r} is not available; the engine core runs llguidance "
+            '("guidance" or "auto"): xgrammar would load torch into the core'
+        )
+    timeout = value.get("compile_timeout", 10.0)
+    if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
+        raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
+    return {"backend": backend, "compile_timeout": float(timeout)}
+
+
+CORE_FLAGS: tuple[Flag, ...] = (
+    *model_flags(is_frontend=False),
+    flag(
         "--worker-addrs",
         type=address_list,
         default=[],
         help="worker ranks as HOST:PORT,... in rank order (rank = pp_rank*tp + tp_rank)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--served-model-name",
         default="",
         help="model name reported to clients and in metrics (default: the Hub id, or the "
         "model folder's or file's name)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--tensor-parallel-size",
         "-tp",
         "--tp",
         type=positive_int,
         default=1,
         help="tensor-parallel ranks per pipeline stage",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--pipeline-parallel-size",
         "-pp",
         "--pp",
         type=positive_int,
         default=1,
         help="pipeline stages",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--enable-expert-parallel",
         action="store_true",
         help="mixture-of-experts layers split whole experts over the tensor-parallel ranks "
         "(default: every rank holds a slice of every expert)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-model-len",
         type=non_negative_int,
         default=0,
         help="longest sequence in tokens (0: the model's max_position_embeddings)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-num-seqs",
         type=positive_int,
         default=DEFAULT_MAX_NUM_SEQS,
         help="most requests running at once",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
         help="token budget of one engine step (default: vLLM's on CPU, "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK} x tp x pp)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--long-prefill-token-threshold",
         type=non_negative_int,
         default=0,
         help="most prompt tokens one request computes per step (0: no cap)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--prefill-token-budget",
         type=non_negative_int,
         default=DEFAULT_PREFILL_TOKEN_BUDGET,
         help="while some request decodes, the most prompt tokens one step computes (bounds the "
         "decoders' inter-token latency under a burst of prompts; 0: up to "
         "--max-num-batched-tokens)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule the next step while the workers run the current one (vLLM's flag): the "
         "time between steps overlaps the forward; needs --pipeline-parallel-size 1 (default: "
         "on where it can run, as in vLLM)",
-    )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
-    p.add_argument(
+    ),
+    flag("--block-size", type=positive_int, default=16, help="tokens per KV-cache block"),
+    flag(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="share full KV blocks between requests with the same prefix",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="fraction of GPU memory a worker may use (weights + activations + KV)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--kv-cache-memory-bytes",
         type=non_negative_int,
         default=0,
         help="KV-cache bytes per worker; 0 derives it: on CUDA from --gpu-memory-utilization, "
         "on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the workers' environment, else "
         "half their free memory) but no more than max_num_seqs x max_model_len tokens use",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--dtype",
         default="auto",
         choices=DTYPE_CHOICES,
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--enforce-eager",
         action="store_true",
         help="always run the model eagerly in the workers: no compiled graphs",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the workers' default generator")
-    p.add_argument(
+    ),
+    flag("--seed", type=int, default=0, help="seed of the workers' default generator"),
+    flag(
         "--scheduling-policy",
         default="fcfs",
         choices=["fcfs", "priority"],
         help="order of waiting requests",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-num-queued-reqs",
         type=non_negative_int,
         default=0,
         help="most requests waiting to be scheduled; more are refused at once with "
         "RESOURCE_EXHAUSTED (HTTP 429) and a retry hint (0: unlimited)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-num-queued-tokens",
         type=non_negative_int,
         default=0,
         help="most prompt tokens waiting to be scheduled; more are refused like "
         "--max-num-queued-reqs (0: unlimited)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--disable-chunked-mm-input",
         action="store_true",
         help="multimodal models: never split an image's placeholder tokens over two steps "
         "(by default a chunk may end inside an image whose encoder output is cached)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton", "flash_attn", "cpu"],
         help="workers' attention",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--distributed-init-method",
         default="",
         help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
         "(default: rank 0's host, port 29500)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--host",
         default=LOOPBACK,
         help="address to listen on (in a pod: its IP, from the downward API)",
-    )
-    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument(
+    ),
+    flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
+    flag(
         "--metrics-port",
         type=int,
         default=DEFAULT_METRICS_PORT,
         help="Prometheus /metrics port (-1 disables)",
-    )
-    p.add_argument("--engine-id", default="0", help="metrics label `engine`")
-    p.add_argument(
+    ),
+    flag("--engine-id", default="0", help="metrics label `engine`"),
+    flag(
         "--worker-connect-timeout",
         type=float,
         default=600.0,
         help="seconds to wait for the workers to come up and load",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--execute-timeout",
         type=float,
         default=300.0,
         help="seconds the first steps may take, before the engine has learnt its step times",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--step-timeout-floor",
         type=float,
         default=5.0,
         help="once step times are known, a step may take this multiple of the recent p99 time "
         "of steps its size, but never less than this many seconds; a rank that misses the "
         "budget counts as hung",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--step-timeout-multiple",
         type=float,
         default=10.0,
         help="see --step-timeout-floor",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="on SIGTERM, seconds running requests may take to finish (no new ones are "
         "admitted) before they are aborted",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-recovery-seconds",
         type=float,
         default=120.0,
@@ -286,23 +315,39 @@ def build_parser() -> FlagParser:
         "ranks to come back (restarted by `splitserve up` or the kubelet), bring them up again "
         "and resume the requests by recompute; past it they fail with UNAVAILABLE and the core "
         "exits non-zero. 0: fail at once (fail-stop)",
-    )
-    p.add_argument(
+    ),
+    flag(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default={},
+        help='structured outputs, as JSON (vLLM\'s flag): {"backend": "guidance" (llguidance, '
+        'the default; "auto" means it; xgrammar is not offered: it needs torch, which the core '
+        'never loads), "compile_timeout": seconds a grammar may take to compile before its '
+        "request fails (default 10)}",
+    ),
+    flag(
         "--log-stats-interval",
         type=float,
         default=10.0,
         help="seconds between the stats lines (throughput, running and waiting requests, KV "
         "cache usage, prefix cache hit rate) logged while the engine is busy; 0 disables them",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--disable-log-stats",
         action="store_true",
         help="no periodic stats lines (vLLM's name; same as --log-stats-interval 0)",
+    ),
+    *LOGGING_FLAGS,
+    *internal_tls_flags("the port the frontends call and the calls to the workers"),
+    *listener_flags(reflection_default=False),
+)
+"""The flags of `splitserve core`, in --help order (vLLM's names where vLLM has the flag)."""
+
+
+def build_parser() -> FlagParser:
+    return FlagParser.of_service(
+        "splitserve core", "Run the engine core service (vLLM's P1).", CORE_FLAGS
     )
-    add_logging_flags(p)
-    add_internal_tls_flags(p, "the port the frontends call and the calls to the workers")
-    add_listener_flags(p, reflection_default=False)
-    return p
 
 
 def parse_config(
@@ -335,6 +380,8 @@ def parse_config(
     values.pop("config", None)
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
+    so_config = values.pop("structured_outputs_config")
+    values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
     if args.max_num_batched_tokens is None:

@@ -8,30 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from core_svc.kv_events import (
-    AllBlocksCleared,
-    BlockExtraKeys,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from core_svc.config import CoreConfig
+from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.mm_inputs import MultiModalFeatureSpec
-from core_svc.outputs import (
-    EngineCoreEvent,
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ErrorKind,
-    FinishReason,
-    LogprobsTable,
-    ModelRunnerOutput,
-    SchedulerStats,
-    StepTimings,
-)
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output import StructuredOutputRequest
+from core_svc.worker_pool import ModelFacts
+from splitserve_contracts import output_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 
@@ -39,13 +27,21 @@ def request_from_proto(
     msg: core_pb2.EngineCoreRequest, client_id: int, arrival_time: float | None = None
 ) -> Request:
     """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
-    sampler's settings stay serialized: the core only forwards them to the workers."""
+    sampler's settings stay serialized: the core only forwards them to the workers. A
+    structured-outputs constraint is kept as given; the engine checks it when it adds the
+    request (core_svc/request_checks.py)."""
+    structured = None
+    if msg.HasField("structured_outputs"):
+        params = structured_outputs.from_proto(msg.structured_outputs)
+        if params is not None:
+            structured = StructuredOutputRequest(params)
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         output_token_ids=list(msg.output_token_ids),
+        is_resumed=msg.resumed,
         max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -59,64 +55,40 @@ def request_from_proto(
             MultiModalFeatureSpec(f.identifier, f.offset, f.length, f.SerializeToString())
             for f in msg.mm_features
         ),
+        structured_output=structured,
     )
 
 
-def logprobs_table_to_proto(table: LogprobsTable, msg: types_pb2.LogprobsTable) -> None:
-    msg.num_top_logprobs = table.num_top_logprobs
-    msg.token_ids.extend(table.token_ids)
-    msg.logprobs.extend(table.logprobs)
-    msg.ranks.extend(table.ranks)
+def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -> None:
+    msg.request_handle = detail.request_handle
+    if detail.finish_reason is not None:
+        msg.finish_reason = types_pb2.FinishReason.ValueType(detail.finish_reason)
+    if detail.stop_token_id is not None:
+        msg.stop_token_id = detail.stop_token_id
+    if detail.new_logprobs is not None:
+        output_convert.logprobs_table_to_proto(detail.new_logprobs, msg.new_logprobs)
+    if detail.prompt_logprobs is not None:
+        output_convert.logprobs_table_to_proto(detail.prompt_logprobs, msg.prompt_logprobs)
+    for event in detail.events:
+        output_convert.engine_core_event_to_proto(event, msg.events.add())
+    if detail.num_cached_tokens is not None:
+        msg.num_cached_tokens = detail.num_cached_tokens
+    msg.error_message = detail.error_message
+    msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
 
 
-def logprobs_table_from_proto(msg: types_pb2.LogprobsTable) -> LogprobsTable:
-    return LogprobsTable(
-        num_top_logprobs=msg.num_top_logprobs,
-        token_ids=list(msg.token_ids),
-        logprobs=list(msg.logprobs),
-        ranks=list(msg.ranks),
-    )
-
-
-def scheduler_stats_to_proto(
-    stats: SchedulerStats, msg: core_pb2.SchedulerStats | None = None
-) -> core_pb2.SchedulerStats:
-    if msg is None:
-        msg = core_pb2.SchedulerStats()
-    msg.num_running_reqs = stats.num_running_reqs
-    msg.num_waiting_reqs = stats.num_waiting_reqs
-    msg.kv_cache_usage = stats.kv_cache_usage
-    msg.prefix_cache_queries = stats.prefix_cache_queries
-    msg.prefix_cache_hits = stats.prefix_cache_hits
-    msg.num_preemptions = stats.num_preemptions
-    msg.step_id = stats.step_id
-    msg.num_scheduled_tokens = stats.num_scheduled_tokens
-    msg.num_used_blocks = stats.num_used_blocks
-    msg.num_total_blocks = stats.num_total_blocks
-    msg.encoder_cache_queries = stats.encoder_cache_queries
-    msg.encoder_cache_hits = stats.encoder_cache_hits
-    msg.num_generation_tokens = stats.num_generation_tokens
-    msg.num_waiting_tokens = stats.num_waiting_tokens
+def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineCoreOutputs:
+    msg = core_pb2.EngineCoreOutputs()
+    msg.request_handles.extend(outputs.request_handles)
+    msg.num_new_tokens.extend(outputs.num_new_tokens)
+    msg.new_token_ids.extend(outputs.new_token_ids)
+    for detail in outputs.details:
+        _detail_to_proto(detail, msg.details.add())
+    msg.timestamp = outputs.timestamp
+    msg.step_id = outputs.step_id
+    if outputs.scheduler_stats is not None:
+        output_convert.scheduler_stats_to_proto(outputs.scheduler_stats, msg.scheduler_stats)
     return msg
-
-
-def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
-    return SchedulerStats(
-        num_running_reqs=msg.num_running_reqs,
-        num_waiting_reqs=msg.num_waiting_reqs,
-        kv_cache_usage=msg.kv_cache_usage,
-        prefix_cache_queries=msg.prefix_cache_queries,
-        prefix_cache_hits=msg.prefix_cache_hits,
-        num_preemptions=msg.num_preemptions,
-        step_id=msg.step_id,
-        num_scheduled_tokens=msg.num_scheduled_tokens,
-        num_used_blocks=msg.num_used_blocks,
-        num_total_blocks=msg.num_total_blocks,
-        encoder_cache_queries=msg.encoder_cache_queries,
-        encoder_cache_hits=msg.encoder_cache_hits,
-        num_generation_tokens=msg.num_generation_tokens,
-        num_waiting_tokens=msg.num_waiting_tokens,
-    )
 
 
 def kv_events_to_proto(events: Iterable[KVCacheEvent], msg: core_pb2.KvCacheEvents) -> None:
@@ -139,110 +111,12 @@ def kv_events_to_proto(events: Iterable[KVCacheEvent], msg: core_pb2.KvCacheEven
             entry.cleared.SetInParent()
 
 
-def _split_hashes(data: bytes) -> list[bytes]:
-    return [data[i : i + 32] for i in range(0, len(data), 32)]
-
-
-def kv_events_from_proto(msg: core_pb2.KvCacheEvents) -> list[KVCacheEvent]:
-    """The inverse of kv_events_to_proto (for tests and tools that read a core's stream)."""
-    events: list[KVCacheEvent] = []
-    for entry in msg.events:
-        kind = entry.WhichOneof("event")
-        if kind == "stored":
-            stored = entry.stored
-            extra = [
-                BlockExtraKeys(k.cache_salt, tuple((m.identifier, m.offset) for m in k.multimodal))
-                for k in stored.extra_keys
-            ]
-            events.append(
-                BlockStored(
-                    _split_hashes(stored.block_hashes),
-                    stored.parent_block_hash or None,
-                    list(stored.token_ids),
-                    extra or None,
-                )
-            )
-        elif kind == "removed":
-            events.append(BlockRemoved(_split_hashes(entry.removed.block_hashes)))
-        else:
-            events.append(AllBlocksCleared())
-    return events
-
-
-def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -> None:
-    msg.request_handle = detail.request_handle
-    if detail.finish_reason is not None:
-        msg.finish_reason = types_pb2.FinishReason.ValueType(detail.finish_reason)
-    if detail.stop_token_id is not None:
-        msg.stop_token_id = detail.stop_token_id
-    if detail.new_logprobs is not None:
-        logprobs_table_to_proto(detail.new_logprobs, msg.new_logprobs)
-    if detail.prompt_logprobs is not None:
-        logprobs_table_to_proto(detail.prompt_logprobs, msg.prompt_logprobs)
-    for event in detail.events:
-        event_msg = msg.events.add()
-        event_msg.type = core_pb2.EngineCoreEventType.ValueType(event.type)
-        event_msg.timestamp = event.timestamp
-    if detail.num_cached_tokens is not None:
-        msg.num_cached_tokens = detail.num_cached_tokens
-    msg.error_message = detail.error_message
-    msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
-
-
-def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineCoreOutputs:
-    msg = core_pb2.EngineCoreOutputs()
-    msg.request_handles.extend(outputs.request_handles)
-    msg.num_new_tokens.extend(outputs.num_new_tokens)
-    msg.new_token_ids.extend(outputs.new_token_ids)
-    for detail in outputs.details:
-        _detail_to_proto(detail, msg.details.add())
-    msg.timestamp = outputs.timestamp
-    msg.step_id = outputs.step_id
-    if outputs.scheduler_stats is not None:
-        scheduler_stats_to_proto(outputs.scheduler_stats, msg.scheduler_stats)
-    return msg
-
-
 def stream_response_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineStreamResponse:
     """One step's outputs for a client, with the KV-cache events it subscribed to."""
     msg = core_pb2.EngineStreamResponse(outputs=engine_core_outputs_to_proto(outputs))
     if outputs.kv_events:
         kv_events_to_proto(outputs.kv_events, msg.kv_events)
     return msg
-
-
-def _detail_from_proto(msg: core_pb2.EngineCoreOutput) -> EngineCoreOutput:
-    has = msg.HasField
-    return EngineCoreOutput(
-        request_handle=msg.request_handle,
-        finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
-        stop_token_id=msg.stop_token_id if has("stop_token_id") else None,
-        new_logprobs=logprobs_table_from_proto(msg.new_logprobs) if has("new_logprobs") else None,
-        prompt_logprobs=(
-            logprobs_table_from_proto(msg.prompt_logprobs) if has("prompt_logprobs") else None
-        ),
-        events=[EngineCoreEvent(EngineCoreEventType(e.type), e.timestamp) for e in msg.events],
-        num_cached_tokens=msg.num_cached_tokens if has("num_cached_tokens") else None,
-        error_message=msg.error_message,
-        error_kind=ErrorKind(msg.error_kind),
-    )
-
-
-def engine_core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
-    """The inverse of engine_core_outputs_to_proto (for tests and in-process clients)."""
-    return EngineCoreOutputs(
-        request_handles=list(msg.request_handles),
-        num_new_tokens=list(msg.num_new_tokens),
-        new_token_ids=list(msg.new_token_ids),
-        details=[_detail_from_proto(d) for d in msg.details],
-        timestamp=msg.timestamp,
-        step_id=msg.step_id,
-        scheduler_stats=(
-            scheduler_stats_from_proto(msg.scheduler_stats)
-            if msg.HasField("scheduler_stats")
-            else None
-        ),
-    )
 
 
 def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOutput:
@@ -279,59 +153,33 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     for handle, input_ids in output.scheduled_encoder_inputs.items():
         msg.scheduled_encoder_inputs.add(req_handle=handle, input_ids=input_ids)
     msg.free_encoder_mm_hashes.extend(output.free_encoder_mm_hashes)
+    if output.grammar_bitmask is not None and not output.has_pending_grammar:
+        _grammar_bitmask_to_proto(output.grammar_bitmask, msg.grammar_bitmask)
+    msg.has_pending_grammar = output.has_pending_grammar
     return msg
 
 
-def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
-    """The inverse of scheduler_output_to_proto (for tests and fake workers)."""
-    new_reqs = [
-        NewRequestData(
-            req_handle=r.req_handle,
-            request_id=r.request_id,
-            prompt_token_ids=list(r.prompt_token_ids),
-            sampler_params=r.sampler_params.SerializeToString(),
-            block_ids=list(r.block_ids),
-            num_computed_tokens=r.num_computed_tokens,
-            stop_token_ids=tuple(r.stop_token_ids),
-            min_tokens=r.min_tokens,
-            mm_features=[f.SerializeToString() for f in r.mm_features],
-            output_token_ids=list(r.output_token_ids),
-        )
-        for r in msg.scheduled_new_reqs
-    ]
-    c = msg.scheduled_cached_reqs
-    cached = CachedRequestData(
-        req_handles=list(c.req_handles),
-        num_computed_tokens=list(c.num_computed_tokens),
-        num_new_block_ids=list(c.num_new_block_ids),
-        new_block_ids=list(c.new_block_ids),
-        num_new_token_ids=list(c.num_new_token_ids),
-        new_token_ids=list(c.new_token_ids),
-        resumed_req_handles=list(c.resumed_req_handles),
-        num_resumed_token_ids=list(c.num_resumed_token_ids),
-        resumed_all_token_ids=list(c.resumed_all_token_ids),
-    )
-    return SchedulerOutput(
-        step_id=msg.step_id,
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=list(msg.num_scheduled_tokens),
-        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-        finished_req_handles=list(msg.finished_req_handles),
-        scheduled_encoder_inputs={
-            e.req_handle: list(e.input_ids) for e in msg.scheduled_encoder_inputs
-        },
-        free_encoder_mm_hashes=list(msg.free_encoder_mm_hashes),
-    )
+def _grammar_bitmask_to_proto(bitmask: GrammarBitmask, msg: worker_pb2.GrammarBitmask) -> None:
+    msg.req_handles.extend(bitmask.req_handles)
+    msg.bitmask = bitmask.bitmask
+
+
+def grammar_output_to_proto(output: SchedulerOutput) -> worker_pb2.ExecuteRequest:
+    """The deferred grammar bitmask of a step sent with has_pending_grammar."""
+    msg = worker_pb2.ExecuteRequest()
+    msg.grammar_output.step_id = output.step_id
+    if output.grammar_bitmask is not None:
+        _grammar_bitmask_to_proto(output.grammar_bitmask, msg.grammar_output.grammar_bitmask)
+    return msg
 
 
 def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
-    """A STEP_STATUS_ERROR output comes back with `error_message` set (never None), and the
+    """A STEP_STATUS_ERROR output comes back with an `error_message` (never empty), and the
     caller decides; its token columns are then meaningless. Columns that do not line up raise
     ValueError (a rank that answers that way cannot be trusted with the step)."""
-    error_message = None
-    if msg.status == worker_pb2.STEP_STATUS_ERROR:
-        error_message = msg.error_message or f"rank {msg.rank} failed step {msg.step_id}"
+    output = output_convert.model_runner_output_from_proto(msg)
+    if output.status == StepStatus.ERROR:
+        output.error_message = msg.error_message or f"rank {msg.rank} failed step {msg.step_id}"
     elif len(msg.req_handles) != len(msg.sampled_token_ids):
         raise ValueError(
             f"rank {msg.rank} answered step {msg.step_id} with {len(msg.req_handles)} requests "
@@ -339,53 +187,28 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
         )
     if len(msg.failed_req_handles) != len(msg.failed_reasons):
         raise ValueError(f"rank {msg.rank}: failed requests and reasons do not line up")
-    timings = None
-    if msg.HasField("timings"):
-        t = msg.timings
-        timings = StepTimings(
-            t.prepare_inputs_seconds, t.forward_seconds, t.sample_seconds, t.total_seconds
-        )
-    return ModelRunnerOutput(
-        step_id=msg.step_id,
-        req_handles=list(msg.req_handles),
-        sampled_token_ids=list(msg.sampled_token_ids),
-        logprobs={e.req_handle: logprobs_table_from_proto(e.table) for e in msg.logprobs},
-        prompt_logprobs={
-            e.req_handle: logprobs_table_from_proto(e.table) for e in msg.prompt_logprobs
-        },
-        error_message=error_message,
-        rank=msg.rank,
-        timings=timings,
-        num_used_kv_blocks=msg.num_used_kv_blocks,
-        failed_reqs=dict(zip(msg.failed_req_handles, msg.failed_reasons, strict=True)),
-    )
+    return output
 
 
-def model_runner_output_to_proto(output: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
-    """The inverse of model_runner_output_from_proto (for tests and fake workers)."""
-    msg = worker_pb2.ModelRunnerOutput(
-        step_id=output.step_id,
-        status=worker_pb2.STEP_STATUS_OK
-        if output.error_message is None
-        else worker_pb2.STEP_STATUS_ERROR,
-        error_message=output.error_message or "",
-        rank=output.rank,
-        num_used_kv_blocks=output.num_used_kv_blocks,
+def engine_info_to_proto(
+    config: CoreConfig, facts: ModelFacts, served_model_name: str
+) -> core_pb2.EngineInfo:
+    """The engine's facts for the frontends' Handshake."""
+    usable_tokens = (facts.num_kv_blocks - 1) * config.block_size  # block 0 is the null block
+    return core_pb2.EngineInfo(
+        served_model_name=served_model_name,
+        model_path=config.model,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        block_size=config.block_size,
+        num_kv_blocks=facts.num_kv_blocks,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        dtype=facts.dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        engine_id=config.engine_id,
+        max_concurrency=usable_tokens / facts.max_model_len,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
     )
-    msg.req_handles.extend(output.req_handles)
-    msg.sampled_token_ids.extend(output.sampled_token_ids)
-    msg.failed_req_handles.extend(output.failed_reqs)
-    msg.failed_reasons.extend(output.failed_reqs.values())
-    for req_handle, table in output.logprobs.items():
-        entry = msg.logprobs.add(req_handle=req_handle)
-        logprobs_table_to_proto(table, entry.table)
-    for req_handle, table in output.prompt_logprobs.items():
-        entry = msg.prompt_logprobs.add(req_handle=req_handle)
-        logprobs_table_to_proto(table, entry.table)
-    if output.timings is not None:
-        t = output.timings
-        msg.timings.prepare_inputs_seconds = t.prepare_inputs_seconds
-        msg.timings.forward_seconds = t.forward_seconds
-        msg.timings.sample_seconds = t.sample_seconds
-        msg.timings.total_seconds = t.total_seconds
-    return msg

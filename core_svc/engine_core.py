@@ -6,36 +6,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
-from core_svc.executor import Executor, ExecutorError, FaultCause
+from core_svc.executor import Executor, ExecutorError, Fault
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.kv_events import KVEventBatch, KVEventRecorder
-from core_svc.outputs import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ErrorKind,
-    FinishReason,
-    ModelRunnerOutput,
-    SchedulerStats,
-)
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOutputsConfig
+from core_svc.structured_requests import StructuredRequests
+from splitserve_contracts.output_types import (
+    ErrorKind,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerStats,
+    StepStatus,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """Why the engine stopped stepping: the executor's failure."""
-
-    cause: FaultCause
-    message: str
 
 
 class EngineCore:
@@ -48,9 +42,10 @@ class EngineCore:
     `fail` ends them. Without recovery, or once failed, the engine is failed for good: every
     request finishes with ERROR and later adds are refused the same way.
 
-    With `async_scheduling` (SchedulerConfig) a step runs ahead: `step` schedules and sends
-    step N+1 before it waits for step N's output (a BatchQueue of two), and a fault loses
-    both steps in flight (their requests are computed again after a recovery).
+    With `async_scheduling` (SchedulerConfig) the scheduler is an AsyncScheduler, chosen here
+    once, and a step runs ahead: `step` schedules and sends step N+1 before it waits for step
+    N's output (a BatchQueue of the scheduler's `max_steps_in_flight`), and a fault loses both
+    steps in flight (their requests are computed again after a recovery).
     """
 
     def __init__(
@@ -59,6 +54,8 @@ class EngineCore:
         cache_config: CacheConfig,
         executor: Executor,
         can_recover: bool = False,
+        structured_outputs_config: StructuredOutputsConfig = DEFAULT_STRUCTURED_OUTPUTS,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -70,7 +67,13 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
         )
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_manager)
+        scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
+        self.structured = StructuredRequests(
+            scheduler_config.vocab_size, structured_outputs_config, wake
+        )
+        """Requests compiling their grammar, and the steps' grammar bitmasks; `wake` tells
+        the busy loop a compile finished."""
         self.client_requests: dict[int, dict[int, Request]] = {}
         """client_id -> client_handle -> live request."""
         self.can_recover = can_recover
@@ -88,8 +91,12 @@ class EngineCore:
         self.num_steps_applied = 0
         """Steps whose output was applied (with async scheduling, fewer than step() calls)."""
         """Outputs of requests refused at add, returned by the next step()."""
-        self._batch_queue = BatchQueue(executor) if scheduler_config.async_scheduling else None
-        """Steps in flight, with async scheduling."""
+        self._batch_queue = self._new_batch_queue(executor)
+        """Steps in flight, when the scheduler runs ahead (async scheduling)."""
+
+    def _new_batch_queue(self, executor: Executor) -> BatchQueue | None:
+        num_steps = self.scheduler.max_steps_in_flight
+        return BatchQueue(executor, num_steps) if num_steps > 1 else None
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse it (finished with ERROR in the next step's outputs)."""
@@ -100,8 +107,37 @@ class EngineCore:
         if refusal is not None:
             self._reject(request, *refusal)
             return
+        if request.structured_output is not None:
+            problem = self.structured.submit(request)
+            if problem is not None:
+                self._reject(request, ErrorKind.INVALID_REQUEST, problem)
+                return
         self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
-        self.scheduler.add_request(request)
+        if request.structured_output is None:
+            self.scheduler.add_request(request)
+
+    def set_tokenizer(self, client_id: int, tokenizer_json: str, eos_token_ids: list[int]) -> None:
+        """The client's tokenizer, which its constrained requests' grammars are compiled for."""
+        self.structured.manager.set_tokenizer(client_id, tokenizer_json, eos_token_ids)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler; refused ones end with an error."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, problem in failed:
+            live = self.client_requests.get(request.client_id, {})
+            live.pop(request.client_handle, None)
+            self._reject(request, ErrorKind.INVALID_REQUEST, problem)
+
+    def _finish_compiling(self, requests: list[Request], status: RequestStatus) -> list[Request]:
+        """Finish those of `requests` still compiling (not in the scheduler); returns the
+        others."""
+        if not self.structured.compiling:
+            return requests
+        for request in self.structured.take_compiling(requests):
+            request.finish(status)
+        return [r for r in requests if not r.is_finished]
 
     def _refusal(self, request: Request) -> tuple[ErrorKind, str] | None:
         if self.is_failed:
@@ -132,19 +168,34 @@ class EngineCore:
         return None
 
     def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
+        """A full queue refuses a new request. A resumed one (a frontend resubmits what an
+        engine core admitted before) was admitted once: a core holds at most max_num_seqs
+        running requests, with their tokens in its KV cache, besides its queue, so resumed
+        requests get that much room beyond the limits - no more, whoever marks them."""
         config, scheduler = self.scheduler_config, self.scheduler
-        if config.max_num_queued_reqs and len(scheduler.waiting) >= config.max_num_queued_reqs:
+        max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+        room = ""
+        if request.is_resumed:
+            max_reqs += config.max_num_seqs if max_reqs else 0
+            max_tokens += self._kv_cache_tokens if max_tokens else 0
+            room = " even for a resumed request"
+        if max_reqs and len(scheduler.waiting) >= max_reqs:
             return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full ({len(scheduler.waiting)} requests waiting, "
+                f"the engine's queue is full{room} ({len(scheduler.waiting)} requests waiting, "
                 f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
             )
         num_tokens = scheduler.num_waiting_tokens + request.num_tokens
-        if config.max_num_queued_tokens and num_tokens > config.max_num_queued_tokens:
+        if max_tokens and num_tokens > max_tokens:
             return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full ({scheduler.num_waiting_tokens} prompt tokens "
-                f"waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); retry later"
+                f"the engine's queue is full{room} ({scheduler.num_waiting_tokens} prompt "
+                f"tokens waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); "
+                "retry later"
             )
         return None
+
+    @property
+    def _kv_cache_tokens(self) -> int:
+        return self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
 
     def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
         log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning
@@ -169,7 +220,8 @@ class EngineCore:
         if not live:
             return
         requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
-        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)
+        scheduled = self._finish_compiling(requests, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
         if requests:
             self._pending_outputs.setdefault(client_id, EngineCoreOutputs())
         if not live:
@@ -180,8 +232,10 @@ class EngineCore:
         live = self.client_requests.pop(client_id, None)
         self._pending_outputs.pop(client_id, None)
         self.kv_events.unsubscribe(client_id)
+        self.structured.manager.forget_client(client_id)
         if live:
-            self.scheduler.finish_requests(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            aborted = self._finish_compiling(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -189,8 +243,10 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether step() has anything to do: requests to run, finished handles to tell
         the workers about, a step in flight, or outputs of refused requests to return."""
-        return bool(self._pending_outputs) or (
-            self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue))
+        return (
+            bool(self._pending_outputs)
+            or self.structured.has_news
+            or (self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue)))
         )
 
     def _has_step_to_schedule(self) -> bool:
@@ -205,6 +261,8 @@ class EngineCore:
         scheduling, one call schedules and sends the next step, then applies the oldest step
         in flight once two are (or when there is nothing more to schedule).
         """
+        if self.structured.compiling:
+            self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, {}
         if self.can_step:
             if self._batch_queue is not None:
@@ -221,6 +279,8 @@ class EngineCore:
         self, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.num_structured:
+            self._fill_grammar(scheduler_output)
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)
         except ExecutorError as exc:
@@ -230,12 +290,16 @@ class EngineCore:
     def _step_ahead(
         self, queue: BatchQueue, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
+        deferred = None
         if not queue.is_full and self._has_step_to_schedule():
+            step = self.scheduler.schedule()
+            if self.scheduler.num_structured and not self._fill_grammar(step):
+                deferred = step  # its bitmask needs the older step's tokens
             try:
-                queue.submit(self.scheduler.schedule())
+                queue.submit(step)
             except ExecutorError as exc:
                 return self._on_step_error(exc, before_update)
-            if not queue.is_full:
+            if not queue.is_full and deferred is None:
                 return {}  # the next call schedules the step after it before waiting
         if not queue:
             return {}
@@ -243,7 +307,18 @@ class EngineCore:
             scheduler_output, model_runner_output = queue.collect()
         except ExecutorError as exc:
             return self._on_step_error(exc, before_update)
-        return self._apply_output(scheduler_output, model_runner_output, before_update)
+        outputs = self._apply_output(scheduler_output, model_runner_output, before_update)
+        if deferred is not None and self.can_step:
+            self._fill_grammar(deferred)
+            try:
+                queue.submit_grammar(deferred)
+            except ExecutorError as exc:
+                merge_outputs(outputs, self._on_step_error(exc, None))
+        return outputs
+
+    def _fill_grammar(self, step: SchedulerOutput) -> bool:
+        """The step's grammar bitmask, when its requests' earlier tokens are all applied."""
+        return self.structured.fill(step, self.scheduler.structured_rows(step.step_id))
 
     def _on_step_error(
         self, exc: ExecutorError, before_update: Callable[[], None] | None
@@ -259,8 +334,10 @@ class EngineCore:
         model_runner_output: ModelRunnerOutput,
         before_update: Callable[[], None] | None,
     ) -> dict[int, EngineCoreOutputs]:
-        error = model_runner_output.error_message
-        if error is None and model_runner_output.step_id != scheduler_output.step_id:
+        error = None
+        if model_runner_output.status == StepStatus.ERROR:
+            error = model_runner_output.error_message
+        elif model_runner_output.step_id != scheduler_output.step_id:
             error = (
                 f"got the output of step {model_runner_output.step_id} "
                 f"for step {scheduler_output.step_id}"
@@ -308,8 +385,17 @@ class EngineCore:
         self.suspension = None
         self.failure_message = message
         self._drop_steps_in_flight()
-        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self._fail_all(message)
         self._forget_finished(outputs)
+        return outputs
+
+    def _fail_all(self, message: str) -> dict[int, EngineCoreOutputs]:
+        """Every request, compiling ones too, finishes with ERROR (engine failure)."""
+        compiling = self.structured.take_compiling(list(self.structured.compiling.values()))
+        for request in compiling:
+            request.fail(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        merge_outputs(outputs, make_final_outputs(compiling))
         return outputs
 
     def on_fault(self, fault: Fault) -> dict[int, EngineCoreOutputs]:
@@ -337,7 +423,7 @@ class EngineCore:
         the others are scheduled again, the running ones by recompute."""
         self.executor = executor
         if self._batch_queue is not None:
-            self._batch_queue = BatchQueue(executor)
+            self._batch_queue = self._new_batch_queue(executor)
         self.kv_cache_manager.reset(num_blocks)
         self.suspension = None
         self.can_step = True
@@ -354,7 +440,7 @@ class EngineCore:
 
     def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
         """End every request with an error (shutdown); the engine itself stays usable."""
-        outputs = self.scheduler.fail_all(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self._fail_all(message)
         self._forget_finished(outputs)
         return outputs
 
@@ -396,4 +482,5 @@ class EngineCore:
         return self.kv_events.subscribe(client_id, cached)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

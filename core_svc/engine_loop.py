@@ -1,29 +1,26 @@
 """EngineCoreProc: the engine core's busy loop on its own thread (vLLM's run_busy_loop).
 
-Network handlers only enqueue commands; the loop thread owns the EngineCore. Each
-iteration (1) drains every pending command, blocking on the queue when there is nothing
-to step, then (2) runs one step and hands each client's outputs to `output_sink`. A rank
-restart (core_svc/recovery.py) talks to the loop the same way: the executor's failure, the
-new executor once the ranks are back, or giving up, are commands in the same order as the
-clients' adds and aborts.
+Everyone else only puts commands in the loop's EngineInbox (core_svc/engine_inbox.py); the loop
+thread owns the EngineCore. Each iteration (1) takes every pending command, blocking on the
+inbox when there is nothing to step, then (2) runs one step and hands each client's outputs to
+`output_sink`. A rank restart (core_svc/recovery.py) talks to the loop the same way: the
+executor's failure, the new executor once the ranks are back, or giving up, are commands in the
+same order as the clients' adds and aborts.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Callable
 
-from core_svc.engine_core import EngineCore, Fault
-from core_svc.executor import Executor, FaultCause
+from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import CommandKind, EngineCommand, EngineInbox
+from core_svc.executor import Fault
 from core_svc.kv_events import KVEventBatch
-from core_svc.outputs import EngineCoreOutputs, SchedulerStats
-from core_svc.request import Request
+from core_svc.outputs import EngineCoreOutputs
+from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,65 +30,25 @@ long."""
 StatsSink = Callable[[SchedulerStats, float | None], None]
 """Called on the loop thread after every iteration with the scheduler snapshot and the step's
 duration in seconds (None when the iteration ran no step); feeds the metrics."""
-
-
-class CommandKind(Enum):
-    ADD = 1
-    ABORT = 2
-    CLOSE_CLIENT = 3
-    SHUTDOWN = 4
-    DRAIN = 5
-    """Refuse new requests from now on; running ones finish."""
-    ABORT_ALL = 6
-    """End every request with an error (the drain ran out of time)."""
-    FAULT = 7
-    """The executor failed outside a step (a rank seen dying while the engine was idle)."""
-    RESUME = 8
-    """The ranks are back: step on a new executor."""
-    GIVE_UP = 9
-    """The ranks did not come back in time: fail every request."""
-    SUBSCRIBE_KV_EVENTS = 10
-    """Send the client the prefix cache as events, then its changes (again: a resync)."""
-    RESET_PREFIX_CACHE = 11
-    """Forget the prefix cache unless requests hold blocks; `done` gets whether it did."""
-
-
-@dataclass(slots=True)
-class EngineCommand:
-    """One input of the loop, in the order the network handlers enqueued it."""
-
-    kind: CommandKind
-    client_id: int = 0
-    requests: list[Request] = field(default_factory=list)
-    client_handles: list[int] = field(default_factory=list)
-    executor: Executor | None = None
-    fault: Fault | None = None
-    num_blocks: int = 0
-    done: Future[int] | None = None
-    """RESUME: resolved with the number of requests resumed; RESET_PREFIX_CACHE: with the
-    blocks held by requests when it refused (0: reset)."""
+SuspensionSink = Callable[[Fault, int], None]
+"""Called once per suspension, on the loop thread, with the fault and the requests kept."""
 
 
 class EngineCoreProc:
-    """Runs an EngineCore on a thread; every public method is thread-safe.
-
-    Aborts (and closed clients) also go to a side list under a lock. The lock makes
-    "drain the queue, clear the side list" atomic, so whatever is on the side list when a
-    step's executor call returns arrived during that step; the loop applies it before the
-    step's outputs are made, and an aborted request emits nothing more. The same command,
-    met again in the queue, is then a no-op.
-    """
+    """Runs an EngineCore on a thread, fed by `inbox` (whose methods are the thread-safe way
+    to reach it)."""
 
     def __init__(
         self,
         engine_core: EngineCore,
+        inbox: EngineInbox,
         output_sink: OutputSink,
         on_stats: StatsSink,
         on_failed: Callable[[str], None],
-        input_queue: queue.Queue[EngineCommand] | None = None,
-        on_suspended: Callable[[Fault], None] = lambda fault: None,
+        on_suspended: SuspensionSink = lambda fault, num_requests: None,
     ) -> None:
         self.engine_core = engine_core
+        self.inbox = inbox
         self._output_sink = output_sink
         self._on_stats = on_stats
         self._on_failed = on_failed
@@ -99,11 +56,7 @@ class EngineCoreProc:
         went to their clients."""
         self._is_failure_reported = False
         self._on_suspended = on_suspended
-        """Called once per suspension, on the loop thread: the engine waits for its ranks."""
         self._reported_suspension: Fault | None = None
-        self._input_queue: queue.Queue[EngineCommand] = input_queue or queue.Queue()
-        self._lock = threading.Lock()
-        self._step_aborts: list[EngineCommand] = []
         self._stats = engine_core.make_stats()
         self._thread = threading.Thread(target=self._run, name="engine-core-loop", daemon=True)
 
@@ -119,58 +72,6 @@ class EngineCoreProc:
         """Scheduler snapshot taken by the loop after its latest iteration."""
         return self._stats
 
-    def add_requests(self, client_id: int, requests: list[Request]) -> None:
-        self._input_queue.put(EngineCommand(CommandKind.ADD, client_id, requests=requests))
-
-    def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
-        command = EngineCommand(CommandKind.ABORT, client_id, client_handles=list(client_handles))
-        self._put_abort(command)
-
-    def close_client(self, client_id: int) -> None:
-        """The client's stream closed: abort all of its requests."""
-        self._put_abort(EngineCommand(CommandKind.CLOSE_CLIENT, client_id))
-
-    def drain(self) -> None:
-        """Refuse new requests; the running ones finish (see `is_idle`)."""
-        self._put_abort(EngineCommand(CommandKind.DRAIN))
-
-    def abort_all(self) -> None:
-        """End every request now, with an error saying the engine is shutting down."""
-        self._put_abort(EngineCommand(CommandKind.ABORT_ALL))
-
-    def executor_failed(self, executor: Executor, message: str, cause: FaultCause) -> None:
-        """`executor` failed (any thread); ignored unless it is still the engine's."""
-        fault = Fault(cause, f"executor failed: {message}")
-        self._input_queue.put(EngineCommand(CommandKind.FAULT, executor=executor, fault=fault))
-
-    def resume(self, executor: Executor, num_blocks: int) -> Future[int]:
-        """Step on `executor` (the ranks are back, with `num_blocks` KV blocks); the future
-        gives the number of requests resumed."""
-        done: Future[int] = Future()
-        command = EngineCommand(CommandKind.RESUME, executor=executor, num_blocks=num_blocks)
-        command.done = done
-        self._input_queue.put(command)
-        return done
-
-    def subscribe_kv_events(self, client_id: int) -> None:
-        """From the next iteration on, send the client the KV-cache events, starting with a
-        snapshot of the cache (asked again: a fresh snapshot, for a client that fell behind)."""
-        self._input_queue.put(EngineCommand(CommandKind.SUBSCRIBE_KV_EVENTS, client_id))
-
-    def reset_prefix_cache(self) -> Future[int]:
-        """Forget the prefix cache between two steps; the future gives 0 when it did, else the
-        number of KV blocks requests held (it refused, as vLLM does)."""
-        done: Future[int] = Future()
-        command = EngineCommand(CommandKind.RESET_PREFIX_CACHE)
-        command.done = done
-        self._input_queue.put(command)
-        return done
-
-    def give_up(self, message: str) -> None:
-        """Fail every request with `message` (the ranks did not come back); the engine is
-        failed from now on."""
-        self._input_queue.put(EngineCommand(CommandKind.GIVE_UP, fault=Fault("rank_died", message)))
-
     @property
     def is_idle(self) -> bool:
         """No request runs or waits (as of the loop's latest iteration)."""
@@ -179,15 +80,10 @@ class EngineCoreProc:
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish the current iteration, stop the loop and shut the executor down."""
-        self._input_queue.put(EngineCommand(CommandKind.SHUTDOWN))
+        self.inbox.shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.engine_core.shutdown()
-
-    def _put_abort(self, command: EngineCommand) -> None:
-        with self._lock:
-            self._input_queue.put(command)
-            self._step_aborts.append(command)
 
     def _run(self) -> None:
         while True:
@@ -206,15 +102,7 @@ class EngineCoreProc:
     def _run_once(self) -> bool:
         """One iteration; False once a shutdown command was met."""
         engine_core = self.engine_core
-        commands = [] if engine_core.has_work() else [self._input_queue.get()]
-        with self._lock:
-            while True:
-                try:
-                    commands.append(self._input_queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._step_aborts.clear()
-        for command in commands:
+        for command in self.inbox.take(wait=not engine_core.has_work()):
             if command.kind is CommandKind.SHUTDOWN:
                 return False
             self._apply(command)
@@ -245,6 +133,12 @@ class EngineCoreProc:
             engine_core.abort_requests(command.client_id, command.client_handles)
         elif command.kind is CommandKind.CLOSE_CLIENT:
             engine_core.abort_client(command.client_id)
+        elif command.kind is CommandKind.TOKENIZER:
+            engine_core.set_tokenizer(
+                command.client_id, command.tokenizer_json, command.client_handles
+            )
+        elif command.kind is CommandKind.WAKE:
+            pass
         elif command.kind is CommandKind.DRAIN:
             engine_core.is_draining = True
         elif command.kind is CommandKind.ABORT_ALL:
@@ -271,7 +165,7 @@ class EngineCoreProc:
             assert command.executor is not None and command.done is not None
             if engine_core.suspension is None:  # failed meanwhile (or never suspended)
                 command.executor.shutdown()
-                command.done.set_result(0)
+                command.done.set_result(None)
                 return
             num_requests = engine_core.num_requests
             self._route(engine_core.stamp(engine_core.resume(command.executor, command.num_blocks)))
@@ -290,12 +184,10 @@ class EngineCoreProc:
         suspension = engine_core.suspension
         if suspension is not None and suspension is not self._reported_suspension:
             self._reported_suspension = suspension
-            self._on_suspended(suspension)
+            self._on_suspended(suspension, engine_core.num_requests)
 
     def _apply_step_aborts(self) -> None:
-        with self._lock:
-            aborts, self._step_aborts = self._step_aborts, []
-        for command in aborts:
+        for command in self.inbox.take_step_aborts():
             self._apply(command)
 
     def _send_kv_events(self, outputs: dict[int, EngineCoreOutputs]) -> None:

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
-from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
+from core_svc.step_update import StepUpdate
+from splitserve_contracts.output_types import LogprobsTable, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def make_detail(
-    request: Request, model_runner_output: ModelRunnerOutput | None = None
+    request: Request,
+    new_logprobs: LogprobsTable | None = None,
+    prompt_logprobs: LogprobsTable | None = None,
 ) -> EngineCoreOutput:
     """A request's details beyond its new tokens: finish, logprobs, pending events, and
     the prefix-cache hit with its first token."""
-    new_logprobs = prompt_logprobs = None
-    if model_runner_output is not None:
-        new_logprobs = model_runner_output.logprobs.get(request.req_handle)
-        prompt_logprobs = model_runner_output.prompt_logprobs.get(request.req_handle)
     is_first_token = len(request.output_token_ids) == 1
     return EngineCoreOutput(
         request_handle=request.client_handle,
@@ -37,7 +40,9 @@ def make_step_outputs(
     """Columnar outputs per client_id: requests[i] gained token_ids[i]. A detail is added
     only when the request finished, has logprobs or has events pending (which includes
     its first token: QUEUED and SCHEDULED are always pending then)."""
-    has_logprobs = bool(model_runner_output.logprobs or model_runner_output.prompt_logprobs)
+    logprobs = {e.req_handle: e.table for e in model_runner_output.logprobs}
+    prompt_logprobs = {e.req_handle: e.table for e in model_runner_output.prompt_logprobs}
+    has_logprobs = bool(logprobs or prompt_logprobs)
     outputs: dict[int, EngineCoreOutputs] = {}
     last_client_id = -1
     handles: list[int] = []
@@ -58,7 +63,20 @@ def make_step_outputs(
         counts.append(1)
         tokens.append(token)
         if request.events or has_logprobs or request.is_finished:
-            details.append(make_detail(request, model_runner_output))
+            handle = request.req_handle
+            details.append(make_detail(request, logprobs.get(handle), prompt_logprobs.get(handle)))
+    return outputs
+
+
+def make_update_outputs(
+    update: StepUpdate, model_runner_output: ModelRunnerOutput, step_id: int
+) -> dict[int, EngineCoreOutputs]:
+    """The outputs of an applied step: the sampled tokens, and a final detail for each request
+    that failed."""
+    outputs = make_step_outputs(update.sampled_reqs, update.sampled_token_ids, model_runner_output)
+    if update.failed:
+        logger.error("step %d: %d requests failed", step_id, len(update.failed))
+        merge_outputs(outputs, make_final_outputs(update.failed))
     return outputs
 
 

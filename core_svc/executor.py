@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 FaultCause = Literal["rank_died", "rank_hung"]
 """Why the ranks stopped serving: a rank died, broke its stream or failed a step (rank_died),
-or a step outlived its budget (rank_hung). The label `cause` of the recovery metrics."""
+or a step outlived its timeout (rank_hung). The label `cause` of the recovery metrics."""
 FAULT_CAUSES: tuple[FaultCause, ...] = ("rank_died", "rank_hung")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Why the engine stopped stepping: the executor's failure."""
+
+    cause: FaultCause
+    message: str
 
 
 class ExecutorError(Exception):

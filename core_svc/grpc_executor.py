@@ -6,13 +6,13 @@ is serialised once, the same bytes go to every rank's stream, and the busy-loop 
 reading the output rank's reply. Nothing on that path waits for the asyncio loop that serves the
 frontends (which may be busy sending the previous step's outputs). One watcher thread per other
 rank reads its stream: an error reply, a closed stream or a broken connection on ANY rank fails
-the executor at once (the pending step raises ExecutorError and `on_failure` reports it) instead
-of waiting for a timeout; a watchdog cancels a step that outlives its budget (core_svc.step_budget).
-A failed executor stays failed: after the ranks are brought up again (core_svc/recovery.py) the
+the executor at once (the pending step raises ExecutorError and `on_failure` reports it, with the
+executor) instead of waiting for a fixed timeout; a watchdog cancels a step that outlives its
+timeout (core_svc.step_timeout). A failed executor stays failed: after the ranks are brought up again (core_svc/recovery.py) the
 engine runs on a new one, with new streams and the new owner epoch.
 
 Under --async-scheduling the engine sends step N+1 (`submit_model`) before it reads step N's
-output (`collect_model`): the streams carry both, the ranks run them in order, and the budget
+output (`collect_model`): the streams carry both, the ranks run them in order, and the timeout
 clock of a step starts when the step before it answered.
 """
 
@@ -30,9 +30,9 @@ import grpc
 
 from core_svc import convert
 from core_svc.executor import ExecutorError, FaultCause
-from core_svc.outputs import ModelRunnerOutput
 from core_svc.scheduler_output import SchedulerOutput
-from core_svc.step_budget import StepBudget
+from core_svc.step_timeout import StepTimeout
+from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.channels import ChannelSecurity, open_channel
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
@@ -85,7 +85,7 @@ class _RankStream:
         self.outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.replies: Iterator[worker_pb2.ExecuteResponse] = method(
             iter(self.outbox.get, _CLOSE),
-            metadata=((OWNER_EPOCH_METADATA_KEY, str(owner_epoch)),),
+            metadata=security.call_metadata((OWNER_EPOCH_METADATA_KEY, str(owner_epoch))),
         )
 
     def close(self) -> None:
@@ -101,8 +101,8 @@ class GrpcExecutor:
         self,
         addrs: list[str],
         output_rank: int,
-        budget: StepBudget,
-        on_failure: Callable[[str, FaultCause], None],
+        timeout: StepTimeout,
+        on_failure: Callable[[GrpcExecutor, str, FaultCause], None],
         on_timing: Callable[[float, float], None],
         security: ChannelSecurity | None = None,
         owner_epoch: int = 0,
@@ -111,7 +111,7 @@ class GrpcExecutor:
         self._security = security or ChannelSecurity(None, WORKER_ROLE)
         self._owner_epoch = owner_epoch
         self.output_rank = output_rank
-        self.budget = budget
+        self.timeout = timeout
         self._on_failure = on_failure
         self._on_timing = on_timing
         self._streams: list[_RankStream] = []
@@ -119,7 +119,7 @@ class GrpcExecutor:
         self._in_flight: deque[_InFlight] = deque()
         self._step_started: float | None = None
         """monotonic time the oldest step in flight started running (for the watchdog)."""
-        self._step_budget = 0.0
+        self._step_timeout = 0.0
         self._last_reply = 0.0
         """perf_counter of the latest reply: a step sent before it waited for its turn."""
         self._stopped = threading.Event()
@@ -129,7 +129,7 @@ class GrpcExecutor:
     @property
     def has_stepped(self) -> bool:
         """Whether any step ran to its end on these ranks."""
-        return self.budget.has_observed
+        return self.timeout.has_observed
 
     def open(self) -> None:
         """Open one Execute stream per rank; start the watchers and the watchdog."""
@@ -161,12 +161,21 @@ class GrpcExecutor:
         num_tokens = scheduler_output.total_num_scheduled_tokens
         self._in_flight.append(_InFlight(scheduler_output.step_id, num_tokens, time.perf_counter()))
         if len(self._in_flight) == 1:
-            self._start_budget_clock(num_tokens)
+            self._start_timeout_clock(num_tokens)
         for stream in self._streams:
             stream.outbox.put(payload)
 
-    def _start_budget_clock(self, num_tokens: int) -> None:
-        self._step_budget = self.budget.budget(num_tokens)
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the grammar bitmask of a step sent with has_pending_grammar (busy-loop
+        thread): every rank waits for it after the step's forward, before sampling."""
+        if self.failure is not None:
+            raise ExecutorError(self.failure, self.failure_cause)
+        payload = convert.grammar_output_to_proto(scheduler_output).SerializeToString()
+        for stream in self._streams:
+            stream.outbox.put(payload)
+
+    def _start_timeout_clock(self, num_tokens: int) -> None:
+        self._step_timeout = self.timeout.seconds(num_tokens)
         self._step_started = time.monotonic()
 
     def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -177,10 +186,10 @@ class GrpcExecutor:
         reply = self._read_output_rank()
         step = self._in_flight.popleft()
         assert self._step_started is not None
-        self.budget.observe(step.num_tokens, time.monotonic() - self._step_started)
+        self.timeout.observe(step.num_tokens, time.monotonic() - self._step_started)
         self._step_started = None
         if self._in_flight:
-            self._start_budget_clock(self._in_flight[0].num_tokens)
+            self._start_timeout_clock(self._in_flight[0].num_tokens)
         now = time.perf_counter()
         self._on_timing(now - max(step.sent, self._last_reply), reply.timings.total_seconds)
         self._last_reply = now
@@ -238,13 +247,13 @@ class GrpcExecutor:
             )
 
     def _watchdog(self) -> None:
-        """Fail the executor when a step outlives its budget (a hung or stopped rank)."""
+        """Fail the executor when a step outlives its timeout (a hung or stopped rank)."""
         while not self._stopped.wait(0.25):
-            started, budget = self._step_started, self._step_budget
-            if started is not None and time.monotonic() - started > budget:
+            started, timeout = self._step_started, self._step_timeout
+            if started is not None and time.monotonic() - started > timeout:
                 self._fail(
                     f"a step got no answer from worker rank {self.output_rank} within its "
-                    f"budget of {budget:.1f} s (a rank is hung or stopped)",
+                    f"timeout of {timeout:.1f} s (a rank is hung or stopped)",
                     "rank_hung",
                 )
 
@@ -256,7 +265,7 @@ class GrpcExecutor:
                 return
             self.failure, self.failure_cause = message, cause
         logger.error("executor failed: %s", message)
-        self._on_failure(message, cause)
+        self._on_failure(self, message, cause)
         self._streams[self.output_rank].replies.cancel()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:

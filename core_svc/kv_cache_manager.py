@@ -232,6 +232,7 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request.req_handle, ())]
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
 
     def reset(self, num_blocks: int) -> None:

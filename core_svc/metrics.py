@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core_svc.executor import FAULT_CAUSES
-from core_svc.outputs import SchedulerStats
+from splitserve_contracts.output_types import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 HOP_BUCKETS = (
@@ -67,17 +67,33 @@ class CoreMetrics:
         engine: str,
         cache_config: dict[str, str],
     ) -> None:
-        values = (model_name, engine)
+        self._registry = registry
+        self._values = (model_name, engine)
+        self._add_scheduler_metrics()
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache config.",
+            sorted(cache_config),
+            registry=registry,
+        )
+        info.labels(**cache_config).set(1)
+        self._add_timing_metrics()
+        self._add_recovery_metrics()
+        self._last = SchedulerStats()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABELS, registry=registry).labels(*values)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self._registry).labels(*self._values)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=registry).labels(*values)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self._registry).labels(*self._values)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        histogram = Histogram(name, doc, LABELS, buckets=buckets, registry=self._registry)
+        return histogram.labels(*self._values)
 
+    def _add_scheduler_metrics(self) -> None:
+        """vLLM's scheduler metrics (fed by `observe_stats`)."""
+        gauge, counter = self._gauge, self._counter
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -97,18 +113,15 @@ class CoreMetrics:
             "splitserve_core_encoder_cache_hits",
             "Multimodal items whose encoder output was already cached (no encoder run).",
         )
-        self.iteration_tokens = histogram(
+        self.iteration_tokens = self._histogram(
             "vllm:iteration_tokens_total",
             "Number of tokens per engine step.",
             ITERATION_TOKEN_BUCKETS,
         )
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the KV cache config.",
-            sorted(cache_config),
-            registry=registry,
-        )
-        info.labels(**cache_config).set(1)
+
+    def _add_timing_metrics(self) -> None:
+        """Where a step's time goes: the step, the worker round trip, the hops."""
+        histogram = self._histogram
         self.step_seconds = histogram(
             "splitserve_core_step_seconds",
             "Engine step time (schedule, workers, update) on the core's clock: one "
@@ -134,26 +147,31 @@ class CoreMetrics:
             "the message being written to that frontend's stream.",
             HOP_BUCKETS,
         )
-        self.streams = gauge("splitserve_core_frontend_streams", "Open frontend EngineStreams.")
+        self.streams = self._gauge(
+            "splitserve_core_frontend_streams", "Open frontend EngineStreams."
+        )
+
+    def _add_recovery_metrics(self) -> None:
+        """Rank recoveries (core_svc/recovery.py)."""
         recoveries = Counter(
             "splitserve_engine_recoveries",
             "Times the engine lost its worker ranks and began bringing them up again, by cause "
             "(rank_died: a rank exited, broke its stream or failed a step; rank_hung: a step "
-            "outlived its budget).",
+            "outlived its timeout).",
             [*LABELS, "cause"],
-            registry=registry,
+            registry=self._registry,
         )
+        values = self._values
         self.recoveries = {cause: recoveries.labels(*values, cause) for cause in FAULT_CAUSES}
-        self.recovery_seconds = histogram(
+        self.recovery_seconds = self._histogram(
             "splitserve_engine_recovery_seconds",
             "Time from losing the worker ranks to stepping again on the ranks brought up anew.",
             RECOVERY_BUCKETS,
         )
-        self.requests_resumed = counter(
+        self.requests_resumed = self._counter(
             "splitserve_engine_requests_resumed",
             "Requests kept through a recovery and scheduled again on the new ranks.",
         )
-        self._last = SchedulerStats()
 
     def observe_stats(self, stats: SchedulerStats, step_seconds: float | None) -> None:
         """Called after every loop iteration with the scheduler's cumulative snapshot."""

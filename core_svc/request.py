@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from core_svc.mm_inputs import MultiModalFeatureSpec
-from core_svc.outputs import EngineCoreEvent, EngineCoreEventType, ErrorKind, FinishReason
+from splitserve_contracts.output_types import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    ErrorKind,
+    FinishReason,
+)
+
+if TYPE_CHECKING:
+    from core_svc.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(IntEnum):
@@ -79,6 +88,8 @@ class Request:
         "num_output_placeholders",
         "is_known_to_workers",
         "mm_features",
+        "structured_output",
+        "is_resumed",
     )
 
     def __init__(
@@ -99,6 +110,8 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         mm_features: tuple[MultiModalFeatureSpec, ...] = (),
+        structured_output: StructuredOutputRequest | None = None,
+        is_resumed: bool = False,
     ) -> None:
         self.req_handle = -1
         self.client_id = client_id
@@ -108,6 +121,9 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or ())
         """Outputs so far; a request a frontend resubmitted (its engine core restarted)
         arrives with the ones it already had."""
+        self.is_resumed = is_resumed
+        """A frontend resubmitted it (EngineCoreRequest.resumed): an engine core admitted it
+        before, so the queue limits give it room (within a bound: EngineCore)."""
         self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_params = sampler_params
@@ -149,6 +165,8 @@ class Request:
         self.mm_features = mm_features
         """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept
         until the request finishes: a recompute may run the encoder again."""
+        self.structured_output = structured_output
+        """Its grammar state when its output is constrained (structured outputs), else None."""
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from core_svc.mm_inputs import mm_features_problem
 from core_svc.request import Request
 from core_svc.scheduler_config import SchedulerConfig
+from splitserve_contracts.structured_outputs import InvalidStructuredOutputs, validate
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
@@ -43,6 +44,11 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
     if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
         return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
+    if request.structured_output is not None:
+        try:
+            validate(request.structured_output.params)
+        except InvalidStructuredOutputs as err:
+            return err.describe()
     return mm_features_problem(
         request.mm_features, num_prompt_tokens, scheduler_config.max_tokens_per_mm_item
     )

@@ -9,16 +9,17 @@ from collections.abc import Iterable, Sequence
 
 from core_svc.block_hash import BlockHasher
 from core_svc.block_pool import KVCacheBlock
-from core_svc.encoder_budget import EncoderScheduler
-from core_svc.engine_outputs import make_final_outputs, make_step_outputs, merge_outputs
+from core_svc.encoder_scheduler import EncoderScheduler
+from core_svc.engine_outputs import make_final_outputs, make_update_outputs
 from core_svc.kv_cache_manager import KVCacheManager
-from core_svc.outputs import EngineCoreEventType, EngineCoreOutputs, ErrorKind, ModelRunnerOutput
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_builder import StepBuilder
-from core_svc.step_update import ScheduledStep, append_sampled_tokens
+from core_svc.step_update import ScheduledStep, StepUpdate, StepUpdater
+from splitserve_contracts.output_types import EngineCoreEventType, ErrorKind, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,14 @@ class Scheduler:
 
     Invariants: every request in `requests` is in exactly one of `running` (status
     RUNNING) or `waiting` (WAITING or PREEMPTED, 0 computed tokens, no blocks).
+
+    This scheduler runs in lockstep: one step in flight, applied before the next is built.
+    AsyncScheduler (core_svc/async_scheduler.py) schedules ahead through the hooks
+    `_after_schedule` and `_after_update`.
     """
+
+    max_steps_in_flight = 1
+    """Steps the engine may send before it applies the oldest one's output."""
 
     def __init__(
         self,
@@ -51,16 +59,20 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.prefill_token_budget = scheduler_config.prefill_token_budget
-        self.vocab_size = scheduler_config.vocab_size
         self.policy = scheduler_config.policy
-        self.async_scheduling = scheduler_config.async_scheduling
-        self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = kv_cache_manager
         self.block_hasher = BlockHasher(cache_config.block_size)
         budget = scheduler_config.encoder_compute_budget
         self.encoder = EncoderScheduler(budget, budget, scheduler_config.disable_chunked_mm_input)
         """Encoder inputs of multimodal requests (idle for text-only ones)."""
+        self._updater = StepUpdater(
+            kv_cache_manager,
+            self.block_hasher,
+            self.encoder,
+            max_model_len=self.max_model_len,
+            vocab_size=scheduler_config.vocab_size,
+        )
         self.requests: dict[int, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -77,9 +89,11 @@ class Scheduler:
         throughput counts a prompt when its first token arrives), since the engine started."""
         self.num_generation_tokens = 0
         """Tokens sampled since the engine started."""
+        self.num_structured = 0
+        """Requests with a grammar among `requests` (0: steps skip the grammar work)."""
         self._in_flight: deque[ScheduledStep] = deque()
-        """Scheduled steps whose outputs are not applied yet, oldest first (one at most unless
-        `async_scheduling`)."""
+        """Scheduled steps whose outputs are not applied yet, oldest first (at most
+        `max_steps_in_flight`)."""
 
     def add_request(self, request: Request) -> None:
         if self.enable_caching:
@@ -87,6 +101,8 @@ class Scheduler:
                 request.block_hashes, request.all_token_ids, request.cache_salt, request.mm_features
             )
         self.requests[request.req_handle] = request
+        if request.structured_output is not None:
+            self.num_structured += 1
         self.waiting.add_request(request)
         self.num_waiting_tokens += request.num_tokens
         request.record_event(EngineCoreEventType.QUEUED)
@@ -114,10 +130,37 @@ class Scheduler:
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         num_computed = [request.num_computed_tokens for request in scheduled]
         in_flight = ScheduledStep(self.step_id, scheduled, num_computed)
-        if self.async_scheduling:
-            in_flight.add_output_placeholders()
+        if self.num_structured:
+            in_flight.structured = self._structured_rows(scheduled, num_computed)
+        self._after_schedule(in_flight)
         self._in_flight.append(in_flight)
         return output
+
+    @staticmethod
+    def _structured_rows(
+        scheduled: list[Request], num_computed: list[int]
+    ) -> list[tuple[Request, int]]:
+        """The constrained requests that sample in the step (their scheduled tokens reach the
+        end of what is known, placeholders included), with the sampled token's position."""
+        return [
+            (request, position)
+            for request, position in zip(scheduled, num_computed, strict=True)
+            if request.structured_output is not None
+            and position == len(request.all_token_ids) + request.num_output_placeholders
+        ]
+
+    def structured_rows(self, step_id: int) -> list[tuple[Request, int]]:
+        """The constrained sampling requests of the step in flight `step_id`."""
+        for scheduled in reversed(self._in_flight):
+            if scheduled.step_id == step_id:
+                return scheduled.structured
+        return []
+
+    def _after_schedule(self, scheduled: ScheduledStep) -> None:
+        """Hook: the step is built and about to be sent (AsyncScheduler: output placeholders)."""
+
+    def _after_update(self, update: StepUpdate) -> None:
+        """Hook: a step's output was applied (AsyncScheduler: placeholders taken back)."""
 
     @property
     def has_steps_in_flight(self) -> bool:
@@ -220,7 +263,8 @@ class Scheduler:
                 token_budget += num_returned
                 index -= 1
                 self.encoder.cancel(victim, step.remove_encoder_inputs(victim))
-            self._preempt(victim)
+            self.num_preemptions += 1
+            self._requeue(victim)  # recompute: blocks dropped, back to the queue's front
             if victim is request:
                 return None, token_budget, index
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -235,11 +279,6 @@ class Scheduler:
         victim = max(self.running, key=lambda r: (r.priority, r.req_handle))
         self.running.remove(victim)
         return victim
-
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the blocks, start over from the waiting queue front."""
-        self.num_preemptions += 1
-        self._requeue(request)
 
     def _requeue(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -328,39 +367,27 @@ class Scheduler:
         ranks refused for their own invalid data end with INVALID_REQUEST; a request whose
         scheduled tokens reached its end but sampled nothing, or sampled an id outside the
         vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
-        refused = self._fail_refused(model_runner_output.failed_reqs)
         scheduled = self._in_flight.popleft()
-        update = append_sampled_tokens(self, scheduled, scheduler_output, model_runner_output)
+        update = self._updater.apply(
+            scheduled, scheduler_output, model_runner_output, self.requests
+        )
+        self._after_update(update)
         self.num_prompt_tokens += update.num_prompt_tokens
         self.num_generation_tokens += len(update.sampled_token_ids)
-        outputs = make_step_outputs(
-            update.sampled_reqs, update.sampled_token_ids, model_runner_output
-        )
-        failed = refused + update.failed
-        if failed:
-            logger.error("step %d: %d requests failed", self.step_id, len(failed))
-            merge_outputs(outputs, make_final_outputs(failed))
-        finished = update.finished + failed
+        outputs = make_update_outputs(update, model_runner_output, scheduled.step_id)
+        finished = update.finished + update.failed
         if finished:
             for request in finished:
                 self._free_request(request)
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
-    def _fail_refused(self, failed_reqs: dict[int, str]) -> list[Request]:
-        refused = []
-        for handle, reason in failed_reqs.items():
-            request = self.requests.get(handle)
-            if request is not None and not request.is_finished:
-                request.fail(ErrorKind.INVALID_REQUEST, reason)
-                refused.append(request)
-        return refused
-
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder.free(request)
-        self.requests.pop(request.req_handle, None)
+        if self.requests.pop(request.req_handle, None) is not None:
+            self.num_structured -= request.structured_output is not None
         if request.is_known_to_workers:
             self.finished_req_handles.append(request.req_handle)
 

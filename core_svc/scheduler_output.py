@@ -77,6 +77,15 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """Allowed-token masks of a step's constrained requests: one row of ceil(vocab / 32)
+    little-endian int32 words per entry of req_handles, concatenated in `bitmask`."""
+
+    req_handles: list[int]
+    bitmask: bytes
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step: num_scheduled_tokens has one entry per scheduled_new_reqs, then one per
     scheduled_cached_reqs.req_handles; finished_req_handles were freed since the last step."""
@@ -91,3 +100,7 @@ class SchedulerOutput:
     """Request handle -> indices of its mm_features whose encoder runs this step."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder cache entries the workers drop before the step."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Masks of the constrained requests that sample in this step (structured outputs)."""
+    has_pending_grammar: bool = False
+    """The bitmask follows in a message of its own (it needs an older step's tokens)."""

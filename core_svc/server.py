@@ -25,6 +25,7 @@ from core_svc.engine_loop import EngineCoreProc
 from core_svc.kv_events import KVEventBatch
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
+from splitserve_contracts import output_convert
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 
@@ -128,7 +129,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self._streams = streams
         self._info = info
         self._metrics = metrics
-        streams.on_overflow = proc.close_client
+        streams.on_overflow = proc.inbox.close_client
 
     async def close_streams(self) -> None:
         """End every EngineStream (shutdown): their requests are aborted."""
@@ -147,15 +148,15 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
     async def GetSchedulerStats(  # noqa: N802
         self, request: core_pb2.GetSchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.GetSchedulerStatsResponse:
-        stats = convert.scheduler_stats_to_proto(self._proc.latest_stats)
+        stats = output_convert.scheduler_stats_to_proto(self._proc.latest_stats)
         return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: core_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.ResetPrefixCacheResponse:
-        done = asyncio.wrap_future(self._proc.reset_prefix_cache())
+        done = asyncio.wrap_future(self._proc.inbox.reset_prefix_cache())
         try:
-            num_used_blocks = await asyncio.wait_for(done, RESET_PREFIX_CACHE_TIMEOUT_S)
+            num_used_blocks = await asyncio.wait_for(done, RESET_PREFIX_CACHE_TIMEOUT_S) or 0
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the engine loop did not answer; retry later"
@@ -197,11 +198,11 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 if client_id in self._streams.overflowed:
                     return
                 if self._streams.needs_kv_resync(client_id, queue):
-                    proc.subscribe_kv_events(client_id)
+                    proc.inbox.subscribe_kv_events(client_id)
         finally:
             self._streams.close(client_id)
             self._metrics.streams.set(len(self._streams))
-            proc.close_client(client_id)
+            proc.inbox.close_client(client_id)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -220,18 +221,23 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                 kind = msg.WhichOneof("payload")
                 if kind == "add":
                     now = time.monotonic()
-                    proc.add_requests(
+                    proc.inbox.add_requests(
                         client_id,
                         [convert.request_from_proto(r, client_id, now) for r in msg.add.requests],
                     )
                 elif kind == "abort":
-                    proc.abort_requests(client_id, list(msg.abort.request_handles))
+                    proc.inbox.abort_requests(client_id, list(msg.abort.request_handles))
+                elif kind == "tokenizer":
+                    info = msg.tokenizer
+                    proc.inbox.set_tokenizer(
+                        client_id, info.tokenizer_json, list(info.eos_token_ids)
+                    )
                 elif kind == "ping":
                     queue.put_nowait(
                         core_pb2.EngineStreamResponse(pong=core_pb2.Pong(ping_id=msg.ping.ping_id))
                     )
                 elif kind == "subscribe_kv_events":
-                    proc.subscribe_kv_events(client_id)
+                    proc.inbox.subscribe_kv_events(client_id)
         except grpc.RpcError:
             pass
         finally:

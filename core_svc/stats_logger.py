@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core_svc.outputs import SchedulerStats
+from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,15 +4,15 @@ failed (the half of the scheduler that runs when a step's output comes back)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from core_svc.outputs import ErrorKind, ModelRunnerOutput
+from core_svc.block_hash import BlockHasher
+from core_svc.encoder_scheduler import EncoderScheduler
+from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.stop_check import check_stop
-
-if TYPE_CHECKING:
-    from core_svc.scheduler import Scheduler
+from core_svc.structured_output import StructuredOutputRequest
+from splitserve_contracts.output_types import ErrorKind, ModelRunnerOutput
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -37,79 +37,128 @@ class ScheduledStep:
     step_id: int
     requests: list[Request]
     num_computed_tokens: list[int]
-
-    def add_output_placeholders(self) -> None:
-        """Async scheduling: a request whose scheduled tokens reach its end samples in this
-        step; its token is a placeholder until the step's output comes back (the next step may
-        be scheduled before that, with the placeholder as its input). Applying the output
-        takes the placeholder back."""
-        for request, num_computed in zip(self.requests, self.num_computed_tokens, strict=True):
-            if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+    structured: list[tuple[Request, int]] = field(default_factory=list)
+    """The constrained requests that sample in the step, each with the position of the token
+    it samples (its num_computed_tokens once the step has run)."""
 
 
-def append_sampled_tokens(
-    scheduler: Scheduler,
-    scheduled: ScheduledStep,
-    scheduler_output: SchedulerOutput,
-    model_runner_output: ModelRunnerOutput,
-) -> StepUpdate:
-    """Per scheduled request: cache blocks that became full, then append its sampled
-    token, extend its block hashes and check stops."""
+class StepUpdater:
+    """Applies steps' outputs to their requests, with the scheduler's KV cache, block hasher
+    and encoder scheduler."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        block_hasher: BlockHasher,
+        encoder: EncoderScheduler,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_hasher = block_hasher
+        self.encoder = encoder
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def apply(
+        self,
+        scheduled: ScheduledStep,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        requests: dict[int, Request],
+    ) -> StepUpdate:
+        """Fail the requests the ranks refused for their own invalid data (INVALID_REQUEST);
+        then per scheduled request: cache blocks that became full, append its sampled token,
+        extend its block hashes and check stops. `requests`: the live ones by req_handle."""
+        _check_order(scheduled, scheduler_output)
+        update = StepUpdate(failed=_fail_refused(model_runner_output, requests))
+        sampled = dict(
+            zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
+        )
+        kv = self.kv_cache_manager
+        block_size, max_model_len, vocab_size = kv.block_size, self.max_model_len, self.vocab_size
+        cache_blocks = kv.cache_blocks if kv.enable_caching else None
+        extend_hashes = self.block_hasher.extend
+        for request, num_new_tokens, num_computed in zip(
+            scheduled.requests,
+            scheduler_output.num_scheduled_tokens,
+            scheduled.num_computed_tokens,
+            strict=True,
+        ):
+            if request.status is not _RUNNING:
+                continue
+            all_token_ids = request.all_token_ids
+            if cache_blocks and num_computed % block_size < num_new_tokens:
+                cache_blocks(request, num_computed)  # a block became full this step
+            if request.mm_features:
+                self.encoder.release_computed(request)
+            if num_computed < len(all_token_ids):
+                continue  # a prefill chunk: nothing sampled
+            token = sampled.get(request.req_handle)
+            if token is None or token >= vocab_size:
+                update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
+                continue
+            if not request.output_token_ids:
+                update.num_prompt_tokens += request.num_prompt_tokens
+            request.output_token_ids.append(token)
+            all_token_ids.append(token)
+            if cache_blocks and len(all_token_ids) % block_size == 0:
+                extend_hashes(
+                    request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
+                )
+            grammar = request.structured_output
+            if grammar is not None and _grammar_stops(request, grammar, token, update):
+                pass
+            elif (
+                token in request.all_stop_token_ids
+                or len(request.output_token_ids) >= request.max_tokens
+            ) and check_stop(request, max_model_len):
+                update.finished.append(request)
+            update.sampled_reqs.append(request)
+            update.sampled_token_ids.append(token)
+        return update
+
+
+def _grammar_stops(
+    request: Request, grammar: StructuredOutputRequest, token: int, update: StepUpdate
+) -> bool:
+    """Advance the request's matcher by its new token: a complete grammar finishes it (STOP), a
+    token the grammar refuses (its mask did not hold) fails it; True when it ended."""
+    if not grammar.accept(token):
+        request.fail(
+            ErrorKind.ENGINE_FAILURE,
+            f"the output rank sampled token {token}, which the request's grammar does not allow",
+        )
+        update.failed.append(request)
+        return True
+    if grammar.is_terminated:
+        request.finish(RequestStatus.FINISHED_STOPPED)
+        update.finished.append(request)
+        return True
+    return False
+
+
+def _check_order(scheduled: ScheduledStep, scheduler_output: SchedulerOutput) -> None:
     if scheduled.step_id != scheduler_output.step_id:
         raise AssertionError(
             f"the output of step {scheduler_output.step_id} came before step {scheduled.step_id}'s"
         )
-    is_async = scheduler.async_scheduling
-    sampled = dict(
-        zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
-    )
-    update = StepUpdate()
-    block_size = scheduler.block_size
-    max_model_len = scheduler.max_model_len
-    vocab_size = scheduler.vocab_size
-    cache_blocks = scheduler.kv_cache_manager.cache_blocks if scheduler.enable_caching else None
-    extend_hashes = scheduler.block_hasher.extend
-    for request, num_new_tokens, num_computed in zip(
-        scheduled.requests,
-        scheduler_output.num_scheduled_tokens,
-        scheduled.num_computed_tokens,
-        strict=True,
-    ):
-        if request.status is not _RUNNING:
-            continue
-        all_token_ids = request.all_token_ids
-        if cache_blocks and num_computed % block_size < num_new_tokens:
-            cache_blocks(request, num_computed)  # a block became full this step
-        if request.mm_features:
-            scheduler.encoder.release_computed(request)
-        if num_computed < len(all_token_ids):
-            continue  # a prefill chunk: nothing sampled
-        token = sampled.get(request.req_handle)
-        if token is None or token >= vocab_size:
-            request.fail(
-                ErrorKind.ENGINE_FAILURE,
-                f"step {scheduler.step_id}: the output rank sampled "
-                f"{'no token' if token is None else 'a token outside the vocabulary'}",
-            )
-            update.failed.append(request)
-            continue
-        if is_async:  # the ranks appended it themselves
-            request.num_output_placeholders -= 1
-            request.num_sent_token_ids += 1
-        if not request.output_token_ids:
-            update.num_prompt_tokens += request.num_prompt_tokens
-        request.output_token_ids.append(token)
-        all_token_ids.append(token)
-        if cache_blocks and len(all_token_ids) % block_size == 0:
-            extend_hashes(
-                request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
-            )
-        if (
-            token in request.all_stop_token_ids
-            or len(request.output_token_ids) >= request.max_tokens
-        ) and check_stop(request, max_model_len):
-            update.finished.append(request)
-        update.sampled_reqs.append(request)
-        update.sampled_token_ids.append(token)
-    return update
+
+
+def _fail_refused(output: ModelRunnerOutput, requests: dict[int, Request]) -> list[Request]:
+    refused = []
+    for handle, reason in zip(output.failed_req_handles, output.failed_reasons, strict=True):
+        request = requests.get(handle)
+        if request is not None and not request.is_finished:
+            request.fail(ErrorKind.INVALID_REQUEST, reason)
+            refused.append(request)
+    return refused
+
+
+def _fail_unsampled(request: Request, token: int | None, step_id: int) -> Request:
+    """A request whose scheduled tokens reached its end but that sampled nothing, or an id
+    outside the vocabulary: the output rank is broken, the request ends with ENGINE_FAILURE."""
+    what = "no token" if token is None else "a token outside the vocabulary"
+    request.fail(ErrorKind.ENGINE_FAILURE, f"step {step_id}: the output rank sampled {what}")
+    return request

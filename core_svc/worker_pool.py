@@ -90,8 +90,9 @@ class WorkerPool:
 
     @property
     def owner_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The epoch as gRPC metadata (a retried bring-up may move to a larger epoch)."""
-        return ((OWNER_EPOCH_METADATA_KEY, str(self.owner_epoch)),)
+        """The epoch (and the internal secret) as gRPC metadata (a retried bring-up may move to
+        a larger epoch)."""
+        return self.security.call_metadata((OWNER_EPOCH_METADATA_KEY, str(self.owner_epoch)))
 
     async def _call_all(
         self, name: str, requests: Sequence[object], timeout: float
@@ -128,7 +129,9 @@ class WorkerPool:
         for rank, stub in enumerate(self.stubs):
             while True:
                 try:
-                    replies.append(await stub.Describe(worker_pb2.DescribeRequest(), timeout=5.0))
+                    request = worker_pb2.DescribeRequest()
+                    metadata = self.security.call_metadata()
+                    replies.append(await stub.Describe(request, timeout=5.0, metadata=metadata))
                     break
                 except grpc.RpcError as err:
                     if time.monotonic() > deadline:
@@ -263,4 +266,4 @@ def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
             f"room for max_num_seqs {config.max_num_seqs} x max_model_len "
             f"{facts.max_model_len} tokens, all the engine can use"
         )
-    return "the workers' memory budget (their logs say which)"
+    return "the memory the workers may use (their logs say how much)"

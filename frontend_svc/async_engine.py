@@ -28,14 +28,15 @@ from frontend_svc.core_client import (
     RoundTrip,
     StatsRefresh,
 )
-from frontend_svc.engine_types import CoreOutputs, SchedulerStats
+from frontend_svc.engine_types import CoreOutputs
 from frontend_svc.errors import EngineUnavailable, InvalidRequest, Overloaded
 from frontend_svc.kv_events import KvEventHub, KvEvents
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import CompletionDelta, EngineRequest, derived_request_id
 from splitserve_contracts import sampling_rules
+from splitserve_contracts.output_types import FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,17 +84,22 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests; wait up to `timeout` seconds for the running ones to finish
-        (vLLM's --shutdown-timeout). What still runs then ends when the engine closes."""
+        (vLLM's --shutdown-timeout), then end the rest: their streams fail with UNAVAILABLE
+        and the core aborts them (frees their KV blocks)."""
         self.is_draining = True
         deadline = time.monotonic() + timeout
         while self.output_processor.states and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.output_processor.states:
-            logger.warning(
-                "shutdown: %.0f s passed; aborting %d requests still running",
-                timeout,
-                len(self.output_processor.states),
-            )
+        handles = sorted(self.output_processor.states)
+        if not handles:
+            return
+        logger.warning(
+            "shutdown: %g s passed; aborting %d requests still running", timeout, len(handles)
+        )
+        self.output_processor.fail_all(
+            "this frontend is shutting down and its --shutdown-timeout passed; retry the request"
+        )
+        self.client.abort_requests(handles)
 
     @property
     def num_running(self) -> int:
@@ -203,6 +209,18 @@ class AsyncEngine:
                 num_aborted += 1
         return num_aborted
 
+    def check_admission(self, num_requests: int) -> None:
+        """Refuse a call that would add `num_requests` engine requests now: EngineUnavailable
+        while draining, Overloaded past --max-inflight-requests."""
+        if self.is_draining:
+            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
+        limit, num_running = self.max_inflight_requests, len(self.output_processor.states)
+        if limit and num_running + num_requests > limit:
+            raise Overloaded(
+                f"this frontend already streams {num_running} requests and this call needs "
+                f"{num_requests} more (--max-inflight-requests {limit}); retry shortly"
+            )
+
     async def generate(
         self,
         request: EngineRequest,
@@ -216,14 +234,7 @@ class AsyncEngine:
         engine step's delta arrives on its own (one token each: what SSE clients count).
         With `abortable`, `abort(request.request_id)` ends the call (the id must not belong
         to another abortable call in flight)."""
-        if self.is_draining:
-            raise EngineUnavailable("this frontend is shutting down; retry the request elsewhere")
-        limit = self.max_inflight_requests
-        if limit and len(self.output_processor.states) + request.params.n > limit:
-            raise Overloaded(
-                f"this frontend already streams {len(self.output_processor.states)} requests "
-                f"(--max-inflight-requests {limit}); retry shortly"
-            )
+        self.check_admission(request.params.n)
         if abortable and request.request_id in self._abortable:
             raise InvalidRequest(
                 f"request id {request.request_id} is already running; use a new id",
@@ -279,14 +290,12 @@ class AsyncEngine:
         batch: list[tuple[int, EngineRequest]] = []
         for index in range(params.n):
             seed = sampling_rules.child_seed(params.seed, index)
-            child = EngineRequest(
-                request.request_id if params.n == 1 else f"{request.request_id}-{index}",
-                request.prompt_token_ids,
-                dataclasses.replace(params, n=1, seed=seed),
-                request.eos_token_id,
-                request.priority,
-                request.cache_salt,
-                request.mm_features,
+            child = dataclasses.replace(
+                request,
+                request_id=request.request_id
+                if params.n == 1
+                else derived_request_id(request.request_id, f"-{index}"),
+                params=dataclasses.replace(params, n=1, seed=seed),
             )
             handle = self.client.next_handle()
             self.output_processor.add_request(

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
-from splitserve_runtime.flags import FlagParser, non_negative_int, positive_int
+from frontend_svc.openai.http_limits import HttpLimits
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
+from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
-from splitserve_runtime.log_config import add_logging_flags
-from splitserve_runtime.model_spec import add_model_arguments
+from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 from splitserve_runtime.transport_flags import (
     TransportConfig,
-    add_internal_tls_flags,
-    add_listener_flags,
     check_internal_tls,
+    internal_tls_flags,
+    listener_flags,
     optional_port,
 )
 
@@ -26,6 +29,7 @@ DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 DEFAULT_HTTP_PORT = 8000
 """The OpenAI-compatible HTTP server's port, as vLLM's."""
+DEFAULT_HTTP_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class FrontendConfig(TransportConfig):
     core_connect_timeout: float = 900.0
     shutdown_timeout: float = 30.0
     max_inflight_requests: int = 0
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT
     max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
@@ -59,24 +64,44 @@ class FrontendConfig(TransportConfig):
     ssl_keyfile: str = ""
     ssl_ca_certs: str = ""
     max_receive_message_bytes: int = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+    timeout_keep_alive: float = DEFAULT_HTTP_LIMITS.timeout_keep_alive
+    http_header_timeout: float = DEFAULT_HTTP_LIMITS.header_timeout
+    http_body_timeout: float = DEFAULT_HTTP_LIMITS.body_timeout
+    max_http_connections: int = DEFAULT_HTTP_LIMITS.max_connections
     limit_mm_per_prompt: int = DEFAULT_MEDIA_LIMITS.max_images_per_prompt
     max_image_bytes: int = DEFAULT_MEDIA_LIMITS.max_image_bytes
     max_image_pixels: int = DEFAULT_MEDIA_LIMITS.max_image_pixels
+    max_image_side: int = DEFAULT_MEDIA_LIMITS.max_image_side
+    max_image_aspect_ratio: float = DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = DEFAULT_MEDIA_LIMITS.media_fetch_timeout
+    mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     data_parallel_rank: int = 0
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
     def media_limits(self) -> MediaLimits:
-        """Bounds on the images of one request (multimodal models)."""
+        """Bounds on images (multimodal models)."""
         return MediaLimits(
-            self.limit_mm_per_prompt,
-            self.max_image_bytes,
-            self.max_image_pixels,
-            self.allowed_media_domains,
-            self.media_fetch_timeout,
+            max_images_per_prompt=self.limit_mm_per_prompt,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_image_side=self.max_image_side,
+            max_image_aspect_ratio=self.max_image_aspect_ratio,
+            allowed_media_domains=self.allowed_media_domains,
+            media_fetch_timeout=self.media_fetch_timeout,
+            mm_processor_threads=self.mm_processor_threads,
+        )
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The HTTP port's timeouts and connection cap."""
+        return HttpLimits(
+            timeout_keep_alive=self.timeout_keep_alive,
+            header_timeout=self.http_header_timeout,
+            body_timeout=self.http_body_timeout,
+            max_connections=self.max_http_connections,
         )
 
     @property
@@ -87,140 +112,115 @@ class FrontendConfig(TransportConfig):
         return TlsFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve frontend",
-        description="Run the public gRPC frontend (vLLM's P0).",
-        config_file=True,
-    )
-    add_model_arguments(p, is_frontend=True)
-    p.add_argument("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT")
-    p.add_argument(
-        "--served-model-name",
-        default="",
-        help="model name for clients (default: what the engine core reports)",
-    )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=DEFAULT_METRICS_PORT,
-        help="Prometheus /metrics port (-1 disables)",
-    )
-    p.add_argument(
-        "--http-host", default="", help="OpenAI HTTP server address (default: same as --host)"
-    )
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
-    )
-    p.add_argument(
-        "--max-logprobs",
-        type=non_negative_int,
-        default=20,
-        help="largest logprobs / prompt_logprobs a request may ask for",
-    )
-    p.add_argument("--max-n", type=positive_int, default=64, help="largest n a request may ask for")
-    p.add_argument(
-        "--max-stop-strings", type=positive_int, default=32, help="most stop strings per request"
-    )
-    p.add_argument(
-        "--core-connect-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for the engine core at start-up",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds running requests may take to finish (new ones are refused "
-        "with UNAVAILABLE) before they are aborted",
-    )
-    p.add_argument(
-        "--max-inflight-requests",
-        type=non_negative_int,
-        default=0,
-        help="most engine requests this frontend streams at once (n > 1 counts n); more are "
-        "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
-    )
-    p.add_argument(
-        "--max-recovery-seconds",
-        type=float,
-        default=120.0,
-        help="when the stream to the engine core breaks (the core restarts), requests in flight "
-        "wait this long for it to come back and are then resubmitted with the tokens they have "
-        "so far; past it they fail with UNAVAILABLE. 0: fail at once",
-    )
-    p.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="log one line per finished request: id, prompt and output token counts, finish "
-        "reason, latency (never the prompt, unless --max-log-len)",
-    )
-    p.add_argument(
-        "--max-log-len",
-        type=non_negative_int,
-        default=0,
-        help="with --enable-log-requests, also log the first this-many characters of each "
-        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
-    )
-    add_logging_flags(p)
-    add_media_flags(p)
-    add_gateway_flags(p)
-    add_public_security_flags(p)
-    add_internal_tls_flags(p, "the calls to the engine core")
-    add_listener_flags(p, reflection_default=True)
-    return p
-
-
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
 
 
-def add_media_flags(p: FlagParser) -> None:
-    """Images on multimodal models; vLLM's names where vLLM has the flag."""
-    p.add_argument(
+def _seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0 or seconds == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
+    return seconds
+
+
+HTTP_LIMIT_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--timeout-keep-alive",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.timeout_keep_alive,
+        help="close an HTTP connection idle this many seconds: a new one before its first "
+        "byte, or one after its response (uvicorn's and vLLM's default)",
+    ),
+    flag(
+        "--http-header-timeout",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.header_timeout,
+        help="seconds from a request's first byte to the end of its headers; then 408",
+    ),
+    flag(
+        "--http-body-timeout",
+        type=_seconds,
+        default=DEFAULT_HTTP_LIMITS.body_timeout,
+        help="seconds a request's whole body may take after its headers; then 408",
+    ),
+    flag(
+        "--max-http-connections",
+        type=positive_int,
+        default=DEFAULT_HTTP_LIMITS.max_connections,
+        help="HTTP connections open at once; more are refused with 503 (at most half the "
+        "process's open file limit, so that gRPC and the engine keep theirs)",
+    ),
+)
+"""The HTTP port's timeouts and connection cap (uvicorn's name where it has the setting)."""
+
+
+def _aspect_ratio(value: str) -> float:
+    ratio = float(value)
+    if not ratio >= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"an aspect ratio is at least 1, got {value}")
+    return ratio
+
+
+MEDIA_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--limit-mm-per-prompt",
         type=parse_limit_mm_per_prompt,
         default=DEFAULT_MEDIA_LIMITS.max_images_per_prompt,
         help='most images per request, as JSON {"image": N} (default: 4)',
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-image-bytes",
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_bytes,
         help="largest encoded image a request may send or a URL may serve, in bytes (gRPC "
         "requests are also bounded by --max-receive-message-bytes)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-image-pixels",
         type=positive_int,
         default=DEFAULT_MEDIA_LIMITS.max_image_pixels,
         help="largest decoded image, width x height pixels",
-    )
-    p.add_argument(
+    ),
+    flag(
+        "--max-image-side",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.max_image_side,
+        help="longest image width or height, in pixels",
+    ),
+    flag(
+        "--max-image-aspect-ratio",
+        type=_aspect_ratio,
+        default=DEFAULT_MEDIA_LIMITS.max_image_aspect_ratio,
+        help="largest long side / short side of an image (Hugging Face's Qwen2-VL bound): a "
+        "processor that resizes the shortest side makes a larger image the thinner the input",
+    ),
+    flag(
+        "--mm-processor-threads",
+        type=positive_int,
+        default=DEFAULT_MEDIA_LIMITS.mm_processor_threads,
+        help="images decoded and processed at once by this frontend (each can take a few "
+        "hundred MB while it is resized); more wait their turn",
+    ),
+    flag(
         "--allowed-media-domains",
         type=_domains,
         default=(),
         help="hosts whose http(s) image URLs the frontend may fetch (space or comma "
         "separated; public addresses only); empty: remote URLs are refused, only inline "
         "images (bytes, data: URLs) are taken",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--media-fetch-timeout",
         type=float,
         default=DEFAULT_MEDIA_LIMITS.media_fetch_timeout,
         help="seconds one remote image may take to fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
-    )
+    ),
+)
+"""Images on multimodal models; vLLM's names where vLLM has the flag."""
 
 
-def add_gateway_flags(p: FlagParser) -> None:
-    """What a gateway in front of several engines needs from this one (vLLM's names)."""
-    p.add_argument(
+GATEWAY_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--kv-events-config",
         type=parse_kv_events_config,
         default=KVEventsConfig(),
@@ -229,39 +229,139 @@ def add_gateway_flags(p: FlagParser) -> None:
         'contract\'s SubscribeKvEvents and, with "publisher": "zmq" (the default once enabled), '
         'published on "endpoint" (default tcp://*:5557) as vLLM does; "publisher": "null" '
         "serves them over gRPC only",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--data-parallel-rank",
         "-dpr",
         type=non_negative_int,
         default=0,
         help="this engine's rank among data-parallel engines behind one gateway: its ZMQ "
         "KV-event endpoints are offset by it and its events carry it (vLLM's flag)",
-    )
+    ),
+)
+"""What a gateway in front of several engines needs from this one (vLLM's names)."""
 
 
-def add_public_security_flags(p: FlagParser) -> None:
-    """vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
-    p.add_argument(
+PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--api-key",
         default="",
         help="require `authorization: Bearer <key>` on every GenerationService call and on "
-        "the HTTP /v1/* routes (health, metrics and reflection stay open); also read from "
+        "the HTTP /v1/*, /tokenize and /detokenize routes (health, /ping, /version, metrics "
+        "and reflection stay open); also read from "
         "SPLITSERVE_API_KEY or VLLM_API_KEY. Prefer the environment: command lines are "
         "visible to every user of the machine",
-    )
-    p.add_argument("--ssl-certfile", default="", help="PEM certificate: serve the API over TLS")
-    p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
-    p.add_argument(
+    ),
+    flag("--ssl-certfile", default="", help="PEM certificate: serve the API over TLS"),
+    flag("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile"),
+    flag(
         "--ssl-ca-certs",
         default="",
         help="PEM CA bundle: also require client certificates signed by it",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--max-receive-message-bytes",
         type=positive_int,
         default=DEFAULT_PUBLIC_MAX_RECEIVE_BYTES,
-        help="largest request message the public port accepts",
+        help="largest request the public ports accept: a gRPC message, an HTTP body",
+    ),
+)
+"""vLLM's names: --api-key, --ssl-certfile, --ssl-keyfile, --ssl-ca-certs."""
+
+
+FRONTEND_FLAGS: tuple[Flag, ...] = (
+    *model_flags(is_frontend=True),
+    flag("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT"),
+    flag(
+        "--served-model-name",
+        default="",
+        help="model name for clients (default: what the engine core reports)",
+    ),
+    flag("--host", default="0.0.0.0", help="address to listen on"),
+    flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
+    flag(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    ),
+    flag("--http-host", default="", help="OpenAI HTTP server address (default: same as --host)"),
+    flag(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP port (/v1/completions, /health, /metrics; -1 disables)",
+    ),
+    flag(
+        "--max-logprobs",
+        type=non_negative_int,
+        default=20,
+        help="largest logprobs / prompt_logprobs a request may ask for",
+    ),
+    flag("--max-n", type=positive_int, default=64, help="largest n a request may ask for"),
+    flag("--max-stop-strings", type=positive_int, default=32, help="most stop strings per request"),
+    flag(
+        "--core-connect-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the engine core at start-up",
+    ),
+    flag(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish (new ones are refused "
+        "with UNAVAILABLE) before they are aborted",
+    ),
+    flag(
+        "--max-inflight-requests",
+        type=non_negative_int,
+        default=0,
+        help="most engine requests this frontend streams at once (n > 1 counts n); more are "
+        "refused at once with RESOURCE_EXHAUSTED (0: unlimited)",
+    ),
+    flag(
+        "--max-fan-out",
+        type=positive_int,
+        default=DEFAULT_MAX_FAN_OUT,
+        help="most engine requests one call may make: prompts x n on /v1/completions, n "
+        "elsewhere (at least --max-n); more are refused at once with a 400",
+    ),
+    flag(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when the stream to the engine core breaks (the core restarts), requests in flight "
+        "wait this long for it to come back and are then resubmitted with the tokens they have "
+        "so far; past it they fail with UNAVAILABLE. 0: fail at once",
+    ),
+    flag(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per finished request: id, prompt and output token counts, finish "
+        "reason, latency (never the prompt, unless --max-log-len)",
+    ),
+    flag(
+        "--max-log-len",
+        type=non_negative_int,
+        default=0,
+        help="with --enable-log-requests, also log the first this-many characters of each "
+        "prompt (vLLM's name; 0, the default here, logs no prompt text)",
+    ),
+    *LOGGING_FLAGS,
+    *HTTP_LIMIT_FLAGS,
+    *MEDIA_FLAGS,
+    *GATEWAY_FLAGS,
+    *PUBLIC_SECURITY_FLAGS,
+    *internal_tls_flags("the calls to the engine core"),
+    *listener_flags(reflection_default=True),
+)
+"""The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""
+
+
+def build_parser() -> FlagParser:
+    return FlagParser.of_service(
+        "splitserve frontend", "Run the public gRPC frontend (vLLM's P0).", FRONTEND_FLAGS
     )
 
 
@@ -274,6 +374,8 @@ def parse_config(
     check_internal_tls(parser, args)
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    if args.max_fan_out < args.max_n:
+        parser.error("--max-fan-out must be at least --max-n (one call's n fans out n requests)")
     try:
         TlsFiles.from_flags(
             args.ssl_certfile,

@@ -7,13 +7,8 @@ from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import (
-    CoreOutputDetail,
-    CoreOutputs,
-    EngineInfo,
-    LogprobsTable,
-    SchedulerStats,
-)
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.errors import InvalidRequest
 from frontend_svc.kv_events import (
     AllBlocksCleared,
     BlockExtraKeys,
@@ -33,11 +28,19 @@ from frontend_svc.requests import (
     PromptInput,
     TokenLogprobs,
 )
-from splitserve_contracts import sampling_convert
+from splitserve_contracts import sampling_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.output_convert import (
+    engine_core_event_from_proto,
+    enum_member,
+    logprobs_table_from_proto,
+    scheduler_stats_from_proto,
+)
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 
 def _part_from_proto(part: gen_pb2.ContentPart, where: str) -> ContentPart:
@@ -92,7 +95,20 @@ def generate_input_from_proto(
         params=sampling_convert.from_proto(msg.sampling_params, SamplingParams, defaults),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        structured_outputs=_structured_outputs_from_proto(msg),
     )
+
+
+def _structured_outputs_from_proto(msg: gen_pb2.GenerateRequest) -> StructuredOutputsParams | None:
+    if not msg.HasField("structured_outputs"):
+        return None
+    params = structured_outputs.from_proto(msg.structured_outputs)
+    if params is None:
+        raise InvalidRequest(
+            "structured_outputs is set but empty; set one constraint or leave it out",
+            "structured_outputs",
+        )
+    return params
 
 
 def _logprob_to_proto(src: Logprob, dst: types_pb2.Logprob) -> None:
@@ -134,6 +150,14 @@ def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateR
     return msg
 
 
+def tokenizer_info_to_proto(info: TokenizerInfo) -> core_pb2.EngineStreamRequest:
+    """The stream's first message: the tokenizer the core compiles grammars with."""
+    msg = core_pb2.EngineStreamRequest()
+    msg.tokenizer.tokenizer_json = info.tokenizer_json
+    msg.tokenizer.eos_token_ids.extend(info.eos_token_ids)
+    return msg
+
+
 def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineCoreRequest:
     """The engine core reads the stop conditions; the sampler's part of the params travels
     in sampler_params, copied field by field (same names) from SamplingParams."""
@@ -153,7 +177,10 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         msg.eos_token_id = req.eos_token_id
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
+    msg.resumed = req.is_resumed
     sampling_convert.to_proto(params, msg.sampler_params)
+    if req.structured_outputs is not None:
+        structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
     for feature in req.mm_features:
         entry = msg.mm_features.add(
             modality=feature.modality,
@@ -167,39 +194,20 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     return msg
 
 
-def _table_from_proto(msg: types_pb2.LogprobsTable) -> LogprobsTable:
-    return LogprobsTable(
-        msg.num_top_logprobs, list(msg.token_ids), list(msg.logprobs), list(msg.ranks)
-    )
-
-
 def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
+    has = d.HasField
     return CoreOutputDetail(
         handle=d.request_handle,
-        finish_reason=d.finish_reason,
-        stop_token_id=d.stop_token_id if d.HasField("stop_token_id") else None,
-        new_logprobs=_table_from_proto(d.new_logprobs) if d.HasField("new_logprobs") else None,
+        finish_reason=enum_member(FinishReason, d.finish_reason),
+        stop_token_id=d.stop_token_id if has("stop_token_id") else None,
+        new_logprobs=logprobs_table_from_proto(d.new_logprobs) if has("new_logprobs") else None,
         prompt_logprobs=(
-            _table_from_proto(d.prompt_logprobs) if d.HasField("prompt_logprobs") else None
+            logprobs_table_from_proto(d.prompt_logprobs) if has("prompt_logprobs") else None
         ),
-        events=[(e.type, e.timestamp) for e in d.events],
-        num_cached_tokens=d.num_cached_tokens if d.HasField("num_cached_tokens") else None,
+        events=[engine_core_event_from_proto(e) for e in d.events],
+        num_cached_tokens=d.num_cached_tokens if has("num_cached_tokens") else None,
         error_message=d.error_message,
-        error_kind=d.error_kind,
-    )
-
-
-def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> SchedulerStats:
-    return SchedulerStats(
-        num_running_reqs=msg.num_running_reqs,
-        num_waiting_reqs=msg.num_waiting_reqs,
-        kv_cache_usage=msg.kv_cache_usage,
-        prefix_cache_queries=msg.prefix_cache_queries,
-        prefix_cache_hits=msg.prefix_cache_hits,
-        num_preemptions=msg.num_preemptions,
-        step_id=msg.step_id,
-        num_generation_tokens=msg.num_generation_tokens,
-        num_waiting_tokens=msg.num_waiting_tokens,
+        error_kind=enum_member(ErrorKind, d.error_kind),
     )
 
 

@@ -27,12 +27,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo, SchedulerStats
+from frontend_svc.engine_types import CoreOutputs, EngineInfo, TokenizerInfo
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.kv_events import AllBlocksCleared, KvEvents
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.output_types import SchedulerStats
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tls import CORE_ROLE
@@ -116,11 +117,16 @@ class EngineCoreClient:
         max_backoff: float = 1.0,
         ping_interval: float = 1.0,
         security: ChannelSecurity | None = None,
+        tokenizer: TokenizerInfo | None = None,
         subscribe_kv_events: bool = False,
     ) -> None:
         self.core_addr = core_addr
         self.subscribe_kv_events = subscribe_kv_events
         """Ask every stream for the engine's KV-cache events (they arrive as KvEvents)."""
+        self._tokenizer_msg = (
+            None if tokenizer is None else convert.tokenizer_info_to_proto(tokenizer)
+        )
+        """Sent first on every stream: the core compiles structured outputs with it."""
         self.max_backoff = max_backoff
         self.ping_interval = ping_interval
         self._events: asyncio.Queue[CoreEvent] = asyncio.Queue()
@@ -128,9 +134,11 @@ class EngineCoreClient:
         self._ping_ids = itertools.count(1)
         self.num_reconnects = 0
         self._handles = itertools.count(1)
+        security = security or ChannelSecurity(None, CORE_ROLE)
+        self._metadata = security.call_metadata()
         self._channel = open_aio_channel(
             core_addr,
-            security or ChannelSecurity(None, CORE_ROLE),
+            security,
             extra_options=(
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
@@ -184,7 +192,10 @@ class EngineCoreClient:
         while True:
             try:
                 reply = await self._stub.Handshake(
-                    request, timeout=HANDSHAKE_WAIT_SECONDS, wait_for_ready=True
+                    request,
+                    timeout=HANDSHAKE_WAIT_SECONDS,
+                    wait_for_ready=True,
+                    metadata=self._metadata,
                 )
                 return convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
@@ -216,11 +227,13 @@ class EngineCoreClient:
 
     async def _run_stream(self, reconnected: Reconnected | None) -> str:
         self._outbox = asyncio.Queue()
+        if self._tokenizer_msg is not None:
+            self._outbox.put_nowait(self._tokenizer_msg)
         self._pings.clear()
         if self.subscribe_kv_events:
             subscribe = core_pb2.SubscribeKvEvents()
             self._outbox.put_nowait(core_pb2.EngineStreamRequest(subscribe_kv_events=subscribe))
-        call = self._stub.EngineStream()
+        call = self._stub.EngineStream(metadata=self._metadata)
         tasks = [
             asyncio.create_task(self._write(call)),
             asyncio.create_task(self._ping()),
@@ -289,7 +302,9 @@ class EngineCoreClient:
             if time.monotonic() - self._stats_at < STATS_MAX_AGE_S:
                 continue
             try:
-                reply = await self._stub.GetSchedulerStats(request, timeout=5.0)
+                reply = await self._stub.GetSchedulerStats(
+                    request, timeout=5.0, metadata=self._metadata
+                )
             except grpc.RpcError:
                 continue  # the stream's own read reports a break
             self._stats_at = time.monotonic()
@@ -346,7 +361,7 @@ class EngineCoreClient:
         """Ask the core to forget its prefix cache: 0 when it did, else the number of KV blocks
         requests hold (it refused). Raises grpc.RpcError when the core does not answer."""
         request = core_pb2.ResetPrefixCacheRequest()
-        reply = await self._stub.ResetPrefixCache(request, timeout=timeout)
+        reply = await self._stub.ResetPrefixCache(request, timeout=timeout, metadata=self._metadata)
         return 0 if reply.reset else max(1, reply.num_used_blocks)
 
     def abort_requests(self, handles: list[int]) -> None:

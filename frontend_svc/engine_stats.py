@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from frontend_svc.engine_types import EngineInfo, SchedulerStats
+from frontend_svc.engine_types import EngineInfo
+from splitserve_contracts.output_types import SchedulerStats
 
 LABELS = ["model_name", "engine"]
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EVENT_QUEUED = 1
-EVENT_SCHEDULED = 2
-EVENT_PREEMPTED = 3
-ERROR_KIND_INVALID_REQUEST = 1
-ERROR_KIND_OVERLOADED = 2
-"""core.v1.ErrorKind values the frontend tells apart (others: the engine failed)."""
+from splitserve_contracts.output_types import (
+    EngineCoreEvent,
+    ErrorKind,
+    FinishReason,
+    LogprobsTable,
+    SchedulerStats,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,50 +34,18 @@ class EngineInfo:
 
 
 @dataclass(slots=True)
-class LogprobsTable:
-    """Columnar log-probabilities: per position the chosen token, then num_top alternatives."""
-
-    num_top: int
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-
-    @property
-    def num_positions(self) -> int:
-        return len(self.ranks)
-
-
-@dataclass(slots=True)
 class CoreOutputDetail:
     """One request's step details beyond its new tokens."""
 
     handle: int
-    finish_reason: int = 0
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
     stop_token_id: int | None = None
     new_logprobs: LogprobsTable | None = None
     prompt_logprobs: LogprobsTable | None = None
-    events: list[tuple[int, float]] = field(default_factory=list)
+    events: list[EngineCoreEvent] = field(default_factory=list)
     num_cached_tokens: int | None = None
     error_message: str = ""
-    error_kind: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """The engine core's scheduler after a step (core.v1 SchedulerStats): what its queue and KV
-    cache hold. Counters are cumulative since the engine started."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    step_id: int = 0
-    num_generation_tokens: int = 0
-    """Tokens sampled since the engine started."""
-    num_waiting_tokens: int = 0
-    """Tokens of the waiting requests (prefix-cache hits not subtracted)."""
+    error_kind: ErrorKind = ErrorKind.UNSPECIFIED
 
 
 @dataclass(slots=True)
@@ -90,3 +59,12 @@ class CoreOutputs:
     timestamp: float
     step_id: int
     scheduler_stats: SchedulerStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """The tokenizer as the engine core's grammar matchers need it (core.v1.TokenizerInfo):
+    its tokenizer.json (added tokens included) and the ids that end a sequence."""
+
+    tokenizer_json: str
+    eos_token_ids: tuple[int, ...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from frontend_svc.engine_types import ERROR_KIND_INVALID_REQUEST, ERROR_KIND_OVERLOADED
+from splitserve_contracts.output_types import ErrorKind
 
 
 class FrontendError(Exception):
@@ -86,10 +86,14 @@ class EngineUnavailable(FrontendError):
 
 
 def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
-    """The client-facing error for a request the engine ended with FINISH_REASON_ERROR."""
-    if kind == ERROR_KIND_INVALID_REQUEST:
-        return InvalidRequest(f"request {request_id} refused by the engine: {message}")
-    if kind == ERROR_KIND_OVERLOADED:
+    """The client-facing error for a request the engine ended with FINISH_REASON_ERROR, the
+    same on both APIs: its own bad data -> InvalidRequest (400) with the engine's reason, which
+    is about the request (the same message over gRPC and HTTP); a full queue -> Overloaded
+    (429, RetryInfo / Retry-After); anything else -> EngineUnavailable (503), the engine's
+    text only in the log, under the error id the client gets."""
+    if kind == ErrorKind.INVALID_REQUEST:
+        return InvalidRequest(f"refused by the engine: {message}")
+    if kind == ErrorKind.OVERLOADED:
         return Overloaded(message)
     return EngineUnavailable(
         f"the engine failed while serving request {request_id}; retry it",

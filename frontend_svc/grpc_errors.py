@@ -10,18 +10,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from frontend_svc.errors import FrontendError, Overloaded
-from frontend_svc.public_errors import client_message
+from frontend_svc.public_errors import bounded, client_message
 
 DOMAIN = "splitserve.dev"
-
-
-MAX_MESSAGE_CHARS = 1024
-"""Status messages are cut to this: the message and the details ride in the trailing metadata,
-which gRPC clients refuse past 16 KiB (the call would end RESOURCE_EXHAUSTED instead)."""
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def to_status(err: FrontendError) -> grpc.Status:
@@ -29,7 +20,7 @@ def to_status(err: FrontendError) -> grpc.Status:
     details = [error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN)]
     if err.param:
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=err.param, description=_bounded(str(err))
+            field=err.param, description=bounded(str(err))
         )
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(err, Overloaded):
@@ -42,7 +33,7 @@ def to_status(err: FrontendError) -> grpc.Status:
         any_detail.Pack(detail)
         packed.append(any_detail)
     code = getattr(code_pb2, err.grpc_code.name)
-    message = _bounded(client_message(err))
+    message = bounded(client_message(err))
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=packed))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,13 +18,19 @@ from frontend_svc.multimodal import (
     template_uses_content_parts,
 )
 from frontend_svc.requests import (
+    MAX_REQUEST_ID_CHARS,
     EngineRequest,
     GenerateInput,
     MultiModalFeature,
     PromptInput,
 )
-from splitserve_contracts import sampling_rules
+from splitserve_contracts import sampling_rules, structured_outputs
 from splitserve_contracts.sampling_rules import InvalidSamplingParams, Limits
+from splitserve_contracts.structured_outputs import (
+    InvalidStructuredOutputs,
+    StructuredOutputsParams,
+)
+from splitserve_runtime.grammars import check_grammar
 from splitserve_runtime.model_spec import GGUF_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -214,6 +220,25 @@ class InputProcessor:
             ) from exc
         return str(text)
 
+    def check_num_token_ids(self, num_ids: int, field: str) -> None:
+        """Ids to detokenize: at most max_model_len (both APIs)."""
+        if num_ids > self.max_model_len:
+            raise InvalidRequest(
+                f"{num_ids} token ids; at most max_model_len ({self.max_model_len})", field
+            )
+
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """Ids to detokenize: at most max_model_len, each in the vocabulary (both APIs)."""
+        self.check_num_token_ids(len(ids), field)
+        vocab_size = self.limits.vocab_size
+        bad = next((i for i, token_id in enumerate(ids) if not 0 <= token_id < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{field}[{bad}] = {ids[bad]} is outside the vocabulary (valid ids: "
+                f"0..{vocab_size - 1})",
+                field,
+            )
+
     def process(self, call: GenerateInput) -> EngineRequest:
         """Validate and tokenize; resolve max_tokens, EOS and the stop token ids."""
         _check_prompt_present(call.prompt)
@@ -225,17 +250,28 @@ class InputProcessor:
             raise InvalidRequest(str(err), field) from None
         params = sampling_rules.normalize(call.params)
         params = sampling_rules.clamp_top_k(params, self.limits.vocab_size)
+        if call.structured_outputs is not None:
+            if not hasattr(self.tokenizer, "backend_tokenizer"):
+                raise InvalidRequest(
+                    "structured outputs need a fast (Hugging Face tokenizers) tokenizer; this "
+                    "model's tokenizer is not one",
+                    call.structured_outputs_field,
+                )
+            _check_structured_outputs(call.structured_outputs, call.structured_outputs_field)
         prompt = self.tokenize(call.prompt)
         num_prompt = len(prompt.token_ids)
-        max_len = self.max_model_len
+        max_len, field = self.max_model_len, _prompt_field(call.prompt)
         if num_prompt == 0:
-            raise InvalidRequest("the prompt tokenizes to no tokens; send a non-empty prompt")
+            raise InvalidRequest(
+                "the prompt tokenizes to no tokens; send a non-empty prompt", field
+            )
         if call.prompt.token_ids is not None:
             _check_prompt_ids(prompt.token_ids, self.limits.vocab_size)
         if num_prompt >= max_len:
             raise InvalidRequest(
                 f"the prompt has {num_prompt} tokens but max_model_len is "
-                f"{max_len}; shorten it to at most {max_len - 1} tokens"
+                f"{max_len}; shorten it to at most {max_len - 1} tokens",
+                field,
             )
         max_tokens = params.max_tokens or max_len - num_prompt
         if num_prompt + max_tokens > max_len:
@@ -263,11 +299,23 @@ class InputProcessor:
             call.priority,
             call.cache_salt,
             prompt.mm_features,
+            structured_outputs=call.structured_outputs,
         )
 
 
-MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _check_structured_outputs(params: StructuredOutputsParams, where: str) -> None:
+    """Refuse a constraint the engine could not compile, naming the request's field."""
+    try:
+        structured_outputs.validate(params)
+        check_grammar(params)
+    except InvalidStructuredOutputs as err:
+        if where == "structured_outputs":
+            message = err.describe()
+            raise InvalidRequest(message, message.split(":", 1)[0]) from None
+        raise InvalidRequest(f"{where}: {err}", where) from None
 
 
 def _check_ids(call: GenerateInput) -> None:
@@ -281,6 +329,12 @@ def _check_ids(call: GenerateInput) -> None:
             f"cache_salt has {len(call.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
             "cache_salt",
         )
+
+
+def _prompt_field(prompt: PromptInput) -> str:
+    if prompt.chat is not None:
+        return "chat"
+    return "prompt_token_ids" if prompt.token_ids is not None else "prompt"
 
 
 def _check_prompt_present(prompt: PromptInput) -> None:
@@ -300,7 +354,7 @@ def _check_prompt_present(prompt: PromptInput) -> None:
 
 def _check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     for i, token_id in enumerate(ids):
-        if token_id >= vocab_size:
+        if not 0 <= token_id < vocab_size:
             raise InvalidRequest(
                 f"prompt_token_ids[{i}] = {token_id} is outside the vocabulary "
                 f"(valid ids: 0..{vocab_size - 1})",

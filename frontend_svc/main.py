@@ -65,7 +65,8 @@ async def serve(config: FrontendConfig) -> int:
         return 1
     client = EngineCoreClient(
         config.core_addr,
-        security=ChannelSecurity(config.tls, CORE_ROLE),
+        security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
+        tokenizer=files.tokenizer_info,
         subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
     )
     try:
@@ -115,10 +116,23 @@ async def serve(config: FrontendConfig) -> int:
     add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
     http = None
     if config.http_port is not None:
-        context = ServingContext(engine, inputs, info, served_name, time.time())
+        context = ServingContext(
+            engine,
+            inputs,
+            info,
+            served_name,
+            time.time(),
+            max_fan_out=config.max_fan_out,
+            max_body_bytes=config.max_receive_message_bytes,
+        )
         app = build_app(context, host.registry, config.api_key)
         http = HttpServer(
-            app, config.http_host, config.http_port, _uvicorn_level(config), config.ssl
+            app,
+            config.http_host,
+            config.http_port,
+            _uvicorn_level(config),
+            config.ssl,
+            config.http_limits,
         )
     await host.start()
     engine.start()

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from frontend_svc.engine_types import EVENT_QUEUED, EVENT_SCHEDULED
-from frontend_svc.requests import FinishReason
+from splitserve_contracts.output_types import EngineCoreEvent, EngineCoreEventType, FinishReason
 
 LABELS = ["model_name", "engine"]
 TTFT_BUCKETS = (
@@ -259,14 +258,14 @@ class FrontendMetrics:
         stats: RequestStats,
         num_tokens: int,
         core_ts: float,
-        events: list[tuple[int, float]] | None,
+        events: list[EngineCoreEvent] | None,
     ) -> None:
         """One step's output for one request."""
-        for kind, ts in events or ():
-            if kind == EVENT_QUEUED and stats.queued_ts is None:
-                stats.queued_ts = ts
-            elif kind == EVENT_SCHEDULED and stats.scheduled_ts is None:
-                stats.scheduled_ts = ts
+        for event in events or ():
+            if event.type == EngineCoreEventType.QUEUED and stats.queued_ts is None:
+                stats.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED and stats.scheduled_ts is None:
+                stats.scheduled_ts = event.timestamp
         if not num_tokens:
             return
         if stats.first_token_ts is None:

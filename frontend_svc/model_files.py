@@ -3,12 +3,14 @@ sampling defaults). The frontend service and the offline `LLM` API read them the
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frontend_svc.engine_types import TokenizerInfo
 from frontend_svc.generation_config import (
     eos_token_ids,
     generation_config_folder,
@@ -34,10 +36,26 @@ class ModelFiles:
     sampling_defaults: dict[str, Any]
     multimodal: MultiModalProcessor | None = None
     """The image processor of a multimodal model; None for a text-only one."""
+    tokenizer_info: TokenizerInfo | None = None
+    """What the engine core needs of the tokenizer for structured outputs; None when the
+    tokenizer has no serialized form (not a fast tokenizer)."""
     tokenizer_folder: Path | None = None
     """The folder the tokenizer was read from (None: it came out of a .gguf file)."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """The checkpoint's config.json ({} when it has none, e.g. a .gguf file)."""
+
+
+def tokenizer_info(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> TokenizerInfo | None:
+    """The serialized form of a fast tokenizer (as llguidance's from_tokenizer takes it:
+    without padding or truncation); None for any other tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return TokenizerInfo(backend.to_str(), tuple(dict.fromkeys([*eos, *eos_token_ids])))
 
 
 def load_model_files(
@@ -66,14 +84,15 @@ def load_model_files(
     multimodal = None
     if folder is not None:
         multimodal = load_multimodal_processor(folder, tokenizer, media_limits)
-    tokenizer_folder = None if source.is_gguf else source.path
+    eos_ids = eos_token_ids(generation)
     return ModelFiles(
         tokenizer,
-        eos_token_ids(generation),
+        eos_ids,
         defaults,
         multimodal,
-        tokenizer_folder,
-        _read_config(folder),
+        tokenizer_info(tokenizer, eos_ids),
+        tokenizer_folder=None if source.is_gguf else source.path,
+        model_config=_read_config(folder),
     )
 
 

@@ -6,8 +6,11 @@
     chat  --template, one image token per image-->  token ids
         --each image token expanded to the image's placeholder tokens-->  prompt + features
 
-Everything here runs in the frontend, on its tokenizer threads: the engine core and the workers
-get each image once, already processed, with its placeholder range and hash.
+Everything here runs in the frontend: the engine core and the workers get each image once,
+already processed, with its placeholder range and hash. Bytes are fetched or unpacked and every
+header checked on the calling (tokenizer) thread; decoding, the image processor and hashing run
+on `--mm-processor-threads` threads frontend-wide (each image can take a few hundred MB while it
+is resized), which give freed memory back to the system after each image.
 """
 
 from __future__ import annotations
@@ -15,16 +18,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.media import ImageLoader, MediaLimits
+from frontend_svc.media import EncodedImage, ImageLoader, MediaLimits, release_freed_memory
 from frontend_svc.requests import ChatTurn, ImageInput, MultiModalFeature
 from splitserve_contracts.mm_features import IMAGE, feature_identifier
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures whose prompts may carry images (the workers' LLaVA model)."""
@@ -116,6 +123,7 @@ class MultiModalProcessor:
         self.image_processor = image_processor
         self.limits = limits
         self.loader = ImageLoader(limits)
+        self._pool = ThreadPoolExecutor(limits.mm_processor_threads, thread_name_prefix="image")
         self._check_output_shape()
 
     def _check_output_shape(self) -> None:
@@ -144,12 +152,22 @@ class MultiModalProcessor:
                 f"prompt (--limit-mm-per-prompt); {where} is one too many",
                 where,
             )
-        processed = []
-        for image in images:
-            pixels = self._pixel_values(self.loader.load(image))
-            identifier = feature_identifier("float32", pixels.shape, pixels.tobytes())
-            processed.append(ProcessedImage(image.where, pixels, identifier))
-        return processed
+        encoded = [self.loader.encoded(image) for image in images]
+        opened = [self.loader.open(image) for image in encoded]  # every header before any pixel
+        return [
+            self._pool.submit(self._process, image, header).result()
+            for image, header in zip(encoded, opened, strict=True)
+        ]
+
+    def _process(self, image: EncodedImage, opened: Image) -> ProcessedImage:
+        """Decode, process and hash one image (on an image thread)."""
+        try:
+            pixels = self._pixel_values(self.loader.decode(opened, image))
+        finally:
+            opened.close()
+            release_freed_memory()
+        identifier = feature_identifier("float32", pixels.shape, pixels.tobytes())
+        return ProcessedImage(image.where, pixels, identifier)
 
     def expand(
         self, token_ids: list[int], images: Sequence[ProcessedImage]

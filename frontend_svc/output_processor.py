@@ -15,17 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
-from frontend_svc.requests import (
-    CompletionDelta,
-    EngineRequest,
-    FinishReason,
-    Logprob,
-    TokenLogprobs,
-)
+from frontend_svc.requests import CompletionDelta, EngineRequest, Logprob, TokenLogprobs
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
+from splitserve_contracts.output_types import ErrorKind, FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams
 
 MAX_UNREAD_DELTAS = 4096
@@ -51,6 +46,17 @@ class RequestState:
     is_finished: bool = False
     request: EngineRequest | None = None
     """What was sent to the engine core, kept to resubmit it to a restarted core."""
+
+
+def _grammar_ended(state: RequestState, last_token_id: int) -> bool:
+    """A constrained request stopped because its grammar is complete: its last token is
+    output, unless it is EOS or a stop token id."""
+    request = state.request
+    if request is None or request.structured_outputs is None:
+        return False
+    return last_token_id != request.eos_token_id and (
+        last_token_id not in state.params.stop_token_ids
+    )
 
 
 class OutputProcessor:
@@ -102,9 +108,10 @@ class OutputProcessor:
         for handle, state in self.states.items():
             if state.request is not None:
                 outputs = list(state.detokenizer.token_ids)
-                resubmitted.append(
-                    (handle, dataclasses.replace(state.request, output_token_ids=outputs))
+                request = dataclasses.replace(
+                    state.request, output_token_ids=outputs, is_resumed=True
                 )
+                resubmitted.append((handle, request))
         return resubmitted
 
     def _finish_stats(self, state: RequestState, reason: FinishReason) -> None:
@@ -145,7 +152,7 @@ class OutputProcessor:
     ) -> bool:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
-        finish = FinishReason(detail.finish_reason) if detail else FinishReason.UNSPECIFIED
+        finish = detail.finish_reason if detail else FinishReason.UNSPECIFIED
         self.metrics.on_output(
             state.stats, len(token_ids), core_ts, detail.events if detail else None
         )
@@ -182,7 +189,7 @@ class OutputProcessor:
         params = state.params
         text_ids = token_ids
         is_stop_token = finish == FinishReason.STOP and not params.include_stop_str_in_output
-        if is_stop_token and token_ids:
+        if is_stop_token and token_ids and not _grammar_ended(state, token_ids[-1]):
             text_ids = token_ids[:-1]  # a stop token's own text is not part of the output
         new_text = state.detokenizer.step(text_ids) if text_ids else ""
         if finish != FinishReason.UNSPECIFIED:
@@ -228,17 +235,17 @@ class OutputProcessor:
             stop_token_id=detail.stop_token_id if detail and stop_str is None else None,
             stop_str=stop_str,
             error_message=detail.error_message if detail else "",
-            error_kind=detail.error_kind if detail else 0,
+            error_kind=detail.error_kind if detail else ErrorKind.UNSPECIFIED,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
     def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:
         """Columnar table -> per-position entries with each token's own text."""
-        width = table.num_top + 1
+        width = table.num_top_logprobs + 1
         decode = self.decoder.decode
         rows: list[TokenLogprobs] = []
-        for pos in range(table.num_positions):
+        for pos in range(len(table.ranks)):
             base = pos * width
             entries = [
                 Logprob(

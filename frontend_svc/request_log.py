@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from frontend_svc.detokenizer import Decoder
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import CompletionDelta, EngineRequest
+from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger("frontend_svc.requests")
 

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
+
+DEFAULT_MAX_FAN_OUT = 1024
+"""Most engine requests one public call may make (--max-fan-out): prompts x n on
+/v1/completions, n elsewhere."""
+MAX_REQUEST_ID_CHARS = 256
+"""The longest request id a client may choose, and the longest the engine core takes."""
 
 
-class FinishReason(IntEnum):
-    """Why a completion stopped; values equal the proto FinishReason numbers."""
-
-    UNSPECIFIED = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-    def __str__(self) -> str:
-        return self.name.lower()
+def derived_request_id(base: str, suffix: str) -> str:
+    """The engine's id for a part of a call (a prompt, a choice): `base` + `suffix`, `base` cut
+    so that the whole stays within MAX_REQUEST_ID_CHARS (a client's 256-character id with n > 1
+    must not be refused for the suffixes the frontend adds; the client's replies keep its id)."""
+    return base[: MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,10 @@ class GenerateInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str = ""
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output's grammar (structured outputs); None: free text."""
+    structured_outputs_field: str = "structured_outputs"
+    """The request field the constraint came from, named in errors."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,8 @@ class EngineRequest:
     `params` has max_tokens resolved and stop_token_ids completed with the generation
     config's extra EOS ids; `eos_token_id` is None when the request ignores EOS.
     `output_token_ids` are the outputs it already has when it is resubmitted to a restarted
-    engine core (which continues after them).
+    engine core (which continues after them); `is_resumed` marks such a resubmission (the core
+    admitted it once, so its queue limits give it room).
     """
 
     request_id: str
@@ -120,6 +126,9 @@ class EngineRequest:
     mm_features: tuple[MultiModalFeature, ...] = ()
     """The prompt's images, in placeholder order (empty for a text-only prompt)."""
     output_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output's grammar, checked to compile; the engine core enforces it."""
+    is_resumed: bool = False
 
 
 @dataclass(slots=True)
@@ -150,7 +159,7 @@ class CompletionDelta:
     stop_token_id: int | None = None
     stop_str: str | None = None
     error_message: str = ""
-    error_kind: int = 0
+    error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 

@@ -14,9 +14,9 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import FinishReason
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -69,21 +69,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     async def Detokenize(  # noqa: N802
         self, request: gen_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.DetokenizeResponse:
-        info = self.info
         ids = list(request.token_ids)
         try:
-            if len(ids) > info.max_model_len:
-                raise InvalidRequest(
-                    f"{len(ids)} token ids; at most max_model_len ({info.max_model_len})",
-                    "token_ids",
-                )
-            bad = next((i for i in ids if i >= info.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"token id {bad} is outside the vocabulary (valid ids: "
-                    f"0..{info.vocab_size - 1})",
-                    "token_ids",
-                )
+            self.inputs.check_token_ids(ids, "token_ids")
         except FrontendError as err:
             await grpc_errors.abort(context, err)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True

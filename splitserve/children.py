@@ -1,19 +1,17 @@
 """The service processes of one stack on loopback: start them wired to each other, wait until
-each reports SERVING, notice one dying (with its one-line termination reason), stop them in
-stages. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tests and the
+each reports SERVING, notice one dying (with its one-line termination reason), stop them
+service by service. `splitserve up`, the offline `LLM` API for TP/PP > 1, the end-to-end tests and the
 benchmarks all start their stacks here.
 
-`args` carries what `splitserve up` parses: model, revision, tokenizer, generation_config,
-tensor/pipeline_parallel_size, host, port, http_port, api_key, log_level, log_format,
-shutdown_timeout, max_recovery_seconds, service_flags (kind -> the operator's own flags for
-that service), and optionally frontend/core/worker_metrics_port (absent or 0: a free port each;
--1: no metrics).
-With a LocalPki every internal hop is mutual TLS; without, plaintext.
+What to start is a StackOptions: what `splitserve up` parses, or what the offline `LLM` API,
+the tests and the benchmarks ask for. With a LocalPki every internal hop is mutual TLS; without,
+plaintext.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -39,7 +36,57 @@ LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+    """How to start one stack's processes on loopback."""
+
+    model: str
+    revision: str = ""
+    tokenizer: str = ""
+    generation_config: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    host: str = LOOPBACK
+    """The frontend's listen address."""
+    port: int = 0
+    """The frontend's gRPC port (0: a free one)."""
+    http_port: int = 0
+    """The frontend's OpenAI HTTP port (0: a free one, -1: off)."""
+    api_key: str = ""
+    internal_secret: str = dataclasses.field(default="", repr=False)
+    """The services' --internal-secret ("": none); passed in their environment."""
+    log_level: str = "info"
+    log_format: str = "text"
+    shutdown_timeout: float = 30.0
+    max_recovery_seconds: float | None = None
+    """How long the core and the frontends wait for a lost rank or core (None: their default)."""
+    service_flags: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
+    """Service kind -> the operator's own flags for every process of that service."""
+    frontend_metrics_port: int = 0
+    core_metrics_port: int = 0
+    worker_metrics_port: int = 0
+    """Each service's /metrics port (0: a free port each; -1: no metrics; a worker rank r
+    adds r)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StackOptions:
+        """What `splitserve up` parsed (its flags have these names)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def metrics_port(self, kind: str, free_port: int, rank: int = 0) -> int:
+        """The --metrics-port of a child of service `kind`: its setting (+ `rank` for workers)
+        when positive, `free_port` when 0, -1 (none) when negative."""
+        base = {
+            "frontend": self.frontend_metrics_port,
+            "core": self.core_metrics_port,
+            "worker": self.worker_metrics_port,
+        }[kind]
+        if base > 0:
+            return base + rank
+        return free_port if base == 0 else -1
+
+
+@dataclasses.dataclass
 class Child:
     """One service process of the stack."""
 
@@ -50,12 +97,14 @@ class Child:
     process: subprocess.Popen[bytes]
     termination_message: Path
     """Where the child writes its one-line fatal reason."""
-    probe: ChannelSecurity = field(default_factory=lambda: ChannelSecurity(None, FRONTEND_ROLE))
+    probe: ChannelSecurity = dataclasses.field(
+        default_factory=lambda: ChannelSecurity(None, FRONTEND_ROLE)
+    )
     """How the launcher reaches the child's health service."""
     http_address: str = ""
     """The frontend's OpenAI-compatible HTTP API (HOST:PORT); empty for the other services."""
-    command: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    command: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
     """How it was started (splitserve/supervisor.py starts it again the same way)."""
 
     def exit_reason(self, code: int) -> str:
@@ -76,7 +125,8 @@ def _spawn(
     pki: LocalPki | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Child:
-    """Start one service; `env` adds variables (secrets go there, not on the command line)."""
+    """Start one service; `env` adds variables (secrets go there, not on the command line:
+    the API key, the internal secret)."""
     cmd = [sys.executable, "-m", f"{kind}_svc", *argv, *_tls_flags(pki, kind)]
     fd, message_path = tempfile.mkstemp(prefix=f"splitserve-{kind}-", suffix=".termination")
     os.close(fd)
@@ -99,15 +149,6 @@ def connect_host(listen_host: str) -> str:
     return LOOPBACK if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
 
 
-def metrics_port(args: argparse.Namespace, kind: str, free_port: int, rank: int = 0) -> int:
-    """The --metrics-port of a child: `args.<kind>_metrics_port` (+ `rank` for workers) when
-    positive, `free_port` when 0 or absent (tests, the offline LLM), -1 (none) when negative."""
-    base = int(getattr(args, f"{kind}_metrics_port", 0) or 0)
-    if base > 0:
-        return base + rank
-    return free_port if base == 0 else -1
-
-
 def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
     if pki is None:
         return []
@@ -122,105 +163,93 @@ def _tls_flags(pki: LocalPki | None, kind: str) -> list[str]:
     ]
 
 
-def model_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def model_flags(options: StackOptions) -> tuple[list[str], list[str]]:
     """(core flags, frontend flags) naming the model as the operator did."""
-    core = ["--model", args.model]
-    if getattr(args, "revision", ""):
-        core += ["--revision", args.revision]
-    frontend = [*core, "--generation-config", getattr(args, "generation_config", "auto")]
-    if getattr(args, "tokenizer", ""):
-        frontend += ["--tokenizer", args.tokenizer]
+    core = ["--model", options.model]
+    if options.revision:
+        core += ["--revision", options.revision]
+    frontend = [*core, "--generation-config", options.generation_config]
+    if options.tokenizer:
+        frontend += ["--tokenizer", options.tokenizer]
     return core, frontend
 
 
-def _drain_flags(args: argparse.Namespace) -> list[str]:
-    return ["--shutdown-timeout", str(getattr(args, "shutdown_timeout", 30.0))]
+def _common_flags(options: StackOptions, kind: str) -> list[str]:
+    """Logging, drain and (core and frontend) recovery flags, then the operator's own flags
+    for service `kind`."""
+    flags = ["--log-level", options.log_level, "--log-format", options.log_format]
+    flags += ["--shutdown-timeout", str(options.shutdown_timeout)]
+    if kind != "worker" and options.max_recovery_seconds is not None:
+        flags += ["--max-recovery-seconds", str(options.max_recovery_seconds)]
+    return [*flags, *options.service_flags.get(kind, ())]
 
 
-def _recovery_flags(args: argparse.Namespace) -> list[str]:
-    """How long the core and the frontends wait for a lost rank or core (absent: their
-    default)."""
-    if getattr(args, "max_recovery_seconds", None) is None:
-        return []
-    return ["--max-recovery-seconds", str(args.max_recovery_seconds)]
-
-
-def _log_flags(args: argparse.Namespace) -> list[str]:
-    return ["--log-level", args.log_level, "--log-format", getattr(args, "log_format", "text")]
-
-
-def _service_flags(args: argparse.Namespace, kind: str) -> list[str]:
-    """The operator's own flags for every process of service `kind` (`splitserve serve`)."""
-    return list(getattr(args, "service_flags", {}).get(kind, []))
-
-
-def start_children(
-    args: argparse.Namespace, core_flags: list[str], pki: LocalPki | None = None
-) -> list[Child]:
+def start_children(options: StackOptions, pki: LocalPki | None = None) -> list[Child]:
     """Start workers, core and frontend; they find each other through the ports chosen here."""
-    engine = start_engine_children(args, core_flags, pki)
+    engine = start_engine_children(options, pki)
     try:
-        return [*engine, start_frontend(args, engine[-1].address, pki)]
+        return [*engine, start_frontend(options, engine[-1].address, pki)]
     except BaseException:
         stop_children(engine)
         raise
 
 
+def _secret_env(options: StackOptions) -> dict[str, str]:
+    """The stack's internal secret (--internal-secret), for every service's environment."""
+    secret = options.internal_secret
+    return {env_name("internal_secret"): secret} if secret else {}
+
+
 def _start_worker(
-    args: argparse.Namespace, rank: int, port: int, free_metrics_port: int, pki: LocalPki | None
+    options: StackOptions, rank: int, port: int, free_metrics_port: int, pki: LocalPki | None
 ) -> Child:
-    metrics = metrics_port(args, "worker", free_metrics_port, rank)
+    metrics = options.metrics_port("worker", free_metrics_port, rank)
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
-    argv += [*_log_flags(args), *_drain_flags(args), *_service_flags(args, "worker")]
-    return _spawn(f"worker[{rank}]", "worker", argv, f"{LOOPBACK}:{port}", metrics, pki)
+    argv += _common_flags(options, "worker")
+    address = f"{LOOPBACK}:{port}"
+    return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, _secret_env(options))
 
 
-def start_engine_children(
-    args: argparse.Namespace, core_flags: list[str], pki: LocalPki | None = None
-) -> list[Child]:
+def start_engine_children(options: StackOptions, pki: LocalPki | None = None) -> list[Child]:
     """Start the worker ranks and the engine core (the core last); the offline `LLM` API for
     TP/PP > 1 runs its frontend in its own process on top of these."""
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    world = options.tensor_parallel_size * options.pipeline_parallel_size
     ports = free_ports(2 * world + 3)
-    workers = [_start_worker(args, r, ports[r], ports[world + r], pki) for r in range(world)]
+    workers = [_start_worker(options, r, ports[r], ports[world + r], pki) for r in range(world)]
     core_port, free_core_metrics, dist_port = ports[2 * world :]
-    core_metrics = metrics_port(args, "core", free_core_metrics)
+    core_metrics = options.metrics_port("core", free_core_metrics)
     argv = [
-        *model_flags(args)[0],
+        *model_flags(options)[0],
         *("--host", LOOPBACK, "--port", str(core_port), "--metrics-port", str(core_metrics)),
         *("--worker-addrs", ",".join(w.address for w in workers)),
-        *("--tensor-parallel-size", str(args.tensor_parallel_size)),
-        *("--pipeline-parallel-size", str(args.pipeline_parallel_size)),
+        *("--tensor-parallel-size", str(options.tensor_parallel_size)),
+        *("--pipeline-parallel-size", str(options.pipeline_parallel_size)),
         *("--distributed-init-method", f"tcp://{LOOPBACK}:{dist_port}"),
-        *_log_flags(args),
-        *_drain_flags(args),
-        *_recovery_flags(args),
-        *core_flags,
+        *_common_flags(options, "core"),
     ]
     core_addr = f"{LOOPBACK}:{core_port}"
-    return [*workers, _spawn("core", "core", argv, core_addr, core_metrics, pki)]
+    core = _spawn("core", "core", argv, core_addr, core_metrics, pki, _secret_env(options))
+    return [*workers, core]
 
 
-def start_frontend(args: argparse.Namespace, core_addr: str, pki: LocalPki | None = None) -> Child:
+def start_frontend(options: StackOptions, core_addr: str, pki: LocalPki | None = None) -> Child:
     """Start a frontend on the engine core at `core_addr` (several may share one core)."""
     free_metrics_port, fe_port, free_http_port = free_ports(3)
-    fe_metrics = metrics_port(args, "frontend", free_metrics_port)
-    port = args.port or fe_port
-    http_port = args.http_port or free_http_port
-    api_key = getattr(args, "api_key", "")
+    fe_metrics = options.metrics_port("frontend", free_metrics_port)
+    host, port = options.host, options.port or fe_port
+    http_port = options.http_port or free_http_port
     argv = [
-        *model_flags(args)[1],
-        *("--core-addr", core_addr, "--host", args.host, "--port", str(port)),
+        *model_flags(options)[1],
+        *("--core-addr", core_addr, "--host", host, "--port", str(port)),
         *("--metrics-port", str(fe_metrics), "--http-port", str(http_port)),
-        *_log_flags(args),
-        *_drain_flags(args),
-        *_recovery_flags(args),
-        *_service_flags(args, "frontend"),
+        *_common_flags(options, "frontend"),
     ]
-    env = {"SPLITSERVE_API_KEY": api_key} if api_key else None  # not in argv, where ps shows it
-    frontend = _spawn("frontend", "frontend", argv, f"{args.host}:{port}", fe_metrics, pki, env)
+    env = _secret_env(options)  # in the environment, not in argv, where ps shows it
+    if options.api_key:
+        env[env_name("api_key")] = options.api_key
+    frontend = _spawn("frontend", "frontend", argv, f"{host}:{port}", fe_metrics, pki, env)
     if http_port >= 0:
-        frontend.http_address = f"{args.host}:{http_port}"
+        frontend.http_address = f"{host}:{http_port}"
     return frontend
 
 
@@ -261,16 +290,16 @@ def wait_ready(children: Sequence[Child], timeout: float) -> None:
 
 
 def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
-    """Stop in stages, so a drain can finish: the frontends first (they stop admitting and let
-    their requests finish, which needs the core and the workers), then the core, then the
-    workers. Each stage gets SIGTERM and `shutdown_timeout` + STOP_GRACE_SECONDS before
-    SIGKILL."""
+    """Stop service by service, so a drain can finish: the frontends first (they stop admitting
+    and let their requests finish, which needs the core and the workers), then the core, then
+    the workers. Each service's processes get SIGTERM and `shutdown_timeout` +
+    STOP_GRACE_SECONDS before SIGKILL."""
     for kind in ("frontend", "core", "worker"):
-        stage = [c for c in children if c.kind == kind and c.process.poll() is None]
-        for child in stage:
+        running = [c for c in children if c.kind == kind and c.process.poll() is None]
+        for child in running:
             child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_SECONDS
-        for child in stage:
+        for child in running:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

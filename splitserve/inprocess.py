@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -23,23 +22,21 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from core_svc import convert as core_convert
-from core_svc.engine_core import EngineCore
+from core_svc.assembly import build_engine, served_model_name
+from core_svc.config import CoreConfig
+from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.kv_events import KVEventBatch
-from core_svc.outputs import EngineCoreOutputs, ModelRunnerOutput
-from core_svc.scheduler_config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
-    DEFAULT_MAX_NUM_SEQS,
-    CacheConfig,
-    SchedulerConfig,
-)
+from core_svc.outputs import EngineCoreOutputs
+from core_svc.scheduler_config import DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK, DEFAULT_MAX_NUM_SEQS
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.worker_pool import ModelFacts
 from frontend_svc import convert as frontend_convert
 from frontend_svc.assembly import Frontend, build_frontend
 from frontend_svc.core_client import CoreEvent
-from frontend_svc.engine_types import EngineInfo
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
+from splitserve_contracts.output_types import ModelRunnerOutput
 from worker_svc import convert as worker_convert
 from worker_svc.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
@@ -82,8 +79,19 @@ class InProcessExecutor:
     def submit_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="in-process-step")
+        if scheduler_output.has_pending_grammar:  # runs when its masks come (submit_grammar)
+            self._in_flight.append(Future())
+            return
         step = self._to_worker(scheduler_output)
         self._in_flight.append(self._pool.submit(self._run, step))
+
+    def submit_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the newest step, submitted with has_pending_grammar, now that it has its masks."""
+        assert self._pool is not None
+        scheduler_output.has_pending_grammar = False
+        waiting = self._in_flight[-1]
+        done = self._pool.submit(self._run, self._to_worker(scheduler_output))
+        done.add_done_callback(lambda f: _settle(waiting, f))
 
     def collect_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._in_flight.popleft().result()
@@ -92,6 +100,14 @@ class InProcessExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.worker.shutdown()
+
+
+def _settle(target: Future[ModelRunnerOutput], source: Future[ModelRunnerOutput]) -> None:
+    error = source.exception()
+    if error is None:
+        target.set_result(source.result())
+    else:
+        target.set_exception(error)
 
 
 class OutputBridge:
@@ -134,7 +150,7 @@ class InProcessCoreClient:
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
         now = time.monotonic()
-        self.proc.add_requests(
+        self.proc.inbox.add_requests(
             CLIENT_ID,
             [
                 core_convert.request_from_proto(
@@ -149,7 +165,7 @@ class InProcessCoreClient:
 
     def abort_requests(self, handles: list[int]) -> None:
         if handles:
-            self.proc.abort_requests(CLIENT_ID, handles)
+            self.proc.inbox.abort_requests(CLIENT_ID, handles)
 
     async def close(self) -> None:
         return None
@@ -178,8 +194,54 @@ class EngineOptions:
 
     @property
     def is_async_scheduling(self) -> bool:
-        """The in-process engine has one stage, so async scheduling runs unless switched off."""
+        """The in-process engine has one pipeline stage, so async scheduling runs unless
+        switched off."""
         return self.async_scheduling is not False
+
+    def core_config(self) -> CoreConfig:
+        """The in-process engine core's options: these, on one rank that nothing restarts
+        (a failed step fails the engine at once)."""
+        return CoreConfig(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            dtype=self.dtype,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.is_async_scheduling,
+            max_recovery_seconds=0.0,
+        )
+
+    def core_flags(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
+        """These options as `splitserve core` flags, for an engine core of that many ranks."""
+        world = tensor_parallel_size * pipeline_parallel_size
+        values = {
+            "--dtype": self.dtype,
+            "--max-model-len": self.max_model_len,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-num-batched-tokens": self.max_num_batched_tokens * world,
+            "--block-size": self.block_size,
+            "--gpu-memory-utilization": self.gpu_memory_utilization,
+            "--kv-cache-memory-bytes": self.kv_cache_memory_bytes,
+            "--seed": self.seed,
+            "--served-model-name": self.served_model_name,
+        }
+        flags = [str(x) for k, v in values.items() if v not in ("", None) for x in (k, v)]
+        if not self.enable_prefix_caching:
+            flags.append("--no-enable-prefix-caching")
+        if self.enforce_eager:
+            flags.append("--enforce-eager")
+        if self.enable_expert_parallel:
+            flags.append("--enable-expert-parallel")
+        if self.async_scheduling is not None:  # else the core's default (on where it can run)
+            flags.append("--async-scheduling" if self.async_scheduling else "--no-async-scheduling")
+        return flags
 
 
 @dataclass
@@ -194,11 +256,11 @@ class InProcessEngine:
         self.proc.stop(timeout)
 
 
-def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
+def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
     """Load the model and allocate the KV cache on a thread that exits before the busy loop
     starts: torch's OpenMP thread teams belong to the thread that starts them, and a second
     live team runs about 2x slower (the worker service keeps all model work on one thread)."""
-    box: list[tuple[Worker, LoadedModel, int]] = []
+    box: list[tuple[Worker, ModelFacts]] = []
 
     def load() -> None:
         worker = Worker(options.device)
@@ -218,8 +280,8 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
         capacity = worker.get_kv_capacity(
             options.gpu_memory_utilization, options.kv_cache_memory_bytes
         )
-        worker.initialize_kv_cache(capacity.num_blocks)
-        box.append((worker, loaded, capacity.num_blocks))
+        kv_bytes = worker.initialize_kv_cache(capacity.num_blocks)
+        box.append((worker, _facts(loaded, capacity.num_blocks, kv_bytes, worker.device.type)))
 
     loader = threading.Thread(target=load, name="in-process-load")
     loader.start()
@@ -229,24 +291,19 @@ def _load(options: EngineOptions) -> tuple[Worker, LoadedModel, int]:
     return box[0]
 
 
-def _engine_info(options: EngineOptions, loaded: LoadedModel, num_blocks: int) -> EngineInfo:
-    name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
-    usable_tokens = (num_blocks - 1) * options.block_size  # block 0 is the null block
-    return EngineInfo(
-        served_model_name=name,
-        model_path=options.model,
-        max_model_len=loaded.max_model_len,
-        vocab_size=loaded.vocab_size,
-        block_size=options.block_size,
-        num_kv_blocks=num_blocks,
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        dtype=loaded.dtype,
-        max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        enable_prefix_caching=options.enable_prefix_caching,
-        engine_id="0",
-        max_concurrency=usable_tokens / loaded.max_model_len,
+def _facts(loaded: LoadedModel, num_blocks: int, kv_bytes: int, device_type: str) -> ModelFacts:
+    """What the one rank reports, as the core's bring-up gathers it from every rank."""
+    return ModelFacts(
+        loaded.architecture,
+        loaded.vocab_size,
+        loaded.max_model_len,
+        loaded.dtype,
+        loaded.attention_backend,
+        num_blocks,
+        kv_bytes,
+        sliding_window=loaded.sliding_window,
+        device_type=device_type,
+        max_tokens_per_mm_item=loaded.max_tokens_per_mm_item,
     )
 
 
@@ -255,26 +312,20 @@ async def start_in_process(
 ) -> InProcessEngine:
     """Load the model and start the core loop and the frontend's engine on the running loop,
     as `splitserve up` would, in this process."""
-    worker, loaded, num_blocks = _load(options)
-    info = _engine_info(options, loaded, num_blocks)
-    core = EngineCore(
-        SchedulerConfig(
-            options.max_num_seqs,
-            options.max_num_batched_tokens,
-            info.max_model_len,
-            async_scheduling=options.is_async_scheduling,
-        ),
-        CacheConfig(
-            num_blocks,
-            options.block_size,
-            options.enable_prefix_caching,
-            sliding_window=loaded.sliding_window,
-        ),
-        InProcessExecutor(worker),
+    worker, facts = _load(options)
+    config = options.core_config()
+    inbox = EngineInbox()
+    core = build_engine(config, facts, InProcessExecutor(worker), inbox)
+    info = frontend_convert.engine_info_from_proto(
+        core_convert.engine_info_to_proto(config, facts, served_model_name(config))
     )
     bridge = OutputBridge(asyncio.get_running_loop())
     proc = EngineCoreProc(
-        core, bridge.deliver, on_stats=lambda stats, seconds: None, on_failed=_log_failure
+        core,
+        inbox,
+        bridge.deliver,
+        on_stats=lambda stats, seconds: None,
+        on_failed=_log_failure,
     )
     frontend = build_frontend(
         InProcessCoreClient(proc, bridge),

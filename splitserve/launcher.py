@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from splitserve.children import (
     LOOPBACK,
     Child,
     LaunchError,
+    StackOptions,
     start_children,
     stop_children,
     wait_ready,
@@ -45,13 +47,91 @@ from splitserve.serve_flags import add_service_flags, split_service_flags
 from splitserve.supervisor import Supervisor
 from splitserve_client.cli import distribution_version
 from splitserve_client.last_serve import forget_serve, record_serve
-from splitserve_runtime.flags import FlagParser, non_negative_int
-from splitserve_runtime.log_config import add_logging_flags, configure_logging
+from splitserve_runtime.flags import Flag, FlagParser, env_name, flag, non_negative_int
+from splitserve_runtime.log_config import LOGGING_FLAGS, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
-from splitserve_runtime.model_spec import add_model_arguments
+from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.services import CORE, FRONTEND, SERVICES, WORKER
+from splitserve_runtime.transport_flags import internal_secret_problem
 
 logger = logging.getLogger("splitserve.launcher")
+
+
+METRICS_PORT_HELP = {
+    FRONTEND: "the frontend's Prometheus /metrics port",
+    CORE: "the engine core's Prometheus /metrics port",
+    WORKER: "worker rank 0's Prometheus /metrics port; rank r uses this + r",
+}
+LAUNCHER_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "model_tag",
+        nargs="?",
+        default="",
+        metavar="MODEL",
+        help="the model, as --model names it (vLLM's positional model)",
+    ),
+    flag("--version", action="version", version=f"splitserve {distribution_version('splitserve')}"),
+    *model_flags(is_frontend=True),  # -tp and -pp come with the core's flags
+    flag("--host", default=LOOPBACK, help="frontend listen address"),
+    flag(
+        "--port",
+        type=non_negative_int,
+        default=FRONTEND.default_port,
+        help="frontend port (0: any)",
+    ),
+    flag(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
+    ),
+    *(
+        flag(
+            f"--{spec.kind}-metrics-port",
+            type=int,
+            default=spec.default_metrics_port,
+            help=f"{text} (0: any free port, -1: off)",
+        )
+        for spec, text in METRICS_PORT_HELP.items()
+    ),
+    flag(
+        "--api-key",
+        default="",
+        help="the frontend's API key (clients send `authorization: Bearer <key>`); also "
+        "SPLITSERVE_API_KEY",
+    ),
+    flag(
+        "--sample-prompt",
+        default="",
+        help="after READY, stream the model's greedy answer to this prompt (a chat message when "
+        "the model has a chat template) to stdout",
+    ),
+    flag("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY"),
+    flag(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C or SIGTERM, seconds running requests may take to finish (the frontend "
+        "and the core stop admitting) before they are aborted",
+    ),
+    flag(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank or the engine core dies or hangs, requests in flight wait this "
+        "long for it to be restarted and resume (engine core and frontend); 0: they fail at once",
+    ),
+    flag(
+        "--internal-tls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mutual TLS between frontend, core and workers with a throwaway CA; without it the "
+        "hops are plaintext on loopback and the launcher gives the services a random internal "
+        "secret (or SPLITSERVE_INTERNAL_SECRET) that the core and the workers require",
+    ),
+    *LOGGING_FLAGS,
+)
+"""The launcher's own flags, in --help order (after them, the services' flags it passes on)."""
 
 
 def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, str]]:
@@ -63,76 +143,7 @@ def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, 
         "too and passed to them.",
         config_file=True,
     )
-    p.add_argument(
-        "model_tag",
-        nargs="?",
-        default="",
-        metavar="MODEL",
-        help="the model, as --model names it (vLLM's positional model)",
-    )
-    p.add_argument(
-        "--version", action="version", version=f"splitserve {distribution_version('splitserve')}"
-    )
-    add_model_arguments(p, is_frontend=True)  # -tp and -pp come with the core's flags
-    p.add_argument("--host", default=LOOPBACK, help="frontend listen address")
-    p.add_argument(
-        "--port",
-        type=non_negative_int,
-        default=FRONTEND.default_port,
-        help="frontend port (0: any)",
-    )
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
-    )
-    metrics_help = {
-        FRONTEND: "the frontend's Prometheus /metrics port",
-        CORE: "the engine core's Prometheus /metrics port",
-        WORKER: "worker rank 0's Prometheus /metrics port; rank r uses this + r",
-    }
-    for spec, text in metrics_help.items():
-        p.add_argument(
-            f"--{spec.kind}-metrics-port",
-            type=int,
-            default=spec.default_metrics_port,
-            help=f"{text} (0: any free port, -1: off)",
-        )
-    p.add_argument(
-        "--api-key",
-        default="",
-        help="the frontend's API key (clients send `authorization: Bearer <key>`); also "
-        "SPLITSERVE_API_KEY",
-    )
-    p.add_argument(
-        "--sample-prompt",
-        default="",
-        help="after READY, stream the model's greedy answer to this prompt (a chat message when "
-        "the model has a chat template) to stdout",
-    )
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY")
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on Ctrl-C or SIGTERM, seconds running requests may take to finish (the frontend "
-        "and the core stop admitting) before they are aborted",
-    )
-    p.add_argument(
-        "--max-recovery-seconds",
-        type=float,
-        default=120.0,
-        help="when a worker rank or the engine core dies or hangs, requests in flight wait this "
-        "long for it to be restarted and resume (engine core and frontend); 0: they fail at once",
-    )
-    p.add_argument(
-        "--internal-tls",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="mutual TLS between frontend, core and workers with a throwaway CA",
-    )
-    add_logging_flags(p)
+    p.add_flags(LAUNCHER_FLAGS)
     return p, add_service_flags(p)
 
 
@@ -184,14 +195,14 @@ def _report(line: str) -> None:
     print(f"splitserve up: {line}", file=sys.stderr, flush=True)
 
 
-def _run(args: argparse.Namespace, core_flags: list[str]) -> tuple[int, str]:
+def _run(args: argparse.Namespace) -> tuple[int, str]:
     """Start, serve, and stop the stack: (exit code, the one-line failure or "")."""
     children: list[Child] = []
     pki_context = LocalPki() if args.internal_tls else contextlib.nullcontext(None)
     code, failure = 0, ""
     with pki_context as pki:
         try:
-            children = start_children(args, core_flags, pki)
+            children = start_children(StackOptions.from_args(args), pki)
             code = _serve(children, args)
         except KeyboardInterrupt:
             logger.info("stopping")
@@ -219,7 +230,21 @@ def parse_args(
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
     args.service_flags = split_service_flags(tokens, parser, owners)
+    args.internal_secret = internal_secret(args, environ)
+    problem = internal_secret_problem(args.internal_secret)
+    if problem:
+        parser.error(f"{env_name('internal_secret')}: {problem}")
     return args
+
+
+def internal_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The services' --internal-secret: SPLITSERVE_INTERNAL_SECRET when set; else, for plaintext
+    internal hops, a fresh random one (no stranger on this machine can then drive the core or a
+    worker through their loopback ports); else none (mutual TLS admits only the stack's roles)."""
+    given = environ.get(env_name("internal_secret"), "")
+    if given or args.internal_tls:
+        return given
+    return secrets.token_urlsafe(32)
 
 
 def main(
@@ -242,7 +267,7 @@ def main(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    code, failure = _run(args, args.service_flags["core"])
+    code, failure = _run(args)
     if failure:  # last, after the children's own goodbyes: the one line to read
         print(f"{prog}: {failure}; stopped everything", file=sys.stderr)
     return code

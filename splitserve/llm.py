@@ -10,8 +10,8 @@ Constructing nothing starts nothing: `import splitserve` stays cheap.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import secrets
 import threading
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
@@ -25,9 +25,17 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import FrontendError
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
-from splitserve.children import Child, start_engine_children, stop_children, wait_ready
+from splitserve.children import (
+    Child,
+    StackOptions,
+    start_engine_children,
+    stop_children,
+    wait_ready,
+)
 from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.tls import CORE_ROLE
 
 T = TypeVar("T")
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -91,10 +99,18 @@ class LLM:
                 self._inprocess = self._run(start_in_process(self.options))
                 self.frontend = self._inprocess.frontend
             else:
+                # The ranks and the core listen in plaintext on loopback: a random internal
+                # secret keeps the machine's other users from driving them.
+                secret = secrets.token_urlsafe(32)
                 self._children += _spawn_engine(
-                    self.options, tensor_parallel_size, pipeline_parallel_size, startup_timeout
+                    self.options,
+                    tensor_parallel_size,
+                    pipeline_parallel_size,
+                    startup_timeout,
+                    secret,
                 )
-                self.frontend = self._run(_connect(self.options, self._children[-1].address))
+                core = self._children[-1].address
+                self.frontend = self._run(_connect(self.options, core, secret))
         except BaseException:
             self.close()
             raise
@@ -224,37 +240,19 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
     return list(await asyncio.gather(*(_generate_one(frontend, c) for c in calls)))
 
 
-def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> list[Child]:
-    args = argparse.Namespace(
-        model=options.model,
+def _spawn_engine(
+    options: EngineOptions, tp: int, pp: int, timeout: float, secret: str
+) -> list[Child]:
+    stack = StackOptions(
+        options.model,
+        internal_secret=secret,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         log_level="warning",
         max_recovery_seconds=0.0,  # nothing here restarts a rank: fail at once
+        service_flags={"core": options.core_flags(tp, pp)},
     )
-    flags = {
-        "--dtype": options.dtype,
-        "--max-model-len": options.max_model_len,
-        "--max-num-seqs": options.max_num_seqs,
-        "--max-num-batched-tokens": options.max_num_batched_tokens * tp * pp,
-        "--block-size": options.block_size,
-        "--gpu-memory-utilization": options.gpu_memory_utilization,
-        "--kv-cache-memory-bytes": options.kv_cache_memory_bytes,
-        "--seed": options.seed,
-        "--served-model-name": options.served_model_name,
-    }
-    core_flags = [str(x) for k, v in flags.items() if v not in ("", None) for x in (k, v)]
-    if not options.enable_prefix_caching:
-        core_flags.append("--no-enable-prefix-caching")
-    if options.enforce_eager:
-        core_flags.append("--enforce-eager")
-    if options.enable_expert_parallel:
-        core_flags.append("--enable-expert-parallel")
-    if options.async_scheduling is not None:  # else the core's default (on where it can run)
-        core_flags.append(
-            "--async-scheduling" if options.async_scheduling else "--no-async-scheduling"
-        )
-    children = start_engine_children(args, core_flags)
+    children = start_engine_children(stack)
     try:
         wait_ready(children, timeout)
     except BaseException:
@@ -263,11 +261,12 @@ def _spawn_engine(options: EngineOptions, tp: int, pp: int, timeout: float) -> l
     return children
 
 
-async def _connect(options: EngineOptions, core_addr: str) -> Frontend:
-    client = EngineCoreClient(core_addr)
+async def _connect(options: EngineOptions, core_addr: str, secret: str) -> Frontend:
+    files = load_model_files(options.model)
+    security = ChannelSecurity(None, CORE_ROLE, secret)
+    client = EngineCoreClient(core_addr, security=security, tokenizer=files.tokenizer_info)
     info = await client.connect(60.0)
     name = options.served_model_name or info.served_model_name
-    files = load_model_files(options.model)
     frontend = build_frontend(client, info, files, CollectorRegistry(), name)
     frontend.engine.start()
     return frontend

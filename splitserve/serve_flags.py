@@ -7,9 +7,9 @@ process of the service that owns it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from splitserve_runtime.flags import FlagParser
+from splitserve_runtime.flags import Flag, FlagParser
 
 LAUNCHER_WIRED = frozenset(
     {
@@ -29,34 +29,37 @@ LAUNCHER_WIRED = frozenset(
         "--ssl-certfile",
         "--ssl-keyfile",
         "--ssl-ca-certs",
+        # Without internal TLS the launcher makes an internal secret (or takes
+        # SPLITSERVE_INTERNAL_SECRET) and gives it to every service through its environment.
+        "--internal-secret",
     }
 )
 """Service flags the launcher sets itself for its loopback stack."""
 SERVICE_KINDS = ("core", "frontend", "worker")
 
 
-def _service_parsers() -> dict[str, Callable[[], FlagParser]]:
-    from core_svc.config import build_parser as core_parser
-    from frontend_svc.config import build_parser as frontend_parser
-    from worker_svc.config import build_parser as worker_parser
+def _service_tables() -> dict[str, Sequence[Flag]]:
+    from core_svc.config import CORE_FLAGS
+    from frontend_svc.config import FRONTEND_FLAGS
+    from worker_svc.config import WORKER_FLAGS
 
-    return {"core": core_parser, "frontend": frontend_parser, "worker": worker_parser}
+    return {"core": CORE_FLAGS, "frontend": FRONTEND_FLAGS, "worker": WORKER_FLAGS}
 
 
 def add_service_flags(parser: FlagParser) -> dict[str, str]:
-    """Add the services' own flags to `parser` (one group per service, the core's first: a flag
-    several services have goes to the first); returns option string -> owning service kind."""
+    """Add the services' own flags (their tables) to `parser`, one group per service, the
+    core's first: a flag several services have goes to the first; returns option string ->
+    owning service kind."""
     owners: dict[str, str] = {}
-    for kind, build in _service_parsers().items():
-        group = parser.add_argument_group(f"{kind} flags (passed to `splitserve {kind}`)")
-        for action in build()._actions:
-            options = action.option_strings
-            if not options or action.dest in ("help", "config"):
-                continue
-            if any(parser.has_flag(o) or o in LAUNCHER_WIRED for o in options):
-                continue
-            group._add_action(action)
-            owners.update(dict.fromkeys(options, kind))
+    for kind, table in _service_tables().items():
+        rows = [
+            row
+            for row in table
+            if not any(parser.has_flag(o) or o in LAUNCHER_WIRED for o in row.names)
+        ]
+        parser.add_flags(rows, group=f"{kind} flags (passed to `splitserve {kind}`)")
+        for row in rows:
+            owners.update(dict.fromkeys(row.names, kind))
     return owners
 
 

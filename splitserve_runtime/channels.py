@@ -4,13 +4,16 @@ plaintext or mutual TLS, the expected role of the server, message sizes and keep
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from splitserve_runtime.listener import MAX_INTERNAL_MESSAGE_BYTES
+from splitserve_runtime.services import INTERNAL_SECRET_METADATA_KEY
 from splitserve_runtime.tls import TlsFiles, channel_credentials
+
+Metadata = tuple[tuple[str, str], ...]
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_INTERNAL_MESSAGE_BYTES),
@@ -32,10 +35,21 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 @dataclass(frozen=True, slots=True)
 class ChannelSecurity:
     """How to reach one kind of server: plaintext (`tls` None) or mutual TLS, where the server
-    must present a certificate naming `server_role` (whatever its address)."""
+    must present a certificate naming `server_role` (whatever its address); `secret` (the
+    deployment's --internal-secret, "" for none) goes with every call that passes
+    `call_metadata()`."""
 
     tls: TlsFiles | None
     server_role: str
+    secret: str = field(default="", repr=False)
+
+    def call_metadata(self, *extra: tuple[str, str]) -> Metadata:
+        """The metadata of a call to the server: the internal secret (if any), then `extra`.
+        Every call to an internal service passes it (an interceptor would put grpc.aio's
+        streams behind an extra queue)."""
+        if not self.secret:
+            return tuple(extra)
+        return ((INTERNAL_SECRET_METADATA_KEY, self.secret), *extra)
 
     def options(self) -> list[tuple[str, Any]]:
         options = list(CHANNEL_OPTIONS)

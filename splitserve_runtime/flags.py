@@ -8,6 +8,9 @@ the file, the file over the environment, the environment over the built-in defau
 `--some_name` is the same flag as `--some-name`; unlike argparse's default, a prefix of a flag
 (`--max-model` for `--max-model-len`) is an error, never a guess. Nothing is read from the
 environment at import time: the environment is passed to `FlagParser.parse` explicitly.
+
+A service declares its flags as a table: one `Flag` row each (its names, vLLM's first, and what
+argparse needs), in `--help` order; `FlagParser.add_flags` builds the parser from it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 ENV_PREFIX = "SPLITSERVE_"
@@ -98,9 +102,26 @@ class RefuseFlag(argparse.Action):
         parser.error(f"{option_string}: {self.help}")
 
 
+@dataclass(frozen=True)
+class Flag:
+    """One row of a flag table: the option strings (the first names the flag) and the keyword
+    arguments of argparse's `add_argument` (type, default, choices, action, help, ...)."""
+
+    names: tuple[str, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+def flag(*names: str, **settings: Any) -> Flag:
+    """A Flag row: `flag("--max-num-seqs", type=positive_int, default=256, help=...)`."""
+    return Flag(names, settings)
+
+
 _NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
 _NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
 """Flags no environment variable stands for."""
+SECRET_DESTS = frozenset({"api_key", "internal_secret"})
+"""Flags whose value is a credential: `--help` never shows their default (it may come from the
+environment)."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -116,6 +137,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             or _SAYS_DEFAULT.search(text)
         ):
             return text
+        if action.dest in SECRET_DESTS:
+            return f"{text} (default: {'set, not shown' if default else 'none'})".lstrip()
         return f"{text} (default: {_shown(default).replace('%', '%%')})".lstrip()
 
 
@@ -137,11 +160,20 @@ class FlagParser(argparse.ArgumentParser):
             )
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
-        if action.option_strings and not isinstance(action, _NO_ENVIRONMENT):
-            note = f"[env {env_name(action.dest)}]"
-            action.help = f"{action.help} {note}" if action.help else note
-        return action
+        return _with_environment_note(super().add_argument(*args, **kwargs))
+
+    @classmethod
+    def of_service(cls, prog: str, description: str, table: Sequence[Flag]) -> FlagParser:
+        """A service's parser: its flag table, after `--config`."""
+        parser = cls(prog=prog, description=description, config_file=True)
+        parser.add_flags(table)
+        return parser
+
+    def add_flags(self, table: Sequence[Flag], group: str = "") -> None:
+        """Add every row of a flag table, in order (under the heading `group`, if given)."""
+        container = self.add_argument_group(group) if group else self
+        for row in table:
+            _with_environment_note(container.add_argument(*row.names, **row.settings))
 
     def parse(self, argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
         """Parse `argv`, taking defaults for absent flags from the --config file and `environ`."""
@@ -207,6 +239,15 @@ class FlagParser(argparse.ArgumentParser):
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 self.error(f"{env_name(action.dest)}={value!r}: {exc}")
         self.set_defaults(**defaults)
+
+
+def _with_environment_note(action: argparse.Action) -> argparse.Action:
+    """`--help` names the variable that backs the flag (once)."""
+    note = f"[env {env_name(action.dest)}]"
+    is_setting = action.option_strings and not isinstance(action, _NO_ENVIRONMENT)
+    if is_setting and not (action.help or "").endswith(note):
+        action.help = f"{action.help} {note}" if action.help else note
+    return action
 
 
 def _shown(default: Any) -> str:

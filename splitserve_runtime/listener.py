@@ -20,7 +20,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from splitserve_runtime.rpc_guard import GuardPolicy, role_admission
+from splitserve_runtime.rpc_guard import (
+    Admission,
+    GuardPolicy,
+    all_of,
+    role_admission,
+    secret_admission,
+)
 from splitserve_runtime.tls import TlsFiles, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -48,15 +54,25 @@ INTERNAL_SERVER_OPTIONS: ServerOptions = (
 )
 
 
+MAX_PENDING_CALLS = 16_384
+"""Calls gRPC core holds before the server's request loop takes them up. gRPC's own default
+refuses past 1000 such calls at random (all past 3000), and the caller sees CANCELLED: a burst of
+2000 streams on one channel lost about 1 in 10. Admission (--max-inflight-requests, the core's
+queue limits) is what refuses load here, with RESOURCE_EXHAUSTED and a retry hint."""
+
+
 def public_server_options(max_receive_message_bytes: int) -> ServerOptions:
-    """The public port's options: bounded requests, and connections that are recycled after
-    30 minutes (GOAWAY: no new calls on it) with 30 more minutes for running calls to end."""
+    """The public port's options: bounded requests, bursts of calls taken up to
+    MAX_PENDING_CALLS, and connections that are recycled after 30 minutes (GOAWAY: no new calls
+    on it) with 30 more minutes for running calls to end."""
     return (
         ("grpc.max_send_message_length", MAX_INTERNAL_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_message_bytes),
         *_CONNECTION_LIMITS,
         ("grpc.max_connection_age_ms", 1_800_000),
         ("grpc.max_connection_age_grace_ms", 1_800_000),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     )
 
 
@@ -80,14 +96,21 @@ def internal_listener(
     allowed_roles: Mapping[str, frozenset[str]],
     enable_reflection: bool,
     health_port: int | None,
+    secret: str = "",
 ) -> Listener:
     """An internal port: mutual TLS when `tls` is given, where `allowed_roles` names, per gRPC
-    service, the roles that may call it (health and reflection: any peer of the same CA)."""
-    if tls is None:
-        return Listener(enable_reflection=enable_reflection, health_port=health_port)
-    admissions = {service: role_admission(roles) for service, roles in allowed_roles.items()}
+    service, the roles that may call it (health and reflection: any peer of the same CA). With
+    a `secret` (--internal-secret) those services also admit only calls that present it, over
+    TLS or plaintext; without TLS or a secret they are open to anyone who reaches the port."""
+    admissions: dict[str, Admission] = {}
+    for service, roles in allowed_roles.items():
+        checks = [role_admission(roles)] if tls is not None else []
+        if secret:
+            checks.append(secret_admission(secret))
+        if checks:
+            admissions[service] = all_of(*checks)
     return Listener(
-        credentials=server_credentials(tls, require_client_auth=True),
+        credentials=None if tls is None else server_credentials(tls, require_client_auth=True),
         guard=GuardPolicy(admissions=admissions),
         enable_reflection=enable_reflection,
         health_port=health_port,

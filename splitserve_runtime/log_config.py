@@ -3,26 +3,28 @@ text (the default) or as one JSON object per line (`--log-format json`, for log 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 from datetime import UTC, datetime
 
+from splitserve_runtime.flags import flag
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
 
-def add_logging_flags(parser: argparse.ArgumentParser) -> None:
-    """--log-level and --log-format (every service and the launcher)."""
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    parser.add_argument(
+LOGGING_FLAGS = (
+    flag("--log-level", default="info", choices=LOG_LEVELS),
+    flag(
         "--log-format",
         default="text",
         choices=LOG_FORMATS,
         help="text: one readable line per record; json: one JSON object per line with time, "
         "level, service, logger and message",
-    )
+    ),
+)
+"""--log-level and --log-format (every service and the launcher)."""
 
 
 class JsonFormatter(logging.Formatter):

@@ -38,20 +38,29 @@ class LogRateLimit:
 
 
 class RateLimitedLog:
-    """A logger whose warnings are limited per key."""
+    """A logger whose warnings and errors are limited per key."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.logger = logger
         self.limit = LogRateLimit(interval_s)
 
     def warning(self, key: str, message: str, *args: object) -> None:
+        self._log(logging.WARNING, key, message, args)
+
+    def exception(self, key: str, message: str, *args: object) -> None:
+        """An error with the traceback of the exception being handled."""
+        self._log(logging.ERROR, key, message, args, exc_info=True)
+
+    def _log(
+        self, level: int, key: str, message: str, args: tuple[object, ...], exc_info: bool = False
+    ) -> None:
         suppressed = self.limit.admit(key)
         if suppressed is None:
             return
         if suppressed:
             message += " (%d more like it in the last %.0f s not logged)"
             args = (*args, suppressed, self.limit.interval_s)
-        self.logger.warning(message, *args)
+        self.logger.log(level, message, *args, exc_info=exc_info)
 
 
 class RepeatFilter(logging.Filter):

@@ -5,12 +5,11 @@ reads no model, uses only this; model_source.py resolves a spec to local files.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from pathlib import Path
 
-from splitserve_runtime.flags import RefuseFlag
+from splitserve_runtime.flags import Flag, RefuseFlag, flag
 
 TINY_MODEL = "tiny"
 GGUF_SUFFIX = ".gguf"
@@ -32,28 +31,35 @@ class ModelSourceError(ValueError):
     """The model (or tokenizer) cannot be found or fetched; the message is one line."""
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, is_frontend: bool) -> None:
+def model_flags(*, is_frontend: bool) -> list[Flag]:
     """vLLM's --model and --revision, and for whoever tokenizes, --tokenizer and
     --generation-config."""
-    parser.add_argument(
-        "--model",
-        default="",
-        help="checkpoint folder, .gguf file, Hub id org/name, or tiny (a tiny random test model);"
-        " default: SmolLM2-135M-Instruct, fetched once",
-    )
-    parser.add_argument("--revision", default="", help="Hub revision of a Hub id --model")
-    parser.add_argument("--trust-remote-code", action=RefuseFlag, help=TRUST_REMOTE_CODE_REFUSAL)
+    rows = [
+        flag(
+            "--model",
+            default="",
+            help="checkpoint folder, .gguf file, Hub id org/name, or tiny (a tiny random test "
+            "model); default: SmolLM2-135M-Instruct, fetched once",
+        ),
+        flag("--revision", default="", help="Hub revision of a Hub id --model"),
+        flag("--trust-remote-code", action=RefuseFlag, help=TRUST_REMOTE_CODE_REFUSAL),
+    ]
     if not is_frontend:
-        return
-    parser.add_argument(
-        "--tokenizer", default="", help="tokenizer folder, .gguf file or Hub id (default: --model)"
-    )
-    parser.add_argument(
-        "--generation-config",
-        default="auto",
-        help="auto: the model's generation_config.json sampling defaults fill unset request "
-        "fields; vllm: vLLM's own defaults; or a folder holding a generation_config.json",
-    )
+        return rows
+    return [
+        *rows,
+        flag(
+            "--tokenizer",
+            default="",
+            help="tokenizer folder, .gguf file or Hub id (default: --model)",
+        ),
+        flag(
+            "--generation-config",
+            default="auto",
+            help="auto: the model's generation_config.json sampling defaults fill unset request "
+            "fields; vllm: vLLM's own defaults; or a folder holding a generation_config.json",
+        ),
+    ]
 
 
 def canonical_dtype(name: str) -> str:

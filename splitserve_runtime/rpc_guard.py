@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
 import uuid
@@ -23,10 +24,12 @@ from typing import Any
 import grpc
 
 from splitserve_runtime.log_limits import RateLimitedLog
+from splitserve_runtime.services import INTERNAL_SECRET_METADATA_KEY
 from splitserve_runtime.tls import peer_names
 
 logger = logging.getLogger(__name__)
 malformed_log = RateLimitedLog(logger)
+refusal_log = RateLimitedLog(logger)
 
 Refusal = tuple[grpc.StatusCode, str]
 Admission = Callable[[Any], Refusal | None]
@@ -63,6 +66,44 @@ def role_admission(allowed_roles: frozenset[str]) -> Admission:
             f"this service accepts calls only from {', '.join(sorted(allowed_roles))}; the "
             f"caller's certificate names {', '.join(sorted(names)) or 'no identity'}",
         )
+
+    return admit
+
+
+def secret_admission(secret: str) -> Admission:
+    """Admit callers whose metadata carries `secret` under INTERNAL_SECRET_METADATA_KEY
+    (compared in constant time). The refusal never repeats what was presented or expected."""
+    expected = secret.encode()
+
+    def admit(context: Any) -> Refusal | None:
+        presented = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == INTERNAL_SECRET_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+                break
+        if hmac.compare_digest(presented, expected):
+            return None
+        refusal_log.warning(
+            "secret", "refused a call from %s: missing or wrong internal secret", context.peer()
+        )
+        return (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "this internal service admits only calls carrying the deployment's internal secret "
+            f"(metadata {INTERNAL_SECRET_METADATA_KEY}; --internal-secret on every service)",
+        )
+
+    return admit
+
+
+def all_of(*admissions: Admission) -> Admission:
+    """Admit a caller that every one of `admissions` admits (the first refusal answers)."""
+
+    def admit(context: Any) -> Refusal | None:
+        for check in admissions:
+            refusal = check(context)
+            if refusal is not None:
+                return refusal
+        return None
 
     return admit
 

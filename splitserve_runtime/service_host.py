@@ -164,8 +164,10 @@ class ServiceHost:
         return self.exit_code
 
     async def shutdown(self, on_shutdown: ShutdownHook | None = None) -> None:
-        """Stop accepting, let the service finish or abort in-flight work, close the server."""
+        """Stop accepting, let the service finish or abort in-flight work, close the server:
+        all within `grace_seconds` (calls still open then are cancelled)."""
         logger.info("%s shutting down", self.name)
+        deadline = asyncio.get_running_loop().time() + self.grace_seconds
         await self.health.enter_graceful_shutdown()
         if on_shutdown is not None:
             try:
@@ -173,7 +175,8 @@ class ServiceHost:
             except Exception:
                 logger.exception("%s: shutdown hook failed", self.name)
                 self.exit_code = max(self.exit_code, 1)
-        await self.server.stop(grace=self.grace_seconds)
+        remaining = deadline - asyncio.get_running_loop().time()
+        await self.server.stop(grace=max(0.5, remaining))
         if self._health_server is not None:
             await self._health_server.stop(grace=None)
         if self._metrics_server is not None:

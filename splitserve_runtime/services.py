@@ -44,3 +44,7 @@ SERVICES = {spec.kind: spec for spec in (FRONTEND, CORE, WORKER)}
 OWNER_EPOCH_METADATA_KEY = "x-splitserve-owner-epoch"
 """gRPC metadata key of the engine core's ownership epoch on its calls to a worker after
 LoadModel (GetKvCapacity, InitializeKvCache, Execute); see worker_svc/ownership.py."""
+
+INTERNAL_SECRET_METADATA_KEY = "x-splitserve-internal-secret"
+"""gRPC metadata key of the deployment's internal secret (--internal-secret), which the frontends
+present to the core and the core to the workers; see splitserve_runtime/rpc_guard.py."""

@@ -6,15 +6,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from splitserve_runtime.flags import FlagParser, non_negative_int
-from splitserve_runtime.log_config import add_logging_flags
+from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int
+from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.services import WORKER
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
-    add_internal_tls_flags,
-    add_listener_flags,
     check_internal_tls,
+    internal_tls_flags,
+    listener_flags,
     optional_port,
 )
 
@@ -36,48 +36,52 @@ class WorkerConfig(TransportConfig):
     log_format: str = "text"
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(
-        prog="splitserve worker",
-        description="Run one worker rank; the engine core tells it what to load.",
-        config_file=True,
-    )
-    p.add_argument(
+WORKER_FLAGS: tuple[Flag, ...] = (
+    flag(
         "--host",
         default=LOOPBACK,
         help="address to listen on (in a pod: its IP, from the downward API)",
-    )
-    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port")
-    p.add_argument(
+    ),
+    flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
+    flag(
         "--metrics-port",
         type=int,
         default=DEFAULT_METRICS_PORT,
         help="Prometheus /metrics port (-1 disables)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
         help="where the model runs (auto: cuda when available)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--torch-threads",
         type=non_negative_int,
         default=0,
         help="CPU threads for torch (0: torch's default)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="on SIGTERM, seconds the engine core's open step stream may keep running (new calls "
         "are refused), so that a core stopping at the same time can finish its own drain; the "
         "worker exits as soon as that stream ends",
+    ),
+    *LOGGING_FLAGS,
+    *internal_tls_flags("the port the engine core calls"),
+    *listener_flags(reflection_default=False),
+)
+"""The flags of `splitserve worker`."""
+
+
+def build_parser() -> FlagParser:
+    return FlagParser.of_service(
+        "splitserve worker",
+        "Run one worker rank; the engine core tells it what to load.",
+        WORKER_FLAGS,
     )
-    add_logging_flags(p)
-    add_internal_tls_flags(p, "the port the engine core calls")
-    add_listener_flags(p, reflection_default=False)
-    return p
 
 
 def parse_config(

@@ -10,16 +10,17 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
-from splitserve_contracts import sampling_convert
-from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts import output_convert, sampling_convert
+from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.models.model_config import parse_dtype
-from worker_svc.outputs import LogprobsTable, ModelRunnerOutput
 from worker_svc.scheduler_output import (
     CachedRequestData,
+    GrammarBitmask,
     IntArray,
     MultiModalInput,
     NewRequestData,
@@ -87,7 +88,15 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
             e.req_handle: list(e.input_ids) for e in msg.scheduled_encoder_inputs
         },
         free_encoder_mm_hashes=tuple(msg.free_encoder_mm_hashes),
+        grammar_bitmask=grammar_bitmask_from_proto(msg.grammar_bitmask),
+        has_pending_grammar=msg.has_pending_grammar,
     )
+
+
+def grammar_bitmask_from_proto(msg: pb.GrammarBitmask) -> GrammarBitmask | None:
+    """The step's token masks, or None (no constrained request samples); MalformedStep when
+    the blob does not split into one row per request."""
+    return grammar_bitmask_from_bytes(list(msg.req_handles), msg.bitmask)
 
 
 def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
@@ -165,38 +174,8 @@ def kv_capacity_to_proto(c: KvCapacity) -> pb.GetKvCapacityResponse:
     )
 
 
-def logprobs_table_to_proto(table: LogprobsTable) -> types_pb2.LogprobsTable:
-    msg = types_pb2.LogprobsTable(num_top_logprobs=table.num_top_logprobs)
-    msg.token_ids.extend(table.token_ids.reshape(-1).tolist())
-    msg.logprobs.extend(table.logprobs.reshape(-1).tolist())
-    msg.ranks.extend(table.ranks.tolist())
-    return msg
-
-
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> pb.ModelRunnerOutput:
-    if out.error_message is not None:
-        return error_output_to_proto(out.step_id, out.rank, out.error_message)
-    msg = pb.ModelRunnerOutput(
-        step_id=out.step_id,
-        status=pb.STEP_STATUS_OK,
-        rank=out.rank,
-        num_used_kv_blocks=out.num_used_kv_blocks,
-        timings=pb.StepTimings(
-            prepare_inputs_seconds=out.timings.prepare_inputs_seconds,
-            forward_seconds=out.timings.forward_seconds,
-            sample_seconds=out.timings.sample_seconds,
-            total_seconds=out.timings.total_seconds,
-        ),
-    )
-    msg.req_handles.extend(out.req_handles.tolist())
-    msg.sampled_token_ids.extend(out.sampled_token_ids.tolist())
-    msg.failed_req_handles.extend(out.failed_reqs)
-    msg.failed_reasons.extend(out.failed_reqs.values())
-    for handle, table in out.logprobs.items():
-        msg.logprobs.add(req_handle=handle, table=logprobs_table_to_proto(table))
-    for handle, table in out.prompt_logprobs.items():
-        msg.prompt_logprobs.add(req_handle=handle, table=logprobs_table_to_proto(table))
-    return msg
+    return output_convert.model_runner_output_to_proto(out)
 
 
 def error_output_to_proto(step_id: int, rank: int, message: str) -> pb.ModelRunnerOutput:

@@ -7,10 +7,12 @@ as it, so the most likely token has rank 1.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
-from worker_svc.outputs import LogprobsTable
+from splitserve_contracts.output_types import LogprobsTable
 
 
 def compute_logprobs(
@@ -46,10 +48,22 @@ def split_tables(
         tables.append(
             LogprobsTable(
                 num_top,
-                ids_np[start:end, : num_top + 1],
-                values_np[start:end, : num_top + 1],
-                ranks_np[start:end],
+                ids_np[start:end, : num_top + 1].reshape(-1).tolist(),
+                values_np[start:end, : num_top + 1].reshape(-1).tolist(),
+                ranks_np[start:end].tolist(),
             )
         )
         start = end
     return tables
+
+
+def concat_tables(tables: list[LogprobsTable], num_top: int) -> LogprobsTable:
+    """The rows of consecutive tables of one request (chunks of its prompt) as one table."""
+    if len(tables) == 1:
+        return tables[0]
+    return LogprobsTable(
+        num_top,
+        list(chain.from_iterable(t.token_ids for t in tables)),
+        list(chain.from_iterable(t.logprobs for t in tables)),
+        list(chain.from_iterable(t.ranks for t in tables)),
+    )

@@ -37,6 +37,7 @@ def serve(config: WorkerConfig) -> int:
             allowed_roles={WORKER.grpc_service: frozenset({CORE_ROLE})},
             enable_reflection=config.enable_reflection,
             health_port=config.health_port,
+            secret=config.internal_secret,
         ),
     )
     servicer = WorkerServicer(host.registry, StallWatch(host.set_ready), device=config.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from worker_svc.outputs import ModelRunnerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput
 
 STEP_BUCKETS = (
     0.0005,
@@ -81,8 +81,10 @@ class WorkerMetrics:
         self.total.observe(total_seconds)
         if num_tokens:
             self.tokens.observe(num_tokens)
-        if output is not None:
+        if output is None:
+            return
+        if output.timings is not None:
             self.prepare.observe(output.timings.prepare_inputs_seconds)
             self.forward.observe(output.timings.forward_seconds)
             self.sample.observe(output.timings.sample_seconds)
-            self.kv_blocks.set(output.num_used_kv_blocks)
+        self.kv_blocks.set(output.num_used_kv_blocks)

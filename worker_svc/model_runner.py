@@ -21,15 +21,22 @@ import time
 import numpy as np
 import torch
 
+from splitserve_contracts.output_types import (
+    LogprobsTable,
+    ModelRunnerOutput,
+    RequestLogprobs,
+    StepStatus,
+    StepTimings,
+)
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
+from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
 from worker_svc.input_batch import InputBatch, StepInputs
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.llava import LlavaForConditionalGeneration
-from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
@@ -149,8 +156,11 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; returns the output on the output rank, None elsewhere."""
+    def execute(
+        self, step: SchedulerOutput, grammar_source: GrammarSource | None = None
+    ) -> ModelRunnerOutput | None:
+        """Run one step; returns the output on the output rank, None elsewhere. A step with
+        has_pending_grammar takes its token masks from `grammar_source` before sampling."""
         if self.batch is None or self.kv_cache is None:
             raise RuntimeError("initialize_kv_cache must run before execute")
         started = time.perf_counter()
@@ -195,6 +205,12 @@ class ModelRunner:
                 batch.num_prompt_tokens,
                 batch.num_tokens,
             )
+            grammar = step.grammar_bitmask
+            if step.has_pending_grammar and grammar_source is not None:
+                grammar = grammar_source()
+            if grammar is not None:
+                sampling_handles = inputs.req_handles[inputs.sampling_reqs]
+                apply_grammar_bitmask(logits[:num_sampling], sampling_handles, grammar)
             sampler_output = self.sampler(logits[:num_sampling], metadata)
             if self.async_scheduling:
                 tokens = sampler_output.sampled_token_ids.cpu().numpy()
@@ -263,21 +279,23 @@ class ModelRunner:
     ) -> ModelRunnerOutput | None:
         if not self.parallel.is_output_rank:
             return None
-        handles = np.zeros(0, np.int64)
-        tokens = np.zeros(0, np.int64)
-        logprobs: dict[int, LogprobsTable] = {}
+        handles: list[int] = []
+        tokens: list[int] = []
+        logprobs: list[RequestLogprobs] = []
         if inputs is not None and sampler_output is not None:
-            handles = inputs.req_handles[inputs.sampling_reqs]
-            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64)
-            logprobs = self._sample_logprobs(inputs, handles, sampler_output)
+            sampled = inputs.req_handles[inputs.sampling_reqs]
+            handles = sampled.tolist()
+            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64).tolist()
+            logprobs = self._sample_logprobs(inputs, sampled, sampler_output)
         assert self.batch is not None
         return ModelRunnerOutput(
             step_id=step.step_id,
+            status=StepStatus.OK,
             rank=self.parallel.rank,
             req_handles=handles,
             sampled_token_ids=tokens,
             logprobs=logprobs,
-            prompt_logprobs=prompt_tables,
+            prompt_logprobs=[RequestLogprobs(h, t) for h, t in prompt_tables.items()],
             timings=StepTimings(
                 timings.prepare_inputs_seconds,
                 timings.forward_seconds,
@@ -285,17 +303,20 @@ class ModelRunner:
                 total_seconds=time.perf_counter() - started,
             ),
             num_used_kv_blocks=self.batch.num_used_blocks(),
-            failed_reqs=self._failed,
+            failed_req_handles=list(self._failed),
+            failed_reasons=list(self._failed.values()),
         )
 
     def _sample_logprobs(
         self, inputs: StepInputs, handles: np.ndarray, sampler_output: SamplerOutput
-    ) -> dict[int, LogprobsTable]:
+    ) -> list[RequestLogprobs]:
         if sampler_output.logprobs is None:
-            return {}
+            return []
         assert self.batch is not None
         num_tops = self.batch.sampling.num_logprobs[inputs.rows[inputs.sampling_reqs]]
         wanted = np.flatnonzero(num_tops >= 0)
         ids, values, ranks = (t[torch.from_numpy(wanted)] for t in sampler_output.logprobs)
         tables = split_tables(ids, values, ranks, [1] * len(wanted), num_tops[wanted].tolist())
-        return dict(zip(handles[wanted].tolist(), tables, strict=True))
+        return [
+            RequestLogprobs(h, t) for h, t in zip(handles[wanted].tolist(), tables, strict=True)
+        ]

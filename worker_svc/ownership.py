@@ -13,6 +13,9 @@ when the core starts, so a restarted core presents a larger one). On a loaded ra
 A rank with nothing loaded takes LoadModel from any core (the transport already admits only
 the core role). Before a loaded rank drops its model for a new LoadModel, the new checkpoint is
 checked (`check_model_loadable`), so a bad path leaves the rank serving its owner.
+
+A refusal never names an epoch: under plaintext without --internal-secret the owner's epoch is
+its only credential, and a caller that read it could present it.
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ class Ownership:
             )
         if claim.epoch <= owner.epoch:
             raise StaleClaim(
-                f"this rank is loaded by epoch {owner.epoch} of its core; LoadModel with epoch "
-                f"{claim.epoch} is refused (a restarted core presents a larger epoch)"
+                "this rank is already loaded by its core; this LoadModel's epoch is not larger, "
+                "so it is refused (only a restarted core, presenting a larger epoch, takes it "
+                "over)"
             )
         logger.warning(
             "takeover: %s reloads this rank, which %s had loaded",
@@ -119,7 +123,8 @@ class Ownership:
         if claim.identity != owner.identity:
             raise NotOwner(f"this rank is owned by {owner.identity or 'a plaintext core'}")
         raise StaleClaim(
-            f"this rank is owned by epoch {owner.epoch} of its core, not epoch {claim.epoch}"
+            "this rank is owned by another epoch of its core than the call's (a core that "
+            "restarted took it over)"
         )
 
 

@@ -14,9 +14,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from splitserve_contracts.output_types import LogprobsTable
 from worker_svc.input_batch import InputBatch, StepInputs
-from worker_svc.logprobs import compute_logprobs, split_tables
-from worker_svc.outputs import LogprobsTable
+from worker_svc.logprobs import compute_logprobs, concat_tables, split_tables
 
 IntArray = npt.NDArray[np.int64]
 
@@ -86,7 +86,7 @@ class PromptLogprobsCollector:
         done = {}
         for handle, num_top in zip(plan.handles, plan.num_tops, strict=True):
             if handle in sampled:
-                done[handle] = LogprobsTable.concat(self.pending.pop(handle, []), num_top)
+                done[handle] = concat_tables(self.pending.pop(handle, []), num_top)
                 self.delivered.add(handle)
         return done
 

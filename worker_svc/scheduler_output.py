@@ -86,6 +86,15 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """Masks of a step's constrained requests: row i (ceil(vocab / 32) int32 words; bit b of
+    word w allows token 32 * w + b) belongs to req_handles[i]."""
+
+    req_handles: IntArray
+    bitmask: npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One engine step, identical on every rank.
 
@@ -103,6 +112,10 @@ class SchedulerOutput:
     """Request handle -> indices of its mm_features whose encoder runs this step."""
     free_encoder_mm_hashes: tuple[str, ...] = ()
     """Encoder cache entries to drop before the step."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Token masks of the constrained requests that sample (structured outputs)."""
+    has_pending_grammar: bool = False
+    """The masks follow in a message of their own, before sampling (async scheduling)."""
 
     @property
     def num_reqs(self) -> int:

@@ -13,7 +13,6 @@ step is answered with the same error.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -39,6 +38,7 @@ from worker_svc.ownership import (
     check_model_loadable,
     claim_from_metadata,
 )
+from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
 from worker_svc.worker import Worker, WorkerStateError
@@ -210,19 +210,24 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if self._worker.device.type == "cuda":
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:
+            if request.HasField("grammar_output"):
+                continue  # the deferred masks of a step that sampled nothing on this rank
             with self._lock:
                 if self._ownership.owner != claim:  # a newer core took this rank over
                     _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "rank taken over")
                 self._stall_watch.step_started()
                 try:
-                    response = self._execute_step(request)
+                    response = self._execute_step(request, request_iterator)
                 finally:
                     self._stall_watch.step_ended()
             if response is not None:
                 yield response
 
-    def _execute_step(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse | None:
-        """One step on the model thread; None when this rank has nothing to say."""
+    def _execute_step(
+        self, request: pb.ExecuteRequest, request_iterator: Iterator[pb.ExecuteRequest]
+    ) -> pb.ExecuteResponse | None:
+        """One step on the model thread; None when this rank has nothing to say. A step with
+        has_pending_grammar reads its masks from the stream, before it samples."""
         received = time.perf_counter()
         step_id = request.scheduler_output.step_id
         rank = self._worker.parallel.rank
@@ -234,7 +239,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             return _error_response(step_id, rank, f"rank {rank} has failed: {self._failure}")
         try:
             output = self._worker.execute(
-                convert.scheduler_output_from_proto(request.scheduler_output)
+                convert.scheduler_output_from_proto(request.scheduler_output),
+                lambda: _next_grammar(request_iterator, step_id),
             )
         except (MalformedStep, OverflowError) as e:  # refused before any state changed
             self._last_step_id = step_id
@@ -251,8 +257,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         if output is None:
             return None
-        timings = dataclasses.replace(output.timings, total_seconds=total_seconds)
-        output = dataclasses.replace(output, timings=timings)
+        if output.timings is not None:
+            output.timings.total_seconds = total_seconds
         return pb.ExecuteResponse(model_runner_output=convert.model_runner_output_to_proto(output))
 
     def close(self) -> None:
@@ -270,6 +276,19 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self._lock.release()
 
     shutdown = close
+
+
+def _next_grammar(
+    request_iterator: Iterator[pb.ExecuteRequest], step_id: int
+) -> GrammarBitmask | None:
+    """The deferred grammar masks of step `step_id`: the next message on the stream."""
+    try:
+        request = next(request_iterator)
+    except StopIteration:
+        raise RuntimeError(f"the stream closed before step {step_id}'s grammar masks") from None
+    if not request.HasField("grammar_output") or request.grammar_output.step_id != step_id:
+        raise RuntimeError(f"step {step_id} waited for its grammar masks and got another message")
+    return convert.grammar_bitmask_from_proto(request.grammar_output.grammar_bitmask)
 
 
 def _error_response(step_id: int, rank: int, message: str) -> pb.ExecuteResponse:

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import (
@@ -28,6 +29,7 @@ from worker_svc.attention.backend import (
 from worker_svc.attention.cpu_backend import CpuAttentionBackend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
+from worker_svc.grammar_bitmask import GrammarSource
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
@@ -36,7 +38,6 @@ from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescriptio
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class, read_model_config
-from worker_svc.outputs import ModelRunnerOutput
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
     keep_fp8_weights,
@@ -285,11 +286,14 @@ class Worker:
         self.is_kv_cache_ready = True
         return nbytes
 
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(
+        self, step: SchedulerOutput, grammar_source: GrammarSource | None = None
+    ) -> ModelRunnerOutput | None:
+        """Run a step; `grammar_source` gives its deferred bitmask (has_pending_grammar)."""
         runner = self._require_runner()
         if not self.is_kv_cache_ready:
             raise WorkerStateError("InitializeKvCache must be called before Execute")
-        return runner.execute(step)
+        return runner.execute(step, grammar_source)
 
     def shutdown(self) -> None:
         """Drop the model and cache and leave the process group; a new LoadModel may follow."""

@@ -21,13 +21,8 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.gateway.loads import EngineLoad
 from frontend_svc.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
-from frontend_svc.requests import (
-    CompletionDelta,
-    FinishReason,
-    GenerateInput,
-    PromptInput,
-    TokenLogprobs,
-)
+from frontend_svc.requests import CompletionDelta, GenerateInput, PromptInput, TokenLogprobs
+from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name

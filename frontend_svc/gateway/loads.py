@@ -10,7 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frontend_svc.engine_types import EngineInfo, SchedulerStats
+from frontend_svc.engine_types import EngineInfo
+from splitserve_contracts.output_types import SchedulerStats
 
 RATE_WINDOW_S = 2.0
 """Rates are measured over the last this many seconds of samples (smg's THROUGHPUT_WINDOW)."""

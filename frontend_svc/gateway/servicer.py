@@ -32,7 +32,7 @@ from frontend_svc.gateway.tokenizer_files import TokenizerFiles
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.kv_events import KvEventHub, TooManySubscribers
 from frontend_svc.model_files import ModelFiles
-from frontend_svc.requests import FinishReason
+from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger(__name__)
 RESET_RPC_TIMEOUT_S = 30.0

@@ -10,7 +10,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend_svc.errors import EngineUnavailable, InvalidRequest
-from frontend_svc.openai.fields import as_bool, as_int_tuple, as_object, as_str, read_json
+from frontend_svc.openai.fields import (
+    as_bool,
+    as_int_tuple,
+    as_list,
+    as_object,
+    as_str,
+    read_json,
+)
 from frontend_svc.openai.fields import read as read_field
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.protocol import chat_turns
@@ -68,13 +75,15 @@ def _tokenize_prompt(body: dict[str, object]) -> PromptInput:
 
 def tokenize_route(ctx: ServingContext) -> Handler:
     async def tokenize(request: Request) -> Response:
-        body = await read_json(request)
+        """Tokenizing runs on the tokenizer threads; text longer than any prompt that fits
+        max_model_len is refused first (as gRPC's Tokenize)."""
+        body = await read_json(request, ctx.max_body_bytes)
         ctx.check_model(read_field(body, "model", as_str))
         prompt = _tokenize_prompt(body)
-        ids = ctx.inputs.tokenize(prompt).token_ids
-        strs = None
-        if read_field(body, "return_token_strs", as_bool, False):
-            strs = ctx.tokenizer.convert_ids_to_tokens(ids)
+        wants_strs = read_field(body, "return_token_strs", as_bool, False)
+        inputs = ctx.inputs
+        ids = (await inputs.run(inputs.tokenize, prompt)).token_ids
+        strs = await inputs.run(ctx.tokenizer.convert_ids_to_tokens, ids) if wants_strs else None
         reply = {
             "count": len(ids),
             "max_model_len": ctx.info.max_model_len,
@@ -88,17 +97,14 @@ def tokenize_route(ctx: ServingContext) -> Handler:
 
 def detokenize_route(ctx: ServingContext) -> Handler:
     async def detokenize(request: Request) -> Response:
-        body = await read_json(request)
+        """At most max_model_len ids, each in the vocabulary (as gRPC's Detokenize), counted
+        before they are read; decoded on the tokenizer threads."""
+        body = await read_json(request, ctx.max_body_bytes)
         ctx.check_model(read_field(body, "model", as_str))
-        ids = read_field(body, "tokens", as_int_tuple, ())
-        vocab_size = ctx.info.vocab_size
-        for i, token_id in enumerate(ids):
-            if not 0 <= token_id < vocab_size:
-                raise InvalidRequest(
-                    f"tokens[{i}] = {token_id} is outside the vocabulary (valid ids: "
-                    f"0..{vocab_size - 1})",
-                    "tokens",
-                )
-        return JSONResponse({"prompt": ctx.tokenizer.decode(list(ids))})
+        raw = read_field(body, "tokens", as_list, [])
+        ctx.inputs.check_num_token_ids(len(raw), "tokens")  # before each id is read
+        ids = list(as_int_tuple(raw, "tokens"))
+        ctx.inputs.check_token_ids(ids, "tokens")
+        return JSONResponse({"prompt": await ctx.inputs.run(ctx.tokenizer.decode, ids)})
 
     return detokenize

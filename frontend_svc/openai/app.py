@@ -1,17 +1,18 @@
 """The OpenAI-compatible HTTP API as a Starlette app over the frontend's own engine.
 
-Every route goes through `_route`, which authenticates /v1/* routes (on the routed endpoint, not
-on a rebuilt URL), turns FrontendError into OpenAI's error JSON with its HTTP status (429 adds
-Retry-After) and anything unexpected into a logged 500, so no request body can take the server
-down. A non-streaming call whose client disconnects is cancelled, which aborts it in the core;
-a stream is cancelled by Starlette when its client goes away. Every other request is counted in
-vLLM's HTTP metrics (prometheus-fastapi-instrumentator, as vLLM does).
+Every route goes through `_route`, which authenticates every route but the probes and /metrics
+(on the routed endpoint, not on a rebuilt URL), turns FrontendError into OpenAI's error JSON with
+its HTTP status (429 adds Retry-After; server-side detail only in the log, under an error id) and
+anything unexpected into a 500 with an error id (its traceback logged at most once per route per
+interval), so no request body can take the server down or flood its log. A non-streaming call
+whose client disconnects is cancelled, which aborts it in the core; a stream is cancelled by
+Starlette when its client goes away. Every other request is counted in vLLM's HTTP metrics
+(prometheus-fastapi-instrumentator, as vLLM does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,32 +21,32 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from frontend_svc.auth import check_api_key
-from frontend_svc.errors import FrontendError, Overloaded
+from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
 from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
-from frontend_svc.openai.protocol import parse_chat, parse_completion
+from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.sse import error_body, guarded
+from frontend_svc.public_errors import unexpected_error_message
 
-logger = logging.getLogger(__name__)
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[Request], Awaitable[Response]]
 UNMEASURED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
 """Probes and scrapes, left out of the HTTP request metrics (vLLM leaves out the same)."""
 
 
-def error_response(err: FrontendError) -> JSONResponse:
+def error_response(err: FrontendError, message: str | None = None) -> JSONResponse:
     headers = {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+    return JSONResponse(error_body(err, message), status_code=err.http_status, headers=headers)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -77,18 +78,21 @@ def _sse_response(chunks: Any, rid: str) -> StreamingResponse:
 
 def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     async def handle(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, ctx.max_body_bytes)
+        limits, defaults = ctx.request_limits, ctx.inputs.sampling_defaults
+        header_id = request.headers.get("x-request-id")
+        if header_id is not None:
+            as_client_id(header_id, "the x-request-id header")
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body, ctx.inputs.sampling_defaults)
+            req = parse_chat(body, limits, defaults)
             ctx.check_model(req.model)
-            rid = request_id("chatcmpl", request.headers.get("x-request-id"), req.request_id)
-            run = ChatRun(ctx, req, rid)
+            run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
         else:
-            creq = parse_completion(body, ctx.inputs.sampling_defaults)
+            creq = parse_completion(body, limits, defaults)
             ctx.check_model(creq.model)
-            rid = request_id("cmpl", request.headers.get("x-request-id"), creq.request_id)
-            run = CompletionRun(ctx, creq, rid)
+            run = CompletionRun(ctx, creq, request_id("cmpl", header_id, creq.request_id))
+        rid = run.rid
         if run.req.stream is None:
             result = await unless_disconnected(request, run.response())
             return JSONResponse(result, headers={"x-request-id": rid})
@@ -108,22 +112,28 @@ def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
             return error_response(err)
         except asyncio.CancelledError:
             raise
+        except ClientDisconnect:  # gone mid-body, or cut off by --http-body-timeout: no one to tell
+            return Response(status_code=400)
         except Exception:
-            logger.exception("%s %s failed", request.method, request.url.path)
-            return error_response(FrontendError("internal server error; retry the request"))
+            message = unexpected_error_message(f"{request.method} {request.url.path}")
+            return error_response(FrontendError(), message)
 
     return guarded_handler
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown route (404) or method (405), in OpenAI's error shape."""
     assert isinstance(exc, HTTPException)
-    err = FrontendError(f"{request.method} {request.url.path}: {exc.detail}")
-    err.http_status, err.error_type = exc.status_code, "invalid_request_error"
+    err = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
+    err.http_status = exc.status_code
+    if exc.status_code == 404:
+        err.error_type = "not_found_error"
     return error_response(err)
 
 
 def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
-    """The app: /v1/* (behind `api_key` when set), health, metrics and tokenizer routes."""
+    """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
+    metrics (open, as vLLM's)."""
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CLASSIC_TEXT)
@@ -135,8 +145,8 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
         ("/version", ["GET"], admin.version, False),
-        ("/tokenize", ["POST"], admin.tokenize_route(ctx), False),
-        ("/detokenize", ["POST"], admin.detokenize_route(ctx), False),
+        ("/tokenize", ["POST"], admin.tokenize_route(ctx), True),
+        ("/detokenize", ["POST"], admin.detokenize_route(ctx), True),
         ("/metrics", ["GET"], metrics, False),
     ]
     routes = [

@@ -8,18 +8,26 @@ what lets the SamplingParams mapping be driven by the contract's own field list.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import re
 import struct
+import sys
 import types
-from collections.abc import Callable
-from typing import Any, Union, get_args, get_origin
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, Union, get_args, get_origin
 
 from starlette.requests import Request
 
-from frontend_svc.errors import InvalidRequest
+from frontend_svc.errors import InvalidRequest, shorten
+from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+"""The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""A JSON escape of a UTF-16 surrogate, or a surrogate encoded as UTF-8 bytes (which json.loads
+lets through): a lone one decodes to a str no UTF-8 can carry."""
 Coerce = Callable[[Any, str], Any]
 
 
@@ -31,31 +39,105 @@ def _reject_constant(text: str) -> Any:
     raise InvalidRequest(f"the body holds {text}, which is not a JSON number; send finite numbers")
 
 
+class _HugeInt:
+    """Stands for an integer literal longer than Python converts (sys.get_int_max_str_digits()),
+    so that the field holding it can be found."""
+
+
+def _int_or_huge(text: str) -> int | _HugeInt:
+    return _HugeInt() if len(text.lstrip("-")) > sys.get_int_max_str_digits() else int(text)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if not isinstance(value, str) or value.isascii():
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every value, key and container under `value` (iterative: nesting depth costs no stack)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        yield item
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _field_holding(body: dict[str, Any], is_bad: Callable[[Any], bool]) -> str | None:
+    """The first top-level field whose key or value holds something `is_bad`."""
+    for key, value in body.items():
+        if is_bad(key) or any(is_bad(item) for item in _leaves(value)):
+            return shorten(key.encode(errors="backslashreplace").decode())
+    return None
+
+
+def _refuse_huge_ints(raw: bytes) -> NoReturn:
+    body = json.loads(raw, parse_constant=_reject_constant, parse_int=_int_or_huge)
+    name = None
+    if isinstance(body, dict):
+        name = _field_holding(body, lambda value: isinstance(value, _HugeInt))
+    limit = sys.get_int_max_str_digits()
+    where = f"`{name}` holds" if name else "the body holds"
+    raise InvalidRequest(
+        f"{where} an integer of more than {limit} digits; no field takes one", name
+    )
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (strict: no NaN or Infinity)."""
+    """The request body as a JSON object (strict: no NaN or Infinity). Refused with the field
+    named: an integer too long to convert, text with a lone UTF-16 surrogate (no UTF-8 carries
+    it: the tokenizer and the reply could not)."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    except ValueError:  # an integer past Python's digit limit
+        _refuse_huge_ints(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    if SURROGATE.search(raw):
+        name = _field_holding(body, _has_lone_surrogate)
+        if name is not None:
+            raise InvalidRequest(
+                f"`{name}` holds text with a lone UTF-16 surrogate (an unpaired U+D800..U+DFFF), "
+                "which is not Unicode text; send valid text",
+                name,
+            )
     return body
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object, refused past MAX_BODY_BYTES: by its Content-Length,
+PARSE_ON_LOOP_BYTES = 64 * 1024
+"""Bodies from this size on are parsed on a thread: a 4 MiB body takes the parser tens of ms
+(more on a busy machine), which the event loop serving every stream must not wait for."""
+
+
+async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request's body as a JSON object, refused past `max_bytes`: by its Content-Length,
     and while it arrives (a chunked body announces no length)."""
-    too_big = InvalidRequest(f"the body is over {MAX_BODY_BYTES} bytes (or its length is bad)")
+    too_big = InvalidRequest(
+        f"the body is over {max_bytes} bytes (--max-receive-message-bytes), or its length is bad"
+    )
     size = request.headers.get("content-length")
-    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+    if size is not None and (not size.isdigit() or int(size) > max_bytes):
         raise too_big
     chunks, num_bytes = [], 0
     async for chunk in request.stream():
         num_bytes += len(chunk)
-        if num_bytes > MAX_BODY_BYTES:
+        if num_bytes > max_bytes:
             raise too_big
         chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    raw = b"".join(chunks)
+    if num_bytes < PARSE_ON_LOOP_BYTES:
+        return parse_json_object(raw)
+    return await asyncio.to_thread(parse_json_object, raw)
 
 
 def as_bool(value: Any, name: str) -> bool:
@@ -75,9 +157,13 @@ def as_int(value: Any, name: str) -> int:
 def as_float(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _wrong(name, "a number", value)
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float
+        raise InvalidRequest(f"`{name}` is too large (the largest is 3.4e38)", name) from None
+    if not math.isfinite(number):
         raise InvalidRequest(f"`{name}` must be a finite number", name)
-    return as_float32(value, name)
+    return as_float32(number, name)
 
 
 def as_float32(value: float, name: str) -> float:
@@ -118,15 +204,17 @@ def as_int_tuple(value: Any, name: str) -> tuple[int, ...]:
     return tuple(as_int(v, name) for v in as_list(value, name))
 
 
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")
+"""A logit_bias key: a token id in decimal (20 digits hold any 64-bit value)."""
+
+
 def as_float_by_int(value: Any, name: str) -> dict[int, float]:
     """An object whose keys are integers in JSON text (OpenAI's `logit_bias`)."""
     out: dict[int, float] = {}
     for key, v in as_object(value, name).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidRequest(f"`{name}` keys must be token ids, got {key!r}", name) from None
-        out[token_id] = as_float(v, name)
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequest(f"`{name}` keys must be token ids, got {shorten(key)!r}", name)
+        out[int(key)] = as_float(v, name)
     return out
 
 
@@ -159,7 +247,22 @@ def coercer_for(hint: Any) -> Coerce:
     return COERCERS_BY_HINT[_hint_key(hint)]
 
 
-def read(body: dict[str, Any], name: str, coerce: Coerce, default: Any = None) -> Any:
-    """`body[name]` coerced, or `default` when the field is absent or null."""
+def as_int_within(lo: int, hi: int) -> Coerce:
+    """An integer in [lo, hi] (a contract field's wire range)."""
+
+    def coerce(value: Any, name: str) -> int:
+        number = as_int(value, name)
+        if not lo <= number <= hi:
+            raise InvalidRequest(f"`{name}` must be in [{lo}, {hi}]", name)
+        return number
+
+    return coerce
+
+
+def read(
+    body: dict[str, Any], name: str, coerce: Coerce, default: Any = None, where: str = ""
+) -> Any:
+    """`body[name]` coerced, or `default` when the field is absent or null; a refusal names
+    `where.name` (`where`: the object's own place in the request, if nested)."""
     value = body.get(name)
-    return default if value is None else coerce(value, name)
+    return default if value is None else coerce(value, f"{where}.{name}" if where else name)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
+from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
+from splitserve_contracts.output_types import FinishReason
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; OpenAI (and vLLM) send this instead."""

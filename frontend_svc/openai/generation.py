@@ -12,9 +12,17 @@ from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import EngineUnavailable, check_model
+from frontend_svc.errors import check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason, GenerateInput
+from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
+from frontend_svc.openai.protocol import RequestLimits
+from frontend_svc.requests import (
+    DEFAULT_MAX_FAN_OUT,
+    CompletionDelta,
+    EngineRequest,
+    GenerateInput,
+)
+from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]
 """(prompt index, delta of one of its completions)."""
@@ -29,10 +37,18 @@ class ServingContext:
     info: EngineInfo
     served_model_name: str
     started: float
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT
+    """--max-fan-out: most engine requests one call may make (prompts x n)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
 
     @property
     def tokenizer(self) -> Any:
         return self.inputs.tokenizer
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.inputs.limits, self.max_fan_out)
 
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_model_name)
@@ -59,12 +75,20 @@ async def _pump(
         out.put_nowait(None)
 
 
-async def run(
-    ctx: ServingContext, calls: list[GenerateInput], coalesce: bool
-) -> AsyncIterator[Event]:
-    """Every call's deltas, merged in arrival order. Leaving early (client gone) aborts all."""
-    # All validated before any runs; tokenizing happens on the tokenizer threads, off the loop.
+async def prepare(ctx: ServingContext, calls: list[GenerateInput]) -> list[EngineRequest]:
+    """Every call validated and tokenized (on the tokenizer threads, off the loop) before any
+    runs; a call of several engine requests is admitted whole (--max-inflight-requests)."""
     requests = [await ctx.inputs.run(ctx.inputs.process, call) for call in calls]
+    if len(requests) > 1:
+        ctx.engine.check_admission(sum(r.params.n for r in requests))
+    return requests
+
+
+async def run(
+    ctx: ServingContext, requests: list[EngineRequest], coalesce: bool
+) -> AsyncIterator[Event]:
+    """Every request's deltas, merged in arrival order. Leaving early (client gone) aborts
+    all."""
     arrival = time.monotonic()
     if len(requests) == 1:
         async for delta in ctx.engine.generate(requests[0], arrival, coalesce):
@@ -92,11 +116,10 @@ async def run(
 
 
 def _checked(delta: CompletionDelta, request: EngineRequest) -> CompletionDelta:
+    """The delta, unless the engine ended the request: then the error both APIs map it to
+    (errors.engine_error: 400 / 429 / 503 by kind, internal detail only in the log)."""
     if delta.finish_reason == FinishReason.ERROR:
-        raise EngineUnavailable(
-            f"the engine failed while serving request {request.request_id}: "
-            f"{delta.error_message or 'unknown error'}; retry it"
-        )
+        raise engine_error(request.request_id, delta.error_kind, delta.error_message)
     return delta
 
 

@@ -12,18 +12,30 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.errors import InvalidRequest
+from frontend_svc.errors import InvalidRequest, shorten
 from frontend_svc.openai.fields import (
     as_bool,
     as_int,
+    as_int_within,
     as_list,
     as_object,
     as_str,
     read,
 )
-from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, sampling_params
-from frontend_svc.requests import ChatTurn, ContentPart, ImageInput, PromptInput
+from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, FieldMap, sampling_params
+from frontend_svc.openai.structured_map import structured_outputs
+from frontend_svc.requests import (
+    DEFAULT_MAX_FAN_OUT,
+    MAX_REQUEST_ID_CHARS,
+    ChatTurn,
+    ContentPart,
+    ImageInput,
+    PromptInput,
+)
+from splitserve_contracts import sampling_rules
+from splitserve_contracts.sampling_rules import INT32_MAX, InvalidSamplingParams, Limits
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 MEDIA_PARTS = frozenset(
     {"input_image", "image", "image_embeds", "input_audio", "audio_url", "video_url"}
@@ -41,12 +53,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _set,
     "tools": _set,
     "functions": _set,
-    "response_format": lambda v: _set(v) and not (isinstance(v, dict) and v.get("type") == "text"),
-    "structured_outputs": _set,
-    "guided_json": _set,
-    "guided_regex": _set,
-    "guided_choice": _set,
-    "guided_grammar": _set,
     "prompt_embeds": _set,
     "bad_words": _set,
     "logits_processors": _set,
@@ -56,6 +62,17 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "kv_transfer_params": _set,
 }
 """Fields splitserve refuses (when set to anything but their neutral value) rather than ignore."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a body is checked against while it is parsed: every number within the contract's
+    rules and the call's fan-out (prompts x n engine requests) within the cap, before anything
+    is built per prompt or per choice."""
+
+    sampling: Limits
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT
+    """--max-fan-out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +92,9 @@ class CompletionRequest:
     priority: int
     cache_salt: str
     request_id: str | None
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_field: str = ""
+    """The request field the constraint came from (for errors)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +106,8 @@ class ChatRequest:
     priority: int
     cache_salt: str
     request_id: str | None
+    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs_field: str = ""
 
 
 def _refuse_unsupported(body: dict[str, Any], also: tuple[str, ...] = ()) -> None:
@@ -104,33 +126,66 @@ def _stream(body: dict[str, Any]) -> StreamOptions | None:
             raise InvalidRequest("`stream_options` needs `stream: true`", "stream_options")
         return None
     options = options or {}
+    where = "stream_options"
     return StreamOptions(
-        include_usage=read(options, "include_usage", as_bool, False),
-        continuous_usage_stats=read(options, "continuous_usage_stats", as_bool, False),
+        include_usage=read(options, "include_usage", as_bool, False, where),
+        continuous_usage_stats=read(options, "continuous_usage_stats", as_bool, False, where),
     )
 
 
+PRIORITY = as_int_within(-INT32_MAX - 1, INT32_MAX)
+"""The contract's `priority` is an int32."""
+
+
 def _common(body: dict[str, Any]) -> dict[str, Any]:
+    constraint, constraint_field = structured_outputs(body)
     return {
+        "structured_outputs": constraint,
+        "structured_outputs_field": constraint_field,
         "model": read(body, "model", as_str),
         "stream": _stream(body),
-        "priority": read(body, "priority", as_int, 0),
+        "priority": read(body, "priority", PRIORITY, 0),
         "cache_salt": read(body, "cache_salt", as_str, ""),
-        "request_id": read(body, "request_id", as_str),
+        "request_id": read(body, "request_id", as_client_id),
     }
 
 
-def _prompts(value: Any, add_special_tokens: bool) -> list[PromptInput]:
-    """str | list[str] | list[int] | list[list[int]] -> one PromptInput per prompt."""
+def as_client_id(value: Any, name: str) -> str:
+    """A request id a client chose (the body's `request_id`, the `x-request-id` header)."""
+    text = as_str(value, name)
+    if len(text) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"{name} has {len(text)} characters; at most {MAX_REQUEST_ID_CHARS}",
+            name if name == "request_id" else None,
+        )
+    return text
+
+
+def _check_fan_out(num_prompts: int, n: int, max_fan_out: int) -> None:
+    if num_prompts * n <= max_fan_out:
+        return
+    raise InvalidRequest(
+        f"{num_prompts} prompts x n = {n} would make {num_prompts * n} engine requests; at most "
+        f"{max_fan_out} per call (--max-fan-out): split the prompts over several calls",
+        "prompt" if num_prompts > 1 else "n",
+    )
+
+
+def _prompts(value: Any, add_special_tokens: bool, max_fan_out: int) -> list[PromptInput]:
+    """str | list[str] | list[int] | list[list[int]] -> one PromptInput per prompt (a list of
+    more prompts than the fan-out cap is refused before any is built)."""
     if isinstance(value, str):
         return [PromptInput(text=value, add_special_tokens=add_special_tokens)]
     items = as_list(value, "prompt")
     if not items:
         raise InvalidRequest("`prompt` is an empty list; send at least one prompt", "prompt")
-    if all(isinstance(i, str) for i in items):
-        return [PromptInput(text=t, add_special_tokens=add_special_tokens) for t in items]
     if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
         return [PromptInput(token_ids=tuple(items))]
+    is_texts = all(isinstance(i, str) for i in items)
+    if is_texts or all(isinstance(i, list) for i in items):
+        _check_fan_out(len(items), 1, max_fan_out)
+    if is_texts:
+        return [PromptInput(text=t, add_special_tokens=add_special_tokens) for t in items]
     if all(isinstance(i, list) for i in items):
         return [PromptInput(token_ids=tuple(as_int(t, "prompt") for t in i)) for i in items]
     raise InvalidRequest(
@@ -140,19 +195,35 @@ def _prompts(value: Any, add_special_tokens: bool) -> list[PromptInput]:
     )
 
 
+def _checked(
+    params: SamplingParams, body: dict[str, Any], fields: FieldMap, limits: RequestLimits
+) -> SamplingParams:
+    """`params` if every value keeps its rule (the gRPC path's, sampling_rules), else a 400
+    naming the request field that set the value."""
+    try:
+        sampling_rules.validate(params, limits.sampling)
+    except InvalidSamplingParams as err:
+        param = fields.request_name(body, err.field) if err.field else None
+        raise InvalidRequest(str(err), param) from None
+    return params
+
+
 def parse_completion(
-    body: dict[str, Any], defaults: Mapping[str, Any] | None = None
+    body: dict[str, Any], limits: RequestLimits, defaults: Mapping[str, Any] | None = None
 ) -> CompletionRequest:
-    """A /v1/completions body; `defaults` are the model's sampling defaults."""
+    """A /v1/completions body, checked against `limits`; `defaults` are the model's sampling
+    defaults."""
     _refuse_unsupported(body)
     if body.get("prompt") is None:
         raise InvalidRequest("`prompt` is required", "prompt")
     add_special = read(body, "add_special_tokens", as_bool, True)
-    prompts = _prompts(body["prompt"], add_special)
+    prompts = _prompts(body["prompt"], add_special, limits.max_fan_out)
     echo = read(body, "echo", as_bool, False)
     params = sampling_params(body, COMPLETIONS, defaults)
     if echo and params.prompt_logprobs is None and params.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    params = _checked(params, body, COMPLETIONS, limits)
+    _check_fan_out(len(prompts), params.n, limits.max_fan_out)
     return CompletionRequest(prompts=prompts, params=params, echo=echo, **_common(body))
 
 
@@ -174,19 +245,20 @@ def _content(value: Any, where: str) -> ChatTurn:
         return ChatTurn("", value)
     parts = []
     for j, part in enumerate(as_list(value, where)):
-        kind = as_object(part, where).get("type")
+        kind = as_object(part, f"{where}[{j}]").get("type")
         if kind == "text":
-            parts.append(ContentPart(text=read(part, "text", as_str, "")))
+            parts.append(ContentPart(text=read(part, "text", as_str, "", f"{where}[{j}]")))
         elif kind == "image_url":
             parts.append(_image_part(part, f"{where}[{j}].image_url"))
         elif kind in MEDIA_PARTS:
             raise InvalidRequest(
                 f"{where}: `{kind}` content parts are not supported; send images as "
                 "`image_url` parts with data: URLs",
-                "messages",
+                f"{where}[{j}]",
             )
         else:
-            raise InvalidRequest(f"{where}: unknown content part type {kind!r}", "messages")
+            kind_text = shorten(str(kind))
+            raise InvalidRequest(f"{where}: unknown content part type {kind_text!r}", where)
     turn = ChatTurn("", "", tuple(parts))
     return turn if turn.images else ChatTurn("", turn.text)
 
@@ -196,9 +268,9 @@ def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
     for i, message in enumerate(as_list(value, "messages")):
         where = f"messages[{i}]"
         message = as_object(message, where)
-        role = read(message, "role", as_str)
+        role = read(message, "role", as_str, None, where)
         if role is None:
-            raise InvalidRequest(f"{where} has no `role`", "messages")
+            raise InvalidRequest(f"{where} has no `role`", where)
         content = _content(message.get("content"), f"{where}.content")
         turns.append(ChatTurn(role, content.content, content.parts))
     if not turns:
@@ -206,8 +278,11 @@ def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
     return tuple(turns)
 
 
-def parse_chat(body: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> ChatRequest:
-    """A /v1/chat/completions body; `defaults` are the model's sampling defaults."""
+def parse_chat(
+    body: dict[str, Any], limits: RequestLimits, defaults: Mapping[str, Any] | None = None
+) -> ChatRequest:
+    """A /v1/chat/completions body, checked against `limits`; `defaults` are the model's
+    sampling defaults."""
     _refuse_unsupported(body, also=("echo",))
     if body.get("messages") is None:
         raise InvalidRequest("`messages` is required", "messages")
@@ -222,5 +297,6 @@ def parse_chat(body: dict[str, Any], defaults: Mapping[str, Any] | None = None) 
     if top_logprobs is not None and not wants_logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    params = sampling_params(body, CHAT, defaults, logprobs=logprobs)
+    params = _checked(sampling_params(body, CHAT, defaults, logprobs=logprobs), body, CHAT, limits)
+    _check_fan_out(1, params.n, limits.max_fan_out)
     return ChatRequest(prompt=prompt, params=params, **_common(body))

@@ -30,17 +30,25 @@ class FieldMap:
     aliases: Mapping[str, str] = field(default_factory=dict)
     """Request field -> SamplingParams field; read before (and winning over) the field's own
     name."""
-    own: frozenset[str] = frozenset()
-    """SamplingParams fields the endpoint fills itself (not read by name)."""
+    own: Mapping[str, str] = field(default_factory=dict)
+    """SamplingParams fields the endpoint fills itself (not read by name) -> the request field
+    that sets it."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values for fields the request leaves out, where the endpoint's default differs."""
 
     def request_names(self, name: str) -> list[str]:
         return [alias for alias, target in self.aliases.items() if target == name] + [name]
 
+    def request_name(self, body: Mapping[str, Any], name: str) -> str:
+        """The request field that set SamplingParams field `name` in `body`."""
+        if name in self.own:
+            return self.own[name]
+        names = self.request_names(name)
+        return next((key for key in names if body.get(key) is not None), names[-1])
+
 
 COMPLETIONS = FieldMap(defaults={"max_tokens": 16})
-CHAT = FieldMap(aliases={"max_completion_tokens": "max_tokens"}, own=frozenset({"logprobs"}))
+CHAT = FieldMap(aliases={"max_completion_tokens": "max_tokens"}, own={"logprobs": "top_logprobs"})
 
 
 def sampling_values(

@@ -1,7 +1,8 @@
 """The HTTP server: uvicorn on the frontend's own asyncio loop, so HTTP and gRPC share one
 AsyncEngine. The frontend's ServiceHost owns SIGTERM/SIGINT; uvicorn's own signal capture is
 switched off. With `--ssl-certfile`/`--ssl-keyfile` (the same files as the gRPC port) it serves
-HTTPS, and with `--ssl-ca-certs` it requires client certificates, as vLLM's server does."""
+HTTPS, and with `--ssl-ca-certs` it requires client certificates, as vLLM's server does. Idle,
+header and body timeouts and a connection cap: http_limits.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.applications import Starlette
 
+from frontend_svc.openai.http_limits import (
+    HttpLimits,
+    fitted_limits,
+    protocol_class,
+    raise_open_file_limit,
+)
 from splitserve_runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -35,7 +42,9 @@ class HttpServer:
         port: int,
         log_level: str = "warning",
         tls: TlsFiles | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
+        self.limits = fitted_limits(limits or HttpLimits(), raise_open_file_limit())
         config = uvicorn.Config(
             app,
             host=host,
@@ -45,7 +54,8 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
-            http="httptools",
+            http=protocol_class(self.limits),
+            timeout_keep_alive=self.limits.timeout_keep_alive,  # type: ignore[arg-type]
             ssl_certfile=tls.cert_file if tls else None,
             ssl_keyfile=tls.key_file if tls else None,
             ssl_ca_certs=tls.ca_file if tls and tls.ca_file else None,

@@ -12,7 +12,7 @@ from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import ChatRequest
 from frontend_svc.openai.sse import DONE, sse
-from frontend_svc.requests import CompletionDelta, GenerateInput
+from frontend_svc.requests import CompletionDelta, GenerateInput, derived_request_id
 
 ROLE = "assistant"
 
@@ -25,11 +25,21 @@ class ChatRun:
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
-    def events(self, coalesce: bool) -> AsyncIterator[Event]:
+    async def events(self, coalesce: bool) -> AsyncIterator[Event]:
+        req = self.req
+        rid = derived_request_id(self.rid, "")
         call = GenerateInput(
-            self.rid, self.req.prompt, self.req.params, self.req.priority, self.req.cache_salt
+            rid,
+            req.prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
         )
-        return generation.run(self.ctx, [call], coalesce)
+        requests = await generation.prepare(self.ctx, [call])
+        async for event in generation.run(self.ctx, requests, coalesce):
+            yield event
 
     def _logprobs(self, rows: list[Any]) -> Any:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)

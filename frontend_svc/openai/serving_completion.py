@@ -11,23 +11,32 @@ from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import CompletionRequest
 from frontend_svc.openai.sse import DONE, sse
-from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs
+from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs, derived_request_id
 
 
 def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
     return [
-        GenerateInput(f"{rid}-{i}", prompt, req.params, req.priority, req.cache_salt)
+        GenerateInput(
+            derived_request_id(rid, f"-{i}"),
+            prompt,
+            req.params,
+            req.priority,
+            req.cache_salt,
+            req.structured_outputs,
+            req.structured_outputs_field,
+        )
         for i, prompt in enumerate(req.prompts)
     ]
 
 
 class _Echo:
-    """Prompt text and prompt logprobs, for `echo`."""
+    """Prompt text and prompt logprobs, for `echo`; the prompts' token ids are the engine
+    requests' (tokenized off the event loop)."""
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
         self.texts = [p.text or "" for p in req.prompts]
-        self.ids = [ctx.inputs.tokenize(p).token_ids if req.echo else [] for p in req.prompts]
+        self.ids: list[list[int]] = [[] for _ in req.prompts]
 
     def text(self, prompt_index: int) -> str:
         ids = self.ids[prompt_index]
@@ -54,8 +63,12 @@ class CompletionRun:
         self.offsets = [0] * len(self.choices)
         self.has_started = [False] * len(self.choices)
 
-    def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        return generation.run(self.ctx, _calls(self.req, self.rid), coalesce)
+    async def events(self, coalesce: bool) -> AsyncIterator[Event]:
+        requests = await generation.prepare(self.ctx, _calls(self.req, self.rid))
+        if self.echo is not None:
+            self.echo.ids = [list(r.prompt_token_ids) for r in requests]
+        async for event in generation.run(self.ctx, requests, coalesce):
+            yield event
 
     def _piece(self, choice: ChoiceState, prompt_index: int, text: str, rows: list[Any]) -> Any:
         """(text, logprobs) of a choice's next piece, the echoed prompt before its first."""

@@ -3,27 +3,46 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend_svc.errors import FrontendError
+from frontend_svc.public_errors import bounded, client_message, unexpected_error_message
 
-logger = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
+GRPC_PARAMS = {
+    "sampling_params": "",
+    "prompt_token_ids": "prompt",
+    "chat.messages": "messages",
+    "chat": "messages",
+}
+"""The fields the shared checks (InputProcessor) name as the gRPC API calls them -> the OpenAI
+request's names ("" : the part after it is the name)."""
 
 
 def sse(body: Any) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def error_body(err: FrontendError) -> dict[str, Any]:
-    """OpenAI's error object; `code` is the HTTP status, as vLLM sends it."""
+def http_param(param: str | None) -> str | None:
+    """The OpenAI request field for a field named as the gRPC API names it."""
+    if param is None:
+        return None
+    for name, replacement in GRPC_PARAMS.items():
+        rest = param[len(name) :]
+        if param.startswith(name) and (not rest or rest[0] in ".["):
+            return replacement + rest if replacement else rest.lstrip(".")
+    return param
+
+
+def error_body(err: FrontendError, message: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object; `code` is the HTTP status, as vLLM sends it. The message is what
+    a client may read (public_errors: server-side detail goes to the log under an error id)."""
     return {
         "error": {
-            "message": str(err),
+            "message": bounded(message if message is not None else client_message(err)),
             "type": err.error_type,
-            "param": err.param,
+            "param": http_param(err.param),
             "code": err.http_status,
         }
     }
@@ -39,6 +58,5 @@ async def guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse(error_body(err))
         yield DONE
     except Exception:
-        logger.exception("an SSE stream failed")
-        yield sse(error_body(FrontendError("internal error while streaming; retry the request")))
+        yield sse(error_body(FrontendError(), unexpected_error_message("an SSE stream")))
         yield DONE

@@ -15,7 +15,8 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, FinishReason
+from frontend_svc.requests import CompletionDelta
+from splitserve_contracts.output_types import FinishReason
 from tests.contract.test_core_service import (
     CoreHarness,
     collect,
@@ -43,8 +44,11 @@ def resubmitted(engine: AsyncEngine) -> float:
     return float(engine.metrics.resubmitted._value.get())
 
 
-async def started_streams(engine: AsyncEngine, count: int) -> list[asyncio.Task[Any]]:
-    """`count` streams, each past its first tokens."""
+async def started_streams(
+    engine: AsyncEngine, count: int, one_by_one: bool = False
+) -> list[asyncio.Task[Any]]:
+    """`count` streams, each past its first tokens (`one_by_one`: each running before the next
+    is added, as a core with a small queue limit admits them)."""
     firsts = [asyncio.Event() for _ in range(count)]
 
     async def consume(i: int) -> list[CompletionDelta]:
@@ -54,7 +58,11 @@ async def started_streams(engine: AsyncEngine, count: int) -> list[asyncio.Task[
             firsts[i].set()
         return deltas
 
-    tasks = [asyncio.create_task(consume(i)) for i in range(count)]
+    tasks = []
+    for i in range(count):
+        tasks.append(asyncio.create_task(consume(i)))
+        if one_by_one:
+            await firsts[i].wait()
     await asyncio.gather(*(first.wait() for first in firsts))
     return tasks
 
@@ -79,6 +87,67 @@ def test_a_restarted_core_finishes_the_requests_in_flight(tokenizer: Any) -> Non
             assert (await restarted.wait_idle()).kv_cache_usage == 0.0
             after = await collect(engine.generate(request("after", max_tokens=3)))
             assert tokens(after) == [default_token_fn("after", j) for j in range(3)]
+        finally:
+            await engine.close()
+            await restarted.__aexit__()
+
+    run(scenario)
+
+
+def test_resubmissions_are_not_refused_by_the_restarted_cores_queue_limits(
+    tokenizer: Any,
+) -> None:
+    """--max-num-queued-reqs 2 on both cores: the 4 requests running when the core died were
+    admitted once; resubmitted to its successor in one message, all 4 resume (none refused as
+    overloaded)."""
+
+    async def scenario() -> None:
+        core = await CoreHarness(step_delay=0.01, max_num_queued_reqs=2).__aenter__()
+        engine = await frontend(core.addr, tokenizer, max_recovery_seconds=30)
+        tasks = await started_streams(engine, 4, one_by_one=True)
+        await core.__aexit__()
+        restarted = await CoreHarness(port=core.port, max_num_queued_reqs=2).__aenter__()
+        try:
+            for i, task in enumerate(tasks):
+                deltas = await task
+                assert deltas[-1].finish_reason == FinishReason.LENGTH, deltas[-1].error_message
+                assert tokens(deltas) == [default_token_fn(f"r{i}", j) for j in range(MAX_TOKENS)]
+            assert resubmitted(engine) == 4
+            new = restarted.executor.seen[0].scheduled_new_reqs
+            assert sorted(r.request_id for r in new) == ["r0", "r1", "r2", "r3"]
+        finally:
+            await engine.close()
+            await restarted.__aexit__()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("served_model_name", "another"), ("vocab_size", 4096), ("max_model_len", 64)],
+)
+def test_a_core_that_comes_back_serving_something_else_fails_the_paused_requests(
+    tokenizer: Any, field: str, value: object
+) -> None:
+    """The requests' tokens mean nothing to another model (or vocabulary, or context length):
+    they fail at once, naming the change, and none is resubmitted; new requests are served."""
+
+    async def scenario() -> None:
+        core = await CoreHarness(step_delay=0.01).__aenter__()
+        engine = await frontend(core.addr, tokenizer, max_recovery_seconds=30)
+        (task,) = await started_streams(engine, 1)
+        await core.__aexit__()
+        restarted = await CoreHarness(port=core.port, info={field: value}).__aenter__()
+        try:
+            with pytest.raises(EngineUnavailable) as failed:
+                await task
+            assert f"now reports {field} {value!r}" in failed.value.detail
+            assert resubmitted(engine) == 0 and engine.num_running == 0
+            after = await collect(engine.generate(request("after", max_tokens=3)))
+            assert tokens(after) == [default_token_fn("after", j) for j in range(3)]
+            assert [r.request_id for r in restarted.executor.seen[0].scheduled_new_reqs] == [
+                "after"
+            ]
         finally:
             await engine.close()
             await restarted.__aexit__()

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.server import ClientStreams, EngineCoreServicer
@@ -24,9 +25,10 @@ from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, EngineRequest, FinishReason
+from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from tests.unit.core.fake_executor import default_token_fn, make_engine
 
@@ -37,10 +39,20 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 class CoreHarness:
     """A core service on an ephemeral loopback port with a FakeExecutor behind it."""
 
-    def __init__(self, step_delay: float = 0.0, port: int = 0) -> None:
+    def __init__(
+        self,
+        step_delay: float = 0.0,
+        port: int = 0,
+        info: dict[str, Any] | None = None,
+        **limits: int,
+    ) -> None:
         self.step_delay = step_delay
         self.port = port
         """0: any free port; a restarted core takes its predecessor's."""
+        self.info = info or {}
+        """EngineInfo fields the core reports other than the defaults (another model...)."""
+        self.limits = limits
+        """SchedulerConfig limits, e.g. max_num_queued_reqs."""
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
@@ -50,6 +62,7 @@ class CoreHarness:
             max_num_seqs=32,
             max_num_batched_tokens=256,
             max_model_len=MAX_LEN,
+            **self.limits,
         )
         if self.step_delay:
             self.executor.on_execute = lambda so: time.sleep(self.step_delay)
@@ -57,7 +70,11 @@ class CoreHarness:
         streams = ClientStreams(loop)
         metrics = CoreMetrics(CollectorRegistry(), "fake", "0", {"engine": "0"})
         self.proc = EngineCoreProc(
-            engine, streams.deliver, on_stats=metrics.observe_stats, on_failed=lambda m: None
+            engine,
+            EngineInbox(),
+            streams.deliver,
+            on_stats=metrics.observe_stats,
+            on_failed=lambda m: None,
         )
         info = core_pb2.EngineInfo(
             served_model_name="fake",
@@ -67,6 +84,7 @@ class CoreHarness:
             num_kv_blocks=NUM_BLOCKS,
             max_num_seqs=32,
         )
+        info.MergeFrom(core_pb2.EngineInfo(**self.info))
         servicer = EngineCoreServicer(self.proc, streams, info, metrics)
         core_grpc.add_EngineCoreServiceServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")

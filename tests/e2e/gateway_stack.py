@@ -33,12 +33,12 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_servicer.kv_relay import decode_batch
 
-from core_svc import convert as core_convert
 from core_svc.block_hash import hash_block_tokens
 from splitserve.loopback_ports import free_ports
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from tests.e2e.stack import Stack
+from tests.fixtures.core_wire import kv_events_from_proto
 from tests.fixtures.kv_index import KvIndex
 
 U64 = 1 << 64
@@ -165,7 +165,7 @@ def core_cache(core_addr: str, block_size: int, quiet_s: float = 0.5) -> dict[in
                 except queue.Empty:
                     break
                 if msg.HasField("kv_events"):
-                    events = core_convert.kv_events_from_proto(msg.kv_events)
+                    events = kv_events_from_proto(msg.kv_events)
                     index.apply_core_events(events, block_size)
         finally:
             stop.set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ import grpc
 
 from splitserve.children import (
     Child,
+    StackOptions,
     start_children,
     start_frontend,
     stop_children,
@@ -69,27 +69,22 @@ class Stack:
         self.supervise, self.max_recovery_seconds = supervise, max_recovery_seconds
         self.supervisor: Supervisor | None = None
 
-    def _args(self, **overrides: object) -> argparse.Namespace:
-        args = argparse.Namespace(
-            model=str(self.model),
+    def options(self, api_key: str | None = None) -> StackOptions:
+        return StackOptions(
+            str(self.model),
             revision=self.revision,
             tokenizer=self.tokenizer,
             generation_config=self.generation_config,
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
-            host="127.0.0.1",
-            port=0,
-            http_port=0,
-            api_key=self.api_key,
-            service_flags={"frontend": self.frontend_flags},
+            api_key=self.api_key if api_key is None else api_key,
+            service_flags={"core": self.core_flags, "frontend": self.frontend_flags},
             log_level=os.environ.get("SPLITSERVE_TEST_LOG_LEVEL", "warning"),
             max_recovery_seconds=self.max_recovery_seconds,
         )
-        vars(args).update(overrides)
-        return args
 
     def start(self, timeout: float = 240.0) -> Stack:
-        self.children = start_children(self._args(), self.core_flags, self.pki)
+        self.children = start_children(self.options(), self.pki)
         if self.frontend_probe is not None:
             self.child("frontend").probe = self.frontend_probe
         try:
@@ -108,7 +103,7 @@ class Stack:
 
     def add_frontend(self, api_key: str = "", timeout: float = 120.0) -> Child:
         """Another frontend process on this stack's core (stop it with stop_children)."""
-        child = start_frontend(self._args(api_key=api_key), self.core, self.pki)
+        child = start_frontend(self.options(api_key), self.core, self.pki)
         try:
             wait_ready([child], timeout)
         except Exception:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import grpc
 import pytest
@@ -27,8 +30,11 @@ def readiness(addr: str, service: str) -> int:
         return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status)
 
 
-def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, threading.Event, list]:
-    """Start a greedy request that ignores EOS; returns (thread, first-token event, results)."""
+def stream_in_thread(
+    addr: str, max_tokens: int, timed: bool = False
+) -> tuple[threading.Thread, threading.Event, list]:
+    """Start a greedy request that ignores EOS; returns (thread, first-token event, results).
+    `timed`: the result is (the Completion or RpcError, when it ended, tokens received)."""
     started, results = threading.Event(), []
 
     def run() -> None:
@@ -41,16 +47,45 @@ def stream_in_thread(addr: str, max_tokens: int) -> tuple[threading.Thread, thre
                     started.set()
                     completion.token_ids += list(response.token_ids)
                     completion.finish_reason = response.finish_reason or completion.finish_reason
-                results.append(completion)
+                outcome: Completion | grpc.RpcError = completion
             except grpc.RpcError as err:
-                results.append(err)
+                outcome = err
+            ended = time.monotonic()
+            results.append((outcome, ended, len(completion.token_ids)) if timed else outcome)
 
     thread = threading.Thread(target=run)
     thread.start()
     return thread, started, results
 
 
-def test_fail_stop_a_stopped_worker_is_noticed_within_its_step_budget(
+def http_stream_in_thread(
+    base: str, max_tokens: int
+) -> tuple[threading.Thread, threading.Event, list]:
+    """A streamed /v1/completions read to its end; the result is (its last event, when the
+    stream ended, the number of events)."""
+    started, results = threading.Event(), []
+
+    def run() -> None:
+        url = urlparse(base)
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        events = []
+        for line in conn.getresponse():
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+                started.set()
+        results.append((events[-1], time.monotonic(), len(events)))
+        conn.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, started, results
+
+
+def test_fail_stop_a_stopped_worker_is_noticed_within_its_step_timeout(
     tiny_model_dir: Path,
 ) -> None:
     """With --max-recovery-seconds 0 (fail-stop); test_recovery.py resumes instead."""
@@ -95,6 +130,41 @@ def test_sigterm_drains_the_frontend(tiny_model_dir: Path) -> None:
         assert isinstance(completion, Completion), completion
         assert len(completion.token_ids) == 200  # the in-flight request finished
         assert frontend.wait(timeout=30) == 0
+    finally:
+        stack.stop()
+
+
+def test_the_frontends_shutdown_timeout_aborts_what_still_runs(tiny_model_dir: Path) -> None:
+    """--shutdown-timeout 1.5 with streams far longer (1900 tokens each, gRPC and HTTP): at
+    the timeout they end (gRPC UNAVAILABLE, HTTP an error event), not when they are done, and
+    the frontend exits soon after; the core frees their KV blocks."""
+    timeout = 1.5
+    stack = Stack(tiny_model_dir, frontend_flags=["--shutdown-timeout", str(timeout)]).start()
+    frontend = stack.child("frontend").process
+    try:
+        streams = [stream_in_thread(stack.frontend, 1900, timed=True) for _ in range(2)]
+        http_thread, http_started, http_result = http_stream_in_thread(stack.http, 1900)
+        assert all(started.wait(60) for _, started, _ in streams) and http_started.wait(60)
+        signalled = time.monotonic()
+        frontend.send_signal(signal.SIGTERM)
+        for thread, _, _ in streams:
+            thread.join(60)
+        http_thread.join(60)
+        for _, _, ((err, ended, num_tokens),) in streams:
+            assert isinstance(err, grpc.RpcError), f"finished with {num_tokens} tokens"
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            assert "shutdown-timeout" in (err.details() or "")
+            assert timeout - 0.2 < ended - signalled < timeout + 2.5, ended - signalled
+        (last_event, ended, num_chunks) = http_result[0]
+        assert "shutdown-timeout" in last_event["error"]["message"], last_event
+        assert timeout - 0.2 < ended - signalled < timeout + 2.5, ended - signalled
+        assert num_chunks < 1900
+        assert frontend.wait(timeout=timeout + 10) == 0
+        assert time.monotonic() - signalled < timeout + 5
+        deadline = time.monotonic() + 10
+        while (stats := stack.scheduler_stats()).num_running_reqs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (stats.num_running_reqs, stats.kv_cache_usage) == (0, 0.0)
     finally:
         stack.stop()
 

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from tests.e2e.stack import Stack
 from tests.e2e.test_generate import PROMPT
 
@@ -32,6 +35,11 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, tiny_model_dir:
         chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
         sampled = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2))
         stopped = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, stop=["4"]))
+        # Assembled as the service's engine (core_svc/assembly.py): the scheduler knows the
+        # model's vocabulary (the in-process engine once built its own SchedulerConfig without).
+        assert llm._inprocess is not None
+        scheduler_config = llm._inprocess.proc.engine_core.scheduler_config
+        assert scheduler_config.vocab_size == llm.frontend.info.vocab_size
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         reply = served(
             stack, prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
@@ -60,6 +68,11 @@ def test_tp2_llm_starts_and_stops_its_processes(tiny_model_dir: Path, stack: Sta
     children = [c.process for c in llm._children]
     try:
         assert len(children) == 3 and all(p.poll() is None for p in children)
+        with grpc.insecure_channel(llm._children[-1].address) as channel:  # plaintext loopback,
+            stub = core_grpc.EngineCoreServiceStub(channel)  # but not open to a stranger
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Handshake(core_pb2.HandshakeRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         out = llm.generate(
             [PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         )

@@ -9,8 +9,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from tests.fixtures.llava_checkpoint import (
     NUM_IMAGE_TOKENS,
     llava_prompt,
     load_llava_reference,
+    plain_png,
     png_bytes,
+    png_header,
 )
 from tests.fixtures.parity import reference_generate
 
@@ -34,10 +38,7 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "what is in the picture?"
 MAX_TOKENS = 6
-FRONTEND_ENV = {
-    "SPLITSERVE_LIMIT_MM_PER_PROMPT": '{"image": 2}',
-    "SPLITSERVE_MAX_IMAGE_PIXELS": "4096",
-}
+FRONTEND_ENV = {"SPLITSERVE_LIMIT_MM_PER_PROMPT": '{"image": 2}'}
 
 
 @pytest.fixture(scope="module")
@@ -192,14 +193,38 @@ def _png(size: tuple[int, int]) -> bytes:
     [
         ([image_part(b"\x89PNG\r\n\x1a\nnot really")], ["content_parts[0].image", "not a valid"]),
         ([image_part(_png((8, 8)))] * 3, ["content_parts[2].image", "3 images", "--limit-mm"]),
-        ([image_part(_png((100, 100)))], ["content_parts[0].image", "100x100", "--max-image"]),
+        (
+            [image_part(png_header((30000, 30000)))],
+            ["content_parts[0].image", "30000x30000 pixels", "--max-image-pixels"],
+        ),
+        (
+            [image_part(plain_png((1, 300_000)))],
+            ["content_parts[0].image", "1x300000 pixels", "--max-image-side"],
+        ),
+        (
+            [image_part(plain_png((10_000, 20)))],
+            ["content_parts[0].image", "aspect ratio of 500:1", "--max-image-aspect-ratio"],
+        ),
         ([image_part(_png((8, 8)), "text/plain")], ["content_parts[0].image", "MIME type"]),
         (
             [gen_pb2.ContentPart(image=gen_pb2.Image(url="https://example.com/a.png"))],
             ["content_parts[0].image", "remote image URLs are disabled"],
         ),
+        (
+            [gen_pb2.ContentPart(image=gen_pb2.Image(url="HTTP://example.com/a.png"))],
+            ["content_parts[0].image", "remote image URLs are disabled"],
+        ),
     ],
-    ids=["corrupt", "too-many", "too-large", "wrong-mime", "remote-url"],
+    ids=[
+        "corrupt",
+        "too-many",
+        "too-many-pixels",
+        "too-long-a-side",
+        "too-thin",
+        "wrong-mime",
+        "remote-url",
+        "remote-url-upper-case",
+    ],
 )
 def test_bad_images_are_invalid_argument_naming_the_part(
     mm_stack: Stack, parts: list[gen_pb2.ContentPart], words: list[str]
@@ -209,3 +234,54 @@ def test_bad_images_are_invalid_argument_naming_the_part(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = err.value.details() or ""
     assert all(w in details for w in words), details
+
+
+def _memory_mb(pid: int) -> dict[str, float]:
+    """The process's resident set now (VmRSS) and at its peak (VmHWM), in MB."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in lines if line.startswith(("VmRSS", "VmHWM")))
+    return {key: int(value.split()[0]) / 1024 for key, value in fields.items()}
+
+
+def _chat_over_http(stack: Stack, image: bytes) -> tuple[int, str]:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    request = urllib.request.Request(
+        f"{stack.http}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+MEMORY_BOUND_MB = 512
+"""What images may add to the frontend's resident set: --mm-processor-threads (2) images at once,
+each at most ~240 MB (measured: 16384 x 1024 pixels, --max-image-pixels, take 220 MB to decode
+and process; 16384 x 82, the thinnest allowed, 230 MB with LLaVA-1.5's 336-pixel processor)."""
+
+
+def test_hostile_image_sizes_cost_the_frontend_a_bounded_memory(mm_stack: Stack) -> None:
+    """Issue 22 row 2: a 1,250-byte PNG of 1 x 300,000 pixels took the frontend from 0.7 to
+    4 GB (a 32 x 9,600,000 resize); it is now refused from its header. Four requests with the
+    largest image allowed at once stay within MEMORY_BOUND_MB, and the memory comes back."""
+    pid = mm_stack.child("frontend").process.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _memory_mb(pid)
+    status, body = _chat_over_http(mm_stack, plain_png((1, 300_000)))
+    grown = _memory_mb(pid)["VmHWM"] - before["VmRSS"]
+    assert grown < MEMORY_BOUND_MB, f"the frontend grew {grown:.0f} MB for a 1x300000 PNG"
+    assert status == 400 and "messages[0].content[0].image_url" in body, body
+    assert "1x300000 pixels" in body and "--max-image-side" in body, body
+    largest = plain_png((16384, 1024))  # --max-image-pixels, 52 KB of PNG
+    with ThreadPoolExecutor(4) as clients:  # as many as the frontend's tokenizer threads
+        replies = list(clients.map(lambda _: _chat_over_http(mm_stack, largest), range(4)))
+    assert [status for status, _ in replies] == [200] * 4, replies[0]
+    after = _memory_mb(pid)
+    grown = after["VmHWM"] - before["VmRSS"]
+    print(f"frontend RSS {before['VmRSS']:.0f} MB, peak +{grown:.0f}, after {after['VmRSS']:.0f}")
+    assert grown < MEMORY_BOUND_MB, f"the frontend grew {grown:.0f} MB for 4 images"
+    assert after["VmRSS"] - before["VmRSS"] < 64, after  # given back

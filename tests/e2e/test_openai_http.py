@@ -1,10 +1,9 @@
 """The HTTP API as tools other than the SDK see it: `vllm bench serve`'s client, raw sockets that
-disconnect, /metrics and the small routes, a fuzzed body (never a 500, never a dead server)."""
+disconnect, /metrics and the small routes (bad input and fuzzing: tests/reliability)."""
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import socket
 import time
@@ -15,8 +14,6 @@ from urllib.parse import urlparse
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import vllm_bench_client as bench
@@ -119,16 +116,25 @@ def _raw_post(stack: Stack, path: str, body: dict[str, Any]) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_and_frees_the_kv_cache(stack: Stack, stream: bool) -> None:
-    body = {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+    """The engine stops at the disconnect: fewer steps than the request's 1900 tokens need
+    (an idle core alone would also follow a request that ran to its end)."""
+    max_tokens = 1900
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    first_step = stack.scheduler_stats().step_id
     sock = _raw_post(stack, "/v1/completions", body)
     try:
         assert wait_until(lambda: stack.scheduler_stats().num_running_reqs == 1)
-        if stream:
-            assert b"data: " in sock.recv(4096)
+        received = b""
+        while stream and b"data: " not in received:  # the headers may come alone first
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
         assert wait_until(lambda: frontend_gauges(stack)["vllm:num_requests_running"] == 1)
     finally:
         sock.close()
-    assert wait_until(lambda: scheduler_idle(stack))
+    assert wait_until(lambda: scheduler_idle(stack), timeout=60)
+    num_steps = stack.scheduler_stats().step_id - first_step
+    assert num_steps < max_tokens, f"the request ran {num_steps} steps: not aborted"
     assert wait_until(lambda: sum(frontend_gauges(stack).values()) == 0.0)
 
 
@@ -179,65 +185,6 @@ def test_errors_have_openais_shape(stack: Stack) -> None:
         assert status == code, (path, body, reply)
         assert set(reply["error"]) == {"message", "type", "param", "code"}
         assert reply["error"]["code"] == code and reply["error"]["message"]
-
-
-TEXT = st.text(min_size=1, max_size=20)
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
-ROLES = st.sampled_from(["user", "system", "assistant"])
-MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLES, "content": TEXT}), min_size=1, max_size=3)
-PLAUSIBLE = {
-    "n": st.integers(-1, 3), "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5),
-    "top_k": st.integers(-2, 60), "seed": st.integers(-(2**64), 2**64), "stop": TEXT | st.lists(TEXT),
-    "logprobs": st.integers(-1, 25) | st.booleans(), "top_logprobs": st.integers(-1, 25),
-    "echo": st.booleans(), "stream": st.booleans(), "min_tokens": st.integers(-1, 8),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "logit_bias": st.dictionaries(st.integers(-5, 5000).map(str), st.floats(-200, 200)),
-    "stop_token_ids": st.lists(st.integers(-1, 5000)), "prompt_logprobs": st.integers(-1, 3),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["tokenize", "x"]), JSON),
-    "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
-    "prompt": TEXT | st.lists(st.integers(-5, 5000), max_size=5), "messages": MESSAGES,
-    "max_tokens": st.integers(-2, 4), "best_of": st.integers(0, 3), "response_format": JSON,
-}  # fmt: skip
-BODIES = st.builds(
-    lambda base, extra: {**base, **extra},
-    st.fixed_dictionaries(
-        {
-            "prompt": TEXT,
-            "messages": MESSAGES,
-            "max_tokens": st.integers(1, 4),
-            "ignore_eos": st.just(True),
-        }
-    ),
-    st.lists(st.sampled_from(sorted(PLAUSIBLE)), max_size=3, unique=True).flatmap(
-        lambda keys: st.fixed_dictionaries({k: PLAUSIBLE[k] | JSON for k in keys})
-    ),
-)
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=BODIES, chat=st.booleans())
-def test_fuzzed_bodies_never_get_a_500(stack: Stack, body: dict[str, Any], chat: bool) -> None:
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    url = urlparse(stack.http)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        payload = reply.read()
-    finally:
-        conn.close()
-    assert reply.status in (200, 400, 404), (reply.status, payload[:300])
-    assert get(stack.http, "/health")[0] == 200
 
 
 def sse_events(base: str, path: str, body: dict[str, Any]) -> list[Any]:

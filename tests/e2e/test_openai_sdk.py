@@ -224,17 +224,32 @@ def keyed_http(stack: Stack) -> Iterator[str]:
     stop_children([child])
 
 
-def test_api_key_is_required_on_v1_only(keyed_http: str) -> None:
+def _status(url: str, body: bytes | None = None, key: str = "") -> int:
+    import urllib.error
     import urllib.request
 
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_api_key_is_required_on_every_route_but_the_probes(keyed_http: str) -> None:
+    """/v1/* and the tokenizer routes (issue 22 row 3: /tokenize and /detokenize were open);
+    /health, /ping, /version and /metrics stay open, as in vLLM."""
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_http}/v1", api_key="wrong", max_retries=0).models.list()
     ok = openai.OpenAI(base_url=f"{keyed_http}/v1", api_key="s3cret", max_retries=0)
     reply = ok.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY)
     assert reply.usage is not None and reply.usage.completion_tokens == 3
+    for path, body in [("/tokenize", b'{"prompt": "hi"}'), ("/detokenize", b'{"tokens": [5]}')]:
+        assert _status(f"{keyed_http}{path}", body) == 401, path
+        assert _status(f"{keyed_http}{path}", body, key="wrong") == 401, path
+        assert _status(f"{keyed_http}{path}", body, key="s3cret") == 200, path
     for path in ("/health", "/ping", "/version", "/metrics"):
-        with urllib.request.urlopen(f"{keyed_http}{path}", timeout=10) as r:
-            assert r.status == 200, path
+        assert _status(f"{keyed_http}{path}") == 200, path
 
 
 def test_grpc_checks_the_model_field(stack: Stack) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_
 from tests.e2e.client import generate, join, text_request
 from tests.e2e.stack import Stack
 from tests.e2e.test_generate import PROMPT, hf_greedy
+from tests.reliability.http_probes import assert_openai_error, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +45,30 @@ def _readiness(addr: str, service: str) -> int:
         )
 
 
+def _http_in_flight(stack: Stack, stream: int, replies: list[tuple[int, Any]]) -> threading.Thread:
+    body = {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": bool(stream)}
+
+    def call() -> None:
+        replies.append(post_json(stack.http, "/v1/completions", body, timeout=120))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def _assert_http_failures_carry_an_error_id(replies: list[tuple[int, Any]]) -> None:
+    """Over HTTP too (issue 22 row 4): a 503 with an error id (a stream: an in-stream error
+    event), never the engine's text ("worker rank 0 (127.0.0.1:...) is unreachable")."""
+    assert sorted(status for status, _ in replies) == [200, 503], replies
+    for status, reply in replies:
+        if status == 200:  # the stream: its status line went out before the failure
+            events = [e.removeprefix("data: ") for e in reply.split("\n\n") if e]
+            reply = next(json.loads(e) for e in events if e.startswith('{"error"'))
+        message = assert_openai_error(reply, 503)["message"]
+        assert "error id" in message, message
+        assert "rank" not in message and "127.0.0.1" not in message, message
+
+
 def test_fail_stop_a_dead_worker_fails_requests_at_once_and_readiness_drops(
     tiny_model_dir: Path,
 ) -> None:
@@ -64,16 +90,24 @@ def test_fail_stop_a_dead_worker_fails_requests_at_once_and_readiness_drops(
 
         thread = threading.Thread(target=stream)
         thread.start()
+        http_replies: list[tuple[int, Any]] = []
+        http_threads = [_http_in_flight(stack, is_stream, http_replies) for is_stream in (0, 1)]
         assert started.wait(60)
+        deadline = time.monotonic() + 60
+        while stack.scheduler_stats().num_running_reqs < 3:
+            assert time.monotonic() < deadline, "the HTTP requests never ran"
+            time.sleep(0.05)
         killed_at = time.monotonic()
         next(stack.workers()).process.send_signal(signal.SIGKILL)
-        thread.join(60)
-        assert not thread.is_alive()
+        for waited in [thread, *http_threads]:
+            waited.join(60)
+            assert not waited.is_alive()
         assert time.monotonic() - killed_at < 30
         assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
         details = errors[0].details() or ""
         assert "error id" in details  # the detail (worker rank, address) is in the log only
         assert "rank" not in details and "127.0.0.1" not in details
+        _assert_http_failures_carry_an_error_id(http_replies)
         # A failed core exits non-zero, so its pod (or `splitserve up`) restarts it, and its
         # frontend stops reporting ready.
         assert stack.child("core").process.wait(timeout=30) != 0

@@ -111,6 +111,18 @@ def core_serving(stack: Stack) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def new_request_refused(frontend: str) -> bool:
+    """Whether a new request is refused at once with UNAVAILABLE (a one-second deadline)."""
+    with grpc.insecure_channel(frontend) as channel:
+        call = gen_grpc.GenerationServiceStub(channel).Generate(request(0), timeout=1.0)
+        try:
+            list(call)
+        except grpc.RpcError as err:
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return bool(err.code() == grpc.StatusCode.UNAVAILABLE)
+    raise AssertionError("a new request was served while the engine recovers")
+
+
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -176,7 +188,8 @@ def test_a_stopped_rank_is_noticed_and_every_request_resumes(
 ) -> None:
     """SIGSTOP: the step watchdog finds the rank hung; the core keeps the requests and waits.
     Then SIGCONT (the rank comes back as it was) or SIGKILL (it is restarted; its peer, stuck
-    in a collective with it, is reset by the bring-up). Two clients leave during the pause."""
+    in a collective with it, is reset by the bring-up). Two clients leave during the pause; a
+    new request meanwhile is refused at once with UNAVAILABLE (retry shortly), not queued."""
     core = tp2.child("core")
     hung = metric(core, "splitserve_engine_recoveries_total", cause="rank_hung")
     process = tp2.child(f"worker[{rank}]").process
@@ -187,6 +200,7 @@ def test_a_stopped_rank_is_noticed_and_every_request_resumes(
         try:
             wait_until(lambda: not core_serving(tp2), 120, "the stopped rank was never noticed")
             streams.cancel(leavers)
+            wait_until(lambda: new_request_refused(tp2.frontend), 10, "a new request waited")
         finally:
             os.kill(process.pid, then)
 
@@ -259,3 +273,53 @@ def test_a_core_that_never_comes_back_fails_the_paused_requests(tiny_model_dir: 
         )
     finally:
         stack.stop()
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 4},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["words", "count"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_requests_stay_valid_on_tp2_and_across_a_killed_rank(tp2: Stack) -> None:
+    """TP=2: both ranks of the output stage apply the same masks (their samples agree, or the
+    step would fail); a rank killed mid-stream: the requests resume with their matchers and
+    every output still validates."""
+    import json as json_module
+
+    import jsonschema
+
+    from splitserve_contracts.common.v1 import types_pb2
+    from tests.e2e.client import join
+
+    constraint = types_pb2.StructuredOutputsParams(json=json_module.dumps(JSON_SCHEMA))
+    channel = grpc.insecure_channel(tp2.frontend)
+    stub = gen_grpc.GenerationServiceStub(channel)
+    calls = [
+        stub.Generate(
+            gen_pb2.GenerateRequest(
+                prompt=f"record {i}:",
+                sampling_params=types_pb2.SamplingParams(temperature=1.0, seed=i, max_tokens=200),
+                structured_outputs=constraint,
+            ),
+            timeout=240,
+        )
+        for i in range(12)
+    ]
+    core = tp2.child("core")
+    resumed = metric(core, "splitserve_engine_requests_resumed_total")
+    first = next(calls[0])  # the load is on
+    tp2.child("worker[1]").process.send_signal(signal.SIGKILL)
+    results = [join(call) for call in calls]
+    channel.close()
+    texts = [first.text + results[0][0].text] + [r[0].text for r in results[1:]]
+    for text, result in zip(texts, results, strict=True):
+        assert result[0].finish_reason == types_pb2.FINISH_REASON_STOP, text
+        jsonschema.validate(json_module.loads(text), JSON_SCHEMA)
+    assert metric(core, "splitserve_engine_requests_resumed_total") > resumed  # in flight
+    wait_idle(tp2)

@@ -190,14 +190,41 @@ def test_internal_services_listen_on_the_pod_ip_without_reflection() -> None:
         )
 
 
-def test_internal_tls_off() -> None:
+def test_internal_tls_off_takes_a_shared_secret_instead() -> None:
+    """Plaintext hops are not left open: every service reads one generated secret from a Secret
+    (never its command line), and its fingerprint rolls the pods together."""
     m = render(TLS_OFF)
-    assert not m.of_kind("Secret")
+    (secret,) = m.of_kind("Secret")
+    value = base64.b64decode(secret["data"]["internal-secret"]).decode()
+    assert len(value) >= 32 and value.isalnum()
+    annotations = set()
     for workload, container in m.main_containers():
         assert "internal-tls" not in volumes(workload)
-        assert "checksum/internal-tls" not in pod_template(workload)["metadata"]["annotations"]
+        pod_annotations = pod_template(workload)["metadata"]["annotations"]
+        assert "checksum/internal-tls" not in pod_annotations
+        annotations.add(pod_annotations["checksum/internal-secret"])
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["SPLITSERVE_INTERNAL_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "internal-secret"}
         for process in container_processes(container):
             assert not any(a.startswith(("--tls-", "--health-port")) for a in process.argv)
+            assert value not in " ".join(process.argv)
+    assert len(annotations) == 1
+    mine = {"tls": {"internal": {"enabled": False, "plaintextSecret": {"secretName": "mine"}}}}
+    given = render(mine)
+    assert not given.of_kind("Secret")
+    for workload, container in given.main_containers():
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["SPLITSERVE_INTERNAL_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "mine", "key": "internal-secret"}
+        assert "checksum/internal-secret" not in pod_template(workload)["metadata"]["annotations"]
+
+
+def test_no_internal_secret_with_internal_tls() -> None:
+    m = render({})
+    for workload, container in m.main_containers():
+        assert "SPLITSERVE_INTERNAL_SECRET" not in {e["name"] for e in container.get("env", [])}
+        assert "checksum/internal-secret" not in pod_template(workload)["metadata"]["annotations"]
 
 
 def test_certificates_from_the_users_secrets(given_manifests: Manifests) -> None:

@@ -147,7 +147,7 @@ def test_probes_reach_a_port_the_kubelet_can_speak_to(
     when their gRPC port demands a client certificate (mutual TLS), else on it. Frontend: ready
     when GET /health on the HTTP port answers, live while gRPC health "" does."""
     manifests: Manifests = request.getfixturevalue(fixture)
-    is_tls = bool(manifests.of_kind("Secret"))
+    is_tls = any(s["type"] == "kubernetes.io/tls" for s in manifests.of_kind("Secret"))
     for workload, container in manifests.main_containers():
         component = component_of(workload)
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):

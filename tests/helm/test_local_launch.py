@@ -48,8 +48,9 @@ from tests.helm.chart_render import (
 from tests.helm.fake_hub import hub_calls, install_fake_hub
 from tests.helm.launch_clients import FrontendClient, generate, sse_completion
 from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
-from tests.helm.security_values import GIVEN_LAUNCHED, PUBLIC_HOST, user_secrets
+from tests.helm.security_values import GIVEN_LAUNCHED, PUBLIC_HOST, TLS_OFF, user_secrets
 from tests.metrics.dashboard_queries import metric_names as expr_metric_names
+from tests.security.peers import speaks_http2
 
 BIN_DIR = Path(sys.executable).parent
 READY_TIMEOUT_S = 420.0
@@ -125,6 +126,17 @@ def test_wiring_resolves_without_starting_anything(tmp_path: Path) -> None:
         assert pod.env["SPLITSERVE_CACHE_DIR"].startswith(str(pod.root))
         assert pod.env["HOME"].startswith(str(pod.root))
         assert flag_value(pod.argv, "--host") == "127.0.0.1"
+
+
+def test_plaintext_pods_share_one_internal_secret(tmp_path: Path) -> None:
+    """With tls.internal off, every pod's services read the same generated secret from its
+    Secret (what the core then demands of the frontends and the workers of the core)."""
+    values = deep_merge(load_values(CI_DIR / "cpu-values.yaml"), TLS_OFF)
+    cluster = LocalCluster(render(values), tmp_path, BIN_DIR)
+    secrets = {pod.env["SPLITSERVE_INTERNAL_SECRET"] for pod in cluster.pods}
+    (secret,) = secrets
+    assert len(secret) >= 32
+    assert {pod.component for pod in cluster.pods} >= {"frontend", "core", "worker"}
 
 
 def test_emulator_rejects_broken_wiring(tmp_path: Path) -> None:
@@ -297,6 +309,7 @@ def test_internal_ports_refuse_plaintext(launched: Launched) -> None:
             address = f"127.0.0.1:{pod.loopback_port(name)}"
             with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            assert not speaks_http2(address), address  # listening, and refusing plaintext
         with grpc.insecure_channel(f"127.0.0.1:{pod.loopback_port('health')}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -135,8 +135,9 @@ def test_an_image_that_does_not_match_its_hash_is_refused_alone(
     good = driver.add(ids, max_tokens=1, mm_features=features)
     output = rank.execute(driver.next_step())
     assert output is not None
-    assert "not the hash of its data" in output.failed_reqs[bad]
-    assert output.req_handles.tolist() == [good]
+    assert output.failed_req_handles == [bad]
+    assert "not the hash of its data" in output.failed_reasons[0]
+    assert output.req_handles == [good]
 
 
 @pytest.mark.slow

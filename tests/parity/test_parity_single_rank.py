@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.output_types import LogprobsTable
 from splitserve_contracts.sampling_types import SamplerParams
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.parity import (
@@ -142,6 +144,18 @@ def test_seeded_sampling_reproduces_alone_and_in_a_batch(rank: LocalRank) -> Non
     assert sample(SamplerParams(temperature=1.0, top_p=0.9, seed=43), []) != alone
 
 
+def rows(table: LogprobsTable | None) -> SimpleNamespace:
+    """A table's columns as arrays with one row per position."""
+    assert table is not None
+    width = table.num_top_logprobs + 1
+    return SimpleNamespace(
+        num_top_logprobs=table.num_top_logprobs,
+        token_ids=np.array(table.token_ids).reshape(-1, width),
+        logprobs=np.array(table.logprobs, np.float32).reshape(-1, width),
+        ranks=np.array(table.ranks),
+    )
+
+
 @pytest.mark.parametrize("family", ["llama"])
 def test_prompt_and_sample_logprobs_match(rank: LocalRank, reference: Any) -> None:
     prompt = PROMPTS[2]
@@ -150,12 +164,11 @@ def test_prompt_and_sample_logprobs_match(rank: LocalRank, reference: Any) -> No
     handle = driver.add(prompt, options, max_tokens=3)
     driver.run(rank.execute)
     outputs = [out for _, out in driver.history]
-    delivered = [
-        out.prompt_logprobs[handle] for out in outputs if out and handle in out.prompt_logprobs
-    ]
+    delivered = [e for out in outputs if out for e in out.prompt_logprobs if e.req_handle == handle]
     assert len(delivered) == 1  # once, when the chunked prefill completes
-    assert outputs[3] is not None and handle in outputs[3].prompt_logprobs  # 4 chunks of <= 6
-    table = delivered[0]
+    assert outputs[3] is not None  # 4 chunks of <= 6: delivered with the fourth
+    assert [e.req_handle for e in outputs[3].prompt_logprobs] == [handle]
+    table = rows(delivered[0].table)
     tokens = driver.requests[handle].tokens
     ref = torch.log_softmax(reference_logits(reference, tokens), dim=-1)
     positions = torch.arange(len(prompt) - 1)
@@ -165,7 +178,7 @@ def test_prompt_and_sample_logprobs_match(rank: LocalRank, reference: Any) -> No
     assert table.token_ids[:, 1:].tolist() == ref[positions].topk(3).indices.tolist()
     ref_ranks = (ref[positions] >= ref[positions, chosen][:, None]).sum(-1)
     assert table.ranks.tolist() == ref_ranks.tolist()
-    sampled = [out.logprobs[handle] for out in outputs if out and handle in out.logprobs]
+    sampled = [rows(e.table) for out in outputs if out for e in out.logprobs]
     assert len(sampled) == 3
     for i, step_table in enumerate(sampled):
         pos = len(prompt) - 1 + i

@@ -95,14 +95,20 @@ PROMPT_CASES = [
     generate_case(
         "id-late-in-prompt", ids([5, 6, 4000]), "prompt_token_ids[2]", "prompt_token_ids"
     ),
-    generate_case("ids-fill-max-model-len", ids([5] * MAX_MODEL_LEN), "max_model_len"),
-    generate_case("ids-100k", ids([5] * 100_000), "max_model_len"),
-    generate_case("text-tokens-over-max-model-len", gen("river " * 3000), "max_model_len is"),
+    generate_case(
+        "ids-fill-max-model-len", ids([5] * MAX_MODEL_LEN), "max_model_len", "prompt_token_ids"
+    ),
+    generate_case("ids-100k", ids([5] * 100_000), "max_model_len", "prompt_token_ids"),
+    generate_case(
+        "text-tokens-over-max-model-len", gen("river " * 3000), "max_model_len is", "prompt"
+    ),
     generate_case("text-100k-chars", gen("x" * 100_000), "more than any prompt", "prompt"),
     generate_case("text-5mib", gen(FIVE_MIB_TEXT), "larger than max", code=TOO_BIG),
     generate_case("chat-empty", chat(), "chat has no messages", "chat"),
     generate_case("chat-1mb", chat(("user", "y" * 1_000_000)), "more than any prompt", "chat"),
-    generate_case("chat-over-max-model-len", chat(("user", "stone " * 3000)), "max_model_len"),
+    generate_case(
+        "chat-over-max-model-len", chat(("user", "stone " * 3000)), "max_model_len", "chat"
+    ),
     generate_case(
         "model-unknown",
         gen_pb2.GenerateRequest(prompt="hi", model="nope"),

@@ -1,20 +1,16 @@
 """The public API under bad input (tests/reliability/public_cases.py), over real processes on
 loopback: each refusal gets its status, a message saying what to change and google.rpc details;
-each accepted edge is served; after every case the stack still serves and nothing leaked."""
+each accepted edge is served; after every case the stack still serves and nothing leaked. The
+OpenAI HTTP API's table is test_http_bad_input.py."""
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import grpc
 import pytest
 
-from frontend_svc.openai.fields import MAX_BODY_BYTES
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -121,67 +117,3 @@ def test_get_model_info_ignores_unknown_fields(channel: grpc.Channel) -> None:
     unknown_field = b"\xf8\x07\x01"  # field 127, varint 1: from a newer client
     info = gen_pb2.GetModelInfoResponse.FromString(invoke(channel, "GetModelInfo", unknown_field))
     assert info.served_model_name and info.model_path == ""
-
-
-def http_call(base: str, method: str, path: str, body: bytes | Iterator[bytes] | None) -> Any:
-    """(status, JSON reply) of one HTTP call; an iterator body goes chunked, without a length.
-    The server may answer before a long body is all sent."""
-    url = urlparse(base)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
-    try:
-        headers = {"Content-Type": "application/json"}
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            conn.request(method, path, body, headers, encode_chunked=not isinstance(body, bytes))
-        reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
-    finally:
-        conn.close()
-
-
-def _chunked(num_bytes: int) -> Iterator[bytes]:
-    yield b'{"prompt": "'
-    for _ in range(num_bytes // MIB):
-        yield b"a" * MIB
-    yield b'", "max_tokens": 1}'
-
-
-MIB = 1024 * 1024
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-HTTP_CASES = {
-    "not-json": ("POST", COMPLETIONS, b"{not json", 400, "not valid JSON"),
-    "not-an-object": ("POST", COMPLETIONS, b"[1, 2]", 400, "JSON object"),
-    "nan-literal": ("POST", COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400, "NaN"),
-    "deep-nesting": ("POST", COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),
-    "not-utf8": ("POST", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "not valid JSON"),
-    "token-id-at-vocab": ("POST", COMPLETIONS, b'{"prompt": [2048]}', 400, "outside the vocab"),
-    "top-k-10e30": ("POST", COMPLETIONS, b'{"prompt": "x", "top_k": 1e30}', 400, "top_k"),
-    "chat-no-messages": ("POST", CHAT, b'{"messages": []}', 400, "`messages` is empty"),
-    "chat-template-tokenize": (
-        "POST",
-        CHAT,
-        b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
-        b'{"tokenize": true}}',
-        400,
-        "may not set tokenize",
-    ),
-    "unknown-model": ("POST", COMPLETIONS, b'{"prompt": "x", "model": "nope"}', 404, "nope"),
-    "unknown-route": ("POST", "/v1/nothing", b"{}", 404, ""),
-    "wrong-method": ("GET", COMPLETIONS, None, 405, "Method Not Allowed"),
-    "length-over-the-limit": ("POST", COMPLETIONS, b"{}", 400, "the body is over"),
-    "chunked-over-the-limit": ("POST", COMPLETIONS, None, 400, "the body is over"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(HTTP_CASES))
-def test_bad_http_bodies_get_openai_errors(shared_stack: Stack, name: str) -> None:
-    method, path, body, code, fragment = HTTP_CASES[name]
-    payload: bytes | Iterator[bytes] | None = body
-    if name == "chunked-over-the-limit":
-        payload = _chunked(MAX_BODY_BYTES + MIB)
-    if name == "length-over-the-limit":
-        payload = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
-    status, reply = http_call(shared_stack.http, method, path, payload)
-    assert status == code, reply
-    assert set(reply["error"]) == {"message", "type", "param", "code"}
-    assert reply["error"]["code"] == code and fragment in reply["error"]["message"]
-    assert_serving_and_idle(shared_stack)

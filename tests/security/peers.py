@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,32 @@ def raw_unary_stream(ch: grpc.Channel, method: str, payload: bytes, **kwargs: An
 
 def raw_stream(ch: grpc.Channel, method: str, payloads: list[bytes], **kwargs: Any) -> list[Any]:
     return list(ch.stream_stream(method)(iter(payloads), timeout=10, **kwargs))
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+"""A client's HTTP/2 connection preface and an empty SETTINGS frame."""
+
+
+def tls_context(files: TlsFiles) -> ssl.SSLContext:
+    """A client context presenting `files`' certificate and trusting its CA, speaking h2."""
+    context = ssl.create_default_context(cafile=files.ca_file)
+    context.load_cert_chain(files.cert_file, files.key_file)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def speaks_http2(addr: str, context: ssl.SSLContext | None = None, server_name: str = "") -> bool:
+    """Whether the server LISTENING at `addr` takes this client (plaintext, or TLS with
+    `context`) as far as HTTP/2: it answers the connection preface with a SETTINGS frame. False
+    when it refuses the transport (a TLS handshake it fails or aborts). A port nobody listens on
+    raises ConnectionRefusedError instead: unlike gRPC's UNAVAILABLE, never taken for a refusal."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        try:
+            sock = raw if context is None else context.wrap_socket(raw, server_hostname=server_name)
+            sock.sendall(HTTP2_PREFACE)
+            header = sock.recv(9)
+        except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+            return False
+    # A frame header: 24-bit length, type 0x4 (SETTINGS), flags, stream 0.
+    return len(header) == 9 and header[3] == 0x04 and header[5:] == b"\x00\x00\x00\x00"

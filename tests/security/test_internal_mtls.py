@@ -24,6 +24,8 @@ from tests.security.peers import (
     raw_unary,
     raw_unary_stream,
     rpc_error,
+    speaks_http2,
+    tls_context,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,10 +34,17 @@ MALFORMED = b"\x0a\x05ab"  # field 1, 5 bytes announced, 2 sent
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 
-def test_plaintext_peers_are_refused_on_internal_ports(secure_stack: Stack) -> None:
+def test_plaintext_peers_are_refused_on_internal_ports(secure_stack: Stack, pki: LocalPki) -> None:
+    """Refused at the transport by a port that listens (UNAVAILABLE alone is also what a
+    closed port gives): a plaintext HTTP/2 preface gets no answer, the same preface over TLS
+    with the deployment's certificate does; a plaintext port (the frontend's) answers it."""
+    assert speaks_http2(secure_stack.frontend)
+    probe = tls_context(pki.files[LAUNCHER_IDENTITY])
     for addr, role in ((secure_stack.core, CORE_ROLE), (secure_stack.worker, WORKER_ROLE)):
         err = rpc_error(lambda a=addr, r=role: health_status(a, None, r))
         assert err.code() == grpc.StatusCode.UNAVAILABLE, role
+        assert not speaks_http2(addr), role
+        assert speaks_http2(addr, probe, role), role
 
 
 def test_peers_of_another_ca_are_refused(
@@ -49,6 +58,8 @@ def test_peers_of_another_ca_are_refused(
         files = TlsFiles(foreign[caller].cert_file, foreign[caller].key_file, ca)
         err = rpc_error(lambda a=addr, f=files, r=role: health_status(a, f, r))
         assert err.code() == grpc.StatusCode.UNAVAILABLE, role
+        assert not speaks_http2(addr, tls_context(files), role), role  # the handshake fails
+        assert speaks_http2(addr, tls_context(pki.files[caller]), role), role  # this CA's: on
 
 
 def test_each_service_admits_only_the_roles_that_may_call_it(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +41,28 @@ def test_ownership_rules() -> None:
         ownership.check_call(stranger)
     with pytest.raises(StaleClaim):
         ownership.check_call(Claim(owner.identity, 11))
+
+
+def test_refusals_never_name_the_owners_epoch() -> None:
+    """Under plaintext the epoch is the owner's only credential: a refusal that named it would
+    hand it to whoever was refused."""
+    owner_epoch = 1_754_000_000_123_456_789
+    ownership = Ownership()
+    ownership.loaded_by(Claim("", owner_epoch))
+    refusals = []
+    for epoch in (owner_epoch, owner_epoch - 1, 0):
+        with pytest.raises(StaleClaim) as load:
+            ownership.check_load(Claim("", epoch), is_loaded=True)
+        refusals.append(str(load.value))
+    for epoch in (owner_epoch - 1, owner_epoch + 1, 0):
+        with pytest.raises(StaleClaim) as call:
+            ownership.check_call(Claim("", epoch))
+        refusals.append(str(call.value))
+    with pytest.raises(NotOwner) as stranger:
+        ownership.check_call(Claim("splitserve-core", owner_epoch))
+    refusals.append(str(stranger.value))
+    for text in refusals:
+        assert not re.search(r"\d{4}", text), text
 
 
 def _epoch(epoch: int) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,7 @@
 """The interceptors every server runs (splitserve_runtime.rpc_guard), on real gRPC servers on
 loopback: malformed protobuf gets INVALID_ARGUMENT with one log line per method per interval,
-an unexpected servicer error reaches the client as an error id only, role admission."""
+an unexpected servicer error reaches the client as an error id only, role admission, the
+internal secret."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_limits import RepeatFilter
 from splitserve_runtime.rpc_guard import AioRpcGuard, GuardPolicy, SyncRpcGuard, role_admission
 
@@ -141,6 +144,66 @@ def test_sync_servers_refuse_malformed_messages_and_unadmitted_roles(
     finally:
         open_server.stop(None)
         guarded.stop(None)
+
+
+INTERNAL_SECRET = "0123456789abcdef-internal"
+
+
+def _secret_guard() -> GuardPolicy:
+    """What a plaintext core or worker with --internal-secret guards its service with."""
+    listener = internal_listener(
+        tls=None,
+        allowed_roles={SERVICE: frozenset({"splitserve-core"})},
+        enable_reflection=False,
+        health_port=None,
+        secret=INTERNAL_SECRET,
+    )
+    assert listener.credentials is None
+    return listener.guard
+
+
+def _presenting(secret: str) -> tuple[tuple[str, str], ...]:
+    return ChannelSecurity(None, "splitserve-worker", secret).call_metadata()
+
+
+def test_plaintext_ports_with_a_secret_admit_only_calls_that_present_it() -> None:
+    """Sync (worker) and grpc.aio (core) servers alike: no secret, a wrong one, one a character
+    short: UNAUTHENTICATED, never naming either value; the right one passes."""
+    wrong = ("", "wrong-secret-value-1", INTERNAL_SECRET[:-1], INTERNAL_SECRET + "x")
+    request = Request().SerializeToString()
+
+    def check(call: Any) -> None:
+        for secret in wrong:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=10, metadata=_presenting(secret))
+            details = refused.value.details() or ""
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, secret
+            assert "internal secret" in details and INTERNAL_SECRET[:8] not in details
+            assert not secret or secret[:8] not in details
+        assert call(request, timeout=10, metadata=_presenting(INTERNAL_SECRET)) == b"\x08\x01"
+
+    sync_server = grpc.server(ThreadPoolExecutor(2), interceptors=[SyncRpcGuard(_secret_guard())])
+    sync_server.add_generic_rpc_handlers([_handlers("sync")])
+    port = sync_server.add_insecure_port("127.0.0.1:0")
+    sync_server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            check(ch.unary_unary(f"/{SERVICE}/SyncEcho"))
+    finally:
+        sync_server.stop(None)
+
+    async def aio() -> None:
+        server = grpc.aio.server(interceptors=[AioRpcGuard(_secret_guard())])
+        server.add_generic_rpc_handlers([_handlers()])
+        aio_port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{aio_port}") as ch:
+                await asyncio.to_thread(check, ch.unary_unary(f"/{SERVICE}/Echo"))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(aio())
 
 
 def test_repeated_log_lines_are_limited_per_message() -> None:

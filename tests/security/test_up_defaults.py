@@ -20,7 +20,7 @@ from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_
 from splitserve_runtime.tls import CORE_ROLE, FRONTEND_ROLE, WORKER_ROLE
 from tests.e2e.client import join, text_request
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
-from tests.security.peers import health_status, rpc_error
+from tests.security.peers import health_status, rpc_error, speaks_http2
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -85,9 +85,11 @@ def test_up_serves_over_mutual_tls_with_an_api_key(tiny_model_dir: Path, tmp_pat
         )
         assert match, line
         frontend, core, worker = match.groups()
+        assert speaks_http2(frontend)  # the public port is plaintext here
         for addr, role in ((core, CORE_ROLE), (worker, WORKER_ROLE)):  # no plaintext inside
             err = rpc_error(lambda a=addr, r=role: health_status(a, None, r))
             assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert not speaks_http2(addr), role  # listening, refusing plaintext
         _check_api_key(frontend)
         folder = _private_pki(tmp_path)
         up.send_signal(signal.SIGTERM)

@@ -185,6 +185,9 @@ checksum/config: {{ include (print .root.Template.BasePath "/configmap.yaml") .r
 {{- with include "splitserve.internalTlsAnnotation" .root }}
 {{ . }}
 {{- end }}
+{{- with include "splitserve.internalSecretAnnotation" .root }}
+{{ . }}
+{{- end }}
 {{- with .values.podAnnotations }}
 {{ toYaml . }}
 {{- end }}
@@ -220,7 +223,8 @@ httpGet:
 {{/*
 env of a service container: (dict "root" $ "values" .Values.core "component" "core"). The core
 and the workers get their pod's IP (POD_IP, for --host); the frontend its API key from the
-user's Secret; then chart-wide and per-component extras.
+user's Secret; every service the internal secret when the internal hops are plaintext; then
+chart-wide and per-component extras.
 */}}
 {{- define "splitserve.env" -}}
 {{- $env := list }}
@@ -232,6 +236,9 @@ user's Secret; then chart-wide and per-component extras.
 {{- if and (eq .component "frontend") $key.secretName }}
 {{- $ref := dict "secretKeyRef" (dict "name" $key.secretName "key" $key.key) }}
 {{- $env = append $env (dict "name" "SPLITSERVE_API_KEY" "valueFrom" $ref) }}
+{{- end }}
+{{- with include "splitserve.internalSecretEnv" .root }}
+{{- $env = concat $env (fromYamlArray .) }}
 {{- end }}
 {{- $env = concat $env .root.Values.extraEnv .values.extraEnv }}
 {{- if $env }}

@@ -113,6 +113,45 @@ checksum/internal-tls: {{ (fromYaml (include "splitserve.internalTlsBundle" .)).
 {{- end }}
 {{- end }}
 
+{{/*
+Plaintext internal hops (tls.internal.enabled false) are guarded by a shared secret instead
+(--internal-secret, read from SPLITSERVE_INTERNAL_SECRET by every service): the user's Secret
+(tls.internal.plaintextSecret.secretName) or one generated here, taken over from the cluster on
+`helm upgrade` (lookup) so that running pods keep agreeing.
+*/}}
+{{- define "splitserve.isInternalSecret" -}}
+{{- if not .Values.tls.internal.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "splitserve.internalSecretName" -}}
+{{- .Values.tls.internal.plaintextSecret.secretName | default (printf "%s-internal-secret" (include "splitserve.fullname" .)) }}
+{{- end }}
+
+{{/* The generated secret (base64, as Secret data), made once per rendering. */}}
+{{- define "splitserve.generatedInternalSecret" -}}
+{{- if not (hasKey .Values "_splitserveInternalSecret") }}
+{{- $found := lookup "v1" "Secret" .Release.Namespace (include "splitserve.internalSecretName" .) }}
+{{- $value := dig "data" .Values.tls.internal.plaintextSecret.key "" $found }}
+{{- $_ := set .Values "_splitserveInternalSecret" ($value | default (randAlphaNum 48 | b64enc)) }}
+{{- end }}
+{{- get .Values "_splitserveInternalSecret" }}
+{{- end }}
+
+{{/* Pod annotation: the generated secret's fingerprint, so that a new one rolls every pod. */}}
+{{- define "splitserve.internalSecretAnnotation" -}}
+{{- if and (include "splitserve.isInternalSecret" .) (not .Values.tls.internal.plaintextSecret.secretName) -}}
+checksum/internal-secret: {{ include "splitserve.generatedInternalSecret" . | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/* The env entry every service reads it from (plaintext internal hops only). */}}
+{{- define "splitserve.internalSecretEnv" -}}
+{{- if include "splitserve.isInternalSecret" . -}}
+{{- $ref := dict "name" (include "splitserve.internalSecretName" .) "key" .Values.tls.internal.plaintextSecret.key }}
+{{- toYaml (list (dict "name" "SPLITSERVE_INTERNAL_SECRET" "valueFrom" (dict "secretKeyRef" $ref))) }}
+{{- end }}
+{{- end }}
+
 {{/* The frontend's public TLS (frontend.ssl): volume, mount, flags. */}}
 {{- define "splitserve.isPublicTls" -}}
 {{- if .Values.frontend.ssl.secretName }}true{{ end }}

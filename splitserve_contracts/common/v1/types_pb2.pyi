@@ -383,6 +383,108 @@ class SamplerParams(_message.Message):
 Global___SamplerParams: _TypeAlias = SamplerParams  # noqa: Y015
 
 @_typing.final
+class StructuredOutputsParams(_message.Message):
+    """StructuredOutputsParams constrains a request's output to a grammar (vLLM's
+    StructuredOutputsParams): the engine masks every token the grammar does not
+    allow before sampling, and the request finishes when the grammar is
+    complete. Exactly one constraint is set; the options shape JSON constraints.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
+    DISABLE_ADDITIONAL_PROPERTIES_FIELD_NUMBER: _builtins.int
+    WHITESPACE_PATTERN_FIELD_NUMBER: _builtins.int
+    json: _builtins.str
+    """A JSON Schema (draft 2020-12 subset), as JSON text; the output is a JSON
+    value that validates against it.
+    """
+    regex: _builtins.str
+    """A regular expression the whole output matches (Rust regex syntax, no
+    look-around or back-references).
+    """
+    grammar: _builtins.str
+    """A context-free grammar: Lark syntax (llguidance's), or GBNF/EBNF with a
+    `root ::= ...` rule (llama.cpp's).
+    """
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format json_object)."""
+    structural_tag: _builtins.str
+    """A structural tag (vLLM's), as JSON text: {"type": "structural_tag",
+    "structures": [{"begin", "schema", "end"}], "triggers": [...]}; free
+    text until a trigger, then the tagged structure.
+    """
+    disable_any_whitespace: _builtins.bool
+    """JSON constraints: no whitespace outside strings (compact JSON). Unset,
+    whitespace between tokens is bounded (a line break and up to 20 blanks, or
+    one blank), never unbounded.
+    """
+    disable_additional_properties: _builtins.bool
+    """JSON Schema constraints: objects without an `additionalProperties`
+    keyword take no properties besides the listed ones.
+    """
+    whitespace_pattern: _builtins.str
+    """JSON constraints: the regular expression whitespace between tokens must
+    match instead of the default; empty means the default.
+    """
+    @_builtins.property
+    def choice(self) -> Global___ChoiceConstraint:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___ChoiceConstraint | None = ...,
+        grammar: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        structural_tag: _builtins.str = ...,
+        disable_any_whitespace: _builtins.bool = ...,
+        disable_additional_properties: _builtins.bool = ...,
+        whitespace_pattern: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "disable_additional_properties", b"disable_additional_properties", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json", b"json", "json_object", b"json_object", "regex", b"regex", "structural_tag", b"structural_tag", "whitespace_pattern", b"whitespace_pattern"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json", "regex", "choice", "grammar", "json_object", "structural_tag"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutputsParams: _TypeAlias = StructuredOutputsParams  # noqa: Y015
+
+@_typing.final
+class ChoiceConstraint(_message.Message):
+    """ChoiceConstraint lists the strings an output may be."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed outputs; at least one."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceConstraint: _TypeAlias = ChoiceConstraint  # noqa: Y015
+
+@_typing.final
 class LogprobsTable(_message.Message):
     """LogprobsTable carries log-probabilities for consecutive token positions in
     columnar form: for each position, the chosen token first, then the

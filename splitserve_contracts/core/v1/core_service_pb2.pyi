@@ -269,6 +269,8 @@ class EngineCoreRequest(_message.Message):
     SAMPLER_PARAMS_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -295,6 +297,15 @@ class EngineCoreRequest(_message.Message):
     min_tokens: _builtins.int
     """Output tokens to generate before eos_token_id or stop_token_ids may end
     the request.
+    """
+    resumed: _builtins.bool
+    """Set when a frontend resubmits a request that an engine core admitted
+    before the stream broke (with or without output_token_ids: it may not
+    have produced a token yet). Such a request is not refused for a full
+    queue (--max-num-queued-reqs, --max-num-queued-tokens): it was admitted
+    once. The core bounds what the mark buys, whoever sets it: resumed
+    requests may exceed the queue limits only by what the engine could have
+    been running (max_num_seqs requests, the KV cache's tokens).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -332,6 +343,16 @@ class EngineCoreRequest(_message.Message):
         Each id is below the vocabulary size; fewer than max_tokens of them.
         """
 
+    @_builtins.property
+    def structured_outputs(self) -> _types_pb2.StructuredOutputsParams:
+        """The grammar the output must follow (structured outputs), as the client
+        asked for it: the engine core compiles it with the tokenizer its stream
+        sent (TokenizerInfo), masks disallowed tokens on every step and finishes
+        the request with STOP when the grammar is complete. An invalid constraint,
+        or one on a stream without TokenizerInfo, finishes the request with
+        ERROR / INVALID_REQUEST. Unset: unconstrained.
+        """
+
     def __init__(
         self,
         *,
@@ -347,10 +368,12 @@ class EngineCoreRequest(_message.Message):
         sampler_params: _types_pb2.SamplerParams | None = ...,
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
+        resumed: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -417,6 +440,7 @@ class EngineStreamRequest(_message.Message):
     ADD_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
     SUBSCRIBE_KV_EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add(self) -> Global___AddRequests:
@@ -431,6 +455,13 @@ class EngineStreamRequest(_message.Message):
         """A latency probe; the core answers with a Pong at once, off the engine loop."""
 
     @_builtins.property
+    def tokenizer(self) -> Global___TokenizerInfo:
+        """The frontend's tokenizer, for structured outputs; sent once, before any
+        request with structured_outputs. A later one replaces it for the
+        requests added after it.
+        """
+
+    @_builtins.property
     def subscribe_kv_events(self) -> Global___SubscribeKvEvents:
         """From now on, send this stream the engine's KV-cache events."""
 
@@ -440,17 +471,54 @@ class EngineStreamRequest(_message.Message):
         add: Global___AddRequests | None = ...,
         abort: Global___AbortRequests | None = ...,
         ping: Global___Ping | None = ...,
+        tokenizer: Global___TokenizerInfo | None = ...,
         subscribe_kv_events: Global___SubscribeKvEvents | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events", "tokenizer", b"tokenizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "add", b"add", "payload", b"payload", "ping", b"ping", "subscribe_kv_events", b"subscribe_kv_events", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping", "subscribe_kv_events"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["add", "abort", "ping", "tokenizer", "subscribe_kv_events"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___EngineStreamRequest: _TypeAlias = EngineStreamRequest  # noqa: Y015
+
+@_typing.final
+class TokenizerInfo(_message.Message):
+    """TokenizerInfo gives the engine core the frontend's tokenizer: the core's
+    grammar matchers need every token's bytes, and the core may not have the
+    model files.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    tokenizer_json: _builtins.str
+    """The tokenizer in the Hugging Face tokenizers library's serialized form
+    (tokenizer.json, with the added tokens), at most 64 MiB.
+    """
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end a sequence (the tokenizer's EOS and the generation
+        config's); each below the vocabulary size. A grammar allows them once it
+        is complete.
+        """
+
+    def __init__(
+        self,
+        *,
+        tokenizer_json: _builtins.str = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "tokenizer_json", b"tokenizer_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenizerInfo: _TypeAlias = TokenizerInfo  # noqa: Y015
 
 @_typing.final
 class SubscribeKvEvents(_message.Message):
@@ -956,6 +1024,7 @@ class SchedulerStats(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_WAITING_TOKENS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
@@ -988,8 +1057,13 @@ class SchedulerStats(_message.Message):
     """Of those, items whose encoder output was already cached on the workers
     (or scheduled earlier in the same step), cumulative.
     """
+    num_prompt_tokens: _builtins.int
+    """Prompt tokens of the requests that sampled their first token (a prompt
+    counts when its first token arrives, as in vLLM's prompt throughput),
+    cumulative.
+    """
     num_generation_tokens: _builtins.int
-    """Tokens sampled since the engine started, cumulative."""
+    """Tokens sampled, cumulative."""
     num_waiting_tokens: _builtins.int
     """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits
     not yet subtracted.
@@ -1009,12 +1083,13 @@ class SchedulerStats(_message.Message):
         num_total_blocks: _builtins.int = ...,
         encoder_cache_queries: _builtins.int = ...,
         encoder_cache_hits: _builtins.int = ...,
+        num_prompt_tokens: _builtins.int = ...,
         num_generation_tokens: _builtins.int = ...,
         num_waiting_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -191,6 +191,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for the request, echoed in every response; generated when
     empty.
@@ -226,6 +227,13 @@ class GenerateRequest(_message.Message):
     def sampling_params(self) -> _types_pb2.SamplingParams:
         """How to sample and when to stop; unset fields take vLLM's defaults."""
 
+    @_builtins.property
+    def structured_outputs(self) -> _types_pb2.StructuredOutputsParams:
+        """Constrains the output to a JSON Schema, regex, choice or grammar (vLLM's
+        structured_outputs); an invalid or unsupported constraint fails the call
+        with INVALID_ARGUMENT naming the field. Unset: free text.
+        """
+
     def __init__(
         self,
         *,
@@ -238,10 +246,11 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         add_special_tokens: _builtins.bool | None = ...,
         model: _builtins.str = ...,
+        structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015

@@ -431,22 +431,97 @@ class ExecuteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCHEDULER_OUTPUT_FIELD_NUMBER: _builtins.int
+    GRAMMAR_OUTPUT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def scheduler_output(self) -> Global___SchedulerOutput:
         """The step."""
+
+    @_builtins.property
+    def grammar_output(self) -> Global___GrammarOutput:
+        """The grammar bitmask of the step sent just before with
+        has_pending_grammar, sent alone once the engine core has it (async
+        scheduling: it needed the previous step's tokens). Set instead of
+        scheduler_output.
+        """
 
     def __init__(
         self,
         *,
         scheduler_output: Global___SchedulerOutput | None = ...,
+        grammar_output: Global___GrammarOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["scheduler_output", b"scheduler_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "scheduler_output", b"scheduler_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scheduler_output", b"scheduler_output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "scheduler_output", b"scheduler_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecuteRequest: _TypeAlias = ExecuteRequest  # noqa: Y015
+
+@_typing.final
+class GrammarOutput(_message.Message):
+    """GrammarOutput is the grammar bitmask of a step sent earlier (vLLM's
+    GrammarOutput, for sample_tokens).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    GRAMMAR_BITMASK_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    """The step it belongs to: the one just sent with has_pending_grammar."""
+    @_builtins.property
+    def grammar_bitmask(self) -> Global___GrammarBitmask:
+        """The masks; may have no rows (every constrained request finished)."""
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.int = ...,
+        grammar_bitmask: Global___GrammarBitmask | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrammarOutput: _TypeAlias = GrammarOutput  # noqa: Y015
+
+@_typing.final
+class GrammarBitmask(_message.Message):
+    """GrammarBitmask holds the allowed-token masks of a step's constrained
+    requests (structured outputs), only for the requests that sample in the
+    step and follow a grammar. Every rank of the output stage applies them to
+    the logits before sampling, so greedy and random choices and logprobs all
+    see them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQ_HANDLES_FIELD_NUMBER: _builtins.int
+    BITMASK_FIELD_NUMBER: _builtins.int
+    bitmask: _builtins.bytes
+    """The masks, concatenated: per request ceil(vocab_size / 32) little-endian
+    int32 words; bit b of word w allows token id 32 * w + b.
+    """
+    @_builtins.property
+    def req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The constrained requests, one mask each, in mask order."""
+
+    def __init__(
+        self,
+        *,
+        req_handles: _abc.Iterable[_builtins.int] | None = ...,
+        bitmask: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bitmask", b"bitmask", "req_handles", b"req_handles"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrammarBitmask: _TypeAlias = GrammarBitmask  # noqa: Y015
 
 @_typing.final
 class ExecuteResponse(_message.Message):
@@ -490,10 +565,17 @@ class SchedulerOutput(_message.Message):
     FINISHED_REQ_HANDLES_FIELD_NUMBER: _builtins.int
     SCHEDULED_ENCODER_INPUTS_FIELD_NUMBER: _builtins.int
     FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _builtins.int
+    GRAMMAR_BITMASK_FIELD_NUMBER: _builtins.int
+    HAS_PENDING_GRAMMAR_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step sequence number, 1, 2, 3, ...; a rank rejects a gap."""
     total_num_scheduled_tokens: _builtins.int
     """Sum of num_scheduled_tokens."""
+    has_pending_grammar: _builtins.bool
+    """The step's grammar bitmask follows in an ExecuteRequest of its own
+    (vLLM's pending_structured_output_tokens): a rank runs the forward, then
+    waits for it before sampling.
+    """
     @_builtins.property
     def scheduled_new_reqs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequestData]:
         """Requests scheduled for the first time."""
@@ -527,6 +609,12 @@ class SchedulerOutput(_message.Message):
         more; ranks drop them before running the step.
         """
 
+    @_builtins.property
+    def grammar_bitmask(self) -> Global___GrammarBitmask:
+        """Allowed-token masks of the step's constrained requests (structured
+        outputs); unset when none samples under a grammar.
+        """
+
     def __init__(
         self,
         *,
@@ -538,10 +626,12 @@ class SchedulerOutput(_message.Message):
         finished_req_handles: _abc.Iterable[_builtins.int] | None = ...,
         scheduled_encoder_inputs: _abc.Iterable[Global___ScheduledEncoderInputs] | None = ...,
         free_encoder_mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        grammar_bitmask: Global___GrammarBitmask | None = ...,
+        has_pending_grammar: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,17 +22,18 @@ from typing import Any
 
 from core_svc.engine_core import EngineCore
 from core_svc.executor import ExecutorError
-from core_svc.outputs import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    FinishReason,
-    LogprobsTable,
-    ModelRunnerOutput,
-)
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.output_types import (
+    FinishReason,
+    LogprobsTable,
+    ModelRunnerOutput,
+    RequestLogprobs,
+    StepStatus,
+)
 
 TokenFn = Callable[[str, int], int]
 
@@ -113,11 +114,12 @@ class FakeExecutor:
         scheduled = self._apply_new(so) + self._apply_cached(so)
         assert len(scheduled) == len(so.num_scheduled_tokens)
         assert sum(so.num_scheduled_tokens) == so.total_num_scheduled_tokens
-        out = ModelRunnerOutput(step_id=so.step_id)
+        out = ModelRunnerOutput(step_id=so.step_id, status=StepStatus.OK)
         for handle, num_tokens in zip(scheduled, so.num_scheduled_tokens, strict=True):
             reason = self.refuse.get(self.reqs[handle].request_id)
             if reason is not None:
-                out.failed_reqs[handle] = reason
+                out.failed_req_handles.append(handle)
+                out.failed_reasons.append(reason)
                 del self.reqs[handle]
                 self.refused_handles.add(handle)
                 continue
@@ -133,15 +135,15 @@ class FakeExecutor:
                 out.req_handles.append(handle)
                 out.sampled_token_ids.append(token)
                 if shadow.wants_logprobs:
-                    out.logprobs[handle] = LogprobsTable(0, [token], [-0.5], [1])
+                    table = LogprobsTable(0, [token], [-0.5], [1])
+                    out.logprobs.append(RequestLogprobs(handle, table))
                 if (
                     shadow.wants_prompt_logprobs
                     and len(shadow.token_ids) == shadow.num_prompt_tokens
                 ):
                     n = shadow.num_prompt_tokens - 1
-                    out.prompt_logprobs[handle] = LogprobsTable(
-                        0, shadow.token_ids[1:], [-1.0] * n, [1] * n
-                    )
+                    table = LogprobsTable(0, shadow.token_ids[1:], [-1.0] * n, [1] * n)
+                    out.prompt_logprobs.append(RequestLogprobs(handle, table))
         return out
 
     def _apply_new(self, so: SchedulerOutput) -> list[int]:
@@ -268,6 +270,7 @@ def make_request(
     stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
     output_token_ids: list[int] | None = None,
+    is_resumed: bool = False,
     **sampler: Any,
 ) -> Request:
     """A request as a frontend would send it: ignore_eos drops eos_token_id, max_tokens None
@@ -286,6 +289,7 @@ def make_request(
         skip_reading_prefix_cache=sampler.get("prompt_logprobs") is not None,
         cache_salt=cache_salt,
         priority=priority,
+        is_resumed=is_resumed,
     )
 
 

@@ -13,6 +13,7 @@ from core_svc.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from core_svc.kv_events import BlockExtraKeys, BlockRemoved, BlockStored, KVEventRecorder
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from tests.fixtures.kv_index import KvIndex
+from tests.unit.core.kv_helpers import free_block_ids
 
 BLOCK_SIZE = 2
 
@@ -34,7 +35,7 @@ def make_pool(num_blocks: int, enable_caching: bool = True) -> BlockPool:
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return free_block_ids(pool.free_block_queue)
 
 
 def test_free_queue_pops_appends_and_removes_from_the_middle() -> None:
@@ -42,10 +43,10 @@ def test_free_queue_pops_appends_and_removes_from_the_middle() -> None:
     queue = FreeKVCacheBlockQueue(blocks)
     assert [b.block_id for b in queue.popleft_n(2)] == [0, 1]
     queue.remove(blocks[3])
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [2, 4, 5]
+    assert free_block_ids(queue) == [2, 4, 5]
     queue.append(blocks[0])
     assert queue.popleft().block_id == 2
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [4, 5, 0]
+    assert free_block_ids(queue) == [4, 5, 0]
     assert queue.num_free_blocks == 3
     with pytest.raises(ValueError):
         queue.remove(blocks[3])

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import pytest
+
 from core_svc import convert
-from core_svc.outputs import (
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from splitserve_contracts import output_convert
+from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.output_types import (
     EngineCoreEvent,
     EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
     FinishReason,
     LogprobsTable,
     ModelRunnerOutput,
+    RequestLogprobs,
     SchedulerStats,
+    StepStatus,
     StepTimings,
 )
-from splitserve_contracts.common.v1 import types_pb2
-from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
+from tests.fixtures.core_wire import engine_core_outputs_from_proto, scheduler_output_from_proto
 from tests.unit.core.fake_executor import make_engine, make_request
 
 
@@ -61,7 +66,7 @@ def test_engine_core_outputs_round_trip() -> None:
         scheduler_stats=SchedulerStats(1, 2, 0.5, 100, 40, 3, 7, 12, 8, 16),
     )  # fmt: skip
     wire = convert.engine_core_outputs_to_proto(outputs).SerializeToString()
-    back = convert.engine_core_outputs_from_proto(core_pb2.EngineCoreOutputs.FromString(wire))
+    back = engine_core_outputs_from_proto(core_pb2.EngineCoreOutputs.FromString(wire))
     assert back == outputs
 
 
@@ -76,17 +81,18 @@ def test_scheduler_output_of_a_real_step_round_trips() -> None:
     for so in executor.seen:
         wire = convert.scheduler_output_to_proto(so).SerializeToString()
         msg = worker_pb2.SchedulerOutput.FromString(wire)
-        assert convert.scheduler_output_from_proto(msg) == so
+        assert scheduler_output_from_proto(msg) == so
 
 
 def test_model_runner_output_round_trip_and_error_status() -> None:
     output = ModelRunnerOutput(
-        step_id=5, req_handles=[1, 2], sampled_token_ids=[7, 8],
-        logprobs={1: LogprobsTable(0, [7], [-0.5], [1])},
-        prompt_logprobs={2: LogprobsTable(0, [3, 4], [-1.0, -2.0], [2, 5])},
+        step_id=5, status=StepStatus.OK, req_handles=[1, 2], sampled_token_ids=[7, 8],
+        logprobs=[RequestLogprobs(1, LogprobsTable(0, [7], [-0.5], [1]))],
+        prompt_logprobs=[RequestLogprobs(2, LogprobsTable(0, [3, 4], [-1.0, -2.0], [2, 5]))],
         rank=3, timings=StepTimings(0.25, 0.5, 0.125, 1.0), num_used_kv_blocks=9,
+        failed_req_handles=[4], failed_reasons=["bad seed"],
     )  # fmt: skip
-    wire = convert.model_runner_output_to_proto(output).SerializeToString()
+    wire = output_convert.model_runner_output_to_proto(output).SerializeToString()
     msg = worker_pb2.ModelRunnerOutput.FromString(wire)
     assert msg.status == worker_pb2.STEP_STATUS_OK
     assert convert.model_runner_output_from_proto(msg) == output
@@ -96,8 +102,27 @@ def test_model_runner_output_round_trip_and_error_status() -> None:
     assert convert.model_runner_output_from_proto(failed).error_message == "CUDA error"
 
 
-def test_scheduler_stats_to_proto() -> None:
-    stats = SchedulerStats(1, 2, 0.25, 100, 40, 3, 7, 12, 8, 16)
-    msg = convert.scheduler_stats_to_proto(stats)
+def test_columns_that_do_not_line_up_are_refused() -> None:
+    msg = worker_pb2.ModelRunnerOutput(step_id=5, status=worker_pb2.STEP_STATUS_OK, rank=1)
+    msg.req_handles.extend([1, 2])
+    msg.sampled_token_ids.append(7)
+    with pytest.raises(ValueError, match="2 requests but 1 sampled tokens"):
+        convert.model_runner_output_from_proto(msg)
+    del msg.req_handles[1]
+    msg.failed_reasons.append("why")
+    with pytest.raises(ValueError, match="do not line up"):
+        convert.model_runner_output_from_proto(msg)
+
+
+def test_scheduler_stats_round_trip() -> None:
+    stats = SchedulerStats(1, 2, 0.25, 100, 40, 3, 7, 12, 8, 16, 5, 4, 900, 60)
+    msg = output_convert.scheduler_stats_to_proto(stats)
     assert msg.kv_cache_usage == 0.25 and msg.num_total_blocks == 16
-    assert convert.scheduler_stats_from_proto(msg) == stats
+    assert msg.num_prompt_tokens == 900 and msg.num_generation_tokens == 60
+    assert output_convert.scheduler_stats_from_proto(msg) == stats
+
+
+def test_an_enum_value_a_newer_peer_sends_reads_as_unspecified() -> None:
+    msg = worker_pb2.ModelRunnerOutput(step_id=5, rank=1)
+    msg.status = 7  # type: ignore[assignment]
+    assert output_convert.model_runner_output_from_proto(msg).status == StepStatus.UNSPECIFIED

@@ -7,9 +7,15 @@ from typing import Any
 import pytest
 
 from core_svc.engine_core import EngineCore
-from core_svc.outputs import EngineCoreEventType, ErrorKind, FinishReason, ModelRunnerOutput
 from core_svc.request import RequestStatus
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import (
+    EngineCoreEventType,
+    ErrorKind,
+    FinishReason,
+    ModelRunnerOutput,
+    StepStatus,
+)
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,
@@ -179,7 +185,9 @@ def test_executor_failure_fails_every_request_and_the_engine() -> None:
 
 class ErrorStatusExecutor(FakeExecutor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return ModelRunnerOutput(step_id=scheduler_output.step_id, error_message="CUDA OOM")
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id, status=StepStatus.ERROR, error_message="CUDA OOM"
+        )
 
 
 def test_error_status_output_fails_the_engine() -> None:
@@ -254,7 +262,6 @@ def test_stats_are_cumulative() -> None:
     stats = engine.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
     assert stats.step_id == len(executor.seen)
-    assert engine.reset_prefix_cache()
 
 
 def test_a_request_the_ranks_refuse_fails_alone() -> None:
@@ -306,3 +313,32 @@ def test_a_full_queue_refuses_new_requests_at_once(
     }
     engine.add_request(make_request(4, [1, 2, 3], max_tokens=2))  # room again once they ran
     assert run_to_completion(engine).finished == {(1, 4): FinishReason.LENGTH}
+
+
+@pytest.mark.parametrize(
+    ("limits", "prompt_len", "num_admitted"),
+    [
+        # 2 queued + max_num_seqs 4 running: what a core could have held
+        ({"max_num_queued_reqs": 2}, 3, 6),
+        # 8 queued tokens + the KV cache's 7 usable blocks x 4 tokens: 36 tokens, 3 prompts of 10
+        ({"max_num_queued_tokens": 8}, 10, 3),
+    ],
+)
+def test_resumed_requests_pass_the_queue_limits_within_a_bound(
+    limits: dict[str, int], prompt_len: int, num_admitted: int
+) -> None:
+    """A frontend resubmits what an engine core admitted before its restart: those are not
+    refused for a full queue, but the mark buys no more room than the engine could have held
+    running (a peer that marks everything resumed gets that much, no more)."""
+    engine, _ = make_engine(num_blocks=8, max_num_seqs=4, **limits)
+    prompt = list(range(1, prompt_len + 1))
+    for handle in range(1, num_admitted + 2):
+        engine.add_request(make_request(handle, prompt, max_tokens=2, is_resumed=True))
+    engine.add_request(make_request(100, [1, 2], max_tokens=2))  # a new one: the queue is full
+    outputs = engine.step()
+    refused = {d.request_handle: d for d in outputs[1].details if d.finish_reason}
+    assert sorted(refused) == [num_admitted + 1, 100]
+    assert all(d.error_kind == ErrorKind.OVERLOADED for d in refused.values())
+    assert "even for a resumed request" in refused[num_admitted + 1].error_message
+    finished = run_to_completion(engine).finished
+    assert finished == {(1, h): FinishReason.LENGTH for h in range(1, num_admitted + 1)}

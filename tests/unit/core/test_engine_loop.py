@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from core_svc.engine_core import EngineCore
-from core_svc.engine_loop import EngineCommand, EngineCoreProc
-from core_svc.outputs import EngineCoreOutputs, FinishReason, ModelRunnerOutput
+from core_svc.engine_inbox import EngineCommand, EngineInbox
+from core_svc.engine_loop import EngineCoreProc
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.scheduler_output import SchedulerOutput
+from splitserve_contracts.output_types import FinishReason, ModelRunnerOutput
 from tests.unit.core.fake_executor import ClientView, FakeExecutor, make_engine, make_request
 
 GUARD_S = 30.0
@@ -81,7 +83,7 @@ def loop_parts() -> Iterator[tuple[EngineCore, FakeExecutor, RecordingQueue]]:
 def start(
     engine: EngineCore, sink: Sink, input_queue: RecordingQueue | None = None
 ) -> EngineCoreProc:
-    proc = EngineCoreProc(engine, sink, NO_STATS, NOT_FAILED, input_queue)
+    proc = EngineCoreProc(engine, EngineInbox(input_queue), sink, NO_STATS, NOT_FAILED)
     proc.start()
     return proc
 
@@ -92,8 +94,8 @@ def test_routes_outputs_per_client_and_blocks_when_idle(loop_parts: Any) -> None
     proc = start(engine, sink, input_queue)
     assert input_queue.blocked.wait(GUARD_S)
     assert input_queue.steps_when_blocked == [0], "idle at start: blocked, no step"
-    proc.add_requests(7, [make_request(1, [1, 2, 3], client_id=7, max_tokens=3)])
-    proc.add_requests(8, [make_request(1, [4, 5], client_id=8, max_tokens=2),
+    proc.inbox.add_requests(7, [make_request(1, [1, 2, 3], client_id=7, max_tokens=3)])
+    proc.inbox.add_requests(8, [make_request(1, [4, 5], client_id=8, max_tokens=2),
                           make_request(2, [6], client_id=8, max_tokens=4)])  # fmt: skip
     assert sink.finished.wait(GUARD_S)
     assert input_queue.blocked.wait(GUARD_S)
@@ -114,10 +116,12 @@ def test_close_client_aborts_all_of_its_requests(loop_parts: Any) -> None:
     executor.on_execute = lambda so: time.sleep(0.002)  # 200 steps outlast the close below
     sink = Sink(expected=1, idle=input_queue.blocked)
     proc = start(engine, sink, input_queue)
-    proc.add_requests(1, [make_request(h, [h, 9], client_id=1, max_tokens=200) for h in (1, 2)])
-    proc.add_requests(2, [make_request(1, [3, 9], client_id=2, max_tokens=20)])
+    proc.inbox.add_requests(
+        1, [make_request(h, [h, 9], client_id=1, max_tokens=200) for h in (1, 2)]
+    )
+    proc.inbox.add_requests(2, [make_request(1, [3, 9], client_id=2, max_tokens=20)])
     assert sink.got_tokens.wait(GUARD_S)
-    proc.close_client(1)
+    proc.inbox.close_client(1)
     assert sink.finished.wait(GUARD_S)
     assert input_queue.blocked.wait(GUARD_S)
     proc.stop(GUARD_S)
@@ -131,15 +135,15 @@ def test_close_client_aborts_all_of_its_requests(loop_parts: Any) -> None:
 def test_abort_during_a_step_suppresses_that_steps_output() -> None:
     engine, executor = make_engine()
     sink = Sink(expected=1)
-    proc = EngineCoreProc(engine, sink, NO_STATS, NOT_FAILED)
+    proc = EngineCoreProc(engine, EngineInbox(), sink, NO_STATS, NOT_FAILED)
 
     def abort_mid_step(so: SchedulerOutput) -> None:
         if so.step_id == 3:
-            proc.abort_requests(1, [1])
+            proc.inbox.abort_requests(1, [1])
 
     executor.on_execute = abort_mid_step
     proc.start()
-    proc.add_requests(
+    proc.inbox.add_requests(
         1, [make_request(1, [1, 2], max_tokens=50), make_request(2, [3], max_tokens=6)]
     )
     assert sink.finished.wait(GUARD_S)
@@ -158,8 +162,8 @@ def test_unexpected_error_fails_requests_through_the_sink() -> None:
     engine.executor = CrashingExecutor(4, 64)
     sink = Sink(expected=2)
     proc = start(engine, sink)
-    proc.add_requests(1, [make_request(1, [1, 2], max_tokens=5)])
-    proc.add_requests(1, [make_request(2, [1, 2], max_tokens=5)])
+    proc.inbox.add_requests(1, [make_request(1, [1, 2], max_tokens=5)])
+    proc.inbox.add_requests(1, [make_request(2, [1, 2], max_tokens=5)])
     assert sink.finished.wait(GUARD_S)
     assert proc.is_alive
     assert engine.is_failed
@@ -168,7 +172,7 @@ def test_unexpected_error_fails_requests_through_the_sink() -> None:
     assert any("bug in the executor" in d.error_message for d in details)
     sink.expected = 3
     sink.finished.clear()
-    proc.add_requests(1, [make_request(3, [1], max_tokens=1)])
+    proc.inbox.add_requests(1, [make_request(3, [1], max_tokens=1)])
     assert sink.finished.wait(GUARD_S)
     assert sink.view.finished[(1, 3)] == FinishReason.ERROR
     proc.stop(GUARD_S)
@@ -184,10 +188,10 @@ def test_a_failing_sink_does_not_stop_the_loop() -> None:
             raise ConnectionError("client went away")
         sink(client_id, outputs)
 
-    proc = EngineCoreProc(engine, flaky, NO_STATS, NOT_FAILED)
+    proc = EngineCoreProc(engine, EngineInbox(), flaky, NO_STATS, NOT_FAILED)
     proc.start()
-    proc.add_requests(1, [make_request(1, [1], client_id=1, max_tokens=3)])
-    proc.add_requests(2, [make_request(1, [1], client_id=2, max_tokens=3)])
+    proc.inbox.add_requests(1, [make_request(1, [1], client_id=1, max_tokens=3)])
+    proc.inbox.add_requests(2, [make_request(1, [1], client_id=2, max_tokens=3)])
     assert sink.finished.wait(GUARD_S)
     proc.stop(GUARD_S)
     assert sink.view.finished == {(2, 1): FinishReason.LENGTH}

@@ -10,6 +10,7 @@ from core_svc.block_hash import BlockHasher
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.request import Request
 from tests.unit.core.fake_executor import make_request
+from tests.unit.core.kv_helpers import free_block_ids
 
 BLOCK_SIZE = 4
 
@@ -119,7 +120,7 @@ def test_free_releases_tail_blocks_first() -> None:
     compute_prompt(kv, request)
     ids = kv.get_block_ids(request)
     kv.free(request)
-    free = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    free = free_block_ids(kv.block_pool.free_block_queue)
     assert free[-3:] == ids[::-1]
     assert kv.usage == 0.0
     assert kv.get_block_ids(request) == []

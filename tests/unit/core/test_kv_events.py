@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from core_svc.outputs import EngineCoreOutputs
@@ -130,11 +131,12 @@ class EventSink:
 def test_the_loop_sends_a_snapshot_then_events_and_resets_on_command() -> None:
     engine, _ = make_engine(num_blocks=20, block_size=BLOCK_SIZE)
     sink = EventSink()
-    proc = EngineCoreProc(engine, sink, lambda stats, s: None, lambda m: None)
+    proc = EngineCoreProc(engine, EngineInbox(), sink, lambda stats, s: None, lambda m: None)
     proc.start()
     try:
-        proc.add_requests(1, [make_request(1, list(range(3, 20)), client_id=1, max_tokens=3)])
-        proc.subscribe_kv_events(2)  # a client that adds nothing still gets the events
+        inbox = proc.inbox
+        inbox.add_requests(1, [make_request(1, list(range(3, 20)), client_id=1, max_tokens=3)])
+        inbox.subscribe_kv_events(2)  # a client that adds nothing still gets the events
         index = KvIndex()
         snapshot_flags = []
         while True:
@@ -146,7 +148,7 @@ def test_the_loop_sends_a_snapshot_then_events_and_resets_on_command() -> None:
             elif isinstance(item, EngineCoreOutputs) and item.details:
                 break  # the request finished
         assert snapshot_flags[0] and sorted(snapshot_flags, reverse=True) == snapshot_flags
-        assert proc.reset_prefix_cache().result(GUARD_S) == 0
+        assert inbox.reset_prefix_cache().result(GUARD_S) == 0
         while index.num_cleared < 2:
             client_id, item = sink.items.get(timeout=GUARD_S)
             if client_id == 2:
@@ -166,12 +168,13 @@ def test_a_reset_is_refused_while_a_request_holds_blocks() -> None:
         release.wait(GUARD_S)
 
     executor.on_execute = hold
-    proc = EngineCoreProc(engine, EventSink(), lambda stats, s: None, lambda m: None)
+    inbox = EngineInbox()
+    proc = EngineCoreProc(engine, inbox, EventSink(), lambda stats, s: None, lambda m: None)
     proc.start()
     try:
-        proc.add_requests(1, [make_request(1, list(range(3, 20)), max_tokens=50)])
+        inbox.add_requests(1, [make_request(1, list(range(3, 20)), max_tokens=50)])
         assert started.wait(GUARD_S)
-        future = proc.reset_prefix_cache()
+        future = inbox.reset_prefix_cache()
         release.set()
         assert future.result(GUARD_S) > 0  # refused: the request holds its blocks
     finally:

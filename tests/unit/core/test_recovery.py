@@ -5,15 +5,19 @@ checks every KV context it attends to, so a resumed request must reproduce an un
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from typing import Any
 
 import pytest
 
-from core_svc.engine_core import EngineCore, Fault
+from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
-from core_svc.outputs import EngineCoreOutputs, ErrorKind, FinishReason
+from core_svc.executor import Fault
+from core_svc.outputs import EngineCoreOutputs
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,
@@ -73,8 +77,8 @@ def test_adds_and_aborts_while_suspended_are_kept_in_order() -> None:
     add_all(engine)
     for _ in range(3):
         engine.step()
-    engine.on_fault(Fault("rank_hung", "a step outlived its budget"))
-    assert engine.suspension == Fault("rank_hung", "a step outlived its budget")
+    engine.on_fault(Fault("rank_hung", "a step outlived its timeout"))
+    assert engine.suspension == Fault("rank_hung", "a step outlived its timeout")
     engine.add_request(make_request(20, [5, 6, 7], max_tokens=12, ignore_eos=True))
     engine.abort_requests(1, [1, 2])
     outputs = engine.step()  # the abort's stats, no step
@@ -167,10 +171,11 @@ class Recorder:
 def start_proc(engine: EngineCore, recorder: Recorder) -> EngineCoreProc:
     proc = EngineCoreProc(
         engine,
+        EngineInbox(),
         recorder.deliver,
         on_stats=lambda stats, seconds: None,
         on_failed=recorder.failed.put,
-        on_suspended=recorder.suspended.put,
+        on_suspended=lambda fault, num_requests: recorder.suspended.put(fault),
     )
     proc.start()
     return proc
@@ -199,19 +204,19 @@ def test_the_loop_suspends_once_resumes_and_ignores_the_old_ranks() -> None:
     recorder = Recorder()
     proc = start_proc(engine, recorder)
     try:
-        proc.add_requests(1, [make_request(h, p, max_tokens=12, ignore_eos=True)
+        proc.inbox.add_requests(1, [make_request(h, p, max_tokens=12, ignore_eos=True)
                               for h, p in PROMPTS.items()])  # fmt: skip
         assert old.holding.wait(GUARD_S)  # step 4 is in flight when the rank dies
-        proc.executor_failed(old, "rank 1 is unreachable", "rank_died")
-        proc.abort_requests(1, [8])
+        proc.inbox.executor_failed(old, "rank 1 is unreachable", "rank_died")
+        proc.inbox.abort_requests(1, [8])
         old.release.set()
         fault = recorder.suspended.get(timeout=GUARD_S)
         assert fault.cause == "rank_died"
-        proc.executor_failed(old, "rank 0 closed its stream", "rank_died")  # stale: ignored
+        proc.inbox.executor_failed(old, "rank 0 closed its stream", "rank_died")  # stale: ignored
         new = FakeExecutor(4, 24)
-        assert proc.resume(new, 24).result(GUARD_S) == len(PROMPTS) - 1
-        proc.executor_failed(old, "late news from the old ranks", "rank_died")  # ignored
-        proc.add_requests(1, [make_request(30, [3, 4], max_tokens=2, ignore_eos=True)])
+        assert proc.inbox.resume(new, 24).result(GUARD_S) == len(PROMPTS) - 1
+        proc.inbox.executor_failed(old, "late news from the old ranks", "rank_died")  # ignored
+        proc.inbox.add_requests(1, [make_request(30, [3, 4], max_tokens=2, ignore_eos=True)])
         deadline = threading.Event()
         while len(recorder.view.finished) < len(PROMPTS) and not deadline.wait(0.01):
             pass
@@ -229,12 +234,14 @@ def test_giving_up_fails_every_request_with_an_engine_failure() -> None:
     recorder = Recorder()
     proc = start_proc(engine, recorder)
     try:
-        proc.add_requests(1, [make_request(1, [1, 2, 3], max_tokens=200, ignore_eos=True)])
-        proc.executor_failed(engine.executor, "rank 0 exited", "rank_died")
+        proc.inbox.add_requests(1, [make_request(1, [1, 2, 3], max_tokens=200, ignore_eos=True)])
+        proc.inbox.executor_failed(engine.executor, "rank 0 exited", "rank_died")
         assert recorder.suspended.get(timeout=GUARD_S).message.endswith("rank 0 exited")
-        proc.give_up("the worker ranks did not come back within 2 s")
+        proc.inbox.give_up("the worker ranks did not come back within 2 s")
         assert "did not come back" in recorder.failed.get(timeout=GUARD_S)
-        assert proc.resume(FakeExecutor(4, 64), 64).result(GUARD_S) == 0  # too late: refused
+        assert (
+            proc.inbox.resume(FakeExecutor(4, 64), 64).result(GUARD_S) is None
+        )  # too late: refused
     finally:
         proc.stop(GUARD_S)
     assert recorder.view.finished == {(1, 1): FinishReason.ERROR}
@@ -244,3 +251,66 @@ def test_giving_up_fails_every_request_with_an_engine_failure() -> None:
     assert recorder.last.scheduler_stats.num_running_reqs == 0  # the frontend's gauges too
     assert engine.is_failed and engine.make_stats().num_used_blocks == 0
     assert engine.scheduler.requests == {} and engine.client_requests == {}
+
+
+class SteppingExecutor(FakeExecutor):
+    """A FakeExecutor that says, as GrpcExecutor does, whether a step ran on it."""
+
+    @property
+    def has_stepped(self) -> bool:
+        return bool(self.seen)
+
+
+def test_the_first_step_after_a_recovery_gets_only_the_rest_of_the_bound() -> None:
+    """A fresh start's first step may take --execute-timeout (300 s); after a recovery that
+    allowance would outlast --max-recovery-seconds. The new ranks' first step gets what is left
+    of the bound, counted from the fault (here 2 s, of which the bring-up took 0.5)."""
+    from prometheus_client import CollectorRegistry
+
+    from core_svc.config import parse_config
+    from core_svc.metrics import CoreMetrics
+    from core_svc.recovery import RankRecovery
+    from core_svc.worker_pool import ModelFacts
+
+    engine, _ = make_engine(num_blocks=24, can_recover=True)
+    engine.executor = old = SteppingExecutor(4, 24)
+    recorder = Recorder()
+    proc = start_proc(engine, recorder)
+    facts = ModelFacts("LlamaForCausalLM", 2048, 256, "float32", "torch", 24, 1 << 20)
+    config = parse_config(
+        ["--worker-addrs", "127.0.0.1:1", "--max-recovery-seconds", "2", "--execute-timeout", "300"]
+    )
+    allowances: list[float | None] = []
+
+    class Pool:
+        def next_epoch(self) -> None:
+            pass
+
+        async def bring_up_with_retries(self, *args: Any) -> ModelFacts:
+            await asyncio.sleep(0.5)
+            return facts
+
+    class Recovery(RankRecovery):
+        def open_executor(self, first_step_seconds: float | None = None) -> Any:
+            allowances.append(first_step_seconds)
+            return old if len(allowances) == 1 else SteppingExecutor(4, 24)
+
+    async def set_ready(is_ready: bool) -> None:
+        pass
+
+    async def scenario() -> None:
+        metrics = CoreMetrics(CollectorRegistry(), "m", "0", {"engine": "0"})
+        recovery = Recovery(config, Pool(), proc.inbox, metrics, facts, set_ready)  # type: ignore[arg-type]
+        proc.inbox.add_requests(1, [make_request(1, [1, 2, 3], max_tokens=4, ignore_eos=True)])
+        proc.inbox.executor_failed(old, "rank 0 exited", "rank_died")
+        recovery.start(await asyncio.to_thread(recorder.suspended.get, timeout=GUARD_S), 1)
+        while recovery.is_recovering:
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.stop(GUARD_S)
+    first, allowance = allowances
+    assert first is None  # the first start: --execute-timeout
+    assert allowance is not None and 1.0 < allowance <= 1.5, allowance

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from core_svc.outputs import SchedulerStats
 from core_svc.stats_logger import StatsLogger, log_stats_every
+from splitserve_contracts.output_types import SchedulerStats
 from tests.unit.core.fake_executor import make_engine, make_request, run_to_completion
 
 VLLM_LINE = (

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from core_svc.outputs import EngineCoreOutput, FinishReason
+from core_svc.outputs import EngineCoreOutput
 from core_svc.request import RequestStatus
 from core_svc.stop_check import check_stop
+from splitserve_contracts.output_types import FinishReason
 from tests.unit.core.fake_executor import make_engine, make_request, run_to_completion
 
 EOS = 2

@@ -11,7 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
+from frontend_svc import detokenizer
 from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, backend_decoder
+from splitserve_contracts.sampling_types import SamplingParams
+from tests.unit.frontend.test_output_processor import run, text_of
 
 TEXTS = [
     "plain words and more words",
@@ -38,14 +41,55 @@ def stream(
     return pieces
 
 
+class DecodeStreamSpy:
+    """Wraps tokenizers' DecodeStream (not subclassable) and counts the ids it was given: both
+    paths emit the same text, so only this tells which one ran."""
+
+    num_ids = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._stream = RealDecodeStream(**kwargs)
+
+    def step(self, tokenizer: Tokenizer, ids: int | list[int]) -> str | None:
+        DecodeStreamSpy.num_ids += 1 if isinstance(ids, int) else len(ids)
+        return self._stream.step(tokenizer, ids)
+
+
+RealDecodeStream = detokenizer.DecodeStream
+
+
+@pytest.fixture
+def decode_stream_spy(monkeypatch: pytest.MonkeyPatch) -> type[DecodeStreamSpy]:
+    DecodeStreamSpy.num_ids = 0
+    monkeypatch.setattr(detokenizer, "DecodeStream", DecodeStreamSpy)
+    return DecodeStreamSpy
+
+
 @pytest.mark.parametrize("use_stream", [True, False])
-def test_multibyte_text_streams_without_broken_characters(tokenizer: Any, use_stream: bool) -> None:
+def test_multibyte_text_streams_without_broken_characters(
+    tokenizer: Any, use_stream: bool, decode_stream_spy: type[DecodeStreamSpy]
+) -> None:
+    num_ids = 0
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
         pieces = stream(tokenizer, ids, [1] * len(ids), use_stream=use_stream)
         assert "".join(pieces) == text
         assert all(REPLACEMENT_CHAR not in p for p in pieces), pieces
         assert len(ids) > len(text.split())  # the byte-level BPE really splits characters
+        num_ids += len(ids)
+    assert decode_stream_spy.num_ids == (num_ids if use_stream else 0)
+
+
+def test_the_frontends_outputs_are_detokenized_by_decode_stream(
+    tokenizer: Any, decode_stream_spy: type[DecodeStreamSpy]
+) -> None:
+    """The OutputProcessor (what every request goes through) takes the DecodeStream path for
+    every token of a fast tokenizer: the windows are only its fallback."""
+    ids = tokenizer.encode("caf\u00e9 \U0001f600 streams on", add_special_tokens=False)
+    deltas, _ = run(tokenizer, SamplingParams(), ids, None)
+    assert text_of(deltas) == "caf\u00e9 \U0001f600 streams on"
+    assert decode_stream_spy.num_ids == len(ids)
+    assert not deltas[-1].is_finished  # still running: nothing was flushed by the windows
 
 
 @settings(
@@ -96,11 +140,16 @@ def byte_fallback() -> Tokenizer:
     return tok
 
 
-def test_byte_fallback_text_streams_exactly(byte_fallback: Tokenizer) -> None:
+def test_byte_fallback_text_streams_exactly(
+    byte_fallback: Tokenizer, decode_stream_spy: type[DecodeStreamSpy]
+) -> None:
+    num_ids = 0
     for text in TEXTS:
         ids = byte_fallback.encode(text).ids
         pieces = stream(byte_fallback, ids, [1] * len(ids))
         assert "".join(pieces) == byte_fallback.decode(ids) == text
+        num_ids += len(ids)
+    assert decode_stream_spy.num_ids == num_ids  # valid UTF-8: DecodeStream all the way
 
 
 def test_invalid_byte_runs_fall_back_to_windows_with_the_same_output(

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
-from frontend_svc.engine_types import EngineInfo, SchedulerStats
+from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.gateway import convert
 from frontend_svc.gateway.loads import LoadReporter
 from frontend_svc.kv_events import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
-from frontend_svc.requests import CompletionDelta, FinishReason, Logprob, TokenLogprobs
+from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
+from splitserve_contracts.output_types import FinishReason, SchedulerStats
 from splitserve_contracts.sampling_types import SamplingParams
 
 INFO = EngineInfo("m", "", 512, 2048, 16, 101, 1, 1, "float32", 64, 2048, True, "0", 3.0)

@@ -5,6 +5,9 @@ with a message naming its part; text-only models refuse images; remote URLs off 
 from __future__ import annotations
 
 import base64
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +16,13 @@ import pytest
 
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.input_processor import InputProcessor, load_tokenizer
-from frontend_svc.media import MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.media import ImageLoader, MediaLimits, parse_limit_mm_per_prompt
 from frontend_svc.multimodal import (
     chat_messages,
     load_multimodal_processor,
     template_uses_content_parts,
 )
-from frontend_svc.openai.protocol import parse_chat
+from frontend_svc.openai.protocol import RequestLimits, parse_chat
 from frontend_svc.requests import ChatTurn, ContentPart, GenerateInput, ImageInput, PromptInput
 from splitserve_contracts.mm_features import feature_identifier
 from splitserve_contracts.sampling_rules import Limits
@@ -27,7 +30,9 @@ from splitserve_contracts.sampling_types import SamplingParams
 from tests.fixtures.llava_checkpoint import (
     IMAGE_TOKEN,
     NUM_IMAGE_TOKENS,
+    plain_png,
     png_bytes,
+    png_header,
 )
 
 LIMITS = MediaLimits(max_images_per_prompt=2, max_image_bytes=20_000, max_image_pixels=64 * 64)
@@ -121,6 +126,73 @@ def test_bad_images_are_refused_naming_the_part(
     assert words in str(err.value)
 
 
+def _png_url(data: bytes, scheme: str = "data", mime_type: str = "image/png") -> str:
+    return f"{scheme}:{mime_type};base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    "size, words",
+    [
+        # Issue 22 row 11: Pillow's decompression-bomb guard refused it as "not a valid image/png".
+        ((30000, 30000), "30000x30000 pixels: more than the 16777216 allowed (--max-image-pixels)"),
+        # Issue 22 row 2: 1,250 bytes, 300,000 pixels; resized to 32 x 9,600,000 it took 3 GB.
+        ((1, 300_000), "1x300000 pixels: a side longer than the 16384 allowed (--max-image-side)"),
+        ((10_000, 20), "10000x20 pixels: an aspect ratio of 500:1, more than the 200:1 allowed"),
+    ],
+    ids=["too-many-pixels", "too-long-a-side", "too-thin"],
+)
+def test_image_sizes_are_checked_from_the_header(size: tuple[int, int], words: str) -> None:
+    loader = ImageLoader(MediaLimits())
+    with pytest.raises(InvalidRequest) as err:
+        loader.load(ImageInput("p0", png_header(size), "image/png"))
+    assert err.value.param == "p0" and f"p0: the image is {words}" in str(err.value)
+
+
+def test_the_limits_themselves_are_allowed() -> None:
+    loader = ImageLoader(MediaLimits())
+    for size in ((200, 1), (1, 200), (16384, 82)):
+        assert loader.load(ImageInput("p0", plain_png(size), "image/png")).size == size
+
+
+def test_url_schemes_are_case_insensitive(mm_inputs: InputProcessor) -> None:
+    """Issue 22 row 11: `HTTP://` was refused as scheme 'HTTP'."""
+    for url in ("HTTP://example.com/a.png", "Https://example.com/a.png"):
+        with pytest.raises(InvalidRequest, match="remote image URLs are disabled"):
+            mm_inputs.process(chat(_image("p0", url=url)))
+    by_bytes = mm_inputs.process(chat(png_part(1)))
+    for url in (_png_url(png_bytes(1), "DATA"), _png_url(png_bytes(1), "Data", "IMAGE/PNG")):
+        by_url = mm_inputs.process(chat(_image("u", url=url)))
+        assert by_url.mm_features == by_bytes.mm_features
+
+
+def test_images_are_decoded_a_few_at_a_time(llava_dir: Path) -> None:
+    """Issue 22 row 2: decoding and resizing run on --mm-processor-threads threads whatever
+    the number of callers (each image can take hundreds of MB while it is resized)."""
+    tokenizer = load_tokenizer(str(llava_dir))
+    processor = load_multimodal_processor(llava_dir, tokenizer, MediaLimits(mm_processor_threads=2))
+    assert processor is not None
+    lock, active, peak = threading.Lock(), [0], [0]
+    pixel_values = processor._pixel_values
+
+    def counted(image: Any) -> Any:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        try:
+            return pixel_values(image)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    processor._pixel_values = counted  # type: ignore[method-assign]
+    images = [png_part(i, f"p{i}").image for i in range(16)]
+    with ThreadPoolExecutor(8) as callers:
+        done = list(callers.map(lambda image: processor.process_images([image]), images))
+    assert [p.where for (p,) in done] == [f"p{i}" for i in range(16)]
+    assert peak[0] == 2
+
+
 def test_placeholders_without_images_are_refused(mm_inputs: InputProcessor) -> None:
     typed = GenerateInput("r", PromptInput(text=f"look {IMAGE_TOKEN} here"), SamplingParams())
     with pytest.raises(InvalidRequest, match="1 image placeholders"):
@@ -173,7 +245,7 @@ def test_openai_image_url_parts_name_their_place() -> None:
             },
         ]
     }
-    turns = parse_chat(body).prompt.chat
+    turns = parse_chat(body, RequestLimits(Limits(vocab_size=32))).prompt.chat
     assert turns is not None and turns[0].content == "hello"
     (image,) = turns[1].images
     assert image.where == "messages[1].content[1].image_url" and image.url is not None

@@ -1,11 +1,13 @@
 """The HTTP app's refusals that a healthy tiny stack cannot produce (admission refused: 429 with
-Retry-After; engine down: 503), seen by the openai SDK through a real uvicorn server on loopback
-over an engine stand-in."""
+Retry-After; engine down: 503; each kind of engine-ended request; an unexpected exception), seen
+by the openai SDK or urllib through a real uvicorn server on loopback over an engine stand-in."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import threading
 import time
 import urllib.error
@@ -19,12 +21,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import EngineUnavailable, Overloaded
+from frontend_svc.errors import EngineUnavailable, Overloaded, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.requests import CompletionDelta, EngineRequest
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_rules import Limits
 
 INFO = EngineInfo("m", "/m", 2048, 2048, 16, 64, 1, 1, "float32", 8, 64, True, "0", 1.0)
@@ -43,6 +46,22 @@ class RefusingEngine:
         yield  # an async generator, like AsyncEngine.generate
 
 
+@contextlib.contextmanager
+def serving(engine: Any, tokenizer: Any) -> Iterator[str]:
+    """The app over `engine`, on a real uvicorn server on loopback; yields its base URL."""
+    inputs = InputProcessor(tokenizer, INFO.max_model_len, Limits(INFO.vocab_size))
+    app = build_app(ServingContext(engine, inputs, INFO, "m", time.time()), CollectorRegistry())
+    loop = asyncio.new_event_loop()
+    http = HttpServer(app, "127.0.0.1", 0)
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    port = asyncio.run_coroutine_threadsafe(http.start(), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 @pytest.fixture(params=["overloaded", "down"])
 def server(request: pytest.FixtureRequest, tokenizer: Any) -> Iterator[tuple[str, str]]:
     error: Exception = (
@@ -51,15 +70,8 @@ def server(request: pytest.FixtureRequest, tokenizer: Any) -> Iterator[tuple[str
         else EngineUnavailable("the engine core is unreachable")
     )
     engine: Any = RefusingEngine(error, is_ready=request.param == "overloaded")
-    inputs = InputProcessor(tokenizer, INFO.max_model_len, Limits(INFO.vocab_size))
-    app = build_app(ServingContext(engine, inputs, INFO, "m", time.time()), CollectorRegistry())
-    loop = asyncio.new_event_loop()
-    http = HttpServer(app, "127.0.0.1", 0)
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    port = asyncio.run_coroutine_threadsafe(http.start(), loop).result(30)
-    yield request.param, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(http.stop(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+    with serving(engine, tokenizer) as base:
+        yield request.param, base
 
 
 def test_refusals_map_to_status_and_sdk_class(server: tuple[str, str]) -> None:
@@ -105,3 +117,91 @@ def test_requests_are_counted_in_vllms_http_metrics(server: tuple[str, str]) -> 
     refused = "4xx" if kind == "overloaded" else "5xx"
     assert counted == {("/v1/completions", "POST", refused): 2, ("none", "GET", "4xx"): 1}
     assert "http_request_duration_seconds" in families
+
+
+class EndingEngine:
+    """Ends every request as the engine core does when it cannot serve it: one delta with
+    FINISH_REASON_ERROR, of the given kind and with the engine's own text."""
+
+    is_ready = True
+
+    def __init__(self, kind: int, message: str) -> None:
+        self.kind, self.message = kind, message
+
+    async def generate(
+        self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
+    ) -> AsyncIterator[CompletionDelta]:
+        yield CompletionDelta(
+            0, [], "", 1, 0, 0, FinishReason.ERROR, None, None, self.message, self.kind
+        )
+
+
+def _post(base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(f"{base}{path}", data=data, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read()), reply.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
+
+
+ADDRESS_TEXT = "worker rank 0 (127.0.0.1:9402) is unreachable"
+
+
+@pytest.mark.parametrize(
+    "kind, message, status",
+    [
+        (ErrorKind.INVALID_REQUEST, "the request may need 3000 tokens of KV cache", 400),
+        (ErrorKind.OVERLOADED, "the engine's queue is full; retry later", 429),
+        (0, f"engine failed: {ADDRESS_TEXT}", 503),
+    ],
+)
+def test_engine_ended_requests_map_by_kind_as_on_grpc(
+    tokenizer: Any, kind: int, message: str, status: int
+) -> None:
+    """One mapping for both APIs (errors.engine_error): the request's own fault is a 400 with
+    the engine's reason, a full queue a 429 with Retry-After, a failure a 503 with an error id
+    and none of the engine's text (worker addresses stay in the log)."""
+    expected = engine_error("r", kind, message)
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    with serving(EndingEngine(kind, message), tokenizer) as base:
+        for path, body in calls:
+            code, reply, headers = _post(base, path, body)
+            assert code == status == expected.http_status, reply
+            text = reply["error"]["message"]
+            if status == 400:
+                assert text == str(expected) == f"refused by the engine: {message}"
+            if status == 429:
+                assert headers["Retry-After"] == "1" and text == message
+            if status == 503:
+                assert "error id" in text and "127.0.0.1" not in text and "rank" not in text
+
+
+class BrokenEngine:
+    """Fails with an exception no handler expects, carrying internal text."""
+
+    is_ready = True
+
+    async def generate(
+        self, request: EngineRequest, arrival: float | None = None, coalesce: bool = True
+    ) -> AsyncIterator[CompletionDelta]:
+        raise RuntimeError("secret detail at 10.1.2.3")
+        yield  # an async generator, like AsyncEngine.generate
+
+
+def test_unexpected_errors_get_an_error_id_and_a_rate_limited_log(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with serving(BrokenEngine(), tokenizer) as base, caplog.at_level(logging.ERROR):
+        replies = [_post(base, "/v1/completions", {"prompt": "hi"}) for _ in range(30)]
+    for code, reply, _ in replies:
+        assert code == 500 and "error id" in reply["error"]["message"]
+        assert "10.1.2.3" not in reply["error"]["message"]
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1, f"{len(tracebacks)} tracebacks logged for 30 failures"
+    first_id = replies[0][1]["error"]["message"].split("error id ")[1].rstrip(")")
+    assert first_id in tracebacks[0].getMessage()

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, LogprobsTable
+from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.requests import CompletionDelta, FinishReason
+from frontend_svc.requests import CompletionDelta
+from splitserve_contracts.output_types import FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams
 
 HANDLE = 7

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from core_svc.assembly import build_engine
+from core_svc.async_scheduler import AsyncScheduler
 from core_svc.config import build_parser as core_parser
 from core_svc.config import parse_config as parse_core
-from core_svc.main import build_engine
+from core_svc.engine_inbox import EngineInbox
 from core_svc.worker_pool import ModelFacts
 from frontend_svc.config import build_parser as frontend_parser
 from frontend_svc.config import parse_config as parse_frontend
@@ -225,7 +227,7 @@ def test_the_latency_policy_flags_reach_the_scheduler() -> None:
     argv = ["--worker-addrs", "h:1", "--prefill-token-budget", "128"]
     config = parse_core([*argv, "--long-prefill-token-threshold", "64"], {})
     facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
-    scheduler = build_engine(config, facts, None).scheduler  # type: ignore[arg-type]
+    scheduler = build_engine(config, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
     assert scheduler.prefill_token_budget == 128
     assert scheduler.long_prefill_token_threshold == 64
     assert parse_core(["--worker-addrs", "h:1"], {}).prefill_token_budget == 0, "off by default"
@@ -235,11 +237,13 @@ def test_async_scheduling_reaches_the_scheduler_and_is_on_where_it_can_run() -> 
     """vLLM's default: on, unless pipeline stages (which it cannot serve) or --no-...."""
     facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
     config = parse_core(["--worker-addrs", "h:1", "--async-scheduling"], {})
-    assert build_engine(config, facts, None).scheduler.async_scheduling  # type: ignore[arg-type]
+    scheduler = build_engine(config, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
+    assert isinstance(scheduler, AsyncScheduler)
     assert parse_core(["--worker-addrs", "h:1"], {}).async_scheduling is True
     off = parse_core(["--worker-addrs", "h:1", "--no-async-scheduling"], {})
     assert off.async_scheduling is False
-    assert not build_engine(off, facts, None).scheduler.async_scheduling  # type: ignore[arg-type]
+    scheduler = build_engine(off, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
+    assert not isinstance(scheduler, AsyncScheduler)
     assert parse_core(["--worker-addrs", "h:1,h:2", "--pp", "2"], {}).async_scheduling is False
     serve = parse_serve(["/models/llama", "--async-scheduling"], {})
     assert serve.service_flags["core"] == ["--async-scheduling"]

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.children import connect_host, metrics_port
+from splitserve.children import StackOptions, connect_host
 from splitserve.launcher import build_parser, parse_args
 from splitserve_runtime.services import CORE, FRONTEND, WORKER
+
+
+def metrics_port(args: argparse.Namespace, kind: str, free_port: int, rank: int = 0) -> int:
+    """The --metrics-port the launcher gives a child, as `splitserve up` parsed `args`."""
+    return StackOptions.from_args(args).metrics_port(kind, free_port, rank)
 
 
 def test_defaults_are_the_services_stable_ports() -> None:
@@ -37,7 +42,7 @@ def test_set_free_and_off() -> None:
     assert metrics_port(args, "core", 55555) == -1  # off
     assert metrics_port(args, "worker", 55555, 1) == 19501
     # A stack started without these settings (tests, the offline LLM): free ports.
-    assert metrics_port(argparse.Namespace(), "worker", 44444, 3) == 44444
+    assert StackOptions("tiny").metrics_port("worker", 44444, 3) == 44444
 
 
 def test_environment_and_config_file_set_them_too(tmp_path: Path) -> None:

@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 
 from splitserve_contracts.common.v1 import types_pb2
+from splitserve_contracts.output_types import (
+    LogprobsTable,
+    ModelRunnerOutput,
+    RequestLogprobs,
+    StepStatus,
+    StepTimings,
+)
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert
-from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 
 
 def test_new_requests_carry_the_sampler_params_and_stop_conditions() -> None:
@@ -68,19 +74,15 @@ def test_scheduler_output_columns() -> None:
 
 
 def test_output_to_proto_flattens_tables() -> None:
-    table = LogprobsTable(
-        1,
-        np.array([[5, 5], [6, 2]]),
-        np.array([[-0.1, -0.1], [-2.0, -0.5]], np.float32),
-        np.array([1, 3]),
-    )
+    table = LogprobsTable(1, [5, 5, 6, 2], [-0.1, -0.1, -2.0, -0.5], [1, 3])
     out = ModelRunnerOutput(
         step_id=3,
+        status=StepStatus.OK,
         rank=1,
-        req_handles=np.array([10, 11]),
-        sampled_token_ids=np.array([5, 6]),
-        logprobs={10: table},
-        prompt_logprobs={11: table},
+        req_handles=[10, 11],
+        sampled_token_ids=[5, 6],
+        logprobs=[RequestLogprobs(10, table)],
+        prompt_logprobs=[RequestLogprobs(11, table)],
         timings=StepTimings(0.1, 0.2, 0.3, 0.7),
         num_used_kv_blocks=4,
     )

@@ -1,6 +1,7 @@
-"""How long a step may take before the rank running it counts as hung: the step watchdog's budget.
+"""How long a step may take before the rank running it counts as hung: the step watchdog's
+timeout.
 
-A step's cost depends on its size, so the budget is learnt from the steps the engine ran: per
+A step's cost depends on its size, so the timeout is learnt from the steps the engine ran: per
 size bucket (powers of two of the scheduled tokens), a multiple of the recent p99 time, never
 below a floor of a few seconds. A size never seen yet borrows the slowest per-token time seen at
 any size; before the first steps, the generous first-step allowance applies (loading caches,
@@ -15,8 +16,8 @@ WINDOW = 200
 """Recent step times kept per size bucket."""
 
 
-class StepBudget:
-    """Learns step times; `budget(num_tokens)` says how long the next step may take."""
+class StepTimeout:
+    """Learns step times; `seconds(num_tokens)` says how long the next step may take."""
 
     def __init__(self, floor_seconds: float, multiple: float, first_step_seconds: float) -> None:
         self.floor_seconds = floor_seconds
@@ -39,7 +40,7 @@ class StepBudget:
         times.append(seconds)
         self._max_seconds_per_token = max(self._max_seconds_per_token, seconds / max(num_tokens, 1))
 
-    def budget(self, num_tokens: int) -> float:
+    def seconds(self, num_tokens: int) -> float:
         times = self._times.get(self._bucket(num_tokens))
         if times:
             ordered = sorted(times)

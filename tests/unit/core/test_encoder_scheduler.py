@@ -8,14 +8,15 @@ import pytest
 
 from core_svc import convert
 from core_svc.block_hash import BlockHasher
-from core_svc.encoder_budget import EncoderScheduler
+from core_svc.encoder_scheduler import EncoderScheduler
 from core_svc.engine_core import EngineCore
 from core_svc.mm_inputs import MultiModalFeatureSpec
-from core_svc.outputs import FinishReason
 from core_svc.request import Request
 from core_svc.scheduler_output import SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
+from splitserve_contracts.output_types import FinishReason
+from tests.fixtures.core_wire import scheduler_output_from_proto
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,
@@ -182,7 +183,7 @@ def test_features_travel_untouched_from_the_frontend_to_the_workers() -> None:
     assert [(e.req_handle, list(e.input_ids)) for e in wire.scheduled_encoder_inputs] == [
         (request.req_handle, [0])
     ]
-    assert convert.scheduler_output_from_proto(wire) == executor.seen[-1]
+    assert scheduler_output_from_proto(wire) == executor.seen[-1]
 
 
 def test_after_a_rank_restart_the_new_ranks_encode_the_images_again() -> None:

@@ -1,0 +1,65 @@
+"""The engine core assembled from its parts once the worker ranks' facts are known: the core
+service (core_svc/main.py), the in-process engine of the offline `LLM` API
+(splitserve/inprocess.py) and the benchmarks build it here, the same way, from the core's
+options (CoreConfig: its flags) and what the ranks reported (ModelFacts)."""
+
+from __future__ import annotations
+
+from core_svc.config import CoreConfig
+from core_svc.engine_core import EngineCore
+from core_svc.engine_inbox import EngineInbox
+from core_svc.executor import Executor
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.structured_output import StructuredOutputsConfig
+from core_svc.worker_pool import ModelFacts
+from splitserve_runtime.model_spec import served_model_name as default_served_name
+
+
+def served_model_name(config: CoreConfig) -> str:
+    """The name clients see: --served-model-name, else the one `--model` implies."""
+    return config.served_model_name or default_served_name(config.model)
+
+
+def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
+    """How many requests and tokens one step may carry, and what the model allows."""
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=facts.max_model_len,
+        policy=config.scheduling_policy,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        prefill_token_budget=config.prefill_token_budget,
+        vocab_size=facts.vocab_size,
+        max_num_queued_reqs=config.max_num_queued_reqs,
+        max_num_queued_tokens=config.max_num_queued_tokens,
+        max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
+        disable_chunked_mm_input=config.disable_chunked_mm_input,
+        async_scheduling=config.async_scheduling,
+    )
+
+
+def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
+    """The paged KV cache the ranks allocated."""
+    return CacheConfig(
+        num_blocks=facts.num_kv_blocks,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        sliding_window=facts.sliding_window,
+    )
+
+
+def build_engine(
+    config: CoreConfig, facts: ModelFacts, executor: Executor, inbox: EngineInbox
+) -> EngineCore:
+    """The engine core stepping `executor`; it suspends on a lost rank when recovery is on;
+    a grammar compiled off its loop wakes the loop through `inbox`."""
+    return EngineCore(
+        scheduler_config(config, facts),
+        cache_config(config, facts),
+        executor,
+        can_recover=config.max_recovery_seconds > 0,
+        structured_outputs_config=StructuredOutputsConfig(
+            compile_timeout_s=config.structured_outputs_compile_timeout
+        ),
+        wake=inbox.wake,
+    )

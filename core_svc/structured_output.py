@@ -1,0 +1,321 @@
+"""Structured outputs in the engine core (vLLM's StructuredOutputManager, `guidance` backend).
+
+    frontend stream --TokenizerInfo--> set_tokenizer (built on the compile pool, by content)
+    request with a constraint --> submit: compiled on the compile pool, off the busy loop; the
+        request waits outside the scheduler (vLLM's WAITING_FOR_FSM) without blocking others
+    take_compiled (each loop iteration) --> ready requests go to the scheduler; a bad grammar,
+        or one past the compile time limit, fails its request (INVALID_REQUEST)
+    each step --> fill_bitmask: one packed int32 row per constrained request that samples,
+        filled by llguidance's parallel fill (LLExecutor), shipped with the step
+    each applied token --> StructuredOutputRequest.accept advances the request's matcher; a
+        complete grammar finishes the request (STOP)
+
+The matcher only ever consumes tokens the engine applied (never a placeholder of a step in
+flight), so it always matches `output_token_ids`: async steps need no rollback, a preempted or
+recovered request keeps its matcher, and a request resubmitted after a core restart rebuilds it
+by consuming the tokens it brings. llguidance, not xgrammar: the core never imports torch, and
+xgrammar imports it on import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from splitserve_contracts.structured_outputs import (
+    InvalidStructuredOutputs,
+    StructuredOutputsParams,
+)
+from splitserve_runtime.grammars import parser_limits, summary, to_llguidance
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENIZER_JSON_CHARS = 64 * 1024 * 1024
+MAX_TOKENIZERS = 8
+"""Distinct tokenizers kept at once (frontends normally share one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """How the core compiles grammars (vLLM's StructuredOutputsConfig, backend `guidance`)."""
+
+    compile_timeout_s: float = 10.0
+    """A grammar still compiling after this long fails its request (a schema too costly)."""
+    num_compile_threads: int = 2
+    """Threads compiling grammars (and building tokenizers), off the busy loop."""
+    num_fill_threads: int = 0
+    """Threads of llguidance's parallel bitmask fill; 0: llguidance's default (80 % of the
+    CPUs, at most 32)."""
+    max_cached_grammars: int = 512
+    """Compiled grammars kept, by (tokenizer, constraint), least recently used dropped."""
+
+
+DEFAULT_STRUCTURED_OUTPUTS = StructuredOutputsConfig()
+
+
+class StructuredOutputRequest:
+    """One request's grammar state (vLLM's StructuredOutputRequest): its matcher, once compiled.
+
+    `reasoning_ended` is the hook for reasoning models (vLLM's `reasoning_ended`): while False
+    the request samples unconstrained and its tokens are not fed to the matcher;
+    `reasoning_end_token_id`, when set, flips it once that token is generated (a reasoning
+    parser in the frontend sets it, e.g. the id of `</think>`), and the grammar starts there.
+    """
+
+    __slots__ = ("params", "matcher", "reasoning_ended", "reasoning_end_token_id")
+
+    def __init__(
+        self, params: StructuredOutputsParams, reasoning_end_token_id: int | None = None
+    ) -> None:
+        self.params = params
+        self.matcher: llguidance.LLMatcher | None = None
+        self.reasoning_end_token_id = reasoning_end_token_id
+        self.reasoning_ended = reasoning_end_token_id is None
+
+    @property
+    def needs_bitmask(self) -> bool:
+        """Whether its next token is constrained (compiled, past reasoning, not complete)."""
+        matcher = self.matcher
+        return self.reasoning_ended and matcher is not None and not matcher.is_stopped()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance the matcher by one applied token; False when the grammar refused it (the
+        mask did not hold: the request must fail)."""
+        if not self.reasoning_ended:
+            self.reasoning_ended = token_id == self.reasoning_end_token_id
+            return True
+        assert self.matcher is not None
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete: nothing more may follow (the request finishes, STOP)."""
+        return self.reasoning_ended and self.matcher is not None and self.matcher.is_stopped()
+
+
+@dataclass(slots=True)
+class _Compiling:
+    state: StructuredOutputRequest
+    future: Future[llguidance.LLMatcher]
+    deadline: float
+
+
+class StructuredOutputManager:
+    """Compiles grammars off the busy loop, caches them, fills step bitmasks; see the module
+    docstring. Called from the busy-loop thread only (the compile pool is internal);
+    `on_compiled` runs on a compile thread when a grammar is ready (wakes the loop)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        config: StructuredOutputsConfig,
+        on_compiled: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.config = config
+        self.num_words = (vocab_size + 31) // 32
+        self._on_compiled = on_compiled
+        self._pool: ThreadPoolExecutor | None = None
+        self._fill_executor: llguidance.LLExecutor | None = None
+        self._tokenizers: OrderedDict[bytes, Future[llguidance.LLTokenizer]] = OrderedDict()
+        self._client_tokenizers: dict[int, bytes] = {}
+        self._compiled: OrderedDict[tuple[object, ...], llguidance.LLMatcher] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._compiling: dict[int, _Compiling] = {}
+        """req_handle -> its compile in progress."""
+        self._bitmask = np.zeros((0, self.num_words), np.int32)
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def _compile_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self.config.num_compile_threads, thread_name_prefix="grammar-compile"
+            )
+        return self._pool
+
+    # -- tokenizers ----------------------------------------------------------------------------
+
+    def set_tokenizer(
+        self, client_id: int, tokenizer_json: str, eos_token_ids: Sequence[int]
+    ) -> None:
+        """The client's tokenizer (untrusted: checked when built; a bad one fails the
+        client's constrained requests with llguidance's reason)."""
+        digest = hashlib.sha256(tokenizer_json.encode()).digest()
+        digest += bytes(str(sorted(eos_token_ids)), "ascii")
+        self._client_tokenizers[client_id] = digest
+        if digest in self._tokenizers:
+            self._tokenizers.move_to_end(digest)
+            return
+        eos = list(eos_token_ids)
+        self._tokenizers[digest] = self._compile_pool().submit(
+            self._build_tokenizer, tokenizer_json, eos
+        )
+        while len(self._tokenizers) > MAX_TOKENIZERS:
+            self._tokenizers.popitem(last=False)
+
+    def _build_tokenizer(self, tokenizer_json: str, eos: list[int]) -> llguidance.LLTokenizer:
+        if len(tokenizer_json) > MAX_TOKENIZER_JSON_CHARS:
+            raise InvalidStructuredOutputs("the frontend's tokenizer is too large", "tokenizer")
+        if any(not 0 <= e < self.vocab_size for e in eos):
+            raise InvalidStructuredOutputs(
+                "the frontend's eos_token_ids are outside the vocabulary", "tokenizer"
+            )
+        try:
+            tokenizer = llguidance.LLTokenizer(
+                tokenizer_json, n_vocab=self.vocab_size, eos_token=eos or None
+            )
+        except Exception as err:  # noqa: BLE001 (llguidance's parse errors are plain exceptions)
+            raise InvalidStructuredOutputs(
+                f"the frontend's tokenizer cannot be used for structured outputs: {err}",
+                "tokenizer",
+            ) from None
+        logger.info("structured outputs: tokenizer of %d tokens ready", tokenizer.vocab_size)
+        return tokenizer
+
+    def forget_client(self, client_id: int) -> None:
+        self._client_tokenizers.pop(client_id, None)
+
+    # -- compiling -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        req_handle: int,
+        client_id: int,
+        state: StructuredOutputRequest,
+        output_token_ids: Sequence[int],
+    ) -> str | None:
+        """Start compiling a request's grammar; returns why it cannot be (no tokenizer)."""
+        digest = self._client_tokenizers.get(client_id)
+        tokenizer = None if digest is None else self._tokenizers.get(digest)
+        if digest is None or tokenizer is None:
+            return (
+                "structured outputs need the frontend's tokenizer (TokenizerInfo) on the "
+                "stream before the request"
+            )
+        future = self._compile_pool().submit(
+            self._compile, tokenizer, digest, state, list(output_token_ids)
+        )
+        deadline = time.monotonic() + self.config.compile_timeout_s
+        self._compiling[req_handle] = _Compiling(state, future, deadline)
+        future.add_done_callback(lambda _: self._on_compiled())
+        return None
+
+    def _compile(
+        self,
+        tokenizer_future: Future[llguidance.LLTokenizer],
+        digest: bytes,
+        state: StructuredOutputRequest,
+        output_token_ids: list[int],
+    ) -> llguidance.LLMatcher:
+        tokenizer = tokenizer_future.result()
+        key = (digest, *state.params.cache_key)
+        with self._cache_lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+                self.num_cache_hits += 1
+        if template is None:
+            template = self._compile_grammar(tokenizer, state.params)
+            with self._cache_lock:
+                self._compiled[key] = template
+                while len(self._compiled) > self.config.max_cached_grammars:
+                    self._compiled.popitem(last=False)
+        matcher = template.deep_copy()
+        if (
+            output_token_ids
+            and state.reasoning_ended
+            and not matcher.consume_tokens(output_token_ids)
+        ):
+            raise InvalidStructuredOutputs(
+                "the output tokens the request brings do not follow its grammar",
+                state.params.kind,
+            )
+        return matcher
+
+    def _compile_grammar(
+        self, tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams
+    ) -> llguidance.LLMatcher:
+        started = time.perf_counter()
+        grammar = to_llguidance(params)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        if matcher.is_error():
+            reason = summary([matcher.get_error()])
+            raise InvalidStructuredOutputs(f"is not supported: {reason}", params.kind)
+        self.num_compiled += 1
+        logger.debug(
+            "compiled a %s grammar in %.1f ms", params.kind, 1e3 * (time.perf_counter() - started)
+        )
+        return matcher
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def is_compiling(self, req_handle: int) -> bool:
+        return req_handle in self._compiling
+
+    def has_news(self, now: float) -> bool:
+        """Some compile finished or is past its time limit."""
+        return any(c.future.done() or now > c.deadline for c in self._compiling.values())
+
+    def cancel(self, req_handle: int) -> None:
+        """Forget a compile (its request was aborted); the pool finishes it unseen."""
+        self._compiling.pop(req_handle, None)
+
+    def take_compiled(self, now: float) -> tuple[list[int], list[tuple[int, str]]]:
+        """Handles whose grammar is ready (their matcher set), and handles that failed with
+        why: an invalid grammar, or one still compiling past the time limit."""
+        ready: list[int] = []
+        failed: list[tuple[int, str]] = []
+        for handle, compiling in list(self._compiling.items()):
+            future = compiling.future
+            if not future.done():
+                if now > compiling.deadline:
+                    del self._compiling[handle]
+                    limit = self.config.compile_timeout_s
+                    failed.append((handle, f"the grammar took longer than {limit:g} s to compile"))
+                continue
+            del self._compiling[handle]
+            error = future.exception()
+            if error is None:
+                compiling.state.matcher = future.result()
+                ready.append(handle)
+            elif isinstance(error, InvalidStructuredOutputs):
+                failed.append((handle, error.describe()))
+            else:
+                logger.error("compiling a grammar failed: %r", error)
+                failed.append((handle, f"the grammar could not be compiled: {error}"))
+        return ready, failed
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def fill_bitmask(self, states: Sequence[StructuredOutputRequest]) -> bytes:
+        """The packed masks of `states`, one row each in order (little-endian int32 words),
+        filled in parallel by llguidance."""
+        num_rows = len(states)
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = np.zeros(
+                (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
+            )
+        bitmask = self._bitmask[:num_rows]
+        if self._fill_executor is None:
+            threads = self.config.num_fill_threads or None
+            self._fill_executor = llguidance.LLExecutor(threads)
+        matchers = [(state.matcher, row) for row, state in enumerate(states)]
+        fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
+        return bitmask.astype("<i4", copy=False).tobytes()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

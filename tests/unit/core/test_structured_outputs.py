@@ -1,0 +1,193 @@
+"""The engine core's structured outputs with a scripted rank that samples only what the step's
+grammar bitmask allows: outputs follow the grammar in lockstep and under async scheduling
+(where masks wait for the previous step's token and travel on their own), the grammar's end
+finishes the request, and bad grammars, a missing tokenizer and a compile past its time limit
+fail only their own request."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from core_svc.engine_core import EngineCore
+from core_svc.request import Request
+from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.scheduler_output import SchedulerOutput
+from core_svc.structured_output import StructuredOutputRequest, StructuredOutputsConfig
+from splitserve_contracts.output_types import ErrorKind, FinishReason, ModelRunnerOutput
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_runtime.tiny_model import ensure_tiny_model
+from tests.unit.core.fake_executor import ClientView, FakeExecutor, ShadowRequest, make_request
+
+VOCAB = 2048
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cache = tmp_path_factory.mktemp("so-cache")
+    folder = ensure_tiny_model({**os.environ, "SPLITSERVE_CACHE_DIR": str(cache)})
+    return (folder / "tokenizer.json").read_text()
+
+
+class MaskedExecutor(FakeExecutor):
+    """A rank that samples, for a constrained request, a pseudo-random token its mask allows."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, verify_context=False, **kwargs)  # type: ignore[arg-type]
+        self._masks: dict[int, np.ndarray] = {}
+        self.num_masked_steps = 0
+        self.num_deferred_steps = 0
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert not scheduler_output.has_pending_grammar, "ran before its masks came"
+        grammar = scheduler_output.grammar_bitmask
+        self._masks = {}
+        if grammar is not None:
+            self.num_masked_steps += 1
+            words = np.frombuffer(grammar.bitmask, "<i4").reshape(len(grammar.req_handles), -1)
+            for handle, row in zip(grammar.req_handles, words, strict=True):
+                bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
+                self._masks[handle] = np.flatnonzero(bits)
+        return super().execute_model(scheduler_output)
+
+    def sample(self, shadow: ShadowRequest) -> int:
+        handle = next(h for h, s in self.reqs.items() if s is shadow)
+        allowed = self._masks.get(handle)
+        if allowed is None:
+            return super().sample(shadow)
+        index = len(shadow.token_ids)
+        digest = hashlib.sha256(f"{shadow.request_id}:{index}".encode()).digest()
+        return int(allowed[int.from_bytes(digest[:4], "little") % len(allowed)])
+
+
+def _engine(
+    tokenizer_json: str, async_scheduling: bool, timeout: float = 10.0
+) -> tuple[EngineCore, MaskedExecutor]:
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        vocab_size=VOCAB,
+        async_scheduling=async_scheduling,
+    )
+    executor = MaskedExecutor(4, 128, feeds_sampled=async_scheduling)
+    engine = EngineCore(
+        scheduler_config,
+        CacheConfig(num_blocks=128, block_size=4),
+        executor,
+        structured_outputs_config=StructuredOutputsConfig(
+            compile_timeout_s=timeout, num_compile_threads=1
+        ),
+    )
+    engine.set_tokenizer(1, tokenizer_json, [1])
+    return engine, executor
+
+
+def _constrained(handle: int, params: StructuredOutputsParams, max_tokens: int = 64) -> Request:
+    request = make_request(handle, [5, 6, 7, 8, 9], max_tokens=max_tokens, eos_token_id=1)
+    request.structured_output = StructuredOutputRequest(params)
+    return request
+
+
+def _run(engine: EngineCore, view: ClientView, seconds: float = 20.0) -> ClientView:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if engine.has_work():
+            view.absorb(engine.step())
+        elif engine.structured.compiling:
+            time.sleep(0.001)
+        else:
+            return view
+    raise AssertionError("the engine is still busy")
+
+
+def _error(view: ClientView, handle: int, client_id: int = 1) -> tuple[str, ErrorKind]:
+    detail = view.details[(client_id, handle)][-1]
+    return detail.error_message, detail.error_kind
+
+
+def _decode(tokenizer_json: str, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json).decode(ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_outputs_follow_their_grammar_and_end_with_it(
+    tokenizer_json: str, async_scheduling: bool
+) -> None:
+    engine, executor = _engine(tokenizer_json, async_scheduling)
+    regexes = [r"[a-z]{2,5}-[0-9]{3}", r"(red|green|blue) [0-9]{1,2}", r"x{3}y?"]
+    for handle, regex in enumerate(regexes, start=1):
+        engine.add_request(_constrained(handle, StructuredOutputsParams(regex=regex)))
+    engine.add_request(make_request(9, [3, 4, 5], max_tokens=12))  # unconstrained, alongside
+    view = _run(engine, ClientView())
+    for handle, regex in enumerate(regexes, start=1):
+        assert view.finished[(1, handle)] == FinishReason.STOP, view.details
+        assert re.fullmatch(regex, _decode(tokenizer_json, view.tokens[(1, handle)]))
+    assert view.finished[(1, 9)] == FinishReason.LENGTH
+    assert executor.num_masked_steps > 0
+    assert not engine.structured.compiling and engine.scheduler.num_structured == 0
+
+
+def test_async_steps_defer_their_masks(tokenizer_json: str) -> None:
+    engine, _ = _engine(tokenizer_json, async_scheduling=True)
+    engine.add_request(_constrained(1, StructuredOutputsParams(regex=r"[0-9]{20}")))
+    deferred = []
+    original = engine.structured.fill
+
+    def watch(step: SchedulerOutput, rows: list[tuple[Request, int]]) -> bool:
+        filled = original(step, rows)
+        deferred.append(not filled)
+        return filled
+
+    engine.structured.fill = watch  # type: ignore[method-assign]
+    view = _run(engine, ClientView())
+    assert re.fullmatch(r"[0-9]{20}", _decode(tokenizer_json, view.tokens[(1, 1)]))
+    assert any(deferred), "no decode waited for the previous step's token"
+
+
+def test_bad_grammar_missing_tokenizer_and_timeout_fail_only_their_request(
+    tokenizer_json: str,
+) -> None:
+    engine, _ = _engine(tokenizer_json, async_scheduling=False)
+    engine.add_request(_constrained(1, StructuredOutputsParams(json='{"type": "nope"}')))
+    engine.add_request(_constrained(2, StructuredOutputsParams(regex="[ab]{4}")))
+    other = _constrained(3, StructuredOutputsParams(regex="a"))
+    other.client_id = 2  # a stream that sent no tokenizer
+    engine.add_request(other)
+    view = _run(engine, ClientView())
+    assert view.finished[(1, 1)] == FinishReason.ERROR
+    assert "structured_outputs.json" in _error(view, 1)[0]
+    assert "TokenizerInfo" in _error(view, 3, client_id=2)[0]
+    assert view.finished[(1, 2)] == FinishReason.STOP
+    slow, _ = _engine(tokenizer_json, async_scheduling=False, timeout=0.05)
+    slow.structured.manager._compile_pool().submit(time.sleep, 0.5)  # a costly grammar ahead
+    slow.add_request(_constrained(1, StructuredOutputsParams(json='{"type": "object"}')))
+    timed_out = _run(slow, ClientView())
+    assert timed_out.finished[(1, 1)] == FinishReason.ERROR
+    assert "longer than" in _error(timed_out, 1)[0]
+
+
+def test_resubmitted_outputs_rebuild_the_matcher(tokenizer_json: str) -> None:
+    engine, _ = _engine(tokenizer_json, async_scheduling=False)
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_str(tokenizer_json).encode("12", add_special_tokens=False).ids
+    request = make_request(1, [5, 6, 7], max_tokens=16, eos_token_id=1, output_token_ids=ids)
+    request.structured_output = StructuredOutputRequest(StructuredOutputsParams(regex="[0-9]{6}"))
+    engine.add_request(request)
+    bad = make_request(2, [5, 6, 7], max_tokens=16, output_token_ids=[ids[0], 200])
+    bad.structured_output = StructuredOutputRequest(StructuredOutputsParams(regex="[0-9]{6}"))
+    engine.add_request(bad)
+    view = _run(engine, ClientView())
+    assert re.fullmatch(r"[0-9]{4}", _decode(tokenizer_json, view.tokens[(1, 1)]))
+    if _decode(tokenizer_json, [200]).isdigit():
+        return
+    assert view.finished[(1, 2)] == FinishReason.ERROR
+    assert _error(view, 2)[1] == ErrorKind.INVALID_REQUEST
