@@ -77,8 +77,12 @@ def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -
     msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
 
 
-def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineCoreOutputs:
-    msg = core_pb2.EngineCoreOutputs()
+def engine_core_outputs_to_proto(
+    outputs: EngineCoreOutputs, msg: core_pb2.EngineCoreOutputs | None = None
+) -> core_pb2.EngineCoreOutputs:
+    """Fill `msg` (a new message when None: pass a response's field to build it in place)."""
+    if msg is None:
+        msg = core_pb2.EngineCoreOutputs()
     msg.request_handles.extend(outputs.request_handles)
     msg.num_new_tokens.extend(outputs.num_new_tokens)
     msg.new_token_ids.extend(outputs.new_token_ids)
@@ -112,8 +116,11 @@ def kv_events_to_proto(events: Iterable[KVCacheEvent], msg: core_pb2.KvCacheEven
 
 
 def stream_response_to_proto(outputs: EngineCoreOutputs) -> core_pb2.EngineStreamResponse:
-    """One step's outputs for a client, with the KV-cache events it subscribed to."""
-    msg = core_pb2.EngineStreamResponse(outputs=engine_core_outputs_to_proto(outputs))
+    """One step's outputs for a client, with the KV-cache events it subscribed to; built in
+    place (no copy of the outputs into the response)."""
+    msg = core_pb2.EngineStreamResponse()
+    msg.outputs.SetInParent()
+    engine_core_outputs_to_proto(outputs, msg.outputs)
     if outputs.kv_events:
         kv_events_to_proto(outputs.kv_events, msg.kv_events)
     return msg

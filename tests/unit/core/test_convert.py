@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from core_svc import convert
+from core_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from splitserve_contracts import output_convert
 from splitserve_contracts.common.v1 import types_pb2
@@ -21,7 +22,11 @@ from splitserve_contracts.output_types import (
     StepTimings,
 )
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
-from tests.fixtures.core_wire import engine_core_outputs_from_proto, scheduler_output_from_proto
+from tests.fixtures.core_wire import (
+    engine_core_outputs_from_proto,
+    kv_events_from_proto,
+    scheduler_output_from_proto,
+)
 from tests.unit.core.fake_executor import make_engine, make_request
 
 
@@ -68,6 +73,22 @@ def test_engine_core_outputs_round_trip() -> None:
     wire = convert.engine_core_outputs_to_proto(outputs).SerializeToString()
     back = engine_core_outputs_from_proto(core_pb2.EngineCoreOutputs.FromString(wire))
     assert back == outputs
+
+
+def test_a_stream_response_carries_the_outputs_and_the_kv_events() -> None:
+    """Built in place; the outputs are present even when empty (a frontend tells outputs from
+    events alone by the field's presence)."""
+    stored = BlockStored([b"a" * 32, b"b" * 32], b"p" * 32, [1, 2, 3, 4], None)
+    events: list[KVCacheEvent] = [stored, BlockRemoved([b"c" * 32]), AllBlocksCleared()]
+    outputs = EngineCoreOutputs([3], [1], [10], step_id=2, kv_events=events)
+    msg = core_pb2.EngineStreamResponse.FromString(
+        convert.stream_response_to_proto(outputs).SerializeToString()
+    )
+    assert kv_events_from_proto(msg.kv_events) == events
+    outputs.kv_events = None
+    assert engine_core_outputs_from_proto(msg.outputs) == outputs
+    empty = convert.stream_response_to_proto(EngineCoreOutputs())
+    assert empty.HasField("outputs") and not empty.HasField("kv_events")
 
 
 def test_scheduler_output_of_a_real_step_round_trips() -> None:
