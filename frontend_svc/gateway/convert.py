@@ -2,13 +2,15 @@
 frontend's own types.
 
 Requests are read as vLLM's own servicer reads them (smg_grpc_servicer.vllm: an unset
-temperature is 1.0, a zero top_p or repetition_penalty means "off", n 0 means 1), then checked
-by the same InputProcessor as the public API. What this engine cannot honour yet is refused by
-the name of the field that asks for it.
+temperature is 1.0, a zero top_p or repetition_penalty means "off", n 0 means 1, the
+`constraint` oneof is one StructuredOutputsParams), then checked by the same InputProcessor as
+the public API. What this engine cannot honour yet is refused by the name of the field that asks
+for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -24,6 +26,7 @@ from frontend_svc.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 from frontend_svc.requests import CompletionDelta, GenerateInput, PromptInput, TokenLogprobs
 from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
@@ -48,9 +51,6 @@ def check_request_fields(msg: pb.GenerateRequest, data_parallel_rank: int) -> No
             raise _refuse(name, why)
     if msg.extra_mm_inputs:
         raise _refuse("extra_mm_inputs", UNSUPPORTED_REQUEST_FIELDS["mm_inputs"])
-    constraint = msg.sampling_params.WhichOneof("constraint")
-    if constraint is not None:
-        raise _refuse(f"sampling_params.{constraint}", "structured outputs are not supported")
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != data_parallel_rank:
         raise InvalidRequest(
             f"data_parallel_rank {msg.data_parallel_rank}: this engine is data-parallel rank "
@@ -91,6 +91,35 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+CONSTRAINT_KINDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
+"""The gateway's string constraints -> vLLM's StructuredOutputsParams names (as vLLM's servicer
+maps them); `json_object` and `choice` have their own shapes."""
+
+
+def structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsParams | None:
+    """The `constraint` oneof as vLLM's servicer reads it; None when unset. InputProcessor
+    validates and compiles it (naming `sampling_params.<kind>` when it is refused)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices))
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidRequest(
+                "sampling_params.json_object is false; set it to true to force a JSON object, "
+                "or leave the constraint out",
+                "sampling_params.json_object",
+            )
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(**{CONSTRAINT_KINDS[kind]: getattr(msg, kind)})
+
+
 def _truncated(ids: list[int], msg: pb.SamplingParams, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len)."""
     if not msg.HasField("truncate_prompt_tokens"):
@@ -119,7 +148,16 @@ def generate_input_from_proto(
         prompt = PromptInput(text=msg.text)
     else:
         raise InvalidRequest("no prompt: set `tokenized` (input_ids) or `text`", "input")
-    return GenerateInput(request_id, prompt, sampling_params_from_proto(msg.sampling_params))
+    params = msg.sampling_params
+    call = GenerateInput(request_id, prompt, sampling_params_from_proto(params))
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return call
+    return dataclasses.replace(
+        call,
+        structured_outputs=structured_outputs_from_proto(params),
+        structured_outputs_field=f"sampling_params.{kind}",
+    )
 
 
 FINISH_REASONS = {

@@ -1,16 +1,19 @@
 """The gateway contract (smg-grpc-proto's VllmEngine) on a real frontend: the same generation
-as the public API, the same validation, refusals by name for what the engine cannot do yet,
-Abort and FlushCache on the engine core, GetTokenizer's archive, events off by default."""
+as the public API, structured outputs from the request's `constraint`, the same validation,
+refusals by name for what the engine cannot do yet, Abort and FlushCache on the engine core,
+GetTokenizer's archive, events off by default."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import re
 import zipfile
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
@@ -69,11 +72,89 @@ def test_generate_streams_what_the_public_api_generates(engine: Engine) -> None:
     assert all(len(r.complete.output_ids) == r.complete.completion_tokens == 12 for r in n2)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["word", "count"],
+    "additionalProperties": False,
+}
+TAG = {
+    "structures": [{"begin": "<function=size>", "schema": SCHEMA, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+"""vLLM's structural-tag form of a tool call (free text until the trigger)."""
+
+
+def _json(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def _json_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict), text
+
+
+def _tagged(text: str) -> None:
+    """Free text, then each tagged structure holds what its schema allows."""
+    for value in re.findall(r"<function=size>(.*?)</function>", text, re.DOTALL):
+        _json(value)
+
+
+CHOICES = ["red sky", "blue", "green"]
+CONSTRAINTS = {
+    "json_schema": (json.dumps(SCHEMA), _json),
+    "regex": (r"[a-c]{2,5}-\d{1,3}", r"[a-c]{2,5}-\d{1,3}"),
+    "choice": (pb.ChoiceConstraint(choices=CHOICES), CHOICES),
+    "grammar": ('root ::= "(" [0-9]{1,3} ("," [0-9]{1,3}){0,2} ")"', r"\(\d{1,3}(,\d{1,3}){0,2}\)"),
+    "json_object": (True, _json_object),
+    "structural_tag": (json.dumps(TAG), _tagged),
+}
+"""Each kind of the `constraint` oneof -> (its value, what the text must be: a pattern it fully
+matches, one of a list, or a check)."""
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_the_constraint_shapes_what_generate_returns(
+    engine: Engine, tokenizer: Any, kind: str
+) -> None:
+    """Each kind of the request's `constraint` oneof, at temperature 1.0 on random weights: the
+    completion's token ids decode to text the constraint allows, and a finished grammar stops
+    the request (vLLM's servicer maps the oneof onto StructuredOutputsParams the same way).
+    A structural tag allows free text, so only its tagged parts are checked."""
+    value, expected = CONSTRAINTS[kind]
+    stub = engine.stub()
+    for seed in range(2):
+        params = {"temperature": 1.0, "seed": seed, "max_tokens": 200, kind: value}
+        request = tokenized(f"c-{kind}-{seed}", stream=seed == 0, **params)
+        responses = list(stub.Generate(request, timeout=120))
+        complete = responses[-1].complete  # streamed: the chunks hold every token (vLLM's)
+        ids = [t for r in responses[:-1] for t in r.chunk.token_ids] or list(complete.output_ids)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(expected, str):
+            assert re.fullmatch(expected, text), (kind, text)
+        elif isinstance(expected, list):
+            assert text in expected, (kind, text)
+        else:
+            expected(text)
+        assert kind == "structural_tag" or complete.finish_reason == "stop", (kind, text)
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"sampling_params": pb.SamplingParams(json_schema="{}")}, "sampling_params.json_schema"),
-        ({"sampling_params": pb.SamplingParams(regex="a+")}, "sampling_params.regex"),
+        (
+            {"sampling_params": pb.SamplingParams(json_schema='{"type": "nope"}')},
+            "sampling_params.json_schema",
+        ),
+        ({"sampling_params": pb.SamplingParams(regex="(unclosed")}, "sampling_params.regex"),
+        (
+            {"sampling_params": pb.SamplingParams(choice=pb.ChoiceConstraint())},
+            "sampling_params.choice",
+        ),
+        ({"sampling_params": pb.SamplingParams(json_object=False)}, "sampling_params.json_object"),
         ({"kv_transfer_params_json": "{}"}, "kv_transfer_params_json"),
         ({"mm_inputs": pb.MultimodalInputs(im_token_id=5)}, "mm_inputs"),
         ({"data_parallel_rank": 3}, "data_parallel_rank"),

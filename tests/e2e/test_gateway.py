@@ -9,12 +9,14 @@ with its event-fed cache_aware policy.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
@@ -89,6 +91,31 @@ def test_the_gateway_answers_as_the_engine_does(
     expected = direct.completions.create(prompt=ids, **completion)  # type: ignore[call-overload]
     assert via_gateway.choices[0].text == expected.choices[0].text
     assert via_gateway.usage.prompt_tokens == len(ids)
+
+
+def test_the_gateways_response_format_reaches_the_engines_grammar(
+    gateway: openai.OpenAI, model: str
+) -> None:
+    """OpenAI's response_format through smg: the gateway turns it into the engine contract's
+    `constraint`, the engine enforces it (random weights at temperature 1.0 give valid JSON)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    for seed in range(2):
+        reply = gateway.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "a city as JSON"}],
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
 
 
 def test_cache_aware_routing_follows_the_engines_kv_events(

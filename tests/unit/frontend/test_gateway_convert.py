@@ -1,5 +1,6 @@
-"""The gateway contract's conversions: vLLM's servicer's reading of SamplingParams, the responses
-of streamed and whole generations, KV-event batches as the gateway reads them, load rates."""
+"""The gateway contract's conversions: vLLM's servicer's reading of SamplingParams and of its
+structured-outputs constraint, the responses of streamed and whole generations, KV-event batches
+as the gateway reads them, load rates."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from frontend_svc.kv_events import AllBlocksCleared, BlockExtraKeys, BlocksRemov
 from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
 from splitserve_contracts.output_types import FinishReason, SchedulerStats
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_contracts.structured_outputs import StructuredOutputsParams
 
 INFO = EngineInfo("m", "", 512, 2048, 16, 101, 1, 1, "float32", 64, 2048, True, "0", 3.0)
 
@@ -38,6 +40,42 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     assert call.prompt.token_ids == (7, 8, 9)
     with pytest.raises(InvalidRequest):
         convert.generate_input_from_proto(pb.GenerateRequest(), "r", 512)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "expected"),
+    [
+        ({"json_schema": '{"type": "object"}'}, StructuredOutputsParams(json='{"type": "object"}')),
+        ({"regex": "[a-z]+"}, StructuredOutputsParams(regex="[a-z]+")),
+        ({"grammar": 'root ::= "x"'}, StructuredOutputsParams(grammar='root ::= "x"')),
+        ({"structural_tag": '{"a": 1}'}, StructuredOutputsParams(structural_tag='{"a": 1}')),
+        ({"json_object": True}, StructuredOutputsParams(json_object=True)),
+        (
+            {"choice": pb.ChoiceConstraint(choices=["yes", "no"])},
+            StructuredOutputsParams(choice=("yes", "no")),
+        ),
+    ],
+)
+def test_each_constraint_is_one_structured_outputs_params(
+    constraint: dict[str, object], expected: StructuredOutputsParams
+) -> None:
+    """As vLLM's servicer maps the `constraint` oneof; errors then name the request's field."""
+    request = pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=[1, 2]),
+        sampling_params=pb.SamplingParams(**constraint),  # type: ignore[arg-type]
+    )
+    call = convert.generate_input_from_proto(request, "r", 512)
+    assert call.structured_outputs == expected
+    assert call.structured_outputs_field == f"sampling_params.{next(iter(constraint))}"
+
+
+def test_no_constraint_and_a_false_json_object() -> None:
+    request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2]))
+    assert convert.generate_input_from_proto(request, "r", 512).structured_outputs is None
+    request.sampling_params.json_object = False  # set in the oneof, but asks for nothing
+    with pytest.raises(InvalidRequest) as info:
+        convert.generate_input_from_proto(request, "r", 512)
+    assert info.value.param == "sampling_params.json_object"
 
 
 def delta(index: int, tokens: list[int], finish: FinishReason = FinishReason.UNSPECIFIED,
