@@ -1,6 +1,8 @@
 """KV-cache events from a real loopback core to the real frontend client: the frontend's mirror
 (what it serves gateways) equals the core's prefix cache, is cleared when the core goes away,
-and is rebuilt from the restarted core's snapshot; FlushCache's core RPC answers as vLLM does."""
+and is rebuilt from the restarted core's snapshot; FlushCache's core RPC answers as vLLM does.
+The core admits only calls carrying the deployment's internal secret, as `splitserve up` runs
+it: the subscription and the reset present it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.detokenizer import backend_decoder
 from frontend_svc.kv_events import KvEventHub
 from frontend_svc.output_processor import OutputProcessor
+from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.tls import CORE_ROLE
 from tests.contract.test_core_service import CoreHarness, collect, frontend_metrics, request, run
 
 
@@ -30,10 +34,14 @@ async def until(condition: Any, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+SECRET = "kv-events-internal-secret-0123456789"
+
+
 def test_the_frontends_mirror_follows_the_core_across_a_restart(tokenizer: Any) -> None:
     async def scenario() -> None:
-        core = await CoreHarness().__aenter__()
-        client = EngineCoreClient(core.addr, subscribe_kv_events=True)
+        core = await CoreHarness(secret=SECRET).__aenter__()
+        security = ChannelSecurity(None, CORE_ROLE, SECRET)
+        client = EngineCoreClient(core.addr, security=security, subscribe_kv_events=True)
         info = await client.connect(timeout=10)
         hub = KvEventHub(info.block_size)
         metrics = frontend_metrics()
@@ -47,7 +55,7 @@ def test_the_frontends_mirror_follows_the_core_across_a_restart(tokenizer: Any) 
         await until(lambda: cached(core) and set(hub.blocks) == cached(core), "the mirror")
         await core.__aexit__()
         await until(lambda: not hub.blocks, "the mirror to clear")
-        restarted = await CoreHarness(port=core.port).__aenter__()
+        restarted = await CoreHarness(port=core.port, secret=SECRET).__aenter__()
         try:
             await until(lambda: client.is_connected, "the client to reconnect")
             await collect(engine.generate(request("b", max_tokens=6)))

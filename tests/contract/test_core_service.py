@@ -30,6 +30,8 @@ from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
+from splitserve_runtime.rpc_guard import AioRpcGuard, GuardPolicy, secret_admission
+from splitserve_runtime.services import CORE
 from tests.unit.core.fake_executor import default_token_fn, make_engine
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 128
@@ -44,6 +46,7 @@ class CoreHarness:
         step_delay: float = 0.0,
         port: int = 0,
         info: dict[str, Any] | None = None,
+        secret: str = "",
         **limits: int,
     ) -> None:
         self.step_delay = step_delay
@@ -53,6 +56,8 @@ class CoreHarness:
         """EngineInfo fields the core reports other than the defaults (another model...)."""
         self.limits = limits
         """SchedulerConfig limits, e.g. max_num_queued_reqs."""
+        self.secret = secret
+        """The deployment's --internal-secret ("": none): the core admits only calls with it."""
 
     async def __aenter__(self) -> CoreHarness:
         loop = asyncio.get_running_loop()
@@ -66,7 +71,8 @@ class CoreHarness:
         )
         if self.step_delay:
             self.executor.on_execute = lambda so: time.sleep(self.step_delay)
-        self.server = grpc.aio.server()
+        admissions = {CORE.grpc_service: secret_admission(self.secret)} if self.secret else {}
+        self.server = grpc.aio.server(interceptors=[AioRpcGuard(GuardPolicy(admissions))])
         streams = ClientStreams(loop)
         metrics = CoreMetrics(CollectorRegistry(), "fake", "0", {"engine": "0"})
         self.proc = EngineCoreProc(

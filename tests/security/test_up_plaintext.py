@@ -125,6 +125,12 @@ def _stranger_calls(up: Up, metadata: Metadata) -> dict[str, Callable[[], object
         "core EngineStream": _stream(
             up.core, core + "EngineStream", add.SerializeToString(), metadata
         ),
+        "core ResetPrefixCache": _unary(
+            up.core,
+            core + "ResetPrefixCache",
+            core_pb2.ResetPrefixCacheRequest().SerializeToString(),
+            metadata,
+        ),
         "worker Describe": _unary(
             up.worker,
             worker + "Describe",
