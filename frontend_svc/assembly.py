@@ -50,7 +50,8 @@ def build_frontend(
     served_model_name: str,
     limits: FrontendLimits = FrontendLimits(),
 ) -> Frontend:
-    """Metrics (with the engine core's queue and KV gauges), engine and input processor."""
+    """Metrics (with the engine core's queue and KV gauges), engine and input processor (with
+    the model's image processor when the engine says it takes images)."""
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
     engine = AsyncEngine(
         client,
@@ -72,6 +73,6 @@ def build_frontend(
         request_limits,
         files.eos_token_ids,
         files.sampling_defaults,
-        multimodal=files.multimodal,
+        multimodal=files.multimodal_processor(info.max_tokens_per_mm_item),
     )
     return Frontend(engine, inputs, info, served_model_name)

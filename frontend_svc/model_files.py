@@ -1,9 +1,11 @@
-"""What a frontend reads from the model: its tokenizer and its generation config (eos ids and
-sampling defaults). The frontend service and the offline `LLM` API read them the same way."""
+"""What a frontend reads from the model: its tokenizer, its generation config (eos ids and
+sampling defaults) and, when the engine says the model takes images, its image processor. The
+frontend service and the offline `LLM` API read them the same way."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from frontend_svc.generation_config import (
@@ -29,8 +31,23 @@ class ModelFiles:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, Any]
-    multimodal: MultiModalProcessor | None = None
-    """The image processor of a multimodal model; None for a text-only one."""
+    folder: Path | None = None
+    """The checkpoint folder (None: a GGUF file)."""
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS
+
+    def multimodal_processor(self, num_image_tokens: int) -> MultiModalProcessor | None:
+        """The image processor when the engine's model takes images, each as
+        `num_image_tokens` placeholder tokens (EngineInfo.max_tokens_per_mm_item); None when
+        it takes text only (0)."""
+        if num_image_tokens == 0:
+            return None
+        if self.folder is None:
+            raise ValueError(
+                "the engine's model takes images, but a GGUF file has no image processor"
+            )
+        return load_multimodal_processor(
+            self.folder, self.tokenizer, self.media_limits, num_image_tokens
+        )
 
 
 def load_model_files(
@@ -56,7 +73,4 @@ def load_model_files(
             "--generation-config vllm"
         ) from None
     log_sampling_defaults(defaults, generation_config)
-    multimodal = None
-    if folder is not None:
-        multimodal = load_multimodal_processor(folder, tokenizer, media_limits)
-    return ModelFiles(tokenizer, eos_token_ids(generation), defaults, multimodal)
+    return ModelFiles(tokenizer, eos_token_ids(generation), defaults, folder, media_limits)

@@ -244,6 +244,7 @@ def _engine_info(options: EngineOptions, loaded: LoadedModel, num_blocks: int) -
         enable_prefix_caching=options.enable_prefix_caching,
         engine_id="0",
         max_concurrency=usable_tokens / loaded.max_model_len,
+        max_tokens_per_mm_item=loaded.max_tokens_per_mm_item,
     )
 
 
