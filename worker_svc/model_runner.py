@@ -27,8 +27,7 @@ from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.input_batch import InputBatch, StepInputs
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
-from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.models.llava import LlavaForConditionalGeneration
+from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.outputs import LogprobsTable, ModelRunnerOutput, StepTimings
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
@@ -43,7 +42,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         parallel: ParallelState,
         *,
@@ -63,9 +62,13 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(device, seed)
-        self.async_scheduling = async_scheduling
+        self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
+        """What a sampling rank does with its sampled tokens: append them to its requests
+        (async scheduling: the next step takes them as inputs before the core knows them), or
+        leave them to the next step's diff."""
+        start, end = model.layer_range
         self.kv_cache_spec = KvCacheSpec(
-            num_layers=len(model.layers),
+            num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=dtype,
@@ -77,7 +80,7 @@ class ModelRunner:
         """Requests the current step refused, reported in its output."""
         self.encoder_runner: EncoderRunner | None = None
         """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
-        if isinstance(model, LlavaForConditionalGeneration):
+        if supports_images(model):
             self.encoder_runner = EncoderRunner(model, device)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
@@ -196,9 +199,7 @@ class ModelRunner:
                 batch.num_tokens,
             )
             sampler_output = self.sampler(logits[:num_sampling], metadata)
-            if self.async_scheduling:
-                tokens = sampler_output.sampled_token_ids.cpu().numpy()
-                batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
+            self._keep_sampled(inputs, sampler_output)
         if plan is not None:
             self.prompt_logprobs.collect(plan, logits[num_sampling:])
         sampled_handles = set(inputs.req_handles[inputs.sampling_reqs].tolist())
@@ -209,6 +210,11 @@ class ModelRunner:
             sample_seconds=time.perf_counter() - forwarded,
         )
         return self._output(step, started, inputs, sampler_output, prompt_tables, timings)
+
+    def _append_sampled(self, inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+        assert self.batch is not None
+        tokens = sampler_output.sampled_token_ids.cpu().numpy()
+        self.batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -299,3 +305,7 @@ class ModelRunner:
         ids, values, ranks = (t[torch.from_numpy(wanted)] for t in sampler_output.logprobs)
         tables = split_tables(ids, values, ranks, [1] * len(wanted), num_tops[wanted].tolist())
         return dict(zip(handles[wanted].tolist(), tables, strict=True))
+
+
+def _leave_sampled(inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+    """Lockstep scheduling: the next step's diff brings the sampled tokens."""

@@ -60,6 +60,16 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("worker_svc/model_runner.py", "import core_svc.request", "Imports point down"),
         ("splitserve_runtime/flags.py", "import splitserve.cli", "Imports point down"),
         ("splitserve_client/generate.py", "import torch", "The light client"),
+        (
+            "worker_svc/layers/rotary.py",
+            "import worker_svc.models.model_config",
+            "Worker: models build on layers",
+        ),
+        (
+            "worker_svc/model_runner.py",
+            "from worker_svc.models import llava",
+            "The worker and its runners know models",
+        ),
     ],
 )
 def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broken: str) -> None:

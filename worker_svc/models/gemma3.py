@@ -7,15 +7,20 @@ the local ones with their own base frequency (10 000), the global ones with the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.distributed import ParallelState
-from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.models.gemma2 import Gemma2ForCausalLM, GemmaDecoderLayer, GemmaRMSNorm
-from worker_svc.models.llama import StepContext
+from worker_svc.models.decoder import BuildContext, StepContext, join_prefix
+from worker_svc.models.gemma2 import (
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaDecoderLayer,
+    GemmaRMSNorm,
+)
+from worker_svc.models.llama import LlamaAttention, LlamaMLP
 from worker_svc.models.model_config import ModelConfig
 
 
@@ -26,52 +31,51 @@ class LocalRopeContext(StepContext):
     local: StepContext | None = None
 
 
+class Gemma3DecoderLayer(GemmaDecoderLayer):
+    """A Gemma 2 layer that, when it attends within a window, takes the local rope's context."""
+
+    def __init__(
+        self, build: BuildContext, attention: LlamaAttention, mlp: nn.Module, is_local: bool
+    ) -> None:
+        super().__init__(build, attention, mlp)
+        self.is_local = is_local
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: StepContext,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_local and isinstance(ctx, LocalRopeContext) and ctx.local is not None:
+            ctx = ctx.local
+        return super().forward(hidden, residual, ctx, kv_cache)
+
+
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """One pipeline stage of a Gemma 3 text model."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        parallel: ParallelState,
-        backend: AttentionBackend,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        context_len: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            parallel,
-            backend,
-            dtype=dtype,
-            device=device,
-            max_positions=max_positions,
-            context_len=context_len,
-        )
-        self.local_rotary: RotaryEmbedding | None = None
-        if config.local_rope is not None:
-            self.local_rotary = RotaryEmbedding(
-                config.head_dim,
-                max_positions,
-                config.local_rope,
-                dtype=dtype,
-                device=device,
-                context_len=context_len,
-            )
+    def __init__(self, build: BuildContext, prefix: str = "") -> None:
+        super().__init__(build, prefix)
+        local_rope = self.config.local_rope
+        self.local_rotary = None if local_rope is None else build.rotary(local_rope)
 
-    def _make_layer(  # type: ignore[override]
-        self, layer: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
-    ) -> GemmaDecoderLayer:
-        decoder_layer = super()._make_layer(layer, backend, dtype, device)
-        attention, config = decoder_layer.self_attn, self.config
-        attention.q_norm = GemmaRMSNorm(  # type: ignore[assignment]
-            config.head_dim, config.rms_norm_eps, dtype=dtype, device=device
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        """Gemma 3 normalises q and k; transformers' Gemma 3 never applies the attention soft
+        cap its config may carry."""
+        return GemmaConfig.read(hf, qk_norm=True, attn_logit_softcapping=None)
+
+    def make_layer(
+        self, build: BuildContext, layer: int, backend: AttentionBackend, prefix: str
+    ) -> nn.Module:
+        attention = LlamaAttention(
+            build, backend, self.rotary, join_prefix(prefix, "self_attn"), qk_norm=GemmaRMSNorm
         )
-        attention.k_norm = GemmaRMSNorm(  # type: ignore[assignment]
-            config.head_dim, config.rms_norm_eps, dtype=dtype, device=device
+        mlp = LlamaMLP(build, join_prefix(prefix, "mlp"))
+        return Gemma3DecoderLayer(
+            build, attention, mlp, self.config.layer_window(layer) is not None
         )
-        return decoder_layer
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
@@ -79,9 +83,3 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         if self.local_rotary is not None:
             local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata, positions)
         return LocalRopeContext(cos, sin, attn_metadata, positions, local)
-
-    def layer_context(self, layer: nn.Module, ctx: StepContext) -> StepContext:
-        is_local = isinstance(layer, GemmaDecoderLayer) and layer.is_local
-        if is_local and isinstance(ctx, LocalRopeContext) and ctx.local is not None:
-            return ctx.local
-        return ctx
