@@ -27,6 +27,7 @@ The torch backend stays the reference: tests compare the two on mixed steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,16 +88,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     kernels: CpuKernels
     """Set when built with the CPU kernels (then the decodes run through them)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """AttentionBackend's arguments; decodes run through the kernels when built inside
+        `using_cpu_kernels`."""
+        super().__init__(*args, **kwargs)
         kernels = current_cpu_kernels()
         self._plan_decodes = self._torch_decodes
         if kernels is not None:

@@ -6,7 +6,7 @@ heavy packages), and none of them imports this module.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 
 import torch
 
@@ -23,14 +23,12 @@ BACKEND_NAMES = tuple(_BACKENDS)
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
-    try:
-        module_name, class_name = _BACKENDS[name]
-    except KeyError:
+    if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose auto or one of {BACKEND_NAMES}"
-        ) from None
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    cls: type[AttentionBackend] = getattr(module, class_name)
+        )
+    module, class_name = _BACKENDS[name]
+    cls: type[AttentionBackend] = pkgutil.resolve_name(f"{__package__}.{module}:{class_name}")
     return cls
 
 

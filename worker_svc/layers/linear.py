@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +184,16 @@ class Unquantized:
 
 
 UNQUANTIZED = Unquantized()
+
+
+class LinearArgs(TypedDict):
+    """The keyword arguments every tensor-parallel linear layer takes besides its shape."""
+
+    parallel: ParallelState
+    dtype: torch.dtype
+    device: torch.device
+    methods: LinearMethods
+    prefix: str
 
 
 class LinearBase(nn.Module):

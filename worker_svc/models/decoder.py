@@ -14,7 +14,7 @@ states and the residual stream.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -25,7 +25,7 @@ from worker_svc.attention.backend import AttentionBackend
 from worker_svc.distributed import ParallelState
 from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker_svc.layers.linear import UNQUANTIZED, LinearMethods, linear_layers
+from worker_svc.layers.linear import UNQUANTIZED, LinearArgs, LinearMethods, linear_layers
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rope_config import RopeConfig
 from worker_svc.layers.rotary import RotaryEmbedding
@@ -81,6 +81,16 @@ class BuildContext:
         build = dataclasses.replace(self, **changes) if changes else self
         with using_cpu_kernels(build.cpu_kernels):
             return cls(build)
+
+    def linear_args(self, prefix: str) -> LinearArgs:
+        """The keyword arguments of a linear layer at module path `prefix`."""
+        return {
+            "parallel": self.parallel,
+            "dtype": self.dtype,
+            "device": self.device,
+            "methods": self.linear_methods,
+            "prefix": prefix,
+        }
 
     def rotary(self, rope: RopeConfig) -> RotaryEmbedding:
         return RotaryEmbedding(
@@ -168,6 +178,11 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         return StepContext(cos, sin, attn_metadata, positions)
 
+    def layer_contexts(self, ctx: StepContext) -> Sequence[StepContext]:
+        """The step context each of this stage's layers attends with (Gemma 3 gives its
+        sliding-window layers their own rope)."""
+        return [ctx] * len(self.layers)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None
         return self.embed_tokens(input_ids)
@@ -184,8 +199,9 @@ class DecoderForCausalLM(nn.Module):
         if hidden is None:
             assert input_ids is not None
             hidden = self.embed_input_ids(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, ctx, kv_cache)
+        contexts = self.layer_contexts(ctx)
+        for layer, layer_ctx, kv_cache in zip(self.layers, contexts, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, layer_ctx, kv_cache)
         if self.norm is not None:
             hidden, _ = self.norm.add_and_norm(hidden, residual)
             return hidden, None

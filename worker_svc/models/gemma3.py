@@ -6,6 +6,7 @@ the local ones with their own base frequency (10 000), the global ones with the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,27 +32,6 @@ class LocalRopeContext(StepContext):
     local: StepContext | None = None
 
 
-class Gemma3DecoderLayer(GemmaDecoderLayer):
-    """A Gemma 2 layer that, when it attends within a window, takes the local rope's context."""
-
-    def __init__(
-        self, build: BuildContext, attention: LlamaAttention, mlp: nn.Module, is_local: bool
-    ) -> None:
-        super().__init__(build, attention, mlp)
-        self.is_local = is_local
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: StepContext,
-        kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.is_local and isinstance(ctx, LocalRopeContext) and ctx.local is not None:
-            ctx = ctx.local
-        return super().forward(hidden, residual, ctx, kv_cache)
-
-
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """One pipeline stage of a Gemma 3 text model."""
 
@@ -59,6 +39,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         super().__init__(build, prefix)
         local_rope = self.config.local_rope
         self.local_rotary = None if local_rope is None else build.rotary(local_rope)
+        start, end = self.layer_range
+        self.is_local = [self.config.layer_window(i) is not None for i in range(start, end)]
+        """Per layer of this stage: whether it attends within a window (with the local rope)."""
 
     @classmethod
     def read_config(cls, hf: Any) -> ModelConfig:
@@ -72,10 +55,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         attention = LlamaAttention(
             build, backend, self.rotary, join_prefix(prefix, "self_attn"), qk_norm=GemmaRMSNorm
         )
-        mlp = LlamaMLP(build, join_prefix(prefix, "mlp"))
-        return Gemma3DecoderLayer(
-            build, attention, mlp, self.config.layer_window(layer) is not None
-        )
+        return GemmaDecoderLayer(build, attention, LlamaMLP(build, join_prefix(prefix, "mlp")))
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
@@ -83,3 +63,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         if self.local_rotary is not None:
             local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata, positions)
         return LocalRopeContext(cos, sin, attn_metadata, positions, local)
+
+    def layer_contexts(self, ctx: StepContext) -> Sequence[StepContext]:
+        if not isinstance(ctx, LocalRopeContext) or ctx.local is None:
+            return super().layer_contexts(ctx)
+        return [ctx.local if is_local else ctx for is_local in self.is_local]

@@ -64,21 +64,13 @@ class LlamaAttention(nn.Module):
             config.num_kv_heads,
             d,
             bias=config.qkv_bias,
-            parallel=parallel,
-            dtype=dtype,
-            device=device,
-            methods=build.linear_methods,
-            prefix=join_prefix(prefix, "qkv_proj"),
+            **build.linear_args(join_prefix(prefix, "qkv_proj")),
         )
         self.o_proj = RowParallelLinear(
             config.num_heads * d,
             config.hidden_size,
             bias=config.o_bias,
-            parallel=parallel,
-            dtype=dtype,
-            device=device,
-            methods=build.linear_methods,
-            prefix=join_prefix(prefix, "o_proj"),
+            **build.linear_args(join_prefix(prefix, "o_proj")),
         )
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -109,28 +101,19 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, build: BuildContext, prefix: str) -> None:
         super().__init__()
-        config, parallel, dtype, device = build.config, build.parallel, build.dtype, build.device
-        inter = config.intermediate_size
+        config, inter = build.config, build.config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
             [inter, inter],
             bias=config.mlp_bias,
-            parallel=parallel,
-            dtype=dtype,
-            device=device,
-            methods=build.linear_methods,
-            prefix=join_prefix(prefix, "gate_up_proj"),
+            **build.linear_args(join_prefix(prefix, "gate_up_proj")),
         )
         self.act_fn = ACTIVATIONS[config.hidden_act]()
         self.down_proj = RowParallelLinear(
             inter,
             config.hidden_size,
             bias=config.mlp_bias,
-            parallel=parallel,
-            dtype=dtype,
-            device=device,
-            methods=build.linear_methods,
-            prefix=join_prefix(prefix, "down_proj"),
+            **build.linear_args(join_prefix(prefix, "down_proj")),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -191,15 +191,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        ctx: StepContext,
-        kv_caches: list[torch.Tensor],
-        hidden: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.language_model(input_ids, ctx, kv_caches, hidden, residual)
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The language model's forward (the images are in the embeddings already)."""
+        return self.language_model(*args, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

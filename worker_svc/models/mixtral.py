@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.layers.moe import MoeConfig, SparseMoeBlock
-from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.models.decoder import BuildContext, DecoderForCausalLM
 from worker_svc.models.llama import LlamaDecoderLayer
 from worker_svc.models.model_config import ModelConfig
-from worker_svc.models.weight_names import WeightTarget, resolve_weight_name
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
+from worker_svc.models.weight_names import WeightTarget
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,28 +46,6 @@ def read_moe_config(hf: Any, renormalize: bool) -> MoeConfig:
     )
 
 
-def moe_decoder_layer(
-    build: BuildContext,
-    layer: int,
-    backend: AttentionBackend,
-    rotary: RotaryEmbedding,
-    prefix: str,
-) -> nn.Module:
-    """A Llama decoder layer whose MLP is a SparseMoeBlock where the layer is sparse."""
-    config = build.config
-    assert isinstance(config, MoeModelConfig)
-    mlp = None
-    if config.moe.sparse_layers[layer]:
-        mlp = SparseMoeBlock(
-            config.hidden_size,
-            config.moe,
-            parallel=build.parallel,
-            dtype=build.dtype,
-            device=build.device,
-        )
-    return LlamaDecoderLayer(build, backend, rotary, prefix, mlp=mlp)
-
-
 def expert_target(layer: int, expert: int, projection: str) -> WeightTarget:
     """Where expert `expert`'s "gate", "up" or "down" projection goes in a SparseMoeBlock."""
     if projection == "down":
@@ -79,22 +53,50 @@ def expert_target(layer: int, expert: int, projection: str) -> WeightTarget:
     return WeightTarget(layer, "mlp.experts", "w13_weight", 2 * expert + (projection == "up"))
 
 
-class MixtralForCausalLM(DecoderForCausalLM):
-    """Every decoder layer's MLP is a SparseMoeBlock."""
+class SparseMoeForCausalLM(DecoderForCausalLM):
+    """A decoder whose layers' MLPs are SparseMoeBlocks where `moe.sparse_layers` says so (the
+    Llama MLP elsewhere). A family names its checkpoint's expert and router tensors: `expert_name`
+    matches (layer, expert, projection), `projections` maps the checkpoint's projection names to
+    gate / up / down."""
 
-    @classmethod
-    def read_config(cls, hf: Any) -> ModelConfig:
-        return MoeModelConfig.from_hf_config(hf, moe=read_moe_config(hf, renormalize=True))
+    expert_name: ClassVar[re.Pattern[str]]
+    router_name: ClassVar[re.Pattern[str]]
+    projections: ClassVar[dict[str, str]] = {"gate": "gate", "up": "up", "down": "down"}
 
     def make_layer(
         self, build: BuildContext, layer: int, backend: AttentionBackend, prefix: str
     ) -> nn.Module:
-        return moe_decoder_layer(build, layer, backend, self.rotary, prefix)
+        config = build.config
+        assert isinstance(config, MoeModelConfig)
+        mlp = None
+        if config.moe.sparse_layers[layer]:
+            mlp = SparseMoeBlock(
+                config.hidden_size,
+                config.moe,
+                parallel=build.parallel,
+                dtype=build.dtype,
+                device=build.device,
+            )
+        return LlamaDecoderLayer(build, backend, self.rotary, prefix, mlp=mlp)
 
     def resolve_weight_name(self, name: str) -> list[WeightTarget]:
-        if match := _EXPERT.match(name):
-            projection = {"w1": "gate", "w3": "up", "w2": "down"}[match.group(3)]
+        if match := self.expert_name.match(name):
+            projection = self.projections[match.group(3)]
             return [expert_target(int(match.group(1)), int(match.group(2)), projection)]
-        if match := _ROUTER.match(name):
+        if match := self.router_name.match(name):
             return [WeightTarget(int(match.group(1)), "mlp.gate", "weight")]
-        return resolve_weight_name(name, self.config.tie_word_embeddings)
+        return super().resolve_weight_name(name)
+
+
+class MixtralForCausalLM(SparseMoeForCausalLM):
+    """Every decoder layer's MLP is a SparseMoeBlock."""
+
+    expert_name = re.compile(
+        r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$"
+    )
+    router_name = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
+    projections = {"w1": "gate", "w3": "up", "w2": "down"}
+
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        return MoeModelConfig.from_hf_config(hf, moe=read_moe_config(hf, renormalize=True))

@@ -8,7 +8,7 @@ row here.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from typing import Any
 
 from worker_svc.models.interfaces import CausalLM
@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+"""Architecture -> (module under worker_svc/models, class)."""
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 
@@ -37,15 +38,13 @@ class UnsupportedArchitectureError(ValueError):
 
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
-    try:
-        module_name, class_name = _MODELS[architecture]
-    except KeyError:
+    if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
-        ) from None
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    cls: type[CausalLM] = getattr(module, class_name)
+        )
+    module, name = _MODELS[architecture]
+    cls: type[CausalLM] = pkgutil.resolve_name(f"{__package__}.{module}:{name}")
     return cls
 
 

@@ -145,3 +145,15 @@ def test_the_worker_builds_with_the_kernels_on_the_cpu_backend(
         assert hasattr(worker.runner.backend, "kernels") == (backend == "cpu")
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "llava"])
+def test_a_loaded_rank_checks_a_new_model_as_its_family_reads_it(
+    worker_checkpoints: CheckpointCache, llava_model_dir: Path, family: str
+) -> None:
+    """Before a loaded rank drops its model for a restarted core's LoadModel it checks the new
+    one: a LLaVA checkpoint (whose config.json nests its language model) must pass."""
+    from worker_svc.ownership import check_model_loadable
+
+    path = llava_model_dir if family == "llava" else worker_checkpoints.get(family)
+    check_model_loadable(str(path))
