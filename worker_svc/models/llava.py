@@ -219,18 +219,13 @@ class LlavaForConditionalGeneration(nn.Module):
         to the language model, renamed to its layout; raise if a parameter stays unset."""
         loaded: set[str] = set()
         self.language_model.load_weights(self._language_weights(weights, loaded))
-        vision = [m for m in (self.vision_tower, self.multi_modal_projector) if m is not None]
         missing = [
             name
-            for module in vision
-            for name, _ in module.named_parameters(prefix=self._child_name(module))
-            if name not in loaded
+            for name, _ in self.named_parameters()
+            if name.startswith(_VISION_PREFIXES) and name not in loaded
         ]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing))}")
-
-    def _child_name(self, module: nn.Module) -> str:
-        return "vision_tower" if module is self.vision_tower else "multi_modal_projector"
 
     def _language_weights(
         self, weights: Iterable[tuple[str, TensorSource]], loaded: set[str]

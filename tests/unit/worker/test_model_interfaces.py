@@ -157,3 +157,26 @@ def test_a_loaded_rank_checks_a_new_model_as_its_family_reads_it(
 
     path = llava_model_dir if family == "llava" else worker_checkpoints.get(family)
     check_model_loadable(str(path))
+
+
+def test_a_llava_checkpoint_without_a_vision_tensor_is_refused(
+    llava_model_dir: Path, tmp_path: Path
+) -> None:
+    """LLaVA holds its language model; both halves check that every parameter was loaded."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for item in llava_model_dir.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    (weights,) = llava_model_dir.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    (dropped,) = [n for n in tensors if "multi_modal_projector.linear_2.bias" in n]
+    del tensors[dropped]
+    save_file(tensors, str(tmp_path / weights.name), metadata={"format": "pt"})
+    worker = Worker("cpu")
+    with pytest.raises(
+        ValueError, match=r"lacks tensors for: multi_modal_projector\.linear_2\.bias"
+    ):
+        worker.load_model(LoadModelConfig(str(tmp_path)))
