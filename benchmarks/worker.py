@@ -33,6 +33,7 @@ import torch
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus, StepTimings
 from splitserve_contracts.sampling_types import SamplerParams
+from worker_svc.layers.embedding import VocabParallelEmbedding
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.scheduler_output import (
     CachedRequestData,
@@ -218,11 +219,10 @@ def run(args: argparse.Namespace) -> None:
             )
         )
         runner = worker.runner
-        assert runner is not None and runner.model.embed_tokens is not None
-        embed_bytes = (
-            runner.model.embed_tokens.weight.numel()
-            * runner.model.embed_tokens.weight.element_size()
-        )
+        assert runner is not None
+        embed = runner.model.get_submodule("embed_tokens")
+        assert isinstance(embed, VocabParallelEmbedding)
+        embed_bytes = embed.weight.numel() * embed.weight.element_size()
         read_bytes = loaded.weight_bytes - embed_bytes  # a step gathers a few embedding rows only
         num_blocks = 256 * (args.context + args.steps + 8) // BLOCK_SIZE + 256
         worker.initialize_kv_cache(num_blocks)

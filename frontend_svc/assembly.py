@@ -52,8 +52,9 @@ def build_frontend(
     limits: FrontendLimits = FrontendLimits(),
     kv_events: KvEventHub | None = None,
 ) -> Frontend:
-    """Metrics (with the engine core's queue and KV gauges), engine and input processor;
-    `kv_events` gets the engine's KV-cache events (when the client subscribed to them)."""
+    """Metrics (with the engine core's queue and KV gauges), engine and input processor (with
+    the model's image processor when the engine says it takes images); `kv_events` gets the
+    engine's KV-cache events (when the client subscribed to them)."""
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
     engine = AsyncEngine(
         client,
@@ -76,6 +77,6 @@ def build_frontend(
         request_limits,
         files.eos_token_ids,
         files.sampling_defaults,
-        multimodal=files.multimodal,
+        multimodal=files.multimodal_processor(info.max_tokens_per_mm_item),
     )
     return Frontend(engine, inputs, info, served_model_name)

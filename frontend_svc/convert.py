@@ -291,4 +291,5 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         enable_prefix_caching=msg.enable_prefix_caching,
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
+        max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
     )

@@ -31,6 +31,8 @@ class EngineInfo:
     enable_prefix_caching: bool
     engine_id: str
     max_concurrency: float
+    max_tokens_per_mm_item: int = 0
+    """Placeholder tokens one image takes in the workers' model; 0: the model takes text only."""
 
 
 @dataclass(slots=True)

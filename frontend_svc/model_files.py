@@ -1,5 +1,6 @@
-"""What a frontend reads from the model: its tokenizer and its generation config (eos ids and
-sampling defaults). The frontend service and the offline `LLM` API read them the same way."""
+"""What a frontend reads from the model: its tokenizer, its generation config (eos ids and
+sampling defaults) and, when the engine says the model takes images, its image processor. The
+frontend service and the offline `LLM` API read them the same way."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ class ModelFiles:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, Any]
-    multimodal: MultiModalProcessor | None = None
-    """The image processor of a multimodal model; None for a text-only one."""
+    folder: Path | None = None
+    """The checkpoint folder (None: a GGUF file)."""
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS
     tokenizer_info: TokenizerInfo | None = None
     """What the engine core needs of the tokenizer for structured outputs; None when the
     tokenizer has no serialized form (not a fast tokenizer)."""
@@ -43,6 +45,20 @@ class ModelFiles:
     """The folder the tokenizer was read from (None: it came out of a .gguf file)."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """The checkpoint's config.json ({} when it has none, e.g. a .gguf file)."""
+
+    def multimodal_processor(self, num_image_tokens: int) -> MultiModalProcessor | None:
+        """The image processor when the engine's model takes images, each as
+        `num_image_tokens` placeholder tokens (EngineInfo.max_tokens_per_mm_item); None when
+        it takes text only (0)."""
+        if num_image_tokens == 0:
+            return None
+        if self.folder is None:
+            raise ValueError(
+                "the engine's model takes images, but a GGUF file has no image processor"
+            )
+        return load_multimodal_processor(
+            self.folder, self.tokenizer, self.media_limits, num_image_tokens
+        )
 
 
 def tokenizer_info(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> TokenizerInfo | None:
@@ -81,15 +97,13 @@ def load_model_files(
             "--generation-config vllm"
         ) from None
     log_sampling_defaults(defaults, generation_config)
-    multimodal = None
-    if folder is not None:
-        multimodal = load_multimodal_processor(folder, tokenizer, media_limits)
     eos_ids = eos_token_ids(generation)
     return ModelFiles(
         tokenizer,
         eos_ids,
         defaults,
-        multimodal,
+        folder,
+        media_limits,
         tokenizer_info(tokenizer, eos_ids),
         tokenizer_folder=None if source.is_gguf else source.path,
         model_config=_read_config(folder),

@@ -1,5 +1,9 @@
 """The InputProcessor's multimodal part (vLLM's "MM processor"), for LLaVA-style models.
 
+Whether the model takes images is the engine's fact (EngineInfo.max_tokens_per_mm_item, from
+the workers' model), not a list of architectures here; this module reads how to lay out a
+prompt's images from the checkpoint's config.json and image processor.
+
     images (bytes, data: URLs)  --media.ImageLoader-->  RGB pictures
         --the model's Hugging Face image processor (PIL backend)-->  pixel values
         --content hash-->  identifier
@@ -33,9 +37,6 @@ from splitserve_contracts.mm_features import IMAGE, feature_identifier
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-"""Architectures whose prompts may carry images (the workers' LLaVA model)."""
-
 _CONTENT_LOOP = re.compile(r"\bfor\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
@@ -66,15 +67,19 @@ class ProcessedImage:
     identifier: str
 
 
-def read_image_model_spec(hf_config: Any, tokenizer: Any) -> ImageModelSpec | None:
-    """The spec of a multimodal checkpoint's config, or None for a text-only model."""
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not architectures or architectures[0] not in MULTIMODAL_ARCHITECTURES:
-        return None
+def read_image_model_spec(hf_config: Any, tokenizer: Any) -> ImageModelSpec:
+    """The spec of a LLaVA-style checkpoint's config (image token, vision tower's image and patch
+    size); ValueError when the config has none."""
+    architectures = list(getattr(hf_config, "architectures", None) or [""])
     token_id = getattr(hf_config, "image_token_id", None)
     if token_id is None:
-        token_id = hf_config.image_token_index
-    vision = hf_config.vision_config
+        token_id = getattr(hf_config, "image_token_index", None)
+    vision = getattr(hf_config, "vision_config", None)
+    if token_id is None or vision is None:
+        raise ValueError(
+            f"the engine takes images, but the model's config.json ({architectures[0]}) names "
+            "no image token (image_token_id) or vision tower (vision_config)"
+        )
     token = tokenizer.convert_ids_to_tokens(int(token_id))
     if not isinstance(token, str):
         raise ValueError(f"the tokenizer has no token for the image token id {token_id}")
@@ -208,22 +213,21 @@ class MultiModalProcessor:
 
 
 def load_multimodal_processor(
-    model_path: Path, tokenizer: Any, limits: MediaLimits
-) -> MultiModalProcessor | None:
-    """The processor of a multimodal checkpoint folder, or None for a text-only model (or a
-    folder without config.json). Also gives the tokenizer the processor's chat template when
-    it has none of its own."""
-    config_path = model_path / "config.json"
-    if not config_path.is_file():
-        return None
-    architectures = json.loads(config_path.read_text()).get("architectures") or [None]
-    if architectures[0] not in MULTIMODAL_ARCHITECTURES:
-        return None
+    model_path: Path, tokenizer: Any, limits: MediaLimits, num_image_tokens: int
+) -> MultiModalProcessor:
+    """The processor of the checkpoint folder of a model that takes images, each as
+    `num_image_tokens` placeholder tokens (the engine's fact, which the folder's config must
+    agree with). Also gives the tokenizer the processor's chat template when it has none of
+    its own."""
     from transformers import AutoConfig, AutoImageProcessor
 
     hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
     spec = read_image_model_spec(hf_config, tokenizer)
-    assert spec is not None
+    if spec.num_image_tokens != num_image_tokens:
+        raise ValueError(
+            f"the engine's model takes {num_image_tokens} placeholder tokens per image, the "
+            f"model at {model_path} {spec.num_image_tokens}: serve the same model on both"
+        )
 
     # The PIL backend (transformers 4's use_fast=False): torchvision cannot sit beside our torch.
     image_processor = AutoImageProcessor.from_pretrained(

@@ -8,11 +8,18 @@ worker.py         Worker: describe, load_model (joins torch.distributed, picks t
 model_runner.py   one step: state update -> inputs -> forward -> logits -> sample -> output
 input_batch.py    per-request state across steps; vectorized step inputs
 kv_cache.py       paged KV tensors per layer, null block (block 0), capacity arithmetic
-attention/        backends: torch (reference), triton (our kernel), flash_attn (paged API)
-layers/           embedding / LM head (vocab-parallel), linears (column/row-parallel,
-                  fused qkv and gate_up), RMSNorm, rotary (llama3 scaling), activation
-models/           Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) and the registry
-weights.py        safetensors checkpoints (sharded via the index json), dtype choice
+attention/        backends: torch (reference), cpu, triton (our kernel), flash_attn (paged API);
+                  selector.py picks one (a lazy table of their classes)
+layers/           embedding / LM head (vocab-parallel), linears (column/row-parallel, fused qkv
+                  and gate_up; their weights held by a LinearMethodBase: unquantized, fp8.py),
+                  ops that pick CPU kernels or torch when built (custom_op.py: RMSNorm, rotary,
+                  activations), rope and MoE configs; never imports models/
+models/           interfaces.py (CausalLM, SupportsImages), registry.py (architecture ->
+                  (module, class), imported on use), decoder.py (what every family shares,
+                  BuildContext), one file per family (llama, gemma2/3, phi3, mixtral,
+                  qwen3_moe, granite, llava + clip)
+kernels/          cpu_ops.cpp (RMSNorm, rotary, SiLU-and-mul, paged decode), built on first use
+weights.py        safetensors / GGUF checkpoints, FP8 scans (which layers keep FP8), dtype choice
 sampler.py        batched sampling; penalties.py, logprobs.py, prompt_logprobs.py,
                   sampling_metadata.py (per-request SamplerParams as columns, checked with
                   splitserve_contracts.sampling_rules)

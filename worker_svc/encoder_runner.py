@@ -4,7 +4,8 @@ replace the placeholder tokens of the step.
 
     new requests' mm_features --check (every rank: shape, placeholders, hash)--> kept per request
     scheduled_encoder_inputs  --encode_images (first stage)--> EncoderCache[hash]
-    step's positions x placeholder ranges --> (token index, embedding rows) --> embed_with_mm
+    step's positions x placeholder ranges --> (token index, embedding rows)
+        --> written over the placeholders' token embeddings (`embed`)
 
 An item a step needs but the cache lacks (a rank restarted under the core, or a request taken
 back out of a step after another request hit its entry) is encoded on demand: the rank keeps
@@ -22,7 +23,7 @@ import torch
 from splitserve_contracts.mm_features import feature_identifier, tensor_problem
 from worker_svc.encoder_cache import EncoderCache
 from worker_svc.input_batch import StepInputs
-from worker_svc.models.llava import LlavaForConditionalGeneration
+from worker_svc.models.interfaces import SupportsImages
 from worker_svc.scheduler_output import MultiModalInput, NewRequestData, SchedulerOutput
 from worker_svc.step_checks import check_step_shape
 
@@ -35,15 +36,13 @@ MmEmbeddings = tuple[torch.Tensor, torch.Tensor]
 
 
 class EncoderRunner:
-    """Multimodal state of a rank serving a LLaVA model; see the module docstring."""
+    """Multimodal state of a rank serving a model that takes images; see the module docstring."""
 
-    def __init__(self, model: LlavaForConditionalGeneration, device: torch.device) -> None:
+    def __init__(self, model: SupportsImages, device: torch.device) -> None:
         self.model = model
         self.device = device
-        vision = model.vision_config
-        size = vision.vision.image_size
-        self.pixel_shape = (vision.vision.num_channels, size, size)
-        self.num_tokens = vision.num_image_tokens
+        self.pixel_shape = model.image_input_shape
+        self.num_tokens = model.num_image_tokens
         self.features: dict[int, tuple[MultiModalInput, ...]] = {}
         self.cache = EncoderCache()
         self.num_on_demand = 0
@@ -150,8 +149,11 @@ class EncoderRunner:
         return rows
 
     def embed(self, input_ids: torch.Tensor, mm: MmEmbeddings) -> torch.Tensor:
-        """The first decoder layer's input: token embeddings, placeholders replaced."""
-        return self.model.embed_with_mm(input_ids, *mm)
+        """The first decoder layer's input: token embeddings, placeholders' rows replaced."""
+        index, embeddings = mm
+        hidden = self.model.embed_input_ids(input_ids)
+        hidden[index] = embeddings.to(hidden.dtype)
+        return hidden
 
 
 def _tensor(f: MultiModalInput) -> torch.Tensor:

@@ -35,8 +35,7 @@ from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
 from worker_svc.input_batch import InputBatch, StepInputs
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
-from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.models.llava import LlavaForConditionalGeneration
+from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
@@ -50,7 +49,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         parallel: ParallelState,
         *,
@@ -70,9 +69,13 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(device, seed)
-        self.async_scheduling = async_scheduling
+        self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
+        """What a sampling rank does with its sampled tokens: append them to its requests
+        (async scheduling: the next step takes them as inputs before the core knows them), or
+        leave them to the next step's diff."""
+        start, end = model.layer_range
         self.kv_cache_spec = KvCacheSpec(
-            num_layers=len(model.layers),
+            num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=dtype,
@@ -84,7 +87,7 @@ class ModelRunner:
         """Requests the current step refused, reported in its output."""
         self.encoder_runner: EncoderRunner | None = None
         """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
-        if isinstance(model, LlavaForConditionalGeneration):
+        if supports_images(model):
             self.encoder_runner = EncoderRunner(model, device)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
@@ -212,9 +215,7 @@ class ModelRunner:
                 sampling_handles = inputs.req_handles[inputs.sampling_reqs]
                 apply_grammar_bitmask(logits[:num_sampling], sampling_handles, grammar)
             sampler_output = self.sampler(logits[:num_sampling], metadata)
-            if self.async_scheduling:
-                tokens = sampler_output.sampled_token_ids.cpu().numpy()
-                batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
+            self._keep_sampled(inputs, sampler_output)
         if plan is not None:
             self.prompt_logprobs.collect(plan, logits[num_sampling:])
         sampled_handles = set(inputs.req_handles[inputs.sampling_reqs].tolist())
@@ -225,6 +226,11 @@ class ModelRunner:
             sample_seconds=time.perf_counter() - forwarded,
         )
         return self._output(step, started, inputs, sampler_output, prompt_tables, timings)
+
+    def _append_sampled(self, inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+        assert self.batch is not None
+        tokens = sampler_output.sampled_token_ids.cpu().numpy()
+        self.batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -320,3 +326,7 @@ class ModelRunner:
         return [
             RequestLogprobs(h, t) for h, t in zip(handles[wanted].tolist(), tables, strict=True)
         ]
+
+
+def _leave_sampled(inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+    """Lockstep scheduling: the next step's diff brings the sampled tokens."""

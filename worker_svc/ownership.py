@@ -29,7 +29,7 @@ import grpc
 
 from splitserve_runtime.model_source import resolve_model
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
-from worker_svc.models.model_config import ModelConfig
+from worker_svc.models.registry import read_model_config
 from worker_svc.weights import open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -133,4 +133,4 @@ def check_model_loadable(model_spec: str, revision: str = "") -> None:
     weight files), made before a loaded rank drops its model. Raises FileNotFoundError or
     ValueError."""
     checkpoint = open_checkpoint(resolve_model(model_spec, revision))
-    ModelConfig.from_hf_config(checkpoint.hf_config)
+    read_model_config(checkpoint.hf_config)  # as its family reads it (LLaVA, Gemma, ...)

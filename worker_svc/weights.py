@@ -23,10 +23,16 @@ import torch
 from tqdm import tqdm
 
 from splitserve_runtime.model_source import ModelSource
-from worker_svc.layers.fp8 import SCALE_SUFFIXES, Fp8Format, Fp8Weight, fp8_weights
-from worker_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.fp8 import (
+    SCALE_SUFFIXES,
+    Fp8Format,
+    Fp8LinearMethod,
+    Fp8LinearMethods,
+    fp8_weights,
+)
+from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.tensor_source import TensorSource
-from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.model_config import parse_dtype, read_hf_config
 from worker_svc.models.registry import model_class
 
@@ -133,33 +139,27 @@ def open_fp8_checkpoint(hf_config: Any, files: list[Path], fmt: Fp8Format) -> Ch
     )
 
 
-def keep_fp8_weights(model: LlamaForCausalLM, fp8: Fp8Checkpoint) -> int:
-    """Give the dense linear layers whose checkpoint weights are all FP8 (and whose slice fits
-    the FP8 kernels) an `Fp8Weight` before loading; returns how many layers keep FP8."""
-    kept: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+def fp8_linear_methods(model: CausalLM, fp8: Fp8Checkpoint) -> Fp8LinearMethods:
+    """The linear methods that keep FP8 the layers of `model` whose checkpoint weights are all
+    FP8 (a layer fusing FP8 and unquantized tensors stays unquantized; one whose slice does not
+    fit the FP8 kernels too). `model` only needs its structure: it may be built on the meta
+    device."""
+    kept: set[str] = set()
     mixed: set[str] = set()
     for name in fp8.tensor_names:
         for target in model.resolve_weight_name(name):
             path = model.target_path(target)
-            module = None if path is None else model.get_submodule(path)
-            if path is None or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            if path is None or not isinstance(model.get_submodule(path), LinearBase):
                 continue
-            if name in fp8.quantized:
-                kept[path] = module
-            else:
-                mixed.add(path)
-    num_kept = 0
-    for path, module in kept.items():
-        shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
-        starts = [0]
-        if isinstance(module, ColumnParallelLinear):
-            starts = [*module.part_starts, *module.part_offsets]
-        if path in mixed or not Fp8Weight.fits(shape, fp8.fmt, starts):
-            continue
-        module.fp8 = Fp8Weight(shape, fp8.fmt, module.weight.device)
-        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
-        num_kept += 1
-    return num_kept
+            (kept if name in fp8.quantized else mixed).add(path)
+    return Fp8LinearMethods(fp8.fmt, frozenset(kept - mixed))
+
+
+def num_fp8_layers(model: CausalLM) -> int:
+    """How many linear layers of `model` hold FP8 weights."""
+    return sum(
+        isinstance(m, LinearBase) and isinstance(m.method, Fp8LinearMethod) for m in model.modules()
+    )
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -240,7 +240,7 @@ def resolve_compute_dtype(
     return parse_dtype(requested)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: CausalLM) -> int:
     """Bytes of the distinct parameters and buffers (FP8 weights) this rank holds (tied weights
     counted once)."""
     seen: dict[int, int] = {}

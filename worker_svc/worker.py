@@ -20,27 +20,26 @@ import torch
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
-from worker_svc.attention.backend import (
-    AttentionBackend,
-    available_backends,
-    backend_class,
-    select_backend,
-)
-from worker_svc.attention.cpu_backend import CpuAttentionBackend
+from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.selector import available_backends, backend_class, select_backend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.grammar_bitmask import GrammarSource
-from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
+from worker_svc.models.decoder import BuildContext
+from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class, read_model_config
+from worker_svc.models.registry import model_class
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
-    keep_fp8_weights,
+    Fp8Checkpoint,
+    fp8_linear_methods,
+    num_fp8_layers,
     open_checkpoint,
     resolve_compute_dtype,
     weight_bytes,
@@ -130,7 +129,7 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
-        model_config = read_model_config(checkpoint.hf_config)
+        model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
@@ -140,38 +139,10 @@ class Worker:
         )
         backend_name = backend_for_model(backend_name, config.attention_backend, model_config)
         check_parallel_shape(config, model_config)
-        self.parallel = init_parallel_state(
-            config.rank,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.distributed_init_method,
-            self.device,
-            rendezvous=self.rendezvous,
-            rendezvous_id=config.rendezvous_id,
-        )
-        self.parallel.enable_expert_parallel = config.enable_expert_parallel
-        tp = self.parallel.tp_size
-        backend = backend_class(backend_name)(
-            model_config.num_heads // tp,
-            kv_heads_per_rank(model_config.num_kv_heads, tp),
-            model_config.head_dim,
-            dtype=dtype,
-            device=self.device,
-        )
-        kernels = _cpu_kernels(backend)
+        self._join(config)
         try:
-            model = cls(
-                model_config,
-                self.parallel,
-                backend,
-                dtype=dtype,
-                device=self.device,
-                max_positions=max(max_model_len, model_config.max_position_embeddings),
-                context_len=max_model_len,
-            )
-            if checkpoint.fp8 is not None and can_keep_fp8(self.device, dtype):
-                num_kept = keep_fp8_weights(model, checkpoint.fp8)
-                logger.info("%d linear layers keep their weights in FP8", num_kept)
+            backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
+            model = self._build_model(cls, build, checkpoint.fp8)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
         except BaseException:
@@ -180,10 +151,7 @@ class Worker:
             raise
         model.eval()
         self.weight_bytes = weight_bytes(model)
-        if self.device.type == "cpu":
-            model.pack_weights()
-        if kernels is not None:
-            model.use_cpu_kernels(kernels)
+        model.process_weights_after_loading()
         self.runner = ModelRunner(
             model,
             backend,
@@ -196,22 +164,81 @@ class Worker:
             async_scheduling=config.async_scheduling,
         )
         self.config, self.model_config = config, model_config
+        return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
+
+    def _join(self, config: LoadModelConfig) -> None:
+        self.parallel = init_parallel_state(
+            config.rank,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.distributed_init_method,
+            self.device,
+            rendezvous=self.rendezvous,
+            rendezvous_id=config.rendezvous_id,
+        )
+        self.parallel.enable_expert_parallel = config.enable_expert_parallel
+
+    def _build_context(
+        self, backend_name: str, model: ModelConfig, dtype: torch.dtype, max_model_len: int
+    ) -> tuple[AttentionBackend, BuildContext]:
+        """The attention backend for this rank's heads and what the model is built with; a
+        backend that runs the CPU kernels loads them (where they build) for itself and for the
+        model's ops."""
+        cls = backend_class(backend_name)
+        kernels = CpuKernels.load() if cls.uses_cpu_kernels else None
+        tp = self.parallel.tp_size
+        with using_cpu_kernels(kernels):
+            backend = cls(
+                model.num_heads // tp,
+                kv_heads_per_rank(model.num_kv_heads, tp),
+                model.head_dim,
+                dtype=dtype,
+                device=self.device,
+            )
+        build = BuildContext(
+            model,
+            self.parallel,
+            backend,
+            dtype,
+            self.device,
+            max_positions=max(max_model_len, model.max_position_embeddings),
+            context_len=max_model_len,
+            cpu_kernels=kernels,
+        )
+        return backend, build
+
+    def _build_model(
+        self, cls: type[CausalLM], build: BuildContext, fp8: Fp8Checkpoint | None
+    ) -> CausalLM:
+        """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
+        weights FP8 (which layers: planned on a copy built on the meta device, which allocates
+        nothing)."""
+        if fp8 is not None and can_keep_fp8(self.device, build.dtype):
+            meta = build.create(cls, device=torch.device("meta"))
+            methods = fp8_linear_methods(meta, fp8)
+            model = build.create(cls, linear_methods=methods)
+            logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
+            return model
+        return build.create(cls)
+
+    def _loaded(
+        self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
+    ) -> LoadedModel:
+        config = model.config
         start, end = model.layer_range
         return LoadedModel(
-            architecture=model_config.architecture,
-            vocab_size=model_config.vocab_size,
+            architecture=config.architecture,
+            vocab_size=config.vocab_size,
             max_model_len=max_model_len,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(backend.dtype).removeprefix("torch."),
             weight_bytes=self.weight_bytes,
-            load_seconds=time.perf_counter() - started,
-            attention_backend=backend_name,
+            load_seconds=seconds,
+            attention_backend=backend.name,
             num_layers=end - start,
             num_kv_heads=backend.num_kv_heads,
-            head_dim=model_config.head_dim,
-            sliding_window=model_config.kv_sliding_window or 0,
-            max_tokens_per_mm_item=(
-                model_config.vision.num_image_tokens if model_config.vision is not None else 0
-            ),
+            head_dim=config.head_dim,
+            sliding_window=config.kv_sliding_window or 0,
+            max_tokens_per_mm_item=model.num_image_tokens if supports_images(model) else 0,
         )
 
     def _require_runner(self) -> ModelRunner:
@@ -307,7 +334,10 @@ class Worker:
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
     """The cpu backend has no sliding windows or soft caps: "auto" takes the torch backend for
     models that need them; asking for cpu by name is refused."""
-    if name != "cpu" or (model.sliding_window is None and model.attn_logit_softcapping is None):
+    has_soft_caps = any(
+        model.layer_attention(i).logits_soft_cap is not None for i in range(model.num_layers)
+    )
+    if name != "cpu" or (model.sliding_window is None and not has_soft_caps):
         return name
     if requested in ("", "auto"):
         return "torch"
@@ -362,12 +392,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
-
-
-def _cpu_kernels(backend: AttentionBackend) -> CpuKernels | None:
-    """The CPU kernels (worker_svc/kernels) for a model on the cpu attention backend, given to
-    the backend before the layers take their views; None: the torch path."""
-    if not isinstance(backend, CpuAttentionBackend):
-        return None
-    backend.kernels = CpuKernels.load()
-    return backend.kernels

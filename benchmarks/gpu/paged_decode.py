@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker_svc.attention.backend import AttentionBackend, AttentionInputs, backend_class
+from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.attention.flash_attn_backend import FLASH_ATTN_BLOCK_MULTIPLE
+from worker_svc.attention.selector import backend_class
 
 H200_HBM_GBPS = 4800.0
 BLOCK_SIZES = {"torch": 16, "triton": 16, "flash_attn": FLASH_ATTN_BLOCK_MULTIPLE}

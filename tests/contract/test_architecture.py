@@ -69,6 +69,16 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "from smg_grpc_proto import vllm_engine_pb2",
             "The gateway contract (smg-grpc-proto) stops",
         ),
+        (
+            "worker_svc/layers/rotary.py",
+            "import worker_svc.models.model_config",
+            "Worker: models build on layers",
+        ),
+        (
+            "worker_svc/model_runner.py",
+            "from worker_svc.models import llava",
+            "The worker and its runners know models",
+        ),
     ],
 )
 def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broken: str) -> None:

@@ -2,7 +2,8 @@
 
 Sliding windows (Mistral; Gemma's alternating local/global layers), Gemma 2 and 3 (soft caps,
 (1 + w) norms, scaled embeddings, query_pre_attn_scalar, Gemma 3's local rope), Phi-3 (fused
-checkpoint tensors, longrope, partial rotary), Mixtral and Qwen3-MoE, yarn and dynamic NTK rope.
+checkpoint tensors, longrope, partial rotary), Mixtral and Qwen3-MoE, yarn and dynamic NTK rope;
+Granite (issue 23: embedding, attention, residual and logits multipliers).
 Every computed position's logits must match within 1e-4 and greedy tokens must equal
 `generate`, over a chunked prefill (chunks straddling blocks and windows) with decodes and a
 prefix-cache hit.
@@ -37,6 +38,7 @@ FAMILIES = [
     "qwen3_moe",
     "yarn_rope",
     "dynamic_rope",
+    "granite",
 ]
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

@@ -51,6 +51,7 @@ CASES = [
     ("ep2", "qwen3_moe"),
     ("pp2", "gemma3"),
     ("pp2", "mixtral"),
+    ("pp2", "granite"),  # the embedding multiplier on one stage, the logits scaling on the other
 ]
 # (tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
 LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}

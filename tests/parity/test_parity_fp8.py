@@ -29,7 +29,7 @@ from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
 from worker_svc import worker as worker_module
-from worker_svc.layers.fp8 import Fp8Weight
+from worker_svc.layers.fp8 import Fp8LinearMethod
 from worker_svc.layers.linear import ColumnParallelLinear
 from worker_svc.model_load import LoadModelConfig
 
@@ -105,8 +105,8 @@ def test_block_fp8_layers_kept_in_fp8_match_exactly(
     rank = load_local(fp8_dir, "llama")
     try:
         qkv = rank.worker.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
-        assert isinstance(qkv, ColumnParallelLinear) and isinstance(qkv.fp8, Fp8Weight)
-        assert qkv.fp8.weight.dtype == torch.float8_e4m3fn and qkv.weight.numel() == 0
+        assert isinstance(qkv, ColumnParallelLinear) and isinstance(qkv.method, Fp8LinearMethod)
+        assert qkv.weight.dtype == torch.float8_e4m3fn
         drive(rank, reference_for(references, dequantized_dir))
     finally:
         rank.close()
@@ -122,7 +122,7 @@ def test_per_tensor_fp8_matmuls_stay_close(
     rank = load_local(fp8_dir, "llama")
     try:
         mlp = rank.worker.runner.model.layers[1].mlp  # type: ignore[union-attr]
-        assert mlp.down_proj.fp8 is not None
+        assert isinstance(mlp.down_proj.method, Fp8LinearMethod)
         driver = StepDriver(BLOCK_SIZE)
         handle = driver.add(PROMPTS[1], max_tokens=1)
         ours = run_recording(driver, rank)[handle]

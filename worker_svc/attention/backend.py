@@ -1,4 +1,4 @@
-"""The attention backend interface and the automatic choice between backends.
+"""The attention backend interface (the choice between backends: selector.py).
 
 A backend owns the layout of one layer's paged KV cache and does two things per layer: write
 the step's keys and values into the cache at `slot_mapping`, then attend each query token
@@ -21,8 +21,6 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 import torch
-
-BACKEND_NAMES = ("torch", "triton", "flash_attn", "cpu")
 
 IntArray = npt.NDArray[np.int64]
 
@@ -88,6 +86,9 @@ class AttentionBackend(ABC):
     """One paged-attention implementation, built for one model shard's head layout."""
 
     name: ClassVar[str]
+    uses_cpu_kernels: ClassVar[bool] = False
+    """Whether the backend (and the layers beside it) run the CPU kernels (worker_svc/kernels)
+    where they load: such a backend is built inside `using_cpu_kernels`."""
     options: AttentionOptions = AttentionOptions()
 
     def __init__(
@@ -161,54 +162,3 @@ def is_importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-
-
-def backend_class(name: str) -> type[AttentionBackend]:
-    if name == "torch":
-        from worker_svc.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend
-    if name == "triton":
-        from worker_svc.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend
-    if name == "flash_attn":
-        from worker_svc.attention.flash_attn_backend import FlashAttnBackend
-
-        return FlashAttnBackend
-    if name == "cpu":
-        from worker_svc.attention.cpu_backend import CpuAttentionBackend
-
-        return CpuAttentionBackend
-    raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKEND_NAMES}")
-
-
-def available_backends(device: torch.device) -> list[str]:
-    """Backends that can run on `device` (block size not yet considered)."""
-    return [n for n in BACKEND_NAMES if backend_class(n).unsupported_reason(device, None) is None]
-
-
-def select_backend(
-    requested: str,
-    device: torch.device,
-    block_size: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> str:
-    """Resolve "auto" (CPU: cpu; CUDA: flash_attn, else triton, else torch) or check an
-    explicit choice.
-
-    "auto" on CUDA prefers flash_attn, whose paged API needs a block size that is a multiple of
-    256; before the block size is known it picks flash_attn provisionally and the KV cache
-    initialization resolves again.
-    """
-    if requested in ("", "auto"):
-        if device.type != "cuda":
-            return "cpu" if device.type == "cpu" else "torch"
-        for name in BACKEND_NAMES:
-            if backend_class(name).unsupported_reason(device, block_size, dtype) is None:
-                return name
-        return "torch"
-    reason = backend_class(requested).unsupported_reason(device, block_size, dtype)
-    if reason is not None:
-        raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
-    return requested

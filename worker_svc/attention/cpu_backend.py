@@ -16,10 +16,10 @@ softmax runs in float32 and one more matmul reads the values. Measured on the 2-
 avx512_bf16 host, one thread: 0.3 ms against SDPA's 0.7 ms for a 128-token bf16 prompt,
 1.1 ms against 2.6 ms for 256 tokens.
 
-With the CPU kernels loaded (worker_svc/kernels), decodes instead read the cache in place
-through their block tables (a request's blocks in cache order, or one KV head of it when there
-are few requests) with float32 scores and softmax: no gather, no bias tensor, no per-step index
-arrays beyond the block table itself.
+Built with the CPU kernels (worker_svc/kernels, inside `using_cpu_kernels`), decodes instead
+read the cache in place through their block tables (a request's blocks in cache order, or one
+KV head of it when there are few requests) with float32 scores and softmax: no gather, no bias
+tensor, no per-step index arrays beyond the block table itself.
 
 The torch backend stays the reference: tests compare the two on mixed steps.
 """
@@ -27,6 +27,7 @@ The torch backend stays the reference: tests compare the two on mixed steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from worker_svc.attention.torch_backend import (
     TorchAttentionMetadata,
     head_major_write_index,
 )
-from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.kernels.cpu_kernels import CpuKernels, current_cpu_kernels
 
 DECODE_GROUP_BYTES = 1 << 21
 """Gathered key bytes per group of decodes (keys and values together about twice this): near
@@ -82,9 +83,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Blocked-matmul prefills over the torch backend's cache layout (CPU only)."""
 
     name = "cpu"
+    uses_cpu_kernels = True
     _scratch: torch.Tensor | None = None
-    kernels: CpuKernels | None = None
-    """Set before the model's layers take their views (`with_options` copies it)."""
+    kernels: CpuKernels
+    """Set when built with the CPU kernels (then the decodes run through them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """AttentionBackend's arguments; decodes run through the kernels when built inside
+        `using_cpu_kernels`."""
+        super().__init__(*args, **kwargs)
+        kernels = current_cpu_kernels()
+        self._plan_decodes = self._torch_decodes
+        if kernels is not None:
+            self.kernels = kernels
+            self._plan_decodes = self._native_decodes
 
     @classmethod
     def unsupported_reason(
@@ -101,21 +113,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
         write = head_major_write_index(inputs.slot_mapping, inputs.block_size, self.num_kv_heads)
         is_decode = inputs.query_lens == 1
         decode, native = None, None
-        if is_decode.any() and self.kernels is not None:
-            native = self._native_decode(inputs, is_decode.nonzero()[0])
-        elif is_decode.any():
-            decode = self._decode_batch(inputs, is_decode.nonzero()[0])
+        if is_decode.any():
+            decode, native = self._plan_decodes(inputs, is_decode.nonzero()[0])
         chunks = [self._prefill_chunk(inputs, int(i)) for i in (~is_decode).nonzero()[0]]
         return CpuAttentionMetadata(self._to_device(write), decode, [], chunks, native)
 
-    def _native_decode(self, inputs: AttentionInputs, reqs: np.ndarray) -> NativeDecode:
+    def _torch_decodes(
+        self, inputs: AttentionInputs, reqs: np.ndarray
+    ) -> tuple[DecodeBatch | None, NativeDecode | None]:
+        return self._decode_batch(inputs, reqs), None
+
+    def _native_decodes(
+        self, inputs: AttentionInputs, reqs: np.ndarray
+    ) -> tuple[DecodeBatch | None, NativeDecode | None]:
+        """The decodes for the CPU kernel: block tables and sequence lengths, no gather."""
         seq_lens = inputs.seq_lens[reqs]
         num_blocks = -(-int(seq_lens.max()) // inputs.block_size)
         tables = np.ascontiguousarray(inputs.block_tables[reqs, :num_blocks], dtype=np.int64)
         all_decode = len(reqs) == inputs.num_tokens
         token_index = None if all_decode else self._to_device(inputs.query_start_loc[reqs])
         lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
-        return NativeDecode(token_index, torch.from_numpy(tables), torch.from_numpy(lens))
+        native = NativeDecode(token_index, torch.from_numpy(tables), torch.from_numpy(lens))
+        return None, native
 
     def _prefill_chunk(self, inputs: AttentionInputs, req: int) -> PrefillChunk:
         start, end = int(inputs.query_start_loc[req]), int(inputs.query_start_loc[req + 1])
@@ -164,7 +183,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _native_decode_forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, native: NativeDecode
     ) -> torch.Tensor:
-        assert self.kernels is not None
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         self.kernels.paged_decode_attention(
             out, query, kv_cache, native.block_tables, native.seq_lens, self.scale

@@ -22,6 +22,9 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -75,6 +78,25 @@ def _build(folder: Path) -> None:
     done = subprocess.run(compile_command(folder / LIBRARY), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+
+
+_IN_USE: ContextVar[CpuKernels | None] = ContextVar("cpu_kernels", default=None)
+
+
+@contextmanager
+def using_cpu_kernels(kernels: CpuKernels | None) -> Iterator[None]:
+    """Layers and attention backends built inside take their CPU-kernel implementation
+    (None: the torch one); see layers/custom_op.py."""
+    token = _IN_USE.set(kernels)
+    try:
+        yield
+    finally:
+        _IN_USE.reset(token)
+
+
+def current_cpu_kernels() -> CpuKernels | None:
+    """The kernels of the enclosing `using_cpu_kernels`, if any."""
+    return _IN_USE.get()
 
 
 def is_rows(x: torch.Tensor) -> bool:

@@ -11,7 +11,8 @@ Where FP8 weights are served:
   reads its slice (`Fp8Tensor`), to float32 and then the compute dtype (bfloat16, or float32 with
   --dtype float32): the model then runs as an unquantized one.
 - On CUDA devices with FP8 matmuls (compute capability 8.9+), the dense linear layers of the
-  decoder keep their slice in FP8 (`Fp8Weight`): per-tensor checkpoints multiply with
+  decoder keep their slice in FP8 (`Fp8LinearMethod`, chosen per layer when the model is built
+  by `Fp8LinearMethods`): per-tensor checkpoints multiply with
   `torch._scaled_mm` (activations quantized per token on the fly, weight scales per output row),
   block-wise ones dequantize one layer's weight at a time inside the matmul. Embeddings, the LM
   head and mixture-of-experts experts are dequantized at load.
@@ -27,6 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    WeightIndex,
+)
 from worker_svc.layers.tensor_source import RowRange, TensorSource
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -160,23 +167,16 @@ def can_keep_fp8(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class Fp8Weight(nn.Module):
-    """A linear layer's weight slice kept in FP8: values [out, in] and float32 scales, per output
-    row (per-tensor checkpoints: each fused part's scale repeated over its rows) or per block."""
+class Fp8LinearMethod(LinearMethodBase):
+    """A linear layer's weight slice kept in FP8: `weight` [out, in] in float8_e4m3fn and
+    float32 `weight_scale`, per output row (per-tensor checkpoints: each fused part's scale
+    repeated over its rows) or per block."""
 
-    weight: torch.Tensor
-    scale: torch.Tensor
+    weight_scale: torch.Tensor
+    """The layer's `weight_scale` buffer (registered by `create_weights`)."""
 
-    def __init__(self, shape: tuple[int, int], fmt: Fp8Format, device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, fmt: Fp8Format) -> None:
         self.fmt = fmt
-        num_rows, num_cols = shape
-        self.register_buffer("weight", torch.empty(shape, dtype=torch.float8_e4m3fn, device=device))
-        if fmt.block_size is None:
-            scale_shape: tuple[int, ...] = (num_rows,)
-        else:
-            scale_shape = (num_rows // fmt.block_size[0], num_cols // fmt.block_size[1])
-        self.register_buffer("scale", torch.empty(scale_shape, dtype=torch.float32, device=device))
 
     @staticmethod
     def fits(shape: tuple[int, int], fmt: Fp8Format, row_starts: list[int]) -> bool:
@@ -188,41 +188,82 @@ class Fp8Weight(nn.Module):
         b0, b1 = fmt.block_size
         return shape[0] % b0 == 0 and shape[1] % b1 == 0 and all(s % b0 == 0 for s in row_starts)
 
-    def load(self, source: Fp8Tensor, index: tuple[slice, slice], rows: slice) -> None:
-        """Copy the checkpoint slice `index` (all of this layer's columns) into weight[rows]."""
-        self.weight[rows].copy_(source.raw(index))
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
+        num_rows, num_cols = layer.output_size_per_rank, layer.input_size_per_rank
+        values = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
+        layer.weight = nn.Parameter(values, requires_grad=False)
         if self.fmt.block_size is None:
-            self.scale[rows].fill_(float(source.scale_tensor.reshape(())))
+            scale_shape: tuple[int, ...] = (num_rows,)
+        else:
+            scale_shape = (num_rows // self.fmt.block_size[0], num_cols // self.fmt.block_size[1])
+        self.weight_scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+        layer.register_buffer("weight_scale", self.weight_scale)
+
+    def load_weight(
+        self, layer: LinearBase, source: TensorSource, index: WeightIndex, rows: slice
+    ) -> None:
+        """Copy the checkpoint slice `index` (all of this layer's columns) into weight[rows]."""
+        if not isinstance(source, Fp8Tensor):
+            raise ValueError("a layer kept in FP8 was given a checkpoint tensor that is not FP8")
+        layer.weight[rows].copy_(source.raw(index))
+        scale = self.weight_scale
+        if self.fmt.block_size is None:
+            scale[rows].fill_(float(source.scale_tensor.reshape(())))
             return
         b0, b1 = self.fmt.block_size
         src_rows, src_cols = source.bounds(index)
         num_blocks = (rows.stop - rows.start) // b0
         first_row, first_col = src_rows.start // b0, src_cols.start // b1
         blocks = source.scale_tensor[first_row : first_row + num_blocks]
-        self.scale[rows.start // b0 :][:num_blocks].copy_(
-            blocks[:, first_col : first_col + self.scale.shape[1]]
+        scale[rows.start // b0 :][:num_blocks].copy_(
+            blocks[:, first_col : first_col + scale.shape[1]]
         )
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T with W = values x scales, in x's dtype."""
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """FP8 values and scales serve as loaded."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T with W = values x scales, in x's dtype (+ bias)."""
+        y = self._matmul(layer.weight, self.weight_scale, x)
+        return y if bias is None else y.add_(bias)
+
+    def _matmul(self, weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.block_size is not None:
-            return F.linear(x, self.dequantized(x.dtype))
+            return F.linear(x, dequantize_blocks(weight, scale, self.fmt.block_size, x.dtype))
         rows = x.reshape(-1, x.shape[-1])
         x_scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-12) / FP8_MAX
         x_fp8 = (rows / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         out = torch._scaled_mm(
             x_fp8,
-            self.weight.t(),
+            weight.t(),
             scale_a=x_scale,
-            scale_b=self.scale.unsqueeze(0),
+            scale_b=scale.unsqueeze(0),
             out_dtype=torch.bfloat16 if x.dtype == torch.float16 else x.dtype,
         )
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, one block scale per (b0 x b1) tile."""
-        assert self.fmt.block_size is not None
-        b0, b1 = self.fmt.block_size
-        num_rows, num_cols = self.weight.shape
-        tiles = self.weight.view(num_rows // b0, b0, num_cols // b1, b1).to(torch.float32)
-        return (tiles * self.scale[:, None, :, None]).view(num_rows, num_cols).to(dtype)
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """An FP8 weight in `dtype`, one block scale per (b0 x b1) tile."""
+    b0, b1 = block
+    num_rows, num_cols = weight.shape
+    tiles = weight.view(num_rows // b0, b0, num_cols // b1, b1).to(torch.float32)
+    return (tiles * scale[:, None, :, None]).view(num_rows, num_cols).to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8LinearMethods:
+    """An FP8 checkpoint's `LinearMethods`: the layers at `prefixes` (whose checkpoint tensors
+    are all FP8) keep FP8 where their slice fits the kernels; every other layer is unquantized
+    (its FP8 tensors dequantized as they are read)."""
+
+    fmt: Fp8Format
+    prefixes: frozenset[str]
+
+    def method_for(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
+        shape = (layer.output_size_per_rank, layer.input_size_per_rank)
+        if prefix in self.prefixes and Fp8LinearMethod.fits(shape, self.fmt, layer.row_starts):
+            return Fp8LinearMethod(self.fmt)
+        return UnquantizedLinearMethod()

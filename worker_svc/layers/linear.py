@@ -6,24 +6,27 @@ holds [q_r; k_r; v_r]. `QKVParallelLinear` splits the KV heads too, or replicate
 there are fewer KV heads than ranks (as vLLM does). `RowParallelLinear` splits the input features and all-reduces the partial
 sums. The pair column -> row needs one all-reduce per block, as in Megatron-LM.
 
-A layer whose checkpoint weight is FP8 may keep its slice in FP8 (`fp8`, set before loading on
-devices with FP8 matmuls; layers/fp8.py): it then loads and multiplies through it.
+The layers own the sharding (which rows or columns of a checkpoint tensor a rank holds) and
+the all-reduce; how the weight is stored, loaded and multiplied is the layer's
+`LinearMethodBase` (vLLM's seam for quantization), chosen when the layer is built by the
+model's `LinearMethods` for the layer's module path: `UnquantizedLinearMethod` (the compute
+dtype, packed by oneDNN on CPU), or layers/fp8.py's `Fp8LinearMethod` (an FP8 checkpoint's
+weights kept FP8 on devices with FP8 matmuls). Other quantization formats add a method and a
+`LinearMethods`, not a branch in the layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.distributed import ParallelState
-from worker_svc.layers.tensor_source import TensorSource, copy_checked, read_cols, read_rows
-
-if TYPE_CHECKING:
-    from worker_svc.layers.fp8 import Fp8Tensor, Fp8Weight
+from worker_svc.layers.tensor_source import TensorSource, copy_checked
 
 
 def cpu_packing_available() -> bool:
@@ -111,7 +114,134 @@ def first_kv_head(num_kv_heads: int, tp_size: int, tp_rank: int) -> int:
     return tp_rank * num_kv_heads // tp_size
 
 
-class ColumnParallelLinear(nn.Module):
+WeightIndex = slice | tuple[slice, slice]
+"""Which part of a checkpoint tensor a rank reads: rows, or (rows, columns)."""
+
+
+class LinearMethodBase(ABC):
+    """How one linear layer stores, loads and multiplies its weight slice (vLLM's
+    LinearMethodBase); one instance per layer."""
+
+    @abstractmethod
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
+        """Give `layer` its `weight` parameter for the slice [output_size_per_rank,
+        input_size_per_rank] (and whatever else the method keeps, e.g. scales)."""
+
+    @abstractmethod
+    def load_weight(
+        self, layer: LinearBase, source: TensorSource, index: WeightIndex, rows: slice
+    ) -> None:
+        """Store `source[index]` (a checkpoint slice) as rows `rows` of the layer's weight."""
+
+    @abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) with this rank's slice W."""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Bring the loaded weight into the form `apply` runs fastest with."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The weight in the compute dtype; on CPU packed by oneDNN once loaded (`packed`)."""
+
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+
+    def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
+        layer.weight = _param(
+            (layer.output_size_per_rank, layer.input_size_per_rank), dtype, device
+        )
+
+    def load_weight(
+        self, layer: LinearBase, source: TensorSource, index: WeightIndex, rows: slice
+    ) -> None:
+        copy_checked(layer.weight[rows], source[index], "weight")
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, self.packed, bias)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Switch to the packed weight where oneDNN packs; the dense copy is released."""
+        self.packed = pack_weight(layer.weight)
+        if self.packed is not None:
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+
+class LinearMethods(Protocol):
+    """Which method each linear layer of a model takes (vLLM's quantization config)."""
+
+    def method_for(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
+        """The method of `layer`, whose module path in the model is `prefix`."""
+        ...
+
+
+class Unquantized:
+    """Every layer unquantized."""
+
+    def method_for(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
+        return UnquantizedLinearMethod()
+
+
+UNQUANTIZED = Unquantized()
+
+
+class LinearArgs(TypedDict):
+    """The keyword arguments every tensor-parallel linear layer takes besides its shape."""
+
+    parallel: ParallelState
+    dtype: torch.dtype
+    device: torch.device
+    methods: LinearMethods
+    prefix: str
+
+
+class LinearBase(nn.Module):
+    """A tensor-parallel linear layer: this rank's weight slice [output_size_per_rank,
+    input_size_per_rank] (its first rows in the checkpoint at `row_starts`), an optional bias,
+    and the method that holds the weight."""
+
+    weight: torch.Tensor
+
+    def __init__(
+        self,
+        input_size_per_rank: int,
+        output_size_per_rank: int,
+        row_starts: Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        methods: LinearMethods,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.input_size_per_rank = input_size_per_rank
+        self.output_size_per_rank = output_size_per_rank
+        self.row_starts = list(row_starts)
+        self.bias = _param((output_size_per_rank,), dtype, device) if bias else None
+        self.method = methods.method_for(self, prefix)
+        self.method.create_weights(self, dtype, device)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size_per_rank}, out={self.output_size_per_rank}, "
+            f"bias={self.bias is not None}, method={type(self.method).__name__}"
+        )
+
+
+def linear_layers(model: nn.Module) -> Iterator[tuple[str, LinearBase]]:
+    """Every linear layer of `model` with its module path: what quantization methods hold and
+    LoRA adapters will wrap."""
+    for path, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            yield path, module
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b, W split by output rows; fused parts keep their own slices.
 
     `shards` gives, per part, this rank's (first row, number of rows) in the checkpoint tensor;
@@ -130,48 +260,40 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         shards: Sequence[tuple[int, int]] | None = None,
+        methods: LinearMethods = UNQUANTIZED,
+        prefix: str = "",
     ) -> None:
-        super().__init__()
         if shards is None:
             sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
             shards = [(parallel.tp_rank * size, size) for size in sizes]
         self.part_starts = [start for start, _ in shards]
         self.part_sizes = [size for _, size in shards]
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
-        out = sum(self.part_sizes)
-        self.weight = _param((out, input_size), dtype, device)
-        self.bias = _param((out,), dtype, device) if bias else None
-        self.packed: torch.Tensor | None = None
-        self.fp8: Fp8Weight | None = None
+        super().__init__(
+            input_size,
+            sum(self.part_sizes),
+            [*self.part_starts, *self.part_offsets],
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            methods=methods,
+            prefix=prefix,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            y = self.fp8.linear(x)
-            return y if self.bias is None else y.add_(self.bias)
-        return linear(x, self.weight, self.packed, self.bias)
-
-    def pack(self) -> None:
-        """Switch to the packed weight (after loading); the dense copy is released."""
-        if self.fp8 is not None:
-            return
-        self.packed = pack_weight(self.weight)
-        if self.packed is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return self.method.apply(self, x, self.bias)
 
     def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
         """Load this rank's slice of fused part `part` (e.g. 0=q, 1=k, 2=v) of `param_name`."""
-        target = self.weight if param_name == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"checkpoint has a {param_name} this layer does not use")
-        size = self.part_sizes[part]
-        if self.fp8 is not None and param_name == "weight":
-            rows = slice(self.part_starts[part], self.part_starts[part] + size)
-            offset = self.part_offsets[part]
-            fp8_source: Fp8Tensor = source  # type: ignore[assignment]
-            self.fp8.load(fp8_source, (rows, slice(None)), slice(offset, offset + size))
+        start, size, offset = self.part_starts[part], self.part_sizes[part], self.part_offsets[part]
+        if param_name == "weight":
+            self.method.load_weight(
+                self, source, slice(start, start + size), slice(offset, offset + size)
+            )
             return
-        loaded = read_rows(source, self.part_starts[part], size)
-        copy_checked(target.narrow(0, self.part_offsets[part], size), loaded, param_name)
+        if self.bias is None:
+            raise ValueError(f"checkpoint has a {param_name} this layer does not use")
+        copy_checked(self.bias.narrow(0, offset, size), source[start : start + size], param_name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -190,6 +312,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         parallel: ParallelState,
         dtype: torch.dtype,
         device: torch.device,
+        methods: LinearMethods = UNQUANTIZED,
+        prefix: str = "",
     ) -> None:
         tp, rank = parallel.tp_size, parallel.tp_rank
         q_rows = _divide(num_heads, tp, "attention heads") * head_dim
@@ -203,10 +327,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             dtype=dtype,
             device=device,
             shards=[(rank * q_rows, q_rows), (kv_start, kv_rows), (kv_start, kv_rows)],
+            methods=methods,
+            prefix=prefix,
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) + b, W split by input columns; x arrives already split."""
 
     def __init__(
@@ -218,32 +344,27 @@ class RowParallelLinear(nn.Module):
         parallel: ParallelState,
         dtype: torch.dtype,
         device: torch.device,
+        methods: LinearMethods = UNQUANTIZED,
+        prefix: str = "",
     ) -> None:
-        super().__init__()
         self.parallel = parallel
-        self.input_size_per_rank = _divide(input_size, parallel.tp_size, "input size")
-        self.weight_rows = output_size
-        self.weight = _param((output_size, self.input_size_per_rank), dtype, device)
-        self.bias = _param((output_size,), dtype, device) if bias else None
-        self.packed: torch.Tensor | None = None
-        self.fp8: Fp8Weight | None = None
+        size = _divide(input_size, parallel.tp_size, "input size")
+        super().__init__(
+            size,
+            output_size,
+            [0],
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            methods=methods,
+            prefix=prefix,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            y = self.parallel.all_reduce(self.fp8.linear(x))
-            return y if self.bias is None else y.add_(self.bias)
         if self.parallel.tp_size == 1:
-            return linear(x, self.weight, self.packed, self.bias)
-        y = self.parallel.all_reduce(linear(x, self.weight, self.packed, None))
+            return self.method.apply(self, x, self.bias)
+        y = self.parallel.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y.add_(self.bias)
-
-    def pack(self) -> None:
-        """Switch to the packed weight (after loading); the dense copy is released."""
-        if self.fp8 is not None:
-            return
-        self.packed = pack_weight(self.weight)
-        if self.packed is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
         if param_name == "bias":
@@ -253,9 +374,5 @@ class RowParallelLinear(nn.Module):
             return
         size = self.input_size_per_rank
         start = self.parallel.tp_rank * size
-        if self.fp8 is not None:
-            fp8_source: Fp8Tensor = source  # type: ignore[assignment]
-            cols = slice(start, start + size)
-            self.fp8.load(fp8_source, (slice(None), cols), slice(0, self.weight_rows))
-            return
-        copy_checked(self.weight, read_cols(source, start, size), param_name)
+        cols = (slice(None), slice(start, start + size))
+        self.method.load_weight(self, source, cols, slice(0, self.output_size_per_rank))

@@ -17,6 +17,8 @@ those). No Python loop ever runs per token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,21 @@ from torch import nn
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.tensor_source import TensorSource, copy_checked, read_cols, read_rows
-from worker_svc.models.model_config import MoeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Sparse MLP: each token goes to `top_k` of `num_experts` SiLU-gated experts.
+
+    Routing: softmax over the router logits, the top_k probabilities, renormalised to sum to 1
+    when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob). `sparse_layers` marks the
+    layers whose MLP is sparse (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from worker_svc.kernels.cpu_kernels import CpuKernels
-from worker_svc.models.model_config import RopeConfig
+from worker_svc.layers.custom_op import CustomOp
+from worker_svc.layers.rope_config import RopeConfig
 
 
 def inverse_frequencies(
@@ -116,11 +116,12 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Tabulated cos/sin [max_positions, rotary_dim / 2] in the compute dtype. With `kernels`
-    (CPU), `apply_` rotates in place in one pass."""
+class RotaryEmbedding(CustomOp):
+    """Tabulated cos/sin [max_positions, rotary_dim / 2] in the compute dtype (plain tensors,
+    not buffers: they are not weights). Calling it rotates q and k together, in place where
+    the CPU kernels can (built with them)."""
 
-    kernels: CpuKernels | None = None
+    has_cpu_kernels = True
 
     def __init__(
         self,
@@ -132,6 +133,7 @@ class RotaryEmbedding:
         device: torch.device,
         context_len: int | None = None,
     ) -> None:
+        super().__init__()
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
         self.is_partial = self.rotary_dim < head_dim
         self.half_dim = self.rotary_dim // 2
@@ -144,7 +146,7 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [num_tokens, 1, head_dim] of the step's positions, once per step:
-        (cos | cos) and (-sin | sin), so that `apply` is three kernels per call.
+        (cos | cos) and (-sin | sin), so that `rotate` is three kernels per call.
 
         Positions must be below `max_positions` (>= max_model_len, which the input batch
         enforces on the host).
@@ -154,31 +156,40 @@ class RotaryEmbedding:
             1
         )
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` [num_tokens, num_heads, head_dim]; q and k may be rotated together.
 
         x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2 | x1), i.e. (x2 | x1) times
         the signed sin. A partial rotary passes the rest of each head through."""
         if self.is_partial:
-            rotated = self._rotate(x[..., : self.rotary_dim], cos, sin)
+            rotated = self._rotate_full(x[..., : self.rotary_dim], cos, sin)
             return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
-        return self._rotate(x, cos, sin)
+        return self._rotate_full(x, cos, sin)
 
-    def apply_(
+    def forward_native(
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """`apply`, in place where the CPU kernels are loaded and `positions` given (x [tokens,
-        heads, head_dim] with contiguous heads, e.g. a slice of the fused qkv output); returns
-        the rotated tensor."""
-        if self.kernels is None or positions is None or x.stride(2) != 1:
-            return self.apply(x, cos, sin)
+        """The rotated `x` (`rotate`); `positions` are for the kernels' version."""
+        return self.rotate(x, cos, sin)
+
+    def forward_cpu_kernels(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotates in place where `positions` are given and x [tokens, heads, head_dim] has
+        contiguous heads (e.g. a slice of the fused qkv output); returns the rotated tensor."""
+        if positions is None or x.stride(2) != 1:
+            return self.rotate(x, cos, sin)
         self.kernels.rotary_neox_(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim)
         return x
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
         return torch.addcmul(x * cos, swapped, sin)

@@ -13,21 +13,58 @@ Differences from Llama, all in transformers' Gemma2 code:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.attention.backend import AttentionBackend
-from worker_svc.distributed import ParallelState
-from worker_svc.layers.activation import gelu_tanh_and_mul
+from worker_svc.attention.backend import AttentionBackend, AttentionOptions
+from worker_svc.layers.rope_config import RopeConfig, layer_type_rope_configs
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
-from worker_svc.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
+from worker_svc.models.decoder import (
+    BuildContext,
+    DecoderForCausalLM,
+    ResidualNorm,
     StepContext,
+    join_prefix,
 )
+from worker_svc.models.llama import LlamaAttention, LlamaMLP
 from worker_svc.models.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaConfig(ModelConfig):
+    """Gemma's knobs beyond every decoder's."""
+
+    activations: ClassVar[tuple[str, ...]] = ("gelu_pytorch_tanh",)
+
+    attn_scale: float | None = None
+    """Softmax scale when not head_dim ** -0.5 (query_pre_attn_scalar ** -0.5)."""
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope: RopeConfig | None = None
+    """Rope of the sliding-window layers when it differs (Gemma 3's local base frequency)."""
+
+    def layer_attention(self, layer: int) -> AttentionOptions:
+        return AttentionOptions(
+            sliding_window=self.layer_window(layer),
+            logits_soft_cap=self.attn_logit_softcapping,
+            scale=self.attn_scale,
+        )
+
+    @classmethod
+    def read(cls, hf: Any, **fields: Any) -> GemmaConfig:
+        scalar = getattr(hf, "query_pre_attn_scalar", None)
+        cap = getattr(hf, "attn_logit_softcapping", None)
+        read: dict[str, Any] = {
+            "attn_scale": None if scalar is None else float(scalar) ** -0.5,
+            "attn_logit_softcapping": None if cap is None else float(cap),
+            "final_logit_softcapping": getattr(hf, "final_logit_softcapping", None),
+            "local_rope": layer_type_rope_configs(hf)[1],
+        }
+        return cls.from_hf_config(hf, **{**read, **fields})
 
 
 class GemmaRMSNorm(nn.Module):
@@ -45,6 +82,13 @@ class GemmaRMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), as RMSNorm's."""
+        residual = x if residual is None else residual + x
+        return self(residual), residual
+
     def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
         copy_checked(self.weight, source[:], param_name)
 
@@ -54,26 +98,16 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-class GemmaMLP(LlamaMLP):
-    """down(gelu_tanh(gate(x)) * up(x)) with gate and up fused."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     """Sandwich norms around attention and MLP; the residual add is deferred to the next layer
     (as in Llama), so stages exchange (hidden, residual) unchanged."""
 
-    def __init__(
-        self, attention: LlamaAttention, mlp: nn.Module, config: ModelConfig, is_local: bool
-    ) -> None:
+    def __init__(self, build: BuildContext, attention: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
-        self.is_local = is_local
         self.self_attn = attention
         self.mlp = mlp
-        size, eps = config.hidden_size, config.rms_norm_eps
-        dtype, device = attention.o_proj.weight.dtype, attention.o_proj.weight.device
+        size, eps = build.config.hidden_size, build.config.rms_norm_eps
+        dtype, device = build.dtype, build.device
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype=dtype, device=device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype=dtype, device=device)
@@ -93,65 +127,36 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(out), residual
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
+class Gemma2ForCausalLM(DecoderForCausalLM):
     """One pipeline stage of a Gemma 2 model (Gemma 3 adds q/k norms and a local rope)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        parallel: ParallelState,
-        backend: AttentionBackend,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        context_len: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            parallel,
-            backend,
-            dtype=dtype,
-            device=device,
-            max_positions=max_positions,
-            context_len=context_len,
+    config: GemmaConfig
+
+    def __init__(self, build: BuildContext, prefix: str = "") -> None:
+        super().__init__(build, prefix)
+        config = build.config
+        self.embed_scale = torch.tensor(
+            config.hidden_size**0.5, dtype=build.dtype, device=build.device
         )
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
-        if self.norm is not None:
-            self.norm = GemmaRMSNorm(  # type: ignore[assignment]
-                config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
-            )
 
-    def _make_layer(  # type: ignore[override]
-        self, layer: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
-    ) -> GemmaDecoderLayer:
-        config, parallel = self.config, self.parallel
-        attention = LlamaAttention(config, parallel, backend, self.rotary, dtype, device)
-        mlp = GemmaMLP(config, parallel, dtype, device)
-        return GemmaDecoderLayer(attention, mlp, config, config.layer_window(layer) is not None)
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        return GemmaConfig.read(hf)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        ctx: StepContext,
-        kv_caches: list[torch.Tensor],
-        hidden: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.embed_tokens is not None:
-            assert input_ids is not None
-            hidden = self.embed_tokens(input_ids) * self.embed_scale
-        assert hidden is not None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, self.layer_context(layer, ctx), kv_cache)
-        if self.norm is not None:
-            assert residual is not None
-            return self.norm(residual + hidden), None
-        return hidden, residual
+    def make_layer(
+        self, build: BuildContext, layer: int, backend: AttentionBackend, prefix: str
+    ) -> nn.Module:
+        attention = LlamaAttention(build, backend, self.rotary, join_prefix(prefix, "self_attn"))
+        return GemmaDecoderLayer(build, attention, LlamaMLP(build, join_prefix(prefix, "mlp")))
 
-    def layer_context(self, layer: nn.Module, ctx: StepContext) -> StepContext:
-        """The step context a layer attends with (Gemma 3 gives local layers their own rope)."""
-        return ctx
+    def make_norm(self, build: BuildContext) -> ResidualNorm:
+        config = build.config
+        return GemmaRMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=build.dtype, device=build.device
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_input_ids(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(super().compute_logits(hidden), self.config.final_logit_softcapping)

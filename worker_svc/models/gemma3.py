@@ -6,16 +6,22 @@ the local ones with their own base frequency (10 000), the global ones with the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.distributed import ParallelState
-from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.models.gemma2 import Gemma2ForCausalLM, GemmaDecoderLayer, GemmaRMSNorm
-from worker_svc.models.llama import StepContext
+from worker_svc.models.decoder import BuildContext, StepContext, join_prefix
+from worker_svc.models.gemma2 import (
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaDecoderLayer,
+    GemmaRMSNorm,
+)
+from worker_svc.models.llama import LlamaAttention, LlamaMLP
 from worker_svc.models.model_config import ModelConfig
 
 
@@ -29,49 +35,27 @@ class LocalRopeContext(StepContext):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """One pipeline stage of a Gemma 3 text model."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        parallel: ParallelState,
-        backend: AttentionBackend,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        context_len: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            parallel,
-            backend,
-            dtype=dtype,
-            device=device,
-            max_positions=max_positions,
-            context_len=context_len,
-        )
-        self.local_rotary: RotaryEmbedding | None = None
-        if config.local_rope is not None:
-            self.local_rotary = RotaryEmbedding(
-                config.head_dim,
-                max_positions,
-                config.local_rope,
-                dtype=dtype,
-                device=device,
-                context_len=context_len,
-            )
+    def __init__(self, build: BuildContext, prefix: str = "") -> None:
+        super().__init__(build, prefix)
+        local_rope = self.config.local_rope
+        self.local_rotary = None if local_rope is None else build.rotary(local_rope)
+        start, end = self.layer_range
+        self.is_local = [self.config.layer_window(i) is not None for i in range(start, end)]
+        """Per layer of this stage: whether it attends within a window (with the local rope)."""
 
-    def _make_layer(  # type: ignore[override]
-        self, layer: int, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
-    ) -> GemmaDecoderLayer:
-        decoder_layer = super()._make_layer(layer, backend, dtype, device)
-        attention, config = decoder_layer.self_attn, self.config
-        attention.q_norm = GemmaRMSNorm(  # type: ignore[assignment]
-            config.head_dim, config.rms_norm_eps, dtype=dtype, device=device
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        """Gemma 3 normalises q and k; transformers' Gemma 3 never applies the attention soft
+        cap its config may carry."""
+        return GemmaConfig.read(hf, qk_norm=True, attn_logit_softcapping=None)
+
+    def make_layer(
+        self, build: BuildContext, layer: int, backend: AttentionBackend, prefix: str
+    ) -> nn.Module:
+        attention = LlamaAttention(
+            build, backend, self.rotary, join_prefix(prefix, "self_attn"), qk_norm=GemmaRMSNorm
         )
-        attention.k_norm = GemmaRMSNorm(  # type: ignore[assignment]
-            config.head_dim, config.rms_norm_eps, dtype=dtype, device=device
-        )
-        return decoder_layer
+        return GemmaDecoderLayer(build, attention, LlamaMLP(build, join_prefix(prefix, "mlp")))
 
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         cos, sin = self.rotary.cos_sin(positions)
@@ -80,8 +64,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata, positions)
         return LocalRopeContext(cos, sin, attn_metadata, positions, local)
 
-    def layer_context(self, layer: nn.Module, ctx: StepContext) -> StepContext:
-        is_local = isinstance(layer, GemmaDecoderLayer) and layer.is_local
-        if is_local and isinstance(ctx, LocalRopeContext) and ctx.local is not None:
-            return ctx.local
-        return ctx
+    def layer_contexts(self, ctx: StepContext) -> Sequence[StepContext]:
+        if not isinstance(ctx, LocalRopeContext) or ctx.local is None:
+            return super().layer_contexts(ctx)
+        return [ctx.local if is_local else ctx for is_local in self.is_local]

@@ -1,12 +1,13 @@
 """LLaVA-1.5 (`LlavaForConditionalGeneration`): a CLIP vision tower and an MLP projector in
 front of a Llama language model.
 
-The language model is our Llama, sharded over the tensor-parallel group as usual. The vision
+The language model is our Llama (`language_model`), sharded over the tensor-parallel group as
+usual; the LLaVA model holds it and passes its calls on. The vision
 tower and the projector are small and run replicated on every tensor-parallel rank of the first
 pipeline stage: each rank computes the same image embeddings with no collective, and later
 stages hold no vision weights. `encode_images` turns pixel values into one embedding row per
-placeholder token; the model runner writes those rows over the placeholders' token embeddings
-(`embed_with_mm`) before the first decoder layer.
+placeholder token; the encoder runner writes those rows over the placeholders' token
+embeddings (`embed_input_ids`) before the first decoder layer.
 
 Checkpoints name tensors in two layouts, both read: transformers 4's (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`) and
@@ -17,26 +18,34 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from worker_svc.attention.backend import AttentionBackend
-from worker_svc.distributed import ParallelState
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
 from worker_svc.models.clip import ClipVisionTower, vision_activation
+from worker_svc.models.decoder import BuildContext, StepContext, join_prefix
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.model_config import ModelConfig, parse_dtype
 from worker_svc.models.vision_config import ClipVisionConfig, LlavaVisionConfig
+from worker_svc.models.weight_names import WeightTarget
 
 SUPPORTED_TEXT_MODELS = ("llama", "mistral")
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
-def llava_model_config(hf: Any) -> ModelConfig:
-    """ModelConfig of the language model, carrying the vision side in `vision`."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LlavaConfig(ModelConfig):
+    """The language model's config (every field of ModelConfig) and the vision side."""
+
+    vision: LlavaVisionConfig
+
+
+def llava_model_config(hf: Any) -> LlavaConfig:
+    """The language model's ModelConfig, with the vision side in `vision`."""
     text = hf.text_config
     if text.model_type not in SUPPORTED_TEXT_MODELS:
         raise ValueError(
@@ -45,7 +54,7 @@ def llava_model_config(hf: Any) -> ModelConfig:
         )
     text = copy.copy(text)
     text.architectures = ["LlamaForCausalLM"]
-    config = ModelConfig.from_hf_config(text)
+    config = LlamaForCausalLM.read_config(text)
     strategy = getattr(hf, "vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported")
@@ -58,12 +67,10 @@ def llava_model_config(hf: Any) -> ModelConfig:
         projector_act=str(getattr(hf, "projector_hidden_act", "gelu")),
         projector_bias=bool(getattr(hf, "multimodal_projector_bias", True)),
     )
-    return dataclasses.replace(
-        config,
-        architecture="LlavaForConditionalGeneration",
-        checkpoint_dtype=config.checkpoint_dtype or _stored_dtype(hf),
-        vision=vision,
-    )
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields["architecture"] = "LlavaForConditionalGeneration"
+    fields["checkpoint_dtype"] = config.checkpoint_dtype or _stored_dtype(hf)
+    return LlavaConfig(**fields, vision=vision)
 
 
 def _stored_dtype(hf: Any) -> torch.dtype | None:
@@ -123,45 +130,47 @@ class LlavaProjector(nn.Module):
         return self.linear_2(vision_activation(self.act, self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(nn.Module):
     """One pipeline stage of a LLaVA model; see the module docstring."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        parallel: ParallelState,
-        backend: AttentionBackend,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-        context_len: int | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            parallel,
-            backend,
-            dtype=dtype,
-            device=device,
-            max_positions=max_positions,
-            context_len=context_len,
-        )
-        if config.vision is None:
+    supports_images: ClassVar[Literal[True]] = True
+    packed_modules_mapping: ClassVar[Mapping[str, tuple[str, ...]]] = (
+        LlamaForCausalLM.packed_modules_mapping
+    )
+
+    def __init__(self, build: BuildContext, prefix: str = "") -> None:
+        super().__init__()
+        config = build.config
+        if not isinstance(config, LlavaConfig):
             raise ValueError("a LLaVA model needs its vision config")
+        self.config = config
         self.vision_config = config.vision
+        self.language_model = LlamaForCausalLM(build, join_prefix(prefix, "language_model"))
+        self.layer_range = self.language_model.layer_range
         self.vision_tower: ClipVisionTower | None = None
         self.multi_modal_projector: LlavaProjector | None = None
-        if parallel.is_first_stage:
+        if build.parallel.is_first_stage:
+            dtype, device = build.dtype, build.device
             self.vision_tower = ClipVisionTower(
                 config.vision.vision, config.vision.num_layers_to_run, dtype, device
             )
             self.multi_modal_projector = LlavaProjector(
                 config.vision, config.hidden_size, dtype, device
             )
-        self._vision_parts: dict[str, set[int]] = {}
+
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        return llava_model_config(hf)
+
+    # -- images (interfaces.SupportsImages) ------------------------------------------------------
 
     @property
-    def max_tokens_per_mm_item(self) -> int:
+    def image_input_shape(self) -> tuple[int, int, int]:
+        vision = self.vision_config.vision
+        return vision.num_channels, vision.image_size, vision.image_size
+
+    @property
+    def num_image_tokens(self) -> int:
         return self.vision_config.num_image_tokens
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -174,42 +183,71 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
-    def embed_with_mm(
-        self, input_ids: torch.Tensor, index: torch.Tensor, embeddings: torch.Tensor
-    ) -> torch.Tensor:
-        """Token embeddings with rows `index` replaced by multimodal embeddings."""
-        assert self.embed_tokens is not None
-        hidden = self.embed_tokens(input_ids)
-        hidden[index] = embeddings.to(hidden.dtype)
-        return hidden
+    # -- the language model's ----------------------------------------------------------------
+
+    def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
+        return self.language_model.step_context(positions, attn_metadata)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The language model's forward (the images are in the embeddings already)."""
+        return self.language_model(*args, **kwargs)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def process_weights_after_loading(self) -> None:
+        self.language_model.process_weights_after_loading()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def resolve_weight_name(self, name: str) -> list[WeightTarget]:
+        """The language model's targets (the vision tensors are loaded by name, not here)."""
+        name = normalize_llava_name(name)
+        if name.startswith(_VISION_PREFIXES):
+            return []
+        return self.language_model.resolve_weight_name(name)
+
+    def target_path(self, target: WeightTarget) -> str | None:
+        path = self.language_model.target_path(target)
+        return None if path is None else f"language_model.{path}"
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Vision tensors go to the replicated vision modules (on the first stage); the rest
-        to the Llama loader, renamed to its layout."""
-        super().load_weights(self._language_weights(weights))
+        to the language model, renamed to its layout; raise if a parameter stays unset."""
+        loaded: set[str] = set()
+        self.language_model.load_weights(self._language_weights(weights, loaded))
+        missing = [
+            name
+            for name, _ in self.named_parameters()
+            if name.startswith(_VISION_PREFIXES) and name not in loaded
+        ]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing))}")
 
     def _language_weights(
-        self, weights: Iterable[tuple[str, TensorSource]]
+        self, weights: Iterable[tuple[str, TensorSource]], loaded: set[str]
     ) -> Iterator[tuple[str, TensorSource]]:
         for name, source in weights:
             name = normalize_llava_name(name)
             if name.startswith(_VISION_PREFIXES):
-                self._load_vision(name, source)
+                if self._load_vision(name, source):
+                    loaded.add(name)
             else:
                 yield name, source
 
-    def _load_vision(self, name: str, source: TensorSource) -> None:
+    def _load_vision(self, name: str, source: TensorSource) -> bool:
+        """Load one vision tensor; False when this stage does not hold it."""
         if self.vision_tower is None or name.startswith("vision_tower.post_layernorm."):
-            return  # another stage's, or not used (LLaVA reads hidden states, not the pool)
+            return False  # another stage's, or not used (LLaVA reads hidden states, not the pool)
         try:
             param = self.get_parameter(name)
         except AttributeError:
             if name.startswith("vision_tower.encoder.layers."):
-                return  # a layer after the last selected hidden state
+                return False  # a layer after the last selected hidden state
             raise ValueError(f"checkpoint tensor {name!r} has no place in a LLaVA model") from None
         with torch.no_grad():
             copy_checked(param, source[:], name)
-        self._vision_parts[name] = {0}
-
-    def _check_complete(self, parts: dict[str, set[int]]) -> None:
-        super()._check_complete({**parts, **self._vision_parts})
+        return True

@@ -2,29 +2,23 @@
 
 transformers' configuration classes parse the file (that also normalises old `rope_scaling` /
 `rope_theta` keys into transformers 5's `rope_parameters`); no transformers modelling code is
-used. One `ModelConfig` describes every family: Llama-like flags, per-layer attention (sliding
-windows, Gemma's soft caps and scale), and the mixture-of-experts shape.
+used. `ModelConfig` is what every decoder has (its shape, rope, biases, sliding windows); a
+family with knobs of its own extends it in its model file (Gemma's soft caps and scale, the
+experts of the mixture-of-experts models, LLaVA's vision tower) and reads it in its
+`read_config`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 
-from worker_svc.models.rope_config import (
-    SUPPORTED_ROPE_TYPES,
-    RopeConfig,
-    layer_type_rope_configs,
-)
-from worker_svc.models.vision_config import LlavaVisionConfig
+from worker_svc.attention.backend import AttentionOptions
+from worker_svc.layers.rope_config import RopeConfig, layer_type_rope_configs
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "MoeConfig", "RopeConfig", "parse_dtype"]
-
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-_GEMMA_ACTIVATION = "gelu_pytorch_tanh"  # Gemma's MLP only; every other family's is SiLU
 # Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
 # FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
 # `quantization_config` method is refused: its weights would be read as if unquantized.
@@ -51,27 +45,15 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True, slots=True)
-class MoeConfig:
-    """Sparse MLP: each token goes to `top_k` of `num_experts` SiLU-gated experts.
-
-    Routing: softmax over the router logits, the top_k probabilities, renormalised to sum to 1
-    when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob). `sparse_layers` marks the
-    layers whose MLP is sparse (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    renormalize: bool
-    sparse_layers: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and flavour of a decoder-only Llama-family model.
+    """Shape and flavour of a decoder-only model.
 
     Qwen2 sets `qkv_bias`; Qwen3 sets `qk_norm` and an explicit `head_dim`; Llama's
     `attention_bias` also biases `o_proj`.
     """
+
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
+    """The MLP activations (`hidden_act`) the family's code implements."""
 
     architecture: str
     vocab_size: int
@@ -94,21 +76,16 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer "full_attention" or "sliding_attention" (empty: every layer full)."""
     hidden_act: str = "silu"
-    attn_scale: float | None = None
-    """Softmax scale when not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    local_rope: RopeConfig | None = None
-    """Rope of the sliding-window layers when it differs (Gemma 3's local base frequency)."""
-    moe: MoeConfig | None = None
-    vision: LlavaVisionConfig | None = None
-    """A LLaVA model's vision tower and projector (models/llava.py); None for text-only."""
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (None: full attention)."""
         if self.sliding_window is None or not self.layer_types:
             return None
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def layer_attention(self, layer: int) -> AttentionOptions:
+        """How decoder layer `layer` attends (a family may add a scale or a soft cap)."""
+        return AttentionOptions(sliding_window=self.layer_window(layer))
 
     @property
     def kv_sliding_window(self) -> int | None:
@@ -126,45 +103,40 @@ class ModelConfig:
         return cls.from_hf_config(read_hf_config(model_path))
 
     @classmethod
-    def from_hf_config(cls, hf: Any) -> ModelConfig:
+    def from_hf_config(cls, hf: Any, **fields: Any) -> Self:
+        """The fields every decoder has, read from transformers' config `hf`; `fields` give a
+        subclass's own (or replace read ones)."""
         arch = architecture_of(hf)
         _refuse_quantization(hf)
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (embedding models) is not supported")
         num_heads = int(hf.num_attention_heads)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        is_qwen2 = arch.startswith("Qwen2")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         use_sliding = getattr(hf, "use_sliding_window", True)
         sliding_window = getattr(hf, "sliding_window", None) if use_sliding else None
-        rope, local_rope = layer_type_rope_configs(hf)
-        return cls(
-            architecture=arch,
-            vocab_size=int(hf.vocab_size),
-            hidden_size=int(hf.hidden_size),
-            intermediate_size=int(hf.intermediate_size),
-            num_layers=int(hf.num_hidden_layers),
-            num_heads=num_heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.rms_norm_eps),
-            max_position_embeddings=int(hf.max_position_embeddings),
-            rope=rope,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch.startswith("Qwen3") or arch.startswith("Gemma3"),
-            checkpoint_dtype=_checkpoint_dtype(hf),
-            sliding_window=sliding_window,
-            layer_types=_layer_types(hf, sliding_window),
-            hidden_act=_activation(hf, arch),
-            attn_scale=_attn_scale(hf),
-            attn_logit_softcapping=_attn_softcap(hf, arch),
-            final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
-            local_rope=local_rope,
-            moe=_moe_config(hf, arch),
-        )
+        read: dict[str, Any] = {
+            "architecture": arch,
+            "vocab_size": int(hf.vocab_size),
+            "hidden_size": int(hf.hidden_size),
+            "intermediate_size": int(hf.intermediate_size),
+            "num_layers": int(hf.num_hidden_layers),
+            "num_heads": num_heads,
+            "num_kv_heads": int(getattr(hf, "num_key_value_heads", None) or num_heads),
+            "head_dim": int(head_dim),
+            "rms_norm_eps": float(hf.rms_norm_eps),
+            "max_position_embeddings": int(hf.max_position_embeddings),
+            "rope": layer_type_rope_configs(hf)[0],
+            "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+            "qkv_bias": attention_bias,
+            "o_bias": attention_bias,
+            "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+            "checkpoint_dtype": _checkpoint_dtype(hf),
+            "sliding_window": sliding_window,
+            "layer_types": _layer_types(hf, sliding_window),
+            "hidden_act": _activation(hf, arch, cls.activations),
+        }
+        return cls(**{**read, **fields})
 
 
 def read_hf_config(model_path: str | Path) -> Any:
@@ -205,14 +177,13 @@ def _checkpoint_dtype(hf: Any) -> torch.dtype | None:
     return parse_dtype(str(dtype))
 
 
-def _activation(hf: Any, arch: str) -> str:
+def _activation(hf: Any, arch: str, supported: tuple[str, ...]) -> str:
     """The MLP activation (Gemma names it `hidden_activation`)."""
     act = str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"))
-    is_gemma = arch.startswith("Gemma")
-    if act not in SUPPORTED_ACTIVATIONS or (act == _GEMMA_ACTIVATION) != is_gemma:
+    if act not in supported:
         raise ValueError(
             f"hidden_act {act!r} is not supported for {arch}; supported activations: "
-            + ("gelu_pytorch_tanh (Gemma)" if is_gemma else "silu")
+            + ", ".join(supported)
         )
     return act
 
@@ -226,30 +197,3 @@ def _layer_types(hf: Any, sliding_window: int | None) -> tuple[str, ...]:
     if declared:
         return tuple(str(t) for t in declared)
     return (SLIDING_ATTENTION,) * int(hf.num_hidden_layers)
-
-
-def _attn_scale(hf: Any) -> float | None:
-    scalar = getattr(hf, "query_pre_attn_scalar", None)
-    return None if scalar is None else float(scalar) ** -0.5
-
-
-def _attn_softcap(hf: Any, arch: str) -> float | None:
-    """Gemma 2 caps attention scores; transformers' Gemma 3 never applies the setting."""
-    cap = getattr(hf, "attn_logit_softcapping", None)
-    return None if cap is None or arch.startswith("Gemma3") else float(cap)
-
-
-def _moe_config(hf: Any, arch: str) -> MoeConfig | None:
-    num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
-    if not num_experts:
-        return None
-    num_layers = int(hf.num_hidden_layers)
-    dense = set(getattr(hf, "mlp_only_layers", None) or ())
-    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
-    return MoeConfig(
-        num_experts=int(num_experts),
-        top_k=int(hf.num_experts_per_tok),
-        intermediate_size=int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size),
-        renormalize=arch.startswith("Mixtral") or bool(getattr(hf, "norm_topk_prob", False)),
-        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
-    )

@@ -8,20 +8,19 @@ Checkpoint names: `mlp.gate` is the router, `mlp.experts.{e}.gate_proj` / `up_pr
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from worker_svc.models.mixtral import MixtralForCausalLM, expert_target
-from worker_svc.models.weight_names import WeightTarget, resolve_weight_name
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+from worker_svc.models.mixtral import MoeModelConfig, SparseMoeForCausalLM, read_moe_config
+from worker_svc.models.model_config import ModelConfig
 
 
-class Qwen3MoeForCausalLM(MixtralForCausalLM):
-    """The sparse layers' MLP is a SparseMoeBlock (MixtralForCausalLM's `_make_mlp`)."""
+class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
+    """Qwen3's attention (q/k norms); the sparse layers' MLPs as Mixtral's."""
 
-    def resolve_weight_name(self, name: str) -> list[WeightTarget]:
-        if match := _EXPERT.match(name):
-            return [expert_target(int(match.group(1)), int(match.group(2)), match.group(3))]
-        if match := _ROUTER.match(name):
-            return [WeightTarget(int(match.group(1)), "mlp.gate", "weight")]
-        return resolve_weight_name(name, self.config.tie_word_embeddings)
+    expert_name = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
+    router_name = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        moe = read_moe_config(hf, renormalize=bool(getattr(hf, "norm_topk_prob", False)))
+        return MoeModelConfig.from_hf_config(hf, qk_norm=True, moe=moe)

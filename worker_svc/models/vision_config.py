@@ -1,5 +1,6 @@
 """The facts of a LLaVA-style checkpoint's vision side (CLIP vision tower and projector), read
-from config.json by `models/llava.py`; kept apart so that `ModelConfig` can carry them."""
+from config.json by `models/llava.py` (its `LlavaConfig` carries them); kept apart so that
+`models/clip.py` reads them without the LLaVA model."""
 
 from __future__ import annotations
 

@@ -7,16 +7,23 @@ from dataclasses import dataclass
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""Our fused layers and the checkpoint projections each holds, in order (the decoders'
+`packed_modules_mapping`)."""
+
 # HF sub-module -> (our sub-module, fused part)
 _LAYER_MODULES: dict[str, tuple[str, int]] = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    **{
+        f"self_attn.{p}": ("self_attn.qkv_proj", i)
+        for i, p in enumerate(PACKED_MODULES["qkv_proj"])
+    },
+    **{f"mlp.{p}": ("mlp.gate_up_proj", i) for i, p in enumerate(PACKED_MODULES["gate_up_proj"])},
     "self_attn.o_proj": ("self_attn.o_proj", 0),
     "self_attn.q_norm": ("self_attn.q_norm", 0),
     "self_attn.k_norm": ("self_attn.k_norm", 0),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
     "input_layernorm": ("input_layernorm", 0),
     "post_attention_layernorm": ("post_attention_layernorm", 0),

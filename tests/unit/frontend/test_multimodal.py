@@ -17,6 +17,7 @@ import pytest
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.input_processor import InputProcessor, load_tokenizer
 from frontend_svc.media import ImageLoader, MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.model_files import ModelFiles
 from frontend_svc.multimodal import (
     chat_messages,
     load_multimodal_processor,
@@ -46,8 +47,7 @@ def llava_dir(llava_model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def mm_inputs(llava_dir: Path) -> InputProcessor:
     tokenizer = load_tokenizer(str(llava_dir))
-    multimodal = load_multimodal_processor(llava_dir, tokenizer, LIMITS)
-    assert multimodal is not None
+    multimodal = load_multimodal_processor(llava_dir, tokenizer, LIMITS, NUM_IMAGE_TOKENS)
     return InputProcessor(tokenizer, 256, Limits(vocab_size=len(tokenizer)), multimodal=multimodal)
 
 
@@ -169,8 +169,8 @@ def test_images_are_decoded_a_few_at_a_time(llava_dir: Path) -> None:
     """Issue 22 row 2: decoding and resizing run on --mm-processor-threads threads whatever
     the number of callers (each image can take hundreds of MB while it is resized)."""
     tokenizer = load_tokenizer(str(llava_dir))
-    processor = load_multimodal_processor(llava_dir, tokenizer, MediaLimits(mm_processor_threads=2))
-    assert processor is not None
+    limits = MediaLimits(mm_processor_threads=2)
+    processor = load_multimodal_processor(llava_dir, tokenizer, limits, NUM_IMAGE_TOKENS)
     lock, active, peak = threading.Lock(), [0], [0]
     pixel_values = processor._pixel_values
 
@@ -263,8 +263,7 @@ def test_processed_pixels_are_what_transformers_makes(llava_dir: Path) -> None:
     from transformers import AutoImageProcessor
 
     tokenizer = load_tokenizer(str(llava_dir))
-    processor = load_multimodal_processor(llava_dir, tokenizer, LIMITS)
-    assert processor is not None
+    processor = load_multimodal_processor(llava_dir, tokenizer, LIMITS, NUM_IMAGE_TOKENS)
     (processed,) = processor.process_images([png_part(4).image])  # type: ignore[list-item]
     reference = AutoImageProcessor.from_pretrained(str(llava_dir), backend="pil")
     import io
@@ -272,3 +271,23 @@ def test_processed_pixels_are_what_transformers_makes(llava_dir: Path) -> None:
     image = Image.open(io.BytesIO(png_bytes(4))).convert("RGB")
     expected = reference(images=[image], return_tensors="np")["pixel_values"][0]
     np.testing.assert_array_equal(processed.pixel_values, expected)
+
+
+def test_image_support_is_the_engines_fact(llava_dir: Path, tmp_path: Path) -> None:
+    """The frontend reads an image processor only when the engine says the model takes images
+    (EngineInfo.max_tokens_per_mm_item), and refuses a folder that disagrees with it."""
+    from tests.fixtures.checkpoints import hf_config
+
+    tokenizer = load_tokenizer(str(llava_dir))
+    files = ModelFiles(tokenizer, (), {}, llava_dir, LIMITS)
+    assert files.multimodal_processor(0) is None
+    processor = files.multimodal_processor(NUM_IMAGE_TOKENS)
+    assert processor is not None and processor.spec.num_image_tokens == NUM_IMAGE_TOKENS
+    with pytest.raises(ValueError, match="serve the same model on both"):
+        files.multimodal_processor(NUM_IMAGE_TOKENS + 1)
+    hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(str(tmp_path))
+    text_only = ModelFiles(tokenizer, (), {}, tmp_path, LIMITS)
+    with pytest.raises(ValueError, match="names no image token"):
+        text_only.multimodal_processor(NUM_IMAGE_TOKENS)
+    with pytest.raises(ValueError, match="GGUF"):
+        ModelFiles(tokenizer, (), {}, None, LIMITS).multimodal_processor(NUM_IMAGE_TOKENS)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from worker_svc.attention import cpu_backend
-from worker_svc.attention.backend import AttentionBackend, AttentionInputs, backend_class
+from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.attention.cpu_backend import QUERY_BLOCK
-from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.attention.selector import backend_class
+from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 
 H, KVH, D, BLOCK_SIZE = 12, 4, 32, 16
@@ -26,11 +27,10 @@ def two_steps(
     with `then_decode` that of a step 3 where every request decodes one more token. `native`:
     the cpu backend's decodes run through the CPU kernel."""
     gen = torch.Generator().manual_seed(0)
-    backend: AttentionBackend = backend_class(name)(H, KVH, D, dtype=dtype, device=CPU)
-    if native:
-        assert isinstance(backend, cpu_backend.CpuAttentionBackend)
-        backend.kernels = CpuKernels.load()
-        assert backend.kernels is not None
+    kernels = CpuKernels.load() if native else None
+    assert kernels is not None or not native
+    with using_cpu_kernels(kernels):
+        backend: AttentionBackend = backend_class(name)(H, KVH, D, dtype=dtype, device=CPU)
     spec = KvCacheSpec(num_layers=1, num_kv_heads=KVH, head_dim=D, dtype=dtype)
     cache = PagedKVCache(backend, spec, num_blocks=128, block_size=BLOCK_SIZE, device=CPU)
     cache.zero_blocks(np.arange(128))

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_svc.kernels.cpu_kernels import DISABLE_ENV, CpuKernels
-from worker_svc.layers.activation import silu_and_mul
+from worker_svc.kernels.cpu_kernels import DISABLE_ENV, CpuKernels, using_cpu_kernels
+from worker_svc.layers.activation import SiluAndMul, silu_and_mul
 from worker_svc.layers.rmsnorm import RMSNorm
+from worker_svc.layers.rope_config import RopeConfig
 from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.models.model_config import RopeConfig
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,11 +50,13 @@ def test_rms_norm_and_fused_add(kernels: CpuKernels, dtype: torch.dtype) -> None
     native_residual = residual.clone()
     close(kernels.fused_add_rms_norm(x, native_residual, norm.weight, 1e-5), expected)
     close(native_residual, expected_residual)
-    norm.kernels = kernels  # the layer takes the kernel for 2-D rows, torch for the rest
-    close(norm.add_and_norm(x, residual.clone())[0], expected)
+    with using_cpu_kernels(kernels):  # the layer takes the kernel for 2-D rows, torch for the rest
+        fused = RMSNorm(768, 1e-5, dtype=dtype, device=CPU)
+        small = RMSNorm(64, 1e-5, dtype=dtype, device=CPU)
+    assert fused.implementation == "cpu_kernels" and norm.implementation == "native"
+    fused.weight.data.copy_(norm.weight)
+    close(fused.add_and_norm(x, residual.clone())[0], expected)
     heads = x.view(37, 12, 64)
-    small = RMSNorm(64, 1e-5, dtype=dtype, device=CPU)
-    small.kernels = kernels
     close(small(heads), RMSNorm(64, 1e-5, dtype=dtype, device=CPU)(heads))
 
 
@@ -62,6 +64,10 @@ def test_rms_norm_and_fused_add(kernels: CpuKernels, dtype: torch.dtype) -> None
 def test_silu_and_mul(kernels: CpuKernels, dtype: torch.dtype) -> None:
     gate_up = (torch.randn(19, 2 * 1000, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
+    with using_cpu_kernels(kernels):
+        op = SiluAndMul()
+    assert op.implementation == "cpu_kernels" and SiluAndMul().implementation == "native"
+    close(op(gate_up.clone()), silu_and_mul(gate_up.clone()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,14 +78,15 @@ def test_rotary_in_place_on_the_fused_qkv(
     h, kvh, d = 12, 4, 64
     rope = RopeConfig(partial_rotary_factor=partial)
     rotary = RotaryEmbedding(d, 4096, rope, dtype=dtype, device=CPU)
+    with using_cpu_kernels(kernels):
+        in_place = RotaryEmbedding(d, 4096, rope, dtype=dtype, device=CPU)
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(23, h + 2 * kvh, d, generator=gen).to(dtype)
     positions = torch.randint(0, 4096, (23,), generator=gen)
     cos, sin = rotary.cos_sin(positions)
-    expected = rotary.apply(qkv[:, : h + kvh], cos, sin)
+    expected = rotary(qkv[:, : h + kvh], positions, cos, sin)
     rotated = qkv.clone()
-    rotary.kernels = kernels
-    out = rotary.apply_(rotated[:, : h + kvh], positions, cos, sin)
+    out = in_place(rotated[:, : h + kvh], positions, cos, sin)
     assert out.data_ptr() == rotated.data_ptr()  # in place, no copy
     close(rotated[:, : h + kvh], expected)
     assert torch.equal(rotated[:, h + kvh :], qkv[:, h + kvh :])  # the values stay as they were

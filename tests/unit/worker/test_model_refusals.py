@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.fixtures.checkpoints import CheckpointCache, hf_config
+from worker_svc.layers.rope_config import SUPPORTED_ROPE_TYPES
 from worker_svc.model_load import LoadModelConfig
-from worker_svc.models.model_config import SUPPORTED_ROPE_TYPES
 from worker_svc.worker import Worker
 
 
@@ -111,14 +111,18 @@ def test_an_architecture_transformers_does_not_know_is_refused_by_name(
 def test_models_with_windows_or_soft_caps_leave_the_cpu_backend_for_torch() -> None:
     from dataclasses import replace
 
+    from worker_svc.models.gemma2 import GemmaConfig
     from worker_svc.models.model_config import ModelConfig
     from worker_svc.worker import backend_for_model
 
     plain = ModelConfig.from_hf_config(hf_config("llama", architectures=["LlamaForCausalLM"]))
     windowed = replace(plain, sliding_window=6)
+    gemma = GemmaConfig.read(hf_config("gemma2", architectures=["Gemma2ForCausalLM"]))
     assert backend_for_model("cpu", "auto", plain) == "cpu"
     assert backend_for_model("cpu", "auto", windowed) == "torch"
-    assert backend_for_model("cpu", "auto", replace(plain, attn_logit_softcapping=3.0)) == "torch"
+    capped = replace(gemma, sliding_window=None, layer_types=())
+    assert capped.attn_logit_softcapping == 3.0
+    assert backend_for_model("cpu", "auto", capped) == "torch"
     assert backend_for_model("triton", "triton", windowed) == "triton"
     with pytest.raises(ValueError, match="attention-backend torch"):
         backend_for_model("cpu", "cpu", windowed)

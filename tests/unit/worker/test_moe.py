@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from worker_svc.distributed import ParallelState
 from worker_svc.layers import moe as moe_layer
-from worker_svc.layers.moe import FusedExperts, expert_range, route
+from worker_svc.layers.moe import FusedExperts, MoeConfig, expert_range, route
 from worker_svc.layers.tensor_source import InMemoryTensor
-from worker_svc.models.model_config import MoeConfig
 
 CPU = torch.device("cpu")
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 32, 24, 6, 2

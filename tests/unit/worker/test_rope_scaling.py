@@ -84,7 +84,7 @@ def test_partial_rotary_rotates_only_the_first_part_of_each_head() -> None:
     assert rotary.rotary_dim == 8
     x = torch.randn(5, 3, HEAD_DIM)
     cos, sin = rotary.cos_sin(torch.arange(5) + 7)
-    out = rotary.apply(x, cos, sin)
+    out = rotary.rotate(x, cos, sin)
     assert torch.equal(out[..., 8:], x[..., 8:])
     assert not torch.allclose(out[..., :8], x[..., :8])
     assert torch.allclose(out[..., :8].norm(dim=-1), x[..., :8].norm(dim=-1), atol=1e-5)

@@ -21,10 +21,9 @@ from worker_svc.attention.backend import (
     AttentionBackend,
     AttentionInputs,
     AttentionOptions,
-    backend_class,
     is_importable,
-    select_backend,
 )
+from worker_svc.attention.selector import backend_class, select_backend
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 
 H, KVH, D = 6, 2, 16

@@ -78,6 +78,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
     assert {
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
+        "GraniteForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",

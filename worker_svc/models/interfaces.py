@@ -1,0 +1,142 @@
+"""What a model shard offers the worker, as protocols (vLLM's model_executor/models/interfaces.py).
+
+The worker, the model runner and the encoder runner know models only through these: the
+registry (models/registry.py) maps an architecture to a class that is a `CausalLM`, and the
+runners ask a model what else it supports (`supports_images`) instead of naming a family.
+
+The hooks the next features build on are part of `CausalLM`:
+- quantized linear layers: every linear layer is a `layers.linear.LinearBase` whose method a
+  `LinearMethods` picks by module path when the model is built (`BuildContext.linear_methods`);
+  `layers.linear.linear_layers(model)` enumerates them with their paths;
+- LoRA: the same paths, and `packed_modules_mapping`, which checkpoint projections each fused
+  layer holds (as vLLM's packed_modules_mapping: an adapter for q_proj lands in qkv_proj);
+- speculative decoding: `forward` returns the last stage's final hidden states and
+  `compute_logits` maps them to logits, so a draft head (EAGLE, MTP) takes the hidden states of
+  the sampled positions and `embed_input_ids` of the tokens it continues from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+
+import torch
+from torch import nn
+
+from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.models.model_config import ModelConfig
+from worker_svc.models.weight_names import WeightTarget
+
+if TYPE_CHECKING:
+    from worker_svc.models.decoder import BuildContext, StepContext
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """One pipeline stage of a causal language model, sharded over its tensor-parallel group."""
+
+    @property
+    def config(self) -> ModelConfig:
+        """The checkpoint's facts (a family's subclass of ModelConfig)."""
+        ...
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """The decoder layers [start, end) this stage holds."""
+        ...
+
+    packed_modules_mapping: ClassVar[Mapping[str, tuple[str, ...]]]
+    """Fused layer name -> the checkpoint projections it holds, in order."""
+
+    def __init__(self, build: BuildContext, prefix: str = "") -> None:
+        """Build the shard; `prefix` is its module path inside an enclosing model."""
+
+    @classmethod
+    def read_config(cls, hf: Any) -> ModelConfig:
+        """The ModelConfig of a checkpoint's transformers configuration (refusing what the
+        family cannot serve)."""
+        ...
+
+    def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
+        """What every layer reads in a step (rotary cos/sin, attention metadata)."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's token embeddings [tokens, hidden] (what `forward` starts from)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        ctx: StepContext,
+        kv_caches: list[torch.Tensor],
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run this stage. The first stage embeds `input_ids` unless given their embeddings as
+        `hidden`; later stages continue from the previous stage's (hidden, residual). The last
+        stage returns (final hidden states, None)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary float32 logits [N, vocab_size] on every TP rank of the last stage."""
+        ...
+
+    def resolve_weight_name(self, name: str) -> list[WeightTarget]:
+        """Where checkpoint tensor `name` goes (empty: ignored); ValueError if it fits nowhere."""
+        ...
+
+    def target_path(self, target: WeightTarget) -> str | None:
+        """Our module path for `target`, or None when this shard does not hold it."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
+        """Load the checkpoint tensors this shard needs; raise if a parameter stays unset."""
+        ...
+
+    def process_weights_after_loading(self) -> None:
+        """Bring loaded weights into the form the device runs fastest (oneDNN packing on CPU)."""
+        ...
+
+    # nn.Module's, which every model is:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def get_submodule(self, target: str) -> nn.Module: ...
+
+    def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]: ...
+
+
+@runtime_checkable
+class SupportsImages(Protocol):
+    """A model whose prompts may carry images (vLLM's SupportsMultiModal): each image is
+    `image_input_shape` pixel values that `encode_images` turns into `num_image_tokens`
+    embedding rows, which replace the rows of its placeholder tokens in `embed_input_ids`."""
+
+    supports_images: ClassVar[Literal[True]]
+
+    @property
+    def image_input_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one image's pixel values."""
+        ...
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens (= embedding rows) of one image."""
+        ...
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Embeddings [images, num_image_tokens, hidden] of pixel values [images, C, H, W]."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def supports_images(model: object) -> TypeGuard[SupportsImages]:
+    """Whether `model` takes images (and so needs the encoder runner)."""
+    return getattr(model, "supports_images", False) is True and isinstance(model, SupportsImages)
