@@ -173,6 +173,8 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
+        if req.reasoning_end_token_id is not None:
+            msg.reasoning_end_token_id = req.reasoning_end_token_id
     for feature in req.mm_features:
         entry = msg.mm_features.add(
             modality=feature.modality,

@@ -129,6 +129,9 @@ class EngineRequest:
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
     is_resumed: bool = False
+    reasoning_end_token_id: int | None = None
+    """With structured_outputs: the token that ends the model's reasoning (the grammar starts
+    after it); None: the grammar starts with the first output token."""
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve_contracts.common.v1 import types_pb2 as splitserve_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%splitserve/core/v1/core_service.proto\x12\x12splitserve.core.v1\x1a splitserve/common/v1/types.proto\"\'\n\x10HandshakeRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"H\n\x11HandshakeResponse\x12\x33\n\x0b\x65ngine_info\x18\x01 \x01(\x0b\x32\x1e.splitserve.core.v1.EngineInfo\"\xff\x02\n\nEngineInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x0e \x01(\x01\x12\x1e\n\x16max_tokens_per_mm_item\x18\x0f \x01(\r\"\xf3\x03\n\x11\x45ngineCoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0erequest_handle\x18\x02 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12;\n\x0esampler_params\x18\x0b \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12<\n\x0bmm_features\x18\x0c \x03(\x0b\x32\'.splitserve.common.v1.MultiModalFeature\x12\x18\n\x10output_token_ids\x18\r \x03(\r\x12I\n\x12structured_outputs\x18\x0e \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputsParams\x12\x0f\n\x07resumed\x18\x0f \x01(\x08\x42\x0f\n\r_eos_token_idJ\x04\x08\x04\x10\x05R\x0fsampling_params\"F\n\x0b\x41\x64\x64Requests\x12\x37\n\x08requests\x18\x01 \x03(\x0b\x32%.splitserve.core.v1.EngineCoreRequest\"(\n\rAbortRequests\x12\x17\n\x0frequest_handles\x18\x01 \x03(\x04\"\xe6\x01\n\x13\x45ngineStreamRequest\x12.\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1f.splitserve.core.v1.AddRequestsH\x00\x12\x32\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32!.splitserve.core.v1.AbortRequestsH\x00\x12(\n\x04ping\x18\x03 \x01(\x0b\x32\x18.splitserve.core.v1.PingH\x00\x12\x36\n\ttokenizer\x18\x04 \x01(\x0b\x32!.splitserve.core.v1.TokenizerInfoH\x00\x42\t\n\x07payload\">\n\rTokenizerInfo\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\"\x17\n\x04Ping\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"\x17\n\x04Pong\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"v\n\x14\x45ngineStreamResponse\x12\x36\n\x07outputs\x18\x01 \x01(\x0b\x32%.splitserve.core.v1.EngineCoreOutputs\x12&\n\x04pong\x18\x02 \x01(\x0b\x32\x18.splitserve.core.v1.Pong\"\xf3\x01\n\x11\x45ngineCoreOutputs\x12\x17\n\x0frequest_handles\x18\x01 \x03(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x35\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32$.splitserve.core.v1.EngineCoreOutput\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\x0f\n\x07step_id\x18\x06 \x01(\x04\x12;\n\x0fscheduler_stats\x18\x07 \x01(\x0b\x32\".splitserve.core.v1.SchedulerStats\"\xc1\x03\n\x10\x45ngineCoreOutput\x12\x16\n\x0erequest_handle\x18\x01 \x01(\x04\x12\x39\n\rfinish_reason\x18\x02 \x01(\x0e\x32\".splitserve.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x39\n\x0cnew_logprobs\x18\x04 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\x12<\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\x12\x33\n\x06\x65vents\x18\x06 \x03(\x0b\x32#.splitserve.core.v1.EngineCoreEvent\x12\x1e\n\x11num_cached_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x31\n\nerror_kind\x18\t \x01(\x0e\x32\x1d.splitserve.core.v1.ErrorKindB\x10\n\x0e_stop_token_idB\x14\n\x12_num_cached_tokens\"[\n\x0f\x45ngineCoreEvent\x12\x35\n\x04type\x18\x01 \x01(\x0e\x32\'.splitserve.core.v1.EngineCoreEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"\x85\x03\n\x0eSchedulerStats\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x0f\n\x07step_id\x18\x07 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\t \x01(\r\x12\x18\n\x10num_total_blocks\x18\n \x01(\r\x12\x1d\n\x15\x65ncoder_cache_queries\x18\x0b \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0c \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x0e \x01(\x04\"\x1a\n\x18GetSchedulerStatsRequest\"X\n\x19GetSchedulerStatsResponse\x12;\n\x0fscheduler_stats\x18\x01 \x01(\x0b\x32\".splitserve.core.v1.SchedulerStats*\x81\x01\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_KIND_OVERLOADED\x10\x02\x12\x1d\n\x19\x45RROR_KIND_ENGINE_FAILURE\x10\x03*\xac\x01\n\x13\x45ngineCoreEventType\x12&\n\"ENGINE_CORE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x45NGINE_CORE_EVENT_TYPE_QUEUED\x10\x01\x12$\n ENGINE_CORE_EVENT_TYPE_SCHEDULED\x10\x02\x12$\n ENGINE_CORE_EVENT_TYPE_PREEMPTED\x10\x03\x32\xc6\x02\n\x11\x45ngineCoreService\x12X\n\tHandshake\x12$.splitserve.core.v1.HandshakeRequest\x1a%.splitserve.core.v1.HandshakeResponse\x12\x65\n\x0c\x45ngineStream\x12\'.splitserve.core.v1.EngineStreamRequest\x1a(.splitserve.core.v1.EngineStreamResponse(\x01\x30\x01\x12p\n\x11GetSchedulerStats\x12,.splitserve.core.v1.GetSchedulerStatsRequest\x1a-.splitserve.core.v1.GetSchedulerStatsResponseBq\n\x15io.splitserve.core.v1P\x01ZAgithub.com/splitserve/splitserve/gen/go/splitserve/core/v1;corev1\xaa\x02\x12Splitserve.Core.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%splitserve/core/v1/core_service.proto\x12\x12splitserve.core.v1\x1a splitserve/common/v1/types.proto\"\'\n\x10HandshakeRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\"H\n\x11HandshakeResponse\x12\x33\n\x0b\x65ngine_info\x18\x01 \x01(\x0b\x32\x1e.splitserve.core.v1.EngineInfo\"\xff\x02\n\nEngineInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0c \x01(\x08\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x0e \x01(\x01\x12\x1e\n\x16max_tokens_per_mm_item\x18\x0f \x01(\r\"\xb3\x04\n\x11\x45ngineCoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0erequest_handle\x18\x02 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12;\n\x0esampler_params\x18\x0b \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12<\n\x0bmm_features\x18\x0c \x03(\x0b\x32\'.splitserve.common.v1.MultiModalFeature\x12\x18\n\x10output_token_ids\x18\r \x03(\r\x12I\n\x12structured_outputs\x18\x0e \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputsParams\x12\x0f\n\x07resumed\x18\x0f \x01(\x08\x12#\n\x16reasoning_end_token_id\x18\x10 \x01(\rH\x01\x88\x01\x01\x42\x0f\n\r_eos_token_idB\x19\n\x17_reasoning_end_token_idJ\x04\x08\x04\x10\x05R\x0fsampling_params\"F\n\x0b\x41\x64\x64Requests\x12\x37\n\x08requests\x18\x01 \x03(\x0b\x32%.splitserve.core.v1.EngineCoreRequest\"(\n\rAbortRequests\x12\x17\n\x0frequest_handles\x18\x01 \x03(\x04\"\xe6\x01\n\x13\x45ngineStreamRequest\x12.\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1f.splitserve.core.v1.AddRequestsH\x00\x12\x32\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32!.splitserve.core.v1.AbortRequestsH\x00\x12(\n\x04ping\x18\x03 \x01(\x0b\x32\x18.splitserve.core.v1.PingH\x00\x12\x36\n\ttokenizer\x18\x04 \x01(\x0b\x32!.splitserve.core.v1.TokenizerInfoH\x00\x42\t\n\x07payload\">\n\rTokenizerInfo\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\"\x17\n\x04Ping\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"\x17\n\x04Pong\x12\x0f\n\x07ping_id\x18\x01 \x01(\x04\"v\n\x14\x45ngineStreamResponse\x12\x36\n\x07outputs\x18\x01 \x01(\x0b\x32%.splitserve.core.v1.EngineCoreOutputs\x12&\n\x04pong\x18\x02 \x01(\x0b\x32\x18.splitserve.core.v1.Pong\"\xf3\x01\n\x11\x45ngineCoreOutputs\x12\x17\n\x0frequest_handles\x18\x01 \x03(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x35\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32$.splitserve.core.v1.EngineCoreOutput\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\x0f\n\x07step_id\x18\x06 \x01(\x04\x12;\n\x0fscheduler_stats\x18\x07 \x01(\x0b\x32\".splitserve.core.v1.SchedulerStats\"\xc1\x03\n\x10\x45ngineCoreOutput\x12\x16\n\x0erequest_handle\x18\x01 \x01(\x04\x12\x39\n\rfinish_reason\x18\x02 \x01(\x0e\x32\".splitserve.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x39\n\x0cnew_logprobs\x18\x04 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\x12<\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\x12\x33\n\x06\x65vents\x18\x06 \x03(\x0b\x32#.splitserve.core.v1.EngineCoreEvent\x12\x1e\n\x11num_cached_tokens\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x31\n\nerror_kind\x18\t \x01(\x0e\x32\x1d.splitserve.core.v1.ErrorKindB\x10\n\x0e_stop_token_idB\x14\n\x12_num_cached_tokens\"[\n\x0f\x45ngineCoreEvent\x12\x35\n\x04type\x18\x01 \x01(\x0e\x32\'.splitserve.core.v1.EngineCoreEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"\x85\x03\n\x0eSchedulerStats\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x0f\n\x07step_id\x18\x07 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\t \x01(\r\x12\x18\n\x10num_total_blocks\x18\n \x01(\r\x12\x1d\n\x15\x65ncoder_cache_queries\x18\x0b \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0c \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x0e \x01(\x04\"\x1a\n\x18GetSchedulerStatsRequest\"X\n\x19GetSchedulerStatsResponse\x12;\n\x0fscheduler_stats\x18\x01 \x01(\x0b\x32\".splitserve.core.v1.SchedulerStats*\x81\x01\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_KIND_OVERLOADED\x10\x02\x12\x1d\n\x19\x45RROR_KIND_ENGINE_FAILURE\x10\x03*\xac\x01\n\x13\x45ngineCoreEventType\x12&\n\"ENGINE_CORE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x45NGINE_CORE_EVENT_TYPE_QUEUED\x10\x01\x12$\n ENGINE_CORE_EVENT_TYPE_SCHEDULED\x10\x02\x12$\n ENGINE_CORE_EVENT_TYPE_PREEMPTED\x10\x03\x32\xc6\x02\n\x11\x45ngineCoreService\x12X\n\tHandshake\x12$.splitserve.core.v1.HandshakeRequest\x1a%.splitserve.core.v1.HandshakeResponse\x12\x65\n\x0c\x45ngineStream\x12\'.splitserve.core.v1.EngineStreamRequest\x1a(.splitserve.core.v1.EngineStreamResponse(\x01\x30\x01\x12p\n\x11GetSchedulerStats\x12,.splitserve.core.v1.GetSchedulerStatsRequest\x1a-.splitserve.core.v1.GetSchedulerStatsResponseBq\n\x15io.splitserve.core.v1P\x01ZAgithub.com/splitserve/splitserve/gen/go/splitserve/core/v1;corev1\xaa\x02\x12Splitserve.Core.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve_contracts.core.v
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\025io.splitserve.core.v1P\001ZAgithub.com/splitserve/splitserve/gen/go/splitserve/core/v1;corev1\252\002\022Splitserve.Core.V1'
-  _globals['_ERRORKIND']._serialized_start=2981
-  _globals['_ERRORKIND']._serialized_end=3110
-  _globals['_ENGINECOREEVENTTYPE']._serialized_start=3113
-  _globals['_ENGINECOREEVENTTYPE']._serialized_end=3285
+  _globals['_ERRORKIND']._serialized_start=3045
+  _globals['_ERRORKIND']._serialized_end=3174
+  _globals['_ENGINECOREEVENTTYPE']._serialized_start=3177
+  _globals['_ENGINECOREEVENTTYPE']._serialized_end=3349
   _globals['_HANDSHAKEREQUEST']._serialized_start=95
   _globals['_HANDSHAKEREQUEST']._serialized_end=134
   _globals['_HANDSHAKERESPONSE']._serialized_start=136
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEINFO']._serialized_start=211
   _globals['_ENGINEINFO']._serialized_end=594
   _globals['_ENGINECOREREQUEST']._serialized_start=597
-  _globals['_ENGINECOREREQUEST']._serialized_end=1096
-  _globals['_ADDREQUESTS']._serialized_start=1098
-  _globals['_ADDREQUESTS']._serialized_end=1168
-  _globals['_ABORTREQUESTS']._serialized_start=1170
-  _globals['_ABORTREQUESTS']._serialized_end=1210
-  _globals['_ENGINESTREAMREQUEST']._serialized_start=1213
-  _globals['_ENGINESTREAMREQUEST']._serialized_end=1443
-  _globals['_TOKENIZERINFO']._serialized_start=1445
-  _globals['_TOKENIZERINFO']._serialized_end=1507
-  _globals['_PING']._serialized_start=1509
-  _globals['_PING']._serialized_end=1532
-  _globals['_PONG']._serialized_start=1534
-  _globals['_PONG']._serialized_end=1557
-  _globals['_ENGINESTREAMRESPONSE']._serialized_start=1559
-  _globals['_ENGINESTREAMRESPONSE']._serialized_end=1677
-  _globals['_ENGINECOREOUTPUTS']._serialized_start=1680
-  _globals['_ENGINECOREOUTPUTS']._serialized_end=1923
-  _globals['_ENGINECOREOUTPUT']._serialized_start=1926
-  _globals['_ENGINECOREOUTPUT']._serialized_end=2375
-  _globals['_ENGINECOREEVENT']._serialized_start=2377
-  _globals['_ENGINECOREEVENT']._serialized_end=2468
-  _globals['_SCHEDULERSTATS']._serialized_start=2471
-  _globals['_SCHEDULERSTATS']._serialized_end=2860
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=2862
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=2888
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=2890
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=2978
-  _globals['_ENGINECORESERVICE']._serialized_start=3288
-  _globals['_ENGINECORESERVICE']._serialized_end=3614
+  _globals['_ENGINECOREREQUEST']._serialized_end=1160
+  _globals['_ADDREQUESTS']._serialized_start=1162
+  _globals['_ADDREQUESTS']._serialized_end=1232
+  _globals['_ABORTREQUESTS']._serialized_start=1234
+  _globals['_ABORTREQUESTS']._serialized_end=1274
+  _globals['_ENGINESTREAMREQUEST']._serialized_start=1277
+  _globals['_ENGINESTREAMREQUEST']._serialized_end=1507
+  _globals['_TOKENIZERINFO']._serialized_start=1509
+  _globals['_TOKENIZERINFO']._serialized_end=1571
+  _globals['_PING']._serialized_start=1573
+  _globals['_PING']._serialized_end=1596
+  _globals['_PONG']._serialized_start=1598
+  _globals['_PONG']._serialized_end=1621
+  _globals['_ENGINESTREAMRESPONSE']._serialized_start=1623
+  _globals['_ENGINESTREAMRESPONSE']._serialized_end=1741
+  _globals['_ENGINECOREOUTPUTS']._serialized_start=1744
+  _globals['_ENGINECOREOUTPUTS']._serialized_end=1987
+  _globals['_ENGINECOREOUTPUT']._serialized_start=1990
+  _globals['_ENGINECOREOUTPUT']._serialized_end=2439
+  _globals['_ENGINECOREEVENT']._serialized_start=2441
+  _globals['_ENGINECOREEVENT']._serialized_end=2532
+  _globals['_SCHEDULERSTATS']._serialized_start=2535
+  _globals['_SCHEDULERSTATS']._serialized_end=2924
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=2926
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=2952
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=2954
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=3042
+  _globals['_ENGINECORESERVICE']._serialized_start=3352
+  _globals['_ENGINECORESERVICE']._serialized_end=3678
 # @@protoc_insertion_point(module_scope)
