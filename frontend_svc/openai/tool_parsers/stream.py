@@ -1,0 +1,78 @@
+"""A parser's view of a growing answer turned into what OpenAI streams: content deltas and
+`tool_calls` deltas (the first for a call carries its index, id, type and name; later ones
+only argument text), and the finished calls for a non-streaming answer."""
+
+from __future__ import annotations
+
+import secrets
+import string
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.openai.tool_parsers.base import CallDraft, Parsed, ToolCall, ToolParser
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_call_id(style: str) -> str:
+    """vLLM's ids: `chatcmpl-tool-<hex>`; Mistral's templates take only 9 letters/digits."""
+    if style == "mistral":
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class _Sent:
+    id: str
+    name: str
+    num_argument_chars: int = 0
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """What of a parser's output was sent; `update` returns what is new."""
+
+    parser: ToolParser
+    num_content_chars: int = 0
+    sent: list[_Sent] = field(default_factory=list)
+
+    def update(self, text: str, is_final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """New content and tool_calls deltas for the answer's text so far."""
+        parsed = self.parser.parse(text, is_final)
+        content = parsed.content[self.num_content_chars :]
+        self.num_content_chars = max(self.num_content_chars, len(parsed.content))
+        return content, self._call_deltas(parsed)
+
+    def _call_deltas(self, parsed: Parsed) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(parsed.calls):
+            if index == len(self.sent):
+                if call.name is None:
+                    break  # a later call waits for this one's name
+                sent = _Sent(new_call_id(self.parser.id_style), call.name)
+                self.sent.append(sent)
+                deltas.append(
+                    {
+                        "index": index,
+                        "id": sent.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            sent = self.sent[index]
+            new_arguments = call.arguments[sent.num_argument_chars :]
+            if new_arguments:
+                sent.num_argument_chars = len(call.arguments)
+                deltas.append({"index": index, "function": {"arguments": new_arguments}})
+        return deltas
+
+    def finished_calls(self, drafts: list[CallDraft]) -> list[ToolCall]:
+        """The final calls, with the ids streamed for them (new ones otherwise)."""
+        calls = []
+        for index, draft in enumerate(drafts):
+            call_id = (
+                self.sent[index].id if index < len(self.sent) else new_call_id(self.parser.id_style)
+            )
+            calls.append(ToolCall(call_id, draft.name or "", draft.arguments))
+        return calls
