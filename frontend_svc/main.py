@@ -14,7 +14,10 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.grpc_auth import api_key_interceptors
 from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
+from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.reasoning import ReasoningParser
+from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
@@ -54,6 +57,7 @@ async def serve(config: FrontendConfig) -> int:
     engine), then build every piece complete and open the public port."""
     try:
         files = read_model_files(config)
+        chat = chat_features(config, files.tokenizer)
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
@@ -111,8 +115,10 @@ async def serve(config: FrontendConfig) -> int:
             time.time(),
             max_fan_out=config.max_fan_out,
             max_body_bytes=config.max_receive_message_bytes,
+            chat=chat,
         )
-        app = build_app(context, host.registry, config.api_key)
+        store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
+        app = build_app(context, host.registry, config.api_key, store)
         http = HttpServer(
             app,
             config.http_host,
@@ -147,6 +153,20 @@ async def serve(config: FrontendConfig) -> int:
         await tracker
     await engine.close()
     return code
+
+
+def chat_features(config: FrontendConfig, tokenizer: object) -> ChatFeatures:
+    """The tool and reasoning settings, checked against the tokenizer (a reasoning parser
+    whose think tokens the vocabulary lacks raises ValueError)."""
+    reasoning = None
+    if config.reasoning_parser is not None:
+        reasoning = ReasoningParser(config.reasoning_parser, tokenizer)
+    return ChatFeatures(
+        config.tool_call_parser,
+        config.enable_auto_tool_choice,
+        reasoning,
+        tool_markers_are_special(config.tool_call_parser, tokenizer),
+    )
 
 
 def _uvicorn_level(config: FrontendConfig) -> str:

@@ -31,6 +31,7 @@ from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
 from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
+from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.sse import error_body, guarded
@@ -85,7 +86,7 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
             as_client_id(header_id, "the x-request-id header")
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body, limits, defaults)
+            req = parse_chat(body, limits, defaults, ctx.chat.can_choose_tools)
             ctx.check_model(req.model)
             run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
         else:
@@ -131,7 +132,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
+def build_app(
+    ctx: ServingContext,
+    registry: CollectorRegistry,
+    api_key: str = "",
+    store: ResponseStore | None = None,
+) -> Starlette:
     """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
     metrics (open, as vLLM's)."""
 

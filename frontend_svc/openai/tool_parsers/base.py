@@ -64,6 +64,9 @@ class ToolParser(ABC):
     """Texts that start or frame calls; when a tokenizer makes one a special token, the
     request keeps special tokens in its text (vLLM's adjust_request)."""
     id_style: ClassVar[str] = "openai"
+    starts_anywhere: ClassVar[bool] = True
+    """Calls may follow content (they start at a marker); False: the whole answer is either
+    content or calls, decided by how it starts."""
 
     def __init__(self, tools: ToolSchemas | None = None) -> None:
         self.tools: ToolSchemas = tools or {}

@@ -13,6 +13,8 @@ from frontend_svc.openai.tool_parsers.json_calls import json_list
 
 
 class RequiredToolParser(ToolParser):
+    starts_anywhere = False
+
     def parse(self, text: str, is_final: bool) -> Parsed:
         start = text.find("[")
         if start < 0:
@@ -21,6 +23,8 @@ class RequiredToolParser(ToolParser):
 
 
 class NamedToolParser(ToolParser):
+    starts_anywhere = False
+
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name

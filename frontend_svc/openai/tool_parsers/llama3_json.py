@@ -17,6 +17,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     markers = (PYTHON_TAG,)
+    starts_anywhere = False
 
     def parse(self, text: str, is_final: bool) -> Parsed:
         pos = skip_ws(text, 0)

@@ -21,6 +21,7 @@ _PAIRS = {"(": ")", "[": "]", "{": "}"}
 
 class PythonicToolParser(ToolParser):
     markers = (PYTHON_START, PYTHON_END)
+    starts_anywhere = False
 
     def parse(self, text: str, is_final: bool) -> Parsed:
         body = text.lstrip()

@@ -31,22 +31,34 @@ class _Sent:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """What of a parser's output was sent; `update` returns what is new."""
+    """What of a parser's output was sent; `update` returns what is new. `max_calls` bounds
+    the calls (1 when parallel_tool_calls is false)."""
 
     parser: ToolParser
+    max_calls: int = 1 << 30
     num_content_chars: int = 0
     sent: list[_Sent] = field(default_factory=list)
 
     def update(self, text: str, is_final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """New content and tool_calls deltas for the answer's text so far."""
-        parsed = self.parser.parse(text, is_final)
-        content = parsed.content[self.num_content_chars :]
-        self.num_content_chars = max(self.num_content_chars, len(parsed.content))
+        """New content and tool_calls deltas for the answer's text so far. While only
+        content was found, the content sent is final: marker formats parse only the text
+        after it, and an answer decided to be content is content to its end (linear time on
+        long answers)."""
+        base = 0
+        if not self.sent and self.num_content_chars:
+            if not self.parser.starts_anywhere:
+                content = text[self.num_content_chars :]
+                self.num_content_chars = len(text)
+                return content, []
+            base = self.num_content_chars
+        parsed = self.parser.parse(text[base:] if base else text, is_final)
+        content = parsed.content[self.num_content_chars - base :]
+        self.num_content_chars = max(self.num_content_chars, base + len(parsed.content))
         return content, self._call_deltas(parsed)
 
     def _call_deltas(self, parsed: Parsed) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(parsed.calls):
+        for index, call in enumerate(parsed.calls[: self.max_calls]):
             if index == len(self.sent):
                 if call.name is None:
                     break  # a later call waits for this one's name
