@@ -38,6 +38,12 @@ class ToolsRequest:
     """The named function, when choice is `function`."""
     is_parallel: bool = True
 
+    def is_strict(self, names: list[str]) -> bool:
+        """Whether every named tool says `strict: true` (OpenAI's strict function calling:
+        objects take only the properties their schema lists)."""
+        strict = {t["function"]["name"]: t["function"].get("strict") is True for t in self.tools}
+        return all(strict[name] for name in names)
+
     @property
     def schemas(self) -> dict[str, dict[str, Any]]:
         """Tool name -> its parameters' schema."""
@@ -169,7 +175,10 @@ def forced_constraint(tools: ToolsRequest) -> StructuredOutputsParams | None:
     at most when parallel_tool_calls is false)."""
     if tools.choice == "function":
         named = tools.schemas[tools.function] or {"type": "object", "properties": {}}
-        return StructuredOutputsParams(json=json.dumps(named))
+        is_strict = tools.is_strict([tools.function])
+        return StructuredOutputsParams(
+            json=json.dumps(named), disable_additional_properties=is_strict
+        )
     if tools.choice != "required":
         return None
     defs: dict[str, Any] = {}
@@ -199,7 +208,8 @@ def forced_constraint(tools: ToolsRequest) -> StructuredOutputsParams | None:
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return StructuredOutputsParams(json=json.dumps(schema))
+    is_strict = tools.is_strict(list(tools.schemas))
+    return StructuredOutputsParams(json=json.dumps(schema), disable_additional_properties=is_strict)
 
 
 def turn_fields(message: dict[str, Any], where: str) -> dict[str, Any]:

@@ -1,0 +1,190 @@
+"""Tool calling and reasoning end to end: a real stack serving the tiny model under a
+Qwen3-style tokenizer and template (tests/fixtures/tool_model.py) with
+`--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`, called by the
+openai SDK and LangChain. The weights are random, so formats are forced by grammars: a
+`required` or named choice always comes back as valid calls (at temperature 1.0), an `auto`
+answer forced into Hermes' format is read back as calls, and a thinking model's grammar starts
+only after it wrote `</think>` (the engine core's reasoning hook)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.slow
+FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 8}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_stack(tool_model_dir: Path) -> Iterator[Stack]:
+    stack = Stack(tool_model_dir, frontend_flags=FLAGS).start()
+    yield stack
+    stack.stop()
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _check_calls(calls: list[tuple[str, str]]) -> None:
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def _streamed_calls(stream: Any) -> tuple[list[tuple[str, str]], str | None, str]:
+    calls: dict[int, list[str]] = {}
+    finish, reasoning = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [(n, a) for n, a in calls.values()], finish, reasoning
+
+
+def test_required_and_named_choices_always_return_valid_calls(tool_stack: Stack) -> None:
+    client = _client(tool_stack)
+    model = _model(client)
+    for seed in range(6):
+        answer = client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+            temperature=1.0, seed=seed, max_tokens=400, extra_body=NO_THINKING,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        _check_calls(calls)
+        stream = client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=TOOLS, stream=True, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=400, extra_body=NO_THINKING,
+        )  # fmt: skip
+        streamed, finish, _ = _streamed_calls(stream)
+        assert finish == "stop" and [n for n, _ in streamed] == ["get_weather"]
+        _check_calls(streamed)
+    single = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0,
+        parallel_tool_calls=False, max_tokens=400, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert len(single.choices[0].message.tool_calls or []) == 1
+
+
+def test_auto_reads_the_parsers_format_whole_and_streamed(tool_stack: Stack) -> None:
+    """The model's own Hermes format, forced by a grammar (auto allows a constraint; the
+    tags are added tokens, which llguidance's Lark grammars name as <tool_call>)."""
+    client = _client(tool_stack)
+    forced = (
+        'start: <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+        '{\\"zone\\": \\"" zone "\\"}}\\n" </tool_call>\nzone: "CET" | "UTC"'
+    )
+    body = {**NO_THINKING, "structured_outputs": {"grammar": forced}}
+    answer = client.chat.completions.create(
+        model=_model(client), messages=MESSAGES, tools=TOOLS, temperature=1.0, max_tokens=200,
+        extra_body=body,
+    )  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert json.loads(calls[0].function.arguments)["zone"] in ("CET", "UTC")
+    stream = client.chat.completions.create(
+        model=_model(client), messages=MESSAGES, tools=TOOLS, temperature=1.0, max_tokens=200,
+        stream=True, extra_body=body,
+    )  # fmt: skip
+    streamed, finish, _ = _streamed_calls(stream)
+    assert finish == "tool_calls" and [n for n, _ in streamed] == ["get_time"]
+    assert json.loads(streamed[0][1])["zone"] in ("CET", "UTC")
+
+
+def test_a_thinking_model_calls_after_its_thinking(tool_stack: Stack, tool_model_dir: Path) -> None:
+    """Thinking on: tokens are free until `</think>` (nudged by a logit bias so the random
+    model writes it soon), then the grammar holds; reasoning and calls come apart."""
+    from transformers import AutoTokenizer
+
+    think_end = AutoTokenizer.from_pretrained(str(tool_model_dir)).convert_tokens_to_ids("</think>")
+    client = _client(tool_stack)
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model=_model(client), messages=MESSAGES, tools=TOOLS, tool_choice="required",
+            temperature=1.0, seed=seed, max_tokens=600, logit_bias={str(think_end): 6.0},
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.reasoning is not None  # type: ignore[attr-defined]
+        assert "</think>" not in choice.message.reasoning  # type: ignore[attr-defined]
+        _check_calls(
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        )
+
+
+def test_langchain_bind_tools(tool_stack: Stack) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):  # bounded: a random model's strings end only at a bound
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=7)
+
+    @tool(args_schema=Forecast)
+    def get_weather(city: str, days: int) -> str:
+        """The weather forecast of a city for some days."""
+        return "sunny"
+
+    model = _model(_client(tool_stack))
+    llm = ChatOpenAI(
+        model=model, base_url=f"{tool_stack.http}/v1", api_key="x",  # type: ignore[arg-type]
+        temperature=1.0, max_tokens=300, extra_body=NO_THINKING, max_retries=0,
+    )  # fmt: skip
+    bound = llm.bind_tools([get_weather], tool_choice="any", strict=True)  # closed objects
+    message = bound.invoke("Weather in Rome for 3 days?")
+    calls = message.tool_calls  # type: ignore[attr-defined]
+    assert calls and {c["name"] for c in calls} == {"get_weather"}, message
+    for call in calls:
+        Forecast.model_validate(call["args"])
+    auto = llm.bind_tools([get_weather]).invoke("Say hello.")  # auto: free text, no call
+    assert auto.tool_calls == [] and isinstance(auto.content, str)  # type: ignore[attr-defined]
