@@ -53,6 +53,9 @@ class ResponseStore:
         self._expire()
         return self._items.get(response_id)
 
+    def delete(self, response_id: str) -> None:
+        self._items.pop(response_id, None)
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -188,3 +188,39 @@ def test_langchain_bind_tools(tool_stack: Stack) -> None:
         Forecast.model_validate(call["args"])
     auto = llm.bind_tools([get_weather]).invoke("Say hello.")  # auto: free text, no call
     assert auto.tool_calls == [] and isinstance(auto.content, str)  # type: ignore[attr-defined]
+
+
+def test_responses_api_tool_turn_follow_up_and_stream(tool_stack: Stack) -> None:
+    """The openai SDK's Responses client: a forced tool call, its output sent back by
+    previous_response_id, and the same turn streamed (the SDK's event accumulation)."""
+    client = _client(tool_stack)
+    model = _model(client)
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}]
+    first = client.responses.create(
+        model=model, input="Weather in Paris?", tools=tools, tool_choice="required",
+        temperature=1.0, max_output_tokens=300, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert first.status == "completed"
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMS)
+    follow_up = client.responses.create(
+        model=model, previous_response_id=first.id, tools=tools, tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls],
+        max_output_tokens=8, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert follow_up.status == "incomplete" and follow_up.usage is not None
+    assert follow_up.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+    assert follow_up.output_text  # free text from the random model
+    with client.responses.stream(
+        model=model, input="Weather in Paris?", tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=1.0, max_output_tokens=300, extra_body=NO_THINKING,
+    ) as stream:  # fmt: skip
+        kinds = {event.type for event in stream}
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and "response.completed" in kinds
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [c.name for c in streamed] == ["get_weather"]
+    jsonschema.validate(json.loads(streamed[0].arguments), WEATHER_PARAMS)
+    assert client.responses.retrieve(final.id).output[0].id == final.output[0].id
