@@ -103,7 +103,7 @@ async def serve(config: FrontendConfig) -> int:
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    servicer = GenerationServicer(engine, inputs, info, served_name)
+    servicer = GenerationServicer(engine, inputs, info, served_name, chat)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     http = None
     if config.http_port is not None:

@@ -5,14 +5,17 @@ deltas while it streams."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai.reasoning import ReasoningParser, ReasoningStream
-from frontend_svc.openai.tool_parsers import TOOL_PARSERS, ToolParser
+from frontend_svc.openai.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
 from frontend_svc.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from frontend_svc.openai.tool_parsers.stream import ToolCallStream
-from frontend_svc.openai.tools import ToolsRequest
+from frontend_svc.openai.tools import ToolsRequest, forced_constraint
+from frontend_svc.requests import CompletionDelta, GenerateInput
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class OutputRules:
     include_reasoning: bool = True
 
     @property
+    def is_plain(self) -> bool:
+        """No reasoning parser and no tools: the answer is its text."""
+        return self.features.reasoning is None and self.tools is None
+
+    @property
     def keeps_special_tokens(self) -> bool:
         """Whether the answer's text must keep special tokens (markers the parsers read)."""
         reasoning = self.features.reasoning
@@ -68,6 +76,45 @@ class OutputRules:
         return TOOL_PARSERS[name](tools.schemas) if name is not None else None
 
 
+def prepare_chat_call(
+    call: GenerateInput,
+    tools: ToolsRequest | None,
+    features: ChatFeatures,
+    include_reasoning: bool = True,
+) -> tuple[GenerateInput, OutputRules]:
+    """A chat call with its tools applied (shown to the template; a required or named
+    choice's grammar; special tokens kept where the parsers read them; the reasoning tokens
+    that start a grammar late) and the rules that read its answers. Both APIs use it."""
+    reasoning = features.reasoning if call.prompt.chat is not None else None
+    kwargs = call.prompt.chat_template_kwargs
+    is_thinking = reasoning is not None and reasoning.is_thinking(kwargs)
+    rules = OutputRules(features, tools, is_thinking, include_reasoning)
+    if rules.is_plain:
+        return call, rules
+    forced = forced_constraint(tools) if tools is not None else None
+    constraint, where = call.structured_outputs, call.structured_outputs_field
+    if forced is not None:
+        if constraint is not None:
+            raise InvalidRequest(
+                "You can only either use constraints for structured outputs or tools, not both "
+                f"(`{where}` and tool_choice {tools.choice!r})",  # type: ignore[union-attr]
+                "tool_choice",
+            )
+        constraint, where = forced, "tools"
+    params = call.params
+    if rules.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    prompt = call.prompt
+    if tools is not None:
+        prompt = dataclasses.replace(prompt, tools=tools.tools)
+    tokens = reasoning.tokens if reasoning is not None and is_thinking else None
+    prepared = dataclasses.replace(
+        call, prompt=prompt, params=params, structured_outputs=constraint,
+        structured_outputs_field=where, reasoning=tokens,
+    )  # fmt: skip
+    return prepared, rules
+
+
 @dataclass
 class ChoiceOutput:
     """One choice's answer as it is read; `update` with the whole text so far."""
@@ -80,6 +127,8 @@ class ChoiceOutput:
     """The content so far (what the tool parser reads)."""
     num_text_chars: int = 0
     has_calls: bool = False
+    streamed_calls: list[ToolCall] = field(default_factory=list)
+    """The calls the stream sent so far, put together."""
 
     def __post_init__(self) -> None:
         reasoning = self.rules.features.reasoning
@@ -107,9 +156,18 @@ class ChoiceOutput:
             if calls:
                 delta["tool_calls"] = calls
                 self.has_calls = True
+                self._collect(calls)
         if content:
             delta["content"] = content
         return delta
+
+    def _collect(self, deltas: list[dict[str, Any]]) -> None:
+        for delta in deltas:
+            function = delta["function"]
+            if "id" in delta:
+                self.streamed_calls.append(ToolCall(delta["id"], function["name"], ""))
+            call = self.streamed_calls[delta["index"]]
+            call.arguments += function.get("arguments", "")
 
     def _split(self, text: str, is_final: bool) -> tuple[str, str]:
         if self.reasoning_stream is None:
@@ -147,3 +205,25 @@ class ChoiceOutput:
         if self.has_calls and not is_named and engine_reason == "stop":
             return "tool_calls"
         return engine_reason
+
+
+class AnswerReader:
+    """The gRPC API's view of the answers of one call (n choices): each delta's parsed fields
+    (None for plain text) and, on a choice's last piece, its tool calls."""
+
+    def __init__(self, rules: OutputRules, prompt_ends_reasoning: bool) -> None:
+        self.rules, self.prompt_ends_reasoning = rules, prompt_ends_reasoning
+        self._outputs: dict[int, ChoiceOutput] = {}
+        self._texts: dict[int, str] = {}
+
+    def read(self, delta: CompletionDelta) -> tuple[dict[str, Any] | None, list[ToolCall]]:
+        if self.rules.is_plain:
+            return None, []
+        output = self._outputs.get(delta.index)
+        if output is None:
+            output = self._outputs[delta.index] = ChoiceOutput(
+                self.rules, self.prompt_ends_reasoning
+            )
+        text = self._texts[delta.index] = self._texts.get(delta.index, "") + delta.text
+        fields = output.update(text, delta.is_finished)
+        return fields, output.streamed_calls if delta.is_finished else []

@@ -24,7 +24,7 @@ from frontend_svc.openai.fields import (
 )
 from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, FieldMap, sampling_params
 from frontend_svc.openai.structured_map import structured_outputs
-from frontend_svc.openai.tools import ToolsRequest, forced_constraint, parse_tools, turn_fields
+from frontend_svc.openai.tools import ToolsRequest, parse_tools, turn_fields
 from frontend_svc.requests import (
     DEFAULT_MAX_FAN_OUT,
     MAX_REQUEST_ID_CHARS,
@@ -299,7 +299,6 @@ def parse_chat(
         add_generation_prompt=read(body, "add_generation_prompt", as_bool, True),
         continue_final_message=read(body, "continue_final_message", as_bool, False),
         chat_template_kwargs=read(body, "chat_template_kwargs", as_object),
-        tools=tools.tools if tools is not None else None,
     )
     top_logprobs = read(body, "top_logprobs", as_int)
     wants_logprobs = read(body, "logprobs", as_bool, False)
@@ -309,15 +308,6 @@ def parse_chat(
     params = _checked(sampling_params(body, CHAT, defaults, logprobs=logprobs), body, CHAT, limits)
     _check_fan_out(1, params.n, limits.max_fan_out)
     common = _common(body)
-    forced = forced_constraint(tools) if tools is not None else None
-    if forced is not None:
-        if common["structured_outputs"] is not None:
-            raise InvalidRequest(
-                "You can only either use constraints for structured outputs or tools, not both "
-                f"(`{common['structured_outputs_field']}` and tool_choice {tools.choice!r})",  # type: ignore[union-attr]
-                "tool_choice",
-            )
-        common.update(structured_outputs=forced, structured_outputs_field="tools")
     include_reasoning = read(body, "include_reasoning", as_bool, True)
     return ChatRequest(
         prompt=prompt, params=params, tools=tools, include_reasoning=include_reasoning, **common

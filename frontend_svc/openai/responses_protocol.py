@@ -94,8 +94,9 @@ def renamed(err: InvalidRequest) -> InvalidRequest:
         param = param.replace(".function.", ".", 1)
     if param.startswith("messages"):
         param = "input" + param[len("messages") :]
-    err.param = param or None
-    return err
+    out = InvalidRequest(str(err).replace(".function.", "."), param or None)
+    out.http_status, out.error_type = err.http_status, err.error_type
+    return out
 
 
 def _tool(value: Any, where: str) -> dict[str, Any]:

@@ -5,13 +5,12 @@ thinking comes as `reasoning` (and `reasoning_content`); with tools the calls co
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend_svc.openai import formatting as fmt
 from frontend_svc.openai import generation
-from frontend_svc.openai.chat_output import ChoiceOutput, OutputRules
+from frontend_svc.openai.chat_output import ChoiceOutput, OutputRules, prepare_chat_call
 from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import ChatRequest
@@ -21,35 +20,20 @@ from frontend_svc.requests import CompletionDelta, GenerateInput, derived_reques
 ROLE = "assistant"
 
 
-def output_rules(ctx: ServingContext, req: ChatRequest) -> OutputRules:
-    reasoning = ctx.chat.reasoning
-    kwargs = req.prompt.chat_template_kwargs
-    return OutputRules(
-        ctx.chat,
-        req.tools,
-        is_thinking=reasoning.is_thinking(kwargs) if reasoning is not None else False,
-        include_reasoning=req.include_reasoning,
-    )
-
-
 def generate_input(
-    ctx: ServingContext, req: ChatRequest, rid: str, rules: OutputRules
-) -> GenerateInput:
-    """The engine call of a chat request (special tokens kept when the parsers read them)."""
-    params = req.params
-    if rules.keeps_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    reasoning = ctx.chat.reasoning
-    return GenerateInput(
+    ctx: ServingContext, req: ChatRequest, rid: str
+) -> tuple[GenerateInput, OutputRules]:
+    """The engine call of a chat request, its tools applied, and the rules of its answers."""
+    call = GenerateInput(
         rid,
         req.prompt,
-        params,
+        req.params,
         req.priority,
         req.cache_salt,
         req.structured_outputs,
         req.structured_outputs_field,
-        reasoning=reasoning.tokens if reasoning is not None and rules.is_thinking else None,
     )
+    return prepare_chat_call(call, req.tools, ctx.chat, req.include_reasoning)
 
 
 class ChatRun:
@@ -59,14 +43,13 @@ class ChatRun:
         self.ctx, self.req, self.rid = ctx, req, rid
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
-        self.rules = output_rules(ctx, req)
         self.outputs: list[ChoiceOutput] = []
 
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        call = generate_input(self.ctx, self.req, derived_request_id(self.rid, ""), self.rules)
+        call, rules = generate_input(self.ctx, self.req, derived_request_id(self.rid, ""))
         requests = await generation.prepare(self.ctx, [call])
         ended = requests[0].prompt_ends_reasoning
-        self.outputs = [ChoiceOutput(self.rules, ended) for _ in self.choices]
+        self.outputs = [ChoiceOutput(rules, ended) for _ in self.choices]
         async for event in generation.run(self.ctx, requests, coalesce):
             yield event
 

@@ -224,3 +224,53 @@ def test_responses_api_tool_turn_follow_up_and_stream(tool_stack: Stack) -> None
     assert [c.name for c in streamed] == ["get_weather"]
     jsonschema.validate(json.loads(streamed[0].arguments), WEATHER_PARAMS)
     assert client.responses.retrieve(final.id).output[0].id == final.output[0].id
+
+
+def _grpc_chat(**fields: Any) -> Any:
+    from google.protobuf import struct_pb2
+
+    from splitserve_contracts.common.v1 import types_pb2
+    from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"enable_thinking": False})
+    chat = gen_pb2.Chat(
+        messages=[gen_pb2.ChatMessage(role="user", content="Weather in Paris?")],
+        chat_template_kwargs=kwargs,
+    )
+    tools = [
+        gen_pb2.Tool(
+            name=t["function"]["name"], parameters_json=json.dumps(t["function"]["parameters"])
+        )
+        for t in TOOLS
+    ]
+    params = types_pb2.SamplingParams(temperature=1.0, max_tokens=300, seed=3)
+    return gen_pb2.GenerateRequest(chat=chat, tools=tools, sampling_params=params, **fields)
+
+
+def test_grpc_tools_and_parsed_calls(tool_stack: Stack) -> None:
+    """The public gRPC API: tools and tool_choice on a chat request, the calls read back on
+    the last piece, and a bad definition refused naming the field."""
+    import grpc
+
+    from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+    from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
+
+    with grpc.insecure_channel(tool_stack.frontend) as channel:
+        stub = gen_grpc.GenerationServiceStub(channel)
+        required = gen_pb2.ToolChoice(mode=gen_pb2.TOOL_CHOICE_MODE_REQUIRED)
+        pieces = list(stub.Generate(_grpc_chat(tool_choice=required), timeout=120))
+        assert pieces[-1].finish_reason and pieces[-1].tool_calls
+        assert all(not p.tool_calls for p in pieces[:-1]) and "".join(p.text for p in pieces) == ""
+        _check_calls([(c.name, c.arguments) for c in pieces[-1].tool_calls])
+        assert all(c.id.startswith("chatcmpl-tool-") for c in pieces[-1].tool_calls)
+        named = gen_pb2.ToolChoice(function_name="get_time")
+        last = list(stub.Generate(_grpc_chat(tool_choice=named), timeout=120))[-1]
+        assert [c.name for c in last.tool_calls] == ["get_time"]
+        _check_calls([(c.name, c.arguments) for c in last.tool_calls])
+        bad = _grpc_chat(tool_choice=required)
+        bad.tools[0].parameters_json = '{"type": "array"}'
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(bad, timeout=60))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tools[0].parameters_json" in str(caught.value.details())

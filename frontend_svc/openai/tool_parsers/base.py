@@ -37,7 +37,7 @@ class Parsed:
     calls: tuple[CallDraft, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolCall:
     """A finished call, as the response carries it."""
 
