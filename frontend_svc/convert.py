@@ -11,8 +11,6 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.openai.tool_parsers import ToolCall
-from frontend_svc.openai.tools import ToolsRequest, parse_tools
 from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
@@ -100,35 +98,24 @@ TOOL_CHOICE_MODES = {
 }
 
 
-def tools_from_proto(msg: gen_pb2.GenerateRequest, can_choose: bool) -> ToolsRequest | None:
-    """The request's tools, checked as the HTTP API checks them (the same rules and
-    messages; fields named as this API names them)."""
+def tools_body_from_proto(msg: gen_pb2.GenerateRequest) -> dict[str, Any] | None:
+    """The request's tool fields in the HTTP API's JSON shapes (checked by the same rules,
+    openai/tools.py, in the servicer); None: no tool field is set."""
     body: dict[str, Any] = {}
     if msg.tools:
         body["tools"] = [_tool_from_proto(t, i) for i, t in enumerate(msg.tools)]
     if msg.HasField("tool_choice"):
         kind = msg.tool_choice.WhichOneof("choice")
         if kind == "function_name":
-            body["tool_choice"] = {
-                "type": "function",
-                "function": {"name": msg.tool_choice.function_name},
-            }
+            name = msg.tool_choice.function_name
+            body["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif kind == "mode" and msg.tool_choice.mode in TOOL_CHOICE_MODES:
             body["tool_choice"] = TOOL_CHOICE_MODES[msg.tool_choice.mode]
     if msg.HasField("parallel_tool_calls"):
         body["parallel_tool_calls"] = msg.parallel_tool_calls
-    if not body:
-        return None
-    if msg.WhichOneof("input") != "chat":
+    if body and msg.WhichOneof("input") != "chat":
         raise InvalidRequest("tools need a chat prompt", "tools")
-    try:
-        return parse_tools(body, can_choose)
-    except InvalidRequest as err:  # named as this API names the fields
-        param, message = (
-            text.replace(".function.", ".").replace(".parameters", ".parameters_json")
-            for text in (err.param or "", str(err))
-        )
-        raise InvalidRequest(message, param or None) from None
+    return body or None
 
 
 def _tool_from_proto(tool: gen_pb2.Tool, index: int) -> dict[str, Any]:
@@ -211,10 +198,10 @@ def delta_to_proto(
     request_id: str,
     delta: CompletionDelta,
     parsed: dict[str, Any] | None = None,
-    calls: Sequence[ToolCall] = (),
+    calls: Sequence[tuple[str, str, str]] = (),
 ) -> gen_pb2.GenerateResponse:
     """One piece of a completion; `parsed` (chat_output's fields) replaces the raw text with
-    the answer, its thinking and, on the last piece, `calls`."""
+    the answer, its thinking and, on the last piece, `calls` (id, name, arguments)."""
     msg = gen_pb2.GenerateResponse(
         request_id=request_id,
         index=delta.index,
@@ -232,8 +219,8 @@ def delta_to_proto(
         msg.stop_str = delta.stop_str
     elif delta.stop_token_id is not None:
         msg.stop_token_id = delta.stop_token_id
-    for call in calls:
-        msg.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+    for call_id, name, arguments in calls:
+        msg.tool_calls.add(id=call_id, name=name, arguments=arguments)
     if delta.logprobs:
         _token_logprobs_to_proto(delta.logprobs, msg.logprobs)
     if delta.prompt_logprobs:

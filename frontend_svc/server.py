@@ -15,6 +15,7 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
+from frontend_svc.openai.tools import grpc_tools
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -50,7 +51,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         try:
             check_model(request.model, self.served_model_name)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
-            tools = convert.tools_from_proto(request, self.chat.can_choose_tools)
+            tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
             call, rules = prepare_chat_call(call, tools, self.chat)
             engine_request = await inputs.run(inputs.process, call)
             answers = AnswerReader(rules, engine_request.prompt_ends_reasoning)
@@ -58,7 +59,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                 if delta.finish_reason == FinishReason.ERROR:
                     raise engine_error(request_id, delta.error_kind, delta.error_message)
                 parsed, calls = answers.read(delta)
-                yield convert.delta_to_proto(request_id, delta, parsed, calls)
+                listed = [(c.id, c.name, c.arguments) for c in calls]
+                yield convert.delta_to_proto(request_id, delta, parsed, listed)
         except FrontendError as err:
             await grpc_errors.abort(context, err)
 

@@ -74,6 +74,21 @@ def parse_tools(body: dict[str, Any], can_choose: bool) -> ToolsRequest | None:
     return ToolsRequest(tools, choice, function, is_parallel)
 
 
+def grpc_tools(body: dict[str, Any] | None, can_choose: bool) -> ToolsRequest | None:
+    """The gRPC API's tool fields (converted to these JSON shapes) checked by the same rules,
+    refusals naming its fields (`tools[0].parameters_json`, not `tools[0].function...`)."""
+    if body is None:
+        return None
+    try:
+        return parse_tools(body, can_choose)
+    except InvalidRequest as err:
+        param, message = (
+            text.replace(".function.", ".").replace(".parameters", ".parameters_json")
+            for text in (err.param or "", str(err))
+        )
+        raise InvalidRequest(message, param or None) from None
+
+
 def _choice(value: Any) -> tuple[str | None, str]:
     if value is None:
         return None, ""
