@@ -123,9 +123,6 @@ class ChoiceOutput:
     prompt_ends_reasoning: bool = False
     reasoning_stream: ReasoningStream | None = None
     tool_stream: ToolCallStream | None = None
-    content: str = ""
-    """The content so far (what the tool parser reads)."""
-    num_text_chars: int = 0
     has_calls: bool = False
     streamed_calls: list[ToolCall] = field(default_factory=list)
     """The calls the stream sent so far, put together."""
@@ -142,17 +139,17 @@ class ChoiceOutput:
             is_single = tools is not None and not tools.is_parallel
             self.tool_stream = ToolCallStream(parser, 1 if is_single else 1 << 30)
 
-    def update(self, text: str, is_final: bool) -> dict[str, Any]:
-        """The stream delta's fields new since the last update (empty: nothing to send)."""
-        reasoning, content = self._split(text, is_final)
+    def update(self, new_text: str, is_final: bool) -> dict[str, Any]:
+        """The stream delta's fields for the answer's text new since the last update
+        (empty: nothing to send yet)."""
+        reasoning, content = self._split(new_text, is_final)
         if self.reasoning_stream is None and self.tool_stream is None:
             return {"content": content}  # plain text: one chunk per delta, as before parsing
         delta: dict[str, Any] = {}
         if reasoning and self.rules.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if self.tool_stream is not None:
-            self.content += content
-            content, calls = self.tool_stream.update(self.content, is_final)
+            content, calls = self.tool_stream.update(content, is_final)
             if calls:
                 delta["tool_calls"] = calls
                 self.has_calls = True
@@ -169,12 +166,10 @@ class ChoiceOutput:
             call = self.streamed_calls[delta["index"]]
             call.arguments += function.get("arguments", "")
 
-    def _split(self, text: str, is_final: bool) -> tuple[str, str]:
+    def _split(self, new_text: str, is_final: bool) -> tuple[str, str]:
         if self.reasoning_stream is None:
-            new = text[self.num_text_chars :]
-            self.num_text_chars = len(text)
-            return "", new
-        return self.reasoning_stream.update(text, is_final)
+            return "", new_text
+        return self.reasoning_stream.update(new_text, is_final)
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole answer's message (vLLM's: a malformed call leaves the text as content)."""
@@ -214,7 +209,6 @@ class AnswerReader:
     def __init__(self, rules: OutputRules, prompt_ends_reasoning: bool) -> None:
         self.rules, self.prompt_ends_reasoning = rules, prompt_ends_reasoning
         self._outputs: dict[int, ChoiceOutput] = {}
-        self._texts: dict[int, str] = {}
 
     def read(self, delta: CompletionDelta) -> tuple[dict[str, Any] | None, list[ToolCall]]:
         if self.rules.is_plain:
@@ -224,6 +218,5 @@ class AnswerReader:
             output = self._outputs[delta.index] = ChoiceOutput(
                 self.rules, self.prompt_ends_reasoning
             )
-        text = self._texts[delta.index] = self._texts.get(delta.index, "") + delta.text
-        fields = output.update(text, delta.is_finished)
+        fields = output.update(delta.text, delta.is_finished)
         return fields, output.streamed_calls if delta.is_finished else []

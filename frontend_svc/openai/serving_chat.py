@@ -95,7 +95,7 @@ class ChatRun:
         choice = self.choices[delta.index]
         choice.add(delta)
         output = self.outputs[delta.index]
-        fields = output.update(choice.text, delta.is_finished)
+        fields = output.update(delta.text, delta.is_finished)
         if not fields and not delta.is_finished and not delta.logprobs:
             return None  # text held back (a marker may be arriving) or nothing new
         extra = {

@@ -138,7 +138,7 @@ class ResponsesRun:
             pending = [first] if first is not None else []
             async for _, delta in _chain(pending, rest):
                 state.add(delta)
-                for chunk in events.update(output.update(state.text, delta.is_finished)):
+                for chunk in events.update(output.update(delta.text, delta.is_finished)):
                     yield chunk
             for chunk in events.close():
                 yield chunk

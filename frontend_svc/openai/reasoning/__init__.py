@@ -72,35 +72,32 @@ class ReasoningParser:
 
 
 class ReasoningStream:
-    """Splits a growing answer into reasoning and content; each `update` returns the new part
-    of each (a held-back end that may still become `</think>` waits). Only the new text is
-    scanned, so a long answer costs linear time."""
+    """Splits a growing answer into reasoning and content: each `update` takes the text new
+    since the last one and returns the new part of each. It keeps only what it cannot decide
+    yet (an end that may still become `</think>`), so a long answer costs linear time."""
 
     def __init__(self, fmt: ReasoningFormat, phase: str = "start") -> None:
         self.format = fmt
         self.phase = phase
-        self.pos = 0
+        self.pending = ""
 
-    def update(self, text: str, is_final: bool) -> tuple[str, str]:
+    def update(self, new_text: str, is_final: bool) -> tuple[str, str]:
+        if self.phase == "content":
+            return "", new_text
+        text = self.pending + new_text
         start, end = self.format.start, self.format.end
         if self.phase == "start":
             lead = text.lstrip()
             if lead.startswith(start):
-                self.pos = len(text) - len(lead) + len(start)
+                text = lead[len(start) :]
             elif not is_final and start.startswith(lead):
+                self.pending = text
                 return "", ""  # blanks, or `<think>` still arriving
             self.phase = "reasoning"
-        if self.phase == "content":
-            content = text[self.pos :]
-            self.pos = len(text)
-            return "", content
-        found = text.find(end, self.pos)
+        found = text.find(end)
         if found < 0:
-            reasoning = held_back(text[self.pos :], (end,), is_final)
-            self.pos += len(reasoning)
+            reasoning = held_back(text, (end,), is_final)
+            self.pending = text[len(reasoning) :]
             return reasoning, ""
-        reasoning = text[self.pos : found]
-        self.pos, self.phase = found + len(end), "content"
-        content = text[self.pos :]
-        self.pos = len(text)
-        return reasoning, content
+        self.phase, self.pending = "content", ""
+        return text[:found], text[found + len(end) :]

@@ -31,29 +31,37 @@ class _Sent:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """What of a parser's output was sent; `update` returns what is new. `max_calls` bounds
-    the calls (1 when parallel_tool_calls is false)."""
+    """What of a parser's output was sent; `update` takes the text new since the last one and
+    returns what is new. `max_calls` bounds the calls (1 when parallel_tool_calls is false).
+
+    While only content was found, the content sent is final and is dropped from the text kept:
+    marker formats parse only what follows it, and an answer decided to be content (formats
+    that must start with their calls) is content to its end. A long answer costs linear time;
+    only the calls' own text is parsed again as it grows."""
 
     parser: ToolParser
     max_calls: int = 1 << 30
+    text: str = ""
+    """The text not yet committed as content."""
     num_content_chars: int = 0
+    """Content sent out of `text`."""
+    is_content: bool = False
     sent: list[_Sent] = field(default_factory=list)
 
-    def update(self, text: str, is_final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """New content and tool_calls deltas for the answer's text so far. While only
-        content was found, the content sent is final: marker formats parse only the text
-        after it, and an answer decided to be content is content to its end (linear time on
-        long answers)."""
-        base = 0
-        if not self.sent and self.num_content_chars:
-            if not self.parser.starts_anywhere:
-                content = text[self.num_content_chars :]
-                self.num_content_chars = len(text)
-                return content, []
-            base = self.num_content_chars
-        parsed = self.parser.parse(text[base:] if base else text, is_final)
-        content = parsed.content[self.num_content_chars - base :]
-        self.num_content_chars = max(self.num_content_chars, base + len(parsed.content))
+    def update(self, new_text: str, is_final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """New content and tool_calls deltas, given the answer's new text."""
+        if self.is_content:
+            return new_text, []
+        self.text += new_text
+        parsed = self.parser.parse(self.text, is_final)
+        content = parsed.content[self.num_content_chars :]
+        self.num_content_chars = max(self.num_content_chars, len(parsed.content))
+        if not parsed.calls and not self.sent and parsed.content:
+            if self.parser.starts_anywhere:  # committed: no call starts in it
+                self.text = self.text[self.num_content_chars :]
+                self.num_content_chars = 0
+            else:
+                self.is_content, self.text = True, ""
         return content, self._call_deltas(parsed)
 
     def _call_deltas(self, parsed: Parsed) -> list[dict[str, Any]]:

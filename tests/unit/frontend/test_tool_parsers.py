@@ -132,8 +132,10 @@ def _streamed(
     stream = ToolCallStream(parser)
     content = ""
     found: dict[int, list[str]] = {}
+    done = 0
     for end in [*sorted(set(cuts)), len(text)]:
-        piece, deltas = stream.update(text[:end], is_final=end == len(text))
+        piece, deltas = stream.update(text[done:end], is_final=end == len(text))
+        done = end
         content += piece
         for delta in deltas:
             entry = found.setdefault(delta["index"], ["", "", ""])
