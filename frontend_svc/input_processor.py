@@ -192,14 +192,7 @@ class InputProcessor:
                 "set add_generation_prompt to false to continue the last message",
                 "continue_final_message",
             )
-        extra = dict(prompt.chat_template_kwargs or {})
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
-        if reserved:
-            raise InvalidRequest(
-                f"chat_template_kwargs may not set {', '.join(reserved)}; "
-                "use the request's own fields",
-                "chat_template_kwargs",
-            )
+        extra = _template_kwargs(prompt)
         mm = self.multimodal
         messages = chat_messages(
             chat,
@@ -208,8 +201,6 @@ class InputProcessor:
         )
         for message, turn in zip(messages, chat, strict=True):
             message.update(turn.template_fields())
-        if prompt.tools:
-            extra["tools"] = list(prompt.tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -325,6 +316,21 @@ class InputProcessor:
 
 
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _template_kwargs(prompt: PromptInput) -> dict[str, Any]:
+    """apply_chat_template's extra arguments: the request's chat_template_kwargs (which may not
+    set its own parameters) and the tools."""
+    extra = dict(prompt.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+    if reserved:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)}; use the request's own fields",
+            "chat_template_kwargs",
+        )
+    if prompt.tools:
+        extra["tools"] = list(prompt.tools)
+    return extra
 
 
 def _reasoning_end(call: GenerateInput) -> int | None:
