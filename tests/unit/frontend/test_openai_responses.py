@@ -171,4 +171,8 @@ def test_the_store_is_bounded_by_size_and_age() -> None:
         store.put({"id": f"r{i}"}, [])
     assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
     now[0] = 11.0
-    assert store.get("r2") is None and len(store) == 0
+    assert store.get("r2") is None and len(store) == 0 and store.num_bytes == 0
+    small = ResponseStore(max_size=100, max_bytes=2_000)
+    for i in range(10):
+        small.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 500}])
+    assert small.num_bytes <= 2_000 and small.get("r9") is not None and small.get("r0") is None
