@@ -34,7 +34,8 @@ def request_from_proto(
     if msg.HasField("structured_outputs"):
         params = structured_outputs.from_proto(msg.structured_outputs)
         if params is not None:
-            structured = StructuredOutputRequest(params)
+            end_id = msg.reasoning_end_token_id if msg.HasField("reasoning_end_token_id") else None
+            structured = StructuredOutputRequest(params, end_id)
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from frontend_svc.openai.http_limits import HttpLimits
+from frontend_svc.openai.reasoning import REASONING_PARSERS
+from frontend_svc.openai.response_store import (
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
+)
+from frontend_svc.openai.tool_parsers import TOOL_PARSERS
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
@@ -78,6 +84,11 @@ class FrontendConfig(TransportConfig):
     mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     data_parallel_rank: int = 0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -242,6 +253,46 @@ GATEWAY_FLAGS: tuple[Flag, ...] = (
 """What a gateway in front of several engines needs from this one (vLLM's names)."""
 
 
+TOOLS_AND_REASONING_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let chat requests use tool_choice auto (the default when they send tools): the "
+        "model decides, and --tool-call-parser reads its calls from the answer",
+    ),
+    flag(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the served model's tool-call format, by vLLM's names: hermes (Hermes, Qwen2.5, "
+        "Qwen3), llama3_json / llama4_json (Llama 3.1+, 4), mistral, pythonic (Llama 3.2, "
+        "ToolACE), qwen3_xml / qwen3_coder (Qwen3-Coder, Qwen3.5)",
+    ),
+    flag(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking (<think>...</think>) into the answer's `reasoning` "
+        "field: deepseek_r1 (DeepSeek-R1 and distills), qwen3 (Qwen3, QwQ; honours "
+        "chat_template_kwargs.enable_thinking)",
+    ),
+    flag(
+        "--responses-store-size",
+        type=non_negative_int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="/v1/responses: most responses this frontend keeps for previous_response_id and "
+        "GET /v1/responses/{id} (store: true; least recently created dropped first; 0: none)",
+    ),
+    flag(
+        "--responses-store-ttl",
+        type=_seconds,
+        default=DEFAULT_RESPONSES_STORE_TTL,
+        help="/v1/responses: seconds a stored response is kept",
+    ),
+)
+"""Tool calling, reasoning and the Responses API (vLLM's names where vLLM has the flag)."""
+
+
 PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
     flag(
         "--api-key",
@@ -352,6 +403,7 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     *HTTP_LIMIT_FLAGS,
     *MEDIA_FLAGS,
     *GATEWAY_FLAGS,
+    *TOOLS_AND_REASONING_FLAGS,
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
@@ -374,6 +426,11 @@ def parse_config(
     check_internal_tls(parser, args)
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(
+            "--enable-auto-tool-choice requires --tool-call-parser (one of "
+            f"{', '.join(sorted(TOOL_PARSERS))})"
+        )
     if args.max_fan_out < args.max_n:
         parser.error("--max-fan-out must be at least --max-n (one call's n fans out n requests)")
     try:

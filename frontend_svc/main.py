@@ -20,7 +20,10 @@ from frontend_svc.kv_events import KvEventHub
 from frontend_svc.kv_publisher import ZmqEventPublisher
 from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
+from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.reasoning import ReasoningParser
+from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
@@ -60,6 +63,7 @@ async def serve(config: FrontendConfig) -> int:
     engine), then build every piece complete and open the public port."""
     try:
         files = read_model_files(config)
+        chat = chat_features(config, files.tokenizer)
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
@@ -113,7 +117,7 @@ async def serve(config: FrontendConfig) -> int:
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
+    add_servicers(host, parts, files, client, hub, config.data_parallel_rank, chat)
     http = None
     if config.http_port is not None:
         context = ServingContext(
@@ -124,8 +128,10 @@ async def serve(config: FrontendConfig) -> int:
             time.time(),
             max_fan_out=config.max_fan_out,
             max_body_bytes=config.max_receive_message_bytes,
+            chat=chat,
         )
-        app = build_app(context, host.registry, config.api_key)
+        store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
+        app = build_app(context, host.registry, config.api_key, store)
         http = HttpServer(
             app,
             config.http_host,
@@ -185,13 +191,28 @@ def add_servicers(
     client: EngineCoreClient,
     hub: KvEventHub | None,
     data_parallel_rank: int,
+    chat: ChatFeatures,
 ) -> None:
     """The public API and, beside it on the same port, the gateway contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name)
+    servicer = GenerationServicer(engine, inputs, info, name, chat)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
+
+
+def chat_features(config: FrontendConfig, tokenizer: object) -> ChatFeatures:
+    """The tool and reasoning settings, checked against the tokenizer (a reasoning parser
+    whose think tokens the vocabulary lacks raises ValueError)."""
+    reasoning = None
+    if config.reasoning_parser is not None:
+        reasoning = ReasoningParser(config.reasoning_parser, tokenizer)
+    return ChatFeatures(
+        config.tool_call_parser,
+        config.enable_auto_tool_choice,
+        reasoning,
+        tool_markers_are_special(config.tool_call_parser, tokenizer),
+    )
 
 
 def _uvicorn_level(config: FrontendConfig) -> str:

@@ -31,8 +31,17 @@ from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
 from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
+from frontend_svc.openai.response_store import ResponseStore
+from frontend_svc.openai.responses_protocol import parse_responses
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
+from frontend_svc.openai.serving_responses import (
+    ResponsesRun,
+    cancel,
+    new_response_id,
+    not_found,
+    run_in_background,
+)
 from frontend_svc.openai.sse import error_body, guarded
 from frontend_svc.public_errors import unexpected_error_message
 
@@ -85,7 +94,7 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
             as_client_id(header_id, "the x-request-id header")
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body, limits, defaults)
+            req = parse_chat(body, limits, defaults, ctx.chat.can_choose_tools)
             ctx.check_model(req.model)
             run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
         else:
@@ -100,6 +109,50 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         return _sse_response(run.stream(first, rest), rid)
 
     return handle
+
+
+def _responses_routes(
+    ctx: ServingContext, store: ResponseStore
+) -> list[tuple[str, list[str], Handler]]:
+    """/v1/responses: create, retrieve, delete, cancel (serving_responses.py)."""
+
+    async def create(request: Request) -> Response:
+        body = await read_json(request, ctx.max_body_bytes)
+        req = parse_responses(body)
+        run = ResponsesRun(ctx, store, req, new_response_id())
+        if req.is_background:
+            return JSONResponse(await run_in_background(run))
+        if not req.is_stream:
+            return JSONResponse(await unless_disconnected(request, run.response()))
+        first, rest = await first_and_rest(run.chat.events(coalesce=False))
+        return _sse_response(run.stream(first, rest), run.id)
+
+    def stored(request: Request) -> tuple[str, Any]:
+        response_id = request.path_params["response_id"]
+        entry = store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return response_id, entry
+
+    async def retrieve(request: Request) -> Response:
+        return JSONResponse(stored(request)[1].body)
+
+    async def delete(request: Request) -> Response:
+        response_id, entry = stored(request)
+        if entry.task is not None:
+            entry.task.cancel()
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel_route(request: Request) -> Response:
+        return JSONResponse(await cancel(store, request.path_params["response_id"]))
+
+    return [
+        ("/v1/responses", ["POST"], create),
+        ("/v1/responses/{response_id}", ["GET"], retrieve),
+        ("/v1/responses/{response_id}", ["DELETE"], delete),
+        ("/v1/responses/{response_id}/cancel", ["POST"], cancel_route),
+    ]
 
 
 def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
@@ -131,7 +184,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
+def build_app(
+    ctx: ServingContext,
+    registry: CollectorRegistry,
+    api_key: str = "",
+    store: ResponseStore | None = None,
+) -> Starlette:
     """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
     metrics (open, as vLLM's)."""
 
@@ -149,6 +207,8 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         ("/detokenize", ["POST"], admin.detokenize_route(ctx), True),
         ("/metrics", ["GET"], metrics, False),
     ]
+    responses = _responses_routes(ctx, store if store is not None else ResponseStore())
+    table += [(path, methods, handler, True) for path, methods, handler in responses]
     routes = [
         Route(path, _route(handler, api_key, protected), methods=methods)
         for path, methods, handler, protected in table

@@ -271,6 +271,7 @@ class EngineCoreRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -306,6 +307,14 @@ class EngineCoreRequest(_message.Message):
     once. The core bounds what the mark buys, whoever sets it: resumed
     requests may exceed the queue limits only by what the engine could have
     been running (max_num_seqs requests, the KV cache's tokens).
+    """
+    reasoning_end_token_id: _builtins.int
+    """The token that ends the model's reasoning (e.g. the id of `</think>`),
+    set by a frontend that runs a reasoning parser when the request has
+    structured_outputs and its prompt does not already end the reasoning:
+    the grammar then starts after this token is generated (vLLM's
+    reasoning_ended); the tokens before it are sampled unconstrained. Below
+    the vocabulary size. Unset: the grammar starts with the first output token.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -370,14 +379,20 @@ class EngineCoreRequest(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
         resumed: _builtins.bool = ...,
+        reasoning_end_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_end_token_id: _TypeAlias = _typing.Literal["reasoning_end_token_id"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_end_token_id: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_end_token_id) -> _WhichOneofReturnType__reasoning_end_token_id | None: ...
 
 Global___EngineCoreRequest: _TypeAlias = EngineCoreRequest  # noqa: Y015
 
