@@ -7,9 +7,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from frontend_svc.chat_template import read_chat_template
+from frontend_svc.http_flags import DEFAULT_HTTP_LIMITS, HTTP_LIMIT_FLAGS, HTTP_LOG_FLAGS
 from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from frontend_svc.openai.http_limits import HttpLimits
+from frontend_svc.openai.server import HttpLog
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
@@ -24,12 +27,12 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 DEFAULT_HTTP_PORT = 8000
 """The OpenAI-compatible HTTP server's port, as vLLM's."""
-DEFAULT_HTTP_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class FrontendConfig(TransportConfig):
     tokenizer: str = ""
     revision: str = ""
     generation_config: str = "auto"
-    served_model_name: str = ""
+    served_model_name: tuple[str, ...] = ()
+    """--served-model-name: the names clients may use, the first one reported (empty: the
+    engine core's)."""
+    chat_template: str = ""
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
@@ -57,6 +63,11 @@ class FrontendConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     log_level: str = "info"
     log_format: str = "text"
     api_key: str = field(default="", repr=False)
@@ -105,6 +116,15 @@ class FrontendConfig(TransportConfig):
         )
 
     @property
+    def http_log(self) -> HttpLog:
+        """What the HTTP server logs."""
+        return HttpLog(
+            level=self.uvicorn_log_level,
+            access_log=not self.disable_uvicorn_access_log,
+            quiet_paths=self.disable_access_log_for_endpoints,
+        )
+
+    @property
     def ssl(self) -> TlsFiles | None:
         """TLS of the public port (None: plaintext)."""
         if not self.ssl_certfile:
@@ -114,44 +134,6 @@ class FrontendConfig(TransportConfig):
 
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
-
-
-def _seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0 or seconds == float("inf"):  # also NaN
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
-    return seconds
-
-
-HTTP_LIMIT_FLAGS: tuple[Flag, ...] = (
-    flag(
-        "--timeout-keep-alive",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.timeout_keep_alive,
-        help="close an HTTP connection idle this many seconds: a new one before its first "
-        "byte, or one after its response (uvicorn's and vLLM's default)",
-    ),
-    flag(
-        "--http-header-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.header_timeout,
-        help="seconds from a request's first byte to the end of its headers; then 408",
-    ),
-    flag(
-        "--http-body-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.body_timeout,
-        help="seconds a request's whole body may take after its headers; then 408",
-    ),
-    flag(
-        "--max-http-connections",
-        type=positive_int,
-        default=DEFAULT_HTTP_LIMITS.max_connections,
-        help="HTTP connections open at once; more are refused with 503 (at most half the "
-        "process's open file limit, so that gRPC and the engine keep theirs)",
-    ),
-)
-"""The HTTP port's timeouts and connection cap (uvicorn's name where it has the setting)."""
 
 
 def _aspect_ratio(value: str) -> float:
@@ -274,8 +256,18 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     flag("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT"),
     flag(
         "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="model names clients may send (vLLM's aliases): /v1/models lists each, responses "
+        "and metrics carry the first (default: what the engine core reports)",
+    ),
+    flag(
+        "--chat-template",
+        type=read_chat_template,
         default="",
-        help="model name for clients (default: what the engine core reports)",
+        help="a Jinja chat template file, or the template itself, used instead of the "
+        "model's own (vLLM's flag)",
     ),
     flag("--host", default="0.0.0.0", help="address to listen on"),
     flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
@@ -349,12 +341,14 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
         "prompt (vLLM's name; 0, the default here, logs no prompt text)",
     ),
     *LOGGING_FLAGS,
+    *HTTP_LOG_FLAGS,
     *HTTP_LIMIT_FLAGS,
     *MEDIA_FLAGS,
     *GATEWAY_FLAGS,
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""
 
@@ -393,4 +387,5 @@ def parse_config(
     values["http_port"] = None if args.http_port < 0 else args.http_port
     values["http_host"] = args.http_host or args.host
     values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")
+    values["served_model_name"] = tuple(dict.fromkeys(args.served_model_name))
     return FrontendConfig(**values)

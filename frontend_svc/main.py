@@ -52,6 +52,7 @@ def read_model_files(config: FrontendConfig) -> ModelFiles:
         config.tokenizer,
         config.generation_config,
         config.media_limits,
+        config.chat_template,
     )
 
 
@@ -95,7 +96,7 @@ async def serve(config: FrontendConfig) -> int:
             health_port=config.health_port,
         ),
     )
-    served_name = config.served_model_name or info.served_model_name
+    served_name, *aliases = config.served_model_name or (info.served_model_name,)
     limits = FrontendLimits(
         config.max_logprobs,
         config.max_n,
@@ -113,7 +114,7 @@ async def serve(config: FrontendConfig) -> int:
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
+    add_servicers(host, parts, files, client, hub, config.data_parallel_rank, tuple(aliases))
     http = None
     if config.http_port is not None:
         context = ServingContext(
@@ -124,13 +125,14 @@ async def serve(config: FrontendConfig) -> int:
             time.time(),
             max_fan_out=config.max_fan_out,
             max_body_bytes=config.max_receive_message_bytes,
+            model_aliases=tuple(aliases),
         )
         app = build_app(context, host.registry, config.api_key)
         http = HttpServer(
             app,
             config.http_host,
             config.http_port,
-            _uvicorn_level(config),
+            config.http_log,
             config.ssl,
             config.http_limits,
         )
@@ -185,17 +187,14 @@ def add_servicers(
     client: EngineCoreClient,
     hub: KvEventHub | None,
     data_parallel_rank: int,
+    model_aliases: tuple[str, ...] = (),
 ) -> None:
     """The public API and, beside it on the same port, the gateway contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name)
+    servicer = GenerationServicer(engine, inputs, info, name, model_aliases)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
-
-
-def _uvicorn_level(config: FrontendConfig) -> str:
-    return "warning" if config.log_level in ("debug", "info") else config.log_level
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,13 +25,19 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     """The public API: Generate, Tokenize, Detokenize, GetModelInfo."""
 
     def __init__(
-        self, engine: AsyncEngine, inputs: InputProcessor, info: EngineInfo, served_model_name: str
+        self,
+        engine: AsyncEngine,
+        inputs: InputProcessor,
+        info: EngineInfo,
+        served_model_name: str,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.tokenizer = inputs.tokenizer
         self.info = info
         self.served_model_name = served_model_name
+        self.model_aliases = model_aliases
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -40,7 +46,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            check_model(request.model, self.served_model_name)
+            check_model(request.model, self.served_model_name, self.model_aliases)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             engine_request = await inputs.run(inputs.process, call)
             async for delta in self.engine.generate(engine_request, arrival):

@@ -17,6 +17,7 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = WORKER.default_port
 DEFAULT_METRICS_PORT = WORKER.default_metrics_port
@@ -72,6 +73,7 @@ WORKER_FLAGS: tuple[Flag, ...] = (
     *LOGGING_FLAGS,
     *internal_tls_flags("the port the engine core calls"),
     *listener_flags(reflection_default=False),
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve worker`."""
 

@@ -41,6 +41,8 @@ class ServingContext:
     """--max-fan-out: most engine requests one call may make (prompts x n)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+    model_aliases: tuple[str, ...] = ()
+    """The other --served-model-name names clients may send (responses carry the first)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -51,7 +53,7 @@ class ServingContext:
         return RequestLimits(self.inputs.limits, self.max_fan_out)
 
     def check_model(self, requested: str | None) -> None:
-        check_model(requested, self.served_model_name)
+        check_model(requested, self.served_model_name, self.model_aliases)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:
