@@ -26,6 +26,7 @@ from splitserve_runtime.flags import (
 )
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import CORE
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -85,6 +86,7 @@ class CoreConfig(TransportConfig):
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @property
     def world_size(self) -> int:
@@ -364,6 +366,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     *LOGGING_FLAGS,
     *internal_tls_flags("the port the frontends call and the calls to the workers"),
     *listener_flags(reflection_default=False),
+    *PROFILER_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve core`, in --help order (vLLM's names where vLLM has the flag)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from core_svc.engine_core import EngineCore
 from core_svc.engine_inbox import CommandKind, EngineCommand, EngineInbox
-from core_svc.executor import Fault
+from core_svc.executor import CanProfile, Fault
 from core_svc.kv_events import KVEventBatch
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts.output_types import SchedulerStats
@@ -148,6 +148,14 @@ class EngineCoreProc:
             self._send_kv_events({})  # what happened before the snapshot, to the others
             for batch in engine_core.subscribe_kv_events(command.client_id):
                 self._output_sink(command.client_id, batch)
+        elif command.kind is CommandKind.PROFILE:
+            assert command.done is not None
+            executor = engine_core.executor
+            if not isinstance(executor, CanProfile):
+                command.done.set_result(1)
+                return
+            executor.send_profile(command.num_blocks, command.tokenizer_json)
+            command.done.set_result(0)
         elif command.kind is CommandKind.RESET_PREFIX_CACHE:
             assert command.done is not None
             is_reset = engine_core.reset_prefix_cache()

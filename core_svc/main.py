@@ -110,7 +110,9 @@ class CoreService:
             on_failed=self._engine_failed,
             on_suspended=self.recovery.on_suspended,
         )
-        self.servicer = EngineCoreServicer(self.proc, streams, self.info, self.metrics)
+        self.servicer = EngineCoreServicer(
+            self.proc, streams, self.info, self.metrics, config.profiler_config.is_enabled
+        )
         core_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, self.host.server)
 
     def _engine_failed(self, message: str) -> None:

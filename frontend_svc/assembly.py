@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.core_client import CoreClient
 from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_stats import register_engine_stats
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.kv_events import KvEventHub
@@ -52,7 +51,8 @@ def build_frontend(
     limits: FrontendLimits = FrontendLimits(),
     kv_events: KvEventHub | None = None,
 ) -> Frontend:
-    """Metrics (with the engine core's queue and KV gauges), engine and input processor;
+    """Metrics (the request-level series; the engine's own are the core's), engine and input
+    processor;
     `kv_events` gets the engine's KV-cache events (when the client subscribed to them)."""
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
     engine = AsyncEngine(
@@ -63,7 +63,6 @@ def build_frontend(
         limits.max_recovery_seconds,
         kv_events,
     )
-    register_engine_stats(registry, lambda: engine.scheduler_stats, served_model_name, info)
     request_limits = Limits(
         vocab_size=info.vocab_size,
         max_logprobs=limits.max_logprobs,

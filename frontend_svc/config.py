@@ -18,6 +18,7 @@ from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, p
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
 from splitserve_runtime.transport_flags import (
@@ -89,6 +90,7 @@ class FrontendConfig(TransportConfig):
     mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     data_parallel_rank: int = 0
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -348,6 +350,7 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
+    *PROFILER_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.engine_types import (
+    CoreOutputDetail,
+    CoreOutputs,
+    EngineInfo,
+    EngineSnapshot,
+    HistogramState,
+    TokenizerInfo,
+)
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.kv_events import (
     AllBlocksCleared,
@@ -292,3 +300,21 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
     )
+
+
+def engine_snapshot_from_proto(msg: core_pb2.GetSchedulerStatsResponse) -> EngineSnapshot:
+    """The core's stats and step histogram; a histogram whose counts do not match its bounds
+    (one more than them, never decreasing) is dropped, not exported wrong."""
+    stats = scheduler_stats_from_proto(msg.scheduler_stats)
+    hist = msg.iteration_tokens
+    bounds, counts = list(hist.upper_bounds), list(hist.cumulative_counts)
+    is_valid = (
+        len(counts) == len(bounds) + 1 and _ascending(counts) and _ascending(bounds, strictly=True)
+    )
+    state = HistogramState(bounds, counts, hist.sum) if is_valid and bounds else None
+    return EngineSnapshot(stats, state)
+
+
+def _ascending(values: list[float] | list[int], strictly: bool = False) -> bool:
+    pairs = itertools.pairwise(values)
+    return all(a < b for a, b in pairs) if strictly else all(a <= b for a, b in pairs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_stats import EngineView
 from frontend_svc.gateway import convert as gateway_convert
 from frontend_svc.gateway.servicer import VllmEngineServicer
 from frontend_svc.grpc_auth import api_key_interceptors
@@ -21,11 +23,13 @@ from frontend_svc.kv_publisher import ZmqEventPublisher
 from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.ops_routes import OpsOptions
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.flags import SECRET_DESTS
 from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
@@ -114,7 +118,16 @@ async def serve(config: FrontendConfig) -> int:
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    add_servicers(host, parts, files, client, hub, config.data_parallel_rank, tuple(aliases))
+    add_servicers(
+        host,
+        parts,
+        files,
+        client,
+        hub,
+        config.data_parallel_rank,
+        tuple(aliases),
+        config.profiler_config.is_enabled,
+    )
     http = None
     if config.http_port is not None:
         context = ServingContext(
@@ -127,7 +140,12 @@ async def serve(config: FrontendConfig) -> int:
             max_body_bytes=config.max_receive_message_bytes,
             model_aliases=tuple(aliases),
         )
-        app = build_app(context, host.registry, config.api_key)
+        engine_view = EngineView(
+            client.engine_snapshot, lambda: engine.scheduler_stats, served_name, info
+        )
+        app = build_app(
+            context, host.registry, config.api_key, engine_view.render, ops_options(config, client)
+        )
         http = HttpServer(
             app,
             config.http_host,
@@ -166,6 +184,19 @@ async def serve(config: FrontendConfig) -> int:
     return code
 
 
+def ops_options(config: FrontendConfig, client: EngineCoreClient) -> OpsOptions:
+    """vLLM's operator routes as the flags (and VLLM_SERVER_DEV_MODE) turn them on."""
+    settings = None
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1":
+        settings = {k: v for k, v in vars(config).items() if k not in SECRET_DESTS}
+    return OpsOptions(
+        track_load=config.enable_server_load_tracking,
+        tokenizer_info=config.enable_tokenizer_info_endpoint,
+        server_info=settings,
+        profiler=client if config.profiler_config.is_enabled else None,
+    )
+
+
 def kv_event_hub(
     config: FrontendConfig, block_size: int
 ) -> tuple[KvEventHub | None, ZmqEventPublisher | None]:
@@ -188,12 +219,16 @@ def add_servicers(
     hub: KvEventHub | None,
     data_parallel_rank: int,
     model_aliases: tuple[str, ...] = (),
+    profiling: bool = False,
 ) -> None:
     """The public API and, beside it on the same port, the gateway contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
     servicer = GenerationServicer(engine, inputs, info, name, model_aliases)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
-    gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
+    profiler = client if profiling else None
+    gateway = VllmEngineServicer(
+        engine, inputs, info, files, name, hub, client, data_parallel_rank, profiler
+    )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
 
 

@@ -153,11 +153,12 @@ class OutputProcessor:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
         finish = detail.finish_reason if detail else FinishReason.UNSPECIFIED
+        if detail is not None and detail.num_cached_tokens is not None:
+            state.num_cached_tokens = detail.num_cached_tokens
+            state.stats.num_cached_tokens = detail.num_cached_tokens
         self.metrics.on_output(
             state.stats, len(token_ids), core_ts, detail.events if detail else None
         )
-        if detail is not None and detail.num_cached_tokens is not None:
-            state.num_cached_tokens = detail.num_cached_tokens
         stop_str = self._detokenize(state, token_ids, detail, finish)
         if stop_str is not None:
             finish = FinishReason.STOP

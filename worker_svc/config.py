@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int
 from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import WORKER
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -35,6 +36,7 @@ class WorkerConfig(TransportConfig):
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 WORKER_FLAGS: tuple[Flag, ...] = (
@@ -73,6 +75,7 @@ WORKER_FLAGS: tuple[Flag, ...] = (
     *LOGGING_FLAGS,
     *internal_tls_flags("the port the engine core calls"),
     *listener_flags(reflection_default=False),
+    *PROFILER_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve worker`."""

@@ -40,7 +40,12 @@ def serve(config: WorkerConfig) -> int:
             secret=config.internal_secret,
         ),
     )
-    servicer = WorkerServicer(host.registry, StallWatch(host.set_ready), device=config.device)
+    servicer = WorkerServicer(
+        host.registry,
+        StallWatch(host.set_ready),
+        device=config.device,
+        profiler_config=config.profiler_config,
+    )
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()
     # A worker is ready as soon as it can take the core's start-up calls.

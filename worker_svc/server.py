@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.profiler_config import ProfilerConfig
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from worker_svc import convert
@@ -38,6 +39,7 @@ from worker_svc.ownership import (
     check_model_loadable,
     claim_from_metadata,
 )
+from worker_svc.profiler import RankProfiler
 from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
@@ -66,8 +68,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         stall_watch: StallWatch,
         device: str = "auto",
         rank_hint: int = 0,
+        profiler_config: ProfilerConfig | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._profiler_config = profiler_config or ProfilerConfig()
+        self._profiler: RankProfiler | None = None
         self._worker = Worker(device, rank_hint)
         self._metrics = WorkerMetrics(registry)
         self._stall_watch = stall_watch
@@ -212,6 +217,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         for request in request_iterator:
             if request.HasField("grammar_output"):
                 continue  # the deferred masks of a step that sampled nothing on this rank
+            if request.HasField("profile"):  # between two steps, on the step thread
+                with self._lock:
+                    self._rank_profiler().apply(request.profile.action, request.profile.prefix)
+                continue
             with self._lock:
                 if self._ownership.owner != claim:  # a newer core took this rank over
                     _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "rank taken over")
@@ -222,6 +231,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     self._stall_watch.step_ended()
             if response is not None:
                 yield response
+
+    def _rank_profiler(self) -> RankProfiler:
+        if self._profiler is None:
+            worker = self._worker
+            self._profiler = RankProfiler(
+                self._profiler_config, worker.parallel.rank, worker.device
+            )
+        return self._profiler
 
     def _execute_step(
         self, request: pb.ExecuteRequest, request_iterator: Iterator[pb.ExecuteRequest]

@@ -13,6 +13,7 @@ Starlette when its client goes away. Every other request is counted in vLLM's HT
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +31,7 @@ from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
 from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
+from frontend_svc.openai.ops_routes import NO_OPS, OpsOptions, ServerLoad, ops_routes
 from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
@@ -131,16 +133,28 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
+def build_app(
+    ctx: ServingContext,
+    registry: CollectorRegistry,
+    api_key: str = "",
+    engine_series: Callable[[], Awaitable[bytes]] | None = None,
+    ops: OpsOptions = NO_OPS,
+) -> Starlette:
     """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
-    metrics (open, as vLLM's)."""
+    metrics (open, as vLLM's). /metrics adds `engine_series` (the engine core's, for gateways
+    scraping the serving port: frontend_svc/engine_stats.py) to the frontend's own."""
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CLASSIC_TEXT)
+        text = generate_latest(registry)
+        if engine_series is not None:
+            text += await engine_series()
+        return Response(text, media_type=CLASSIC_TEXT)
 
+    load = ServerLoad(ops.track_load)
+    completions, chat = _make_generate(ctx, "completions"), _make_generate(ctx, "chat")
     table: list[tuple[str, list[str], Handler, bool]] = [
-        ("/v1/completions", ["POST"], _make_generate(ctx, "completions"), True),
-        ("/v1/chat/completions", ["POST"], _make_generate(ctx, "chat"), True),
+        ("/v1/completions", ["POST"], functools.partial(load.track, completions), True),
+        ("/v1/chat/completions", ["POST"], functools.partial(load.track, chat), True),
         ("/v1/models", ["GET"], admin.models_route(ctx), True),
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
@@ -148,6 +162,7 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         ("/tokenize", ["POST"], admin.tokenize_route(ctx), True),
         ("/detokenize", ["POST"], admin.detokenize_route(ctx), True),
         ("/metrics", ["GET"], metrics, False),
+        *ops_routes(ctx, ops, load),
     ]
     routes = [
         Route(path, _route(handler, api_key, protected), methods=methods)

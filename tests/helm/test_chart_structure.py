@@ -568,4 +568,7 @@ def test_batch_defaults_follow_vllms_per_gpu_class(
     assert found == expected
     values = {"worker": {"gpu": gpu}, "core": {"maxNumSeqs": 8, "maxNumBatchedTokens": 512}}
     data = render(values).configmap_data("splitserve-config")
-    assert (data["SPLITSERVE_MAX_NUM_SEQS"], data["SPLITSERVE_MAX_NUM_BATCHED_TOKENS"]) == ("8", "512")
+    assert (data["SPLITSERVE_MAX_NUM_SEQS"], data["SPLITSERVE_MAX_NUM_BATCHED_TOKENS"]) == (
+        "8",
+        "512",
+    )
