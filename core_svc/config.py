@@ -28,6 +28,7 @@ from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import CORE
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
@@ -87,6 +88,8 @@ class CoreConfig(TransportConfig):
     log_level: str = "info"
     log_format: str = "text"
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -367,6 +370,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     *internal_tls_flags("the port the frontends call and the calls to the workers"),
     *listener_flags(reflection_default=False),
     *PROFILER_FLAGS,
+    *TRACING_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve core`, in --help order (vLLM's names where vLLM has the flag)."""

@@ -127,9 +127,12 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         info: core_pb2.EngineInfo,
         metrics: CoreMetrics,
         profiling: bool = False,
+        is_tracing: bool = False,
     ) -> None:
         self._proc = proc
         self._profiling = profiling
+        self._is_tracing = is_tracing
+        """Keep the frontends' trace contexts (else requests go untraced)."""
         self._streams = streams
         self._info = info
         self._metrics = metrics
@@ -258,7 +261,10 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     now = time.monotonic()
                     proc.inbox.add_requests(
                         client_id,
-                        [convert.request_from_proto(r, client_id, now) for r in msg.add.requests],
+                        [
+                            convert.request_from_proto(r, client_id, now, self._is_tracing)
+                            for r in msg.add.requests
+                        ],
                     )
                 elif kind == "abort":
                     proc.inbox.abort_requests(client_id, list(msg.abort.request_handles))

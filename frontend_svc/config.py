@@ -21,6 +21,7 @@ from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     TransportConfig,
     check_internal_tls,
@@ -91,6 +92,8 @@ class FrontendConfig(TransportConfig):
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     data_parallel_rank: int = 0
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -351,6 +354,7 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
     *PROFILER_FLAGS,
+    *TRACING_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""

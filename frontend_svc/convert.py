@@ -186,6 +186,9 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
+    if req.trace is not None:
+        msg.trace_context.traceparent = req.trace.traceparent
+        msg.trace_context.tracestate = req.trace.tracestate
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)

@@ -27,6 +27,7 @@ from frontend_svc.openai.ops_routes import OpsOptions
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
+from frontend_svc.tracing import accept_caller_traces
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.flags import SECRET_DESTS
@@ -36,6 +37,7 @@ from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
+from splitserve_runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,17 @@ async def serve(config: FrontendConfig) -> int:
         report_fatal("frontend", str(err))
         await client.close()
         return 1
-    parts = build_frontend(client, info, files, host.registry, served_name, limits, hub)
+    try:
+        tracing = start_tracing(
+            "frontend", config.otlp_traces_endpoint, config.collect_detailed_traces
+        )
+    except ValueError as err:
+        report_fatal("frontend", str(err))
+        await client.close()
+        return 1
+    if tracing is not None:
+        accept_caller_traces()
+    parts = build_frontend(client, info, files, host.registry, served_name, limits, hub, tracing)
     engine, inputs = parts.engine, parts.inputs
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
@@ -181,6 +193,8 @@ async def serve(config: FrontendConfig) -> int:
     await engine.close()
     if publisher is not None:
         publisher.close()
+    if tracing is not None:
+        tracing.shutdown()  # the spans still batched
     return code
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_runtime.tracing import TraceContext
 
 DEFAULT_MAX_FAN_OUT = 1024
 """Most engine requests one public call may make (--max-fan-out): prompts x n on
@@ -129,6 +130,8 @@ class EngineRequest:
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
     is_resumed: bool = False
+    trace: TraceContext | None = None
+    """The frontend span (llm_request) the engine core's spans hang under; None: not traced."""
 
 
 @dataclass(slots=True)

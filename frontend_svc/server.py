@@ -14,6 +14,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -45,6 +46,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
             check_model(request.model, self.served_model_name, self.model_aliases)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)

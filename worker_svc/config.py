@@ -10,6 +10,7 @@ from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import WORKER
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
@@ -37,6 +38,8 @@ class WorkerConfig(TransportConfig):
     log_level: str = "info"
     log_format: str = "text"
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
 
 
 WORKER_FLAGS: tuple[Flag, ...] = (
@@ -76,6 +79,7 @@ WORKER_FLAGS: tuple[Flag, ...] = (
     *internal_tls_flags("the port the engine core calls"),
     *listener_flags(reflection_default=False),
     *PROFILER_FLAGS,
+    *TRACING_FLAGS,
     *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve worker`."""

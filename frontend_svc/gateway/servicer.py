@@ -32,6 +32,7 @@ from frontend_svc.gateway.tokenizer_files import TokenizerFiles
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.kv_events import KvEventHub, TooManySubscribers
 from frontend_svc.model_files import ModelFiles
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         inputs = self.inputs
+        set_caller_trace(dict(context.invocation_metadata() or ()))  # the gateway's traceparent
         try:
             convert.check_request_fields(request, self.data_parallel_rank)
             call = convert.generate_input_from_proto(request, request_id, self.info.max_model_len)

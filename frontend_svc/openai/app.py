@@ -37,6 +37,7 @@ from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.sse import error_body, guarded
 from frontend_svc.public_errors import unexpected_error_message
+from frontend_svc.tracing import set_caller_trace
 
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[Request], Awaitable[Response]]
@@ -80,6 +81,7 @@ def _sse_response(chunks: Any, rid: str) -> StreamingResponse:
 
 def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     async def handle(request: Request) -> Response:
+        set_caller_trace(request.headers)  # the client's traceparent, for this request's spans
         body = await read_json(request, ctx.max_body_bytes)
         limits, defaults = ctx.request_limits, ctx.inputs.sampling_defaults
         header_id = request.headers.get("x-request-id")
