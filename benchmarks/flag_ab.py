@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
@@ -54,14 +55,25 @@ async def _round(name: str, workload: Workload, stack: _Stack) -> Row:
     }
 
 
-async def run(flags: list[str], rounds: int) -> dict[str, list[Row]]:
+async def run(
+    flags: list[str],
+    rounds: int,
+    services: Sequence[str] = ("core",),
+    workloads: Sequence[str] = ("W2", "W1"),
+) -> dict[str, list[Row]]:
+    """Both stacks' rows per workload; FLAGS go to each service in `services`."""
     model = str(ensure_bench_model(None))
     started: list[list[Child]] = []
     stacks: dict[str, _Stack] = {}
-    rows: dict[str, list[Row]] = {"W2": [], "W1": []}
+    rows: dict[str, list[Row]] = {name: [] for name in workloads}
     try:
         for name, extra in (("plain", []), ("flags", flags)):
-            children = start_children(stack_options(model, [*BASE_FLAGS, *extra]))
+            options = stack_options(model, [*BASE_FLAGS, *(extra if "core" in services else [])])
+            service_flags = {**options.service_flags}
+            for kind in set(services) - {"core"}:
+                service_flags[kind] = [*service_flags.get(kind, []), *extra]
+            options = dataclasses.replace(options, service_flags=service_flags)
+            children = start_children(options)
             started.append(children)
             await asyncio.to_thread(wait_ready, children, 600.0)
             stacks[name] = _Stack(children, *grpc_generate(children[-1].address))
@@ -69,6 +81,8 @@ async def run(flags: list[str], rounds: int) -> dict[str, list[Row]]:
             await run_workload(stacks[name].generate, warm_up, progress=False)
         for i in range(rounds):
             for workload_name, workload in (("W2", W2), ("W1", W1)):
+                if workload_name not in rows:
+                    continue
                 for name, stack in stacks.items():
                     row = await _round(name, workload, stack)
                     rows[workload_name].append(row)

@@ -18,6 +18,7 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
@@ -45,11 +46,23 @@ UNMEASURED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/serve
 """Probes and scrapes, left out of the HTTP request metrics (vLLM leaves out the same)."""
 
 
+class JsonResponse(JSONResponse):
+    """A JSON reply rendered by msgspec (compact UTF-8, several times faster than Starlette's
+    json.dumps for a completion body; nothing here holds NaN or Infinity: logprobs are
+    clamped, formatting.MIN_LOGPROB)."""
+
+    def render(self, content: Any) -> bytes:
+        return _encode(content)
+
+
+_encode = msgspec.json.Encoder().encode
+
+
 def error_response(err: FrontendError, message: str | None = None) -> JSONResponse:
     headers = {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return JSONResponse(error_body(err, message), status_code=err.http_status, headers=headers)
+    return JsonResponse(error_body(err, message), status_code=err.http_status, headers=headers)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -99,7 +112,7 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         rid = run.rid
         if run.req.stream is None:
             result = await unless_disconnected(request, run.response())
-            return JSONResponse(result, headers={"x-request-id": rid})
+            return JsonResponse(result, headers={"x-request-id": rid})
         first, rest = await first_and_rest(run.events(coalesce=False))
         return _sse_response(run.stream(first, rest), rid)
 
