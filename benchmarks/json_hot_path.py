@@ -61,9 +61,7 @@ REPLY = {
     "object": "text_completion",
     "created": 1764547200,
     "model": "m",
-    "choices": [
-        {"index": 0, "text": " word" * 64, "logprobs": None, "finish_reason": "length"}
-    ],
+    "choices": [{"index": 0, "text": " word" * 64, "logprobs": None, "finish_reason": "length"}],
     "usage": {"prompt_tokens": 80, "completion_tokens": 64, "total_tokens": 144},
 }
 
