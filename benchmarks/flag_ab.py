@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -42,16 +43,31 @@ class _Stack:
     close: Callable[[], Awaitable[None]]
 
 
+def cpu_seconds(children: Sequence[Child]) -> float:
+    """CPU time (user + system) the stack's processes used so far: less sensitive than
+    throughput to other work on a shared machine."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for child in children:
+        with open(f"/proc/{child.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 async def _round(name: str, workload: Workload, stack: _Stack) -> Row:
     children = stack.children
     before = await asyncio.to_thread(scrape, children)
+    cpu_before = cpu_seconds(children)
     summary = summarize(*await run_workload(stack.generate, workload, progress=False))
+    cpu_used = cpu_seconds(children) - cpu_before
     after = await asyncio.to_thread(scrape, children)
     return {
         "side": name,
         "tpot_ms": round(summary["mean_tpot_ms"], 3),
         "tok_s": round(summary["output_throughput"], 1),
         "worker_step_ms": round(per_step_ms(before, after).get("worker_total_ms", 0.0), 3),
+        "cpu_s": round(cpu_used, 2),
     }
 
 

@@ -4,8 +4,9 @@ Two stacks on the benchmark checkpoint, one plain and one with --otlp-traces-end
 frontend, the engine core and the worker (every request traced: spans from all three services),
 exporting to an OTLP/gRPC sink in this process that counts and drops them. W1 (32 x 256 in, 64
 out) alternates between the stacks for N rounds (benchmarks/flag_ab.py), so a busy machine's
-drift hits both alike. Prints per-round output tok/s, the median of each side and the traced
-side's throughput relative to the plain one (the target: at most 3 % less). Run it with
+drift hits both alike. Prints per-round output tok/s and the CPU seconds the stack's processes
+used (a steadier measure than throughput on a shared machine), the median of each side and the
+traced side's throughput relative to the plain one (the target: at most 3 % less). Run it with
 `OMP_NUM_THREADS=1` on a shared machine.
 """
 
@@ -46,10 +47,14 @@ def summary(rows: list[Row], num_spans: int) -> dict[str, float | int]:
     plain = [float(r["tok_s"]) for r in rows if r["side"] == "plain"]
     traced = [float(r["tok_s"]) for r in rows if r["side"] == "flags"]
     ratios = [t / p for p, t in zip(plain, traced, strict=True)]
+    cpu_plain = [float(r["cpu_s"]) for r in rows if r["side"] == "plain"]
+    cpu_traced = [float(r["cpu_s"]) for r in rows if r["side"] == "flags"]
     return {
         "plain_median_tok_s": round(statistics.median(plain), 1),
         "traced_median_tok_s": round(statistics.median(traced), 1),
         "median_round_ratio": round(statistics.median(ratios), 4),
+        "plain_median_cpu_s": round(statistics.median(cpu_plain), 2),
+        "traced_median_cpu_s": round(statistics.median(cpu_traced), 2),
         "spans_received": num_spans,
     }
 
