@@ -395,4 +395,5 @@ def parse_config(
     values["http_host"] = args.http_host or args.host
     values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")
     values["served_model_name"] = tuple(dict.fromkeys(args.served_model_name))
+    values["uvicorn_log_level"] = args.uvicorn_log_level or args.log_level
     return FrontendConfig(**values)

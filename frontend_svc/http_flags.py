@@ -56,9 +56,10 @@ def _paths(value: str) -> tuple[str, ...]:
 HTTP_LOG_FLAGS: tuple[Flag, ...] = (
     flag(
         "--uvicorn-log-level",
-        default="info",
+        default=None,
         choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="level of the HTTP server's own log (start-up lines, access log)",
+        help="level of the HTTP server's own log: its start-up lines and the access log at "
+        "info (default: --log-level's, info unless set, as vLLM's)",
     ),
     flag(
         "--disable-uvicorn-access-log",

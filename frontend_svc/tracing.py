@@ -20,17 +20,16 @@ import logging
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from frontend_svc.metrics import RequestStats
+from frontend_svc.requests import EngineRequest
 from splitserve_contracts.output_types import FinishReason
+from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_runtime.tracing import TraceContext, Tracing, context_of, from_headers, wall_ns
-
-if TYPE_CHECKING:
-    from frontend_svc.output_processor import RequestState
-    from frontend_svc.requests import EngineRequest
 
 logger = logging.getLogger(__name__)
 CALLER_TRACE: ContextVar[TraceContext | None] = ContextVar("caller_trace", default=None)
@@ -51,6 +50,19 @@ def set_caller_trace(headers: Mapping[str, str]) -> None:
         _state["has_warned"] = True
         logger.warning("Received a request with trace context but tracing is disabled")
     CALLER_TRACE.set(caller if _state["is_tracing"] else None)
+
+
+class TracedRequest(Protocol):
+    """What the frontend keeps of a request that its spans read (output_processor's
+    RequestState)."""
+
+    span: Any
+    stats: RequestStats
+    params: SamplingParams
+    request: EngineRequest | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    first_output_at: float | None
 
 
 class RequestTracer:
@@ -80,7 +92,7 @@ class RequestTracer:
             child.end()
         return span, context_of(span)
 
-    def finish(self, state: RequestState, reason: FinishReason) -> None:
+    def finish(self, state: TracedRequest, reason: FinishReason) -> None:
         """End the request's spans with vLLM's attributes (its timings as the metrics take
         them: the frontend's clock for TTFT and E2E, the core's for the rest)."""
         span: Any = state.span
@@ -114,7 +126,7 @@ class RequestTracer:
         span.end()
 
 
-def _core_latencies(attributes: dict[str, Any], stats: Any) -> None:
+def _core_latencies(attributes: dict[str, Any], stats: RequestStats) -> None:
     """vLLM's queue, prefill, decode and inference times, from the core's timestamps."""
     queued, scheduled = stats.queued_ts, stats.scheduled_ts
     first, last = stats.first_token_ts, stats.last_token_ts
