@@ -7,6 +7,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from frontend_svc.chat_template import read_chat_template
+from frontend_svc.http_flags import (
+    DEFAULT_HTTP_LIMITS,
+    HTTP_LIMIT_FLAGS,
+    HTTP_LOG_FLAGS,
+    positive_seconds,
+)
 from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from frontend_svc.openai.http_limits import HttpLimits
@@ -15,14 +22,17 @@ from frontend_svc.openai.response_store import (
     DEFAULT_RESPONSES_STORE_SIZE,
     DEFAULT_RESPONSES_STORE_TTL,
 )
+from frontend_svc.openai.server import HttpLog
 from frontend_svc.openai.tool_parsers import TOOL_PARSERS
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     TransportConfig,
     check_internal_tls,
@@ -30,12 +40,12 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 DEFAULT_HTTP_PORT = 8000
 """The OpenAI-compatible HTTP server's port, as vLLM's."""
-DEFAULT_HTTP_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,10 @@ class FrontendConfig(TransportConfig):
     tokenizer: str = ""
     revision: str = ""
     generation_config: str = "auto"
-    served_model_name: str = ""
+    served_model_name: tuple[str, ...] = ()
+    """--served-model-name: the names clients may use, the first one reported (empty: the
+    engine core's)."""
+    chat_template: str = ""
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
@@ -63,6 +76,11 @@ class FrontendConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     log_level: str = "info"
     log_format: str = "text"
     api_key: str = field(default="", repr=False)
@@ -89,6 +107,9 @@ class FrontendConfig(TransportConfig):
     reasoning_parser: str | None = None
     responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
     responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -116,6 +137,15 @@ class FrontendConfig(TransportConfig):
         )
 
     @property
+    def http_log(self) -> HttpLog:
+        """What the HTTP server logs."""
+        return HttpLog(
+            level=self.uvicorn_log_level,
+            access_log=not self.disable_uvicorn_access_log,
+            quiet_paths=self.disable_access_log_for_endpoints,
+        )
+
+    @property
     def ssl(self) -> TlsFiles | None:
         """TLS of the public port (None: plaintext)."""
         if not self.ssl_certfile:
@@ -125,44 +155,6 @@ class FrontendConfig(TransportConfig):
 
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
-
-
-def _seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0 or seconds == float("inf"):  # also NaN
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
-    return seconds
-
-
-HTTP_LIMIT_FLAGS: tuple[Flag, ...] = (
-    flag(
-        "--timeout-keep-alive",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.timeout_keep_alive,
-        help="close an HTTP connection idle this many seconds: a new one before its first "
-        "byte, or one after its response (uvicorn's and vLLM's default)",
-    ),
-    flag(
-        "--http-header-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.header_timeout,
-        help="seconds from a request's first byte to the end of its headers; then 408",
-    ),
-    flag(
-        "--http-body-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.body_timeout,
-        help="seconds a request's whole body may take after its headers; then 408",
-    ),
-    flag(
-        "--max-http-connections",
-        type=positive_int,
-        default=DEFAULT_HTTP_LIMITS.max_connections,
-        help="HTTP connections open at once; more are refused with 503 (at most half the "
-        "process's open file limit, so that gRPC and the engine keep theirs)",
-    ),
-)
-"""The HTTP port's timeouts and connection cap (uvicorn's name where it has the setting)."""
 
 
 def _aspect_ratio(value: str) -> float:
@@ -285,7 +277,7 @@ TOOLS_AND_REASONING_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--responses-store-ttl",
-        type=_seconds,
+        type=positive_seconds,
         default=DEFAULT_RESPONSES_STORE_TTL,
         help="/v1/responses: seconds a stored response is kept",
     ),
@@ -325,8 +317,18 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     flag("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT"),
     flag(
         "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="model names clients may send (vLLM's aliases): /v1/models lists each, responses "
+        "and metrics carry the first (default: what the engine core reports)",
+    ),
+    flag(
+        "--chat-template",
+        type=read_chat_template,
         default="",
-        help="model name for clients (default: what the engine core reports)",
+        help="a Jinja chat template file, or the template itself, used instead of the "
+        "model's own (vLLM's flag)",
     ),
     flag("--host", default="0.0.0.0", help="address to listen on"),
     flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
@@ -400,6 +402,7 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
         "prompt (vLLM's name; 0, the default here, logs no prompt text)",
     ),
     *LOGGING_FLAGS,
+    *HTTP_LOG_FLAGS,
     *HTTP_LIMIT_FLAGS,
     *MEDIA_FLAGS,
     *GATEWAY_FLAGS,
@@ -407,6 +410,9 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
+    *PROFILER_FLAGS,
+    *TRACING_FLAGS,
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""
 
@@ -450,4 +456,6 @@ def parse_config(
     values["http_port"] = None if args.http_port < 0 else args.http_port
     values["http_host"] = args.http_host or args.host
     values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")
+    values["served_model_name"] = tuple(dict.fromkeys(args.served_model_name))
+    values["uvicorn_log_level"] = args.uvicorn_log_level or args.log_level
     return FrontendConfig(**values)

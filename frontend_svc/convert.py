@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -9,7 +10,14 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.engine_types import (
+    CoreOutputDetail,
+    CoreOutputs,
+    EngineInfo,
+    EngineSnapshot,
+    HistogramState,
+    TokenizerInfo,
+)
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.kv_events import (
     AllBlocksCleared,
@@ -264,6 +272,9 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
+    if req.trace is not None:
+        msg.trace_context.traceparent = req.trace.traceparent
+        msg.trace_context.tracestate = req.trace.tracestate
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
@@ -381,3 +392,21 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         max_concurrency=msg.max_concurrency,
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
     )
+
+
+def engine_snapshot_from_proto(msg: core_pb2.GetSchedulerStatsResponse) -> EngineSnapshot:
+    """The core's stats and step histogram; a histogram whose counts do not match its bounds
+    (one more than them, never decreasing) is dropped, not exported wrong."""
+    stats = scheduler_stats_from_proto(msg.scheduler_stats)
+    hist = msg.iteration_tokens
+    bounds, counts = list(hist.upper_bounds), list(hist.cumulative_counts)
+    is_valid = (
+        len(counts) == len(bounds) + 1 and _ascending(counts) and _ascending(bounds, strictly=True)
+    )
+    state = HistogramState(bounds, counts, hist.sum) if is_valid and bounds else None
+    return EngineSnapshot(stats, state)
+
+
+def _ascending(values: list[float] | list[int], strictly: bool = False) -> bool:
+    pairs = itertools.pairwise(values)
+    return all(a < b for a, b in pairs) if strictly else all(a <= b for a, b in pairs)

@@ -9,6 +9,7 @@ from typing import Any
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_runtime.tracing import TraceContext
 
 DEFAULT_MAX_FAN_OUT = 1024
 """Most engine requests one public call may make (--max-fan-out): prompts x n on
@@ -203,6 +204,8 @@ class EngineRequest:
     prompt_ends_reasoning: bool = False
     """A thinking model's prompt already closed its thinking (e.g. enable_thinking: false):
     the whole answer is content."""
+    trace: TraceContext | None = None
+    """The frontend span (llm_request) the engine core's spans hang under; None: not traced."""
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engi
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
 from frontend_svc.openai.tools import grpc_tools
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -33,6 +34,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         info: EngineInfo,
         served_model_name: str,
         chat: ChatFeatures | None = None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.inputs = inputs
@@ -41,6 +43,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self.served_model_name = served_model_name
         self.chat = chat or ChatFeatures()
         """Tool calling and reasoning, as on the HTTP API."""
+        self.model_aliases = model_aliases
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -48,8 +51,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
-            check_model(request.model, self.served_model_name)
+            check_model(request.model, self.served_model_name, self.model_aliases)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
             call, rules = prepare_chat_call(call, tools, self.chat)

@@ -45,6 +45,8 @@ class ServingContext:
     chat: ChatFeatures = ChatFeatures()
     """Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
     --reasoning-parser)."""
+    model_aliases: tuple[str, ...] = ()
+    """The other --served-model-name names clients may send (responses carry the first)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -55,7 +57,7 @@ class ServingContext:
         return RequestLimits(self.inputs.limits, self.max_fan_out)
 
     def check_model(self, requested: str | None) -> None:
-        check_model(requested, self.served_model_name)
+        check_model(requested, self.served_model_name, self.model_aliases)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:
