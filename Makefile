@@ -25,12 +25,20 @@ $(VENV)/.dev-installed: $(VENV)/.runtime-installed
 
 setup: $(VENV)/.runtime-installed
 
+# The optional gateway (the `smg` binary) that `splitserve serve --data-parallel-size N` puts in
+# front of its engines: `pip install 'splitserve[gateway]'`.
+$(VENV)/.gateway-installed: $(VENV)/.runtime-installed
+	$(PY) -m pip install --quiet -e '.[gateway]'
+	touch $@
+
 setup-dev: $(VENV)/.dev-installed
 
 # Start the whole stack with the default model (SmolLM2-135M-Instruct, fetched once), stream a
-# greedy chat answer, keep serving.
-run: setup
-	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence."
+# greedy chat answer, keep serving. RUN_ARGS="--data-parallel-size 2": two engines behind the
+# gateway (installed here with the `gateway` extra).
+RUN_ARGS ?=
+run: setup $(VENV)/.gateway-installed
+	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence." $(RUN_ARGS)
 
 test: setup-dev lint proto-check
 	cd protos && $(BIN)/buf breaking --against baseline.binpb

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from frontend_svc.kv_events_config import KVEventsConfig
 from splitserve.children import (
     LOOPBACK,
     Child,
@@ -58,11 +57,12 @@ from splitserve.local_pki import LocalPki
 from splitserve.loopback_ports import free_ports
 from splitserve.supervisor import Supervisor
 from splitserve_client.last_serve import record_serve
-from splitserve_runtime.flags import Flag, flag, positive_int
+from splitserve_runtime.flags import Flag, env_name, flag, positive_int
 
 logger = logging.getLogger("splitserve.launcher")
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 EVENTS_FOR_ROUTER = json.dumps({"enable_kv_cache_events": True, "publisher": "null"})
+KV_EVENTS_ENV = env_name("kv_events_config")
 
 DATA_PARALLEL_FLAGS: tuple[Flag, ...] = (
     flag(
@@ -105,7 +105,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("--http-port -1: the gateway serves the OpenAI API on --http-port")
 
 
-def engine_options(args: argparse.Namespace, index: int, num_cpus: int) -> StackOptions:
+def engine_options(
+    args: argparse.Namespace, index: int, num_cpus: int, environ: Mapping[str, str] = os.environ
+) -> StackOptions:
     """Engine `index`'s stack: ports, flags, threads and devices of its own."""
     base = StackOptions.from_args(args)
     world = base.tensor_parallel_size * base.pipeline_parallel_size
@@ -116,7 +118,8 @@ def engine_options(args: argparse.Namespace, index: int, num_cpus: int) -> Stack
 
     flags = {kind: list(tokens) for kind, tokens in base.service_flags.items()}
     flags["frontend"] = [*flags.get("frontend", ()), "--data-parallel-rank", str(index)]
-    if args.router == "cache_aware" and args.kv_events_config == KVEventsConfig():
+    events_given = "--kv-events-config" in flags["frontend"] or KV_EVENTS_ENV in environ
+    if args.router == "cache_aware" and not events_given:
         flags["frontend"] += ["--kv-events-config", EVENTS_FOR_ROUTER]
     if not args.torch_threads:
         threads = max(1, num_cpus // (args.data_parallel_size * world))

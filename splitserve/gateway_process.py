@@ -14,7 +14,8 @@ core or rank is down answers new requests UNAVAILABLE at once and its health che
 the gateway sends them to another engine; requests already running on it wait for the restarted
 core and finish. smg's own defaults already drop a worker it has not heard from for 2 s
 (`--worker-stall-secs`) and one that stops making progress (`--worker-wedge-secs`); the launcher
-only makes its periodic health check frequent, so that a recovered engine comes back quickly.
+only makes its periodic health check frequent and its circuit breaker's open state short, so
+that a recovered engine takes requests again within seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ routing keys, nor `passthrough`, which is for a single worker)."""
 NO_ROUTER = "none"
 HEALTH_CHECK_INTERVAL_S = 2
 """smg's periodic health check of each engine (its default is 60 s)."""
+CIRCUIT_OPEN_S = 5
+"""How long smg's circuit breaker keeps an engine out after a run of failures before it tries
+it again (its default is 60 s: a restarted engine would idle that long)."""
 SMG_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
 """The launcher's --log-level -> smg's: smg logs every request at info, so it gets warn."""
 
@@ -87,6 +91,7 @@ def gateway_flags(
         ),
         *("--policy", policy),
         *("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
+        *("--cb-timeout-duration-secs", str(CIRCUIT_OPEN_S)),
         *("--shutdown-grace-period-secs", str(max(1, round(shutdown_timeout)))),
         *("--log-level", SMG_LOG_LEVELS.get(log_level, "warn")),
     ]
