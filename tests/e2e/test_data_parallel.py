@@ -17,15 +17,8 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from benchmarks.dp_failover import (
-    Serve,
-    children_of,
-    engine_metric,
-    kill_engine_process,
-    run_load,
-    start_serve,
-    wait_serving,
-)
+from benchmarks.dp_failover import kill_engine_process, run_load, wait_serving
+from benchmarks.dp_serve import Serve, children_of, engine_metric, start_serve
 from benchmarks.peer_servers import stop
 
 pytestmark = pytest.mark.slow
