@@ -221,10 +221,10 @@ httpGet:
 {{- end }}
 
 {{/*
-env of a service container: (dict "root" $ "values" .Values.core "component" "core"). The core
-and the workers get their pod's IP (POD_IP, for --host); the frontend its API key from the
-user's Secret; every service the internal secret when the internal hops are plaintext; then
-chart-wide and per-component extras.
+env of a service container: (dict "root" $ "values" .Values.core "component" "core" ["extra"
+LIST]). The core and the workers get their pod's IP (POD_IP, for --host); the frontend its API key
+from the user's Secret; every service the internal secret when the internal hops are plaintext;
+then `extra` (the caller's), chart-wide and per-component extras.
 */}}
 {{- define "splitserve.env" -}}
 {{- $env := list }}
@@ -240,7 +240,7 @@ chart-wide and per-component extras.
 {{- with include "splitserve.internalSecretEnv" .root }}
 {{- $env = concat $env (fromYamlArray .) }}
 {{- end }}
-{{- $env = concat $env .root.Values.extraEnv .values.extraEnv }}
+{{- $env = concat $env (.extra | default list) .root.Values.extraEnv .values.extraEnv }}
 {{- if $env }}
 {{- toYaml $env }}
 {{- end }}
