@@ -10,7 +10,7 @@ the frontend reaches the core in its own pod.
 
 {{/*
 The engine core container: (dict "root" $ "workerAddrs" "h:p,..." "distInit" "tcp://h:p"
-"engineId" "0" "portPrefix" "").
+"engineId" "0" ["portPrefix" "core-"] ["env" LIST] ["tlsVolume" NAME]).
 */}}
 {{- define "splitserve.coreContainer" -}}
 {{- $root := .root }}
@@ -99,8 +99,8 @@ The engine core container: (dict "root" $ "workerAddrs" "h:p,..." "distInit" "tc
 {{- end }}
 
 {{/*
-The frontend container: (dict "root" $ "coreAddr" "h:p" "args" (list ...) "env" (list ...)
-"tlsVolume" "internal-tls"): `args` go after the chart's own flags, `env` after its variables.
+The frontend container: (dict "root" $ "coreAddr" "h:p" ["args" LIST] ["env" LIST] ["tlsVolume"
+NAME] ["noApiKey" true]): `args` go after the chart's own flags, `env` after its variables.
 */}}
 {{- define "splitserve.frontendContainer" -}}
 {{- $root := .root }}
@@ -150,7 +150,7 @@ The frontend container: (dict "root" $ "coreAddr" "h:p" "args" (list ...) "env" 
     {{- end }}
   envFrom:
     {{- include "splitserve.envFrom" $root | nindent 4 }}
-  {{- with include "splitserve.env" (dict "root" $root "values" $fe "component" "frontend" "extra" .env) }}
+  {{- with include "splitserve.env" (dict "root" $root "values" $fe "component" "frontend" "extra" .env "noApiKey" .noApiKey) }}
   env:
     {{- . | nindent 4 }}
   {{- end }}
