@@ -39,6 +39,7 @@ import openai
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from benchmarks.peer_servers import ServerError
 from benchmarks.scaleout_client import (
     PREFIX_HITS,
     PREFIX_QUERIES,
@@ -226,18 +227,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.vllm_python} is missing (make bench-peer builds it): no vLLM anchor")
         variants = [v for v in variants if not v.startswith("vllm:")]
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    runs = []
+    runs: list[dict[str, Any]] = []
+    BENCH_DIR.mkdir(exist_ok=True)
     for round_index in range(args.rounds):
         order = variants if round_index % 2 == 0 else variants[::-1]
         for variant in order:
             print(f"round {round_index + 1}: {variant}", flush=True)
-            run = run_variant(args, variant, words, model_dir, kv_bytes, round_index)
+            try:
+                run = run_variant(args, variant, words, model_dir, kv_bytes, round_index)
+            except (ServerError, TimeoutError) as err:
+                if not variant.startswith("vllm:"):
+                    raise
+                print(f"    the vLLM anchor did not start: {err}", flush=True)  # say why, go on
+                runs.append({"round": round_index, "variant": variant, "error": str(err)})
+                continue
             runs.append({"round": round_index, "variant": variant, **run})
             results[variant].append(headline(run, args.rate))
-    BENCH_DIR.mkdir(exist_ok=True)
-    out = {"args": vars(args), "kv_tokens_per_engine": kv_tokens, "runs": runs}
-    (BENCH_DIR / "scaleout-results.json").write_text(json.dumps(out, indent=1))
-    print(render(results, args.rate))
+            out = {"args": vars(args), "kv_tokens_per_engine": kv_tokens, "runs": runs}
+            (BENCH_DIR / "scaleout-results.json").write_text(json.dumps(out, indent=1))
+    print(render({v: rows for v, rows in results.items() if rows}, args.rate))
     return 0
 
 

@@ -4,8 +4,8 @@ Engine groups (engines.replicas > 1, or engine autoscaling): one LeaderWorkerSet
 and a frontend (the frontend reaches the core on the pod's IP); its worker pods "<engine>-g-<j+1>"
 are worker pods j = 0.. of the release's layout (_layout.tpl), named under the headless Service
 "<engine>" the LWS controller creates. The containers learn g from their pod's LWS group-index
-label (ENGINE_INDEX): it names their worker pods, and is the engine's --engine-id and the
-frontend's --data-parallel-rank.
+label (ENGINE_INDEX): it names their worker pods and is the engine's --engine-id (the `engine`
+label of its metrics).
 */}}
 
 {{- define "splitserve.isEngineGroups" -}}
@@ -70,7 +70,9 @@ period is the longer of the two. */}}
 {{- $index := include "splitserve.engineIndexVar" . }}
 {{- $indexEnv := fromYamlArray (include "splitserve.engineIndexEnv" .) }}
 {{- $podIp := dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP")) }}
-{{- $feArgs := concat (list "--data-parallel-rank" $index) (fromYamlArray (include "splitserve.engineKvEventsArgs" .)) }}
+{{- /* No --data-parallel-rank: each engine has a pod (and IP) of its own, so its ZMQ KV-event
+       endpoints stay where llm-d looks for them (a rank would offset their ports). */}}
+{{- $feArgs := fromYamlArray (include "splitserve.engineKvEventsArgs" .) }}
 {{- $coreAddr := printf "$(POD_IP):%d" (int $core.port) }}
 {{- $grace := max (int (include "splitserve.terminationGrace" (dict "root" . "component" "core"))) (int (include "splitserve.terminationGrace" (dict "root" . "component" "frontend"))) -}}
 metadata:
