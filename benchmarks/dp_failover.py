@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{dict(counts)}; engine 1 served again {back:.1f} s after the load")  # fmt: skip
     finally:
         stop(serve.server)
-    print(f"\n| killed (engine 1) | running on it | {' | '.join(OUTCOMES)} (streamed) |")
+    cols = " | ".join(f"{o} (streamed)" for o in OUTCOMES)
+    print(f"\n| killed (engine 1) | running on it at the kill | {cols} |")
     print("|---|---|" + "---|" * len(OUTCOMES))
     for fault, running, counts, _ in rows:
         cells = " | ".join(f"{counts[o]} ({counts[f'{o}, streamed']})" for o in OUTCOMES)
