@@ -98,6 +98,13 @@ bench: setup-dev
 bench-tracing: setup-dev
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.tracing_overhead $(BENCH_TRACING_ARGS)
 
+# The OpenAI server's JSON and HTTP costs per call: msgspec body parsing and SSE/reply encoding
+# (benchmarks/json_hot_path.py), then a request through Starlette on uvicorn with no engine
+# (benchmarks/http_stack.py). Not part of `make test`.
+bench-http: setup-dev
+	$(PY) -m benchmarks.json_hot_path
+	$(PY) -m benchmarks.http_stack
+
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
 # RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of
 # `make test`. SOAK_ARGS="--duration 60"
