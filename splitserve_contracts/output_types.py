@@ -177,6 +177,12 @@ class SchedulerStats:
     num_waiting_tokens: int = 0
     """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits not yet subtracted."""
 
+    running_lora_adapters: list[str] = field(default_factory=list)
+    """Names of the LoRA adapters of the running requests, sorted (vLLM's running_lora_adapters)."""
+
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    """Names of the LoRA adapters of the waiting requests, sorted (vLLM's waiting_lora_adapters)."""
+
 
 @dataclass(slots=True)
 class StepTimings:
@@ -225,8 +231,9 @@ class ModelRunnerOutput:
     """Rank that sent this output."""
 
     req_handles: list[int] = field(default_factory=list)
-    """Requests that sampled a token this step (a partial prefill chunk samples none), in scheduled
-    order.
+    """Requests that sampled a token this step (a partial prefill chunk samples none), in the
+    rank's row order: scheduled order, grouped by LoRA adapter slot when adapters run (the
+    engine core pairs them by handle).
     """
 
     sampled_token_ids: list[int] = field(default_factory=list)
