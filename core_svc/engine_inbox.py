@@ -49,6 +49,8 @@ class CommandKind(Enum):
     """Send the client the prefix cache as events, then its changes (again: a resync)."""
     RESET_PREFIX_CACHE = 13
     """Forget the prefix cache unless requests hold blocks."""
+    RETIRE_LORA = 14
+    """A LoRA adapter was unloaded: the workers drop it once no request runs it."""
 
 
 @dataclass(slots=True)
@@ -64,9 +66,12 @@ class EngineCommand:
     num_blocks: int = 0
     done: Future[int | None] | None = None
     """RESUME: resolved with the number of requests resumed (None: the engine failed first);
-    RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset)."""
+    RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset);
+    RETIRE_LORA: with the requests still running the adapter."""
     tokenizer_json: str = ""
     """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles)."""
+    lora_id: int = 0
+    """RETIRE_LORA: the adapter."""
 
 
 class EngineInbox:
@@ -109,6 +114,15 @@ class EngineInbox:
         number of KV blocks requests held (it refused, as vLLM does)."""
         done: Future[int | None] = Future()
         command = EngineCommand(CommandKind.RESET_PREFIX_CACHE)
+        command.done = done
+        self._queue.put(command)
+        return done
+
+    def retire_lora(self, lora_id: int) -> Future[int | None]:
+        """An unloaded LoRA adapter: the future gives the requests that still run it (they
+        finish with it; then the workers drop it)."""
+        done: Future[int | None] = Future()
+        command = EngineCommand(CommandKind.RETIRE_LORA, lora_id=lora_id)
         command.done = done
         self._queue.put(command)
         return done

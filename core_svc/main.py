@@ -14,6 +14,8 @@ from core_svc.assembly import build_engine, served_model_name
 from core_svc.config import CoreConfig, parse_config
 from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.lora import LoraError, LoraRegistry
+from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics
 from core_svc.recovery import RankRecovery
 from core_svc.server import ClientStreams, EngineCoreServicer
@@ -102,6 +104,8 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
+        registry = LoraRegistry(config.max_loras, self.info.served_model_name)
+        self.loras = LoraAdmin(registry, pool, inbox)
         self.proc = EngineCoreProc(
             build_engine(config, facts, self.recovery.executor, inbox),
             inbox,
@@ -110,7 +114,7 @@ class CoreService:
             on_failed=self._engine_failed,
             on_suspended=self.recovery.on_suspended,
         )
-        self.servicer = EngineCoreServicer(self.proc, streams, self.info, self.metrics)
+        self.servicer = EngineCoreServicer(self.proc, streams, self.info, self.metrics, self.loras)
         core_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, self.host.server)
 
     def _engine_failed(self, message: str) -> None:
@@ -123,6 +127,12 @@ class CoreService:
         gc.collect()
         gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
         self.proc.start()
+        try:
+            await self.loras.load_modules(self.config.lora_modules)
+        except LoraError as err:
+            report_fatal("core", str(err))
+            await asyncio.to_thread(self.proc.stop, 10.0)
+            return 1
         await self.host.start()
         await self.host.set_ready(True)
         stats_task = None
