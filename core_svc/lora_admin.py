@@ -39,9 +39,11 @@ class LoraAdmin:
         lora_id = registry.reserve(name, path, load_inplace)
         try:
             reply = await self._pool.load_lora_adapter(lora_id, path, LOAD_TIMEOUT_S)
+        except LoraError as err:
+            self._forget(name, lora_id)
+            raise LoraError(err.kind, f"Loading lora {name} failed: {err}") from None
         except BaseException:
-            registry.release(name)
-            self._inbox.retire_lora(lora_id)  # ranks that read it drop it
+            self._forget(name, lora_id)
             raise
         adapter = LoraAdapter(name, path, base_model_name, lora_id, reply.max_rank)
         previous = registry.commit(adapter)
@@ -56,6 +58,11 @@ class LoraAdmin:
             ", ".join(reply.target_modules),
         )
         return adapter
+
+    def _forget(self, name: str, lora_id: int) -> None:
+        """A load failed: the name is free again, ranks that read the files drop them."""
+        self.registry.release(name)
+        self._inbox.retire_lora(lora_id)
 
     async def unload(self, name: str) -> int:
         """Forget `name`; returns the requests still running it (they finish with it)."""

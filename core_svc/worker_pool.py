@@ -253,8 +253,9 @@ class WorkerPool:
         results = await asyncio.gather(*calls, return_exceptions=True)
         for rank, result in enumerate(results):
             if isinstance(result, grpc.RpcError):
-                if result.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise LoraError(LoraErrorKind.INVALID, result.details() or "refused")
+                kind = _LORA_REFUSALS.get(result.code())
+                if kind is not None:
+                    raise LoraError(kind, result.details() or "refused")
                 raise LoraError(
                     LoraErrorKind.UNAVAILABLE,
                     f"worker rank {rank} could not load the adapter ({result.code().name}: "
@@ -269,6 +270,14 @@ class WorkerPool:
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
+
+
+_LORA_REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT: LoraErrorKind.INVALID,
+    grpc.StatusCode.NOT_FOUND: LoraErrorKind.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: LoraErrorKind.OFF,
+}
+"""A rank's refusal of an adapter (its files, or LoRA off), not a passing failure."""
 
 
 def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

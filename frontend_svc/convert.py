@@ -7,7 +7,13 @@ from typing import Any
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.engine_types import (
+    CoreOutputDetail,
+    CoreOutputs,
+    EngineInfo,
+    LoraAdapterInfo,
+    TokenizerInfo,
+)
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.kv_events import (
     AllBlocksCleared,
@@ -178,6 +184,7 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
+    msg.lora_name = req.lora_name
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
@@ -232,7 +239,12 @@ def _stored_from_proto(msg: core_pb2.KvBlocksStored, block_size: int) -> BlocksS
     if msg.extra_keys and len(msg.extra_keys) != len(hashes):
         raise ValueError("extra_keys must name every block of the run or none")
     extra = [
-        BlockExtraKeys(k.cache_salt, tuple((m.identifier, m.offset) for m in k.multimodal))
+        BlockExtraKeys(
+            k.cache_salt,
+            tuple((m.identifier, m.offset) for m in k.multimodal),
+            k.lora_name,
+            msg.lora_id if k.lora_name else 0,
+        )
         for k in msg.extra_keys
     ]
     return BlocksStored(
@@ -292,4 +304,10 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
+        max_loras=msg.max_loras,
+        max_lora_rank=msg.max_lora_rank,
     )
+
+
+def lora_adapter_from_proto(msg: core_pb2.LoraAdapter) -> LoraAdapterInfo:
+    return LoraAdapterInfo(msg.name, msg.path, msg.base_model_name, msg.max_rank)

@@ -300,6 +300,7 @@ class InputProcessor:
             call.cache_salt,
             prompt.mm_features,
             structured_outputs=call.structured_outputs,
+            lora_name=call.lora_name,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -23,7 +24,10 @@ from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.server import GenerationServicer
+from frontend_svc.served_models import ServedModels, runtime_lora_updating
+from frontend_svc.server import AdminServicer, GenerationServicer
+from splitserve_contracts.frontend.v1 import admin_service_pb2
+from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.listener import public_listener
@@ -34,6 +38,7 @@ from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
 
 logger = logging.getLogger(__name__)
+ADMIN_SERVICE = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
@@ -79,7 +84,7 @@ async def serve(config: FrontendConfig) -> int:
         )
         await client.close()
         return 1
-    public_services = [FRONTEND.grpc_service, gateway_convert.SERVICE_NAME]
+    public_services = [FRONTEND.grpc_service, ADMIN_SERVICE, gateway_convert.SERVICE_NAME]
     host = ServiceHost(
         name="frontend",
         host=config.host,
@@ -111,9 +116,11 @@ async def serve(config: FrontendConfig) -> int:
         return 1
     parts = build_frontend(client, info, files, host.registry, served_name, limits, hub)
     engine, inputs = parts.engine, parts.inputs
+    models = ServedModels(client, served_name, info, runtime_lora_updating(os.environ))
+    await models.refresh()
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
+    add_servicers(host, parts, files, client, hub, config.data_parallel_rank, models)
     http = None
     if config.http_port is not None:
         context = ServingContext(
@@ -124,6 +131,7 @@ async def serve(config: FrontendConfig) -> int:
             time.time(),
             max_fan_out=config.max_fan_out,
             max_body_bytes=config.max_receive_message_bytes,
+            models=models,
         )
         app = build_app(context, host.registry, config.api_key)
         http = HttpServer(
@@ -185,11 +193,14 @@ def add_servicers(
     client: EngineCoreClient,
     hub: KvEventHub | None,
     data_parallel_rank: int,
+    models: ServedModels,
 ) -> None:
-    """The public API and, beside it on the same port, the gateway contract."""
+    """The public API and its admin service and, beside them on the same port, the gateway
+    contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name)
+    servicer = GenerationServicer(engine, inputs, info, name, models)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(models), host.server)
     gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
 

@@ -104,6 +104,8 @@ class GenerateInput:
     """The output's grammar (structured outputs); None: free text."""
     structured_outputs_field: str = "structured_outputs"
     """The request field the constraint came from, named in errors."""
+    lora_name: str = ""
+    """The LoRA adapter to run with, by its name (the request's model); "": the base model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,8 @@ class EngineRequest:
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
     is_resumed: bool = False
+    lora_name: str = ""
+    """The LoRA adapter it runs with ("": the base model)."""
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
-"""GenerationService servicer: thin; protobuf ends in convert.py."""
+"""The public gRPC servicers, GenerationService and AdminService: thin; protobuf ends in
+convert.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -11,9 +13,12 @@ import grpc
 
 from frontend_svc import convert, grpc_errors
 from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
+from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
+from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.served_models import ServedModels
+from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
+from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -25,13 +30,19 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     """The public API: Generate, Tokenize, Detokenize, GetModelInfo."""
 
     def __init__(
-        self, engine: AsyncEngine, inputs: InputProcessor, info: EngineInfo, served_model_name: str
+        self,
+        engine: AsyncEngine,
+        inputs: InputProcessor,
+        info: EngineInfo,
+        served_model_name: str,
+        models: ServedModels,
     ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.tokenizer = inputs.tokenizer
         self.info = info
         self.served_model_name = served_model_name
+        self.models = models
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -40,8 +51,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            check_model(request.model, self.served_model_name)
+            lora_name = await self.models.resolve(request.model)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
+            call = dataclasses.replace(call, lora_name=lora_name)
             engine_request = await inputs.run(inputs.process, call)
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
@@ -104,3 +116,52 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         if tok.bos_token_id is not None:
             reply.bos_token_id = tok.bos_token_id
         return reply
+
+
+class AdminServicer(admin_grpc.AdminServiceServicer):
+    """The public admin API: the served models, LoRA adapters loaded and unloaded at runtime
+    (the same rules and messages as /v1/models, /v1/load_lora_adapter and
+    /v1/unload_lora_adapter)."""
+
+    def __init__(self, models: ServedModels) -> None:
+        self.models = models
+
+    def _card(self, adapter: LoraAdapterInfo) -> admin_pb2.ModelCard:
+        return admin_pb2.ModelCard(
+            id=adapter.name,
+            parent=adapter.base_model_name or self.models.served_model_name,
+            root=adapter.path,
+            max_model_len=self.models.info.max_model_len,
+            lora_rank=adapter.max_rank,
+        )
+
+    async def ListModels(  # noqa: N802
+        self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListModelsResponse:
+        models = self.models
+        await models.refresh()
+        served = admin_pb2.ModelCard(
+            id=models.served_model_name, max_model_len=models.info.max_model_len
+        )
+        cards = [self._card(a) for a in models.adapters.values()]
+        return admin_pb2.ListModelsResponse(models=[served, *cards])
+
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: admin_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.LoadLoraAdapterResponse:
+        try:
+            adapter = await self.models.load(
+                request.lora_name, request.lora_path, request.load_inplace
+            )
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return admin_pb2.LoadLoraAdapterResponse(model=self._card(adapter))
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: admin_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UnloadLoraAdapterResponse:
+        try:
+            num_requests = await self.models.unload(request.lora_name)
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return admin_pb2.UnloadLoraAdapterResponse(num_requests=num_requests)

@@ -78,6 +78,9 @@ def split_service_flags(
         action = parser._option_string_actions.get(option) if token.startswith("-") else None
         takes_value = action is not None and action.nargs != 0 and not has_value
         width = 2 if takes_value else 1
+        if takes_value and action is not None and action.nargs == "+":  # --lora-modules a=x b=y
+            while i + width < len(tokens) and not tokens[i + width].startswith("-"):
+                width += 1
         if action is not None and option in owners:
             out[owners[option]] += tokens[i : i + width]
         i += width

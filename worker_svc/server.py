@@ -30,6 +30,7 @@ from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from worker_svc import convert
+from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.ownership import (
@@ -94,6 +95,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             status, message = e.grpc_code, str(e)
         except WorkerStateError as e:
             status, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        except AdapterNotFound as e:
+            status, message = grpc.StatusCode.NOT_FOUND, str(e)
         except (ValueError, FileNotFoundError) as e:
             status, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Exception as e:  # noqa: BLE001 (reported to the caller, logged here)

@@ -358,6 +358,10 @@ def _stored_to_proto(event: BlocksStored, block_size: int, msg: common_pb2.KvBlo
         )
         keys = event.extra_keys[i] if event.extra_keys else None
         if keys is not None:
+            if keys.lora_name:  # vLLM's order: the LoRA name, images, the salt
+                block.extra_keys.add(text=keys.lora_name)
+                block.lora_id = keys.lora_id
+                msg.lora_name = keys.lora_name
             for identifier, offset in keys.multimodal:
                 block.extra_keys.add().multimodal.CopyFrom(
                     common_pb2.KvMultimodalKey(identifier=identifier, offset=offset)

@@ -22,6 +22,7 @@ from frontend_svc.requests import (
     EngineRequest,
     GenerateInput,
 )
+from frontend_svc.served_models import ServedModels
 from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]
@@ -41,6 +42,8 @@ class ServingContext:
     """--max-fan-out: most engine requests one call may make (prompts x n)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+    models: ServedModels | None = None
+    """The served model and the engine's LoRA adapters (None: the served model only)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -50,8 +53,13 @@ class ServingContext:
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.inputs.limits, self.max_fan_out)
 
-    def check_model(self, requested: str | None) -> None:
-        check_model(requested, self.served_model_name)
+    async def resolve_model(self, requested: str | None) -> str:
+        """The LoRA adapter `requested` names ("": the served model); ModelNotFound (404)
+        for a name this server does not serve."""
+        if self.models is None:
+            check_model(requested, self.served_model_name)
+            return ""
+        return await self.models.resolve(requested)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:

@@ -20,8 +20,12 @@ ROLE = "assistant"
 class ChatRun:
     """One /v1/chat/completions call."""
 
-    def __init__(self, ctx: ServingContext, req: ChatRequest, rid: str) -> None:
+    def __init__(
+        self, ctx: ServingContext, req: ChatRequest, rid: str, lora_name: str = ""
+    ) -> None:
         self.ctx, self.req, self.rid = ctx, req, rid
+        self.lora_name = lora_name
+        """The LoRA adapter the request's model names ("": the served model)."""
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
 
@@ -36,6 +40,7 @@ class ChatRun:
             req.cache_salt,
             req.structured_outputs,
             req.structured_outputs_field,
+            lora_name=self.lora_name,
         )
         requests = await generation.prepare(self.ctx, [call])
         async for event in generation.run(self.ctx, requests, coalesce):
@@ -45,7 +50,7 @@ class ChatRun:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)
 
     def _envelope(self, kind: str, choices: list[Any], usage: Any = None) -> dict[str, Any]:
-        model = self.ctx.served_model_name
+        model = self.lora_name or self.ctx.served_model_name
         return fmt.envelope(self.rid, kind, self.created, model, choices, usage)
 
     def usage(self) -> dict[str, Any]:

@@ -25,6 +25,10 @@ class AdapterError(ValueError):
     """An adapter that cannot be served, and why (one line)."""
 
 
+class AdapterNotFound(AdapterError):
+    """No adapter at the path (vLLM's LoRAAdapterNotFoundError)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PeftLoraConfig:
     """The fields of a PEFT LoRA config that decide how its weights apply."""
@@ -70,14 +74,14 @@ def adapter_folder(lora_path: str) -> Path:
         )
     folder = Path(lora_path)
     if not (folder / CONFIG_FILE).is_file():
-        raise AdapterError(f"No adapter found for {lora_path}: it has no {CONFIG_FILE}")
+        raise AdapterNotFound(f"No adapter found for {lora_path}: it has no {CONFIG_FILE}")
     if not (folder / WEIGHTS_FILE).is_file():
         if (folder / PICKLE_WEIGHTS_FILE).is_file():
             raise AdapterError(
                 f"{lora_path} holds {PICKLE_WEIGHTS_FILE}, a pickle file, which is never loaded; "
                 "save the adapter as safetensors (PEFT's save_pretrained default)"
             )
-        raise AdapterError(f"No adapter found for {lora_path}: it has no {WEIGHTS_FILE}")
+        raise AdapterNotFound(f"No adapter found for {lora_path}: it has no {WEIGHTS_FILE}")
     return folder
 
 
