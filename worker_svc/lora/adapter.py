@@ -32,6 +32,7 @@ from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.weight_names import WeightTarget
 
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
+_OTHER_KEY = re.compile(r"^base_model\.model\.(.+?)\.(?:lora_\w+|base_layer|weight|bias)\b")
 SUPPORTED_TARGETS = (
     "the attention and MLP projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
     "down_proj, and fused qkv_proj / gate_up_proj)"
@@ -107,9 +108,10 @@ def _plan(
     for key in keys:
         match = _KEY.match(key)
         if match is None:
+            module = _OTHER_KEY.match(key)
             raise AdapterError(
-                f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA weight this server applies: "
-                f"adapters may target {SUPPORTED_TARGETS}"
+                f"LoRA on {module.group(1) if module else key} is not supported ({key!r} is not "
+                f"a LoRA A or B weight of a linear layer): adapters may target {SUPPORTED_TARGETS}"
             )
         pairs.setdefault(match.group(1), {})[match.group(2)] = key
     plans = []
