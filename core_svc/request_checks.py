@@ -44,7 +44,7 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
     if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
         return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
-    if request.lora is not None and request.lora.lora_id == 0:
+    if request.lora is not None and (request.lora.lora_id == 0 or not scheduler_config.max_loras):
         return _lora_problem(request.lora.name, scheduler_config)
     if request.structured_output is not None:
         try:
