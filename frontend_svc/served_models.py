@@ -25,6 +25,7 @@ from frontend_svc.errors import (
     InvalidRequest,
     ModelNotFound,
     NotEnabled,
+    check_model,
     shorten,
 )
 
@@ -39,6 +40,17 @@ LOAD_TIMEOUT_S = 330.0
 def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
     """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true" (any case) allows it."""
     return environ.get(RUNTIME_LORA_UPDATING, "0").strip().lower() in ("1", "true")
+
+
+async def resolve_model(
+    models: ServedModels | None, requested: str | None, served_model_name: str
+) -> str:
+    """The LoRA adapter a request's `model` names ("": the served model); ModelNotFound (404)
+    for a name this server does not serve (`models` None: it serves no adapters)."""
+    if models is None:
+        check_model(requested, served_model_name)
+        return ""
+    return await models.resolve(requested)
 
 
 class LoraClient(Protocol):

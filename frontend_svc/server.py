@@ -16,7 +16,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.served_models import ServedModels
+from frontend_svc.served_models import ServedModels, resolve_model
 from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
 from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -35,7 +35,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs: InputProcessor,
         info: EngineInfo,
         served_model_name: str,
-        models: ServedModels,
+        models: ServedModels | None = None,
     ) -> None:
         self.engine = engine
         self.inputs = inputs
@@ -43,6 +43,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self.info = info
         self.served_model_name = served_model_name
         self.models = models
+        """The served model and the engine's LoRA adapters (None: the served model only)."""
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -51,7 +52,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            lora_name = await self.models.resolve(request.model)
+            lora_name = await resolve_model(self.models, request.model, self.served_model_name)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             call = dataclasses.replace(call, lora_name=lora_name)
             engine_request = await inputs.run(inputs.process, call)

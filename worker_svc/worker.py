@@ -145,7 +145,7 @@ class Worker:
         self._join(config)
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
-            lora = _lora_parts(config, self.device)
+            lora = _lora_parts(config, self.device, build.cpu_kernels)
             model = self._build_model(cls, build, checkpoint.fp8, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
@@ -362,12 +362,13 @@ class Worker:
 
 
 def _lora_parts(
-    config: LoadModelConfig, device: torch.device
+    config: LoadModelConfig, device: torch.device, kernels: CpuKernels | None
 ) -> tuple[LoraBatch, LoraShape] | None:
-    """What every LoRA layer of the model shares (None: LoRA off)."""
+    """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
+    kernel call adds a layer's adapters."""
     if config.max_loras <= 0:
         return None
-    return LoraBatch(device), LoraShape(config.max_loras, config.max_lora_rank)
+    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:

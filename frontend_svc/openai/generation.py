@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import check_model, engine_error
+from frontend_svc.errors import engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
 from frontend_svc.openai.protocol import RequestLimits
@@ -22,7 +22,7 @@ from frontend_svc.requests import (
     EngineRequest,
     GenerateInput,
 )
-from frontend_svc.served_models import ServedModels
+from frontend_svc.served_models import ServedModels, resolve_model
 from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]
@@ -56,10 +56,7 @@ class ServingContext:
     async def resolve_model(self, requested: str | None) -> str:
         """The LoRA adapter `requested` names ("": the served model); ModelNotFound (404)
         for a name this server does not serve."""
-        if self.models is None:
-            check_model(requested, self.served_model_name)
-            return ""
-        return await self.models.resolve(requested)
+        return await resolve_model(self.models, requested, self.served_model_name)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:

@@ -111,9 +111,7 @@ def _lora_info(stack: Stack) -> str:
     return next(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info"))
 
 
-def test_runtime_load_and_unload_under_load(
-    lora_stack: Stack, adapters: dict[str, Path]
-) -> None:
+def test_runtime_load_and_unload_under_load(lora_stack: Stack, adapters: dict[str, Path]) -> None:
     """Unloading an adapter in use: its requests in flight finish with it (vLLM's rule), new
     ones naming it get 404; loading one under load serves it at once."""
     results: list[Any] = []

@@ -4,6 +4,8 @@
 //   rotary_neox_                  neox rotary embedding of q and k heads, in place
 //   paged_decode_attention        one query token per request over its paged KV cache, read
 //                                 in place through the block table (no gather copy)
+//   lora_add_                     LoRA adapters of the rows' slots added to a linear layer's
+//                                 output, every slot of a step in one call
 // The elementwise kernels compute in float32 and round where the torch path (worker_svc.layers)
 // rounds, so their bf16 results match it (bit for bit in the tests). The decode attention keeps scores and
 // sums in float32; in bf16 on AVX512-BF16 machines it takes the bf16 dot-product instructions,
@@ -19,6 +21,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -493,6 +496,119 @@ void paged_decode_attention(Tensor out, Tensor query, Tensor kv_cache, Tensor bl
   });
 }
 
+// LoRA over the runs of rows that share an adapter slot (rows grouped by slot):
+//   y[a:b] += (x[a:b] @ A_s^T) @ B_s   for each run (slot s, rows a..b) in `runs` [n, 3]
+// A [slots, R, in] (each rank row contiguous) and B [slots, R, out], R = parts * rank: rank
+// row k of part p (k < slot_ranks[s]) only reaches the columns [col_offsets[p],
+// col_offsets[p + 1]) of a fused layer (its B is block-diagonal; the zeros are never read).
+// Products and sums in float32, one rounding into y. The shrink's values of every run come
+// first (one pass over each A), then column chunks of y take every run's expand (one pass over
+// each B): both spread over the threads.
+constexpr int64_t LORA_COLS = 64;
+constexpr int64_t LORA_ROWS = 32;
+
+template <class D>
+void lora_shrink(const Tensor& x, const Tensor& a, const std::vector<int64_t>& run, int64_t parts,
+                 int64_t rank, const int64_t* ranks, float* h, int64_t width) {
+  using T = typename D::T;
+  const int64_t in = x.size(1), n = run.size() / 3, xst = x.stride(0);
+  const T* xs = ptr<D>(x);
+  const T* as = ptr<D>(a);
+  const int64_t items = n * parts * rank;
+  at::parallel_for(0, items, std::max<int64_t>(1, GRAIN / (in * 8)), [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t r = item / (parts * rank), k = item % (parts * rank);
+      const int64_t slot = run[3 * r], start = run[3 * r + 1], end = run[3 * r + 2];
+      if (k % rank >= ranks[slot]) continue;
+      const T* arow = as + (slot * parts * rank + k) * in;
+      for (int64_t row = start; row < end; ++row) {
+        const T* xr = xs + row * xst;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < in; ++i) sum += D::load(xr[i]) * D::load(arow[i]);
+        h[row * width + k] = sum;
+      }
+    }
+  });
+}
+
+template <class D>
+void lora_expand(const Tensor& y, const Tensor& b, const std::vector<int64_t>& run, int64_t rank,
+                 const std::vector<int64_t>& cols, const int64_t* ranks, const float* h,
+                 int64_t width) {
+  using T = typename D::T;
+  const int64_t out = y.size(1), n = run.size() / 3, yst = y.stride(0);
+  const int64_t chunks = (out + LORA_COLS - 1) / LORA_COLS;
+  T* ys = ptr<D>(y);
+  const T* bs = ptr<D>(b);
+  at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+    float acc[LORA_ROWS][LORA_COLS];
+    for (int64_t chunk = lo; chunk < hi; ++chunk) {
+      const int64_t c0 = chunk * LORA_COLS, c1 = std::min(out, c0 + LORA_COLS);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t slot = run[3 * r], start = run[3 * r + 1], end = run[3 * r + 2];
+        for (int64_t r0 = start; r0 < end; r0 += LORA_ROWS) {
+          const int64_t rows = std::min(LORA_ROWS, end - r0);
+          for (int64_t i = 0; i < rows; ++i) std::fill(acc[i], acc[i] + LORA_COLS, 0.0f);
+          for (int64_t p = 0; p + 1 < int64_t(cols.size()); ++p) {  // parts meeting the chunk
+            const int64_t p0 = std::max(c0, cols[p]), p1 = std::min(c1, cols[p + 1]);
+            for (int64_t k = p * rank; p0 < p1 && k < p * rank + ranks[slot]; ++k) {
+              const T* brow = bs + (slot * width + k) * out;
+              for (int64_t i = 0; i < rows; ++i) {
+                const float hv = h[(r0 + i) * width + k];
+                float* ai = acc[i];
+#pragma omp simd
+                for (int64_t c = p0; c < p1; ++c) ai[c - c0] += hv * D::load(brow[c]);
+              }
+            }
+          }
+          for (int64_t i = 0; i < rows; ++i) {
+            T* yr = ys + (r0 + i) * yst;
+#pragma omp simd
+            for (int64_t c = c0; c < c1; ++c) yr[c] = D::store(D::load(yr[c]) + acc[i][c - c0]);
+          }
+        }
+      }
+    }
+  });
+}
+
+void lora_add_(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Tensor col_offsets,
+               Tensor slot_ranks) {
+  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1);
+  check_rows(x, in, "x");
+  check_rows(y, out, "y");
+  TORCH_CHECK(y.size(0) == rows && y.scalar_type() == x.scalar_type(), "y must be [rows, out] of x's dtype");
+  TORCH_CHECK(lora_a.is_contiguous() && lora_b.is_contiguous() && lora_a.dim() == 3 &&
+                  lora_b.dim() == 3 && lora_a.size(2) == in && lora_b.size(2) == out &&
+                  lora_a.size(0) == lora_b.size(0) && lora_a.size(1) == lora_b.size(1) &&
+                  lora_a.scalar_type() == x.scalar_type() && lora_b.scalar_type() == x.scalar_type(),
+              "lora_a must be [slots, R, in] and lora_b [slots, R, out], contiguous, of x's dtype");
+  const int64_t slots = lora_a.size(0), width = lora_a.size(1), parts = col_offsets.numel() - 1;
+  TORCH_CHECK(col_offsets.scalar_type() == at::kLong && col_offsets.is_contiguous() && parts >= 1 &&
+                  width % parts == 0, "col_offsets must be int64 [parts + 1], R a multiple of parts");
+  TORCH_CHECK(slot_ranks.scalar_type() == at::kLong && slot_ranks.is_contiguous() &&
+                  slot_ranks.numel() == slots, "slot_ranks must be int64 [slots]");
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 &&
+                  runs.size(1) == 3, "runs must be int64 [n, 3]: slot, first row, end row");
+  const int64_t rank = width / parts;
+  const int64_t* ranks = slot_ranks.data_ptr<int64_t>();
+  std::vector<int64_t> cols(col_offsets.data_ptr<int64_t>(), col_offsets.data_ptr<int64_t>() + parts + 1);
+  std::vector<int64_t> run(runs.data_ptr<int64_t>(), runs.data_ptr<int64_t>() + runs.numel());
+  TORCH_CHECK(cols.front() == 0 && cols.back() == out, "col_offsets must run from 0 to out");
+  for (size_t p = 0; p + 1 < cols.size(); ++p) TORCH_CHECK(cols[p] <= cols[p + 1], "col_offsets must grow");
+  for (int64_t s = 0; s < slots; ++s) TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= rank, "bad slot rank");
+  for (size_t r = 0; r < run.size(); r += 3)
+    TORCH_CHECK(run[r] >= 0 && run[r] < slots && 0 <= run[r + 1] && run[r + 1] <= run[r + 2] &&
+                    run[r + 2] <= rows, "a run's slot or rows are out of range");
+  std::unique_ptr<float[]> h(new float[rows * width]);  // written before it is read
+  dispatch(x, [&](auto tag) {
+    using D = decltype(tag);
+    lora_shrink<D>(x, lora_a, run, parts, rank, ranks, h.get(), width);
+    lora_expand<D>(y, lora_b, run, rank, cols, ranks, h.get(), width);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve, m) {
@@ -501,6 +617,7 @@ TORCH_LIBRARY(splitserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_neox_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache, int rotary_dim) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Tensor col_offsets, Tensor slot_ranks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
@@ -509,4 +626,5 @@ TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("rotary_neox_", rotary_neox_);
   m.impl("paged_decode_attention", paged_decode_attention);
+  m.impl("lora_add_", lora_add_);
 }

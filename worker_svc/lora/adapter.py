@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from worker_svc.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
-from worker_svc.layers.lora import LoraLinearMethod, LoraShape, num_lora_parts
+from worker_svc.layers.lora import LayerWeights, LoraLinearMethod, LoraShape, num_lora_parts
 from worker_svc.lora.peft_config import (
     WEIGHTS_FILE,
     AdapterError,
@@ -38,12 +38,11 @@ SUPPORTED_TARGETS = (
     "down_proj, and fused qkv_proj / gate_up_proj)"
 )
 
-LayerWeights = tuple[torch.Tensor, torch.Tensor]
-
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """An adapter's weights on this rank, by the LoRA layer they go to."""
+    """An adapter's weights on this rank, by the LoRA layer they go to: (A [R, in], B [R, out],
+    its largest rank there)."""
 
     lora_id: int
     path: str
@@ -54,7 +53,7 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +87,7 @@ def read_adapter(
         raise AdapterError(f"{WEIGHTS_FILE} cannot be read: {err}") from None
     if not modules:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
-    weights = {m: (a.to(dtype), b.to(dtype)) for m, (a, b) in staged.items()}
+    weights = {m: (a.to(dtype), b.to(dtype), rank) for m, (a, b, rank) in staged.items()}
     return LoraAdapter(
         lora_id,
         lora_path,
@@ -108,9 +107,9 @@ def _plan(
     for key in keys:
         match = _KEY.match(key)
         if match is None:
-            module = _OTHER_KEY.match(key)
+            other = _OTHER_KEY.match(key)
             raise AdapterError(
-                f"LoRA on {module.group(1) if module else key} is not supported ({key!r} is not "
+                f"LoRA on {other.group(1) if other else key} is not supported ({key!r} is not "
                 f"a LoRA A or B weight of a linear layer): adapters may target {SUPPORTED_TARGETS}"
             )
         pairs.setdefault(match.group(1), {})[match.group(2)] = key
@@ -196,27 +195,29 @@ def _stage(
     b: torch.Tensor,
     max_rank: int,
 ) -> None:
-    """Write this rank's shard of one pair into the layer's (A [in, R], B [R, out]) staging."""
+    """Write this rank's shard of one pair into the layer's (A [R, in], B [R, out]) staging."""
     layer, target = place.layer, place.target
+    rank = a.shape[0]
     if place.method not in staged:
         width = num_lora_parts(layer) * max_rank
         staged[place.method] = (
-            torch.zeros(layer.input_size_per_rank, width),
+            torch.zeros(width, layer.input_size_per_rank),
             torch.zeros(width, layer.output_size_per_rank),
+            rank,
         )
-    stage_a, stage_b = staged[place.method]
-    rank = a.shape[0]
+    stage_a, stage_b, layer_rank = staged[place.method]
+    staged[place.method] = (stage_a, stage_b, max(layer_rank, rank))
     if target.rows is not None:
         b = b[target.rows[0] : target.rows[0] + target.rows[1]]
     if isinstance(layer, RowParallelLinear):
         size = layer.input_size_per_rank
         start = layer.parallel.tp_rank * size
-        stage_a[:, :rank] = a[:, start : start + size].T
+        stage_a[:rank] = a[:, start : start + size]
         stage_b[:rank] = b.T
         return
     assert isinstance(layer, ColumnParallelLinear)
     part, col = target.part, target.part * max_rank
     start, size = layer.part_starts[part], layer.part_sizes[part]
     offset = layer.part_offsets[part]
-    stage_a[:, col : col + rank] = a.T
+    stage_a[col : col + rank] = a
     stage_b[col : col + rank, offset : offset + size] = b[start : start + size].T
