@@ -13,6 +13,7 @@ random weights under the bench model's folder.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.bench_model import BENCH_CONFIG, VOCAB_SIZE
+from benchmarks.bench_model import BENCH_CONFIG, VOCAB_SIZE, ensure_bench_model
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.scheduler_output import LoraSlots, NewRequestData
@@ -93,6 +94,8 @@ def bench_lora(model_dir: Path, dtype: str, context: int, steps: int) -> list[di
     )
     num_blocks = 2 * BATCH * (context + 2 * steps + 8) // BLOCK_SIZE + 64
     worker.initialize_kv_cache(num_blocks)
+    assert worker.runner is not None and worker.runner.kv_cache is not None
+    worker.runner.kv_cache.zero_blocks(np.arange(num_blocks))  # finite contents everywhere
     load_times = []
     for i, path in enumerate(paths):
         started = time.perf_counter()
@@ -153,3 +156,24 @@ def _interleaved(
             if i >= 2:
                 times[name].append(elapsed)
     return 1e3 * statistics.median(times["base"]), 1e3 * statistics.median(times["lora"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=24, help="measured steps of each batch")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--model-dir", default="", help="checkpoint folder (built if missing)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = ensure_bench_model(Path(args.model_dir) if args.model_dir else None)
+    for dtype in args.dtypes:
+        for record in bench_lora(folder, dtype, args.context, args.steps):
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                              for k, v in record.items()}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -29,7 +29,9 @@ def lora_method(dtype: torch.dtype, ranks: list[int]) -> LoraLinearMethod:
             rows = slice(part * RANK, part * RANK + rank)
             method.lora_a[slot, rows] = torch.randn(rank, IN, generator=gen).to(dtype)
             cols = slice(start, start + PARTS[part])
-            method.lora_b[slot, rows, cols] = torch.randn(rank, PARTS[part], generator=gen).to(dtype)
+            method.lora_b[slot, rows, cols] = torch.randn(rank, PARTS[part], generator=gen).to(
+                dtype
+            )
         method.slot_ranks[slot] = rank
     return method
 
