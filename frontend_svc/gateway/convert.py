@@ -343,6 +343,17 @@ def scheduler_load_to_proto(load: EngineLoad, dp_rank: int) -> pb.SchedulerLoad:
     )
 
 
+def add_lora_load(load: EngineLoad, record: common_pb2.EngineLoad) -> None:
+    """The load record's LoRA section (slots the running adapters hold, of --max-loras), for
+    smg's LoRA-aware policies; left unset when the engine serves no LoRA."""
+    if load.max_loras <= 0:
+        return
+    used = min(load.num_running_adapters, load.max_loras)
+    record.lora.slots_used = used
+    record.lora.slots_total = load.max_loras
+    record.lora.utilization = used / load.max_loras
+
+
 def _to_int64(value: int) -> int:
     """An unsigned 64-bit hash as the proto's signed int64 (same bits)."""
     return value - (1 << 64) if value >= 1 << 63 else value
