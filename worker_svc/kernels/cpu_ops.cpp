@@ -501,74 +501,84 @@ void paged_decode_attention(Tensor out, Tensor query, Tensor kv_cache, Tensor bl
 // A [slots, R, in] (each rank row contiguous) and B [slots, R, out], R = parts * rank: rank
 // row k of part p (k < slot_ranks[s]) only reaches the columns [col_offsets[p],
 // col_offsets[p + 1]) of a fused layer (its B is block-diagonal; the zeros are never read).
-// Products and sums in float32, one rounding into y. The shrink's values of every run come
-// first (one pass over each A), then column chunks of y take every run's expand (one pass over
-// each B): both spread over the threads.
-constexpr int64_t LORA_COLS = 64;
+// Products and sums in float32, one rounding into y. The threads share the blocks of up to
+// LORA_ROWS rows of every run; a block's shrink (one pass over its adapter's A) and expand
+// (one pass over B, LORA_COLS columns at a time) need no other block, so a call is one
+// parallel region without a barrier (a decode step: one block per adapter).
+constexpr int64_t LORA_COLS = 256;
 constexpr int64_t LORA_ROWS = 32;
 
+struct LoraBlock {
+  int64_t slot, start, end;
+};
+
 template <class D>
-void lora_shrink(const Tensor& x, const Tensor& a, const std::vector<int64_t>& run, int64_t parts,
-                 int64_t rank, const int64_t* ranks, float* h, int64_t width) {
+void lora_shrink(const Tensor& x, const typename D::T* arows, const LoraBlock& b, int64_t width,
+                 int64_t rank, int64_t slot_rank, float* h) {
   using T = typename D::T;
-  const int64_t in = x.size(1), n = run.size() / 3, xst = x.stride(0);
+  const int64_t in = x.size(1), xst = x.stride(0);
   const T* xs = ptr<D>(x);
-  const T* as = ptr<D>(a);
-  const int64_t items = n * parts * rank;
-  at::parallel_for(0, items, std::max<int64_t>(1, GRAIN / (in * 8)), [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t r = item / (parts * rank), k = item % (parts * rank);
-      const int64_t slot = run[3 * r], start = run[3 * r + 1], end = run[3 * r + 2];
-      if (k % rank >= ranks[slot]) continue;
-      const T* arow = as + (slot * parts * rank + k) * in;
-      for (int64_t row = start; row < end; ++row) {
-        const T* xr = xs + row * xst;
-        float sum = 0.0f;
+  for (int64_t k = 0; k < width; ++k) {
+    if (k % rank >= slot_rank) continue;
+    const T* arow = arows + k * in;
+    for (int64_t row = b.start; row < b.end; ++row) {
+      const T* xr = xs + row * xst;
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < in; ++i) sum += D::load(xr[i]) * D::load(arow[i]);
-        h[row * width + k] = sum;
-      }
+      for (int64_t i = 0; i < in; ++i) sum += D::load(xr[i]) * D::load(arow[i]);
+      h[(row - b.start) * width + k] = sum;
     }
-  });
+  }
 }
 
 template <class D>
-void lora_expand(const Tensor& y, const Tensor& b, const std::vector<int64_t>& run, int64_t rank,
-                 const std::vector<int64_t>& cols, const int64_t* ranks, const float* h,
-                 int64_t width) {
+void lora_expand(const Tensor& y, const typename D::T* brows, const LoraBlock& b, int64_t width,
+                 int64_t rank, int64_t slot_rank, const std::vector<int64_t>& cols,
+                 const float* h) {
   using T = typename D::T;
-  const int64_t out = y.size(1), n = run.size() / 3, yst = y.stride(0);
-  const int64_t chunks = (out + LORA_COLS - 1) / LORA_COLS;
+  const int64_t out = y.size(1), yst = y.stride(0), rows = b.end - b.start;
   T* ys = ptr<D>(y);
-  const T* bs = ptr<D>(b);
-  at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-    float acc[LORA_ROWS][LORA_COLS];
-    for (int64_t chunk = lo; chunk < hi; ++chunk) {
-      const int64_t c0 = chunk * LORA_COLS, c1 = std::min(out, c0 + LORA_COLS);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t slot = run[3 * r], start = run[3 * r + 1], end = run[3 * r + 2];
-        for (int64_t r0 = start; r0 < end; r0 += LORA_ROWS) {
-          const int64_t rows = std::min(LORA_ROWS, end - r0);
-          for (int64_t i = 0; i < rows; ++i) std::fill(acc[i], acc[i] + LORA_COLS, 0.0f);
-          for (int64_t p = 0; p + 1 < int64_t(cols.size()); ++p) {  // parts meeting the chunk
-            const int64_t p0 = std::max(c0, cols[p]), p1 = std::min(c1, cols[p + 1]);
-            for (int64_t k = p * rank; p0 < p1 && k < p * rank + ranks[slot]; ++k) {
-              const T* brow = bs + (slot * width + k) * out;
-              for (int64_t i = 0; i < rows; ++i) {
-                const float hv = h[(r0 + i) * width + k];
-                float* ai = acc[i];
+  float acc[LORA_ROWS][LORA_COLS];
+  for (int64_t c0 = 0; c0 < out; c0 += LORA_COLS) {
+    const int64_t c1 = std::min(out, c0 + LORA_COLS);
+    for (int64_t i = 0; i < rows; ++i) std::fill(acc[i], acc[i] + LORA_COLS, 0.0f);
+    for (int64_t p = 0; p + 1 < int64_t(cols.size()); ++p) {  // parts meeting the chunk
+      const int64_t p0 = std::max(c0, cols[p]), p1 = std::min(c1, cols[p + 1]);
+      for (int64_t k = p * rank; p0 < p1 && k < p * rank + slot_rank; ++k) {
+        const T* brow = brows + k * out;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float hv = h[i * width + k];
+          float* ai = acc[i];
 #pragma omp simd
-                for (int64_t c = p0; c < p1; ++c) ai[c - c0] += hv * D::load(brow[c]);
-              }
-            }
-          }
-          for (int64_t i = 0; i < rows; ++i) {
-            T* yr = ys + (r0 + i) * yst;
-#pragma omp simd
-            for (int64_t c = c0; c < c1; ++c) yr[c] = D::store(D::load(yr[c]) + acc[i][c - c0]);
-          }
+          for (int64_t c = p0; c < p1; ++c) ai[c - c0] += hv * D::load(brow[c]);
         }
       }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      T* yr = ys + (b.start + i) * yst;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) yr[c] = D::store(D::load(yr[c]) + acc[i][c - c0]);
+    }
+  }
+}
+
+template <class D>
+void lora_blocks(const Tensor& y, const Tensor& x, const Tensor& a, const Tensor& b,
+                 const std::vector<LoraBlock>& blocks, const std::vector<int64_t>& cols,
+                 const int64_t* ranks) {
+  using T = typename D::T;
+  const int64_t width = a.size(1), in = a.size(2), out = b.size(2);
+  const int64_t rank = width / (int64_t(cols.size()) - 1);
+  const T* as = ptr<D>(a);
+  const T* bs = ptr<D>(b);
+  at::parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> h(LORA_ROWS * width);  // written before it is read
+    for (int64_t i = lo; i < hi; ++i) {
+      const LoraBlock& block = blocks[i];
+      const int64_t slot_rank = ranks[block.slot];
+      lora_shrink<D>(x, as + block.slot * width * in, block, width, rank, slot_rank, h.data());
+      lora_expand<D>(y, bs + block.slot * width * out, block, width, rank, slot_rank, cols,
+                     h.data());
     }
   });
 }
@@ -601,12 +611,11 @@ void lora_add_(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Te
   for (size_t r = 0; r < run.size(); r += 3)
     TORCH_CHECK(run[r] >= 0 && run[r] < slots && 0 <= run[r + 1] && run[r + 1] <= run[r + 2] &&
                     run[r + 2] <= rows, "a run's slot or rows are out of range");
-  std::unique_ptr<float[]> h(new float[rows * width]);  // written before it is read
-  dispatch(x, [&](auto tag) {
-    using D = decltype(tag);
-    lora_shrink<D>(x, lora_a, run, parts, rank, ranks, h.get(), width);
-    lora_expand<D>(y, lora_b, run, rank, cols, ranks, h.get(), width);
-  });
+  std::vector<LoraBlock> blocks;
+  for (size_t r = 0; r < run.size(); r += 3)
+    for (int64_t row = run[r + 1]; row < run[r + 2]; row += LORA_ROWS)
+      if (ranks[run[r]] > 0) blocks.push_back({run[r], row, std::min(run[r + 2], row + LORA_ROWS)});
+  dispatch(x, [&](auto tag) { lora_blocks<decltype(tag)>(y, x, lora_a, lora_b, blocks, cols, ranks); });
 }
 
 }  // namespace
