@@ -467,6 +467,7 @@ class EngineCore:
             num_waiting_tokens=scheduler.num_waiting_tokens,
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
+            num_waiting_deferred=len(self.structured.compiling),
         )
 
     def retire_lora(self, lora_id: int) -> int:

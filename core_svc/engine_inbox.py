@@ -49,7 +49,9 @@ class CommandKind(Enum):
     """Send the client the prefix cache as events, then its changes (again: a resync)."""
     RESET_PREFIX_CACHE = 13
     """Forget the prefix cache unless requests hold blocks."""
-    RETIRE_LORA = 14
+    PROFILE = 14
+    """Start or stop the worker ranks' profilers (between two steps)."""
+    RETIRE_LORA = 15
     """A LoRA adapter was unloaded: the workers drop it once no request runs it."""
 
 
@@ -69,7 +71,8 @@ class EngineCommand:
     RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset);
     RETIRE_LORA: with the requests still running the adapter."""
     tokenizer_json: str = ""
-    """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles)."""
+    """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles); PROFILE: the trace
+    files' prefix (the action in num_blocks: 1 start, 2 stop, ProfileAction's numbers)."""
     lora_id: int = 0
     """RETIRE_LORA: the adapter."""
 
@@ -118,12 +121,20 @@ class EngineInbox:
         self._queue.put(command)
         return done
 
+    def profile(self, action: int, prefix: str) -> Future[int | None]:
+        """Start (1) or stop (2) the ranks' profilers between two steps; the future gives 0
+        once the command went to every rank, 1 when the engine's executor cannot profile."""
+        done: Future[int | None] = Future()
+        command = EngineCommand(CommandKind.PROFILE, num_blocks=action, done=done)
+        command.tokenizer_json = prefix
+        self._queue.put(command)
+        return done
+
     def retire_lora(self, lora_id: int) -> Future[int | None]:
         """An unloaded LoRA adapter: the future gives the requests that still run it (they
         finish with it; then the workers drop it)."""
         done: Future[int | None] = Future()
-        command = EngineCommand(CommandKind.RETIRE_LORA, lora_id=lora_id)
-        command.done = done
+        command = EngineCommand(CommandKind.RETIRE_LORA, lora_id=lora_id, done=done)
         self._queue.put(command)
         return done
 

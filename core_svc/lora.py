@@ -67,6 +67,9 @@ class LoraAdapter:
         return LoraRequest(self.lora_id, self.name, self.path)
 
 
+LORA_OFF = "LoRA is off: start the engine with --enable-lora"
+
+
 class LoraErrorKind(Enum):
     INVALID = 1
     EXISTS = 2
@@ -160,7 +163,7 @@ class LoraRegistry:
     def reserve(self, name: str, path: str, load_inplace: bool) -> int:
         """Hold `name` while its files load on the ranks; returns the new adapter's id."""
         if not self.is_enabled:
-            raise LoraError(LoraErrorKind.OFF, "LoRA is off: start the engine with --enable-lora")
+            raise LoraError(LoraErrorKind.OFF, LORA_OFF)
         check_lora_fields(name, path)
         if name == self.served_model_name:
             raise LoraError(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve_runtime.tracing import TraceContext
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -28,6 +30,8 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     lora_id: int = 0
     """The LoRA adapter it runs with (0: the base model)."""
+    trace: TraceContext | None = None
+    """The core's span of the request, for the workers' spans (None: not traced)."""
 
 
 @dataclass(slots=True)

@@ -23,13 +23,15 @@ import grpc
 from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.kv_events import KVEventBatch
-from core_svc.lora import LoraError, LoraErrorKind
+from core_svc.lora import LORA_OFF, LoraError, LoraErrorKind
 from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts import output_convert
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.profiler_config import check_profile_prefix
 
 logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()
@@ -133,13 +135,19 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         streams: ClientStreams,
         info: core_pb2.EngineInfo,
         metrics: CoreMetrics,
-        loras: LoraAdmin,
+        profiling: bool = False,
+        is_tracing: bool = False,
+        loras: LoraAdmin | None = None,
     ) -> None:
         self._proc = proc
+        self._profiling = profiling
+        self._is_tracing = is_tracing
+        """Keep the frontends' trace contexts (else requests go untraced)."""
         self._streams = streams
         self._info = info
         self._metrics = metrics
         self._loras = loras
+        """LoRA adapters' loading and unloading (None: an engine without LoRA, as a fake's)."""
         streams.on_overflow = proc.inbox.close_client
 
     async def close_streams(self) -> None:
@@ -160,7 +168,38 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self, request: core_pb2.GetSchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.GetSchedulerStatsResponse:
         stats = output_convert.scheduler_stats_to_proto(self._proc.latest_stats)
-        return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
+        bounds, counts, total = self._metrics.iteration_tokens_state()
+        histogram = core_pb2.Histogram(upper_bounds=bounds, cumulative_counts=counts, sum=total)
+        return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats, iteration_tokens=histogram)
+
+    async def Profile(  # noqa: N802
+        self, request: core_pb2.ProfileRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.ProfileResponse:
+        """Start or stop the ranks' torch profilers, between two steps (--profiler-config)."""
+        command = request.command
+        if not self._profiling:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "profiling is off: start the engine with --profiler-config",
+            )
+        if command.action not in (
+            common_pb2.PROFILE_ACTION_START,
+            common_pb2.PROFILE_ACTION_STOP,
+        ):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action: start or stop")
+        try:
+            prefix = check_profile_prefix(command.prefix)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        done = asyncio.wrap_future(self._proc.inbox.profile(command.action, prefix))
+        try:
+            refused = await asyncio.wait_for(done, RESET_PREFIX_CACHE_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop did not answer")
+        if refused:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "these ranks cannot profile")
+        logger.info("profiler %s", "started" if command.action == 1 else "stopped")
+        return core_pb2.ProfileResponse()
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: core_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
@@ -180,11 +219,16 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
             reset=num_used_blocks == 0, num_used_blocks=num_used_blocks
         )
 
+    def _lora_admin(self) -> LoraAdmin:
+        if self._loras is None:
+            raise LoraError(LoraErrorKind.OFF, LORA_OFF)
+        return self._loras
+
     async def LoadLoraAdapter(  # noqa: N802
         self, request: core_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.LoadLoraAdapterResponse:
         try:
-            adapter = await self._loras.load(
+            adapter = await self._lora_admin().load(
                 request.lora_name, request.lora_path, request.base_model_name, request.load_inplace
             )
         except LoraError as err:
@@ -195,7 +239,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self, request: core_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.UnloadLoraAdapterResponse:
         try:
-            num_requests = await self._loras.unload(request.lora_name)
+            num_requests = await self._lora_admin().unload(request.lora_name)
         except LoraError as err:
             await context.abort(LORA_STATUS[err.kind], str(err))
         return core_pb2.UnloadLoraAdapterResponse(num_requests=num_requests)
@@ -203,7 +247,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
     async def ListLoraAdapters(  # noqa: N802
         self, request: core_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.ListLoraAdaptersResponse:
-        adapters = self._loras.registry.adapters.values()
+        adapters = self._loras.registry.adapters.values() if self._loras is not None else ()
         return core_pb2.ListLoraAdaptersResponse(
             adapters=[convert.lora_adapter_to_proto(a) for a in adapters]
         )
@@ -255,7 +299,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         queue: asyncio.Queue[object],
     ) -> None:
         """Move the client's adds and aborts, in order, onto the engine's input queue."""
-        loras = self._loras.registry
+        loras = self._loras.registry if self._loras is not None else None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("payload")
@@ -264,7 +308,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     proc.inbox.add_requests(
                         client_id,
                         [
-                            convert.request_from_proto(r, client_id, now, loras)
+                            convert.request_from_proto(r, client_id, now, self._is_tracing, loras)
                             for r in msg.add.requests
                         ],
                     )

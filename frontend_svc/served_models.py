@@ -43,12 +43,15 @@ def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
 
 
 async def resolve_model(
-    models: ServedModels | None, requested: str | None, served_model_name: str
+    models: ServedModels | None,
+    requested: str | None,
+    served_model_name: str,
+    aliases: tuple[str, ...] = (),
 ) -> str:
     """The LoRA adapter a request's `model` names ("": the served model); ModelNotFound (404)
     for a name this server does not serve (`models` None: it serves no adapters)."""
     if models is None:
-        check_model(requested, served_model_name)
+        check_model(requested, served_model_name, aliases)
         return ""
     return await models.resolve(requested)
 
@@ -93,9 +96,12 @@ class ServedModels:
         served_model_name: str,
         info: EngineInfo,
         allow_runtime_updates: bool,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.served_model_name = served_model_name
+        self.aliases = aliases
+        """The served model's other --served-model-name names."""
         self.info = info
         self.allow_runtime_updates = allow_runtime_updates
         self.adapters: dict[str, LoraAdapterInfo] = {}
@@ -109,7 +115,7 @@ class ServedModels:
     async def resolve(self, model: str | None) -> str:
         """The LoRA adapter a request's `model` names ("": the served model); ModelNotFound
         (404) for any other name."""
-        if not model or model == self.served_model_name:
+        if not model or model == self.served_model_name or model in self.aliases:
             return ""
         is_stale = time.monotonic() - self._refreshed_at >= REFRESH_INTERVAL_S
         if self.has_lora and model not in self.adapters and is_stale:

@@ -16,7 +16,10 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
+from frontend_svc.openai.tools import grpc_tools
 from frontend_svc.served_models import ServedModels, resolve_model
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
 from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -35,6 +38,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         inputs: InputProcessor,
         info: EngineInfo,
         served_model_name: str,
+        chat: ChatFeatures | None = None,
+        model_aliases: tuple[str, ...] = (),
         models: ServedModels | None = None,
     ) -> None:
         self.engine = engine
@@ -44,6 +49,9 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self.served_model_name = served_model_name
         self.models = models
         """The served model and the engine's LoRA adapters (None: the served model only)."""
+        self.chat = chat or ChatFeatures()
+        """Tool calling and reasoning, as on the HTTP API."""
+        self.model_aliases = model_aliases
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -51,15 +59,23 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
-            lora_name = await resolve_model(self.models, request.model, self.served_model_name)
+            lora_name = await resolve_model(
+                self.models, request.model, self.served_model_name, self.model_aliases
+            )
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             call = dataclasses.replace(call, lora_name=lora_name)
+            tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
+            call, rules = prepare_chat_call(call, tools, self.chat)
             engine_request = await inputs.run(inputs.process, call)
+            answers = AnswerReader(rules, engine_request.prompt_ends_reasoning)
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
                     raise engine_error(request_id, delta.error_kind, delta.error_message)
-                yield convert.delta_to_proto(request_id, delta)
+                parsed, calls = answers.read(delta)
+                listed = [(c.id, c.name, c.arguments) for c in calls]
+                yield convert.delta_to_proto(request_id, delta, parsed, listed)
         except FrontendError as err:
             await grpc_errors.abort(context, err)
 

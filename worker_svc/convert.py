@@ -11,9 +11,11 @@ import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
 from splitserve_contracts import output_convert, sampling_convert
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.lora.adapter import LoraAdapter
@@ -40,6 +42,15 @@ def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
 # -- requests ----------------------------------------------------------------------------------
 
 
+def _trace(msg: common_pb2.TraceContext) -> TraceContext | None:
+    """A request's trace context; a malformed or unsampled one is ignored (W3C)."""
+    try:
+        context = trace_context(msg.traceparent, msg.tracestate)
+    except ValueError:
+        return None
+    return context if context is not None and context.is_sampled else None
+
+
 def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
     return NewRequestData(
         req_handle=req.req_handle,
@@ -63,6 +74,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         ),
         output_token_ids=_column(req.output_token_ids),
         lora_id=req.lora_id,
+        trace=_trace(req.trace_context),
     )
 
 

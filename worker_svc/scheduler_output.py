@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from splitserve_contracts.sampling_types import SamplerParams
+from splitserve_runtime.tracing import TraceContext
 
 IntArray = npt.NDArray[np.int64]
 
@@ -60,6 +61,8 @@ class NewRequestData:
     output_token_ids: IntArray = field(default_factory=_empty)
     lora_id: int = 0
     """The LoRA adapter it runs with (0: the base model)."""
+    trace: TraceContext | None = None
+    """The engine core's span of the request (worker_svc/step_tracing.py); None: untraced."""
 
 
 @dataclass(frozen=True, slots=True)

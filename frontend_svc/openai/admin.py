@@ -43,8 +43,12 @@ def _card(ctx: ServingContext, name: str, root: str, parent: str | None) -> dict
 
 def models_route(ctx: ServingContext) -> Handler:
     async def models(request: Request) -> Response:
-        """The served model, then every LoRA adapter with its parent (vLLM's /v1/models)."""
-        cards = [_card(ctx, ctx.served_model_name, ctx.info.model_path, None)]
+        """One card per --served-model-name (as vLLM lists its base model's names), then every
+        LoRA adapter with its parent (vLLM's /v1/models)."""
+        cards = [
+            _card(ctx, name, ctx.info.model_path, None)
+            for name in (ctx.served_model_name, *ctx.model_aliases)
+        ]
         if ctx.models is not None:
             await ctx.models.refresh()
             cards += [

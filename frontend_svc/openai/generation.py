@@ -12,8 +12,9 @@ from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import engine_error
+from frontend_svc.errors import check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.openai.chat_output import ChatFeatures
 from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
 from frontend_svc.openai.protocol import RequestLimits
 from frontend_svc.requests import (
@@ -44,6 +45,11 @@ class ServingContext:
     """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
     models: ServedModels | None = None
     """The served model and the engine's LoRA adapters (None: the served model only)."""
+    chat: ChatFeatures = ChatFeatures()
+    """Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
+    --reasoning-parser)."""
+    model_aliases: tuple[str, ...] = ()
+    """The other --served-model-name names clients may send (responses carry the first)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -56,7 +62,12 @@ class ServingContext:
     async def resolve_model(self, requested: str | None) -> str:
         """The LoRA adapter `requested` names ("": the served model); ModelNotFound (404)
         for a name this server does not serve."""
-        return await resolve_model(self.models, requested, self.served_model_name)
+        return await resolve_model(
+            self.models, requested, self.served_model_name, self.model_aliases
+        )
+
+    def check_model(self, requested: str | None) -> None:
+        check_model(requested, self.served_model_name, self.model_aliases)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:

@@ -67,6 +67,11 @@ class EngineCoreServiceStub:
     """
     ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ListLoraAdaptersRequest, _core_service_pb2.ListLoraAdaptersResponse]
     """ListLoraAdapters lists the adapters requests may name."""
+    Profile: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]
+    """Profile starts or stops the torch profiler on every worker rank (vLLM's
+    start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+    the engine runs without --profiler-config.
+    """
 
 @_typing.type_check_only
 class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
@@ -107,6 +112,11 @@ class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
     """
     ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ListLoraAdaptersRequest, _core_service_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
     """ListLoraAdapters lists the adapters requests may name."""
+    Profile: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]  # type: ignore[assignment]
+    """Profile starts or stops the torch profiler on every worker rank (vLLM's
+    start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+    the engine runs without --profiler-config.
+    """
 
 class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """EngineCoreService schedules requests from any number of frontends onto the
@@ -186,5 +196,16 @@ class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_core_service_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_core_service_pb2.ListLoraAdaptersResponse]]:
         """ListLoraAdapters lists the adapters requests may name."""
+
+    @_abc_1.abstractmethod
+    def Profile(
+        self,
+        request: _core_service_pb2.ProfileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.ProfileResponse, _abc.Awaitable[_core_service_pb2.ProfileResponse]]:
+        """Profile starts or stops the torch profiler on every worker rank (vLLM's
+        start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+        the engine runs without --profiler-config.
+        """
 
 def add_EngineCoreServiceServicer_to_server(servicer: EngineCoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
