@@ -7,7 +7,8 @@
   over 8 adapters (4 requests each), on the same LoRA-enabled worker, interleaved step by step
   (so both see the same machine); `ratio` is the mixed step's median over the base step's (the
   target: at most 1.3), `ratio_best` the same of each one's fastest step (on a shared machine
-  the least disturbed).
+  the least disturbed), `ratio_cpu` of the process's CPU time per step (median; with
+  `--threads 1` the work itself, whatever else the machine runs).
 
 Adapters are written in PEFT's layout (adapter_config.json, adapter_model.safetensors) with
 random weights under the bench model's folder.
@@ -107,6 +108,7 @@ def bench_lora(model_dir: Path, dtype: str, context: int, steps: int) -> list[di
     times = _interleaved(session, paths, context, steps)
     base_ms, lora_ms = (1e3 * statistics.median(times[k]) for k in ("base", "lora"))
     base_best, lora_best = (1e3 * min(times[k]) for k in ("base", "lora"))
+    base_cpu, lora_cpu = (1e3 * statistics.median(times[f"{k}_cpu"]) for k in ("base", "lora"))
     worker.shutdown()
     return [
         {
@@ -127,6 +129,9 @@ def bench_lora(model_dir: Path, dtype: str, context: int, steps: int) -> list[di
             "base_step_best_ms": base_best,
             "lora_step_best_ms": lora_best,
             "ratio_best": lora_best / base_best,
+            "base_step_cpu_ms": base_cpu,
+            "lora_step_cpu_ms": lora_cpu,
+            "ratio_cpu": lora_cpu / base_cpu,
         },
     ]
 
@@ -147,7 +152,7 @@ def _interleaved(
         groups[name] = news
     slots = LoraSlots(tuple(range(NUM_ADAPTERS)), tuple(range(1, NUM_ADAPTERS + 1)),
                       tuple(str(p) for p in paths))  # fmt: skip
-    times: dict[str, list[float]] = {"base": [], "lora": []}
+    times: dict[str, list[float]] = {k: [] for k in ("base", "lora", "base_cpu", "lora_cpu")}
     last: dict[str, list[int]] = {}
     for name, news in groups.items():
         out, _ = session.execute(news, [1] * BATCH, lora_slots=slots if name == "lora" else None)
@@ -157,11 +162,14 @@ def _interleaved(
         for name, news in groups.items():
             handles = [n.req_handle for n in news]
             cached = decode_cached(handles, [context + i] * BATCH, last[name])
+            cpu_started = time.process_time()
             out, elapsed = session.execute([], [1] * BATCH, cached)
+            cpu = time.process_time() - cpu_started
             by_handle = dict(zip(out.req_handles, out.sampled_token_ids, strict=True))
             last[name] = [by_handle[h] for h in handles]
             if i >= 2:
                 times[name].append(elapsed)
+                times[f"{name}_cpu"].append(cpu)
     return times
 
 
