@@ -34,9 +34,10 @@ from frontend_svc.tracing import accept_caller_traces
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.flags import SECRET_DESTS
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
-from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.service_host import ServiceHost, new_registry
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
@@ -74,11 +75,13 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
+    registry = new_registry()
     client = EngineCoreClient(
         config.core_addr,
         security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
         tokenizer=files.tokenizer_info,
         subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
+        grpc_metrics=GrpcClientMetrics(registry),
     )
     try:
         info = await client.connect(config.core_connect_timeout)
@@ -105,6 +108,7 @@ async def serve(config: FrontendConfig) -> int:
             enable_reflection=config.enable_reflection,
             health_port=config.health_port,
         ),
+        registry=registry,
     )
     served_name, *aliases = config.served_model_name or (info.served_model_name,)
     limits = FrontendLimits(
