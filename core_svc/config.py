@@ -25,6 +25,7 @@ from splitserve_runtime.flags import (
 )
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
+from splitserve_runtime.quantization_names import quantization_flags
 from splitserve_runtime.services import CORE
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
@@ -60,6 +61,8 @@ class CoreConfig(TransportConfig):
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 0
     dtype: str = "auto"
+    quantization: str = ""
+    dequantize_gguf: bool = False
     seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
@@ -217,6 +220,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
     ),
+    *quantization_flags(),
     flag(
         "--enforce-eager",
         action="store_true",

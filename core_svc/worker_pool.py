@@ -207,6 +207,8 @@ class WorkerPool:
                 enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
                 async_scheduling=config.async_scheduling,
+                quantization=config.quantization,
+                dequantize_gguf=config.dequantize_gguf,
             )
             for rank in range(world)
         ]

@@ -14,6 +14,7 @@ from splitserve_contracts import output_convert, sampling_convert
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -112,6 +113,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
+    if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {req.quantization!r}; choose one of "
+            + ", ".join(QUANTIZATION_CHOICES)
+        )
     return LoadModelConfig(
         model_path=req.model_path,
         dtype=req.dtype or "auto",
@@ -130,6 +136,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         block_size=req.block_size,
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
+        quantization=req.quantization,
+        dequantize_gguf=req.dequantize_gguf,
     )
 
 

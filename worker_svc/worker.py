@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,6 +30,7 @@ from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
@@ -37,7 +39,8 @@ from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
-    Fp8Checkpoint,
+    Checkpoint,
+    QuantizationOptions,
     fp8_linear_methods,
     num_fp8_layers,
     open_checkpoint,
@@ -127,7 +130,8 @@ class Worker:
             self.shutdown()
         started = time.perf_counter()
         source = resolve_model(config.model_path, config.revision)
-        checkpoint = open_checkpoint(source)  # refuses unknown architectures first
+        options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
+        checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
         model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
@@ -142,9 +146,9 @@ class Worker:
         self._join(config)
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
-            model = self._build_model(cls, build, checkpoint.fp8)
+            model, wrap = self._build_model(cls, build, checkpoint)
             # vLLM's bar on one rank only, and never inside JSON logs.
-            model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
+            model.load_weights(wrap(checkpoint.weights(config.rank == 0 and is_text_logging())))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()
@@ -208,18 +212,24 @@ class Worker:
         return backend, build
 
     def _build_model(
-        self, cls: type[CausalLM], build: BuildContext, fp8: Fp8Checkpoint | None
-    ) -> CausalLM:
+        self, cls: type[CausalLM], build: BuildContext, checkpoint: Checkpoint
+    ) -> tuple[CausalLM, Callable[[Weights], Weights]]:
         """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
-        weights FP8 (which layers: planned on a copy built on the meta device, which allocates
-        nothing)."""
+        weights FP8, or quantized ones where the checkpoint (GGUF) or --quantization asks for
+        them (which layers: planned on a copy built on the meta device, which allocates
+        nothing), and the reader of the checkpoint's tensors for it."""
+        fp8 = checkpoint.fp8
         if fp8 is not None and can_keep_fp8(self.device, build.dtype):
             meta = build.create(cls, device=torch.device("meta"))
             methods = fp8_linear_methods(meta, fp8)
             model = build.create(cls, linear_methods=methods)
             logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-            return model
-        return build.create(cls)
+            return model, _as_read
+        if checkpoint.planner is not None:
+            plan = checkpoint.planner(build.create(cls, device=torch.device("meta")))
+            logger.info("%s", plan.summary)
+            return build.create(cls, linear_methods=plan.methods), plan.wrap
+        return build.create(cls), _as_read
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -329,6 +339,13 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
+
+
+Weights = Iterator[tuple[str, TensorSource]]
+
+
+def _as_read(weights: Weights) -> Weights:
+    return weights
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:

@@ -141,6 +141,8 @@ class LoadModelRequest(_message.Message):
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _builtins.int
     ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -213,6 +215,17 @@ class LoadModelRequest(_message.Message):
     it samples to the request at once, and the core sends no token ids for
     them. Needs pipeline_parallel_size 1 (every rank samples).
     """
+    quantization: _builtins.str
+    """The weights' quantization (vLLM's --quantization): "" (the checkpoint's
+    own), a checkpoint format ("fp8", "gguf", "compressed-tensors", "awq",
+    "gptq") that must match the checkpoint, or "int8", "int4", "w8a8" to
+    quantize a float checkpoint at load. The rank refuses a name that does not
+    fit the checkpoint or that it cannot load.
+    """
+    dequantize_gguf: _builtins.bool
+    """Serve a GGUF file's quantized weights dequantized to float at load instead
+    of keeping them quantized. Ignored for other checkpoints.
+    """
     def __init__(
         self,
         *,
@@ -236,10 +249,12 @@ class LoadModelRequest(_message.Message):
         enforce_eager: _builtins.bool = ...,
         enable_expert_parallel: _builtins.bool = ...,
         async_scheduling: _builtins.bool = ...,
+        quantization: _builtins.str = ...,
+        dequantize_gguf: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
