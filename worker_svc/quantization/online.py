@@ -76,7 +76,8 @@ def quantize_int4_groups(weight: torch.Tensor, group_size: int) -> GroupQuantize
 class OnlineQuantized:
     """A float checkpoint tensor that also reads quantized (a `QuantizedSource`): a slice is
     read and quantized when a layer asks for it. Rows quantize independently, so a rank reads
-    only its rows; with one scale per row a column slice (row-parallel) reads whole rows."""
+    only its rows; with one scale per row a column slice (row-parallel) reads whole rows (the
+    scale is the whole row's, as at TP=1); int4's groups start at the slice's first column."""
 
     def __init__(self, source: TensorSource, scheme: OnlineScheme) -> None:
         self.source = source
@@ -92,14 +93,10 @@ class OnlineQuantized:
         rows, cols = split_index(index)
         num_cols = self.get_shape()[1]
         start, stop, _ = cols.indices(num_cols)
-        group = self.scheme.group_size
-        if group == 0 or (start, stop) == (0, num_cols):
+        if self.scheme.group_size == 0 or (start, stop) == (0, num_cols):
             return self.scheme.quantize(self.source[rows, :]).cols(cols)
-        if start % group or ((stop - start) % group and stop != num_cols):
-            raise ValueError(
-                f"a slice of columns [{start}, {stop}) splits the {group}-column groups of "
-                "--quantization int4: choose a tensor_parallel_size that divides them"
-            )
+        # a row-parallel rank's columns: its own groups, from its first column (the last one
+        # may be shorter), so any tensor_parallel_size that splits the layer works
         return self.scheme.quantize(self.source[rows, start:stop])
 
     def row_range(self, start: int, num_rows: int) -> OnlineQuantized:
