@@ -1,8 +1,8 @@
 """Quantized weights served at TP=1 and TP=2 (packed int8/int4 weights, their scales and
 offsets split over the ranks: column-parallel by rows, row-parallel by whole groups).
 
-- `--quantization int8` / `int4` on a float Llama (hidden 256, so int4's 128-column groups
-  fall whole on each row-parallel rank): the reference is transformers on the same checkpoint
+- `--quantization int8` / `int4` on a float Llama (hidden 256: int4's 32-column groups fall
+  whole on each row-parallel rank, as at TP=1): the reference is transformers on the same checkpoint
   with every linear weight replaced by its quantized-then-dequantized value (the LM head: int8
   per row), so the test checks the serving path (packing, sharding, kernels) exactly; the
   quantizer's quality is measured separately (benchmarks/quant_quality.py).
@@ -26,6 +26,7 @@ from tests.fixtures.gguf_files import write_gguf
 from tests.fixtures.parity import max_logit_diff, reference_generate, run_recording
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
+from worker_svc.layers.quantized import DEQUANTIZE_ROWS
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.quantization.online import INT4_GROUPS, INT8_PER_ROW, OnlineScheme
 
@@ -57,19 +58,19 @@ def quantized_reference(path: Path, scheme: OnlineScheme) -> Any:
     return model
 
 
-def drive(ranks: Any, reference: Any) -> None:
-    driver = StepDriver(BLOCK_SIZE, chunk_size=5)
-    handles = [driver.add(p, max_tokens=5) for p in PROMPTS]
+def drive(ranks: Any, reference: Any, prompts: list[list[int]] = PROMPTS, chunk: int = 5) -> None:
+    driver = StepDriver(BLOCK_SIZE, chunk_size=chunk)
+    handles = [driver.add(p, max_tokens=5) for p in prompts]
     assert max_logit_diff(driver, run_recording(driver, ranks), reference) < TOLERANCE
-    for handle, prompt in zip(handles, PROMPTS, strict=True):
+    for handle, prompt in zip(handles, prompts, strict=True):
         assert driver.requests[handle].outputs == reference_generate(reference, prompt, 5)
 
 
-def serve(ranks: Any, config: LoadModelConfig, reference: Any) -> None:
+def serve(ranks: Any, config: LoadModelConfig, reference: Any, *args: Any) -> None:
     ranks.load(config)
     try:
         ranks.init(num_blocks=64)
-        drive(ranks, reference)
+        drive(ranks, reference, *args)
     finally:
         ranks.close() if isinstance(ranks, LocalRank) else ranks.shutdown_model()
 
@@ -80,6 +81,8 @@ def test_online_quantization_at_tp1(checkpoints: CheckpointCache, method: str) -
     reference = quantized_reference(path, SCHEMES[method])
     config = LoadModelConfig(str(path), block_size=BLOCK_SIZE, quantization=method)
     serve(LocalRank(), config, reference)
+    # one prefill step of DEQUANTIZE_ROWS tokens or more: oneDNN's matmul on the dequantized weight
+    serve(LocalRank(), config, reference, [list(range(100, 100 + DEQUANTIZE_ROWS + 3))], 1 << 30)
 
 
 @pytest.mark.slow

@@ -231,6 +231,15 @@ class CpuKernels:
             bias,
         )
 
+    def quant_dequantize(self, packed: QuantizedTiles, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`, [tiles x 16, chunks x 4] (packed column order)."""
+        num_tiles, num_chunks = packed.qweight.shape[:2]
+        out = torch.empty(num_tiles * 16, num_chunks * 4, dtype=dtype)
+        self.ops.quant_dequantize(
+            out, packed.qweight, packed.bits, packed.scales, packed.offsets, packed.bounds
+        )
+        return out
+
     def w8a8_linear(
         self,
         out: torch.Tensor,

@@ -2,9 +2,9 @@
 
 - `WeightOnlyLinearMethod`: int8 or int4 weights with group-wise scales and optional offsets
   (W8A16 / W4A16; per-output-channel scales are one group per row), activations left in the
-  compute dtype. The kernel (quant_ops.cpp `quant_linear`) dequantizes inside the dot product,
-  at every batch size (measured against dequantizing for oneDNN's matmul: as fast from 128
-  tokens up, slower below; docs/benchmarks.md).
+  compute dtype. The kernel (quant_ops.cpp `quant_linear`) dequantizes inside the dot product;
+  steps of `DEQUANTIZE_ROWS` tokens or more (prefill) dequantize the weight once into the
+  compute dtype and take oneDNN's matmul instead.
 - `W8A8LinearMethod`: int8 weights with one scale per output row, activations quantized per
   token on the fly to int8 with vLLM's convention (scale = absmax / 127, round half to even),
   int8 dot products (AVX512_VNNI) and y = (acc x weight scale) x token scale.
@@ -46,6 +46,9 @@ from worker_svc.layers.quant_pack import (
 from worker_svc.layers.quant_source import merge_rows
 from worker_svc.layers.tensor_source import TensorSource
 
+DEQUANTIZE_ROWS = 128
+"""From this many tokens a step dequantizes each weight for oneDNN's matmul (measured:
+docs/benchmarks.md)."""
 CUDA_REFUSAL = (
     "int8/int4 quantized linear layers run on the CPU kernels only (no CUDA kernel is wired "
     "yet); serve this model on --device cpu, or unquantized on CUDA"
@@ -161,13 +164,20 @@ class WeightOnlyLinearMethod(QuantizedMethodBase):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = self.require_packed()
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernels is not None:
+        if self.kernels is not None and rows.shape[0] < DEQUANTIZE_ROWS:
             out = rows.new_empty(rows.shape[0], p.out_features)
             self.kernels.quant_linear(out, rows, p, bias)
-        else:  # the torch path: dequantized per call
-            weight = dequantize_packed(p)[: p.out_features].to(x.dtype)
+        else:
+            weight = self.dequantized(x.dtype)[: p.out_features]
             out = F.linear(gather_columns(rows, p), weight, bias)
         return out.reshape(*x.shape[:-1], p.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`, packed column order (padding rows included)."""
+        p = self.require_packed()
+        if self.kernels is None:
+            return dequantize_packed(p).to(dtype)
+        return self.kernels.quant_dequantize(p, dtype)
 
 
 class W8A8LinearMethod(QuantizedMethodBase):

@@ -2,9 +2,11 @@
 quantized when a rank reads its slice, round to nearest (no calibration data).
 
     int8  W8A16: int8, one scale per output row, symmetric: scale = absmax / 127
-    int4  W4A16: 4-bit, groups of 128 columns, asymmetric: scale = (max - min) / 15 and
-          offset = min per group (both rounded to float16 first, and the integers taken against
-          the rounded ones, so the stored weight is exactly what the kernel multiplies)
+    int4  W4A16: 4-bit, groups of 32 columns (llama.cpp's Q4_0/Q4_1 granularity; groups of
+          128 cost SmolLM2 +17.8 % mean NLL, docs/benchmarks.md), asymmetric: scale =
+          (max - min) / 15 and offset = min per group (both rounded to float16 first, and the
+          integers taken against the rounded ones, so the stored weight is exactly what the
+          kernel multiplies)
     w8a8  W8A8: the weights as int8; activations quantized per token at run time
 
 The LM head (and the embedding table it is tied to) takes int8 per-row scales in all three
@@ -22,7 +24,7 @@ from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import Index, split_index
 from worker_svc.layers.tensor_source import RowRange, TensorSource
 
-INT4_GROUP_SIZE = 128
+INT4_GROUP_SIZE = 64
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,3 +208,14 @@ def test_portable_build_without_avx512(tmp_path: Path) -> None:
     assert result["isa"] == "portable"
     for name, error in result["errors"].items():
         assert error < (1e-6 if "float32" in name or name == "w8a8" else 1e-2), (name, error)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_kernel_equals_the_reference(kernels: CpuKernels, bits: int) -> None:
+    """quant_dequantize (steps of DEQUANTIZE_ROWS tokens or more take oneDNN's matmul on it)
+    writes exactly the packed weight's values, rounded once to the dtype."""
+    weight = random_quantized(37, 200, bits, 64, with_offsets=True, seed=bits)
+    packed = pack(weight)
+    expected = dequantize_packed(packed)
+    for dtype in DTYPES:
+        assert torch.equal(kernels.quant_dequantize(packed, dtype), expected.to(dtype))
