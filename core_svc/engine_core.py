@@ -464,6 +464,7 @@ class EngineCore:
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
             num_waiting_tokens=scheduler.num_waiting_tokens,
+            num_waiting_deferred=len(self.structured.compiling),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -76,16 +76,17 @@ class StructuredRequests:
         """Give the step its bitmask: True when filled (or none is needed), False when a
         request's earlier token is still in flight (the step is marked pending; fill it
         again once the older step is applied)."""
-        live = [
+        candidates = [
             (request, position)
             for request, position in rows
             if request.status is _RUNNING
             and request.structured_output is not None
-            and request.structured_output.needs_bitmask
+            and request.structured_output.may_need_bitmask
         ]
-        if any(len(request.all_token_ids) < position for request, position in live):
-            step.has_pending_grammar = True
+        if any(len(request.all_token_ids) < position for request, position in candidates):
+            step.has_pending_grammar = True  # its token in flight may also end the reasoning
             return False
+        live = [(r, p) for r, p in candidates if r.structured_output.needs_bitmask]  # type: ignore[union-attr]
         if live:
             states = [request.structured_output for request, _ in live]
             step.grammar_bitmask = GrammarBitmask(

@@ -84,6 +84,7 @@ def scheduler_stats_to_proto(
     msg.num_prompt_tokens = record.num_prompt_tokens
     msg.num_generation_tokens = record.num_generation_tokens
     msg.num_waiting_tokens = record.num_waiting_tokens
+    msg.num_waiting_deferred = record.num_waiting_deferred
     return msg
 
 
@@ -104,6 +105,7 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         num_prompt_tokens=msg.num_prompt_tokens,
         num_generation_tokens=msg.num_generation_tokens,
         num_waiting_tokens=msg.num_waiting_tokens,
+        num_waiting_deferred=msg.num_waiting_deferred,
     )
 
 

@@ -23,7 +23,11 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from splitserve_runtime.quantization_names import NOT_YET_LOADABLE, ONLINE_METHODS
+from splitserve_runtime.quantization_names import (
+    NOT_YET_LOADABLE,
+    ONLINE_METHODS,
+    canonical_quantization,
+)
 from worker_svc.layers.linear import LinearBase, LinearMethods
 from worker_svc.layers.quantized import CUDA_REFUSAL, QuantizedLinearMethods
 from worker_svc.layers.tensor_source import TensorSource
@@ -40,6 +44,7 @@ def resolve_quantization(requested: str, checkpoint_method: str | None, what: st
     """The quantization to serve `what` (a checkpoint quantized with `checkpoint_method`, None:
     float) with, when `--quantization` is `requested` ("": the checkpoint's); ValueError when
     they do not go together."""
+    requested = canonical_quantization(requested)
     if checkpoint_method is not None and requested not in ("", checkpoint_method):
         if requested in ONLINE_METHODS:
             raise ValueError(
