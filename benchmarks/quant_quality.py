@@ -64,7 +64,9 @@ def bf16_checkpoint() -> Path:
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:
-    return [token_ids[i : i + size] for i in range(0, len(token_ids), size) if i + 1 < len(token_ids)]
+    return [
+        token_ids[i : i + size] for i in range(0, len(token_ids), size) if i + 1 < len(token_ids)
+    ]
 
 
 def mean_nll(llm: LLM, chunks: list[list[int]]) -> tuple[float, int]:
@@ -99,10 +101,10 @@ def main() -> None:
         results[name] = {"mean_nll": nll, "tokens": count, "seconds": time.perf_counter() - started}
         print(f"{name:18s} mean NLL {nll:.4f} over {count} tokens", flush=True)
     base = results.get("bf16")
-    for name, row in results.items():
+    for row in results.values():
+        row["perplexity"] = math.exp(row["mean_nll"])
         if base is not None:
             row["vs_bf16_pct"] = 100.0 * (row["mean_nll"] / base["mean_nll"] - 1.0)
-            row["perplexity"] = math.exp(row["mean_nll"])
     print(json.dumps(results, indent=2))
 
 
