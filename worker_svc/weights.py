@@ -41,6 +41,7 @@ from worker_svc.models.registry import model_class
 from worker_svc.quantization.plan import (
     Planner,
     check_device,
+    compressed_tensors_planner,
     gguf_planner,
     online_planner,
     resolve_quantization,
@@ -112,6 +113,8 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         return open_fp8_checkpoint(
             hf_config, files, Fp8Format.from_quantization_config(quantization)
         )
+    if method == "compressed-tensors" and quantization:
+        return open_compressed_tensors_checkpoint(hf_config, files, quantization)
     planner = None
     if method is not None and declared_method is None:  # online: int8, int4, w8a8
         planner = online_planner(method, tensor_names(files))
@@ -121,6 +124,27 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         lambda show_progress: iter_checkpoint(files, show_progress),
         planner=planner,
     )
+
+
+def open_compressed_tensors_checkpoint(
+    hf_config: Any, files: list[Path], quantization: Any
+) -> Checkpoint:
+    """A compressed-tensors checkpoint: each quantized layer's tensors read as one quantized
+    weight (worker_svc/quantization/compressed_tensors.py)."""
+    from worker_svc.quantization import compressed_tensors as ct
+
+    config = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    scheme = ct.parse_scheme(config)
+    names = tensor_names(files)
+    parts = ct.layer_parts(names)
+    layers = set(parts.values())
+    grouped = [n for n in names if n not in parts] + sorted(layers)
+
+    def weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
+        return ct.group_layers(iter_checkpoint(files, show_progress), parts, scheme)
+
+    planner = compressed_tensors_planner(grouped, layers, scheme.is_w8a8)
+    return Checkpoint(hf_config, stored_dtype(files), weights, planner=planner)
 
 
 def open_gguf_checkpoint(path: Path, options: QuantizationOptions) -> Checkpoint:

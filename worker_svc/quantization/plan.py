@@ -58,8 +58,9 @@ def resolve_quantization(requested: str, checkpoint_method: str | None, what: st
     method = requested or checkpoint_method
     if method in NOT_YET_LOADABLE:
         raise ValueError(
-            f"quantization method {method!r} is not supported yet (splitserve loads fp8 and GGUF "
-            "checkpoints, and quantizes float ones with --quantization int8, int4 or w8a8)"
+            f"quantization method {method!r} is not supported yet (splitserve loads fp8, "
+            "compressed-tensors and GGUF checkpoints, and quantizes float ones with "
+            "--quantization int8, int4 or w8a8)"
         )
     if checkpoint_method is None and method == "fp8":
         raise ValueError(
@@ -132,6 +133,24 @@ def gguf_planner(names: list[str], quantized: set[str]) -> Planner:
 
 
 ONLINE_SCHEMES: dict[str, OnlineScheme] = {"int8": INT8_PER_ROW, "int4": INT4_GROUPS}
+
+
+def compressed_tensors_planner(names: list[str], quantized: set[str], is_w8a8: bool) -> Planner:
+    """A compressed-tensors checkpoint: its quantized layers (`quantized`: their `.weight`
+    names, each read as one `CtQuantizedTensor`), W8A8 or weight-only as its scheme says."""
+
+    def plan(model: CausalLM) -> QuantizationPlan:
+        linear, _ = split_paths(_destinations(model, names), quantized)
+        methods = (
+            QuantizedLinearMethods(w8a8=linear)
+            if is_w8a8
+            else QuantizedLinearMethods(weight_only=linear)
+        )
+        kind = "W8A8" if is_w8a8 else "weight-only"
+        summary = f"compressed-tensors ({kind}): {len(linear)} linear layers"
+        return QuantizationPlan(methods, lambda w: w, summary)
+
+    return plan
 
 
 def online_planner(method: str, names: list[str]) -> Planner:
