@@ -7,7 +7,7 @@ from splitserve_runtime.flags import Flag, flag, only_values
 
 CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf")
 """vLLM's names for quantized checkpoints (`quantization_config.quant_method`, or a .gguf)."""
-NOT_YET_LOADABLE = ("awq", "gptq")
+NOT_YET_LOADABLE = ("gptq",)
 """Checkpoint formats splitserve does not load yet (refused by name)."""
 ONLINE_METHODS = ("int8", "int4", "w8a8")
 """splitserve's own: a float checkpoint quantized at load (int8: W8A16, int4: W4A16 in groups
@@ -16,7 +16,7 @@ QUANTIZATION_CHOICES = (*CHECKPOINT_FORMATS, *ONLINE_METHODS)
 """The names a worker accepts in LoadModelRequest.quantization (besides "")."""
 ACCEPTED_FLAG_VALUES = ("auto", *(n for n in QUANTIZATION_CHOICES if n not in NOT_YET_LOADABLE))
 NOT_LOADABLE_WHY = (
-    "AWQ and GPTQ checkpoints are not loaded yet; fp8, compressed-tensors and gguf checkpoints "
+    "GPTQ checkpoints are not loaded yet; fp8, compressed-tensors, awq and gguf checkpoints "
     "are, and int8, int4 or w8a8 quantize a float checkpoint at load"
 )
 
@@ -34,8 +34,8 @@ def quantization_flags() -> list[Flag]:
             default="auto",
             type=only_values(*ACCEPTED_FLAG_VALUES, why=NOT_LOADABLE_WHY),
             help="the weights' quantization (vLLM's flag; auto: the checkpoint's own). "
-            "Checkpoint formats: fp8, compressed-tensors (int W4A16/W8A16/W8A8), gguf (awq "
-            "and gptq are not loaded yet); a float checkpoint quantized at load: int8 (int8 weights, per-row scales), "
+            "Checkpoint formats: fp8, compressed-tensors (int W4A16/W8A16/W8A8), awq (GEMM), "
+            "gguf (gptq is not loaded yet); a float checkpoint quantized at load: int8 (int8 weights, per-row scales), "
             "int4 (4-bit weights in groups of 32), w8a8 (int8 weights and activations); the "
             "CPU kernels run them",
         ),

@@ -113,8 +113,8 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         return open_fp8_checkpoint(
             hf_config, files, Fp8Format.from_quantization_config(quantization)
         )
-    if method == "compressed-tensors" and quantization:
-        return open_compressed_tensors_checkpoint(hf_config, files, quantization)
+    if method in ("compressed-tensors", "awq") and quantization:
+        return open_packed_checkpoint(hf_config, files, quantization, method)
     planner = None
     if method is not None and declared_method is None:  # online: int8, int4, w8a8
         planner = online_planner(method, tensor_names(files))
@@ -126,24 +126,44 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
     )
 
 
-def open_compressed_tensors_checkpoint(
-    hf_config: Any, files: list[Path], quantization: Any
+def open_packed_checkpoint(
+    hf_config: Any, files: list[Path], quantization: Any, method: str
 ) -> Checkpoint:
-    """A compressed-tensors checkpoint: each quantized layer's tensors read as one quantized
-    weight (worker_svc/quantization/compressed_tensors.py)."""
+    """A compressed-tensors or AWQ checkpoint: each quantized layer's tensors read as one
+    quantized weight (worker_svc/quantization/compressed_tensors.py, awq.py)."""
+    from worker_svc.quantization import awq
     from worker_svc.quantization import compressed_tensors as ct
 
     config = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    scheme = ct.parse_scheme(config)
     names = tensor_names(files)
-    parts = ct.layer_parts(names)
+    make: Callable[[dict[str, TensorSource]], Any]
+    if method == "awq":
+        group_size = awq.check_config(config)
+        parts = ct.layer_parts(names, awq.PARTS, "qweight")
+        is_w8a8 = False
+
+        def make(layer: dict[str, TensorSource]) -> Any:
+            return awq.AwqQuantizedTensor(layer, group_size)
+    else:
+        scheme = ct.parse_scheme(config)
+        parts = ct.layer_parts(names, (*ct.PARTS, "weight"), "weight_scale")
+        is_w8a8 = scheme.is_w8a8
+
+        def make(layer: dict[str, TensorSource]) -> Any:
+            return ct.CtQuantizedTensor(layer, scheme)
+
     layers = set(parts.values())
+    if not layers:
+        raise ValueError(
+            f"quantization method {method!r}: the checkpoint holds no quantized layer tensors "
+            "(its weights are not stored as its quantization_config says); not supported"
+        )
     grouped = [n for n in names if n not in parts] + sorted(layers)
 
     def weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
-        return ct.group_layers(iter_checkpoint(files, show_progress), parts, scheme)
+        return ct.group_layers(iter_checkpoint(files, show_progress), parts, make)
 
-    planner = compressed_tensors_planner(grouped, layers, scheme.is_w8a8)
+    planner = compressed_tensors_planner(grouped, layers, is_w8a8, method)
     return Checkpoint(hf_config, stored_dtype(files), weights, planner=planner)
 
 

@@ -19,7 +19,7 @@ non-token activation scales, asymmetric W8A8."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,19 +149,23 @@ class CtQuantizedTensor:
         return self.weight().row_range(start, num_rows)
 
 
-def layer_parts(names: list[str]) -> dict[str, str]:
-    """Compressed tensor name -> the `.weight` name of its layer."""
+def layer_parts(names: list[str], local_names: tuple[str, ...], marker: str) -> dict[str, str]:
+    """Checkpoint tensor name -> the `.weight` name of its layer, for the tensors named
+    `local_names` of every layer that has a `marker` tensor."""
+    present = set(names)
     found: dict[str, str] = {}
     for name in names:
         prefix, _, local = name.rpartition(".")
-        if local in (*PARTS, "weight") and (prefix + ".weight_scale") in names:
+        if local in local_names and f"{prefix}.{marker}" in present:
             found[name] = prefix + ".weight"
     return found
 
 
-def group_layers(weights: Weights, parts: dict[str, str], scheme: CtScheme) -> Weights:
-    """The checkpoint's tensors with each quantized layer's parts as one `.weight` source,
-    yielded once all its parts have been seen."""
+def group_layers(
+    weights: Weights, parts: dict[str, str], make: Callable[[dict[str, TensorSource]], Any]
+) -> Weights:
+    """The checkpoint's tensors with each quantized layer's parts as one `.weight` source
+    (`make(parts by local name)`), yielded once all its parts have been seen."""
     pending: dict[str, dict[str, TensorSource]] = {}
     expected: dict[str, int] = {}
     for layer_name in parts.values():
@@ -174,8 +178,6 @@ def group_layers(weights: Weights, parts: dict[str, str], scheme: CtScheme) -> W
         layer = pending.setdefault(target, {})
         layer[name.rpartition(".")[2]] = source
         if len(layer) == expected[target]:
-            yield target, CtQuantizedTensor(pending.pop(target), scheme)
+            yield target, make(pending.pop(target))
     if pending:
-        raise ValueError(
-            f"compressed-tensors checkpoint: {sorted(pending)[0]} lacks some of its tensors"
-        )
+        raise ValueError(f"quantized checkpoint: {sorted(pending)[0]} lacks some of its tensors")

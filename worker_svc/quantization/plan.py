@@ -135,9 +135,11 @@ def gguf_planner(names: list[str], quantized: set[str]) -> Planner:
 ONLINE_SCHEMES: dict[str, OnlineScheme] = {"int8": INT8_PER_ROW, "int4": INT4_GROUPS}
 
 
-def compressed_tensors_planner(names: list[str], quantized: set[str], is_w8a8: bool) -> Planner:
-    """A compressed-tensors checkpoint: its quantized layers (`quantized`: their `.weight`
-    names, each read as one `CtQuantizedTensor`), W8A8 or weight-only as its scheme says."""
+def compressed_tensors_planner(
+    names: list[str], quantized: set[str], is_w8a8: bool, method: str
+) -> Planner:
+    """A compressed-tensors or AWQ checkpoint: its quantized layers (`quantized`: their
+    `.weight` names, each read as one quantized source), W8A8 or weight-only."""
 
     def plan(model: CausalLM) -> QuantizationPlan:
         linear, _ = split_paths(_destinations(model, names), quantized)
@@ -147,7 +149,7 @@ def compressed_tensors_planner(names: list[str], quantized: set[str], is_w8a8: b
             else QuantizedLinearMethods(weight_only=linear)
         )
         kind = "W8A8" if is_w8a8 else "weight-only"
-        summary = f"compressed-tensors ({kind}): {len(linear)} linear layers"
+        summary = f"{method} ({kind}): {len(linear)} linear layers"
         return QuantizationPlan(methods, lambda w: w, summary)
 
     return plan

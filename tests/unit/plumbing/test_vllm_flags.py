@@ -86,8 +86,8 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
     ("argv", "message"),
     [
         (["--kv-cache-dtype", "fp8"], "'fp8' is not available here"),
-        (["--quantization", "awq"], "'awq' is not available here"),
-        (["-q", "gptq"], "AWQ and GPTQ checkpoints are not loaded yet"),
+        (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
+        (["-q", "gptq"], "GPTQ checkpoints are not loaded yet"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
         (["--lora-modules"], "LoRA adapters are not implemented"),
         (["--kv-transfer-config"], "disaggregated prefill"),
