@@ -14,6 +14,8 @@ from core_svc.assembly import build_engine, served_model_name
 from core_svc.config import CoreConfig, parse_config
 from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.lora import LoraError, LoraRegistry
+from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics
 from core_svc.recovery import RankRecovery
 from core_svc.server import ClientStreams, EngineCoreServicer
@@ -104,6 +106,8 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
+        registry = LoraRegistry(config.max_loras, self.info.served_model_name)
+        self.loras = LoraAdmin(registry, pool, inbox)
         self.tracing = start_tracing(
             "core", config.otlp_traces_endpoint, config.collect_detailed_traces
         )
@@ -124,6 +128,7 @@ class CoreService:
             self.metrics,
             config.profiler_config.is_enabled,
             is_tracing=tracer is not None,
+            loras=self.loras,
         )
         core_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, self.host.server)
 
@@ -137,6 +142,12 @@ class CoreService:
         gc.collect()
         gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
         self.proc.start()
+        try:
+            await self.loras.load_modules(self.config.lora_modules)
+        except LoraError as err:
+            report_fatal("core", str(err))
+            await asyncio.to_thread(self.proc.stop, 10.0)
+            return 1
         await self.host.start()
         await self.host.set_ready(True)
         stats_task = None

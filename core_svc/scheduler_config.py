@@ -50,6 +50,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
     scheduled with output placeholders and the workers feed their own sampled tokens."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
+    off and requests naming an adapter are refused."""
 
     @property
     def encoder_compute_budget(self) -> int:

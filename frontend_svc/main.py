@@ -29,8 +29,11 @@ from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
-from frontend_svc.server import GenerationServicer
+from frontend_svc.served_models import ServedModels, runtime_lora_updating
+from frontend_svc.server import AdminServicer, GenerationServicer
 from frontend_svc.tracing import accept_caller_traces
+from splitserve_contracts.frontend.v1 import admin_service_pb2
+from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.flags import SECRET_DESTS
@@ -43,6 +46,7 @@ from splitserve_runtime.tls import CORE_ROLE
 from splitserve_runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
+ADMIN_SERVICE = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
@@ -90,7 +94,7 @@ async def serve(config: FrontendConfig) -> int:
         )
         await client.close()
         return 1
-    public_services = [FRONTEND.grpc_service, gateway_convert.SERVICE_NAME]
+    public_services = [FRONTEND.grpc_service, ADMIN_SERVICE, gateway_convert.SERVICE_NAME]
     host = ServiceHost(
         name="frontend",
         host=config.host,
@@ -132,6 +136,10 @@ async def serve(config: FrontendConfig) -> int:
         accept_caller_traces()
     parts = build_frontend(client, info, files, host.registry, served_name, limits, hub, tracing)
     engine = parts.engine
+    models = ServedModels(
+        client, served_name, info, runtime_lora_updating(os.environ), tuple(aliases)
+    )
+    await models.refresh()
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
     add_servicers(
@@ -144,10 +152,11 @@ async def serve(config: FrontendConfig) -> int:
         chat,
         tuple(aliases),
         config.profiler_config.is_enabled,
+        models,
     )
     http = None
     if config.http_port is not None:
-        http = http_server(config, parts, host, client, chat, tuple(aliases))
+        http = http_server(config, parts, host, client, chat, tuple(aliases), models)
     await host.start()
     engine.start()
     if http is not None:
@@ -187,6 +196,7 @@ def http_server(
     client: EngineCoreClient,
     chat: ChatFeatures,
     aliases: tuple[str, ...],
+    models: ServedModels,
 ) -> HttpServer:
     """The OpenAI-compatible HTTP API (not started)."""
     engine, info, served_name = parts.engine, parts.info, parts.served_model_name
@@ -200,6 +210,7 @@ def http_server(
         max_body_bytes=config.max_receive_message_bytes,
         chat=chat,
         model_aliases=aliases,
+        models=models,
     )
     engine_view = EngineView(
         client.engine_snapshot, lambda: engine.scheduler_stats, served_name, info
@@ -260,11 +271,15 @@ def add_servicers(
     chat: ChatFeatures,
     model_aliases: tuple[str, ...] = (),
     profiling: bool = False,
+    models: ServedModels | None = None,
 ) -> None:
-    """The public API and, beside it on the same port, the gateway contract."""
+    """The public API and its admin service and, beside them on the same port, the gateway
+    contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases)
+    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases, models)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    if models is not None:
+        admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(models), host.server)
     profiler = client if profiling else None
     gateway = VllmEngineServicer(
         engine, inputs, info, files, name, hub, client, data_parallel_rank, profiler

@@ -29,8 +29,11 @@ from worker_svc.grammar_bitmask import GrammarSource
 from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
-from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
+from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.lora.adapter import LoraAdapter
+from worker_svc.lora.manager import LoraManager
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
@@ -146,7 +149,8 @@ class Worker:
         self._join(config)
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
-            model, wrap = self._build_model(cls, build, checkpoint)
+            lora = _lora_parts(config, self.device, build.cpu_kernels)
+            model, wrap = self._build_model(cls, build, checkpoint, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(wrap(checkpoint.weights(config.rank == 0 and is_text_logging())))
         except BaseException:
@@ -166,6 +170,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
+            lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
@@ -212,24 +217,33 @@ class Worker:
         return backend, build
 
     def _build_model(
-        self, cls: type[CausalLM], build: BuildContext, checkpoint: Checkpoint
+        self,
+        cls: type[CausalLM],
+        build: BuildContext,
+        checkpoint: Checkpoint,
+        lora: tuple[LoraBatch, LoraShape] | None,
     ) -> tuple[CausalLM, Callable[[Weights], Weights]]:
         """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
-        weights FP8, or quantized ones where the checkpoint (GGUF) or --quantization asks for
-        them (which layers: planned on a copy built on the meta device, which allocates
-        nothing), and the reader of the checkpoint's tensors for it."""
+        weights FP8, or quantized ones where the checkpoint (GGUF, compressed-tensors, AWQ) or
+        --quantization asks for them (which layers: planned on a copy built on the meta
+        device, which allocates nothing), every linear method wrapped with LoRA slots when
+        LoRA is on; and the reader of the checkpoint's tensors for it."""
+        methods: LinearMethods = build.linear_methods
+        wrap: Callable[[Weights], Weights] = _as_read
         fp8 = checkpoint.fp8
-        if fp8 is not None and can_keep_fp8(self.device, build.dtype):
-            meta = build.create(cls, device=torch.device("meta"))
-            methods = fp8_linear_methods(meta, fp8)
-            model = build.create(cls, linear_methods=methods)
-            logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-            return model, _as_read
-        if checkpoint.planner is not None:
+        is_fp8 = fp8 is not None and can_keep_fp8(self.device, build.dtype)
+        if fp8 is not None and is_fp8:
+            methods = fp8_linear_methods(build.create(cls, device=torch.device("meta")), fp8)
+        elif checkpoint.planner is not None:
             plan = checkpoint.planner(build.create(cls, device=torch.device("meta")))
             logger.info("%s", plan.summary)
-            return build.create(cls, linear_methods=plan.methods), plan.wrap
-        return build.create(cls), _as_read
+            methods, wrap = plan.methods, plan.wrap
+        if lora is not None:
+            methods = LoraLinearMethods(methods, *lora)
+        model = build.create(cls, linear_methods=methods)
+        if is_fp8:
+            logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
+        return model, wrap
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -332,6 +346,23 @@ class Worker:
             raise WorkerStateError("InitializeKvCache must be called before Execute")
         return runner.execute(step, grammar_source)
 
+    def read_lora_adapter(self, lora_id: int, lora_path: str) -> LoraAdapter:
+        """Read a LoRA adapter for this rank (ValueError: why it cannot be served); changes
+        nothing, so it may run beside a step."""
+        return self._require_lora().read(lora_id, lora_path)
+
+    def keep_lora_adapter(self, adapter: LoraAdapter) -> None:
+        """Cache a read adapter for the steps that will put it in a slot."""
+        self._require_lora().keep(adapter)
+
+    def _require_lora(self) -> LoraManager:
+        lora = self._require_runner().lora
+        if lora is None:
+            raise WorkerStateError(
+                "LoRA is off on this rank (the engine runs without --enable-lora)"
+            )
+        return lora
+
     def shutdown(self) -> None:
         """Drop the model and cache and leave the process group; a new LoadModel may follow."""
         self.runner = None
@@ -346,6 +377,16 @@ Weights = Iterator[tuple[str, TensorSource]]
 
 def _as_read(weights: Weights) -> Weights:
     return weights
+
+
+def _lora_parts(
+    config: LoadModelConfig, device: torch.device, kernels: CpuKernels | None
+) -> tuple[LoraBatch, LoraShape] | None:
+    """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
+    kernel call adds a layer's adapters."""
+    if config.max_loras <= 0:
+        return None
+    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
