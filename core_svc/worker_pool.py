@@ -21,6 +21,7 @@ from core_svc.lora import LoraError, LoraErrorKind
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from splitserve_runtime.tls import WORKER_ROLE
 
@@ -76,11 +77,14 @@ class WorkerPool:
         addrs: list[str],
         security: ChannelSecurity | None = None,
         owner_epoch: int | None = None,
+        grpc_metrics: GrpcClientMetrics | None = None,
     ) -> None:
         self.addrs = addrs
         self.security = security or ChannelSecurity(None, WORKER_ROLE)
         self.owner_epoch = time.time_ns() if owner_epoch is None else owner_epoch
-        self.channels = [open_aio_channel(a, self.security) for a in addrs]
+        self.grpc_metrics = grpc_metrics
+        """Counts the calls to the ranks (also the executors' step streams)."""
+        self.channels = [open_aio_channel(a, self.security, metrics=grpc_metrics) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
 
     def next_epoch(self) -> int:

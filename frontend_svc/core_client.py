@@ -42,6 +42,7 @@ from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.output_types import SchedulerStats
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tls import CORE_ROLE
 
@@ -126,6 +127,7 @@ class EngineCoreClient:
         security: ChannelSecurity | None = None,
         tokenizer: TokenizerInfo | None = None,
         subscribe_kv_events: bool = False,
+        grpc_metrics: GrpcClientMetrics | None = None,
     ) -> None:
         self.core_addr = core_addr
         self.subscribe_kv_events = subscribe_kv_events
@@ -150,6 +152,7 @@ class EngineCoreClient:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
             ),
+            metrics=grpc_metrics,
         )
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
@@ -37,9 +38,10 @@ from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grp
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.flags import SECRET_DESTS
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
-from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.service_host import ServiceHost, new_registry
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
@@ -78,11 +80,13 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
+    registry = new_registry()
     client = EngineCoreClient(
         config.core_addr,
         security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
         tokenizer=files.tokenizer_info,
         subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
+        grpc_metrics=GrpcClientMetrics(registry),
     )
     try:
         info = await client.connect(config.core_connect_timeout)
@@ -94,22 +98,7 @@ async def serve(config: FrontendConfig) -> int:
         )
         await client.close()
         return 1
-    public_services = [FRONTEND.grpc_service, ADMIN_SERVICE, gateway_convert.SERVICE_NAME]
-    host = ServiceHost(
-        name="frontend",
-        host=config.host,
-        port=config.port,
-        service_names=public_services,
-        metrics_port=config.metrics_port,
-        grace_seconds=config.shutdown_timeout + 5.0,
-        listener=public_listener(
-            ssl=config.ssl,
-            max_receive_message_bytes=config.max_receive_message_bytes,
-            interceptors=api_key_interceptors(config.api_key, public_services),
-            enable_reflection=config.enable_reflection,
-            health_port=config.health_port,
-        ),
-    )
+    host = public_host(config, registry)
     served_name, *aliases = config.served_model_name or (info.served_model_name,)
     limits = FrontendLimits(
         config.max_logprobs,
@@ -187,6 +176,28 @@ async def serve(config: FrontendConfig) -> int:
     if tracing is not None:
         tracing.shutdown()  # the spans still batched
     return code
+
+
+def public_host(config: FrontendConfig, registry: CollectorRegistry) -> ServiceHost:
+    """The public gRPC server (not started): the public API, the admin service and the gateway
+    contract, behind the API key."""
+    public_services = [FRONTEND.grpc_service, ADMIN_SERVICE, gateway_convert.SERVICE_NAME]
+    return ServiceHost(
+        name="frontend",
+        host=config.host,
+        port=config.port,
+        service_names=public_services,
+        metrics_port=config.metrics_port,
+        grace_seconds=config.shutdown_timeout + 5.0,
+        listener=public_listener(
+            ssl=config.ssl,
+            max_receive_message_bytes=config.max_receive_message_bytes,
+            interceptors=api_key_interceptors(config.api_key, public_services),
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
+        registry=registry,
+    )
 
 
 def http_server(
