@@ -15,6 +15,7 @@ from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
@@ -140,6 +141,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
+    if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {req.quantization!r}; choose one of "
+            + ", ".join(QUANTIZATION_CHOICES)
+        )
     _check_lora_limits(req)
     return LoadModelConfig(
         model_path=req.model_path,
@@ -159,6 +165,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         block_size=req.block_size,
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
+        quantization=req.quantization,
+        dequantize_gguf=req.dequantize_gguf,
         max_loras=req.max_loras,
         max_lora_rank=req.max_lora_rank,
         max_cpu_loras=req.max_cpu_loras,
