@@ -155,6 +155,9 @@ class StructuredOutputManager:
         """req_handle -> its compile in progress."""
         self._bitmask = np.zeros((0, self.num_words), np.int32)
         self.num_compiled = 0
+        self.num_cache_queries = 0
+        """Grammar cache lookups, one per request that compiles (vLLM's
+        structured_output_cache_queries); with num_cache_hits, cumulative."""
         self.num_cache_hits = 0
 
     def _compile_pool(self) -> ThreadPoolExecutor:
@@ -241,6 +244,7 @@ class StructuredOutputManager:
         tokenizer = tokenizer_future.result()
         key = (digest, *state.params.cache_key)
         with self._cache_lock:
+            self.num_cache_queries += 1
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)

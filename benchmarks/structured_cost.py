@@ -1,0 +1,216 @@
+"""`python -m benchmarks.structured_cost`: what a JSON-schema constraint costs, in one run.
+
+One splitserve stack (worker, core, frontend processes) on the ~100M benchmark checkpoint of
+benchmarks/bench_model.py, driven through the public gRPC API, two measurements:
+
+1. TPOT, constrained vs not, at batch 1 (W2's 256 random prompt tokens, 64 output tokens) and
+   batch 32 (32 requests of 64 prompt and 64 output tokens, all at once); greedy, ignore_eos;
+   shorter than W2 so the run stays within a couple of minutes on a shared 2-core box. The
+   constrained side sends `structured_outputs.json` = benchmarks/structured_schemas.RECORDS,
+   whose shortest valid document is far longer than 64 tokens, so the grammar cannot end the
+   request early and every measured token is masked (keys, numbers, strings, enums). TPOT is
+   the client's (last token - first token) / (generated tokens - 1), per request, averaged
+   over the batch; only generated tokens count, and a round where a request got fewer than 64
+   tokens is reported as failed. Rounds alternate plain / constrained (the order flips every
+   round) so this shared machine's drift hits both sides alike; the report gives each side's
+   min and median and the ratio of medians (targets: <= 1.10 at batch 1, <= 1.05 at batch 32).
+2. Other streams' inter-token latency while a grammar compiles. 8 unconstrained streams decode;
+   meanwhile probes (8-token prompt, 1 output token) arrive every 0.3 s, alternately with a cold
+   20-field schema (a new field name each time: a cache miss, compiled on the core's compile
+   pool) and with a schema already compiled (a cache hit: same path, no compile). Each probe's
+   window is [sent, its first token]; the streams' gaps that overlap a cold window, a warm
+   window, or no window are reported apart (p50/p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
+from benchmarks.serve_compare import stack_options
+from benchmarks.structured_schemas import RECORDS, as_text, twenty_fields
+from splitserve.children import start_children, stop_children, wait_ready
+from splitserve_client.bench_serve import (
+    GenerateFn,
+    RequestResult,
+    Workload,
+    grpc_generate,
+    run_workload,
+    summarize,
+)
+from splitserve_contracts.common.v1 import types_pb2
+
+CORE_FLAGS = ["--dtype", "bfloat16", "--max-num-seqs", "64", "--max-num-batched-tokens", "8192"]
+BATCHES = {
+    "batch_1": Workload(num_prompts=1, input_len=256, output_len=64, vocab_size=VOCAB_SIZE),
+    "batch_32": Workload(num_prompts=32, input_len=64, output_len=64, vocab_size=VOCAB_SIZE),
+}
+TARGETS = {"batch_1": 1.10, "batch_32": 1.05}
+STREAMS = Workload(num_prompts=8, input_len=32, output_len=192, vocab_size=VOCAB_SIZE, seed=7)
+PROBE = Workload(num_prompts=1, input_len=8, output_len=1, vocab_size=VOCAB_SIZE, seed=9)
+PROBE_EVERY_S = 0.3
+
+
+def json_constraint(schema: dict[str, Any]) -> types_pb2.StructuredOutputsParams:
+    return types_pb2.StructuredOutputsParams(json=as_text(schema))
+
+
+async def tpot_round(generate: GenerateFn, workload: Workload) -> float | None:
+    """Mean TPOT (ms) of one batch; None when a request failed or stopped short."""
+    results, duration = await run_workload(generate, workload, progress=False)
+    if any(r.error or r.num_tokens != workload.output_len for r in results):
+        return None
+    return float(summarize(results, duration)["mean_tpot_ms"])
+
+
+async def tpot_rounds(addr: str, rounds: int) -> dict[str, dict[str, list[float | None]]]:
+    """{batch: {"plain": [ms per round], "json": [...]}}, sides alternating."""
+    sides = {
+        "plain": grpc_generate(addr),
+        "json": grpc_generate(addr, json_constraint(RECORDS)),
+    }
+    tpots: dict[str, dict[str, list[float | None]]] = {b: {s: [] for s in sides} for b in BATCHES}
+    warm_up = Workload(2, 32, 8, vocab_size=VOCAB_SIZE)
+    try:
+        for generate, _ in sides.values():
+            await run_workload(generate, warm_up, progress=False)
+        for i in range(rounds):
+            order = list(sides) if i % 2 == 0 else list(reversed(sides))
+            for batch, workload in BATCHES.items():
+                for side in order:
+                    tpot = await tpot_round(sides[side][0], replace(workload, seed=i))
+                    tpots[batch][side].append(tpot)
+                    print(json.dumps({"round": i, "batch": batch, "side": side, "tpot_ms": tpot}))
+    finally:
+        for _, close in sides.values():
+            await close()
+    return tpots
+
+
+async def probe(addr: str, schema: dict[str, Any]) -> tuple[float, float]:
+    """One constrained 1-token request: (sent, first token) perf_counter times."""
+    generate, close = grpc_generate(addr, json_constraint(schema))
+    try:
+        (result,), _ = await run_workload(generate, PROBE, progress=False)
+    finally:
+        await close()
+    if result.error or not result.token_times:
+        raise RuntimeError(f"a probe failed: {result.error}")
+    return result.sent, result.token_times[0]
+
+
+def overlapping_gaps(
+    streams: Sequence[RequestResult], windows: Sequence[tuple[float, float]]
+) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps (s) that overlap some window, and those that overlap none
+    (between the first and last window only)."""
+    inside: list[float] = []
+    outside: list[float] = []
+    first, last = min(w[0] for w in windows), max(w[1] for w in windows)
+    for stream in streams:
+        times = stream.token_times
+        for start, end in zip(times, times[1:], strict=False):
+            if end <= start or end < first or start > last:
+                continue  # several tokens in one message, or outside the probing period
+            hit = any(end > w0 and start < w1 for w0, w1 in windows)
+            (inside if hit else outside).append(end - start)
+    return inside, outside
+
+
+def percentiles(gaps: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(gaps)
+    if not ordered:
+        return {"n": 0}
+
+    def pct(q: float) -> float:
+        return round(1e3 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 2)
+
+    return {"n": len(ordered), "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
+
+
+async def compile_itl(addr: str) -> dict[str, Any]:
+    """Other streams' ITL while cold 20-field schemas compile, vs warm ones, vs no probe."""
+    await probe(addr, twenty_fields("warm"))  # compiled once: later ones are cache hits
+    generate, close = grpc_generate(addr)
+    streams = asyncio.ensure_future(run_workload(generate, STREAMS, progress=False))
+    windows: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": []}
+    await asyncio.sleep(2.0)  # the streams are past their prefill
+    i = 0
+    while not streams.done():
+        kind = "cold" if i % 2 == 0 else "warm"
+        salt = uuid.uuid4().hex[:12] if kind == "cold" else "warm"
+        windows[kind].append(await probe(addr, twenty_fields(salt)))
+        i += 1
+        await asyncio.sleep(PROBE_EVERY_S)
+    results, _ = await streams
+    await close()
+    if any(r.error for r in results):
+        raise RuntimeError("a background stream failed")
+    report: dict[str, Any] = {}
+    all_windows = windows["cold"] + windows["warm"]
+    for kind, kind_windows in windows.items():
+        inside, _ = overlapping_gaps(results, kind_windows)
+        latencies = [end - start for start, end in kind_windows]
+        report[f"itl_during_{kind}_probe"] = percentiles(inside)
+        report[f"{kind}_probe_first_token"] = percentiles(latencies)
+    report["itl_without_probe"] = percentiles(overlapping_gaps(results, all_windows)[1])
+    return report
+
+
+def summary(tpots: dict[str, dict[str, list[float | None]]]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for batch, sides in tpots.items():
+        row: dict[str, Any] = {}
+        for side, values in sides.items():
+            ok = [v for v in values if v is not None]
+            row[side] = {
+                "min_ms": round(min(ok), 2) if ok else None,
+                "median_ms": round(statistics.median(ok), 2) if ok else None,
+                "failed_rounds": len(values) - len(ok),
+            }
+        if row["plain"]["median_ms"] and row["json"]["median_ms"]:
+            ratio = row["json"]["median_ms"] / row["plain"]["median_ms"]
+            row["ratio_of_medians"] = round(ratio, 3)
+            row["ratio_of_mins"] = round(row["json"]["min_ms"] / row["plain"]["min_ms"], 3)
+            row["target"] = TARGETS[batch]
+            row["target_met"] = ratio <= TARGETS[batch]
+        rows[batch] = row
+    return rows
+
+
+async def run(rounds: int, skip_compile: bool) -> dict[str, Any]:
+    children = start_children(stack_options(str(ensure_bench_model()), CORE_FLAGS))
+    try:
+        await asyncio.to_thread(wait_ready, children, 600.0)
+        addr = children[-1].address
+        report: dict[str, Any] = {"tpot": summary(await tpot_rounds(addr, rounds))}
+        if not skip_compile:
+            report["compile_itl"] = await compile_itl(addr)
+        return report
+    finally:
+        await asyncio.to_thread(stop_children, children)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per batch")
+    parser.add_argument("--skip-compile", action="store_true", help="TPOT only")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    report = asyncio.run(run(args.rounds, args.skip_compile))
+    for name, part in report.items():
+        print(json.dumps({name: part}), flush=True)
+    print(f"structured_cost: {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
