@@ -84,6 +84,7 @@ bench: setup-dev
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
+	$(PY) -m benchmarks.structured_cost
 
 # What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
 # traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).
