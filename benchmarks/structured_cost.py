@@ -15,7 +15,8 @@ benchmarks/bench_model.py, driven through the public gRPC API, two measurements:
    round) so this shared machine's drift hits both sides alike; the report gives each side's
    min and median and the ratio of medians (targets: <= 1.10 at batch 1, <= 1.05 at batch 32).
 2. (First, on the fresh stack.) Other streams' inter-token latency while a grammar compiles. 8 unconstrained streams decode;
-   meanwhile probes (8-token prompt, 1 output token) arrive every 0.3 s, alternately with a cold
+   meanwhile probes (8-token prompt, 1 output token) arrive one at a time, each followed by a
+   pause as long as it took (at least 0.3 s), alternately with a cold
    20-field schema (a new field name each time: a cache miss, compiled on the core's compile
    pool) and with a schema already compiled (a cache hit: same path, no compile). Each probe's
    window is [sent, its first token]; the streams' gaps that overlap a cold window, a warm
@@ -147,9 +148,10 @@ async def compile_itl(addr: str) -> dict[str, Any]:
     while not streams.done():
         kind = "cold" if i % 2 == 0 else "warm"
         salt = uuid.uuid4().hex[:12] if kind == "cold" else "warm"
-        windows[kind].append(await probe(addr, twenty_fields(salt)))
+        sent, first = await probe(addr, twenty_fields(salt))
+        windows[kind].append((sent, first))
         i += 1
-        await asyncio.sleep(PROBE_EVERY_S)
+        await asyncio.sleep(max(PROBE_EVERY_S, first - sent))  # as long again without a probe
     results, _ = await streams
     await close()
     if any(r.error for r in results):
@@ -186,16 +188,17 @@ def summary(tpots: dict[str, dict[str, list[float | None]]]) -> dict[str, Any]:
     return rows
 
 
-async def run(rounds: int, skip_compile: bool) -> dict[str, Any]:
+async def run(rounds: int, parts: Sequence[str]) -> dict[str, Any]:
     children = start_children(stack_options(str(ensure_bench_model()), CORE_FLAGS))
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         addr = children[-1].address
         report: dict[str, Any] = {}
-        if not skip_compile:
+        if "compile" in parts:
             report["compile_itl"] = await compile_itl(addr)
             print(json.dumps(report), flush=True)
-        report["tpot"] = summary(await tpot_rounds(addr, rounds))
+        if "tpot" in parts:
+            report["tpot"] = summary(await tpot_rounds(addr, rounds))
         return report
     finally:
         await asyncio.to_thread(stop_children, children)
@@ -204,10 +207,12 @@ async def run(rounds: int, skip_compile: bool) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per batch")
-    parser.add_argument("--skip-compile", action="store_true", help="TPOT only")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["compile", "tpot"], default=["compile", "tpot"]
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    report = asyncio.run(run(args.rounds, args.skip_compile))
+    report = asyncio.run(run(args.rounds, args.parts))
     for name, part in report.items():
         print(json.dumps({name: part}), flush=True)
     print(f"structured_cost: {time.perf_counter() - started:.0f} s", flush=True)
