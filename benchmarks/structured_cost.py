@@ -13,7 +13,8 @@ benchmarks/bench_model.py, driven through the public gRPC API, two measurements:
    over the batch; only generated tokens count, and a round where a request got fewer tokens
    than asked is reported as failed. Rounds alternate plain / constrained (the order flips every
    round) so this shared machine's drift hits both sides alike; the report gives each side's
-   min and median and the ratio of medians (targets: <= 1.10 at batch 1, <= 1.05 at batch 32).
+   min and median and the ratio of medians, and the same for the CPU time the stack's three
+   processes used per generated token (robust to other jobs taking the cores) (targets: <= 1.10 at batch 1, <= 1.05 at batch 32).
 2. (First, on the fresh stack.) Other streams' inter-token latency while a grammar compiles. 8 unconstrained streams decode;
    meanwhile probes (8-token prompt, 1 output token) arrive one at a time, each followed by a
    pause as long as it took (at least 0.3 s), alternately with a cold
@@ -36,9 +37,10 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
+from benchmarks.flag_ab import cpu_seconds
 from benchmarks.serve_compare import stack_options
 from benchmarks.structured_schemas import RECORDS, as_text, twenty_fields
-from splitserve.children import start_children, stop_children, wait_ready
+from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import (
     GenerateFn,
     RequestResult,
@@ -58,27 +60,37 @@ TARGETS = {"batch_1": 1.10, "batch_32": 1.05}
 STREAMS = Workload(num_prompts=8, input_len=32, output_len=128, vocab_size=VOCAB_SIZE, seed=7)
 PROBE = Workload(num_prompts=1, input_len=8, output_len=1, vocab_size=VOCAB_SIZE, seed=9)
 PROBE_EVERY_S = 0.3
+Round = tuple[float, float] | None
+"""One round of one side: (mean TPOT ms, stack CPU ms per generated token), None if failed."""
 
 
 def json_constraint(schema: dict[str, Any]) -> types_pb2.StructuredOutputsParams:
     return types_pb2.StructuredOutputsParams(json=as_text(schema))
 
 
-async def tpot_round(generate: GenerateFn, workload: Workload) -> float | None:
-    """Mean TPOT (ms) of one batch; None when a request failed or stopped short."""
+async def tpot_round(
+    generate: GenerateFn, workload: Workload, children: Sequence[Child]
+) -> tuple[float, float] | None:
+    """Mean TPOT (ms) of one batch, and the stack's CPU ms per generated token (less sensitive
+    than time to other work on a shared machine); None when a request failed or stopped short."""
+    cpu_before = cpu_seconds(children)
     results, duration = await run_workload(generate, workload, progress=False)
+    cpu_ms = 1e3 * (cpu_seconds(children) - cpu_before)
     if any(r.error or r.num_tokens != workload.output_len for r in results):
         return None
-    return float(summarize(results, duration)["mean_tpot_ms"])
+    num_tokens = workload.num_prompts * workload.output_len
+    return float(summarize(results, duration)["mean_tpot_ms"]), cpu_ms / num_tokens
 
 
-async def tpot_rounds(addr: str, rounds: int) -> dict[str, dict[str, list[float | None]]]:
-    """{batch: {"plain": [ms per round], "json": [...]}}, sides alternating."""
+async def tpot_rounds(children: Sequence[Child], rounds: int) -> dict[str, dict[str, list[Round]]]:
+    """{batch: {"plain": [(TPOT ms, CPU ms per token) per round], "json": [...]}}, sides
+    alternating."""
+    addr = children[-1].address
     sides = {
         "plain": grpc_generate(addr),
         "json": grpc_generate(addr, json_constraint(RECORDS)),
     }
-    tpots: dict[str, dict[str, list[float | None]]] = {b: {s: [] for s in sides} for b in BATCHES}
+    tpots: dict[str, dict[str, list[Round]]] = {b: {s: [] for s in sides} for b in BATCHES}
     warm_up = Workload(2, 32, 8, vocab_size=VOCAB_SIZE)
     try:
         for generate, _ in sides.values():
@@ -87,9 +99,10 @@ async def tpot_rounds(addr: str, rounds: int) -> dict[str, dict[str, list[float 
             order = list(sides) if i % 2 == 0 else list(reversed(sides))
             for batch, workload in BATCHES.items():
                 for side in order:
-                    tpot = await tpot_round(sides[side][0], replace(workload, seed=i))
-                    tpots[batch][side].append(tpot)
-                    print(json.dumps({"round": i, "batch": batch, "side": side, "tpot_ms": tpot}))
+                    measured = await tpot_round(sides[side][0], replace(workload, seed=i), children)
+                    tpots[batch][side].append(measured)
+                    row = {"round": i, "batch": batch, "side": side, "tpot_cpu_ms": measured}
+                    print(json.dumps(row), flush=True)
     finally:
         for _, close in sides.values():
             await close()
@@ -167,23 +180,23 @@ async def compile_itl(addr: str) -> dict[str, Any]:
     return report
 
 
-def summary(tpots: dict[str, dict[str, list[float | None]]]) -> dict[str, Any]:
+def summary(tpots: dict[str, dict[str, list[Round]]]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for batch, sides in tpots.items():
         row: dict[str, Any] = {}
         for side, values in sides.items():
             ok = [v for v in values if v is not None]
-            row[side] = {
-                "min_ms": round(min(ok), 2) if ok else None,
-                "median_ms": round(statistics.median(ok), 2) if ok else None,
-                "failed_rounds": len(values) - len(ok),
-            }
-        if row["plain"]["median_ms"] and row["json"]["median_ms"]:
-            ratio = row["json"]["median_ms"] / row["plain"]["median_ms"]
-            row["ratio_of_medians"] = round(ratio, 3)
-            row["ratio_of_mins"] = round(row["json"]["min_ms"] / row["plain"]["min_ms"], 3)
+            row[side] = {"failed_rounds": len(values) - len(ok)}
+            for i, name in enumerate(("tpot", "cpu_per_token")):
+                if ok:
+                    row[side][f"{name}_min_ms"] = round(min(v[i] for v in ok), 2)
+                    row[side][f"{name}_median_ms"] = round(statistics.median(v[i] for v in ok), 2)
+        plain, constrained = row["plain"], row["json"]
+        if "tpot_median_ms" in plain and "tpot_median_ms" in constrained:
+            for key in ("tpot_median_ms", "tpot_min_ms", "cpu_per_token_median_ms"):
+                row[f"ratio_{key.removesuffix('_ms')}"] = round(constrained[key] / plain[key], 3)
             row["target"] = TARGETS[batch]
-            row["target_met"] = ratio <= TARGETS[batch]
+            row["target_met"] = row["ratio_tpot_median"] <= TARGETS[batch]
         rows[batch] = row
     return rows
 
@@ -198,7 +211,7 @@ async def run(rounds: int, parts: Sequence[str]) -> dict[str, Any]:
             report["compile_itl"] = await compile_itl(addr)
             print(json.dumps(report), flush=True)
         if "tpot" in parts:
-            report["tpot"] = summary(await tpot_rounds(addr, rounds))
+            report["tpot"] = summary(await tpot_rounds(children, rounds))
         return report
     finally:
         await asyncio.to_thread(stop_children, children)
