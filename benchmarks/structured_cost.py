@@ -202,8 +202,9 @@ def summary(tpots: dict[str, dict[str, list[Round]]]) -> dict[str, Any]:
     return rows
 
 
-async def run(rounds: int, parts: Sequence[str]) -> dict[str, Any]:
-    children = start_children(stack_options(str(ensure_bench_model()), CORE_FLAGS))
+async def run(rounds: int, parts: Sequence[str], flags: Sequence[str]) -> dict[str, Any]:
+    options = stack_options(str(ensure_bench_model()), [*CORE_FLAGS, *flags])
+    children = start_children(options)
     try:
         await asyncio.to_thread(wait_ready, children, 600.0)
         addr = children[-1].address
@@ -224,9 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--parts", nargs="+", choices=["compile", "tpot"], default=["compile", "tpot"]
     )
+    parser.add_argument("flags", nargs="*", help="more engine core flags (after --)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    report = asyncio.run(run(args.rounds, args.parts))
+    report = asyncio.run(run(args.rounds, args.parts, args.flags))
     for name, part in report.items():
         print(json.dumps({name: part}), flush=True)
     print(f"structured_cost: {time.perf_counter() - started:.0f} s", flush=True)
