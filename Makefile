@@ -92,6 +92,7 @@ bench: setup-dev
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
+	$(PY) -m benchmarks.structured_cost
 
 # LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
 # batch-32 decode step mixing 8 adapters against the base model's, interleaved

@@ -121,8 +121,13 @@ class CoreService:
             "core", config.otlp_traces_endpoint, config.collect_detailed_traces
         )
         tracer = CoreTracer(self.tracing, config.engine_id) if self.tracing else None
+        engine = build_engine(config, facts, self.recovery.executor, inbox)
+        grammars = engine.structured.manager
+        self.metrics.watch_structured_outputs(
+            lambda: (grammars.num_cache_queries, grammars.num_cache_hits)
+        )
         self.proc = EngineCoreProc(
-            build_engine(config, facts, self.recovery.executor, inbox),
+            engine,
             inbox,
             streams.deliver,
             on_stats=self.metrics.observe_stats,

@@ -6,7 +6,11 @@ and autoscalers work unchanged. Counters are declared without `_total`; the clie
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from core_svc.executor import FAULT_CAUSES
 from splitserve_contracts.output_types import SchedulerStats
@@ -231,6 +235,39 @@ class CoreMetrics:
                     total = sample.value
         return bounds, counts, total
 
+    def watch_structured_outputs(self, read: Callable[[], tuple[int, int]]) -> None:
+        """vLLM's structured-output grammar cache counters, read at scrape time from `read`
+        (cumulative (queries, hits) of the engine's StructuredOutputManager)."""
+        self._registry.register(_GrammarCacheCollector(read, self._values))
+
     def observe_worker_step(self, rtt_seconds: float, worker_seconds: float) -> None:
         self.worker_rtt_seconds.observe(rtt_seconds)
         self.worker_hop_seconds.observe(max(0.0, rtt_seconds - worker_seconds))
+
+
+class _GrammarCacheCollector(Collector):
+    """vllm:structured_output_cache_{queries,hits}: the compile threads count, scrapes read."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]], values: tuple[str, str]) -> None:
+        self._read = read
+        self._values = list(values)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        queries, hits = self._read()
+        for name, doc, value in (
+            (
+                "vllm:structured_output_cache_queries",
+                "Structured output grammar cache queries, in terms of number of requests "
+                "that looked up a compiled grammar.",
+                queries,
+            ),
+            (
+                "vllm:structured_output_cache_hits",
+                "Structured output grammar cache hits, in terms of number of requests whose "
+                "grammar was already compiled.",
+                hits,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self._values, value)
+            yield family

@@ -6,7 +6,7 @@
     take_compiled (each loop iteration) --> ready requests go to the scheduler; a bad grammar,
         or one past the compile time limit, fails its request (INVALID_REQUEST)
     each step --> fill_bitmask: one packed int32 row per constrained request that samples,
-        filled by llguidance's parallel fill (LLExecutor), shipped with the step
+        filled by llguidance (in parallel, LLExecutor, for large batches), shipped with the step
     each applied token --> StructuredOutputRequest.accept advances the request's matcher; a
         complete grammar finishes the request (STOP)
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
@@ -56,6 +56,10 @@ class StructuredOutputsConfig:
     num_fill_threads: int = 0
     """Threads of llguidance's parallel bitmask fill; 0: llguidance's default (80 % of the
     CPUs, at most 32)."""
+    fill_parallel_threshold: int = 128
+    """Steps with fewer constrained rows fill their masks on the busy loop, one after another
+    (microseconds each); larger ones use the parallel fill (vLLM's
+    fill_bitmask_parallel_threshold: thread hand-offs cost more than they save below it)."""
     max_cached_grammars: int = 512
     """Compiled grammars kept, by (tokenizer, constraint), least recently used dropped."""
 
@@ -155,6 +159,9 @@ class StructuredOutputManager:
         """req_handle -> its compile in progress."""
         self._bitmask = np.zeros((0, self.num_words), np.int32)
         self.num_compiled = 0
+        self.num_cache_queries = 0
+        """Grammar cache lookups, one per request that compiles (vLLM's
+        structured_output_cache_queries); with num_cache_hits, cumulative."""
         self.num_cache_hits = 0
 
     def _compile_pool(self) -> ThreadPoolExecutor:
@@ -241,6 +248,7 @@ class StructuredOutputManager:
         tokenizer = tokenizer_future.result()
         key = (digest, *state.params.cache_key)
         with self._cache_lock:
+            self.num_cache_queries += 1
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)
@@ -318,13 +326,17 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, states: Sequence[StructuredOutputRequest]) -> bytes:
         """The packed masks of `states`, one row each in order (little-endian int32 words),
-        filled in parallel by llguidance."""
+        filled by llguidance: in parallel from fill_parallel_threshold rows on."""
         num_rows = len(states)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.zeros(
                 (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
             )
         bitmask = self._bitmask[:num_rows]
+        if num_rows < self.config.fill_parallel_threshold:
+            for row, state in enumerate(states):
+                fill_next_token_bitmask(state.matcher, bitmask, row)  # type: ignore[arg-type]
+            return bitmask.astype("<i4", copy=False).tobytes()
         if self._fill_executor is None:
             threads = self.config.num_fill_threads or None
             self._fill_executor = llguidance.LLExecutor(threads)

@@ -158,8 +158,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     return summary
 
 
-def grpc_generate(addr: str) -> tuple[GenerateFn, Callable[[], Awaitable[None]]]:
-    """A GenerateFn over the public gRPC API, and a closer for its channel."""
+def grpc_generate(
+    addr: str, structured_outputs: types_pb2.StructuredOutputsParams | None = None
+) -> tuple[GenerateFn, Callable[[], Awaitable[None]]]:
+    """A GenerateFn over the public gRPC API (each request under `structured_outputs` when
+    given), and a closer for its channel."""
     channel = grpc.aio.insecure_channel(addr)
     stub = gen_grpc.GenerationServiceStub(channel)
 
@@ -170,7 +173,9 @@ def grpc_generate(addr: str) -> tuple[GenerateFn, Callable[[], Awaitable[None]]]
             temperature=workload.temperature,
         )
         request = gen_pb2.GenerateRequest(
-            prompt_token_ids=gen_pb2.TokenIds(ids=prompt), sampling_params=params
+            prompt_token_ids=gen_pb2.TokenIds(ids=prompt),
+            sampling_params=params,
+            structured_outputs=structured_outputs,
         )
         async for response in stub.Generate(request):
             yield len(response.token_ids)

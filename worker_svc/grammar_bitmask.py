@@ -15,10 +15,11 @@ import torch
 from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.step_checks import MalformedStep
 
+_CEILINGS = np.array([-np.inf, np.inf], np.float32)
+"""A token's logit ceiling by its mask bit: -inf disallowed, +inf allowed."""
+
 GrammarSource = Callable[[], GrammarBitmask | None]
 """Waits for the deferred bitmask of the running step (has_pending_grammar)."""
-
-_BIT_VALUES = torch.arange(32, dtype=torch.int32)
 
 
 def grammar_bitmask_from_bytes(handles: list[int], data: bytes) -> GrammarBitmask | None:
@@ -38,7 +39,9 @@ def apply_grammar_bitmask(
 ) -> None:
     """Set to -inf, in `logits` [N, V] (row i samples for sampling_handles[i]), every token
     the request's mask disallows. Requests without a mask row are left alone; a mask row of a
-    request that does not sample here is ignored (it finished or was refused meanwhile)."""
+    request that does not sample here is ignored (it finished or was refused meanwhile).
+    Vectorised: rows matched in numpy, bits unpacked by np.unpackbits, one
+    elementwise minimum against a ±inf ceiling."""
     vocab_size = logits.shape[1]
     num_words = grammar.bitmask.shape[1]
     if num_words != (vocab_size + 31) // 32:
@@ -46,17 +49,27 @@ def apply_grammar_bitmask(
             f"grammar_bitmask rows have {num_words} words; the vocabulary of {vocab_size} "
             f"tokens needs {(vocab_size + 31) // 32}"
         )
-    position = {handle: i for i, handle in enumerate(sampling_handles.tolist())}
-    pairs = [
-        (position[handle], row)
-        for row, handle in enumerate(grammar.req_handles.tolist())
-        if handle in position
-    ]
-    if not pairs:
+    logit_rows, mask_rows = np.nonzero(sampling_handles[:, None] == grammar.req_handles[None, :])
+    if not len(logit_rows):
         return
-    logit_rows = torch.tensor([p[0] for p in pairs], device=logits.device)
-    words = torch.from_numpy(grammar.bitmask[[p[1] for p in pairs]]).to(logits.device)
-    bits = (words.unsqueeze(-1) >> _BIT_VALUES.to(logits.device)) & 1
-    disallowed = bits.reshape(len(pairs), -1)[:, :vocab_size] == 0
-    rows = logits[logit_rows]
-    logits[logit_rows] = rows.masked_fill_(disallowed, float("-inf"))
+    words = grammar.bitmask[mask_rows].astype("<i4", copy=False)  # bit 0 of word 0 first
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    # min(logit, +inf) keeps a logit, min(logit, -inf) removes it: branch-free, unlike a
+    # masked_fill over a scattered mask (several times slower on CPU for string states).
+    ceiling = np.take(_CEILINGS, allowed)
+    every_row = len(logit_rows) == logits.shape[0]  # (nonzero: then the rows are in order)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy on the same memory: one thread, no hand-off to torch's intra-op pool (which
+        # costs more than this op on a busy machine)
+        values = logits.numpy()
+        if every_row:
+            np.minimum(values, ceiling, out=values)
+        else:
+            values[logit_rows] = np.minimum(values[logit_rows], ceiling)
+        return
+    bounds = torch.from_numpy(ceiling).to(logits.device, logits.dtype)
+    if every_row:
+        torch.minimum(logits, bounds, out=logits)
+        return
+    rows = torch.from_numpy(logit_rows).to(logits.device)
+    logits[rows] = torch.minimum(logits[rows], bounds)

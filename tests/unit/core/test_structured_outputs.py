@@ -231,3 +231,52 @@ def test_grammar_starts_after_the_reasoning_end_token(tokenizer_json: str) -> No
     assert re.fullmatch(r"[0-9]{4}", _decode(tokenizer_json, view.tokens[(1, 2)]))
     assert view.tokens[(1, 3)][:2] == [303, THINK_END]
     assert _decode(tokenizer_json, view.tokens[(1, 3)][2:]) == "x"
+
+
+def test_the_engine_keeps_stepping_while_a_grammar_compiles(tokenizer_json: str) -> None:
+    """A compile held on a gate (a schema as slow as you like): the unconstrained request
+    decodes to its end meanwhile; once the gate opens the constrained one runs under its
+    grammar. Compiling on the step loop would hold the other request (here: hang, then fail)."""
+    import threading
+
+    engine, _ = _engine(tokenizer_json, async_scheduling=False)
+    gate, compiling = threading.Event(), threading.Event()
+    manager = engine.structured.manager
+    compile_grammar = manager._compile_grammar
+
+    def held(*args: object) -> object:
+        compiling.set()
+        assert gate.wait(30), "the gate never opened"
+        return compile_grammar(*args)  # type: ignore[arg-type]
+
+    manager._compile_grammar = held  # type: ignore[method-assign]
+    engine.add_request(_constrained(1, StructuredOutputsParams(regex=r"[0-9]{3}")))
+    engine.add_request(make_request(2, [3, 4, 5], max_tokens=12))
+    assert compiling.wait(30)
+    view = ClientView()
+    while engine.has_work():
+        view.absorb(engine.step())
+    assert view.finished[(1, 2)] == FinishReason.LENGTH and len(view.tokens[(1, 2)]) == 12
+    assert (1, 1) not in view.tokens and engine.structured.compiling
+    gate.set()
+    view = _run(engine, view)
+    assert re.fullmatch(r"[0-9]{3}", _decode(tokenizer_json, view.tokens[(1, 1)]))
+
+
+def test_grammar_cache_counters_reach_vllms_metric_names(tokenizer_json: str) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from core_svc.metrics import CoreMetrics
+
+    engine, _ = _engine(tokenizer_json, async_scheduling=False)
+    for handle in (1, 2):  # one compile thread: the second finds the first's grammar
+        engine.add_request(_constrained(handle, StructuredOutputsParams(regex="[ab]{3}")))
+    _run(engine, ClientView())
+    registry = CollectorRegistry()
+    metrics = CoreMetrics(registry, "m", "0", {"block_size": "4"})
+    manager = engine.structured.manager
+    metrics.watch_structured_outputs(lambda: (manager.num_cache_queries, manager.num_cache_hits))
+    text = generate_latest(registry).decode()
+    labels = '{engine="0",model_name="m"}'
+    assert f"vllm:structured_output_cache_queries_total{labels} 2.0" in text
+    assert f"vllm:structured_output_cache_hits_total{labels} 1.0" in text
