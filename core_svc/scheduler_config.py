@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from splitserve_contracts.spec_decode import SpeculativeConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -50,6 +52,10 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
     scheduled with output placeholders and the workers feed their own sampled tokens."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's --speculative-config): a decoding request gets up to
+    num_speculative_tokens draft slots per step while few enough requests run; the ranks
+    propose and verify the drafts."""
 
     @property
     def encoder_compute_budget(self) -> int:

@@ -104,3 +104,6 @@ class SchedulerOutput:
     """Masks of the constrained requests that sample in this step (structured outputs)."""
     has_pending_grammar: bool = False
     """The bitmask follows in a message of its own (it needs an older step's tokens)."""
+    num_spec_tokens: list[int] = field(default_factory=list)
+    """Speculative decoding: draft slots per scheduled request, in num_scheduled_tokens order
+    (each included in its num_scheduled_tokens); empty when the step has none."""

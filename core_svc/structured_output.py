@@ -11,7 +11,9 @@
         complete grammar finishes the request (STOP)
 
 The matcher only ever consumes tokens the engine applied (never a placeholder of a step in
-flight), so it always matches `output_token_ids`: async steps need no rollback, a preempted or
+flight, never an unverified draft: a speculating request's per-draft masks come from
+llguidance's fill with draft tokens, which rolls them back), so it always matches
+`output_token_ids`: async steps need no rollback, a preempted or
 recovered request keeps its matcher, and a request resubmitted after a core restart rebuilds it
 by consuming the tokens it brings. llguidance, not xgrammar: the core never imports torch, and
 xgrammar imports it on import.
@@ -30,7 +32,10 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import (
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
@@ -300,10 +305,17 @@ class StructuredOutputManager:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def fill_bitmask(self, states: Sequence[StructuredOutputRequest]) -> bytes:
+    def fill_bitmask(
+        self,
+        states: Sequence[StructuredOutputRequest],
+        drafts: Sequence[Sequence[int]] = (),
+    ) -> bytes:
         """The packed masks of `states`, one row each in order (little-endian int32 words),
-        filled in parallel by llguidance."""
-        num_rows = len(states)
+        filled in parallel by llguidance. With `drafts` (speculative decoding: each state's
+        grammar-valid drafts), a state gets 1 + len(its drafts) rows: the mask of its next
+        token, then the mask after each draft (llguidance consumes the drafts and rolls them
+        back: the matcher keeps following applied tokens only)."""
+        num_rows = len(states) + sum(len(d) for d in drafts)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.zeros(
                 (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
@@ -312,8 +324,15 @@ class StructuredOutputManager:
         if self._fill_executor is None:
             threads = self.config.num_fill_threads or None
             self._fill_executor = llguidance.LLExecutor(threads)
-        matchers = [(state.matcher, row) for row, state in enumerate(states)]
-        fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
+        if drafts:
+            entries, row = [], 0
+            for state, state_drafts in zip(states, drafts, strict=True):
+                entries.append((state.matcher, row, list(state_drafts)))
+                row += 1 + len(state_drafts)
+            fill_next_token_bitmask_par_with_draft_tokens(self._fill_executor, entries, bitmask)  # type: ignore[arg-type]
+        else:
+            matchers = [(state.matcher, row) for row, state in enumerate(states)]
+            fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
         return bitmask.astype("<i4", copy=False).tobytes()
 
     def shutdown(self) -> None:

@@ -207,6 +207,7 @@ class WorkerPool:
                 enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
                 async_scheduling=config.async_scheduling,
+                speculative_config=_speculative_config_to_proto(config),
             )
             for rank in range(world)
         ]
@@ -267,3 +268,15 @@ def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
             f"{facts.max_model_len} tokens, all the engine can use"
         )
     return "the memory the workers may use (their logs say how much)"
+
+
+def _speculative_config_to_proto(config: CoreConfig) -> worker_pb2.SpeculativeConfig | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return worker_pb2.SpeculativeConfig(
+        method=spec.method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+    )

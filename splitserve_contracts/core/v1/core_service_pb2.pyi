@@ -1027,6 +1027,10 @@ class SchedulerStats(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_WAITING_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1068,6 +1072,20 @@ class SchedulerStats(_message.Message):
     """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits
     not yet subtracted.
     """
+    spec_decode_num_drafts: _builtins.int
+    """Speculative decoding, cumulative (vLLM's SpecDecodingStats): requests
+    that verified at least one draft, per step.
+    """
+    spec_decode_num_draft_tokens: _builtins.int
+    """Draft tokens verified."""
+    spec_decode_num_accepted_tokens: _builtins.int
+    """Draft tokens accepted."""
+    @_builtins.property
+    def spec_decode_num_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Draft tokens accepted at each draft position (0 first), one entry per
+        position up to num_speculative_tokens.
+        """
+
     def __init__(
         self,
         *,
@@ -1086,10 +1104,14 @@ class SchedulerStats(_message.Message):
         num_prompt_tokens: _builtins.int = ...,
         num_generation_tokens: _builtins.int = ...,
         num_waiting_tokens: _builtins.int = ...,
+        spec_decode_num_drafts: _builtins.int = ...,
+        spec_decode_num_draft_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
