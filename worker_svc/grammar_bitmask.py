@@ -33,12 +33,27 @@ def grammar_bitmask_from_bytes(handles: list[int], data: bytes) -> GrammarBitmas
     return GrammarBitmask(np.asarray(handles, np.int64), words.reshape(len(handles), -1))
 
 
+def _occurrences(handles: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """(handle, how many times it came before) per entry: a request verifying drafts has one
+    logits row and one mask row per position, in position order."""
+    seen: dict[int, int] = {}
+    keys = []
+    for handle in handles.tolist():
+        count = seen.get(handle, 0)
+        seen[handle] = count + 1
+        keys.append((handle, count))
+    return keys
+
+
 def apply_grammar_bitmask(
     logits: torch.Tensor, sampling_handles: npt.NDArray[np.int64], grammar: GrammarBitmask
 ) -> None:
     """Set to -inf, in `logits` [N, V] (row i samples for sampling_handles[i]), every token
-    the request's mask disallows. Requests without a mask row are left alone; a mask row of a
-    request that does not sample here is ignored (it finished or was refused meanwhile)."""
+    the request's mask disallows. A request verifying drafts has several rows, one per position;
+    its k-th mask row goes to its k-th logits row (positions without a mask row come after a
+    draft the grammar refused, which the mask before rejects). Requests without a mask row are
+    left alone; a mask row of a request that does not sample here is ignored (it finished or
+    was refused meanwhile)."""
     vocab_size = logits.shape[1]
     num_words = grammar.bitmask.shape[1]
     if num_words != (vocab_size + 31) // 32:
@@ -46,11 +61,11 @@ def apply_grammar_bitmask(
             f"grammar_bitmask rows have {num_words} words; the vocabulary of {vocab_size} "
             f"tokens needs {(vocab_size + 31) // 32}"
         )
-    position = {handle: i for i, handle in enumerate(sampling_handles.tolist())}
+    position = dict(zip(_occurrences(sampling_handles), range(len(sampling_handles)), strict=True))
     pairs = [
-        (position[handle], row)
-        for row, handle in enumerate(grammar.req_handles.tolist())
-        if handle in position
+        (position[key], row)
+        for row, key in enumerate(_occurrences(grammar.req_handles))
+        if key in position
     ]
     if not pairs:
         return

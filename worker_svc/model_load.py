@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve_contracts.spec_decode import SpeculativeConfig
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerDescription:
@@ -44,6 +46,8 @@ class LoadModelConfig:
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding: the rank proposes and verifies drafts (worker_svc/spec_decode.py)."""
 
 
 @dataclass(frozen=True, slots=True)

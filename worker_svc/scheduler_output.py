@@ -116,6 +116,8 @@ class SchedulerOutput:
     """Token masks of the constrained requests that sample (structured outputs)."""
     has_pending_grammar: bool = False
     """The masks follow in a message of their own, before sampling (async scheduling)."""
+    num_spec_tokens: IntArray = field(default_factory=_empty)
+    """Draft slots per scheduled request, in num_scheduled_tokens order (empty: none)."""
 
     @property
     def num_reqs(self) -> int:

@@ -162,6 +162,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
+            speculative_config=config.speculative_config,
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
