@@ -324,15 +324,21 @@ class StructuredOutputManager:
         if self._fill_executor is None:
             threads = self.config.num_fill_threads or None
             self._fill_executor = llguidance.LLExecutor(threads)
-        if drafts:
-            entries, row = [], 0
-            for state, state_drafts in zip(states, drafts, strict=True):
-                entries.append((state.matcher, row, list(state_drafts)))
-                row += 1 + len(state_drafts)
-            fill_next_token_bitmask_par_with_draft_tokens(self._fill_executor, entries, bitmask)  # type: ignore[arg-type]
-        else:
+        if not drafts:
             matchers = [(state.matcher, row) for row, state in enumerate(states)]
             fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
+            return bitmask.astype("<i4", copy=False).tobytes()
+        plain, with_drafts, row = [], [], 0
+        for state, state_drafts in zip(states, drafts, strict=True):
+            if state_drafts:  # llguidance refuses an empty draft list
+                with_drafts.append((state.matcher, row, list(state_drafts)))
+            else:
+                plain.append((state.matcher, row))
+            row += 1 + len(state_drafts)
+        if with_drafts:
+            fill_next_token_bitmask_par_with_draft_tokens(self._fill_executor, with_drafts, bitmask)  # type: ignore[arg-type]
+        if plain:
+            fill_next_token_bitmask_par(self._fill_executor, plain, bitmask)  # type: ignore[arg-type]
         return bitmask.astype("<i4", copy=False).tobytes()
 
     def shutdown(self) -> None:
