@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu bench-spec dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -84,6 +84,12 @@ bench: setup-dev
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
+
+# n-gram speculative decoding A/B on SmolLM2: TPOT with/without on copy-heavy and free-form
+# prompts at batch 1 and 32, acceptance rate (benchmarks/spec_decode.py). Not part of `make test`.
+# BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16"
+bench-spec: setup-dev
+	$(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
 # RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of
