@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu bench-spec dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -90,6 +90,11 @@ bench: setup-dev
 # BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16"
 bench-spec: setup-dev
 	$(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
+
+# What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
+# traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).
+bench-tracing: setup-dev
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.tracing_overhead $(BENCH_TRACING_ARGS)
 
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
 # RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of

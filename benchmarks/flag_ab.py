@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import os
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -41,27 +43,53 @@ class _Stack:
     close: Callable[[], Awaitable[None]]
 
 
+def cpu_seconds(children: Sequence[Child]) -> float:
+    """CPU time (user + system) the stack's processes used so far: less sensitive than
+    throughput to other work on a shared machine."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for child in children:
+        with open(f"/proc/{child.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 async def _round(name: str, workload: Workload, stack: _Stack) -> Row:
     children = stack.children
     before = await asyncio.to_thread(scrape, children)
+    cpu_before = cpu_seconds(children)
     summary = summarize(*await run_workload(stack.generate, workload, progress=False))
+    cpu_used = cpu_seconds(children) - cpu_before
     after = await asyncio.to_thread(scrape, children)
     return {
         "side": name,
         "tpot_ms": round(summary["mean_tpot_ms"], 3),
         "tok_s": round(summary["output_throughput"], 1),
         "worker_step_ms": round(per_step_ms(before, after).get("worker_total_ms", 0.0), 3),
+        "cpu_s": round(cpu_used, 2),
     }
 
 
-async def run(flags: list[str], rounds: int) -> dict[str, list[Row]]:
+async def run(
+    flags: list[str],
+    rounds: int,
+    services: Sequence[str] = ("core",),
+    workloads: Sequence[str] = ("W2", "W1"),
+) -> dict[str, list[Row]]:
+    """Both stacks' rows per workload; FLAGS go to each service in `services`."""
     model = str(ensure_bench_model(None))
     started: list[list[Child]] = []
     stacks: dict[str, _Stack] = {}
-    rows: dict[str, list[Row]] = {"W2": [], "W1": []}
+    rows: dict[str, list[Row]] = {name: [] for name in workloads}
     try:
         for name, extra in (("plain", []), ("flags", flags)):
-            children = start_children(stack_options(model, [*BASE_FLAGS, *extra]))
+            options = stack_options(model, [*BASE_FLAGS, *(extra if "core" in services else [])])
+            service_flags = {**options.service_flags}
+            for kind in set(services) - {"core"}:
+                service_flags[kind] = [*service_flags.get(kind, []), *extra]
+            options = dataclasses.replace(options, service_flags=service_flags)
+            children = start_children(options)
             started.append(children)
             await asyncio.to_thread(wait_ready, children, 600.0)
             stacks[name] = _Stack(children, *grpc_generate(children[-1].address))
@@ -69,6 +97,8 @@ async def run(flags: list[str], rounds: int) -> dict[str, list[Row]]:
             await run_workload(stacks[name].generate, warm_up, progress=False)
         for i in range(rounds):
             for workload_name, workload in (("W2", W2), ("W1", W1)):
+                if workload_name not in rows:
+                    continue
                 for name, stack in stacks.items():
                     row = await _round(name, workload, stack)
                     rows[workload_name].append(row)

@@ -26,11 +26,14 @@ from splitserve_runtime.flags import (
     address_list,
     flag,
     non_negative_int,
+    only_values,
     positive_int,
 )
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import CORE
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
@@ -39,6 +42,7 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = CORE.default_port
 DEFAULT_METRICS_PORT = CORE.default_metrics_port
@@ -89,6 +93,9 @@ class CoreConfig(TransportConfig):
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -136,9 +143,12 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--served-model-name",
-        default="",
+        nargs="+",
+        default=[],
+        metavar="NAME",
         help="model name reported to clients and in metrics (default: the Hub id, or the "
-        "model folder's or file's name)",
+        "model folder's or file's name); the engine core takes the first of several, the "
+        "frontend serves every one (vLLM's aliases)",
     ),
     flag(
         "--tensor-parallel-size",
@@ -241,6 +251,25 @@ CORE_FLAGS: tuple[Flag, ...] = (
         choices=DTYPE_CHOICES,
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
+    ),
+    flag(
+        "--kv-cache-dtype",
+        default="auto",
+        type=only_values(
+            "auto", why="the KV cache is kept in the model's dtype until KV quantization lands"
+        ),
+        help="KV-cache dtype (vLLM's flag); only auto (the model's dtype) for now",
+    ),
+    flag(
+        "--quantization",
+        "-q",
+        default="auto",
+        type=only_values(
+            "auto",
+            why="weights are used as the checkpoint stores them (its quantization_config, e.g. "
+            "fp8, is honoured without this flag); quantizing on load is not implemented yet",
+        ),
+        help="weight quantization (vLLM's flag); only auto: the checkpoint's own",
     ),
     flag(
         "--enforce-eager",
@@ -365,6 +394,9 @@ CORE_FLAGS: tuple[Flag, ...] = (
     *LOGGING_FLAGS,
     *internal_tls_flags("the port the frontends call and the calls to the workers"),
     *listener_flags(reflection_default=False),
+    *PROFILER_FLAGS,
+    *TRACING_FLAGS,
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve core`, in --help order (vLLM's names where vLLM has the flag)."""
 
@@ -405,6 +437,9 @@ def parse_config(
     values.pop("config", None)
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
+    values["served_model_name"] = (args.served_model_name or [""])[0]
+    for unused in ("kv_cache_dtype", "quantization"):  # only "auto" gets this far
+        values.pop(unused)
     so_config = values.pop("structured_outputs_config")
     values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):

@@ -13,6 +13,7 @@ from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
+from core_svc.request_trace import request_trace
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_output import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
@@ -24,7 +25,10 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 
 
 def request_from_proto(
-    msg: core_pb2.EngineCoreRequest, client_id: int, arrival_time: float | None = None
+    msg: core_pb2.EngineCoreRequest,
+    client_id: int,
+    arrival_time: float | None = None,
+    is_tracing: bool = False,
 ) -> Request:
     """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
     sampler's settings stay serialized: the core only forwards them to the workers. A
@@ -34,7 +38,8 @@ def request_from_proto(
     if msg.HasField("structured_outputs"):
         params = structured_outputs.from_proto(msg.structured_outputs)
         if params is not None:
-            structured = StructuredOutputRequest(params)
+            end_id = msg.reasoning_end_token_id if msg.HasField("reasoning_end_token_id") else None
+            structured = StructuredOutputRequest(params, end_id)
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,
@@ -56,6 +61,9 @@ def request_from_proto(
             for f in msg.mm_features
         ),
         structured_output=structured,
+        trace=request_trace(msg.trace_context.traceparent, msg.trace_context.tracestate)
+        if is_tracing
+        else None,
     )
 
 
@@ -141,6 +149,9 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         new_msg.block_ids.extend(new_req.block_ids)
         new_msg.stop_token_ids.extend(new_req.stop_token_ids)
         new_msg.min_tokens = new_req.min_tokens
+        if new_req.trace is not None:
+            new_msg.trace_context.traceparent = new_req.trace.traceparent
+            new_msg.trace_context.tracestate = new_req.trace.tracestate
         for feature in new_req.mm_features:
             new_msg.mm_features.add().MergeFromString(feature)
         if new_req.output_token_ids:

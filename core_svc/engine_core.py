@@ -469,6 +469,7 @@ class EngineCore:
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
             num_waiting_tokens=scheduler.num_waiting_tokens,
+            num_waiting_deferred=len(self.structured.compiling),
             spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,

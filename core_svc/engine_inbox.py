@@ -49,6 +49,8 @@ class CommandKind(Enum):
     """Send the client the prefix cache as events, then its changes (again: a resync)."""
     RESET_PREFIX_CACHE = 13
     """Forget the prefix cache unless requests hold blocks."""
+    PROFILE = 14
+    """Start or stop the worker ranks' profilers (between two steps)."""
 
 
 @dataclass(slots=True)
@@ -66,7 +68,8 @@ class EngineCommand:
     """RESUME: resolved with the number of requests resumed (None: the engine failed first);
     RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset)."""
     tokenizer_json: str = ""
-    """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles)."""
+    """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles); PROFILE: the trace
+    files' prefix (the action in num_blocks: 1 start, 2 stop, ProfileAction's numbers)."""
 
 
 class EngineInbox:
@@ -110,6 +113,15 @@ class EngineInbox:
         done: Future[int | None] = Future()
         command = EngineCommand(CommandKind.RESET_PREFIX_CACHE)
         command.done = done
+        self._queue.put(command)
+        return done
+
+    def profile(self, action: int, prefix: str) -> Future[int | None]:
+        """Start (1) or stop (2) the ranks' profilers between two steps; the future gives 0
+        once the command went to every rank, 1 when the engine's executor cannot profile."""
+        done: Future[int | None] = Future()
+        command = EngineCommand(CommandKind.PROFILE, num_blocks=action, done=done)
+        command.tokenizer_json = prefix
         self._queue.put(command)
         return done
 

@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 from core_svc.engine_core import EngineCore
 from core_svc.engine_inbox import CommandKind, EngineCommand, EngineInbox
-from core_svc.executor import Fault
+from core_svc.executor import CanProfile, Fault
 from core_svc.kv_events import KVEventBatch
 from core_svc.outputs import EngineCoreOutputs
+from core_svc.request import Request
 from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,11 @@ class EngineCoreProc:
         on_stats: StatsSink,
         on_failed: Callable[[str], None],
         on_suspended: SuspensionSink = lambda fault, num_requests: None,
+        on_traced: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.engine_core = engine_core
+        self._on_traced = on_traced
+        """Takes the traced requests that finished (their spans are built off this thread)."""
         self.inbox = inbox
         self._output_sink = output_sink
         self._on_stats = on_stats
@@ -122,6 +126,11 @@ class EngineCoreProc:
             self._send_kv_events({})  # what the commands did (a reset, a fresh cache)
         self._stats = stats or engine_core.make_stats()
         self._on_stats(self._stats, step_seconds)
+        scheduler = engine_core.scheduler
+        if scheduler.traced_finished:
+            traced, scheduler.traced_finished = scheduler.traced_finished, []
+            if self._on_traced is not None:
+                self._on_traced(traced)
         return True
 
     def _apply(self, command: EngineCommand) -> None:
@@ -148,6 +157,14 @@ class EngineCoreProc:
             self._send_kv_events({})  # what happened before the snapshot, to the others
             for batch in engine_core.subscribe_kv_events(command.client_id):
                 self._output_sink(command.client_id, batch)
+        elif command.kind is CommandKind.PROFILE:
+            assert command.done is not None
+            executor = engine_core.executor
+            if not isinstance(executor, CanProfile):
+                command.done.set_result(1)
+                return
+            executor.send_profile(command.num_blocks, command.tokenizer_json)
+            command.done.set_result(0)
         elif command.kind is CommandKind.RESET_PREFIX_CACHE:
             assert command.done is not None
             is_reset = engine_core.reset_prefix_cache()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from core_svc.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import ModelRunnerOutput
@@ -43,3 +43,12 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class CanProfile(Protocol):
+    """An executor whose ranks can run the torch profiler (vLLM's start/stop_profile)."""
+
+    def send_profile(self, action: int, prefix: str) -> None:
+        """Start (1) or stop (2) every rank's profiler after the steps already sent."""
+        ...

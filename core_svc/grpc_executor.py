@@ -32,6 +32,7 @@ from core_svc import convert
 from core_svc.executor import ExecutorError, FaultCause
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_timeout import StepTimeout
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.channels import ChannelSecurity, open_channel
@@ -171,6 +172,16 @@ class GrpcExecutor:
         if self.failure is not None:
             raise ExecutorError(self.failure, self.failure_cause)
         payload = convert.grammar_output_to_proto(scheduler_output).SerializeToString()
+        for stream in self._streams:
+            stream.outbox.put(payload)
+
+    def send_profile(self, action: int, prefix: str) -> None:
+        """Start (1) or stop (2) every rank's profiler (busy-loop thread), after the steps sent
+        before; the ranks do not answer (a failure to write a trace is logged there)."""
+        if self.failure is not None:
+            return
+        command = common_pb2.ProfileCommand(action=action, prefix=prefix)  # type: ignore[arg-type]
+        payload = worker_pb2.ExecuteRequest(profile=command).SerializeToString()
         for stream in self._streams:
             stream.outbox.put(payload)
 

@@ -18,6 +18,7 @@ from core_svc.metrics import CoreMetrics
 from core_svc.recovery import RankRecovery
 from core_svc.server import ClientStreams, EngineCoreServicer
 from core_svc.stats_logger import StatsLogger, log_stats_every
+from core_svc.tracing import CoreTracer
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool, kv_sizing_reason
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
@@ -28,6 +29,7 @@ from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import CORE
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import FRONTEND_ROLE, WORKER_ROLE
+from splitserve_runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -113,6 +115,10 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
+        self.tracing = start_tracing(
+            "core", config.otlp_traces_endpoint, config.collect_detailed_traces
+        )
+        tracer = CoreTracer(self.tracing, config.engine_id) if self.tracing else None
         self.proc = EngineCoreProc(
             build_engine(config, facts, self.recovery.executor, inbox),
             inbox,
@@ -120,8 +126,16 @@ class CoreService:
             on_stats=self.metrics.observe_stats,
             on_failed=self._engine_failed,
             on_suspended=self.recovery.on_suspended,
+            on_traced=tracer.on_finished if tracer is not None else None,
         )
-        self.servicer = EngineCoreServicer(self.proc, streams, self.info, self.metrics)
+        self.servicer = EngineCoreServicer(
+            self.proc,
+            streams,
+            self.info,
+            self.metrics,
+            config.profiler_config.is_enabled,
+            is_tracing=tracer is not None,
+        )
         core_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, self.host.server)
 
     def _engine_failed(self, message: str) -> None:
@@ -151,6 +165,8 @@ class CoreService:
         if stats_task is not None:
             stats_task.cancel()
         await asyncio.to_thread(self.proc.stop, 10.0)
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans still batched
         return code
 
     async def _drain(self) -> None:

@@ -101,8 +101,23 @@ class CoreMetrics:
     def _add_scheduler_metrics(self) -> None:
         """vLLM's scheduler metrics (fed by `observe_stats`)."""
         gauge, counter = self._gauge, self._counter
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (here: a "
+            "structured-output grammar still compiling). Sum of all reasons equals "
+            "vllm:num_requests_waiting.",
+            [*LABELS, "reason"],
+            registry=self._registry,
+        )
+        self.waiting_capacity = by_reason.labels(*self._values, "capacity")
+        self.waiting_deferred = by_reason.labels(*self._values, "deferred")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
@@ -113,18 +128,23 @@ class CoreMetrics:
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.encoder_queries = counter(
-            "splitserve_core_encoder_cache_queries",
-            "Multimodal items (images) looked up in the workers' encoder cache.",
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items (here: images "
+            "looked up in the workers' encoder cache).",
         )
         self.encoder_hits = counter(
-            "splitserve_core_encoder_cache_hits",
-            "Multimodal items whose encoder output was already cached (no encoder run).",
+            "vllm:mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items (here: images whose "
+            "encoder output was already cached, so the encoder did not run).",
         )
-        self.iteration_tokens = self._histogram(
+        self._iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
-            "Number of tokens per engine step.",
-            ITERATION_TOKEN_BUCKETS,
+            "Histogram of number of tokens per engine_step.",
+            LABELS,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=self._registry,
         )
+        self.iteration_tokens = self._iteration_tokens.labels(*self._values)
 
     def _add_timing_metrics(self) -> None:
         """Where a step's time goes: the step, the worker round trip, the hops."""
@@ -186,7 +206,9 @@ class CoreMetrics:
         if step_seconds is not None:
             self.step_seconds.observe(step_seconds)
         self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
+        self.waiting.set(stats.num_waiting_reqs + stats.num_waiting_deferred)
+        self.waiting_capacity.set(stats.num_waiting_reqs)
+        self.waiting_deferred.set(stats.num_waiting_deferred)
         self.kv_usage.set(stats.kv_cache_usage)
         if stats.prefix_cache_queries > last.prefix_cache_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
@@ -203,6 +225,20 @@ class CoreMetrics:
         if self.spec_decode is not None:
             self.spec_decode.observe(stats, last)
         self._last = stats
+
+    def iteration_tokens_state(self) -> tuple[list[float], list[int], float]:
+        """vllm:iteration_tokens_total as (upper bounds, cumulative counts with +Inf last,
+        sum): what GetSchedulerStats hands the frontends for their serving port."""
+        bounds = [float(b) for b in ITERATION_TOKEN_BUCKETS]
+        counts: list[int] = []
+        total = 0.0
+        for family in self._iteration_tokens.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    counts.append(int(sample.value))
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+        return bounds, counts, total
 
     def observe_worker_step(self, rtt_seconds: float, worker_seconds: float) -> None:
         self.worker_rtt_seconds.observe(rtt_seconds)

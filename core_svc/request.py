@@ -7,6 +7,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from core_svc.mm_inputs import MultiModalFeatureSpec
+from core_svc.request_trace import RequestTrace
 from splitserve_contracts.output_types import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -90,6 +91,7 @@ class Request:
         "mm_features",
         "structured_output",
         "is_resumed",
+        "trace",
     )
 
     def __init__(
@@ -112,8 +114,11 @@ class Request:
         mm_features: tuple[MultiModalFeatureSpec, ...] = (),
         structured_output: StructuredOutputRequest | None = None,
         is_resumed: bool = False,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.req_handle = -1
+        self.trace = trace
+        """Its trace (--otlp-traces-endpoint and a frontend that traces it); None: untraced."""
         self.client_id = client_id
         self.client_handle = client_handle
         self.request_id = request_id
@@ -194,9 +199,10 @@ class Request:
         self.max_tokens = min(self.max_tokens, max_model_len - self.num_prompt_tokens)
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
-        self.events.append(
-            EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp)
-        )
+        now = time.monotonic() if timestamp is None else timestamp
+        self.events.append(EngineCoreEvent(event_type, now))
+        if self.trace is not None:
+            self.trace.events.append((event_type, now))
 
     def take_events(self) -> list[EngineCoreEvent]:
         events, self.events = self.events, []

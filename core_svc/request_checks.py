@@ -49,6 +49,9 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
             validate(request.structured_output.params)
         except InvalidStructuredOutputs as err:
             return err.describe()
+        end_id = request.structured_output.reasoning_end_token_id
+        if end_id is not None and end_id >= vocab_size:
+            return "reasoning_end_token_id is outside the vocabulary"
     return mm_features_problem(
         request.mm_features, num_prompt_tokens, scheduler_config.max_tokens_per_mm_item
     )

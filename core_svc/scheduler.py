@@ -83,6 +83,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_handles: list[int] = []
         """Handles the workers know and must drop, sent with the next SchedulerOutput."""
+        self.traced_finished: list[Request] = []
+        """Traced requests freed since the loop last took them (their spans to build)."""
         self.step_id = 0
         self.num_preemptions = 0
         self.num_waiting_tokens = 0
@@ -330,6 +332,8 @@ class Scheduler:
         for request in self.requests.values():
             request.is_known_to_workers = False
             request.num_sent_token_ids = 0
+            if request.trace is not None:
+                request.trace.num_recoveries += 1
         self.finished_req_handles = []
         self._in_flight.clear()  # the steps in flight are lost with the ranks
 
@@ -425,6 +429,9 @@ class Scheduler:
             self.num_structured -= request.structured_output is not None
         if request.is_known_to_workers:
             self.finished_req_handles.append(request.req_handle)
+        if request.trace is not None:
+            request.trace.finished_at = time.monotonic()
+            self.traced_finished.append(request)
 
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """Finish unfinished requests with a final status (abort, error) and free them."""

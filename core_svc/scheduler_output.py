@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve_runtime.tracing import TraceContext
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -26,6 +28,8 @@ class NewRequestData:
     mm_features: list[bytes] = field(default_factory=list)
     """The serialized common.v1.MultiModalFeature of each image, as the frontend sent them."""
     output_token_ids: list[int] = field(default_factory=list)
+    trace: TraceContext | None = None
+    """The core's span of the request, for the workers' spans (None: not traced)."""
 
 
 @dataclass(slots=True)

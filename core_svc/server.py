@@ -26,8 +26,10 @@ from core_svc.kv_events import KVEventBatch
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts import output_convert
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
+from splitserve_runtime.profiler_config import check_profile_prefix
 
 logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()
@@ -124,8 +126,13 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         streams: ClientStreams,
         info: core_pb2.EngineInfo,
         metrics: CoreMetrics,
+        profiling: bool = False,
+        is_tracing: bool = False,
     ) -> None:
         self._proc = proc
+        self._profiling = profiling
+        self._is_tracing = is_tracing
+        """Keep the frontends' trace contexts (else requests go untraced)."""
         self._streams = streams
         self._info = info
         self._metrics = metrics
@@ -149,7 +156,38 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self, request: core_pb2.GetSchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> core_pb2.GetSchedulerStatsResponse:
         stats = output_convert.scheduler_stats_to_proto(self._proc.latest_stats)
-        return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats)
+        bounds, counts, total = self._metrics.iteration_tokens_state()
+        histogram = core_pb2.Histogram(upper_bounds=bounds, cumulative_counts=counts, sum=total)
+        return core_pb2.GetSchedulerStatsResponse(scheduler_stats=stats, iteration_tokens=histogram)
+
+    async def Profile(  # noqa: N802
+        self, request: core_pb2.ProfileRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.ProfileResponse:
+        """Start or stop the ranks' torch profilers, between two steps (--profiler-config)."""
+        command = request.command
+        if not self._profiling:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "profiling is off: start the engine with --profiler-config",
+            )
+        if command.action not in (
+            common_pb2.PROFILE_ACTION_START,
+            common_pb2.PROFILE_ACTION_STOP,
+        ):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action: start or stop")
+        try:
+            prefix = check_profile_prefix(command.prefix)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        done = asyncio.wrap_future(self._proc.inbox.profile(command.action, prefix))
+        try:
+            refused = await asyncio.wait_for(done, RESET_PREFIX_CACHE_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop did not answer")
+        if refused:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "these ranks cannot profile")
+        logger.info("profiler %s", "started" if command.action == 1 else "stopped")
+        return core_pb2.ProfileResponse()
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: core_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
@@ -223,7 +261,10 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     now = time.monotonic()
                     proc.inbox.add_requests(
                         client_id,
-                        [convert.request_from_proto(r, client_id, now) for r in msg.add.requests],
+                        [
+                            convert.request_from_proto(r, client_id, now, self._is_tracing)
+                            for r in msg.add.requests
+                        ],
                     )
                 elif kind == "abort":
                     proc.inbox.abort_requests(client_id, list(msg.abort.request_handles))

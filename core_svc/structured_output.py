@@ -93,6 +93,13 @@ class StructuredOutputRequest:
         matcher = self.matcher
         return self.reasoning_ended and matcher is not None and not matcher.is_stopped()
 
+    @property
+    def may_need_bitmask(self) -> bool:
+        """Whether its next token may be constrained: needs_bitmask, or still reasoning (the
+        token before it, in flight under async scheduling, may end the reasoning)."""
+        matcher = self.matcher
+        return matcher is not None and not matcher.is_stopped()
+
     def accept(self, token_id: int) -> bool:
         """Advance the matcher by one applied token; False when the grammar refused it (the
         mask did not hold: the request must fail)."""
@@ -101,6 +108,19 @@ class StructuredOutputRequest:
             return True
         assert self.matcher is not None
         return self.matcher.consume_token(token_id)
+
+    def after_reasoning(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The tokens of `output_token_ids` (a resubmitted request's outputs) its matcher must
+        consume: all of them once reasoning ended, else those after the first reasoning end
+        token among them (which ends the reasoning now), else none."""
+        tokens = list(output_token_ids)
+        if self.reasoning_ended:
+            return tokens
+        end_id = self.reasoning_end_token_id
+        if end_id is None or end_id not in tokens:
+            return []
+        self.reasoning_ended = True
+        return tokens[tokens.index(end_id) + 1 :]
 
     @property
     def is_terminated(self) -> bool:
@@ -209,7 +229,7 @@ class StructuredOutputManager:
                 "stream before the request"
             )
         future = self._compile_pool().submit(
-            self._compile, tokenizer, digest, state, list(output_token_ids)
+            self._compile, tokenizer, digest, state, state.after_reasoning(output_token_ids)
         )
         deadline = time.monotonic() + self.config.compile_timeout_s
         self._compiling[req_handle] = _Compiling(state, future, deadline)
@@ -237,11 +257,7 @@ class StructuredOutputManager:
                 while len(self._compiled) > self.config.max_cached_grammars:
                     self._compiled.popitem(last=False)
         matcher = template.deep_copy()
-        if (
-            output_token_ids
-            and state.reasoning_ended
-            and not matcher.consume_tokens(output_token_ids)
-        ):
+        if output_token_ids and not matcher.consume_tokens(output_token_ids):
             raise InvalidStructuredOutputs(
                 "the output tokens the request brings do not follow its grammar",
                 state.params.kind,

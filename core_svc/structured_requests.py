@@ -83,16 +83,17 @@ class StructuredRequests:
         request's earlier token is still in flight (the step is marked pending; fill it
         again once the older step is applied). `rows`: the constrained requests that sample,
         each with its draft slots (its placeholders beyond this step's are tokens in flight)."""
-        live = [
+        candidates = [
             (request, num_spec)
             for request, num_spec in rows
             if request.status is _RUNNING
             and request.structured_output is not None
-            and request.structured_output.needs_bitmask
+            and request.structured_output.may_need_bitmask
         ]
-        if any(request.num_output_placeholders > 1 + k for request, k in live):
-            step.has_pending_grammar = True
+        if any(request.num_output_placeholders > 1 + k for request, k in candidates):
+            step.has_pending_grammar = True  # its token in flight may also end the reasoning
             return False
+        live = [(r, k) for r, k in candidates if r.structured_output.needs_bitmask]  # type: ignore[union-attr]
         if not live:
             return True
         states = [request.structured_output for request, _ in live]

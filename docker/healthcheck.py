@@ -3,7 +3,8 @@
 
 The image's HEALTHCHECK runs it with no arguments. It then finds out which service the
 container runs from the main process's command line (/proc/1/cmdline: `splitserve frontend|core|
-worker [--port N]`, or `python -m frontend_svc|core_svc|worker_svc`), falls back to the
+worker [--port N]`, `python -m frontend_svc|core_svc|worker_svc`, or `splitserve serve
+[--grpc-port N]`, whose frontend it checks), falls back to the
 SPLITSERVE_PORT environment variable and the service's default port, and checks that service's
 readiness (the named health service). Kubernetes does not use this: the Helm chart declares
 native gRPC probes instead.
@@ -39,8 +40,15 @@ def read_cmdline(pid: int = 1) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+LAUNCHERS = ("serve", "up")
+"""`splitserve serve|up` (the one-container image) runs the whole stack: its frontend answers."""
+
+
 def role_of(argv: Sequence[str]) -> str | None:
-    """frontend, core or worker, from a service's command line."""
+    """frontend, core or worker, from a service's command line (the frontend for the
+    launcher's)."""
+    if _launcher(argv):
+        return "frontend"
     for arg in argv:
         name = arg.removesuffix("_svc")
         if name in DEFAULT_PORTS:
@@ -65,6 +73,12 @@ def port_of(argv: Sequence[str], environ: Mapping[str, str], role: str | None) -
     health_port = flag_of(argv, environ, "health-port")
     if health_port is not None and health_port >= 0:
         return health_port
+    launcher = _launcher(argv)
+    if launcher:  # the frontend's public gRPC port; `serve --port` is the HTTP one, as in vLLM
+        grpc_port = flag_of(argv, environ, "grpc-port")
+        if grpc_port is None and launcher == "up":
+            grpc_port = flag_of(argv, {}, "port")
+        return DEFAULT_PORTS["frontend"] if grpc_port is None else grpc_port
     for i, arg in enumerate(argv):
         if arg == "--port" and i + 1 < len(argv):
             return int(argv[i + 1])
@@ -73,6 +87,14 @@ def port_of(argv: Sequence[str], environ: Mapping[str, str], role: str | None) -
     if environ.get("SPLITSERVE_PORT", "").isdigit():
         return int(environ["SPLITSERVE_PORT"])
     return DEFAULT_PORTS.get(role or "", DEFAULT_PORTS["frontend"])
+
+
+def _launcher(argv: Sequence[str]) -> str:
+    """`serve` or `up` when `argv` runs the launcher (`splitserve serve ...`), else ""."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg.endswith("splitserve") and argv[i + 1] in LAUNCHERS:
+            return argv[i + 1]
+    return ""
 
 
 def check(addr: str, service: str, timeout: float) -> bool:

@@ -1,6 +1,8 @@
 """Print the pinned runtime closure of splitserve, for docker/requirements.txt.
 
-Run it with the interpreter of an environment where splitserve (`pip install -e .`) is installed:
+Run it with the interpreter of an environment where splitserve's dependencies are installed (the
+root requirements are read from this repository's pyproject.toml, so a stale install of
+splitserve itself does not matter):
 
     .venv/bin/python docker/lock_requirements.py > docker/requirements.txt
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import sys
+import tomllib
+from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -32,14 +36,21 @@ def _applies(req: Requirement, extras: set[str], env: dict[str, str]) -> bool:
     return any(req.marker.evaluate({**env, "extra": e}) for e in (extras or {""}))
 
 
-def closure(root: str) -> dict[str, str]:
-    """Name -> installed version of every distribution `root` needs at run time."""
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def root_requirements() -> list[str]:
+    """splitserve's runtime dependencies, as pyproject.toml declares them."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    return list(project["dependencies"])
+
+
+def closure(roots: list[str]) -> dict[str, str]:
+    """Name -> installed version of every distribution `roots` need at run time."""
     env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
     versions: dict[str, str] = {}
     extras_seen: dict[str, set[str]] = {}
-    pending: list[tuple[Requirement, set[str]]] = [
-        (Requirement(r), set()) for r in md.requires(root) or [] if "extra ==" not in r
-    ]
+    pending: list[tuple[Requirement, set[str]]] = [(Requirement(r), set()) for r in roots]
     while pending:
         req, parent_extras = pending.pop()
         if not _applies(req, parent_extras, env):
@@ -58,7 +69,7 @@ def closure(root: str) -> dict[str, str]:
 def main() -> int:
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     sys.stdout.write(HEADER.format(py=py))
-    for name, version in sorted(closure("splitserve").items()):
+    for name, version in sorted(closure(root_requirements()).items()):
         if name not in LEFT_OUT:
             sys.stdout.write(f"{name}=={version}\n")
     return 0

@@ -11,14 +11,15 @@ from prometheus_client import CollectorRegistry
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.core_client import CoreClient
 from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_stats import register_engine_stats
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.kv_events import KvEventHub
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.model_files import ModelFiles
 from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.tracing import RequestTracer
 from splitserve_contracts.sampling_rules import Limits
+from splitserve_runtime.tracing import Tracing
 
 
 @dataclass(frozen=True)
@@ -51,20 +52,25 @@ def build_frontend(
     served_model_name: str,
     limits: FrontendLimits = FrontendLimits(),
     kv_events: KvEventHub | None = None,
+    tracing: Tracing | None = None,
 ) -> Frontend:
     """Metrics (with the engine core's queue and KV gauges), engine and input processor (with
     the model's image processor when the engine says it takes images); `kv_events` gets the
     engine's KV-cache events (when the client subscribed to them)."""
+    """Metrics (the request-level series; the engine's own are the core's), engine and input
+    processor;
+    `kv_events` gets the engine's KV-cache events (when the client subscribed to them)."""
     metrics = FrontendMetrics(registry, served_model_name, info.engine_id, info.max_model_len)
+    tracer = RequestTracer(tracing, served_model_name) if tracing is not None else None
     engine = AsyncEngine(
         client,
-        OutputProcessor(backend_decoder(files.tokenizer), metrics),
+        OutputProcessor(backend_decoder(files.tokenizer), metrics, tracer),
         metrics,
         limits.max_inflight_requests,
         limits.max_recovery_seconds,
         kv_events,
+        tracer,
     )
-    register_engine_stats(registry, lambda: engine.scheduler_stats, served_model_name, info)
     request_limits = Limits(
         vocab_size=info.vocab_size,
         max_logprobs=limits.max_logprobs,

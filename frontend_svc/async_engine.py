@@ -35,6 +35,7 @@ from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.requests import CompletionDelta, EngineRequest, derived_request_id
+from frontend_svc.tracing import RequestTracer
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.output_types import FinishReason, SchedulerStats
 
@@ -52,8 +53,11 @@ class AsyncEngine:
         max_inflight_requests: int = 0,
         max_recovery_seconds: float = 0.0,
         kv_events: KvEventHub | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.client = client
+        self.tracer = tracer
+        """Starts each request's spans (--otlp-traces-endpoint); None: not tracing."""
         self.kv_events = kv_events
         """Where the engine's KV-cache events go (when the client subscribed to them)."""
         self.max_inflight_requests = max_inflight_requests
@@ -298,9 +302,14 @@ class AsyncEngine:
                 params=dataclasses.replace(params, n=1, seed=seed),
             )
             handle = self.client.next_handle()
-            self.output_processor.add_request(
+            span = None
+            if self.tracer is not None:
+                span, context = self.tracer.start(child, arrival, with_tokenize=index == 0)
+                child = dataclasses.replace(child, trace=context)
+            state = self.output_processor.add_request(
                 handle, index, child.params, len(request.prompt_token_ids), queue, arrival, child
             )
+            state.span = span
             children[index] = handle
             batch.append((handle, child))
         try:

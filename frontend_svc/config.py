@@ -7,16 +7,32 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from frontend_svc.chat_template import read_chat_template
+from frontend_svc.http_flags import (
+    DEFAULT_HTTP_LIMITS,
+    HTTP_LIMIT_FLAGS,
+    HTTP_LOG_FLAGS,
+    positive_seconds,
+)
 from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits, parse_limit_mm_per_prompt
 from frontend_svc.openai.http_limits import HttpLimits
+from frontend_svc.openai.reasoning import REASONING_PARSERS
+from frontend_svc.openai.response_store import (
+    DEFAULT_RESPONSES_STORE_SIZE,
+    DEFAULT_RESPONSES_STORE_TTL,
+)
+from frontend_svc.openai.server import HttpLog
+from frontend_svc.openai.tool_parsers import TOOL_PARSERS
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int, positive_int
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.tls import TlsConfigError, TlsFiles
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     TransportConfig,
     check_internal_tls,
@@ -24,12 +40,12 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = FRONTEND.default_port
 DEFAULT_METRICS_PORT = FRONTEND.default_metrics_port
 DEFAULT_HTTP_PORT = 8000
 """The OpenAI-compatible HTTP server's port, as vLLM's."""
-DEFAULT_HTTP_LIMITS = HttpLimits()
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,10 @@ class FrontendConfig(TransportConfig):
     tokenizer: str = ""
     revision: str = ""
     generation_config: str = "auto"
-    served_model_name: str = ""
+    served_model_name: tuple[str, ...] = ()
+    """--served-model-name: the names clients may use, the first one reported (empty: the
+    engine core's)."""
+    chat_template: str = ""
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
@@ -57,6 +76,11 @@ class FrontendConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enable_log_requests: bool = False
     max_log_len: int = 0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     log_level: str = "info"
     log_format: str = "text"
     api_key: str = field(default="", repr=False)
@@ -78,6 +102,14 @@ class FrontendConfig(TransportConfig):
     mm_processor_threads: int = DEFAULT_MEDIA_LIMITS.mm_processor_threads
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     data_parallel_rank: int = 0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
     enable_reflection: bool = field(default=True, kw_only=True)
 
     @property
@@ -105,6 +137,15 @@ class FrontendConfig(TransportConfig):
         )
 
     @property
+    def http_log(self) -> HttpLog:
+        """What the HTTP server logs."""
+        return HttpLog(
+            level=self.uvicorn_log_level,
+            access_log=not self.disable_uvicorn_access_log,
+            quiet_paths=self.disable_access_log_for_endpoints,
+        )
+
+    @property
     def ssl(self) -> TlsFiles | None:
         """TLS of the public port (None: plaintext)."""
         if not self.ssl_certfile:
@@ -114,44 +155,6 @@ class FrontendConfig(TransportConfig):
 
 def _domains(value: str) -> tuple[str, ...]:
     return tuple(d for d in value.replace(",", " ").split() if d)
-
-
-def _seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0 or seconds == float("inf"):  # also NaN
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
-    return seconds
-
-
-HTTP_LIMIT_FLAGS: tuple[Flag, ...] = (
-    flag(
-        "--timeout-keep-alive",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.timeout_keep_alive,
-        help="close an HTTP connection idle this many seconds: a new one before its first "
-        "byte, or one after its response (uvicorn's and vLLM's default)",
-    ),
-    flag(
-        "--http-header-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.header_timeout,
-        help="seconds from a request's first byte to the end of its headers; then 408",
-    ),
-    flag(
-        "--http-body-timeout",
-        type=_seconds,
-        default=DEFAULT_HTTP_LIMITS.body_timeout,
-        help="seconds a request's whole body may take after its headers; then 408",
-    ),
-    flag(
-        "--max-http-connections",
-        type=positive_int,
-        default=DEFAULT_HTTP_LIMITS.max_connections,
-        help="HTTP connections open at once; more are refused with 503 (at most half the "
-        "process's open file limit, so that gRPC and the engine keep theirs)",
-    ),
-)
-"""The HTTP port's timeouts and connection cap (uvicorn's name where it has the setting)."""
 
 
 def _aspect_ratio(value: str) -> float:
@@ -242,6 +245,46 @@ GATEWAY_FLAGS: tuple[Flag, ...] = (
 """What a gateway in front of several engines needs from this one (vLLM's names)."""
 
 
+TOOLS_AND_REASONING_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let chat requests use tool_choice auto (the default when they send tools): the "
+        "model decides, and --tool-call-parser reads its calls from the answer",
+    ),
+    flag(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the served model's tool-call format, by vLLM's names: hermes (Hermes, Qwen2.5, "
+        "Qwen3), llama3_json / llama4_json (Llama 3.1+, 4), mistral, pythonic (Llama 3.2, "
+        "ToolACE), qwen3_xml / qwen3_coder (Qwen3-Coder, Qwen3.5)",
+    ),
+    flag(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's thinking (<think>...</think>) into the answer's `reasoning` "
+        "field: deepseek_r1 (DeepSeek-R1 and distills), qwen3 (Qwen3, QwQ; honours "
+        "chat_template_kwargs.enable_thinking)",
+    ),
+    flag(
+        "--responses-store-size",
+        type=non_negative_int,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="/v1/responses: most responses this frontend keeps for previous_response_id and "
+        "GET /v1/responses/{id} (store: true; least recently created dropped first; 0: none)",
+    ),
+    flag(
+        "--responses-store-ttl",
+        type=positive_seconds,
+        default=DEFAULT_RESPONSES_STORE_TTL,
+        help="/v1/responses: seconds a stored response is kept",
+    ),
+)
+"""Tool calling, reasoning and the Responses API (vLLM's names where vLLM has the flag)."""
+
+
 PUBLIC_SECURITY_FLAGS: tuple[Flag, ...] = (
     flag(
         "--api-key",
@@ -274,8 +317,18 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
     flag("--core-addr", default="127.0.0.1:50061", help="engine core HOST:PORT"),
     flag(
         "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="model names clients may send (vLLM's aliases): /v1/models lists each, responses "
+        "and metrics carry the first (default: what the engine core reports)",
+    ),
+    flag(
+        "--chat-template",
+        type=read_chat_template,
         default="",
-        help="model name for clients (default: what the engine core reports)",
+        help="a Jinja chat template file, or the template itself, used instead of the "
+        "model's own (vLLM's flag)",
     ),
     flag("--host", default="0.0.0.0", help="address to listen on"),
     flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
@@ -349,12 +402,17 @@ FRONTEND_FLAGS: tuple[Flag, ...] = (
         "prompt (vLLM's name; 0, the default here, logs no prompt text)",
     ),
     *LOGGING_FLAGS,
+    *HTTP_LOG_FLAGS,
     *HTTP_LIMIT_FLAGS,
     *MEDIA_FLAGS,
     *GATEWAY_FLAGS,
+    *TOOLS_AND_REASONING_FLAGS,
     *PUBLIC_SECURITY_FLAGS,
     *internal_tls_flags("the calls to the engine core"),
     *listener_flags(reflection_default=True),
+    *PROFILER_FLAGS,
+    *TRACING_FLAGS,
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve frontend`, in --help order (vLLM's names where vLLM has the flag)."""
 
@@ -374,6 +432,11 @@ def parse_config(
     check_internal_tls(parser, args)
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(
+            "--enable-auto-tool-choice requires --tool-call-parser (one of "
+            f"{', '.join(sorted(TOOL_PARSERS))})"
+        )
     if args.max_fan_out < args.max_n:
         parser.error("--max-fan-out must be at least --max-n (one call's n fans out n requests)")
     try:
@@ -393,4 +456,6 @@ def parse_config(
     values["http_port"] = None if args.http_port < 0 else args.http_port
     values["http_host"] = args.http_host or args.host
     values["api_key"] = args.api_key or env.get("VLLM_API_KEY", "")
+    values["served_model_name"] = tuple(dict.fromkeys(args.served_model_name))
+    values["uvicorn_log_level"] = args.uvicorn_log_level or args.log_level
     return FrontendConfig(**values)

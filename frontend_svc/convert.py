@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.engine_types import (
+    CoreOutputDetail,
+    CoreOutputs,
+    EngineInfo,
+    EngineSnapshot,
+    HistogramState,
+    TokenizerInfo,
+)
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.kv_events import (
     AllBlocksCleared,
@@ -27,6 +37,7 @@ from frontend_svc.requests import (
     Logprob,
     PromptInput,
     TokenLogprobs,
+    ToolCallInput,
 )
 from splitserve_contracts import sampling_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
@@ -61,7 +72,33 @@ def _part_from_proto(part: gen_pb2.ContentPart, where: str) -> ContentPart:
 def _turn_from_proto(message: gen_pb2.ChatMessage, index: int) -> ChatTurn:
     where = f"chat.messages[{index}].content_parts"
     parts = tuple(_part_from_proto(p, f"{where}[{j}]") for j, p in enumerate(message.content_parts))
-    return ChatTurn(message.role, message.content, parts)
+    calls = tuple(
+        _call_from_proto(c, f"chat.messages[{index}].tool_calls[{j}]")
+        for j, c in enumerate(message.tool_calls)
+    )
+    return ChatTurn(
+        message.role,
+        message.content,
+        parts,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id,
+        name=message.name,
+        reasoning=message.reasoning,
+    )
+
+
+def _call_from_proto(call: gen_pb2.ToolCall, where: str) -> ToolCallInput:
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except ValueError as err:
+        raise InvalidRequest(
+            f"{where}.arguments is not valid JSON: {err}", f"{where}.arguments"
+        ) from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.arguments must be a JSON object", f"{where}.arguments")
+    if not call.name:
+        raise InvalidRequest(f"{where}.name is required", f"{where}.name")
+    return ToolCallInput(call.id, call.name, arguments)
 
 
 def _chat_from_proto(chat: gen_pb2.Chat) -> tuple[tuple[ChatTurn, ...], bool]:
@@ -70,13 +107,60 @@ def _chat_from_proto(chat: gen_pb2.Chat) -> tuple[tuple[ChatTurn, ...], bool]:
     return turns, add_prompt
 
 
+TOOL_CHOICE_MODES = {
+    gen_pb2.TOOL_CHOICE_MODE_NONE: "none",
+    gen_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+    gen_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
+}
+
+
+def tools_body_from_proto(msg: gen_pb2.GenerateRequest) -> dict[str, Any] | None:
+    """The request's tool fields in the HTTP API's JSON shapes (checked by the same rules,
+    openai/tools.py, in the servicer); None: no tool field is set."""
+    body: dict[str, Any] = {}
+    if msg.tools:
+        body["tools"] = [_tool_from_proto(t, i) for i, t in enumerate(msg.tools)]
+    if msg.HasField("tool_choice"):
+        kind = msg.tool_choice.WhichOneof("choice")
+        if kind == "function_name":
+            name = msg.tool_choice.function_name
+            body["tool_choice"] = {"type": "function", "function": {"name": name}}
+        elif kind == "mode" and msg.tool_choice.mode in TOOL_CHOICE_MODES:
+            body["tool_choice"] = TOOL_CHOICE_MODES[msg.tool_choice.mode]
+    if msg.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = msg.parallel_tool_calls
+    if body and msg.WhichOneof("input") != "chat":
+        raise InvalidRequest("tools need a chat prompt", "tools")
+    return body or None
+
+
+def _tool_from_proto(tool: gen_pb2.Tool, index: int) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters_json:
+        try:
+            function["parameters"] = json.loads(tool.parameters_json)
+        except ValueError as err:
+            where = f"tools[{index}].parameters_json"
+            raise InvalidRequest(f"{where} is not valid JSON: {err}", where) from None
+    if tool.strict:
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
 def prompt_from_proto(msg: gen_pb2.GenerateRequest | gen_pb2.TokenizeRequest) -> PromptInput:
     """The `input` oneof of a Generate or Tokenize request."""
     add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
     kind = msg.WhichOneof("input")
     if kind == "chat":
         turns, add_prompt = _chat_from_proto(msg.chat)
-        return PromptInput(chat=turns, add_generation_prompt=add_prompt)
+        kwargs = None
+        if msg.chat.HasField("chat_template_kwargs"):
+            kwargs = json_format.MessageToDict(msg.chat.chat_template_kwargs)
+        return PromptInput(
+            chat=turns, add_generation_prompt=add_prompt, chat_template_kwargs=kwargs
+        )
     if kind == "prompt_token_ids":
         assert isinstance(msg, gen_pb2.GenerateRequest)
         return PromptInput(token_ids=tuple(msg.prompt_token_ids.ids))
@@ -126,12 +210,20 @@ def _token_logprobs_to_proto(
             _logprob_to_proto(top, entry.top.add())
 
 
-def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateResponse:
+def delta_to_proto(
+    request_id: str,
+    delta: CompletionDelta,
+    parsed: dict[str, Any] | None = None,
+    calls: Sequence[tuple[str, str, str]] = (),
+) -> gen_pb2.GenerateResponse:
+    """One piece of a completion; `parsed` (chat_output's fields) replaces the raw text with
+    the answer, its thinking and, on the last piece, `calls` (id, name, arguments)."""
     msg = gen_pb2.GenerateResponse(
         request_id=request_id,
         index=delta.index,
         token_ids=delta.token_ids,
-        text=delta.text,
+        text=delta.text if parsed is None else parsed.get("content", ""),
+        reasoning=parsed.get("reasoning", "") if parsed is not None else "",
         finish_reason=int(delta.finish_reason),  # type: ignore[arg-type]
         usage=gen_pb2.Usage(
             prompt_tokens=delta.prompt_tokens,
@@ -143,6 +235,8 @@ def delta_to_proto(request_id: str, delta: CompletionDelta) -> gen_pb2.GenerateR
         msg.stop_str = delta.stop_str
     elif delta.stop_token_id is not None:
         msg.stop_token_id = delta.stop_token_id
+    for call_id, name, arguments in calls:
+        msg.tool_calls.add(id=call_id, name=name, arguments=arguments)
     if delta.logprobs:
         _token_logprobs_to_proto(delta.logprobs, msg.logprobs)
     if delta.prompt_logprobs:
@@ -178,9 +272,14 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
+    if req.trace is not None:
+        msg.trace_context.traceparent = req.trace.traceparent
+        msg.trace_context.tracestate = req.trace.tracestate
     sampling_convert.to_proto(params, msg.sampler_params)
     if req.structured_outputs is not None:
         structured_outputs.to_proto(req.structured_outputs, msg.structured_outputs)
+        if req.reasoning_end_token_id is not None:
+            msg.reasoning_end_token_id = req.reasoning_end_token_id
     for feature in req.mm_features:
         entry = msg.mm_features.add(
             modality=feature.modality,
@@ -293,3 +392,21 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         max_concurrency=msg.max_concurrency,
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
     )
+
+
+def engine_snapshot_from_proto(msg: core_pb2.GetSchedulerStatsResponse) -> EngineSnapshot:
+    """The core's stats and step histogram; a histogram whose counts do not match its bounds
+    (one more than them, never decreasing) is dropped, not exported wrong."""
+    stats = scheduler_stats_from_proto(msg.scheduler_stats)
+    hist = msg.iteration_tokens
+    bounds, counts = list(hist.upper_bounds), list(hist.cumulative_counts)
+    is_valid = (
+        len(counts) == len(bounds) + 1 and _ascending(counts) and _ascending(bounds, strictly=True)
+    )
+    state = HistogramState(bounds, counts, hist.sum) if is_valid and bounds else None
+    return EngineSnapshot(stats, state)
+
+
+def _ascending(values: list[float] | list[int], strictly: bool = False) -> bool:
+    pairs = itertools.pairwise(values)
+    return all(a < b for a, b in pairs) if strictly else all(a <= b for a, b in pairs)

@@ -27,10 +27,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo, TokenizerInfo
+from frontend_svc.engine_types import CoreOutputs, EngineInfo, EngineSnapshot, TokenizerInfo
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.kv_events import AllBlocksCleared, KvEvents
 from frontend_svc.requests import EngineRequest
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.output_types import SchedulerStats
@@ -356,6 +357,22 @@ class EngineCoreClient:
             requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
+
+    async def engine_snapshot(self, timeout: float) -> EngineSnapshot:
+        """The core's scheduler stats and step histogram now (the serving port's /metrics).
+        Raises grpc.RpcError when the core does not answer."""
+        request = core_pb2.GetSchedulerStatsRequest()
+        reply = await self._stub.GetSchedulerStats(
+            request, timeout=timeout, metadata=self._metadata
+        )
+        return convert.engine_snapshot_from_proto(reply)
+
+    async def profile(self, action: int, prefix: str, timeout: float = 60.0) -> None:
+        """Start (1) or stop (2) the worker ranks' torch profilers (the core's --profiler-config)
+        between two steps. Raises grpc.RpcError (FAILED_PRECONDITION: profiling is off)."""
+        command = common_pb2.ProfileCommand(action=action, prefix=prefix)  # type: ignore[arg-type]
+        request = core_pb2.ProfileRequest(command=command)
+        await self._stub.Profile(request, timeout=timeout, metadata=self._metadata)
 
     async def reset_prefix_cache(self, timeout: float) -> int:
         """Ask the core to forget its prefix cache: 0 when it did, else the number of KV blocks

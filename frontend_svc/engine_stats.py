@@ -1,25 +1,41 @@
-"""The engine core's queue and KV-cache gauges, exported by the frontend on its /metrics.
+"""The engine's series on the frontend's serving port (/metrics of the HTTP API), for gateways.
 
-A router or autoscaler scraping the serving port (the production-stack router, KEDA, the llm-d
-endpoint picker) reads vLLM's names there: vllm:num_requests_running, vllm:num_requests_waiting,
-vllm:kv_cache_usage_perc and vllm:cache_config_info, labelled with model_name and the engine's
-id. The values are the core's SchedulerStats as of the latest step that sent this frontend
-outputs, or, when none did for a second (this frontend idle while others keep the engine busy),
-as the frontend last asked the core for them; read at scrape time, so serving pays nothing. Several frontends on one core export the
-same series with the same `engine` label: aggregate with max by engine, never sum.
+A router or autoscaler scraping a pod's serving port (the production-stack router, the llm-d
+endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
+vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
+vllm:prefix_cache_queries/hits, vllm:num_preemptions, vllm:mm_cache_queries/hits,
+vllm:iteration_tokens_total and vllm:cache_config_info, labelled with model_name and the engine's
+id. They are the engine core's own values, asked for at scrape time (GetSchedulerStats), or, when
+the core does not answer within a second, its latest stats this frontend saw (no histogram then).
+
+One source per series in Prometheus: these are only on the serving port. The engine core's
+metrics port exports the same series, and the frontend's metrics port (the one the chart's
+ServiceMonitor scrapes) exports only request-level series, which each frontend counts for its
+own requests. So `sum(vllm:num_requests_waiting)` over a release is the engine's truth however
+many frontends it has (docs/deploy.md#metrics-that-add-up). Scrape a frontend's serving port
+with Prometheus only where it is the engine's only exporter (the one-container image).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Awaitable, Callable, Iterator
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+import grpc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine_types import EngineInfo, EngineSnapshot
 from splitserve_contracts.output_types import SchedulerStats
 
+logger = logging.getLogger(__name__)
 LABELS = ["model_name", "engine"]
+SNAPSHOT_TIMEOUT_S = 1.0
 
 
 def cache_config_labels(info: EngineInfo) -> dict[str, str]:
@@ -33,13 +49,11 @@ def cache_config_labels(info: EngineInfo) -> dict[str, str]:
     }
 
 
-class EngineStatsCollector:
-    """A Prometheus collector over a function returning the latest SchedulerStats."""
+class EngineSeries:
+    """vLLM's engine series of one snapshot, as Prometheus metric families."""
 
-    def __init__(
-        self, latest: Callable[[], SchedulerStats], model_name: str, info: EngineInfo
-    ) -> None:
-        self.latest = latest
+    def __init__(self, snapshot: EngineSnapshot, model_name: str, info: EngineInfo) -> None:
+        self.snapshot = snapshot
         self.values = [model_name, info.engine_id]
         self.cache_config = cache_config_labels(info)
 
@@ -48,22 +62,40 @@ class EngineStatsCollector:
         family.add_metric(self.values, value)
         return family
 
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(self.values, value)
+        return family
+
     def collect(self) -> Iterator[Metric]:
-        stats = self.latest()
-        yield self._gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            stats.num_running_reqs,
+        stats = self.snapshot.stats
+        yield from self._scheduler_gauges(stats)
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
         )
-        yield self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-            stats.num_waiting_reqs,
-        )  # fmt: skip
-        yield self._gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            stats.kv_cache_usage,
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits,
         )
+        yield self._counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            stats.num_preemptions,
+        )
+        yield self._counter(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items.",
+            stats.encoder_cache_queries,
+        )
+        yield self._counter(
+            "vllm:mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items.",
+            stats.encoder_cache_hits,
+        )
+        yield from self._iteration_tokens()
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -72,11 +104,72 @@ class EngineStatsCollector:
         info.add_metric([self.cache_config[k] for k in sorted(self.cache_config)], 1.0)
         yield info
 
+    def _scheduler_gauges(self, stats: SchedulerStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.num_running_reqs,
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            stats.num_waiting_reqs + stats.num_waiting_deferred,
+        )
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason (capacity, deferred).",
+            labels=[*LABELS, "reason"],
+        )
+        by_reason.add_metric([*self.values, "capacity"], stats.num_waiting_reqs)
+        by_reason.add_metric([*self.values, "deferred"], stats.num_waiting_deferred)
+        yield by_reason
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            stats.kv_cache_usage,
+        )
 
-def register_engine_stats(
-    registry: CollectorRegistry,
-    latest: Callable[[], SchedulerStats],
-    model_name: str,
-    info: EngineInfo,
-) -> None:
-    registry.register(EngineStatsCollector(latest, model_name, info))
+    def _iteration_tokens(self) -> Iterator[Metric]:
+        hist = self.snapshot.iteration_tokens
+        if hist is None:
+            return
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels=LABELS,
+        )
+        bounds = [*(_bound(b) for b in hist.upper_bounds), "+Inf"]
+        buckets = list(zip(bounds, (float(c) for c in hist.cumulative_counts), strict=True))
+        family.add_metric(self.values, buckets, hist.sum)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return str(int(value)) + ".0" if value.is_integer() else str(value)
+
+
+class EngineView:
+    """Renders the engine series for the serving port's /metrics."""
+
+    def __init__(
+        self,
+        fetch: Callable[[float], Awaitable[EngineSnapshot]],
+        latest: Callable[[], SchedulerStats],
+        model_name: str,
+        info: EngineInfo,
+    ) -> None:
+        self.fetch, self.latest = fetch, latest
+        self.model_name, self.info = model_name, info
+
+    async def snapshot(self) -> EngineSnapshot:
+        try:
+            return await self.fetch(SNAPSHOT_TIMEOUT_S)
+        except (TimeoutError, grpc.RpcError) as err:
+            logger.debug("engine stats for /metrics from the latest outputs: %s", err)
+            return EngineSnapshot(self.latest())
+
+    async def render(self) -> bytes:
+        """The series in the classic text format."""
+        registry = CollectorRegistry()
+        registry.register(EngineSeries(await self.snapshot(), self.model_name, self.info))
+        return generate_latest(registry)

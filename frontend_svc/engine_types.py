@@ -35,6 +35,24 @@ class EngineInfo:
     """Placeholder tokens one image takes in the workers' model; 0: the model takes text only."""
 
 
+@dataclass(frozen=True, slots=True)
+class HistogramState:
+    """A Prometheus histogram as the engine core counts it: cumulative bucket counts."""
+
+    upper_bounds: list[float]
+    cumulative_counts: list[int]
+    """One per bound, then the +Inf bucket (every observation)."""
+    sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The core's scheduler state and its per-step token histogram (GetSchedulerStats)."""
+
+    stats: SchedulerStats
+    iteration_tokens: HistogramState | None = None
+
+
 @dataclass(slots=True)
 class CoreOutputDetail:
     """One request's step details beyond its new tokens."""

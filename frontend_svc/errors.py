@@ -101,10 +101,13 @@ def engine_error(request_id: str, kind: int, message: str) -> FrontendError:
     )
 
 
-def check_model(requested: str | None, served_model_name: str) -> None:
-    """Both APIs: a request naming a model other than the served one gets ModelNotFound (404 /
-    NOT_FOUND); no name means the served model."""
-    if requested and requested != served_model_name:
+def check_model(
+    requested: str | None, served_model_name: str, aliases: tuple[str, ...] = ()
+) -> None:
+    """Both APIs: a request naming a model other than the served one (or one of its
+    --served-model-name aliases) gets ModelNotFound (404 / NOT_FOUND); no name means the served
+    model."""
+    if requested and requested != served_model_name and requested not in aliases:
         raise ModelNotFound(
             f"the model `{shorten(requested)}` does not exist; this server serves "
             f"`{served_model_name}`"

@@ -192,20 +192,15 @@ class InputProcessor:
                 "set add_generation_prompt to false to continue the last message",
                 "continue_final_message",
             )
-        extra = dict(prompt.chat_template_kwargs or {})
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
-        if reserved:
-            raise InvalidRequest(
-                f"chat_template_kwargs may not set {', '.join(reserved)}; "
-                "use the request's own fields",
-                "chat_template_kwargs",
-            )
+        extra = _template_kwargs(prompt)
         mm = self.multimodal
         messages = chat_messages(
             chat,
             mm.spec.image_token if mm is not None else None,
             mm is not None and template_uses_content_parts(str(self.tokenizer.chat_template)),
         )
+        for message, turn in zip(messages, chat, strict=True):
+            message.update(turn.template_fields())
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -219,6 +214,20 @@ class InputProcessor:
                 f"the chat template cannot render these messages: {exc}", "chat.messages"
             ) from exc
         return str(text)
+
+    def _prompt_ends_reasoning(self, call: GenerateInput, prompt: TokenizedPrompt) -> bool:
+        """Whether the prompt closed the model's thinking. For a chat with a generation
+        prompt only that cue counts (Qwen3's with enable_thinking false holds
+        `<think></think>`): earlier assistant turns' thinking is history. Otherwise the last
+        think token of the prompt decides (vLLM's is_reasoning_end)."""
+        tokens = call.reasoning
+        assert tokens is not None
+        chat = call.prompt
+        if chat.chat is None or not chat.add_generation_prompt or prompt.text is None:
+            return tokens.ended_in(prompt.token_ids)
+        history = self.render_chat(dataclasses.replace(chat, add_generation_prompt=False))
+        cue = prompt.text[len(history) :] if prompt.text.startswith(history) else prompt.text
+        return tokens.ended_in_text(cue)
 
     def check_num_token_ids(self, num_ids: int, field: str) -> None:
         """Ids to detokenize: at most max_model_len (both APIs)."""
@@ -291,6 +300,7 @@ class InputProcessor:
             stop_ids = tuple(dict.fromkeys(stop_ids + self.extra_eos_ids))
         params = dataclasses.replace(params, max_tokens=max_tokens, stop_token_ids=stop_ids)
         eos_token_id = None if params.ignore_eos else self.eos_token_id
+        is_ended = call.reasoning is not None and self._prompt_ends_reasoning(call, prompt)
         return EngineRequest(
             call.request_id,
             prompt.token_ids,
@@ -300,10 +310,34 @@ class InputProcessor:
             call.cache_salt,
             prompt.mm_features,
             structured_outputs=call.structured_outputs,
+            reasoning_end_token_id=None if is_ended else _reasoning_end(call),
+            prompt_ends_reasoning=is_ended,
         )
 
 
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _template_kwargs(prompt: PromptInput) -> dict[str, Any]:
+    """apply_chat_template's extra arguments: the request's chat_template_kwargs (which may not
+    set its own parameters) and the tools."""
+    extra = dict(prompt.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+    if reserved:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)}; use the request's own fields",
+            "chat_template_kwargs",
+        )
+    if prompt.tools:
+        extra["tools"] = list(prompt.tools)
+    return extra
+
+
+def _reasoning_end(call: GenerateInput) -> int | None:
+    """The token after which a thinking model's grammar starts (None: at once)."""
+    if call.structured_outputs is None or call.reasoning is None:
+        return None
+    return call.reasoning.end_id
 
 
 def _check_structured_outputs(params: StructuredOutputsParams, where: str) -> None:

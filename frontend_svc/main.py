@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_stats import EngineView
 from frontend_svc.gateway import convert as gateway_convert
 from frontend_svc.gateway.servicer import VllmEngineServicer
 from frontend_svc.grpc_auth import api_key_interceptors
@@ -20,18 +22,25 @@ from frontend_svc.kv_events import KvEventHub
 from frontend_svc.kv_publisher import ZmqEventPublisher
 from frontend_svc.model_files import ModelFiles, load_model_files
 from frontend_svc.openai.app import build_app
+from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.ops_routes import OpsOptions
+from frontend_svc.openai.reasoning import ReasoningParser
+from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.server import GenerationServicer
+from frontend_svc.tracing import accept_caller_traces
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.flags import SECRET_DESTS
 from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.service_host import ServiceHost
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
+from splitserve_runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,7 @@ def read_model_files(config: FrontendConfig) -> ModelFiles:
         config.tokenizer,
         config.generation_config,
         config.media_limits,
+        config.chat_template,
     )
 
 
@@ -60,6 +70,7 @@ async def serve(config: FrontendConfig) -> int:
     engine), then build every piece complete and open the public port."""
     try:
         files = read_model_files(config)
+        chat = chat_features(config, files.tokenizer)
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
@@ -95,7 +106,7 @@ async def serve(config: FrontendConfig) -> int:
             health_port=config.health_port,
         ),
     )
-    served_name = config.served_model_name or info.served_model_name
+    served_name, *aliases = config.served_model_name or (info.served_model_name,)
     limits = FrontendLimits(
         config.max_logprobs,
         config.max_n,
@@ -109,31 +120,34 @@ async def serve(config: FrontendConfig) -> int:
         report_fatal("frontend", str(err))
         await client.close()
         return 1
-    parts = build_frontend(client, info, files, host.registry, served_name, limits, hub)
-    engine, inputs = parts.engine, parts.inputs
+    try:
+        tracing = start_tracing(
+            "frontend", config.otlp_traces_endpoint, config.collect_detailed_traces
+        )
+    except ValueError as err:
+        report_fatal("frontend", str(err))
+        await client.close()
+        return 1
+    if tracing is not None:
+        accept_caller_traces()
+    parts = build_frontend(client, info, files, host.registry, served_name, limits, hub, tracing)
+    engine = parts.engine
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
-    add_servicers(host, parts, files, client, hub, config.data_parallel_rank)
+    add_servicers(
+        host,
+        parts,
+        files,
+        client,
+        hub,
+        config.data_parallel_rank,
+        chat,
+        tuple(aliases),
+        config.profiler_config.is_enabled,
+    )
     http = None
     if config.http_port is not None:
-        context = ServingContext(
-            engine,
-            inputs,
-            info,
-            served_name,
-            time.time(),
-            max_fan_out=config.max_fan_out,
-            max_body_bytes=config.max_receive_message_bytes,
-        )
-        app = build_app(context, host.registry, config.api_key)
-        http = HttpServer(
-            app,
-            config.http_host,
-            config.http_port,
-            _uvicorn_level(config),
-            config.ssl,
-            config.http_limits,
-        )
+        http = http_server(config, parts, host, client, chat, tuple(aliases))
     await host.start()
     engine.start()
     if http is not None:
@@ -161,7 +175,65 @@ async def serve(config: FrontendConfig) -> int:
     await engine.close()
     if publisher is not None:
         publisher.close()
+    if tracing is not None:
+        tracing.shutdown()  # the spans still batched
     return code
+
+
+def http_server(
+    config: FrontendConfig,
+    parts: Frontend,
+    host: ServiceHost,
+    client: EngineCoreClient,
+    chat: ChatFeatures,
+    aliases: tuple[str, ...],
+) -> HttpServer:
+    """The OpenAI-compatible HTTP API (not started)."""
+    engine, info, served_name = parts.engine, parts.info, parts.served_model_name
+    context = ServingContext(
+        engine,
+        parts.inputs,
+        info,
+        served_name,
+        time.time(),
+        max_fan_out=config.max_fan_out,
+        max_body_bytes=config.max_receive_message_bytes,
+        chat=chat,
+        model_aliases=aliases,
+    )
+    engine_view = EngineView(
+        client.engine_snapshot, lambda: engine.scheduler_stats, served_name, info
+    )
+    store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
+    app = build_app(
+        context,
+        host.registry,
+        config.api_key,
+        store,
+        engine_view.render,
+        ops_options(config, client),
+    )
+    return HttpServer(
+        app,
+        config.http_host,
+        config.http_port or 0,
+        config.http_log,
+        config.ssl,
+        config.http_limits,
+    )
+
+
+def ops_options(config: FrontendConfig, client: EngineCoreClient) -> OpsOptions:
+    """vLLM's operator routes as the flags (and VLLM_SERVER_DEV_MODE) turn them on."""
+    settings = None
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1":
+        settings = {k: v for k, v in vars(config).items() if k not in SECRET_DESTS}
+    return OpsOptions(
+        track_load=config.enable_server_load_tracking,
+        tokenizer_info=config.enable_tokenizer_info_endpoint,
+        server_info=settings,
+        profiler=client if config.profiler_config.is_enabled else None,
+    )
 
 
 def kv_event_hub(
@@ -185,17 +257,33 @@ def add_servicers(
     client: EngineCoreClient,
     hub: KvEventHub | None,
     data_parallel_rank: int,
+    chat: ChatFeatures,
+    model_aliases: tuple[str, ...] = (),
+    profiling: bool = False,
 ) -> None:
     """The public API and, beside it on the same port, the gateway contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name)
+    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
-    gateway = VllmEngineServicer(engine, inputs, info, files, name, hub, client, data_parallel_rank)
+    profiler = client if profiling else None
+    gateway = VllmEngineServicer(
+        engine, inputs, info, files, name, hub, client, data_parallel_rank, profiler
+    )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(gateway, host.server)
 
 
-def _uvicorn_level(config: FrontendConfig) -> str:
-    return "warning" if config.log_level in ("debug", "info") else config.log_level
+def chat_features(config: FrontendConfig, tokenizer: object) -> ChatFeatures:
+    """The tool and reasoning settings, checked against the tokenizer (a reasoning parser
+    whose think tokens the vocabulary lacks raises ValueError)."""
+    reasoning = None
+    if config.reasoning_parser is not None:
+        reasoning = ReasoningParser(config.reasoning_parser, tokenizer)
+    return ChatFeatures(
+        config.tool_call_parser,
+        config.enable_auto_tool_choice,
+        reasoning,
+        tool_markers_are_special(config.tool_call_parser, tokenizer),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -131,6 +131,8 @@ class RequestStats:
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (the core says with the first token)."""
 
 
 class FrontendMetrics:
@@ -151,6 +153,14 @@ class FrontendMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        self.prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            lengths,
         )
         self.request_success = Counter(
             "vllm:request_success",
@@ -272,6 +282,7 @@ class FrontendMetrics:
             stats.first_token_ts = core_ts
             self.ttft.observe(time.monotonic() - stats.arrival)
             self.prompt_tokens.inc(stats.num_prompt_tokens)
+            self.prompt_tokens_cached.inc(stats.num_cached_tokens)
         elif stats.last_token_ts is not None:
             self.itl.observe(core_ts - stats.last_token_ts)
         stats.last_token_ts = core_ts
@@ -283,6 +294,8 @@ class FrontendMetrics:
         self.e2e.observe(time.monotonic() - stats.arrival)
         self.request_prompt_tokens.observe(stats.num_prompt_tokens)
         self.request_generation_tokens.observe(stats.num_generation_tokens)
+        if stats.first_token_ts is not None:  # its prompt was computed
+            self.prefill_kv_computed.observe(stats.num_prompt_tokens - stats.num_cached_tokens)
         if stats.queued_ts is not None and stats.scheduled_ts is not None:
             self.queue_time.observe(max(0.0, stats.scheduled_ts - stats.queued_ts))
         first, last = stats.first_token_ts, stats.last_token_ts

@@ -42,7 +42,8 @@ class ModelFiles:
     """What the engine core needs of the tokenizer for structured outputs; None when the
     tokenizer has no serialized form (not a fast tokenizer)."""
     tokenizer_folder: Path | None = None
-    """The folder the tokenizer was read from (None: it came out of a .gguf file)."""
+    """The folder the tokenizer was read from (None: it came out of a .gguf file, or
+    --chat-template replaced its template: a gateway then gets it saved as loaded)."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """The checkpoint's config.json ({} when it has none, e.g. a .gguf file)."""
 
@@ -80,12 +81,16 @@ def load_model_files(
     tokenizer_spec: str = "",
     generation_config: str = "auto",
     media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
+    chat_template: str = "",
 ) -> ModelFiles:
     """Resolve --model/--tokenizer as the workers do and read the files; ValueError/OSError
-    when they cannot be found or read, or the generation config's defaults are invalid."""
+    when they cannot be found or read, or the generation config's defaults are invalid.
+    `chat_template` (--chat-template's text) replaces the tokenizer's own."""
     model = resolve_model(model_spec, revision)
     source = resolve_tokenizer(model, tokenizer_spec, revision)
     tokenizer = load_tokenizer(str(source.path))
+    if chat_template:
+        tokenizer.chat_template = chat_template
     folder = None if model.is_gguf else model.path
     generation = read_generation_config(generation_config_folder(generation_config, folder))
     defaults = sampling_defaults(generation, generation_config)
@@ -105,7 +110,7 @@ def load_model_files(
         folder,
         media_limits,
         tokenizer_info(tokenizer, eos_ids),
-        tokenizer_folder=None if source.is_gguf else source.path,
+        tokenizer_folder=None if source.is_gguf or chat_template else source.path,
         model_config=_read_config(folder),
     )
 

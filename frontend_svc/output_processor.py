@@ -20,6 +20,7 @@ from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, EngineRequest, Logprob, TokenLogprobs
 from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
+from frontend_svc.tracing import RequestTracer
 from splitserve_contracts.output_types import ErrorKind, FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams
 
@@ -46,6 +47,10 @@ class RequestState:
     is_finished: bool = False
     request: EngineRequest | None = None
     """What was sent to the engine core, kept to resubmit it to a restarted core."""
+    span: Any = None
+    """Its llm_request span when traced (frontend_svc/tracing.py)."""
+    first_output_at: float | None = None
+    """time.monotonic() of its first tokens (traced requests only)."""
 
 
 def _grammar_ended(state: RequestState, last_token_id: int) -> bool:
@@ -62,9 +67,12 @@ def _grammar_ended(state: RequestState, last_token_id: int) -> bool:
 class OutputProcessor:
     """Owns the RequestStates of live requests, keyed by their core handle."""
 
-    def __init__(self, decoder: Decoder, metrics: FrontendMetrics) -> None:
+    def __init__(
+        self, decoder: Decoder, metrics: FrontendMetrics, tracer: RequestTracer | None = None
+    ) -> None:
         self.decoder = decoder
         self.metrics = metrics
+        self.tracer = tracer
         self.states: dict[int, RequestState] = {}
 
     def add_request(
@@ -118,6 +126,8 @@ class OutputProcessor:
         if not state.is_finished:
             state.is_finished = True
             self.metrics.on_finish(state.stats, reason)
+            if state.span is not None and self.tracer is not None:
+                self.tracer.finish(state, reason)
 
     def _count_in_flight(self) -> None:
         self.metrics.in_flight.set(len(self.states))
@@ -152,12 +162,15 @@ class OutputProcessor:
     ) -> bool:
         """Update one request; True when a stop string finished it (the core must abort it)."""
         state.num_output_tokens += len(token_ids)
+        if state.span is not None and state.first_output_at is None and token_ids:
+            state.first_output_at = time.monotonic()
         finish = detail.finish_reason if detail else FinishReason.UNSPECIFIED
+        if detail is not None and detail.num_cached_tokens is not None:
+            state.num_cached_tokens = detail.num_cached_tokens
+            state.stats.num_cached_tokens = detail.num_cached_tokens
         self.metrics.on_output(
             state.stats, len(token_ids), core_ts, detail.events if detail else None
         )
-        if detail is not None and detail.num_cached_tokens is not None:
-            state.num_cached_tokens = detail.num_cached_tokens
         stop_str = self._detokenize(state, token_ids, detail, finish)
         if stop_str is not None:
             finish = FinishReason.STOP

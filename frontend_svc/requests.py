@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_runtime.tracing import TraceContext
 
 DEFAULT_MAX_FAN_OUT = 1024
 """Most engine requests one public call may make (--max-fan-out): prompts x n on
@@ -44,11 +46,48 @@ class ContentPart:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallInput:
+    """A call an earlier assistant turn made (OpenAI's `tool_calls` entry)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    """The arguments as an object (chat templates write them with `tojson`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatTurn:
     role: str
     content: str
     parts: tuple[ContentPart, ...] = ()
     """When set, the message is these parts in order and `content` is unused."""
+    tool_calls: tuple[ToolCallInput, ...] = ()
+    """An assistant turn's calls."""
+    tool_call_id: str = ""
+    """A `tool` turn: the call it answers."""
+    name: str = ""
+    reasoning: str = ""
+    """An assistant turn's thinking (templates that show it read `reasoning_content`)."""
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message's fields besides role and content, as chat templates read them."""
+        fields: dict[str, Any] = {}
+        if self.tool_calls:
+            fields["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name:
+            fields["name"] = self.name
+        if self.reasoning:
+            fields["reasoning_content"] = fields["reasoning"] = self.reasoning
+        return fields
 
     @property
     def text(self) -> str:
@@ -89,6 +128,33 @@ class PromptInput:
     """Chat: leave the last message open (the model continues it) instead of closing it."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Chat: extra variables for the chat template (e.g. enable_thinking)."""
+    tools: tuple[dict[str, Any], ...] | None = None
+    """Chat: the tools the model may call, passed to the chat template as
+    apply_chat_template(tools=...) takes them."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningTokens:
+    """The served reasoning parser's think tokens."""
+
+    start_id: int
+    end_id: int
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def ended_in_text(self, text: str) -> bool:
+        """Whether `text` ends the reasoning: its last think marker is the end marker."""
+        return text.rfind(self.end) > text.rfind(self.start)
+
+    def ended_in(self, token_ids: Sequence[int]) -> bool:
+        """Whether `token_ids` (a prompt) end the reasoning: their last think token is the
+        end token (vLLM's is_reasoning_end)."""
+        for token_id in reversed(token_ids):
+            if token_id == self.end_id:
+                return True
+            if token_id == self.start_id:
+                return False
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +170,9 @@ class GenerateInput:
     """The output's grammar (structured outputs); None: free text."""
     structured_outputs_field: str = "structured_outputs"
     """The request field the constraint came from, named in errors."""
+    reasoning: ReasoningTokens | None = None
+    """The served reasoning parser's tokens (a chat request of a thinking model): with a
+    constraint, its grammar starts after the reasoning unless the prompt ended it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +198,14 @@ class EngineRequest:
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
     is_resumed: bool = False
+    reasoning_end_token_id: int | None = None
+    """With structured_outputs: the token that ends the model's reasoning (the grammar starts
+    after it); None: the grammar starts with the first output token."""
+    prompt_ends_reasoning: bool = False
+    """A thinking model's prompt already closed its thinking (e.g. enable_thinking: false):
+    the whole answer is content."""
+    trace: TraceContext | None = None
+    """The frontend span (llm_request) the engine core's spans hang under; None: not traced."""
 
 
 @dataclass(slots=True)

@@ -14,6 +14,9 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
+from frontend_svc.openai.tools import grpc_tools
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -25,13 +28,22 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
     """The public API: Generate, Tokenize, Detokenize, GetModelInfo."""
 
     def __init__(
-        self, engine: AsyncEngine, inputs: InputProcessor, info: EngineInfo, served_model_name: str
+        self,
+        engine: AsyncEngine,
+        inputs: InputProcessor,
+        info: EngineInfo,
+        served_model_name: str,
+        chat: ChatFeatures | None = None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.tokenizer = inputs.tokenizer
         self.info = info
         self.served_model_name = served_model_name
+        self.chat = chat or ChatFeatures()
+        """Tool calling and reasoning, as on the HTTP API."""
+        self.model_aliases = model_aliases
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -39,14 +51,20 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         inputs = self.inputs
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
-            check_model(request.model, self.served_model_name)
+            check_model(request.model, self.served_model_name, self.model_aliases)
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
+            tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
+            call, rules = prepare_chat_call(call, tools, self.chat)
             engine_request = await inputs.run(inputs.process, call)
+            answers = AnswerReader(rules, engine_request.prompt_ends_reasoning)
             async for delta in self.engine.generate(engine_request, arrival):
                 if delta.finish_reason == FinishReason.ERROR:
                     raise engine_error(request_id, delta.error_kind, delta.error_message)
-                yield convert.delta_to_proto(request_id, delta)
+                parsed, calls = answers.read(delta)
+                listed = [(c.id, c.name, c.arguments) for c in calls]
+                yield convert.delta_to_proto(request_id, delta, parsed, listed)
         except FrontendError as err:
             await grpc_errors.abort(context, err)
 

@@ -47,9 +47,9 @@ class StackOptions:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     host: str = LOOPBACK
-    """The frontend's listen address."""
-    port: int = 0
-    """The frontend's gRPC port (0: a free one)."""
+    """The frontend's listen address (its HTTP, gRPC and metrics ports)."""
+    grpc_port: int = 0
+    """The frontend's public gRPC port (0: a free one)."""
     http_port: int = 0
     """The frontend's OpenAI HTTP port (0: a free one, -1: off)."""
     api_key: str = ""
@@ -236,7 +236,7 @@ def start_frontend(options: StackOptions, core_addr: str, pki: LocalPki | None =
     """Start a frontend on the engine core at `core_addr` (several may share one core)."""
     free_metrics_port, fe_port, free_http_port = free_ports(3)
     fe_metrics = options.metrics_port("frontend", free_metrics_port)
-    host, port = options.host, options.port or fe_port
+    host, port = options.host, options.grpc_port or fe_port
     http_port = options.http_port or free_http_port
     argv = [
         *model_flags(options)[1],

@@ -8,8 +8,9 @@ Every query filters on the dashboard's variables: `$model_name`, `$engine` (vLLM
 `$pod` (the label Prometheus Operator's ServiceMonitor gives every series). Series without
 vLLM's labels (gRPC and HTTP request counters, per process) are kept to the processes serving
 the chosen model and engines by joining on `instance` with any series of those processes that
-has them (`FOR_SELECTED_PROCESSES`). Engine gauges (running, waiting, KV usage) are exported by
-the core and again by every frontend on the same labels: they take `max by(engine)`, never sum.
+has them (`FOR_SELECTED_PROCESSES`). Every engine series (running, waiting, KV usage, prefix
+cache, preemptions) has one source in Prometheus, the engine core (the frontends show them only
+on their serving port, which the ServiceMonitor does not scrape): they sum by engine, as vLLM's.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def total_rate(metric: str, legend: str, by: str = "") -> Query:
 
 
 def engine_gauge(metric: str, legend: str) -> Query:
-    return Query(f"max by(engine) ({metric}{SELECTED})", f"{legend} (engine {{{{engine}}}})")
+    return Query(f"sum by(engine) ({metric}{SELECTED})", f"{legend} (engine {{{{engine}}}})")
 
 
 def per_process(expr: str) -> str:
@@ -228,9 +229,10 @@ VLLM_ROW = RowSpec(
 )
 
 
-_GRPC = f"rate(splitserve_grpc_server_handled_total{{{POD}}}{RATE})"
+_GRPC = f"rate(grpc_server_handled_total{{{POD}}}{RATE})"
 _HTTP = f"rate(http_requests_total{{{POD}}}{RATE})"
-_GRPC_ERRORS = f'rate(splitserve_grpc_server_handled_total{{grpc_code!="OK", {POD}}}{RATE})'
+_GRPC_ERRORS = f'rate(grpc_server_handled_total{{grpc_code!="OK", {POD}}}{RATE})'
+_GRPC_TIMES = f'rate(grpc_server_handling_seconds_bucket{{grpc_type!="bidi_stream", {POD}}}{RATE})'
 _HTTP_ERRORS = f'rate(http_requests_total{{status=~"[45]..", {POD}}}{RATE})'
 ERRORS_ROW = RowSpec(
     "Errors and requests by status code",
@@ -256,6 +258,19 @@ ERRORS_ROW = RowSpec(
                 ),
             ),
             "reqps",
+        ),
+        PanelSpec(
+            "gRPC Handling Time by Method (P99)",
+            "Start to end of each call (Generate: the whole stream), all services; the long-lived "
+            "bidirectional streams (EngineStream, Execute) left out.",
+            (
+                Query(
+                    "histogram_quantile(0.99, sum by(le, grpc_method) "
+                    f"({per_process(_GRPC_TIMES)}))",
+                    "{{grpc_method}}",
+                ),
+            ),
+            "s",
         ),
         PanelSpec(
             "HTTP Requests by Handler and Status",

@@ -1,6 +1,12 @@
 """`splitserve serve MODEL` (alias `splitserve up`, which `make run` uses): start worker ranks,
 engine core and frontend as child processes on loopback.
 
+As under `vllm serve`, `--port` is the OpenAI HTTP API's port (8000) and `--host` the address the
+frontend listens on; the public gRPC port is `--grpc-port` (50051). The host defaults to
+loopback here (`make run`, the tests, a laptop), where vLLM binds every interface: the container
+image's entrypoint passes `--host 0.0.0.0` (docs/containers.md). `splitserve up` keeps its old
+spelling, `--port` for the gRPC port, as a deprecated alias (with a warning).
+
 Every service flag the launcher does not wire itself is a flag here too, passed to the service
 that owns it (splitserve/serve_flags.py). The launcher first resolves the model (the positional
 MODEL or `--model`) and `--tokenizer` as the services will, fetching what
@@ -47,12 +53,20 @@ from splitserve.serve_flags import add_service_flags, split_service_flags
 from splitserve.supervisor import Supervisor
 from splitserve_client.cli import distribution_version
 from splitserve_client.last_serve import forget_serve, record_serve
-from splitserve_runtime.flags import Flag, FlagParser, env_name, flag, non_negative_int
+from splitserve_runtime.flags import (
+    Flag,
+    FlagParser,
+    add_flag_notice,
+    env_name,
+    flag,
+    non_negative_int,
+)
 from splitserve_runtime.log_config import LOGGING_FLAGS, configure_logging
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 from splitserve_runtime.model_spec import model_flags
 from splitserve_runtime.services import CORE, FRONTEND, SERVICES, WORKER
 from splitserve_runtime.transport_flags import internal_secret_problem
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 logger = logging.getLogger("splitserve.launcher")
 
@@ -72,18 +86,11 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
     ),
     flag("--version", action="version", version=f"splitserve {distribution_version('splitserve')}"),
     *model_flags(is_frontend=True),  # -tp and -pp come with the core's flags
-    flag("--host", default=LOOPBACK, help="frontend listen address"),
     flag(
-        "--port",
-        type=non_negative_int,
-        default=FRONTEND.default_port,
-        help="frontend port (0: any)",
-    ),
-    flag(
-        "--http-port",
-        type=int,
-        default=DEFAULT_HTTP_PORT,
-        help="frontend's OpenAI-compatible HTTP port (0: any, -1: off)",
+        "--host",
+        default=LOOPBACK,
+        help="address the frontend's HTTP and gRPC ports listen on (0.0.0.0: every interface, "
+        "as vLLM's default and the container image's; the internal hops stay on loopback)",
     ),
     *(
         flag(
@@ -130,12 +137,45 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
         "secret (or SPLITSERVE_INTERNAL_SECRET) that the core and the workers require",
     ),
     *LOGGING_FLAGS,
+    *NO_EFFECT_FLAGS,
 )
 """The launcher's own flags, in --help order (after them, the services' flags it passes on)."""
+GRPC_PORT_HELP = "the frontend's public gRPC port (GenerationService, VllmEngine; 0: any)"
+HTTP_PORT_HELP = "the frontend's OpenAI-compatible HTTP port (0: any, -1: off)"
 
 
-def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, str]]:
-    """The launcher's parser, and which service owns each flag it passes on."""
+class _OldGrpcPortSpelling(argparse._StoreAction):
+    """`splitserve up --port N`: the gRPC port, as before `serve` took vLLM's meaning."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        option = args[2] if len(args) > 2 else kwargs.get("option_string")
+        if option == "--port":
+            add_flag_notice(
+                "up --port",
+                "`splitserve up --port` names the gRPC port, a deprecated spelling: use "
+                "--grpc-port (under `splitserve serve`, --port is the HTTP port, as in vLLM)",
+            )
+        super().__call__(parser, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def port_flags(prog: str) -> tuple[Flag, ...]:
+    """`serve`: --port is the HTTP port (vLLM's), --http-port its older name; `up`: --port is
+    still the gRPC port (deprecated, warned), --http-port the HTTP one; --grpc-port in both."""
+    grpc = {"type": non_negative_int, "default": FRONTEND.default_port, "dest": "grpc_port"}
+    http = {"type": int, "default": DEFAULT_HTTP_PORT, "dest": "http_port"}
+    if prog.endswith(" up"):
+        return (
+            flag("--grpc-port", "--port", action=_OldGrpcPortSpelling, help=GRPC_PORT_HELP, **grpc),
+            flag("--http-port", help=HTTP_PORT_HELP, **http),
+        )
+    return (
+        flag("--port", "--http-port", help=HTTP_PORT_HELP + " (vLLM's --port)", **http),
+        flag("--grpc-port", help=GRPC_PORT_HELP, **grpc),
+    )
+
+
+def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, list[str]]]:
+    """The launcher's parser, and which services take each flag it passes on."""
     p = FlagParser(
         prog=prog,
         description="Serve a model: start worker ranks, engine core and frontend on loopback "
@@ -144,6 +184,7 @@ def build_parser(prog: str = "splitserve serve") -> tuple[FlagParser, dict[str, 
         config_file=True,
     )
     p.add_flags(LAUNCHER_FLAGS)
+    p.add_flags(port_flags(prog))
     return p, add_service_flags(p)
 
 

@@ -84,6 +84,7 @@ def scheduler_stats_to_proto(
     msg.num_prompt_tokens = record.num_prompt_tokens
     msg.num_generation_tokens = record.num_generation_tokens
     msg.num_waiting_tokens = record.num_waiting_tokens
+    msg.num_waiting_deferred = record.num_waiting_deferred
     msg.spec_decode_num_drafts = record.spec_decode_num_drafts
     msg.spec_decode_num_draft_tokens = record.spec_decode_num_draft_tokens
     msg.spec_decode_num_accepted_tokens = record.spec_decode_num_accepted_tokens
@@ -110,6 +111,7 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         num_prompt_tokens=msg.num_prompt_tokens,
         num_generation_tokens=msg.num_generation_tokens,
         num_waiting_tokens=msg.num_waiting_tokens,
+        num_waiting_deferred=msg.num_waiting_deferred,
         spec_decode_num_drafts=msg.spec_decode_num_drafts,
         spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,

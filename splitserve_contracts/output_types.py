@@ -177,6 +177,11 @@ class SchedulerStats:
     num_waiting_tokens: int = 0
     """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits not yet subtracted."""
 
+    num_waiting_deferred: int = 0
+    """Requests waiting for their structured-output grammar to compile (vLLM's WAITING_FOR_FSM:
+    waiting, deferred), not counted in num_waiting_reqs.
+    """
+
     spec_decode_num_drafts: int = 0
     """Speculative decoding, cumulative (vLLM's SpecDecodingStats): requests that verified at least
     one draft, per step.

@@ -19,7 +19,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -51,6 +51,18 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def only_values(*accepted: str, why: str) -> Callable[[str], str]:
+    """argparse type: one of `accepted`; any other value is refused by name, saying `why`
+    (e.g. vLLM's --kv-cache-dtype, whose other values would change results)."""
+
+    def check(text: str) -> str:
+        if text not in accepted:
+            raise argparse.ArgumentTypeError(f"{text!r} is not available here: {why}")
+        return text
+
+    return check
 
 
 def non_negative_int(text: str) -> int:
@@ -102,6 +114,45 @@ class RefuseFlag(argparse.Action):
         parser.error(f"{option_string}: {self.help}")
 
 
+_NOTICES: dict[str, str] = {}
+"""Flag -> the one warning this process owes the operator for it (flushed by
+log_config.configure_logging, which every service and the launcher call once their flags are
+parsed)."""
+
+
+def add_flag_notice(key: str, text: str) -> None:
+    """Warn the operator once about `key` (a flag) when logging is configured."""
+    _NOTICES.setdefault(key, text)
+
+
+def take_flag_notices() -> list[str]:
+    """The pending one-per-flag warnings, in the order the flags came; forgets them."""
+    notices = list(_NOTICES.values())
+    _NOTICES.clear()
+    return notices
+
+
+class NoEffectFlag(argparse.Action):
+    """A flag vLLM's `vllm serve` takes that has no effect here (templates pass it): it is
+    accepted, with or without a value as vLLM's is, and warned about once; `help` says why it
+    changes nothing. With `choices`, only those values are accepted (others would change
+    results)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.pop("default", None)
+        kwargs.setdefault("nargs", 0)
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        add_flag_notice(self.dest, f"{option_string} has no effect here: {self.help}")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One row of a flag table: the option strings (the first names the flag) and the keyword
@@ -117,7 +168,7 @@ def flag(*names: str, **settings: Any) -> Flag:
 
 
 _NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)
-_NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag)
+_NO_ENVIRONMENT = (*_NOT_SETTINGS, RefuseFlag, NoEffectFlag)
 """Flags no environment variable stands for."""
 SECRET_DESTS = frozenset({"api_key", "internal_secret"})
 """Flags whose value is a credential: `--help` never shows their default (it may come from the
@@ -185,7 +236,11 @@ class FlagParser(argparse.ArgumentParser):
         tokens = dashed_spelling(sys.argv[1:] if argv is None else argv)
         self._apply_environ(environ)
         path = self._config_path(tokens, environ)
-        return [*self._config_tokens(path), *tokens] if path else tokens
+        if not path:
+            return tokens
+        # `--config=PATH` again after the file's flags ends a list value (`served-model-name:
+        # [a, b]`) before a positional MODEL on the command line.
+        return [*self._config_tokens(path), f"{CONFIG_FLAG}={path}", *tokens]
 
     def has_flag(self, option: str) -> bool:
         return option in self._option_string_actions
@@ -271,6 +326,8 @@ def config_value_tokens(action: argparse.Action, option: str, value: Any) -> lis
     if isinstance(action, argparse._AppendAction):
         items = value if isinstance(value, list) else [value]
         return [f"{option}={_scalar(item)}" for item in items]
+    if isinstance(value, list) and action.nargs in ("+", "*"):
+        return [option, *(_scalar(item) for item in value)]
     if isinstance(value, list):
         return [f"{option}={','.join(_scalar(item) for item in value)}"]
     return [f"{option}={_scalar(value)}"]
@@ -287,6 +344,12 @@ def _scalar(value: Any) -> str:
 def _convert(action: argparse.Action, value: str) -> Any:
     if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
         return parse_bool(value)
+    if action.nargs == "+":  # SPLITSERVE_SERVED_MODEL_NAME="a b": one value per word
+        return [_convert_one(action, word) for word in value.replace(",", " ").split()]
+    return _convert_one(action, value)
+
+
+def _convert_one(action: argparse.Action, value: str) -> Any:
     if action.type is None:
         return value
     converted = action.type(value)  # type: ignore[operator]

@@ -1,64 +1,101 @@
-"""Server interceptors counting RPCs by service, method and status code (grpc.aio and sync)."""
+"""Server interceptors with the standard gRPC server metrics (grpc.aio and sync): the names,
+labels and buckets of go-grpc-prometheus (and of Python's py-grpc-prometheus, which copies them),
+so stock gRPC dashboards and alerts work: grpc_server_started_total,
+grpc_server_handled_total{grpc_code} and the grpc_server_handling_seconds histogram, labelled
+grpc_type, grpc_service and grpc_method.
+
+Why not that library itself: py-grpc-prometheus 0.8.0 (sync) never counts a server-streaming call
+as handled nor times it, its aio forks (py-async-grpc-prometheus 0.2.0, grpc-prometheus-metrics
+0.0.5) break handlers that stream through `context.write()` and miss cancelled calls (asyncio's
+CancelledError), and OpenTelemetry's grpc instrumentation records no metrics. Every RPC here
+streams one way or both, so the wrappers stay ours: they count each call once, when it ends, with
+its status (CANCELLED when the client went away), and time it from start to end.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 Behavior = Callable[..., Any]
 Recorder = Callable[[Any, BaseException | None], None]
+Starter = Callable[[], Recorder]
+GRPC_TYPES = {
+    "unary_unary": "unary",
+    "unary_stream": "server_stream",
+    "stream_unary": "client_stream",
+    "stream_stream": "bidi_stream",
+}
+"""Handler kind -> go-grpc-prometheus's grpc_type label."""
 UNARY_KINDS = ("unary_unary", "stream_unary")
 STREAM_KINDS = ("unary_stream", "stream_stream")
+LABELS = ["grpc_type", "grpc_service", "grpc_method"]
 
 
 class RpcCounters:
-    """`splitserve_grpc_server_started_total` and `splitserve_grpc_server_handled_total`."""
+    """grpc_server_started_total, grpc_server_handled_total, grpc_server_handling_seconds."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["grpc_service", "grpc_method"]
         self.started = Counter(
-            "splitserve_grpc_server_started",
-            "RPCs started on this server.",
-            labels,
+            "grpc_server_started",
+            "Total number of RPCs started on the server.",
+            LABELS,
             registry=registry,
         )
         self.handled = Counter(
-            "splitserve_grpc_server_handled",
-            "RPCs completed on this server, by status code.",
-            [*labels, "grpc_code"],
+            "grpc_server_handled",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            [*LABELS, "grpc_code"],
+            registry=registry,
+        )
+        self.handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level "
+            "handled by the server.",
+            LABELS,
             registry=registry,
         )
 
-    def recorder(self, full_method: str) -> Recorder:
-        """Count a started RPC; the returned function counts its completion."""
+    def starter(self, full_method: str, kind: str) -> Starter:
+        """What a call of this method runs first: counts it started and returns the function
+        that counts and times its end."""
         service, _, method = full_method.lstrip("/").partition("/")
-        self.started.labels(service, method).inc()
+        labels = (GRPC_TYPES[kind], service, method)
 
-        def record(context: Any, exc: BaseException | None) -> None:
-            self.handled.labels(service, method, _code_name(context, exc)).inc()
+        def start() -> Recorder:
+            self.started.labels(*labels).inc()
+            started = time.perf_counter()
 
-        return record
+            def record(context: Any, exc: BaseException | None) -> None:
+                self.handled.labels(*labels, _code_name(context, exc)).inc()
+                self.handling.labels(*labels).observe(time.perf_counter() - started)
+
+            return record
+
+        return start
 
     def wrap(
         self,
         handler: Any,
         full_method: str,
-        unary: Callable[[Behavior, Recorder], Behavior],
-        stream: Callable[[Behavior, Recorder], Behavior],
+        unary: Callable[[Behavior, Starter], Behavior],
+        stream: Callable[[Behavior, Starter], Behavior],
     ) -> Any:
-        record = self.recorder(full_method)
         for kind, wrapper in [
             *((k, unary) for k in UNARY_KINDS),
             *((k, stream) for k in STREAM_KINDS),
         ]:
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return handler._replace(**{kind: wrapper(behavior, record)})
+                return handler._replace(
+                    **{kind: wrapper(behavior, self.starter(full_method, kind))}
+                )
         return handler
 
 
@@ -111,8 +148,9 @@ class SyncGrpcServerMetrics(grpc.ServerInterceptor):
         )
 
 
-def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
+def _wrap_async_unary(behavior: Behavior, start: Starter) -> Behavior:
     async def wrapper(request: Any, context: Any) -> Any:
+        record = start()
         try:
             result = await behavior(request, context)
         except BaseException as exc:
@@ -124,11 +162,12 @@ def _wrap_async_unary(behavior: Behavior, record: Recorder) -> Behavior:
     return wrapper
 
 
-def _wrap_async_stream(behavior: Behavior, record: Recorder) -> Behavior:
+def _wrap_async_stream(behavior: Behavior, start: Starter) -> Behavior:
     if not inspect.isasyncgenfunction(behavior):  # streams through context.write()
-        return _wrap_async_unary(behavior, record)
+        return _wrap_async_unary(behavior, start)
 
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+        record = start()
         try:
             async for item in behavior(request, context):
                 yield item
@@ -140,8 +179,9 @@ def _wrap_async_stream(behavior: Behavior, record: Recorder) -> Behavior:
     return wrapper
 
 
-def _wrap_sync_unary(behavior: Behavior, record: Recorder) -> Behavior:
+def _wrap_sync_unary(behavior: Behavior, start: Starter) -> Behavior:
     def wrapper(request: Any, context: Any) -> Any:
+        record = start()
         try:
             result = behavior(request, context)
         except BaseException as exc:
@@ -153,8 +193,9 @@ def _wrap_sync_unary(behavior: Behavior, record: Recorder) -> Behavior:
     return wrapper
 
 
-def _wrap_sync_stream(behavior: Behavior, record: Recorder) -> Behavior:
+def _wrap_sync_stream(behavior: Behavior, start: Starter) -> Behavior:
     def wrapper(request: Any, context: Any) -> Iterator[Any]:
+        record = start()
         try:
             yield from behavior(request, context)
         except BaseException as exc:

@@ -8,7 +8,7 @@ import logging
 import sys
 from datetime import UTC, datetime
 
-from splitserve_runtime.flags import flag
+from splitserve_runtime.flags import flag, take_flag_notices
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -60,6 +60,8 @@ def configure_logging(level: str, service: str, log_format: str = "text") -> Non
             )
         )
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for notice in take_flag_notices():  # vLLM flags that change nothing here: once each
+        logging.getLogger("splitserve.flags").warning("%s", notice)
 
 
 def is_text_logging() -> bool:

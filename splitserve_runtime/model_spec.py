@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from splitserve_runtime.flags import Flag, RefuseFlag, flag
+from splitserve_runtime.flags import Flag, flag
 
 TINY_MODEL = "tiny"
 GGUF_SUFFIX = ".gguf"
@@ -21,10 +21,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's `--dtype` spellings and the name each stands for."""
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-TRUST_REMOTE_CODE_REFUSAL = (
-    "refused: splitserve never runs code from a model repository; it serves the "
-    "architectures it implements itself (see docs/models.md)"
-)
 
 
 class ModelSourceError(ValueError):
@@ -42,7 +38,6 @@ def model_flags(*, is_frontend: bool) -> list[Flag]:
             "model); default: SmolLM2-135M-Instruct, fetched once",
         ),
         flag("--revision", default="", help="Hub revision of a Hub id --model"),
-        flag("--trust-remote-code", action=RefuseFlag, help=TRUST_REMOTE_CODE_REFUSAL),
     ]
     if not is_frontend:
         return rows

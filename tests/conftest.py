@@ -43,3 +43,12 @@ def llava_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures.llava_checkpoint import make_llava_checkpoint
 
     return make_llava_checkpoint(tmp_path_factory.mktemp("llava") / "tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a Qwen3-style tokenizer and chat template (tools, <tool_call>,
+    <think>): tests/fixtures/tool_model.py."""
+    from tests.fixtures.tool_model import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "tiny-tools", tiny_model_dir)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve_runtime.flags import Flag, FlagParser, flag, non_negative_int
 from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
 from splitserve_runtime.services import WORKER
+from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
     LOOPBACK,
     TransportConfig,
@@ -17,6 +19,7 @@ from splitserve_runtime.transport_flags import (
     listener_flags,
     optional_port,
 )
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 DEFAULT_PORT = WORKER.default_port
 DEFAULT_METRICS_PORT = WORKER.default_metrics_port
@@ -34,6 +37,9 @@ class WorkerConfig(TransportConfig):
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    otlp_traces_endpoint: str = ""
+    collect_detailed_traces: list[str] = field(default_factory=list)
 
 
 WORKER_FLAGS: tuple[Flag, ...] = (
@@ -72,6 +78,9 @@ WORKER_FLAGS: tuple[Flag, ...] = (
     *LOGGING_FLAGS,
     *internal_tls_flags("the port the engine core calls"),
     *listener_flags(reflection_default=False),
+    *PROFILER_FLAGS,
+    *TRACING_FLAGS,
+    *NO_EFFECT_FLAGS,
 )
 """The flags of `splitserve worker`."""
 

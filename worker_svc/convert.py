@@ -11,10 +11,12 @@ import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
 from splitserve_contracts import output_convert, sampling_convert
+from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -36,6 +38,15 @@ def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
 
 
 # -- requests ----------------------------------------------------------------------------------
+
+
+def _trace(msg: common_pb2.TraceContext) -> TraceContext | None:
+    """A request's trace context; a malformed or unsampled one is ignored (W3C)."""
+    try:
+        context = trace_context(msg.traceparent, msg.tracestate)
+    except ValueError:
+        return None
+    return context if context is not None and context.is_sampled else None
 
 
 def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
@@ -60,6 +71,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
             for f in req.mm_features
         ),
         output_token_ids=_column(req.output_token_ids),
+        trace=_trace(req.trace_context),
     )
 
 

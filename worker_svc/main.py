@@ -11,6 +11,7 @@ from splitserve_runtime.log_config import configure_logging
 from splitserve_runtime.services import WORKER
 from splitserve_runtime.sync_service_host import SyncServiceHost
 from splitserve_runtime.tls import CORE_ROLE
+from splitserve_runtime.tracing import start_tracing
 from worker_svc.config import WorkerConfig, parse_config
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,22 @@ def serve(config: WorkerConfig) -> int:
             secret=config.internal_secret,
         ),
     )
-    servicer = WorkerServicer(host.registry, StallWatch(host.set_ready), device=config.device)
+    tracing = start_tracing("worker", config.otlp_traces_endpoint, config.collect_detailed_traces)
+    servicer = WorkerServicer(
+        host.registry,
+        StallWatch(host.set_ready),
+        device=config.device,
+        profiler_config=config.profiler_config,
+        tracing=tracing,
+    )
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()
     # A worker is ready as soon as it can take the core's start-up calls.
     host.set_ready(True)
-    return host.run_until_stopped(on_shutdown=servicer.close)
+    code = host.run_until_stopped(on_shutdown=servicer.close)
+    if tracing is not None:
+        tracing.shutdown()  # the spans still batched
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from splitserve_contracts.sampling_types import SamplerParams
+from splitserve_runtime.tracing import TraceContext
 
 IntArray = npt.NDArray[np.int64]
 
@@ -58,6 +59,8 @@ class NewRequestData:
     min_tokens: int = 0
     mm_features: tuple[MultiModalInput, ...] = ()
     output_token_ids: IntArray = field(default_factory=_empty)
+    trace: TraceContext | None = None
+    """The engine core's span of the request (worker_svc/step_tracing.py); None: untraced."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,10 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.profiler_config import ProfilerConfig
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
+from splitserve_runtime.tracing import Tracing
 from worker_svc import convert
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -38,9 +40,11 @@ from worker_svc.ownership import (
     check_model_loadable,
     claim_from_metadata,
 )
+from worker_svc.profiler import RankProfiler
 from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
+from worker_svc.step_tracing import StepTraces
 from worker_svc.worker import Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
@@ -66,8 +70,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         stall_watch: StallWatch,
         device: str = "auto",
         rank_hint: int = 0,
+        profiler_config: ProfilerConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._traces = StepTraces(tracing)
+        self._profiler_config = profiler_config or ProfilerConfig()
+        self._profiler: RankProfiler | None = None
         self._worker = Worker(device, rank_hint)
         self._metrics = WorkerMetrics(registry)
         self._stall_watch = stall_watch
@@ -212,6 +221,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         for request in request_iterator:
             if request.HasField("grammar_output"):
                 continue  # the deferred masks of a step that sampled nothing on this rank
+            if request.HasField("profile"):  # between two steps, on the step thread
+                with self._lock:
+                    self._rank_profiler().apply(request.profile.action, request.profile.prefix)
+                continue
             with self._lock:
                 if self._ownership.owner != claim:  # a newer core took this rank over
                     _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "rank taken over")
@@ -222,6 +235,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     self._stall_watch.step_ended()
             if response is not None:
                 yield response
+
+    def _rank_profiler(self) -> RankProfiler:
+        if self._profiler is None:
+            worker = self._worker
+            self._profiler = RankProfiler(
+                self._profiler_config, worker.parallel.rank, worker.device
+            )
+        return self._profiler
 
     def _execute_step(
         self, request: pb.ExecuteRequest, request_iterator: Iterator[pb.ExecuteRequest]
@@ -238,10 +259,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if self._failure is not None:
             return _error_response(step_id, rank, f"rank {rank} has failed: {self._failure}")
         try:
-            output = self._worker.execute(
-                convert.scheduler_output_from_proto(request.scheduler_output),
-                lambda: _next_grammar(request_iterator, step_id),
-            )
+            step = convert.scheduler_output_from_proto(request.scheduler_output)
+            started = time.monotonic()
+            output = self._worker.execute(step, lambda: _next_grammar(request_iterator, step_id))
         except (MalformedStep, OverflowError) as e:  # refused before any state changed
             self._last_step_id = step_id
             logger.warning("rank %d refused step %d: %s", rank, step_id, e)
@@ -259,6 +279,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             return None
         if output.timings is not None:
             output.timings.total_seconds = total_seconds
+        self._traces.observe(step, rank, started, time.monotonic(), output.timings)
         return pb.ExecuteResponse(model_runner_output=convert.model_runner_output_to_proto(output))
 
     def close(self) -> None:

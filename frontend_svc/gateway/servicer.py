@@ -32,6 +32,7 @@ from frontend_svc.gateway.tokenizer_files import TokenizerFiles
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.kv_events import KvEventHub, TooManySubscribers
 from frontend_svc.model_files import ModelFiles
+from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.output_types import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,16 @@ class PrefixCacheControl(Protocol):
         ...
 
 
+class ProfileControl(Protocol):
+    async def profile(self, action: int, prefix: str, timeout: float = 60.0) -> None:
+        """Start (1) or stop (2) the worker ranks' torch profilers."""
+        ...
+
+
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     """Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer,
-    SubscribeKvEvents, FlushCache; Embed and profiling answer UNIMPLEMENTED."""
+    SubscribeKvEvents, FlushCache, StartProfile/StopProfile (with --profiler-config, else
+    UNIMPLEMENTED as before); Embed answers UNIMPLEMENTED."""
 
     def __init__(
         self,
@@ -63,8 +71,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         kv_events: KvEventHub | None,
         prefix_cache: PrefixCacheControl,
         data_parallel_rank: int = 0,
+        profiler: ProfileControl | None = None,
     ) -> None:
         self.engine = engine
+        self.profiler = profiler
+        """The ranks' profilers (None: --profiler-config is off)."""
         self.inputs = inputs
         self.info = info
         self.files = files
@@ -84,6 +95,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         inputs = self.inputs
+        set_caller_trace(dict(context.invocation_metadata() or ()))  # the gateway's traceparent
         try:
             convert.check_request_fields(request, self.data_parallel_rank)
             call = convert.generate_input_from_proto(request, request_id, self.info.max_model_len)
@@ -258,14 +270,35 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def StartProfile(  # noqa: N802
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ProfileResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, PROFILING_OFF)
-        raise AssertionError("unreachable")
+        """The torch profiler on every rank, as /start_profile: the trace folder and what is
+        recorded are the engine's --profiler-config; a request may not choose them."""
+        chosen = [f.name for f, _ in request.ListFields() if f.name in PEER_CHOSEN]
+        if chosen:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{', '.join(chosen)}: set by the engine's --profiler-config, not per request",
+            )
+        return await self._profile(PROFILE_START, context)
 
     async def StopProfile(  # noqa: N802
         self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ProfileResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, PROFILING_OFF)
-        raise AssertionError("unreachable")
+        return await self._profile(PROFILE_STOP, context)
+
+    async def _profile(
+        self, action: int, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        if self.profiler is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, PROFILING_OFF)
+            raise AssertionError("unreachable")
+        try:
+            await self.profiler.profile(action, "")
+        except grpc.RpcError as err:
+            return common_pb2.ProfileResponse(success=False, message=err.details() or "")
+        return common_pb2.ProfileResponse(success=True, message="")
 
 
-PROFILING_OFF = "profiling is not available on this engine yet"
+PROFILING_OFF = "profiling is off: start the engine with --profiler-config (vLLM's flag)"
+PROFILE_START, PROFILE_STOP = 1, 2
+PEER_CHOSEN = frozenset({"output_dir", "start_step", "num_steps"})
+"""StartProfileRequest fields a gateway may not set: the engine's flag decides them."""

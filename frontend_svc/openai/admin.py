@@ -28,17 +28,21 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def models_route(ctx: ServingContext) -> Handler:
     async def models(request: Request) -> Response:
-        card = {
-            "id": ctx.served_model_name,
-            "object": "model",
-            "created": int(ctx.started),
-            "owned_by": "splitserve",
-            "root": ctx.info.model_path,
-            "parent": None,
-            "max_model_len": ctx.info.max_model_len,
-            "permission": [],
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        """One card per --served-model-name, as vLLM lists its base model's names."""
+        cards: list[dict[str, object]] = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(ctx.started),
+                "owned_by": "splitserve",
+                "root": ctx.info.model_path,
+                "parent": None,
+                "max_model_len": ctx.info.max_model_len,
+                "permission": [],
+            }
+            for name in (ctx.served_model_name, *ctx.model_aliases)
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     return models
 

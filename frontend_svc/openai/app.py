@@ -13,10 +13,12 @@ Starlette when its client goes away. Every other request is counted in vLLM's HT
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.applications import Starlette
@@ -30,11 +32,22 @@ from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
 from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
 from frontend_svc.openai.generation import ServingContext, first_and_rest, request_id
+from frontend_svc.openai.ops_routes import NO_OPS, OpsOptions, ServerLoad, ops_routes
 from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_completion
+from frontend_svc.openai.response_store import ResponseStore
+from frontend_svc.openai.responses_protocol import parse_responses
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
+from frontend_svc.openai.serving_responses import (
+    ResponsesRun,
+    cancel,
+    new_response_id,
+    not_found,
+    run_in_background,
+)
 from frontend_svc.openai.sse import error_body, guarded
 from frontend_svc.public_errors import unexpected_error_message
+from frontend_svc.tracing import set_caller_trace
 
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 Handler = Callable[[Request], Awaitable[Response]]
@@ -42,11 +55,23 @@ UNMEASURED_PATHS = ["/metrics", "/health", "/load", "/ping", "/version", "/serve
 """Probes and scrapes, left out of the HTTP request metrics (vLLM leaves out the same)."""
 
 
+class JsonResponse(JSONResponse):
+    """A JSON reply rendered by msgspec (compact UTF-8, several times faster than Starlette's
+    json.dumps for a completion body; nothing here holds NaN or Infinity: logprobs are
+    clamped, formatting.MIN_LOGPROB)."""
+
+    def render(self, content: Any) -> bytes:
+        return _encode(content)
+
+
+_encode = msgspec.json.Encoder().encode
+
+
 def error_response(err: FrontendError, message: str | None = None) -> JSONResponse:
     headers = {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return JSONResponse(error_body(err, message), status_code=err.http_status, headers=headers)
+    return JsonResponse(error_body(err, message), status_code=err.http_status, headers=headers)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -78,6 +103,7 @@ def _sse_response(chunks: Any, rid: str) -> StreamingResponse:
 
 def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     async def handle(request: Request) -> Response:
+        set_caller_trace(request.headers)  # the client's traceparent, for this request's spans
         body = await read_json(request, ctx.max_body_bytes)
         limits, defaults = ctx.request_limits, ctx.inputs.sampling_defaults
         header_id = request.headers.get("x-request-id")
@@ -85,7 +111,7 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
             as_client_id(header_id, "the x-request-id header")
         run: CompletionRun | ChatRun
         if kind == "chat":
-            req = parse_chat(body, limits, defaults)
+            req = parse_chat(body, limits, defaults, ctx.chat.can_choose_tools)
             ctx.check_model(req.model)
             run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
         else:
@@ -95,11 +121,55 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         rid = run.rid
         if run.req.stream is None:
             result = await unless_disconnected(request, run.response())
-            return JSONResponse(result, headers={"x-request-id": rid})
+            return JsonResponse(result, headers={"x-request-id": rid})
         first, rest = await first_and_rest(run.events(coalesce=False))
         return _sse_response(run.stream(first, rest), rid)
 
     return handle
+
+
+def _responses_routes(
+    ctx: ServingContext, store: ResponseStore
+) -> list[tuple[str, list[str], Handler]]:
+    """/v1/responses: create, retrieve, delete, cancel (serving_responses.py)."""
+
+    async def create(request: Request) -> Response:
+        body = await read_json(request, ctx.max_body_bytes)
+        req = parse_responses(body)
+        run = ResponsesRun(ctx, store, req, new_response_id())
+        if req.is_background:
+            return JSONResponse(await run_in_background(run))
+        if not req.is_stream:
+            return JSONResponse(await unless_disconnected(request, run.response()))
+        first, rest = await first_and_rest(run.chat.events(coalesce=False))
+        return _sse_response(run.stream(first, rest), run.id)
+
+    def stored(request: Request) -> tuple[str, Any]:
+        response_id = request.path_params["response_id"]
+        entry = store.get(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return response_id, entry
+
+    async def retrieve(request: Request) -> Response:
+        return JSONResponse(stored(request)[1].body)
+
+    async def delete(request: Request) -> Response:
+        response_id, entry = stored(request)
+        if entry.task is not None:
+            entry.task.cancel()
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel_route(request: Request) -> Response:
+        return JSONResponse(await cancel(store, request.path_params["response_id"]))
+
+    return [
+        ("/v1/responses", ["POST"], create),
+        ("/v1/responses/{response_id}", ["GET"], retrieve),
+        ("/v1/responses/{response_id}", ["DELETE"], delete),
+        ("/v1/responses/{response_id}/cancel", ["POST"], cancel_route),
+    ]
 
 
 def _route(handler: Handler, api_key: str, is_protected: bool) -> Handler:
@@ -131,16 +201,29 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "") -> Starlette:
+def build_app(
+    ctx: ServingContext,
+    registry: CollectorRegistry,
+    api_key: str = "",
+    store: ResponseStore | None = None,
+    engine_series: Callable[[], Awaitable[bytes]] | None = None,
+    ops: OpsOptions = NO_OPS,
+) -> Starlette:
     """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
-    metrics (open, as vLLM's)."""
+    metrics (open, as vLLM's). /metrics adds `engine_series` (the engine core's, for gateways
+    scraping the serving port: frontend_svc/engine_stats.py) to the frontend's own."""
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CLASSIC_TEXT)
+        text = generate_latest(registry)
+        if engine_series is not None:
+            text += await engine_series()
+        return Response(text, media_type=CLASSIC_TEXT)
 
+    load = ServerLoad(ops.track_load)
+    completions, chat = _make_generate(ctx, "completions"), _make_generate(ctx, "chat")
     table: list[tuple[str, list[str], Handler, bool]] = [
-        ("/v1/completions", ["POST"], _make_generate(ctx, "completions"), True),
-        ("/v1/chat/completions", ["POST"], _make_generate(ctx, "chat"), True),
+        ("/v1/completions", ["POST"], functools.partial(load.track, completions), True),
+        ("/v1/chat/completions", ["POST"], functools.partial(load.track, chat), True),
         ("/v1/models", ["GET"], admin.models_route(ctx), True),
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
@@ -148,7 +231,10 @@ def build_app(ctx: ServingContext, registry: CollectorRegistry, api_key: str = "
         ("/tokenize", ["POST"], admin.tokenize_route(ctx), True),
         ("/detokenize", ["POST"], admin.detokenize_route(ctx), True),
         ("/metrics", ["GET"], metrics, False),
+        *ops_routes(ctx, ops, load),
     ]
+    responses = _responses_routes(ctx, store if store is not None else ResponseStore())
+    table += [(path, methods, handler, True) for path, methods, handler in responses]
     routes = [
         Route(path, _route(handler, api_key, protected), methods=methods)
         for path, methods, handler, protected in table

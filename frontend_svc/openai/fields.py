@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, Union, get_args, get_origin
 
+import msgspec
 from starlette.requests import Request
 
 from frontend_svc.errors import InvalidRequest, shorten
@@ -25,6 +26,7 @@ from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 
 DEFAULT_MAX_BODY_BYTES = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+_DECODER = msgspec.json.Decoder()
 SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 """A JSON escape of a UTF-16 surrogate, or a surrogate encoded as UTF-8 bytes (which json.loads
 lets through): a lone one decodes to a str no UTF-8 can carry."""
@@ -94,7 +96,23 @@ def _refuse_huge_ints(raw: bytes) -> NoReturn:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object (strict: no NaN or Infinity). Refused with the field
     named: an integer too long to convert, text with a lone UTF-16 surrogate (no UTF-8 carries
-    it: the tokenizer and the reply could not)."""
+    it: the tokenizer and the reply could not).
+
+    msgspec decodes it (several times faster than json.loads): it refuses everything the checks
+    below refuse (NaN and Infinity, integers past Python's digit limit, lone surrogates, bad
+    UTF-8), so a body it takes needs no further check; one it refuses (or only json.loads reads,
+    e.g. UTF-16) goes through json.loads and the checks, which say what is wrong and where."""
+    try:
+        body = _DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _parse_checked(raw)
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse_checked(raw: bytes) -> dict[str, Any]:
+    """json.loads with the checks that name the offending field."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

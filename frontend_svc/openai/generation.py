@@ -14,6 +14,7 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.openai.chat_output import ChatFeatures
 from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
 from frontend_svc.openai.protocol import RequestLimits
 from frontend_svc.requests import (
@@ -41,6 +42,11 @@ class ServingContext:
     """--max-fan-out: most engine requests one call may make (prompts x n)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+    chat: ChatFeatures = ChatFeatures()
+    """Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
+    --reasoning-parser)."""
+    model_aliases: tuple[str, ...] = ()
+    """The other --served-model-name names clients may send (responses carry the first)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -51,7 +57,7 @@ class ServingContext:
         return RequestLimits(self.inputs.limits, self.max_fan_out)
 
     def check_model(self, requested: str | None) -> None:
-        check_model(requested, self.served_model_name)
+        check_model(requested, self.served_model_name, self.model_aliases)
 
 
 def request_id(prefix: str, header: str | None, body_id: str | None) -> str:

@@ -24,6 +24,7 @@ from frontend_svc.openai.fields import (
 )
 from frontend_svc.openai.sampling_map import CHAT, COMPLETIONS, FieldMap, sampling_params
 from frontend_svc.openai.structured_map import structured_outputs
+from frontend_svc.openai.tools import ToolsRequest, parse_tools, turn_fields
 from frontend_svc.requests import (
     DEFAULT_MAX_FAN_OUT,
     MAX_REQUEST_ID_CHARS,
@@ -51,7 +52,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _set,
     "best_of": lambda v: v not in (None, 1),
     "use_beam_search": _set,
-    "tools": _set,
     "functions": _set,
     "prompt_embeds": _set,
     "bad_words": _set,
@@ -108,6 +108,9 @@ class ChatRequest:
     request_id: str | None
     structured_outputs: StructuredOutputsParams | None = None
     structured_outputs_field: str = ""
+    tools: ToolsRequest | None = None
+    include_reasoning: bool = True
+    """vLLM's `include_reasoning`: false leaves the thinking out of the answer."""
 
 
 def _refuse_unsupported(body: dict[str, Any], also: tuple[str, ...] = ()) -> None:
@@ -213,7 +216,7 @@ def parse_completion(
 ) -> CompletionRequest:
     """A /v1/completions body, checked against `limits`; `defaults` are the model's sampling
     defaults."""
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, also=("tools", "tool_choice"))
     if body.get("prompt") is None:
         raise InvalidRequest("`prompt` is required", "prompt")
     add_special = read(body, "add_special_tokens", as_bool, True)
@@ -272,20 +275,25 @@ def chat_turns(value: Any) -> tuple[ChatTurn, ...]:
         if role is None:
             raise InvalidRequest(f"{where} has no `role`", where)
         content = _content(message.get("content"), f"{where}.content")
-        turns.append(ChatTurn(role, content.content, content.parts))
+        extra = turn_fields(message, where)
+        turns.append(ChatTurn(role, content.content, content.parts, **extra))
     if not turns:
         raise InvalidRequest("`messages` is empty; send at least one message", "messages")
     return tuple(turns)
 
 
 def parse_chat(
-    body: dict[str, Any], limits: RequestLimits, defaults: Mapping[str, Any] | None = None
+    body: dict[str, Any],
+    limits: RequestLimits,
+    defaults: Mapping[str, Any] | None = None,
+    can_choose_tools: bool = False,
 ) -> ChatRequest:
     """A /v1/chat/completions body, checked against `limits`; `defaults` are the model's
-    sampling defaults."""
+    sampling defaults; `can_choose_tools`: the server parses tool calls (tools.parse_tools)."""
     _refuse_unsupported(body, also=("echo",))
     if body.get("messages") is None:
         raise InvalidRequest("`messages` is required", "messages")
+    tools = parse_tools(body, can_choose_tools)
     prompt = PromptInput(
         chat=chat_turns(body["messages"]),
         add_generation_prompt=read(body, "add_generation_prompt", as_bool, True),
@@ -299,4 +307,8 @@ def parse_chat(
     logprobs = (top_logprobs or 0) if wants_logprobs else None
     params = _checked(sampling_params(body, CHAT, defaults, logprobs=logprobs), body, CHAT, limits)
     _check_fan_out(1, params.n, limits.max_fan_out)
-    return ChatRequest(prompt=prompt, params=params, **_common(body))
+    common = _common(body)
+    include_reasoning = read(body, "include_reasoning", as_bool, True)
+    return ChatRequest(
+        prompt=prompt, params=params, tools=tools, include_reasoning=include_reasoning, **common
+    )

@@ -2,7 +2,12 @@
 AsyncEngine. The frontend's ServiceHost owns SIGTERM/SIGINT; uvicorn's own signal capture is
 switched off. With `--ssl-certfile`/`--ssl-keyfile` (the same files as the gRPC port) it serves
 HTTPS, and with `--ssl-ca-certs` it requires client certificates, as vLLM's server does. Idle,
-header and body timeouts and a connection cap: http_limits.py."""
+header and body timeouts and a connection cap: http_limits.py.
+
+uvicorn logs as under `vllm serve` (its records go through the service's handler, text or
+JSON): the start-up lines ("Application startup complete.") at --uvicorn-log-level info, and an
+access line per request (client, method, path, status) unless --disable-uvicorn-access-log;
+--disable-access-log-for-endpoints leaves some paths out."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
@@ -24,6 +30,38 @@ from frontend_svc.openai.http_limits import (
 from splitserve_runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLog:
+    """What uvicorn logs (vLLM's flags)."""
+
+    level: str = "info"
+    access_log: bool = True
+    quiet_paths: tuple[str, ...] = ()
+    """Paths left out of the access log."""
+
+
+class _QuietPaths(logging.Filter):
+    """Drops access-log records of the given paths (the query string does not count)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            return str(args[2]).split("?", 1)[0] not in self.paths
+        return True
+
+
+def _install_access_filter(log: HttpLog) -> None:
+    access = logging.getLogger("uvicorn.access")
+    for old in [f for f in access.filters if isinstance(f, _QuietPaths)]:
+        access.removeFilter(old)
+    if log.quiet_paths:
+        access.addFilter(_QuietPaths(log.quiet_paths))
 
 
 class _Server(uvicorn.Server):
@@ -40,7 +78,7 @@ class HttpServer:
         app: Starlette,
         host: str,
         port: int,
-        log_level: str = "warning",
+        log: HttpLog = HttpLog(),
         tls: TlsFiles | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
@@ -49,10 +87,10 @@ class HttpServer:
             app,
             host=host,
             port=port,
-            log_level=log_level,
+            log_level=log.level,
             log_config=None,  # uvicorn's records go through the service's handler (text or JSON)
-            access_log=False,
-            lifespan="off",
+            access_log=log.access_log,
+            lifespan="on",  # its start-up lines, as under vLLM ("Application startup complete.")
             timeout_graceful_shutdown=5,
             http=protocol_class(self.limits),
             timeout_keep_alive=self.limits.timeout_keep_alive,  # type: ignore[arg-type]
@@ -61,6 +99,7 @@ class HttpServer:
             ssl_ca_certs=tls.ca_file if tls and tls.ca_file else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.ca_file else ssl.CERT_NONE,
         )
+        _install_access_filter(log)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
         self.host = host

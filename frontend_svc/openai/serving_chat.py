@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions: one JSON response, or an SSE stream of one token per chunk
-(after a first chunk per choice carrying the assistant role, as vLLM and OpenAI send)."""
+"""POST /v1/chat/completions: one JSON response, or an SSE stream (after a first chunk per
+choice carrying the assistant role, as vLLM and OpenAI send). With a reasoning parser the
+thinking comes as `reasoning` (and `reasoning_content`); with tools the calls come as
+`tool_calls` (chat_output.py reads both from the answer's text)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from frontend_svc.openai import formatting as fmt
 from frontend_svc.openai import generation
+from frontend_svc.openai.chat_output import ChoiceOutput, OutputRules, prepare_chat_call
 from frontend_svc.openai.formatting import ChoiceState
 from frontend_svc.openai.generation import Event, ServingContext
 from frontend_svc.openai.protocol import ChatRequest
@@ -17,6 +20,22 @@ from frontend_svc.requests import CompletionDelta, GenerateInput, derived_reques
 ROLE = "assistant"
 
 
+def generate_input(
+    ctx: ServingContext, req: ChatRequest, rid: str
+) -> tuple[GenerateInput, OutputRules]:
+    """The engine call of a chat request, its tools applied, and the rules of its answers."""
+    call = GenerateInput(
+        rid,
+        req.prompt,
+        req.params,
+        req.priority,
+        req.cache_salt,
+        req.structured_outputs,
+        req.structured_outputs_field,
+    )
+    return prepare_chat_call(call, req.tools, ctx.chat, req.include_reasoning)
+
+
 class ChatRun:
     """One /v1/chat/completions call."""
 
@@ -24,20 +43,13 @@ class ChatRun:
         self.ctx, self.req, self.rid = ctx, req, rid
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
+        self.outputs: list[ChoiceOutput] = []
 
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        req = self.req
-        rid = derived_request_id(self.rid, "")
-        call = GenerateInput(
-            rid,
-            req.prompt,
-            req.params,
-            req.priority,
-            req.cache_salt,
-            req.structured_outputs,
-            req.structured_outputs_field,
-        )
+        call, rules = generate_input(self.ctx, self.req, derived_request_id(self.rid, ""))
         requests = await generation.prepare(self.ctx, [call])
+        ended = requests[0].prompt_ends_reasoning
+        self.outputs = [ChoiceOutput(rules, ended) for _ in self.choices]
         async for event in generation.run(self.ctx, requests, coalesce):
             yield event
 
@@ -56,16 +68,18 @@ class ChatRun:
     async def response(self) -> dict[str, Any]:
         async for _, delta in self.events(coalesce=True):
             self.choices[delta.index].add(delta)
-        bodies = [
-            {
-                "index": c.index,
-                "message": {"role": ROLE, "content": c.text},
-                "logprobs": self._logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self.choices
-        ]
+        bodies = []
+        for c, output in zip(self.choices, self.outputs, strict=True):
+            message = output.message(c.text)
+            bodies.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": output.finish_reason(c.finish_reason),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return self._envelope("chat.completion", bodies, self.usage())
 
     def _chunk(self, index: int, delta: dict[str, Any], extra: dict[str, Any]) -> str:
@@ -77,15 +91,21 @@ class ChatRun:
             usage = fmt.usage(state.num_prompt_tokens, len(state.token_ids), 0)
         return sse(self._envelope("chat.completion.chunk", [choice], usage))
 
-    def _token_chunk(self, delta: CompletionDelta) -> str:
+    def _token_chunk(self, delta: CompletionDelta) -> str | None:
         choice = self.choices[delta.index]
         choice.add(delta)
+        output = self.outputs[delta.index]
+        fields = output.update(delta.text, delta.is_finished)
+        if not fields and not delta.is_finished and not delta.logprobs:
+            return None  # text held back (a marker may be arriving) or nothing new
         extra = {
             "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": choice.finish_reason if delta.is_finished else None,
+            "finish_reason": output.finish_reason(choice.finish_reason)
+            if delta.is_finished
+            else None,
             "stop_reason": choice.stop_reason if delta.is_finished else None,
         }
-        return self._chunk(delta.index, {"content": delta.text}, extra)
+        return self._chunk(delta.index, fields, extra)
 
     async def stream(self, first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[str]:
         options = self.req.stream
@@ -93,9 +113,13 @@ class ChatRun:
         for choice in self.choices:
             yield self._chunk(choice.index, {"role": ROLE, "content": ""}, {})
         if first is not None:
-            yield self._token_chunk(first[1])
+            chunk = self._token_chunk(first[1])
+            if chunk is not None:
+                yield chunk
         async for _, delta in rest:
-            yield self._token_chunk(delta)
+            chunk = self._token_chunk(delta)
+            if chunk is not None:
+                yield chunk
         if options.include_usage:
             yield sse(self._envelope("chat.completion.chunk", [], self.usage()))
         yield DONE

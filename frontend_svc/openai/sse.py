@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from frontend_svc.errors import FrontendError
 from frontend_svc.public_errors import bounded, client_message, unexpected_error_message
@@ -20,8 +21,13 @@ GRPC_PARAMS = {
 request's names ("" : the part after it is the name)."""
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def sse(body: Any) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One event; compact UTF-8 JSON (msgspec: several times faster than json.dumps per
+    chunk, the same text but for float spellings, e.g. 1e-07 vs 1e-7)."""
+    return "data: " + _encode(body).decode() + "\n\n"
 
 
 def http_param(param: str | None) -> str | None:

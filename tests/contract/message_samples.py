@@ -40,6 +40,8 @@ def _scalar(field: FieldDescriptor, seed: int) -> object:
         return 0.5 + seed
     if field.type == _FD.TYPE_ENUM:
         values = field.enum_type.values
+        if len(values) == 1:  # google.protobuf.NullValue
+            return values[0].number
         return values[min(len(values) - 1, 1 + seed % (len(values) - 1))].number
     if field.type in (_FD.TYPE_INT32, _FD.TYPE_INT64, _FD.TYPE_SINT32, _FD.TYPE_SINT64):
         return -(seed + 3) if seed % 2 else seed + 3
@@ -55,7 +57,12 @@ def fill(msg: Message, seed: int = 1, depth: int = 0) -> Message:
             key_field = field.message_type.fields_by_name["key"]
             val_field = field.message_type.fields_by_name["value"]
             for i in range(2):
-                value[_scalar(key_field, seed + i)] = _scalar(val_field, seed + i)
+                key = _scalar(key_field, seed + i)
+                if val_field.message_type is not None:  # e.g. google.protobuf.Struct's fields
+                    if depth < 3:
+                        fill(value[key], seed + i, depth + 1).SetInParent()
+                else:
+                    value[key] = _scalar(val_field, seed + i)
         elif field.message_type is not None:
             if depth >= 3:
                 continue

@@ -12,9 +12,12 @@ Hashes are compared as vLLM's external block hashes (unsigned 64-bit).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -114,8 +117,8 @@ class Gateway:
             "--policy", policy, "--log-level", "info",
         ]  # fmt: skip
         self.log_path = log_path
-        self.process = subprocess.Popen(
-            command, stdout=log_path.open("w"), stderr=subprocess.STDOUT
+        self.process = subprocess.Popen(  # its own group: `smg` runs the router as a child
+            command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def wait_ready(self, model: str, timeout: float = 60.0) -> None:
@@ -138,7 +141,10 @@ class Gateway:
         raise TimeoutError(f"smg not ready: {self.log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        self.process.kill()  # its graceful stop waits 5 s for load balancers to notice
+        """Kill the launcher and its router child (its graceful stop waits 5 s for load
+        balancers to notice; killing only the launcher would leave the router running)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
 
 

@@ -55,6 +55,7 @@ class Stack:
         supervise: bool = False,
         max_recovery_seconds: float | None = None,
         tokenizer: str = "",
+        worker_flags: list[str] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -63,6 +64,7 @@ class Stack:
         self.pki, self.api_key = pki, api_key
         self.core_flags = ["--kv-cache-memory-bytes", KV_BYTES, *(core_flags or [])]
         self.frontend_flags = list(frontend_flags or [])
+        self.worker_flags = list(worker_flags or [])
         self.frontend_probe = frontend_probe
         """How readiness reaches the frontend's port when it serves TLS (default: plaintext)."""
         self.children: list[Child] = []
@@ -78,7 +80,11 @@ class Stack:
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             api_key=self.api_key if api_key is None else api_key,
-            service_flags={"core": self.core_flags, "frontend": self.frontend_flags},
+            service_flags={
+                "core": self.core_flags,
+                "frontend": self.frontend_flags,
+                "worker": self.worker_flags,
+            },
             log_level=os.environ.get("SPLITSERVE_TEST_LOG_LEVEL", "warning"),
             max_recovery_seconds=self.max_recovery_seconds,
         )

@@ -156,11 +156,7 @@ def test_the_same_image_hits_the_prefix_cache_and_the_encoder_cache(mm_stack: St
     assert after.encoder_cache_hits == before.encoder_cache_hits + 1
     with urllib.request.urlopen(mm_stack.child("core").metrics_url, timeout=10) as reply:
         metrics = reply.read().decode()
-    hits = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("splitserve_core_encoder_cache_hits_total{")
-    ]
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:mm_cache_hits_total{")]
     assert len(hits) == 1 and float(hits[0].split()[-1]) == after.encoder_cache_hits
 
 

@@ -89,8 +89,9 @@ def run_streams(addr: str, fault: Callable[[Streams], None] | None = None) -> St
     return streams.join()
 
 
-def metric(child: Child, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(child.metrics_url, timeout=10) as reply:
+def metric(child: Child, name: str, url: str = "", **labels: str) -> float:
+    """A series' value on the child's metrics port (or at `url`)."""
+    with urllib.request.urlopen(url or child.metrics_url, timeout=10) as reply:
         text = reply.read().decode()
     return sum(
         sample.value
@@ -253,8 +254,9 @@ def test_a_fault_that_outlasts_the_bound_fails_the_requests_and_leaks_nothing(
         assert stack.child("core").process.wait(timeout=30) != 0
         frontend = stack.child("frontend")
         assert metric(frontend, "splitserve_frontend_requests_in_flight") == 0
-        assert metric(frontend, "vllm:num_requests_running") == 0  # the core's last word
-        assert metric(frontend, "vllm:kv_cache_usage_perc") == 0
+        serving = f"http://{frontend.http_address}/metrics"  # the engine series for gateways
+        assert metric(frontend, "vllm:num_requests_running", serving) == 0  # the core's last word
+        assert metric(frontend, "vllm:kv_cache_usage_perc", serving) == 0
     finally:
         stack.stop()
 

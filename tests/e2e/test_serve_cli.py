@@ -57,7 +57,7 @@ def test_serve_a_model_positionally_with_a_config_file(
     with stderr_path.open("w") as stderr:
         serve = subprocess.Popen(
             [str(BIN / "splitserve"), "serve", str(tiny_model_dir), "--config", str(config)]
-            + ["--port", "0", "-tp", "1", "--enforce-eager"],
+            + ["--grpc-port", "0", "-tp", "1", "--enforce-eager"],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

@@ -6,6 +6,7 @@ sends response_format json_schema) returns one too."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -79,3 +80,39 @@ def test_langchain_with_structured_output(real_stack: Stack) -> None:
     verdict = structured.invoke("Is the sky blue on a clear day? Answer and give a short reason.")
     assert isinstance(verdict, Verdict)
     assert verdict.reason
+
+
+class GetWeather(BaseModel):
+    """The current weather of a city."""
+
+    city: str = Field(max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_tool_choice_with_real_prompts(real_stack: Stack) -> None:
+    """SmolLM2's template does not show tools, yet a required or named choice still comes back
+    as a valid call (the grammar), with arguments taken from the prompt; the SDK's
+    `.parse()` turns a strict tool's arguments into the pydantic object."""
+    client = openai.OpenAI(
+        base_url=f"{real_stack.http}/v1", api_key="unused", max_retries=0, timeout=300
+    )
+    messages: list[Any] = [
+        {"role": "system", "content": "You call the get_weather tool to answer."},
+        {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+    ]
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    answer = client.chat.completions.create(
+        model=_model(real_stack), messages=messages, tools=[tool], tool_choice="required",
+        temperature=0.0, max_tokens=120,
+    )  # fmt: skip
+    calls = answer.choices[0].message.tool_calls or []
+    assert answer.choices[0].finish_reason == "tool_calls" and calls
+    weather = GetWeather.model_validate_json(calls[0].function.arguments)  # type: ignore[union-attr]
+    assert "paris" in weather.city.lower()
+    parsed = client.chat.completions.parse(
+        model=_model(real_stack), messages=messages, tools=[tool], temperature=0.0, max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    parsed_call = (parsed.choices[0].message.tool_calls or [])[0]
+    assert isinstance(parsed_call.function.parsed_arguments, GetWeather)  # type: ignore[union-attr]
+    assert parsed_call.function.parsed_arguments.unit in ("celsius", "fahrenheit")  # type: ignore[union-attr]

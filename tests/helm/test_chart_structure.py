@@ -545,3 +545,30 @@ def test_log_level_and_format_reach_every_process() -> None:
             parser = PARSERS[process.argv[1]]()
             args = parser.parse(process.argv[2:], {**env, **process.env})
             assert (args.log_level, args.log_format) == ("debug", "json"), process.argv[1]
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected"),
+    [
+        ({"enabled": False}, (None, None)),  # CPU: the engine core's own (vLLM-CPU's) defaults
+        ({"enabled": True}, ("256", "2048")),  # memory unknown: vLLM's smallest class
+        ({"enabled": True, "memoryGiB": 80, "product": "NVIDIA-H100-80GB-HBM3"}, ("1024", "8192")),
+        ({"enabled": True, "memoryGiB": 141, "product": "NVIDIA-H200"}, ("1024", "8192")),
+        ({"enabled": True, "memoryGiB": 80, "product": "NVIDIA-A100-SXM4-80GB"}, ("256", "2048")),
+        ({"enabled": True, "memoryGiB": 192, "product": "NVIDIA-B200"}, ("1024", "16384")),
+    ],
+)
+def test_batch_defaults_follow_vllms_per_gpu_class(
+    gpu: dict[str, Any], expected: tuple[str | None, str | None]
+) -> None:
+    """vLLM 0.32's EngineArgs.get_batch_defaults (`vllm serve`) when maxNumSeqs and
+    maxNumBatchedTokens are 0 (the default); a value set by the operator wins."""
+    data = render({"worker": {"gpu": gpu}}).configmap_data("splitserve-config")
+    found = (data.get("SPLITSERVE_MAX_NUM_SEQS"), data.get("SPLITSERVE_MAX_NUM_BATCHED_TOKENS"))
+    assert found == expected
+    values = {"worker": {"gpu": gpu}, "core": {"maxNumSeqs": 8, "maxNumBatchedTokens": 512}}
+    data = render(values).configmap_data("splitserve-config")
+    assert (data["SPLITSERVE_MAX_NUM_SEQS"], data["SPLITSERVE_MAX_NUM_BATCHED_TOKENS"]) == (
+        "8",
+        "512",
+    )

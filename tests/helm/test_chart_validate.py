@@ -370,18 +370,22 @@ def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
 
 
 def test_requests_waiting_alert_counts_an_engine_once(tmp_path: Path) -> None:
-    """The core and every frontend export the engine's vllm:num_requests_waiting on the same
-    labels: a core with 30 waiting behind two frontends is 30, not 90 (promtool test rules)."""
+    """Only the engine core exports vllm:num_requests_waiting on the scraped ports, so the
+    alert sums by engine (as vLLM's): 30 waiting in each of two engines is no engine over 50,
+    60 in one is (promtool test rules)."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus)")
     values = {"metrics": {"prometheusRule": {"enabled": True}}}
     rule = render(values).of_kind("PrometheusRule")[0]
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
-    labels = 'model_name="m", engine="0", namespace="llm", service="splitserve-metrics"'
+    labels = 'model_name="m", namespace="llm", service="splitserve-metrics"'
     series = [
-        {"series": f'vllm:num_requests_waiting{{{labels}, pod="{pod}"}}', "values": f"{n}x10"}
-        for pod, n in (("core", 30), ("frontend-a", 30), ("frontend-b", 30))
+        {
+            "series": f'vllm:num_requests_waiting{{{labels}, engine="{engine}", pod="{pod}"}}',
+            "values": f"{n}x10",
+        }
+        for pod, engine, n in (("core-a", "0", 30), ("core-b", "1", 30))
     ]
     engine = {"model_name": "m", "engine": "0", "severity": "warning"}
     notes = {
@@ -401,7 +405,7 @@ def test_requests_waiting_alert_counts_an_engine_once(tmp_path: Path) -> None:
             },
             {
                 "interval": "1m",
-                "input_series": [{**s, "values": "60x10"} for s in series],
+                "input_series": [{**series[0], "values": "60x10"}, series[1]],
                 "alert_rule_test": [
                     {
                         "eval_time": "10m",

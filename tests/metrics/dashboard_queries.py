@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-METRIC_NAME = re.compile(r"\b(vllm:[a-z0-9_:]+|splitserve_[a-z0-9_]+|http_[a-z0-9_]+)\b")
+METRIC_NAME = re.compile(
+    r"\b(vllm:[a-z0-9_:]+|splitserve_[a-z0-9_]+|http_[a-z0-9_]+|grpc_server_[a-z0-9_]+)\b"
+)
 LABEL_VALUES = re.compile(r"^label_values\((.+),\s*([a-zA-Z_]\w*)\)$")
 
 

@@ -192,7 +192,7 @@ def test_splitserve_hop_and_worker_metrics(
         expr = f'splitserve_worker_step_seconds_count{{model_name="{MODEL}",phase="{phase}"}}'
         assert prom.wait_for(expr, steps) == steps, phase  # another target: scrapes differ
     assert prom.wait_for(f"splitserve_worker_kv_blocks_used{SEL}", 0) == 0
-    generate_ok = 'splitserve_grpc_server_handled_total{grpc_method="Generate",grpc_code="OK"}'
+    generate_ok = 'grpc_server_handled_total{grpc_method="Generate",grpc_code="OK"}'
     assert prom.wait_for(generate_ok, 9) == 9
     assert prom.value(f"splitserve_core_frontend_streams{SEL}") == 1
     assert prom.value(f"splitserve_frontend_core_reconnects_total{SEL}") == 0
@@ -211,7 +211,7 @@ def test_an_aborted_request_is_counted_and_frees_blocks(
     expr = f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="abort"}}'
     assert prom.wait_for(expr, 1) == 1
     assert prom.wait_for(f"vllm:kv_cache_usage_perc{SEL}", 0) == 0
-    cancelled = 'splitserve_grpc_server_handled_total{grpc_method="Generate",grpc_code="CANCELLED"}'
+    cancelled = 'grpc_server_handled_total{grpc_method="Generate",grpc_code="CANCELLED"}'
     assert prom.wait_for(cancelled, 1) == 1
 
 
@@ -253,9 +253,7 @@ def dashboard_traffic(served: tuple[Stack, PrometheusServer], seen: Seen) -> Non
     completions = f"{stack.http}/v1/completions"
     assert _post(completions, {"model": MODEL, "prompt": "Hello", "max_tokens": 4}) == 200
     assert _post(completions, {"model": "no-such-model", "prompt": "Hello"}) == 404
-    invalid = (
-        'splitserve_grpc_server_handled_total{grpc_method="Generate",grpc_code="INVALID_ARGUMENT"}'
-    )
+    invalid = 'grpc_server_handled_total{grpc_method="Generate",grpc_code="INVALID_ARGUMENT"}'
     http = 'http_requests_total{{handler="/v1/completions",status="{}"}}'
     for counted in (invalid, http.format("2xx"), http.format("4xx")):
         assert prom.wait_for(counted, 1) == 1
@@ -344,13 +342,20 @@ REQUIRED = [
     "splitserve_frontend_output_processing_seconds_count",
     "splitserve_worker_step_seconds_count",
     "splitserve_worker_kv_blocks_used",
-    "splitserve_grpc_server_handled_total",
+    "grpc_server_handled_total",
     "splitserve_frontend_core_reconnects_total",
     "splitserve_engine_recoveries_total",
     "splitserve_engine_recovery_seconds_count",
     "splitserve_engine_requests_resumed_total",
     "splitserve_frontend_requests_resubmitted_total",
     "vllm:request_max_num_generation_tokens_count",
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:request_prefill_kv_computed_tokens_count",
+    "vllm:mm_cache_queries_total",
+    "vllm:mm_cache_hits_total",
+    "grpc_server_started_total",
+    "grpc_server_handling_seconds_count",
     "http_requests_total",
 ]
 

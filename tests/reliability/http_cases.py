@@ -244,7 +244,25 @@ CHAT_CASES = [
          chat_template_kwargs=[1]),
     chat("chat-template-from-the-request", "not supported", "chat_template",
          chat_template="{{ 1 }}"),
-    chat("chat-tools", "not supported", "tools", tools=[{"type": "function"}]),
+    chat("chat-tools-without-function", "must be an object", "tools[0].function",
+         tools=[{"type": "function"}]),
+    chat("chat-tools-bad-name", "1 to 64 letters", "tools[0].function.name",
+         tools=[{"type": "function", "function": {"name": "a b"}}]),
+    chat("chat-tools-parameters-not-object", "must be a JSON Schema of an object",
+         "tools[0].function.parameters",
+         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+    chat("chat-tools-empty", "must not be an empty array", "tools", tools=[]),
+    chat("chat-tool-choice-without-tools", "`tools` must be set", "tool_choice",
+         tool_choice="required"),
+    chat("chat-tool-choice-unknown-function", "does not match any", "tool_choice",
+         tools=[{"type": "function", "function": {"name": "f"}}],
+         tool_choice={"type": "function", "function": {"name": "g"}}),
+    chat("chat-tool-choice-auto-without-parser", "--enable-auto-tool-choice", "tool_choice",
+         tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat("chat-tool-call-arguments-not-json", "is not valid JSON",
+         "messages[0].tool_calls[0].function.arguments",
+         messages=[{"role": "assistant", "tool_calls": [
+             {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]),
 ]  # fmt: skip
 
 JSON_CASES = [

@@ -250,3 +250,24 @@ chart-wide and per-component extras.
 {{- define "splitserve.readinessService.frontend" -}}splitserve.frontend.v1.GenerationService{{- end }}
 {{- define "splitserve.readinessService.core" -}}splitserve.core.v1.EngineCoreService{{- end }}
 {{- define "splitserve.readinessService.worker" -}}splitserve.worker.v1.WorkerService{{- end }}
+
+{{/*
+vLLM's `vllm serve` batch defaults for the workers' device (vLLM 0.32's
+EngineArgs.get_batch_defaults): 1024 sequences and 16384 tokens per step on GPUs with at least
+160 GiB, 1024 and 8192 with at least 70 GiB unless an A100, else 256 and 2048. On CPU nothing
+(0): the engine core's own defaults apply (2048 tokens per rank, vLLM-CPU's). As JSON.
+*/}}
+{{- define "splitserve.batchDefaults" -}}
+{{- $gpu := .Values.worker.gpu -}}
+{{- $memory := int ($gpu.memoryGiB | default 0) -}}
+{{- $isA100 := contains "a100" (lower ($gpu.product | default "")) -}}
+{{- if not $gpu.enabled -}}
+{"maxNumSeqs": 0, "maxNumBatchedTokens": 0}
+{{- else if ge $memory 160 -}}
+{"maxNumSeqs": 1024, "maxNumBatchedTokens": 16384}
+{{- else if and (ge $memory 70) (not $isA100) -}}
+{"maxNumSeqs": 1024, "maxNumBatchedTokens": 8192}
+{{- else -}}
+{"maxNumSeqs": 256, "maxNumBatchedTokens": 2048}
+{{- end -}}
+{{- end }}

@@ -53,6 +53,32 @@ FINISH_REASON_ERROR: FinishReason.ValueType  # 4
 """The engine failed while serving the request."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _ProfileAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ProfileActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ProfileAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PROFILE_ACTION_UNSPECIFIED: _ProfileAction.ValueType  # 0
+    """Not set: refused."""
+    PROFILE_ACTION_START: _ProfileAction.ValueType  # 1
+    """Start profiling."""
+    PROFILE_ACTION_STOP: _ProfileAction.ValueType  # 2
+    """Stop and write the traces."""
+
+class ProfileAction(_ProfileAction, metaclass=_ProfileActionEnumTypeWrapper):
+    """ProfileAction starts or stops the torch profiler (vLLM's /start_profile and
+    /stop_profile).
+    """
+
+PROFILE_ACTION_UNSPECIFIED: ProfileAction.ValueType  # 0
+"""Not set: refused."""
+PROFILE_ACTION_START: ProfileAction.ValueType  # 1
+"""Start profiling."""
+PROFILE_ACTION_STOP: ProfileAction.ValueType  # 2
+"""Stop and write the traces."""
+Global___ProfileAction: _TypeAlias = ProfileAction  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """SamplingParams says how one request's tokens are chosen and when it stops.
@@ -679,3 +705,65 @@ class MultiModalFeature(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MultiModalFeature: _TypeAlias = MultiModalFeature  # noqa: Y015
+
+@_typing.final
+class TraceContext(_message.Message):
+    """TraceContext is a request's W3C trace context (vLLM's trace_headers): the
+    span the next hop's spans hang under. It travels once with its request
+    (frontend -> core -> workers), and again when a request is resubmitted or
+    resumed, so its spans stay in one trace through recovery. Empty: the request
+    is not traced.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """The W3C traceparent header: "00-<32 hex trace id>-<16 hex span id>-<2 hex
+    flags>".
+    """
+    tracestate: _builtins.str
+    """The W3C tracestate header (vendor entries), at most 512 characters."""
+    def __init__(
+        self,
+        *,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceContext: _TypeAlias = TraceContext  # noqa: Y015
+
+@_typing.final
+class ProfileCommand(_message.Message):
+    """ProfileCommand asks every worker rank to start or stop its torch profiler."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    action: Global___ProfileAction.ValueType
+    """Start or stop."""
+    prefix: _builtins.str
+    """Prefix of the trace file names of this session (vLLM's profile_prefix:
+    1-128 letters, digits, '.', '_' or '-', starting with a letter or digit);
+    empty: none.
+    """
+    def __init__(
+        self,
+        *,
+        action: Global___ProfileAction.ValueType = ...,
+        prefix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "prefix", b"prefix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfileCommand: _TypeAlias = ProfileCommand  # noqa: Y015

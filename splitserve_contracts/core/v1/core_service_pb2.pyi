@@ -77,6 +77,47 @@ ENGINE_CORE_EVENT_TYPE_PREEMPTED: EngineCoreEventType.ValueType  # 3
 Global___EngineCoreEventType: _TypeAlias = EngineCoreEventType  # noqa: Y015
 
 @_typing.final
+class ProfileRequest(_message.Message):
+    """ProfileRequest starts or stops the worker ranks' profilers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def command(self) -> _types_pb2.ProfileCommand:
+        """What to do."""
+
+    def __init__(
+        self,
+        *,
+        command: _types_pb2.ProfileCommand | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfileRequest: _TypeAlias = ProfileRequest  # noqa: Y015
+
+@_typing.final
+class ProfileResponse(_message.Message):
+    """ProfileResponse says the command went to every rank."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfileResponse: _TypeAlias = ProfileResponse  # noqa: Y015
+
+@_typing.final
 class ResetPrefixCacheRequest(_message.Message):
     """ResetPrefixCacheRequest asks the engine to forget its prefix cache."""
 
@@ -271,6 +312,8 @@ class EngineCoreRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -306,6 +349,14 @@ class EngineCoreRequest(_message.Message):
     once. The core bounds what the mark buys, whoever sets it: resumed
     requests may exceed the queue limits only by what the engine could have
     been running (max_num_seqs requests, the KV cache's tokens).
+    """
+    reasoning_end_token_id: _builtins.int
+    """The token that ends the model's reasoning (e.g. the id of `</think>`),
+    set by a frontend that runs a reasoning parser when the request has
+    structured_outputs and its prompt does not already end the reasoning:
+    the grammar then starts after this token is generated (vLLM's
+    reasoning_ended); the tokens before it are sampled unconstrained. Below
+    the vocabulary size. Unset: the grammar starts with the first output token.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -353,6 +404,13 @@ class EngineCoreRequest(_message.Message):
         ERROR / INVALID_REQUEST. Unset: unconstrained.
         """
 
+    @_builtins.property
+    def trace_context(self) -> _types_pb2.TraceContext:
+        """The frontend span this request's engine-core spans hang under (set when
+        the frontend traces: --otlp-traces-endpoint); the core passes it on to the
+        worker ranks.
+        """
+
     def __init__(
         self,
         *,
@@ -370,14 +428,21 @@ class EngineCoreRequest(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
         resumed: _builtins.bool = ...,
+        trace_context: _types_pb2.TraceContext | None = ...,
+        reasoning_end_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_end_token_id: _TypeAlias = _typing.Literal["reasoning_end_token_id"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_end_token_id: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_end_token_id) -> _WhichOneofReturnType__reasoning_end_token_id | None: ...
 
 Global___EngineCoreRequest: _TypeAlias = EngineCoreRequest  # noqa: Y015
 
@@ -1027,6 +1092,7 @@ class SchedulerStats(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_WAITING_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_DEFERRED_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
@@ -1072,6 +1138,10 @@ class SchedulerStats(_message.Message):
     """Prompt (and resumed) tokens of the waiting requests, prefix-cache hits
     not yet subtracted.
     """
+    num_waiting_deferred: _builtins.int
+    """Requests waiting for their structured-output grammar to compile (vLLM's
+    WAITING_FOR_FSM: waiting, deferred), not counted in num_waiting_reqs.
+    """
     spec_decode_num_drafts: _builtins.int
     """Speculative decoding, cumulative (vLLM's SpecDecodingStats): requests
     that verified at least one draft, per step.
@@ -1104,6 +1174,7 @@ class SchedulerStats(_message.Message):
         num_prompt_tokens: _builtins.int = ...,
         num_generation_tokens: _builtins.int = ...,
         num_waiting_tokens: _builtins.int = ...,
+        num_waiting_deferred: _builtins.int = ...,
         spec_decode_num_drafts: _builtins.int = ...,
         spec_decode_num_draft_tokens: _builtins.int = ...,
         spec_decode_num_accepted_tokens: _builtins.int = ...,
@@ -1111,7 +1182,7 @@ class SchedulerStats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1141,19 +1212,63 @@ class GetSchedulerStatsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCHEDULER_STATS_FIELD_NUMBER: _builtins.int
+    ITERATION_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def scheduler_stats(self) -> Global___SchedulerStats:
         """The snapshot."""
+
+    @_builtins.property
+    def iteration_tokens(self) -> Global___Histogram:
+        """Tokens per engine step (vLLM's vllm:iteration_tokens_total histogram), as
+        the core's metrics count them.
+        """
 
     def __init__(
         self,
         *,
         scheduler_stats: Global___SchedulerStats | None = ...,
+        iteration_tokens: Global___Histogram | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["scheduler_stats", b"scheduler_stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["iteration_tokens", b"iteration_tokens", "scheduler_stats", b"scheduler_stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scheduler_stats", b"scheduler_stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["iteration_tokens", b"iteration_tokens", "scheduler_stats", b"scheduler_stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetSchedulerStatsResponse: _TypeAlias = GetSchedulerStatsResponse  # noqa: Y015
+
+@_typing.final
+class Histogram(_message.Message):
+    """Histogram is a Prometheus histogram's state: cumulative bucket counts."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPPER_BOUNDS_FIELD_NUMBER: _builtins.int
+    CUMULATIVE_COUNTS_FIELD_NUMBER: _builtins.int
+    SUM_FIELD_NUMBER: _builtins.int
+    sum: _builtins.float
+    """Sum of the observations."""
+    @_builtins.property
+    def upper_bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Upper bounds of the buckets, ascending (the +Inf bucket is implied)."""
+
+    @_builtins.property
+    def cumulative_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Observations at or below each bound, then all of them (one more entry
+        than upper_bounds).
+        """
+
+    def __init__(
+        self,
+        *,
+        upper_bounds: _abc.Iterable[_builtins.float] | None = ...,
+        cumulative_counts: _abc.Iterable[_builtins.int] | None = ...,
+        sum: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cumulative_counts", b"cumulative_counts", "sum", b"sum", "upper_bounds", b"upper_bounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Histogram: _TypeAlias = Histogram  # noqa: Y015

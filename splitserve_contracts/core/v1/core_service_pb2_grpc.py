@@ -57,6 +57,11 @@ class EngineCoreServiceStub:
                 request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/splitserve.core.v1.EngineCoreService/Profile',
+                request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileResponse.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -98,6 +103,15 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Profile starts or stops the torch profiler on every worker rank (vLLM's
+        start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+        the engine runs without --profiler-config.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +134,11 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileRequest.FromString,
+                    response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,6 +252,33 @@ class EngineCoreService:
             '/splitserve.core.v1.EngineCoreService/ResetPrefixCache',
             splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
             splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.core.v1.EngineCoreService/Profile',
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileRequest.SerializeToString,
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

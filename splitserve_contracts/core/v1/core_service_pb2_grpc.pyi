@@ -52,6 +52,11 @@ class EngineCoreServiceStub:
     It is refused (reset false) while any request holds KV blocks; streams
     that subscribed to KV-cache events get a KvCacheCleared.
     """
+    Profile: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]
+    """Profile starts or stops the torch profiler on every worker rank (vLLM's
+    start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+    the engine runs without --profiler-config.
+    """
 
 @_typing.type_check_only
 class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
@@ -76,6 +81,11 @@ class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
     """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
     It is refused (reset false) while any request holds KV blocks; streams
     that subscribed to KV-cache events get a KvCacheCleared.
+    """
+    Profile: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]  # type: ignore[assignment]
+    """Profile starts or stops the torch profiler on every worker rank (vLLM's
+    start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+    the engine runs without --profiler-config.
     """
 
 class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -122,6 +132,17 @@ class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
         """ResetPrefixCache forgets every cached block (vLLM's reset_prefix_cache).
         It is refused (reset false) while any request holds KV blocks; streams
         that subscribed to KV-cache events get a KvCacheCleared.
+        """
+
+    @_abc_1.abstractmethod
+    def Profile(
+        self,
+        request: _core_service_pb2.ProfileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.ProfileResponse, _abc.Awaitable[_core_service_pb2.ProfileResponse]]:
+        """Profile starts or stops the torch profiler on every worker rank (vLLM's
+        start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
+        the engine runs without --profiler-config.
         """
 
 def add_EngineCoreServiceServicer_to_server(servicer: EngineCoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

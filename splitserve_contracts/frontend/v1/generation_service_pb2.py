@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from splitserve_contracts.common.v1 import types_pb2 as splitserve_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/splitserve/frontend/v1/generation_service.proto\x12\x16splitserve.frontend.v1\x1a splitserve/common/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"h\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12:\n\rcontent_parts\x18\x03 \x03(\x0b\x32#.splitserve.frontend.v1.ContentPart\"U\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x05image\x18\x02 \x01(\x0b\x32\x1d.splitserve.frontend.v1.ImageH\x00\x42\x06\n\x04part\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"{\n\x04\x43hat\x12\x35\n\x08messages\x18\x01 \x03(\x0b\x32#.splitserve.frontend.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xa3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12<\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32 .splitserve.frontend.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.splitserve.frontend.v1.ChatH\x00\x12=\n\x0fsampling_params\x18\x05 \x01(\x0b\x32$.splitserve.common.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\t \x01(\t\x12I\n\x12structured_outputs\x18\n \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputsParamsB\x07\n\x05inputB\x15\n\x13_add_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x39\n\rfinish_reason\x18\x05 \x01(\x0e\x32\".splitserve.common.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12,\n\x05usage\x18\x08 \x01(\x0b\x32\x1d.splitserve.frontend.v1.Usage\x12\x35\n\x08logprobs\x18\t \x03(\x0b\x32#.splitserve.common.v1.TokenLogprobs\x12<\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32#.splitserve.common.v1.TokenLogprobsB\r\n\x0bstop_reason\"\x92\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.splitserve.frontend.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa9\x03\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x17\n\x0fsupports_vision\x18\x0e \x01(\x08\x12\x1d\n\x15max_images_per_prompt\x18\x0f \x01(\rB\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id2\xa3\x03\n\x11GenerationService\x12_\n\x08Generate\x12\'.splitserve.frontend.v1.GenerateRequest\x1a(.splitserve.frontend.v1.GenerateResponse0\x01\x12]\n\x08Tokenize\x12\'.splitserve.frontend.v1.TokenizeRequest\x1a(.splitserve.frontend.v1.TokenizeResponse\x12\x63\n\nDetokenize\x12).splitserve.frontend.v1.DetokenizeRequest\x1a*.splitserve.frontend.v1.DetokenizeResponse\x12i\n\x0cGetModelInfo\x12+.splitserve.frontend.v1.GetModelInfoRequest\x1a,.splitserve.frontend.v1.GetModelInfoResponseB\x81\x01\n\x19io.splitserve.frontend.v1P\x01ZIgithub.com/splitserve/splitserve/gen/go/splitserve/frontend/v1;frontendv1\xaa\x02\x16Splitserve.Frontend.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/splitserve/frontend/v1/generation_service.proto\x12\x16splitserve.frontend.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a splitserve/common/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12:\n\rcontent_parts\x18\x03 \x03(\x0b\x32#.splitserve.frontend.v1.ContentPart\x12\x34\n\ntool_calls\x18\x04 \x03(\x0b\x32 .splitserve.frontend.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\x12\x11\n\treasoning\x18\x07 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"g\n\nToolChoice\x12\x36\n\x04mode\x18\x01 \x01(\x0e\x32&.splitserve.frontend.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"U\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x05image\x18\x02 \x01(\x0b\x32\x1d.splitserve.frontend.v1.ImageH\x00\x42\x06\n\x04part\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"\xb2\x01\n\x04\x43hat\x12\x35\n\x08messages\x18\x01 \x03(\x0b\x32#.splitserve.frontend.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\xc3\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12<\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32 .splitserve.frontend.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.splitserve.frontend.v1.ChatH\x00\x12=\n\x0fsampling_params\x18\x05 \x01(\x0b\x32$.splitserve.common.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05model\x18\t \x01(\t\x12I\n\x12structured_outputs\x18\n \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputsParams\x12+\n\x05tools\x18\x0b \x03(\x0b\x32\x1c.splitserve.frontend.v1.Tool\x12\x37\n\x0btool_choice\x18\x0c \x01(\x0b\x32\".splitserve.frontend.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\r \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x16\n\x14_parallel_tool_calls\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x39\n\rfinish_reason\x18\x05 \x01(\x0e\x32\".splitserve.common.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12,\n\x05usage\x18\x08 \x01(\x0b\x32\x1d.splitserve.frontend.v1.Usage\x12\x35\n\x08logprobs\x18\t \x03(\x0b\x32#.splitserve.common.v1.TokenLogprobs\x12<\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32#.splitserve.common.v1.TokenLogprobs\x12\x11\n\treasoning\x18\x0b \x01(\t\x12\x34\n\ntool_calls\x18\x0c \x03(\x0b\x32 .splitserve.frontend.v1.ToolCallB\r\n\x0bstop_reason\"\x92\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.splitserve.frontend.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa9\x03\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x17\n\x0fsupports_vision\x18\x0e \x01(\x08\x12\x1d\n\x15max_images_per_prompt\x18\x0f \x01(\rB\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xa3\x03\n\x11GenerationService\x12_\n\x08Generate\x12\'.splitserve.frontend.v1.GenerateRequest\x1a(.splitserve.frontend.v1.GenerateResponse0\x01\x12]\n\x08Tokenize\x12\'.splitserve.frontend.v1.TokenizeRequest\x1a(.splitserve.frontend.v1.TokenizeResponse\x12\x63\n\nDetokenize\x12).splitserve.frontend.v1.DetokenizeRequest\x1a*.splitserve.frontend.v1.DetokenizeResponse\x12i\n\x0cGetModelInfo\x12+.splitserve.frontend.v1.GetModelInfoRequest\x1a,.splitserve.frontend.v1.GetModelInfoResponseB\x81\x01\n\x19io.splitserve.frontend.v1P\x01ZIgithub.com/splitserve/splitserve/gen/go/splitserve/frontend/v1;frontendv1\xaa\x02\x16Splitserve.Frontend.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +34,42 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve_contracts.fronte
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\031io.splitserve.frontend.v1P\001ZIgithub.com/splitserve/splitserve/gen/go/splitserve/frontend/v1;frontendv1\252\002\026Splitserve.Frontend.V1'
-  _globals['_TOKENIDS']._serialized_start=109
-  _globals['_TOKENIDS']._serialized_end=132
-  _globals['_CHATMESSAGE']._serialized_start=134
-  _globals['_CHATMESSAGE']._serialized_end=238
-  _globals['_CONTENTPART']._serialized_start=240
-  _globals['_CONTENTPART']._serialized_end=325
-  _globals['_IMAGE']._serialized_start=327
-  _globals['_IMAGE']._serialized_end=394
-  _globals['_CHAT']._serialized_start=396
-  _globals['_CHAT']._serialized_end=519
-  _globals['_GENERATEREQUEST']._serialized_start=522
-  _globals['_GENERATEREQUEST']._serialized_end=941
-  _globals['_USAGE']._serialized_start=943
-  _globals['_USAGE']._serialized_end=1023
-  _globals['_GENERATERESPONSE']._serialized_start=1026
-  _globals['_GENERATERESPONSE']._serialized_end=1394
-  _globals['_TOKENIZEREQUEST']._serialized_start=1397
-  _globals['_TOKENIZEREQUEST']._serialized_end=1543
-  _globals['_TOKENIZERESPONSE']._serialized_start=1545
-  _globals['_TOKENIZERESPONSE']._serialized_end=1621
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1623
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1719
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1721
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1755
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1757
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1778
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1781
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2206
-  _globals['_GENERATIONSERVICE']._serialized_start=2209
-  _globals['_GENERATIONSERVICE']._serialized_end=2628
+  _globals['_TOOLCHOICEMODE']._serialized_start=2884
+  _globals['_TOOLCHOICEMODE']._serialized_end=3019
+  _globals['_TOKENIDS']._serialized_start=139
+  _globals['_TOKENIDS']._serialized_end=162
+  _globals['_CHATMESSAGE']._serialized_start=165
+  _globals['_CHATMESSAGE']._serialized_end=378
+  _globals['_TOOLCALL']._serialized_start=380
+  _globals['_TOOLCALL']._serialized_end=435
+  _globals['_TOOL']._serialized_start=437
+  _globals['_TOOL']._serialized_end=519
+  _globals['_TOOLCHOICE']._serialized_start=521
+  _globals['_TOOLCHOICE']._serialized_end=624
+  _globals['_CONTENTPART']._serialized_start=626
+  _globals['_CONTENTPART']._serialized_end=711
+  _globals['_IMAGE']._serialized_start=713
+  _globals['_IMAGE']._serialized_end=780
+  _globals['_CHAT']._serialized_start=783
+  _globals['_CHAT']._serialized_end=961
+  _globals['_GENERATEREQUEST']._serialized_start=964
+  _globals['_GENERATEREQUEST']._serialized_end=1543
+  _globals['_USAGE']._serialized_start=1545
+  _globals['_USAGE']._serialized_end=1625
+  _globals['_GENERATERESPONSE']._serialized_start=1628
+  _globals['_GENERATERESPONSE']._serialized_end=2069
+  _globals['_TOKENIZEREQUEST']._serialized_start=2072
+  _globals['_TOKENIZEREQUEST']._serialized_end=2218
+  _globals['_TOKENIZERESPONSE']._serialized_start=2220
+  _globals['_TOKENIZERESPONSE']._serialized_end=2296
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2298
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2394
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2396
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2430
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2432
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2453
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2456
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2881
+  _globals['_GENERATIONSERVICE']._serialized_start=3022
+  _globals['_GENERATIONSERVICE']._serialized_end=3441
 # @@protoc_insertion_point(module_scope)

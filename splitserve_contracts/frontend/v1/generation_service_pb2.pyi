@@ -8,7 +8,9 @@ language.
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from splitserve_contracts.common.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +22,38 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """Not set: AUTO when the request has tools, else NONE."""
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 1
+    """The model answers with text; tools are only shown to it."""
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 2
+    """The model decides; the server reads its calls in the model's format
+    (needs the server's --enable-auto-tool-choice and --tool-call-parser).
+    """
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """The model calls at least one tool (a grammar forces valid calls)."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """ToolChoiceMode says whether and how the model calls tools."""
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""Not set: AUTO when the request has tools, else NONE."""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 1
+"""The model answers with text; tools are only shown to it."""
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 2
+"""The model decides; the server reads its calls in the model's format
+(needs the server's --enable-auto-tool-choice and --tool-call-parser).
+"""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""The model calls at least one tool (a grammar forces valid calls)."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
@@ -54,12 +88,24 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     CONTENT_PARTS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """Speaker: "system", "user" or "assistant" (whatever the chat template
     knows).
     """
     content: _builtins.str
     """What was said, as text."""
+    tool_call_id: _builtins.str
+    """A tool turn (role "tool"): the id of the call it answers."""
+    name: _builtins.str
+    """The speaker's name, or a tool turn's function name (templates may show it)."""
+    reasoning: _builtins.str
+    """An assistant turn's thinking, for templates that show earlier thinking (they
+    read it as `reasoning_content`).
+    """
     @_builtins.property
     def content_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
         """What was said, as parts in order: text and images (OpenAI's content
@@ -67,20 +113,126 @@ class ChatMessage(_message.Message):
         (GetModelInfo's supports_vision).
         """
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's tool calls (role "assistant")."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
         content_parts: _abc.Iterable[Global___ContentPart] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        reasoning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "content_parts", b"content_parts", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "content_parts", b"content_parts", "name", b"name", "reasoning", b"reasoning", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """ToolCall is one function call a model made."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id, as the answer gave it; a tool turn answering the call sends
+    it back as tool_call_id.
+    """
+    name: _builtins.str
+    """The function called."""
+    arguments: _builtins.str
+    """The arguments: a JSON object, as text."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """Tool is a function the model may call (OpenAI's function tool)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    STRICT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The function's name: 1 to 64 letters, digits, `_`, `-`, `.` or `:`;
+    unique among the request's tools.
+    """
+    description: _builtins.str
+    """What the function does, for the model."""
+    parameters_json: _builtins.str
+    """The arguments' JSON Schema (of an object), as JSON text. Empty: none."""
+    strict: _builtins.bool
+    """OpenAI's strict mode: a forced call's objects take only the properties
+    their schema lists.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+        strict: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json", "strict", b"strict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """ToolChoice is how the model may use the request's tools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    """How the model uses tools."""
+    function_name: _builtins.str
+    """The function the model must call (a grammar forces its arguments)."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        function_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function_name"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 
 @_typing.final
 class ContentPart(_message.Message):
@@ -154,21 +306,29 @@ class Chat(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the template's cue for the assistant's answer. Unset means true."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """The turns, oldest first."""
 
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template, e.g. {"enable_thinking": false}
+        (the template's own parameters, such as tools, cannot be set here).
+        """
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         add_generation_prompt: _builtins.bool | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
@@ -192,6 +352,9 @@ class GenerateRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for the request, echoed in every response; generated when
     empty.
@@ -215,6 +378,10 @@ class GenerateRequest(_message.Message):
     Empty: whatever this server serves; another name than the served model
     name fails with NOT_FOUND.
     """
+    parallel_tool_calls: _builtins.bool
+    """Whether the model may call several tools in one answer. Unset means true;
+    false keeps the first call.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> Global___TokenIds:
         """Token ids, used as given."""
@@ -234,6 +401,20 @@ class GenerateRequest(_message.Message):
         with INVALID_ARGUMENT naming the field. Unset: free text.
         """
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (chat prompts only). The chat template shows
+        them to the model; the answer's calls come back in GenerateResponse's
+        tool_calls. An invalid definition fails the call with INVALID_ARGUMENT
+        naming the field.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """How the model may use tools. Unset: AUTO with tools, NONE without. REQUIRED
+        and a function name cannot be combined with structured_outputs.
+        """
+
     def __init__(
         self,
         *,
@@ -247,17 +428,24 @@ class GenerateRequest(_message.Message):
         add_special_tokens: _builtins.bool | None = ...,
         model: _builtins.str = ...,
         structured_outputs: _types_pb2.StructuredOutputsParams | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "add_special_tokens", b"add_special_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling_params", b"sampling_params", "structured_outputs", b"structured_outputs", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "prompt_token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
@@ -309,6 +497,8 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the caller's, or the generated one)."""
     index: _builtins.int
@@ -323,6 +513,10 @@ class GenerateResponse(_message.Message):
     """The stop token id that was sampled."""
     stop_str: _builtins.str
     """The stop string that matched."""
+    reasoning: _builtins.str
+    """The model's thinking new since the previous piece (a chat request on a
+    server with --reasoning-parser); `text` then holds only the answer.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous piece of this index."""
@@ -341,6 +535,13 @@ class GenerateResponse(_message.Message):
         index, when requested.
         """
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The tool calls read from the answer, complete, on the last piece of the
+        index (a chat request with tools); `text` then holds only the text around
+        them.
+        """
+
     def __init__(
         self,
         *,
@@ -354,10 +555,12 @@ class GenerateResponse(_message.Message):
         usage: Global___Usage | None = ...,
         logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[_types_pb2.TokenLogprobs] | None = ...,
+        reasoning: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_str", b"stop_str", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_str", b"stop_str", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "reasoning", b"reasoning", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_str", b"stop_str", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_token_id", "stop_str"]  # noqa: Y015
     _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015

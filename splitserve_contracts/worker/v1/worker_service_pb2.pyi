@@ -478,6 +478,7 @@ class ExecuteRequest(_message.Message):
 
     SCHEDULER_OUTPUT_FIELD_NUMBER: _builtins.int
     GRAMMAR_OUTPUT_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def scheduler_output(self) -> Global___SchedulerOutput:
         """The step."""
@@ -490,15 +491,22 @@ class ExecuteRequest(_message.Message):
         scheduler_output.
         """
 
+    @_builtins.property
+    def profile(self) -> _types_pb2.ProfileCommand:
+        """Start or stop the rank's torch profiler (set alone, between steps; no
+        answer): the rank runs it on its step thread, before the next step.
+        """
+
     def __init__(
         self,
         *,
         scheduler_output: Global___SchedulerOutput | None = ...,
         grammar_output: Global___GrammarOutput | None = ...,
+        profile: _types_pb2.ProfileCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "scheduler_output", b"scheduler_output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "profile", b"profile", "scheduler_output", b"scheduler_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "scheduler_output", b"scheduler_output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar_output", b"grammar_output", "profile", b"profile", "scheduler_output", b"scheduler_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -747,6 +755,7 @@ class NewRequestData(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -796,6 +805,12 @@ class NewRequestData(_message.Message):
         draws these tokens used, so it continues its random stream.
         """
 
+    @_builtins.property
+    def trace_context(self) -> _types_pb2.TraceContext:
+        """The engine-core span this request's worker span hangs under (empty: not
+        traced). Sent again with the request after a rank restart.
+        """
+
     def __init__(
         self,
         *,
@@ -809,10 +824,11 @@ class NewRequestData(_message.Message):
         min_tokens: _builtins.int = ...,
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        trace_context: _types_pb2.TraceContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

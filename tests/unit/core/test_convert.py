@@ -53,6 +53,29 @@ def test_request_from_proto() -> None:
     assert request.skip_reading_prefix_cache
 
 
+def test_reasoning_end_token_id_reaches_the_grammar_state_and_is_checked() -> None:
+    from core_svc.request_checks import invalid_request_reason
+    from core_svc.scheduler_config import SchedulerConfig
+
+    msg = core_pb2.EngineCoreRequest(
+        request_id="r", request_handle=1, prompt_token_ids=[1, 2], max_tokens=4
+    )
+    msg.structured_outputs.regex = "[0-9]+"
+    request = convert.request_from_proto(msg, client_id=1)
+    assert request.structured_output is not None
+    assert request.structured_output.reasoning_ended  # unset: the grammar starts at once
+    msg.reasoning_end_token_id = 99
+    request = convert.request_from_proto(msg, client_id=1)
+    state = request.structured_output
+    assert state is not None and state.reasoning_end_token_id == 99
+    assert not state.reasoning_ended
+    config = SchedulerConfig(max_model_len=64, vocab_size=100)
+    assert invalid_request_reason(request, config) is None
+    msg.reasoning_end_token_id = 100
+    reason = invalid_request_reason(convert.request_from_proto(msg, client_id=1), config)
+    assert reason is not None and "reasoning_end_token_id" in reason
+
+
 def test_engine_core_outputs_round_trip() -> None:
     outputs = EngineCoreOutputs(
         request_handles=[3, 4], num_new_tokens=[1, 2], new_token_ids=[10, 11, 12],

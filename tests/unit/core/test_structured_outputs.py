@@ -191,3 +191,43 @@ def test_resubmitted_outputs_rebuild_the_matcher(tokenizer_json: str) -> None:
         return
     assert view.finished[(1, 2)] == FinishReason.ERROR
     assert _error(view, 2)[1] == ErrorKind.INVALID_REQUEST
+
+
+THINK_END = 700
+"""A token standing for `</think>` (any id: the core only compares ids)."""
+
+
+def test_grammar_starts_after_the_reasoning_end_token(tokenizer_json: str) -> None:
+    """vLLM's reasoning_ended: unconstrained tokens until the reasoning end token, then the
+    grammar; a resubmitted request whose outputs hold the end token rebuilds its matcher from
+    the tokens after it, and one whose outputs do not is still reasoning."""
+    engine, executor = _engine(tokenizer_json, async_scheduling=True)
+    thinking = [300, 301, 302]  # not digits: the grammar would refuse them
+    live = make_request(1, [5, 6, 7], max_tokens=32, eos_token_id=1, request_id="live")
+    live.structured_output = StructuredOutputRequest(
+        StructuredOutputsParams(regex="[0-9]{6}"), THINK_END
+    )
+    executor.scripts["live"] = [*thinking, THINK_END]
+    engine.add_request(live)
+    from tokenizers import Tokenizer
+
+    digits = Tokenizer.from_str(tokenizer_json).encode("12", add_special_tokens=False).ids
+    resumed = make_request(
+        2, [5, 6, 7], max_tokens=32, eos_token_id=1, output_token_ids=[300, THINK_END, *digits]
+    )
+    resumed.structured_output = StructuredOutputRequest(
+        StructuredOutputsParams(regex="[0-9]{6}"), THINK_END
+    )
+    engine.add_request(resumed)
+    still = make_request(3, [5, 6, 7], max_tokens=32, eos_token_id=1, output_token_ids=[300, 301])
+    still.structured_output = StructuredOutputRequest(StructuredOutputsParams(regex="x"), THINK_END)
+    executor.scripts[still.request_id] = [300, 301, 303, THINK_END]
+    engine.add_request(still)
+    view = _run(engine, ClientView())
+    tokens = view.tokens[(1, 1)]
+    assert tokens[:4] == [*thinking, THINK_END]
+    assert re.fullmatch(r"[0-9]{6}", _decode(tokenizer_json, tokens[4:]))
+    assert view.finished[(1, 1)] == FinishReason.STOP
+    assert re.fullmatch(r"[0-9]{4}", _decode(tokenizer_json, view.tokens[(1, 2)]))
+    assert view.tokens[(1, 3)][:2] == [303, THINK_END]
+    assert _decode(tokenizer_json, view.tokens[(1, 3)][2:]) == "x"

