@@ -170,6 +170,7 @@ def _row(
         "plain_tpot_ms": round(plain.tpot_ms, 2),
         "spec_tpot_ms": round(spec.tpot_ms, 2),
         "tpot_ratio": round(spec.tpot_ms / plain.tpot_ms, 3),
+        "num_tokens": sum(len(t) for t in plain.token_ids),
         "plain_tok_s": round(plain.tok_s, 1),
         "spec_tok_s": round(spec.tok_s, 1),
         "drafts": delta("vllm:spec_decode_num_drafts_total"),

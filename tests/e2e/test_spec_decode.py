@@ -170,6 +170,7 @@ def test_a_copying_prompt_is_answered_the_same(spec_tp1: Stack, stack: Stack) ->
         prompt=prompt,
         sampling_params=types_pb2.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
     )
-    assert generate(spec_tp1.frontend, request)[0].token_ids == generate(
-        stack.frontend, request
-    )[0].token_ids
+    assert (
+        generate(spec_tp1.frontend, request)[0].token_ids
+        == generate(stack.frontend, request)[0].token_ids
+    )

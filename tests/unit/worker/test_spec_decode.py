@@ -81,8 +81,14 @@ def _speculative_step(num_reqs: int, sampler: Sampler) -> tuple[Verified, np.nda
     )
     spec = SpecDecoder(SpeculativeConfig("ngram", 2, 1, 3), max_model_len=64)
     new_reqs = [  # the prompt but its last token has KV: the step decodes that one
-        NewRequestData(h, f"r{h}", ids(PROMPT), SamplerParams(temperature=1.0),
-                       ids([1 + 2 * h, 2 + 2 * h]), len(PROMPT) - 1)  # fmt: skip
+        NewRequestData(
+            h,
+            f"r{h}",
+            ids(PROMPT),
+            SamplerParams(temperature=1.0),
+            ids([1 + 2 * h, 2 + 2 * h]),
+            len(PROMPT) - 1,
+        )  # fmt: skip
         for h in range(num_reqs)
     ]
     step = SchedulerOutput(
