@@ -87,9 +87,11 @@ bench: setup-dev
 
 # n-gram speculative decoding A/B on SmolLM2: TPOT with/without on copy-heavy and free-form
 # prompts at batch 1 and 32, acceptance rate (benchmarks/spec_decode.py). Not part of `make test`.
-# BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16"
+# BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16". One OMP thread per worker
+# (as bench-tracing): on a shared 2-core machine two-thread barriers make step times swing
+# several-fold.
 bench-spec: setup-dev
-	$(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
 # What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
 # traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).

@@ -6,16 +6,21 @@ both up at once, and alternates the workloads between them for N rounds (the sid
 first alternates too), so a busy machine's drift hits both alike:
 
 - copy, batch 1: a chat prompt whose answer copies its input ("Repeat this text exactly: ...");
-- free, batch 1: a chat prompt with nothing to copy (a short story);
+- free, batch 1: a chat prompt with nothing to copy (a short story), greedy; SmolLM2's greedy
+  prose repeats its own phrases, so the proposer still finds drafts there;
+- free, batch 1, T=0.8 (seeded): sampled prose, which repeats itself far less;
 - batch 32: 32 requests at once, copy and free prompts mixed (the step's batch switches
   speculation off by default: --speculative-config's per-batch-size schedule);
 
-each greedy with a fixed max_tokens. Per round it prints the client's mean TPOT (and output tok/s
-for the batch), the spec side's acceptance (from its core's vllm:spec_decode_* counters) and
-whether both sides produced the same tokens; then the medians of the per-round ratios, the
-acceptance rate and the load average. `--crossover` instead measures TPOT at several batch sizes
-with speculation forced on at every size, which is how the default schedule's cut-off was
-chosen. Run it on a quiet machine for numbers worth comparing (`OMP_NUM_THREADS` as served).
+with a fixed max_tokens (96 at batch 1, 48 at batch 32). Per round it prints the client's mean
+TPOT (and output tok/s for the batch), the spec side's acceptance (from its core's
+vllm:spec_decode_* counters) and whether both sides produced the same tokens (in bfloat16 a
+verification forward's matmuls over 1 + k rows may round differently from a one-row decode, so a
+near-tie can flip; `--dtype float32` compares bit for bit); then the medians of the per-round
+ratios, the acceptance rate and the load average. `--crossover` instead measures TPOT at several
+batch sizes with speculation forced on at every size, which is how the default schedule's
+cut-off is checked. `make bench-spec` runs the workers with one OMP thread (as bench-tracing):
+on a shared 2-core machine two-thread barriers make step times swing several-fold.
 """
 
 from __future__ import annotations
@@ -75,11 +80,14 @@ class Result:
 
 
 async def _one(
-    stub: gen_grpc.GenerationServiceStub, prompt: str, max_tokens: int
+    stub: gen_grpc.GenerationServiceStub, prompt: str, max_tokens: int, temperature: float
 ) -> tuple[list[float], list[int]]:
+    params = types_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if temperature:
+        params.seed = 7  # seeded: the same tokens with and without drafts
     request = gen_pb2.GenerateRequest(
         chat=gen_pb2.Chat(messages=[gen_pb2.ChatMessage(role="user", content=prompt)]),
-        sampling_params=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling_params=params,
     )
     times: list[float] = []
     tokens: list[int] = []
@@ -90,11 +98,13 @@ async def _one(
     return times, tokens
 
 
-async def run_batch(addr: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> Result:
+async def run_batch(
+    addr: str, prompts: list[str], max_tokens: int = MAX_TOKENS, temperature: float = 0.0
+) -> Result:
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = gen_grpc.GenerationServiceStub(channel)
         started = time.perf_counter()
-        done = await asyncio.gather(*(_one(stub, p, max_tokens) for p in prompts))
+        done = await asyncio.gather(*(_one(stub, p, max_tokens, temperature) for p in prompts))
         duration = time.perf_counter() - started
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for t, _ in done if len(t) > 1]
     num_tokens = sum(len(tokens) for _, tokens in done)
@@ -119,10 +129,11 @@ def _start(model: str, flags: list[str]) -> list[Child]:
     return children
 
 
-WORKLOADS = {
-    "copy b1": [COPY],
-    "free b1": [FREE[0]],
-    "b32": [COPY if i % 2 else FREE[i % len(FREE)] for i in range(32)],
+WORKLOADS = {  # name: (prompts, temperature)
+    "copy b1": ([COPY], 0.0),
+    "free b1": ([FREE[0]], 0.0),
+    "free b1 T=0.8": ([FREE[2]], 0.8),
+    "b32": ([COPY if i % 2 else FREE[i % len(FREE)] for i in range(32)], 0.0),
 }
 
 
@@ -137,12 +148,15 @@ async def ab(rounds: int, spec: dict[str, object]) -> list[dict[str, object]]:
             await run_batch(stacks[name][-1].address, [FREE[1]], 16)  # warm-up
         core = next(c for c in stacks["spec"] if c.name == "core")
         for i in range(rounds):
-            for workload, prompts in WORKLOADS.items():
+            for workload, (prompts, temperature) in WORKLOADS.items():
                 order = list(sides) if i % 2 == 0 else list(reversed(sides))
                 results: dict[str, Result] = {}
                 before = await asyncio.to_thread(spec_counters, core)
                 for name in order:
-                    results[name] = await run_batch(stacks[name][-1].address, prompts)
+                    max_tokens = MAX_TOKENS if len(prompts) == 1 else MAX_TOKENS // 2
+                    results[name] = await run_batch(
+                        stacks[name][-1].address, prompts, max_tokens, temperature
+                    )
                 after = await asyncio.to_thread(spec_counters, core)
                 rows.append(_row(i, workload, results, before, after))
                 print(json.dumps(rows[-1]), flush=True)
@@ -237,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--dtype", default="bfloat16", help="float32: greedy outputs bit-exact")
     args = parser.parse_args(argv)
+    BASE_FLAGS[BASE_FLAGS.index("--dtype") + 1] = args.dtype
     if args.crossover:
         asyncio.run(crossover(args.rounds, [int(b) for b in args.batches.split(",")]))
     else:
