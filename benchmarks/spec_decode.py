@@ -228,7 +228,9 @@ def report(rows: list[dict[str, object]]) -> None:
 def balanced(rows: list[dict[str, object]]) -> float:
     """Geometric mean of the TPOT ratios of as many plain-first rounds (even) as spec-first ones
     (odd): whichever side runs first pays for the other's wind-down, so the orders pair up."""
-    firsts = [[float(r["tpot_ratio"]) for r in rows if int(r["round"]) % 2 == k] for k in (0, 1)]  # type: ignore[call-overload]
+    firsts: list[list[float]] = [[], []]
+    for row in rows:
+        firsts[int(str(row["round"])) % 2].append(float(str(row["tpot_ratio"])))
     num_pairs = min(len(firsts[0]), len(firsts[1])) or 1
     ratios = firsts[0][:num_pairs] + firsts[1][:num_pairs]
     return math.exp(statistics.fmean(math.log(r) for r in ratios))
