@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import jsonschema
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -101,6 +103,15 @@ def test_speculation_keeps_every_token_through_preemptions(
     per_pos = metric(core, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="2")
     assert 0 < per_pos <= now_accepted
     wait_idle(spec_tp1)
+    # The serving port's /metrics shows the engine's series, as `vllm serve`'s does.
+    with urllib.request.urlopen(f"{spec_tp1.http}/metrics", timeout=10) as reply:  # noqa: S310
+        served = {
+            (sample.name, sample.labels.get("position")): sample.value
+            for family in text_string_to_metric_families(reply.read().decode())
+            for sample in family.samples
+        }
+    assert served[("vllm:spec_decode_num_accepted_tokens_total", None)] >= now_accepted
+    assert served[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "2")] > 0
 
 
 def test_requests_aborted_mid_speculation_free_their_blocks(spec_tp1: Stack) -> None:
