@@ -27,9 +27,10 @@ DEFAULT_PROMPT_LOOKUP = 5
 """vLLM's prompt_lookup_min/max when neither is given (both 5)."""
 DEFAULT_MAX_SPEC_BATCH = 8
 """Running requests up to which a step speculates unless `num_speculative_tokens_per_batch_size`
-says otherwise: measured on the 2-core CPU host (docs/benchmarks.md, `make bench-spec`), where a
-step of 1 + k tokens per request costs more than it saves once the batch reads the weights for
-more than a few requests anyway."""
+says otherwise. On a CPU a step of 1 + k tokens per request stops being free once the batch's
+matmuls are no longer bound by reading the weights; `benchmarks/spec_decode.py --crossover`
+measures where (docs/benchmarks.md: not pinned down yet, the shared 2-core machine's noise is
+larger than the effect around this size), so this is a conservative estimate."""
 
 _KEYS = {
     "method",
