@@ -185,3 +185,25 @@ def test_a_copying_prompt_is_answered_the_same(spec_tp1: Stack, stack: Stack) ->
         generate(spec_tp1.frontend, request)[0].token_ids
         == generate(stack.frontend, request)[0].token_ids
     )
+
+
+def test_offline_llm_speculates_with_the_same_tokens(stack: Stack, tiny_model_dir: Path) -> None:
+    """`LLM(..., speculative_config=...)` (the in-process engine) verifies drafts and answers
+    as the plain served engine does, greedy and seeded."""
+    from splitserve import LLM, SamplingParams
+
+    prompt = " ".join(["alpha beta gamma delta epsilon"] * 4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    with LLM(str(tiny_model_dir), kv_cache_memory_bytes=64 << 20, speculative_config=SPEC) as llm:
+        outputs = [llm.generate(prompt, p)[0].outputs[0].token_ids for p in (greedy, seeded)]
+        assert llm._inprocess is not None
+        assert llm._inprocess.proc.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+    plain = [
+        generate(stack.frontend, gen_pb2.GenerateRequest(prompt=prompt, sampling_params=p))[0]
+        for p in (
+            types_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            types_pb2.SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+        )
+    ]
+    assert [list(t) for t in outputs] == [list(c.token_ids) for c in plain]
