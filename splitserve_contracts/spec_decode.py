@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 SPECULATIVE_METHODS = ("ngram",)
-"""Methods this engine runs (vLLM's `method`); see docs/benchmarks.md for why no draft model."""
+"""Methods this engine runs (vLLM's `method`); suffix decoding, draft models and EAGLE heads are
+not implemented (they would propose on the ranks too: docs/ARCHITECTURE.md)."""
 MAX_SPECULATIVE_TOKENS = 16
 """Most draft tokens per request per step that the ranks accept (vLLM has no cap; past a few
 tokens the n-gram's acceptance falls off and the verification costs more than it wins)."""
@@ -62,8 +63,8 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise InvalidSpeculativeConfig(
                 f"method {self.method!r} is not available; this engine runs "
-                f"{', '.join(SPECULATIVE_METHODS)} (draft models and suffix decoding do not pay "
-                "on CPU: docs/benchmarks.md)"
+                f"{', '.join(SPECULATIVE_METHODS)} (suffix decoding, draft models and EAGLE "
+                "heads are not implemented)"
             )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidSpeculativeConfig(
