@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -100,6 +100,12 @@ bench: setup-dev
 # several-fold.
 bench-spec: setup-dev
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
+
+# LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
+# batch-32 decode step mixing 8 adapters against the base model's, interleaved
+# (benchmarks/worker_lora.py; also part of `make bench` through benchmarks.worker).
+bench-lora: setup-dev
+	$(PY) -m benchmarks.worker_lora $(BENCH_LORA_ARGS)
 
 # What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
 # traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).

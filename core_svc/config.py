@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core_svc.lora import LoraModule, lora_module
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
@@ -90,6 +91,12 @@ class CoreConfig(TransportConfig):
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_compile_timeout: float = 10.0
+    max_loras: int = 0
+    """LoRA adapter slots: --max-loras with --enable-lora, else 0 (LoRA off)."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    """Adapters a worker keeps in host memory (--max-cpu-loras, default --max-loras)."""
+    lora_modules: list[LoraModule] = field(default_factory=list)
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -123,6 +130,49 @@ def structured_outputs_config(text: str) -> dict[str, Any]:
     if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
         raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
     return {"backend": backend, "compile_timeout": float(timeout)}
+
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's choices of --max-lora-rank."""
+
+LORA_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: requests name one as their model (vLLM's flag)",
+    ),
+    flag(
+        "--lora-modules",
+        type=lora_module,
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start-up, as NAME=PATH or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}: a PEFT folder on the workers '
+        "(adapter_config.json, adapter_model.safetensors); needs --enable-lora",
+    ),
+    flag(
+        "--max-loras",
+        type=positive_int,
+        default=1,
+        help="most distinct LoRA adapters in one step (the workers' adapter slots)",
+    ),
+    flag(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=MAX_LORA_RANKS,
+        help="largest rank an adapter may have (the slots' size)",
+    ),
+    flag(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters each worker keeps in host memory beside its slots, least recently used "
+        "dropped first (default: --max-loras)",
+    ),
+)
 
 
 def speculative_config(text: str) -> SpeculativeConfig | None:
@@ -379,6 +429,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         'never loads), "compile_timeout": seconds a grammar may take to compile before its '
         "request fails (default 10)}",
     ),
+    *LORA_FLAGS,
     flag(
         "--log-stats-interval",
         type=float,
@@ -444,6 +495,7 @@ def parse_config(
     values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
+    _lora_values(parser, values)
     if args.max_num_batched_tokens is None:
         values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
@@ -451,3 +503,21 @@ def parse_config(
         host = args.worker_addrs[0].rsplit(":", 1)[0]
         values["distributed_init_method"] = f"tcp://{host}:29500"
     return CoreConfig(**values)
+
+
+def _lora_values(parser: FlagParser, values: dict[str, Any]) -> None:
+    """--enable-lora and its flags as the config's LoRA fields (max_loras 0: off)."""
+    if not values.pop("enable_lora"):
+        if values["lora_modules"]:
+            parser.error("--lora-modules needs --enable-lora")
+        values["max_loras"], values["max_cpu_loras"] = 0, 0
+        return
+    max_cpu_loras = values["max_cpu_loras"] or values["max_loras"]
+    if max_cpu_loras < values["max_loras"]:
+        parser.error(
+            f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({values['max_loras']})"
+        )
+    values["max_cpu_loras"] = max_cpu_loras
+    names = [m.name for m in values["lora_modules"]]
+    if len(set(names)) != len(names):
+        parser.error("--lora-modules names an adapter twice")

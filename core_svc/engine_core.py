@@ -452,6 +452,7 @@ class EngineCore:
         scheduler = self.scheduler
         pool = self.kv_cache_manager.block_pool
         prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
+        running_loras, waiting_loras = scheduler.lora.adapter_names()
         spec = scheduler.spec_stats
         return SchedulerStats(
             num_running_reqs=len(scheduler.running),
@@ -469,12 +470,23 @@ class EngineCore:
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
             num_waiting_tokens=scheduler.num_waiting_tokens,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             num_waiting_deferred=len(self.structured.compiling),
             spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
         )
+
+    def retire_lora(self, lora_id: int) -> int:
+        """An adapter was unloaded (or replaced in place): the ranks drop it once no request
+        runs it. Returns the requests that still do (compiling ones included)."""
+        num_compiling = sum(
+            r.lora is not None and r.lora.lora_id == lora_id
+            for r in self.structured.compiling.values()
+        )
+        return num_compiling + self.scheduler.lora.retire(lora_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any

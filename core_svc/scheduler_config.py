@@ -52,6 +52,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
     scheduled with output placeholders and the workers feed their own sampled tokens."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
+    off and requests naming an adapter are refused."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's --speculative-config): a decoding request gets up to
     num_speculative_tokens draft slots per step while few enough requests run; the ranks

@@ -189,7 +189,11 @@ class StepUpdater:
         all_token_ids.append(token)
         if self.kv_cache_manager.enable_caching and len(all_token_ids) % self.block_size == 0:
             self.block_hasher.extend(
-                request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
+                request.block_hashes,
+                all_token_ids,
+                request.cache_salt,
+                request.mm_features,
+                request.lora_hash_key,
             )
         update.sampled_token_ids.append(token)
         grammar = request.structured_output

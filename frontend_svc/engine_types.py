@@ -33,6 +33,19 @@ class EngineInfo:
     max_concurrency: float
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens one image takes in the workers' model; 0: the model takes text only."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters in one step (vLLM's --max-loras); 0: LoRA is off."""
+    max_lora_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter the engine serves (core.v1.LoraAdapter)."""
+
+    name: str
+    path: str
+    base_model_name: str
+    max_rank: int
 
 
 @dataclass(frozen=True, slots=True)

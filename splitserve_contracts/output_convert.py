@@ -85,6 +85,8 @@ def scheduler_stats_to_proto(
     msg.num_generation_tokens = record.num_generation_tokens
     msg.num_waiting_tokens = record.num_waiting_tokens
     msg.num_waiting_deferred = record.num_waiting_deferred
+    msg.running_lora_adapters.extend(record.running_lora_adapters)
+    msg.waiting_lora_adapters.extend(record.waiting_lora_adapters)
     msg.spec_decode_num_drafts = record.spec_decode_num_drafts
     msg.spec_decode_num_draft_tokens = record.spec_decode_num_draft_tokens
     msg.spec_decode_num_accepted_tokens = record.spec_decode_num_accepted_tokens
@@ -112,6 +114,8 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         num_generation_tokens=msg.num_generation_tokens,
         num_waiting_tokens=msg.num_waiting_tokens,
         num_waiting_deferred=msg.num_waiting_deferred,
+        running_lora_adapters=list(msg.running_lora_adapters),
+        waiting_lora_adapters=list(msg.waiting_lora_adapters),
         spec_decode_num_drafts=msg.spec_decode_num_drafts,
         spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,

@@ -46,6 +46,11 @@ class LoadModelConfig:
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
+    max_loras: int = 0
+    """LoRA adapter slots (vLLM's --max-loras); 0: LoRA off."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    """Adapters kept in host memory (at least max_loras)."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding: the rank proposes and verifies drafts (worker_svc/spec_decode.py)."""
 

@@ -158,7 +158,9 @@ def fp8_linear_methods(model: CausalLM, fp8: Fp8Checkpoint) -> Fp8LinearMethods:
 def num_fp8_layers(model: CausalLM) -> int:
     """How many linear layers of `model` hold FP8 weights."""
     return sum(
-        isinstance(m, LinearBase) and isinstance(m.method, Fp8LinearMethod) for m in model.modules()
+        isinstance(m, LinearBase)
+        and isinstance(getattr(m.method, "base", m.method), Fp8LinearMethod)  # LoRA wraps it
+        for m in model.modules()
     )
 
 

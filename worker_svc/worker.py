@@ -28,7 +28,10 @@ from worker_svc.grammar_bitmask import GrammarSource
 from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
-from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
+from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
+from worker_svc.lora.adapter import LoraAdapter
+from worker_svc.lora.manager import LoraManager
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
@@ -142,7 +145,8 @@ class Worker:
         self._join(config)
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
-            model = self._build_model(cls, build, checkpoint.fp8)
+            lora = _lora_parts(config, self.device, build.cpu_kernels)
+            model = self._build_model(cls, build, checkpoint.fp8, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
         except BaseException:
@@ -162,6 +166,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
+            lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
             speculative_config=config.speculative_config,
         )
         self.config, self.model_config = config, model_config
@@ -209,18 +214,26 @@ class Worker:
         return backend, build
 
     def _build_model(
-        self, cls: type[CausalLM], build: BuildContext, fp8: Fp8Checkpoint | None
+        self,
+        cls: type[CausalLM],
+        build: BuildContext,
+        fp8: Fp8Checkpoint | None,
+        lora: tuple[LoraBatch, LoraShape] | None,
     ) -> CausalLM:
         """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
         weights FP8 (which layers: planned on a copy built on the meta device, which allocates
-        nothing)."""
-        if fp8 is not None and can_keep_fp8(self.device, build.dtype):
+        nothing), every linear method wrapped with LoRA slots when LoRA is on."""
+        methods: LinearMethods = build.linear_methods
+        is_fp8 = fp8 is not None and can_keep_fp8(self.device, build.dtype)
+        if fp8 is not None and is_fp8:
             meta = build.create(cls, device=torch.device("meta"))
             methods = fp8_linear_methods(meta, fp8)
-            model = build.create(cls, linear_methods=methods)
+        if lora is not None:
+            methods = LoraLinearMethods(methods, *lora)
+        model = build.create(cls, linear_methods=methods)
+        if is_fp8:
             logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-            return model
-        return build.create(cls)
+        return model
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -323,6 +336,23 @@ class Worker:
             raise WorkerStateError("InitializeKvCache must be called before Execute")
         return runner.execute(step, grammar_source)
 
+    def read_lora_adapter(self, lora_id: int, lora_path: str) -> LoraAdapter:
+        """Read a LoRA adapter for this rank (ValueError: why it cannot be served); changes
+        nothing, so it may run beside a step."""
+        return self._require_lora().read(lora_id, lora_path)
+
+    def keep_lora_adapter(self, adapter: LoraAdapter) -> None:
+        """Cache a read adapter for the steps that will put it in a slot."""
+        self._require_lora().keep(adapter)
+
+    def _require_lora(self) -> LoraManager:
+        lora = self._require_runner().lora
+        if lora is None:
+            raise WorkerStateError(
+                "LoRA is off on this rank (the engine runs without --enable-lora)"
+            )
+        return lora
+
     def shutdown(self) -> None:
         """Drop the model and cache and leave the process group; a new LoadModel may follow."""
         self.runner = None
@@ -330,6 +360,16 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
+
+
+def _lora_parts(
+    config: LoadModelConfig, device: torch.device, kernels: CpuKernels | None
+) -> tuple[LoraBatch, LoraShape] | None:
+    """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
+    kernel call adds a layer's adapters."""
+    if config.max_loras <= 0:
+        return None
+    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:

@@ -165,3 +165,16 @@ class CpuKernels:
         scale: float,
     ) -> None:
         self.ops.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
+
+    def lora_add_(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        runs: torch.Tensor,
+        col_offsets: torch.Tensor,
+        slot_ranks: torch.Tensor,
+    ) -> None:
+        """y[a:b] += x[a:b] A_s^T B_s in place for every run (slot s, a, b) (layers/lora.py)."""
+        self.ops.lora_add_(y, x, lora_a, lora_b, runs, col_offsets, slot_ranks)

@@ -266,6 +266,8 @@ class ColumnParallelLinear(LinearBase):
         if shards is None:
             sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
             shards = [(parallel.tp_rank * size, size) for size in sizes]
+        self.output_sizes = list(output_sizes)
+        """Each fused part's rows in the checkpoint (all ranks together)."""
         self.part_starts = [start for start, _ in shards]
         self.part_sizes = [size for _, size in shards]
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
