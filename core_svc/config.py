@@ -33,6 +33,7 @@ from splitserve_runtime.flags import (
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
+from splitserve_runtime.quantization_names import canonical_quantization, quantization_flags
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
@@ -70,6 +71,8 @@ class CoreConfig(TransportConfig):
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 0
     dtype: str = "auto"
+    quantization: str = ""
+    dequantize_gguf: bool = False
     seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
@@ -302,6 +305,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
     ),
+    *quantization_flags(),
     flag(
         "--kv-cache-dtype",
         default="auto",
@@ -309,17 +313,6 @@ CORE_FLAGS: tuple[Flag, ...] = (
             "auto", why="the KV cache is kept in the model's dtype until KV quantization lands"
         ),
         help="KV-cache dtype (vLLM's flag); only auto (the model's dtype) for now",
-    ),
-    flag(
-        "--quantization",
-        "-q",
-        default="auto",
-        type=only_values(
-            "auto",
-            why="weights are used as the checkpoint stores them (its quantization_config, e.g. "
-            "fp8, is honoured without this flag); quantizing on load is not implemented yet",
-        ),
-        help="weight quantization (vLLM's flag); only auto: the checkpoint's own",
     ),
     flag(
         "--enforce-eager",
@@ -489,8 +482,8 @@ def parse_config(
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
     values["served_model_name"] = (args.served_model_name or [""])[0]
-    for unused in ("kv_cache_dtype", "quantization"):  # only "auto" gets this far
-        values.pop(unused)
+    values.pop("kv_cache_dtype")  # only "auto" gets this far
+    values["quantization"] = canonical_quantization(args.quantization)
     so_config = values.pop("structured_outputs_config")
     values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):

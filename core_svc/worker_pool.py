@@ -212,6 +212,8 @@ class WorkerPool:
                 enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
                 async_scheduling=config.async_scheduling,
+                quantization=config.quantization,
+                dequantize_gguf=config.dequantize_gguf,
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,

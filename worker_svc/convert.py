@@ -16,6 +16,7 @@ from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
@@ -151,6 +152,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
             msg.prompt_lookup_min,
             msg.prompt_lookup_max,
         )
+    if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {req.quantization!r}; choose one of "
+            + ", ".join(QUANTIZATION_CHOICES)
+        )
     _check_lora_limits(req)
     return LoadModelConfig(
         model_path=req.model_path,
@@ -171,6 +177,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
         speculative_config=spec,
+        quantization=req.quantization,
+        dequantize_gguf=req.dequantize_gguf,
         max_loras=req.max_loras,
         max_lora_rank=req.max_lora_rank,
         max_cpu_loras=req.max_cpu_loras,

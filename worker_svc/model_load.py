@@ -46,6 +46,10 @@ class LoadModelConfig:
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
+    quantization: str = ""
+    """vLLM's --quantization ("": the checkpoint's own), checked against the checkpoint."""
+    dequantize_gguf: bool = False
+    """Serve a GGUF file's quantized weights dequantized to float (--dequantize-gguf)."""
     max_loras: int = 0
     """LoRA adapter slots (vLLM's --max-loras); 0: LoRA off."""
     max_lora_rank: int = 16

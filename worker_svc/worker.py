@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,6 +31,7 @@ from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
 from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
+from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.lora.manager import LoraManager
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -40,7 +42,8 @@ from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import model_class
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
-    Fp8Checkpoint,
+    Checkpoint,
+    QuantizationOptions,
     fp8_linear_methods,
     num_fp8_layers,
     open_checkpoint,
@@ -130,7 +133,8 @@ class Worker:
             self.shutdown()
         started = time.perf_counter()
         source = resolve_model(config.model_path, config.revision)
-        checkpoint = open_checkpoint(source)  # refuses unknown architectures first
+        options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
+        checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
         cls = model_class(architecture_of(checkpoint.hf_config))
         model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
@@ -146,9 +150,9 @@ class Worker:
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
             lora = _lora_parts(config, self.device, build.cpu_kernels)
-            model = self._build_model(cls, build, checkpoint.fp8, lora)
+            model, wrap = self._build_model(cls, build, checkpoint, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
-            model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
+            model.load_weights(wrap(checkpoint.weights(config.rank == 0 and is_text_logging())))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()
@@ -217,23 +221,30 @@ class Worker:
         self,
         cls: type[CausalLM],
         build: BuildContext,
-        fp8: Fp8Checkpoint | None,
+        checkpoint: Checkpoint,
         lora: tuple[LoraBatch, LoraShape] | None,
-    ) -> CausalLM:
+    ) -> tuple[CausalLM, Callable[[Weights], Weights]]:
         """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
-        weights FP8 (which layers: planned on a copy built on the meta device, which allocates
-        nothing), every linear method wrapped with LoRA slots when LoRA is on."""
+        weights FP8, or quantized ones where the checkpoint (GGUF, compressed-tensors, AWQ) or
+        --quantization asks for them (which layers: planned on a copy built on the meta
+        device, which allocates nothing), every linear method wrapped with LoRA slots when
+        LoRA is on; and the reader of the checkpoint's tensors for it."""
         methods: LinearMethods = build.linear_methods
+        wrap: Callable[[Weights], Weights] = _as_read
+        fp8 = checkpoint.fp8
         is_fp8 = fp8 is not None and can_keep_fp8(self.device, build.dtype)
         if fp8 is not None and is_fp8:
-            meta = build.create(cls, device=torch.device("meta"))
-            methods = fp8_linear_methods(meta, fp8)
+            methods = fp8_linear_methods(build.create(cls, device=torch.device("meta")), fp8)
+        elif checkpoint.planner is not None:
+            plan = checkpoint.planner(build.create(cls, device=torch.device("meta")))
+            logger.info("%s", plan.summary)
+            methods, wrap = plan.methods, plan.wrap
         if lora is not None:
             methods = LoraLinearMethods(methods, *lora)
         model = build.create(cls, linear_methods=methods)
         if is_fp8:
             logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-        return model
+        return model, wrap
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -360,6 +371,13 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
+
+
+Weights = Iterator[tuple[str, TensorSource]]
+
+
+def _as_read(weights: Weights) -> Weights:
+    return weights
 
 
 def _lora_parts(

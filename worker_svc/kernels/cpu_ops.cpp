@@ -14,7 +14,6 @@
 // machine by worker_svc/kernels/cpu_kernels.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,6 +23,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SPLITSERVE_AVX512_BF16 1  // bf16 decodes take the dot-product instructions
@@ -32,44 +33,11 @@
 namespace {
 
 using at::Tensor;
-
-struct F32 {
-  using T = float;
-  static inline float load(float v) { return v; }
-  static inline float store(float f) { return f; }
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
-  static inline uint16_t store(float f) {  // round to nearest even, NaN stays NaN
-    const uint32_t u = std::bit_cast<uint32_t>(f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-  }
-};
-
-struct F16 {
-  using T = c10::Half;
-  static inline float load(c10::Half v) { return float(v); }
-  static inline c10::Half store(float f) { return c10::Half(f); }
-};
-
-template <class Fn>
-void dispatch(const Tensor& t, Fn&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat: fn(F32{}); break;
-    case at::kBFloat16: fn(BF16{}); break;
-    case at::kHalf: fn(F16{}); break;
-    default: TORCH_CHECK(false, "splitserve cpu kernels take float32, bfloat16 or float16, not ",
-                         t.scalar_type());
-  }
-}
-
-template <class D>
-typename D::T* ptr(const Tensor& t) {
-  return static_cast<typename D::T*>(t.data_ptr());
-}
+using splitserve::BF16;
+using splitserve::dispatch;
+using splitserve::F16;
+using splitserve::F32;
+using splitserve::ptr;
 
 // exp(x) for x <= 88 (Cephes' polynomial, ~1 ulp): plain arithmetic that the compiler
 // vectorises, unlike a call to expf.

@@ -204,3 +204,7 @@ class LoraLinearMethods:
 
     def method_for(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
         return LoraLinearMethod(self.base.method_for(layer, prefix), self.batch, self.shape)
+
+    def vocab_method(self, prefix: str) -> LinearMethodBase | None:
+        """The embedding table and LM head take no adapters: the base's (quantized) method."""
+        return self.base.vocab_method(prefix)

@@ -144,6 +144,8 @@ class LoadModelRequest(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
     SPECULATIVE_CONFIG_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
@@ -230,6 +232,17 @@ class LoadModelRequest(_message.Message):
     """Adapters the rank keeps in host memory besides the slots (vLLM's
     --max-cpu-loras), least recently used dropped first; >= max_loras.
     """
+    quantization: _builtins.str
+    """The weights' quantization (vLLM's --quantization): "" (the checkpoint's
+    own), a checkpoint format ("fp8", "gguf", "compressed-tensors", "awq",
+    "gptq") that must match the checkpoint, or "int8", "int4", "w8a8" to
+    quantize a float checkpoint at load. The rank refuses a name that does not
+    fit the checkpoint or that it cannot load.
+    """
+    dequantize_gguf: _builtins.bool
+    """Serve a GGUF file's quantized weights dequantized to float at load instead
+    of keeping them quantized. Ignored for other checkpoints.
+    """
     @_builtins.property
     def speculative_config(self) -> Global___SpeculativeConfig:
         """Speculative decoding (vLLM's --speculative-config); unset: none. Every
@@ -264,11 +277,13 @@ class LoadModelRequest(_message.Message):
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
         max_cpu_loras: _builtins.int = ...,
+        quantization: _builtins.str = ...,
+        dequantize_gguf: _builtins.bool = ...,
         speculative_config: Global___SpeculativeConfig | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["speculative_config", b"speculative_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
