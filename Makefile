@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -93,6 +93,14 @@ bench: setup-dev
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
 	$(PY) -m benchmarks.structured_cost
+
+# n-gram speculative decoding A/B on SmolLM2: TPOT with/without on copy-heavy and free-form
+# prompts at batch 1 and 32, acceptance rate (benchmarks/spec_decode.py). Not part of `make test`.
+# BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16". One OMP thread per worker
+# (as bench-tracing): on a shared 2-core machine two-thread barriers make step times swing
+# several-fold.
+bench-spec: setup-dev
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
 # LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
 # batch-32 decode step mixing 8 adapters against the base model's, interleaved

@@ -181,6 +181,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     cached_msg.num_resumed_token_ids.extend(cached.num_resumed_token_ids)
     cached_msg.resumed_all_token_ids.extend(cached.resumed_all_token_ids)
     msg.num_scheduled_tokens.extend(output.num_scheduled_tokens)
+    if output.num_spec_tokens:
+        msg.num_spec_tokens.extend(output.num_spec_tokens)
     msg.finished_req_handles.extend(output.finished_req_handles)
     for handle, input_ids in output.scheduled_encoder_inputs.items():
         msg.scheduled_encoder_inputs.add(req_handle=handle, input_ids=input_ids)
@@ -218,14 +220,31 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
     output = output_convert.model_runner_output_from_proto(msg)
     if output.status == StepStatus.ERROR:
         output.error_message = msg.error_message or f"rank {msg.rank} failed step {msg.step_id}"
-    elif len(msg.req_handles) != len(msg.sampled_token_ids):
-        raise ValueError(
-            f"rank {msg.rank} answered step {msg.step_id} with {len(msg.req_handles)} requests "
-            f"but {len(msg.sampled_token_ids)} sampled tokens"
-        )
+    else:
+        _check_sampled_columns(msg)
     if len(msg.failed_req_handles) != len(msg.failed_reasons):
         raise ValueError(f"rank {msg.rank}: failed requests and reasons do not line up")
     return output
+
+
+def _check_sampled_columns(msg: worker_pb2.ModelRunnerOutput) -> None:
+    """req_handles, the sampled tokens and their counts line up; ValueError otherwise."""
+    num_reqs = len(msg.req_handles)
+    counts, drafts = msg.num_sampled_token_ids, msg.num_draft_tokens
+    num_tokens = sum(counts) if counts else num_reqs
+    problem = None
+    if (counts and len(counts) != num_reqs) or (drafts and len(drafts) != num_reqs):
+        problem = "per-request token or draft counts that do not match its requests"
+    elif num_tokens != len(msg.sampled_token_ids):
+        counted = f"{num_tokens} tokens counted" if counts else f"{num_reqs} requests"
+        problem = f"{counted} but {len(msg.sampled_token_ids)} sampled tokens"
+    elif counts and (
+        min(counts) < 1
+        or any(n > d + 1 for n, d in zip(counts, drafts or [0] * num_reqs, strict=True))
+    ):
+        problem = "a request that sampled no token, or more than its drafts and one"
+    if problem is not None:
+        raise ValueError(f"rank {msg.rank} answered step {msg.step_id} with {problem}")
 
 
 def engine_info_to_proto(

@@ -70,7 +70,11 @@ class EngineCore:
         scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
         self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
         self.structured = StructuredRequests(
-            scheduler_config.vocab_size, structured_outputs_config, wake
+            scheduler_config.vocab_size,
+            structured_outputs_config,
+            wake,
+            scheduler_config.speculative_config,
+            scheduler_config.max_model_len,
         )
         """Requests compiling their grammar, and the steps' grammar bitmasks; `wake` tells
         the busy loop a compile finished."""
@@ -449,6 +453,7 @@ class EngineCore:
         pool = self.kv_cache_manager.block_pool
         prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
         running_loras, waiting_loras = scheduler.lora.adapter_names()
+        spec = scheduler.spec_stats
         return SchedulerStats(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),
@@ -468,6 +473,10 @@ class EngineCore:
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
             num_waiting_deferred=len(self.structured.compiling),
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
         )
 
     def retire_lora(self, lora_id: int) -> int:

@@ -35,9 +35,13 @@ def make_detail(
 
 
 def make_step_outputs(
-    requests: list[Request], token_ids: list[int], model_runner_output: ModelRunnerOutput
+    requests: list[Request],
+    token_ids: list[int],
+    model_runner_output: ModelRunnerOutput,
+    num_tokens: list[int] | None = None,
 ) -> dict[int, EngineCoreOutputs]:
-    """Columnar outputs per client_id: requests[i] gained token_ids[i]. A detail is added
+    """Columnar outputs per client_id: requests[i] gained token_ids[i], or the next
+    num_tokens[i] of token_ids when given (speculative decoding). A detail is added
     only when the request finished, has logprobs or has events pending (which includes
     its first token: QUEUED and SCHEDULED are always pending then)."""
     logprobs = {e.req_handle: e.table for e in model_runner_output.logprobs}
@@ -49,7 +53,9 @@ def make_step_outputs(
     counts: list[int] = []
     tokens: list[int] = []
     details: list[EngineCoreOutput] = []
-    for request, token in zip(requests, token_ids, strict=True):
+    if num_tokens:
+        runs = _runs(token_ids, num_tokens)
+    for i, request in enumerate(requests):
         if request.client_id != last_client_id:
             last_client_id = request.client_id
             engine_outputs = outputs.get(last_client_id)
@@ -60,12 +66,37 @@ def make_step_outputs(
             tokens = engine_outputs.new_token_ids
             details = engine_outputs.details
         handles.append(request.client_handle)
-        counts.append(1)
-        tokens.append(token)
+        if num_tokens:
+            counts.append(num_tokens[i])
+            tokens.extend(runs[i])
+        else:
+            counts.append(1)
+            tokens.append(token_ids[i])
         if request.events or has_logprobs or request.is_finished:
             handle = request.req_handle
-            details.append(make_detail(request, logprobs.get(handle), prompt_logprobs.get(handle)))
+            table = logprobs.get(handle)
+            if table is not None and num_tokens and len(table.ranks) > num_tokens[i]:
+                table = _first_rows(table, num_tokens[i])  # a stop ended its run early
+            details.append(make_detail(request, table, prompt_logprobs.get(handle)))
     return outputs
+
+
+def _first_rows(table: LogprobsTable, num_rows: int) -> LogprobsTable:
+    width = (table.num_top_logprobs + 1) * num_rows
+    return LogprobsTable(
+        table.num_top_logprobs,
+        table.token_ids[:width],
+        table.logprobs[:width],
+        table.ranks[:num_rows],
+    )
+
+
+def _runs(token_ids: list[int], counts: list[int]) -> list[list[int]]:
+    runs, start = [], 0
+    for count in counts:
+        runs.append(token_ids[start : start + count])
+        start += count
+    return runs
 
 
 def make_update_outputs(
@@ -73,7 +104,12 @@ def make_update_outputs(
 ) -> dict[int, EngineCoreOutputs]:
     """The outputs of an applied step: the sampled tokens, and a final detail for each request
     that failed."""
-    outputs = make_step_outputs(update.sampled_reqs, update.sampled_token_ids, model_runner_output)
+    outputs = make_step_outputs(
+        update.sampled_reqs,
+        update.sampled_token_ids,
+        model_runner_output,
+        update.num_sampled_tokens,
+    )
     if update.failed:
         logger.error("step %d: %d requests failed", step_id, len(update.failed))
         merge_outputs(outputs, make_final_outputs(update.failed))

@@ -104,12 +104,23 @@ class CoreService:
         log_kv_cache(config, facts, self.info)
         if config.async_scheduling:  # vLLM's wording
             logger.info("Asynchronous scheduling is enabled (--no-async-scheduling: lockstep)")
+        if config.speculative_config is not None:
+            spec = config.speculative_config
+            logger.info(
+                "Speculative decoding: %s, up to %d draft tokens per request (n-gram %d..%d, "
+                "proposed by the worker ranks)",
+                spec.method,
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+            )
         self.host = service_host(config, registry)
         self.metrics = CoreMetrics(
             self.host.registry,
             self.info.served_model_name,
             config.engine_id,
             cache_config_labels(config, facts),
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
         )
         self._loop = asyncio.get_running_loop()
         inbox = EngineInbox()

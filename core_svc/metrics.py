@@ -70,10 +70,17 @@ class CoreMetrics:
         model_name: str,
         engine: str,
         cache_config: dict[str, str],
+        num_speculative_tokens: int = 0,
     ) -> None:
         self._registry = registry
         self._values = (model_name, engine)
         self._add_scheduler_metrics()
+        self.spec_decode = (
+            SpecDecodeMetrics(registry, self._values, num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
+        """vLLM's spec-decode counters, registered only with --speculative-config (as vLLM)."""
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the KV cache config.",
@@ -219,6 +226,8 @@ class CoreMetrics:
             self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
         if stats.step_id > last.step_id and stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        if self.spec_decode is not None:
+            self.spec_decode.observe(stats, last)
         self._last = stats
 
     def iteration_tokens_state(self) -> tuple[list[float], list[int], float]:
@@ -271,3 +280,60 @@ class _GrammarCacheCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=LABELS)
             family.add_metric(self._values, value)
             yield family
+
+
+class SpecDecodeMetrics:
+    """vLLM's SpecDecodingProm: drafts, draft tokens, accepted tokens and accepted tokens per
+    draft position (label `position`), counters fed by the scheduler's cumulative stats."""
+
+    def __init__(
+        self, registry: CollectorRegistry, values: tuple[str, str], num_spec_tokens: int
+    ) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=registry).labels(*values)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABELS, "position"],
+            registry=registry,
+        )
+        self.num_accepted_per_pos = [
+            per_pos.labels(*values, str(p)) for p in range(num_spec_tokens)
+        ]
+
+    def observe(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        pairs = (
+            (self.num_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+            (
+                self.num_draft_tokens,
+                stats.spec_decode_num_draft_tokens,
+                last.spec_decode_num_draft_tokens,
+            ),
+            (
+                self.num_accepted_tokens,
+                stats.spec_decode_num_accepted_tokens,
+                last.spec_decode_num_accepted_tokens,
+            ),
+        )
+        for counter, now, before in pairs:
+            if now > before:
+                counter.inc(now - before)
+        before_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for pos, (counter, now) in enumerate(
+            zip(
+                self.num_accepted_per_pos,
+                stats.spec_decode_num_accepted_tokens_per_pos,
+                strict=False,
+            )
+        ):
+            previous = before_pos[pos] if pos < len(before_pos) else 0
+            if now > previous:
+                counter.inc(now - previous)

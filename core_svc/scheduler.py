@@ -19,7 +19,7 @@ from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
 from core_svc.step_builder import StepBuilder
-from core_svc.step_update import ScheduledStep, StepUpdate, StepUpdater
+from core_svc.step_update import ScheduledStep, SpecDecodingStats, StepUpdate, StepUpdater
 from splitserve_contracts.output_types import EngineCoreEventType, ErrorKind, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,11 @@ class Scheduler:
             max_model_len=self.max_model_len,
             vocab_size=scheduler_config.vocab_size,
         )
+        spec = scheduler_config.speculative_config
+        self._num_spec_by_batch = spec.num_spec_tokens_for_batch(self.max_num_seqs) if spec else []
+        """Draft slots per decoding request by the number of running requests (speculative
+        decoding; empty: off)."""
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[int, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -153,16 +158,18 @@ class Scheduler:
         scheduled: list[Request], num_computed: list[int]
     ) -> list[tuple[Request, int]]:
         """The constrained requests that sample in the step (their scheduled tokens reach the
-        end of what is known, placeholders included), with the sampled token's position."""
-        return [
-            (request, position)
-            for request, position in zip(scheduled, num_computed, strict=True)
-            if request.structured_output is not None
-            and position == len(request.all_token_ids) + request.num_output_placeholders
-        ]
+        end of what is known, placeholders included), each with its draft slots."""
+        rows = []
+        for request, position in zip(scheduled, num_computed, strict=True):
+            if request.structured_output is not None:
+                num_spec = position - len(request.all_token_ids) - request.num_output_placeholders
+                if num_spec >= 0:
+                    rows.append((request, num_spec))
+        return rows
 
     def structured_rows(self, step_id: int) -> list[tuple[Request, int]]:
-        """The constrained sampling requests of the step in flight `step_id`."""
+        """The constrained sampling requests of the step in flight `step_id`, each with its
+        draft slots."""
         for scheduled in reversed(self._in_flight):
             if scheduled.step_id == step_id:
                 return scheduled.structured
@@ -208,6 +215,7 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         add_running = step.add_running
         running = self.running
+        num_spec_max = self._num_spec_by_batch[len(running)] if self._num_spec_by_batch else 0
         preempted = False
         i = 0
         while i < len(running) and token_budget > 0:
@@ -226,6 +234,8 @@ class Scheduler:
                     num_new_tokens = threshold
                 if num_new_tokens > prefill_budget:
                     num_new_tokens = prefill_budget
+            elif num_spec_max and num_new_tokens == 1:
+                num_new_tokens += self._num_spec_slots(request, num_spec_max, placeholders)
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             if num_new_tokens > max_model_len - 1 - num_computed:
@@ -238,7 +248,11 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
+            num_spec = 0 if is_prefill else num_new_tokens - 1
             blocks = allocate_slots(request, num_new_tokens)
+            if blocks is None and num_spec:  # drafts never preempt anyone
+                num_new_tokens, num_spec = 1, 0
+                blocks = allocate_slots(request, 1)
             if blocks is None:
                 preempted = True
                 blocks, token_budget, i = self._preempt_until_allocated(
@@ -246,7 +260,7 @@ class Scheduler:
                 )
                 if blocks is None:
                     break
-            add_running(request, num_new_tokens, blocks)
+            add_running(request, num_new_tokens, blocks, num_spec)
             if encoder_inputs:
                 self.encoder.commit(request, encoder_inputs)
                 step.add_encoder_inputs(request, encoder_inputs)
@@ -256,6 +270,17 @@ class Scheduler:
                 prefill_budget -= num_new_tokens
             i += 1
         return token_budget, prefill_budget, preempted
+
+    @staticmethod
+    def _num_spec_slots(request: Request, num_spec_max: int, num_placeholders: int) -> int:
+        """Draft slots for a decoding request: no more than the tokens it may still sample
+        beyond the one it samples anyway, and none while a constrained request reasons
+        (its grammar is not applied yet, so draft positions would have no masks)."""
+        room = request.max_tokens - len(request.output_token_ids) - num_placeholders - 1
+        grammar = request.structured_output
+        if room <= 0 or (grammar is not None and not grammar.reasoning_ended):
+            return 0
+        return num_spec_max if num_spec_max < room else room
 
     def _preempt_until_allocated(
         self,
@@ -403,11 +428,13 @@ class Scheduler:
         vocabulary (a broken output rank), ends with ENGINE_FAILURE instead of stalling."""
         scheduled = self._in_flight.popleft()
         update = self._updater.apply(
-            scheduled, scheduler_output, model_runner_output, self.requests
+            scheduled, scheduler_output, model_runner_output, self.requests, self.spec_stats
         )
         self._after_update(update)
         self.num_prompt_tokens += update.num_prompt_tokens
         self.num_generation_tokens += len(update.sampled_token_ids)
+        if update.spec_reqs:
+            self._roll_back_rejected(update)
         outputs = make_update_outputs(update, model_runner_output, scheduled.step_id)
         finished = update.finished + update.failed
         if finished:
@@ -415,6 +442,14 @@ class Scheduler:
                 self._free_request(request)
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    @staticmethod
+    def _roll_back_rejected(update: StepUpdate) -> None:
+        """Draft slots whose drafts were rejected (or never proposed) have no KV: the requests'
+        num_computed_tokens fall back by them (vLLM's rejection rollback); their blocks stay
+        allocated and the next tokens overwrite the slots."""
+        for request, num_spec, num_sampled in update.spec_reqs:
+            request.num_computed_tokens -= num_spec - (num_sampled - 1)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

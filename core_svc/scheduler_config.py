@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from splitserve_contracts.spec_decode import SpeculativeConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -53,6 +55,10 @@ class SchedulerConfig:
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
     off and requests naming an adapter are refused."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's --speculative-config): a decoding request gets up to
+    num_speculative_tokens draft slots per step while few enough requests run; the ranks
+    propose and verify the drafts."""
 
     @property
     def encoder_compute_budget(self) -> int:

@@ -124,3 +124,6 @@ class SchedulerOutput:
     """LoRA slots changed since the previous step (None: none)."""
     free_lora_ids: list[int] = field(default_factory=list)
     """Unloaded LoRA adapters no request uses any more: the workers drop them."""
+    num_spec_tokens: list[int] = field(default_factory=list)
+    """Speculative decoding: draft slots per scheduled request, in num_scheduled_tokens order
+    (each included in its num_scheduled_tokens); empty when the step has none."""

@@ -33,6 +33,7 @@ class StepBuilder:
         "_block_ids",
         "_num_token_ids",
         "_token_ids",
+        "_num_spec",
     )
 
     def __init__(self, step_id: int, finished_req_handles: list[int]) -> None:
@@ -50,17 +51,26 @@ class StepBuilder:
         self._block_ids = cached.new_block_ids
         self._num_token_ids = cached.num_new_token_ids
         self._token_ids = cached.new_token_ids
+        self._num_spec: dict[int, int] = {}
+        """req_handle -> draft slots, for the running requests that have some."""
 
     @property
     def num_scheduled_reqs(self) -> int:
         return len(self._new_reqs) + len(self._running_reqs) + len(self._resumed_reqs)
 
     def add_running(
-        self, request: Request, num_new_tokens: int, new_blocks: Sequence[KVCacheBlock]
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_blocks: Sequence[KVCacheBlock],
+        num_spec: int = 0,
     ) -> None:
         """A running request's diff: its new blocks and the tokens it sampled since it was
-        last sent. The hot path of a decode step, so: a few list appends. Call it before
-        advancing the request's num_computed_tokens."""
+        last sent; `num_spec` of its num_new_tokens are draft slots. The hot path of a decode
+        step, so: a few list appends. Call it before advancing the request's
+        num_computed_tokens."""
+        if num_spec:
+            self._num_spec[request.req_handle] = num_spec
         self._running_reqs.append(request)
         self._num_running.append(num_new_tokens)
         self._handles.append(request.req_handle)
@@ -89,6 +99,7 @@ class StepBuilder:
         except ValueError:
             return None
         self.output.scheduled_cached_reqs.remove_entry(index)
+        self._num_spec.pop(request.req_handle, None)
         del self._running_reqs[index]
         return self._num_running.pop(index)
 
@@ -138,6 +149,9 @@ class StepBuilder:
         output.num_scheduled_tokens = [*self._num_new, *self._num_running, *self._num_resumed]
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens)
         scheduled = [*self._new_reqs, *self._running_reqs, *self._resumed_reqs]
+        if self._num_spec:
+            num_spec = self._num_spec
+            output.num_spec_tokens = [num_spec.get(r.req_handle, 0) for r in scheduled]
         cached = output.scheduled_cached_reqs
         num_running = len(self._running_reqs)
         if not (

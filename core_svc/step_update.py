@@ -27,6 +27,32 @@ class StepUpdate:
     failed: list[Request] = field(default_factory=list)
     num_prompt_tokens: int = 0
     """Prompt tokens of the requests that sampled their first token in this step."""
+    num_sampled_tokens: list[int] = field(default_factory=list)
+    """Tokens each of sampled_reqs gained, in order in sampled_token_ids (empty: one each)."""
+    spec_reqs: list[tuple[Request, int, int]] = field(default_factory=list)
+    """Requests that had draft slots: (request, its slots, tokens the ranks sampled for it)."""
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding since the engine started (vLLM's SpecDecodingStats, cumulative)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
 
 
 @dataclass(slots=True)
@@ -56,6 +82,7 @@ class StepUpdater:
         vocab_size: int,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
         self.block_hasher = block_hasher
         self.encoder = encoder
         self.max_model_len = max_model_len
@@ -67,19 +94,21 @@ class StepUpdater:
         scheduler_output: SchedulerOutput,
         model_runner_output: ModelRunnerOutput,
         requests: dict[int, Request],
+        spec_stats: SpecDecodingStats,
     ) -> StepUpdate:
         """Fail the requests the ranks refused for their own invalid data (INVALID_REQUEST);
-        then per scheduled request: cache blocks that became full, append its sampled token,
-        extend its block hashes and check stops. `requests`: the live ones by req_handle."""
+        then per scheduled request: cache blocks that became full, append its sampled tokens
+        (several when it verified drafts), extend its block hashes and check stops.
+        `requests`: the live ones by req_handle."""
         _check_order(scheduled, scheduler_output)
         update = StepUpdate(failed=_fail_refused(model_runner_output, requests))
-        sampled = dict(
-            zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
-        )
+        output = model_runner_output
+        if output.num_sampled_token_ids:
+            return self._apply_runs(scheduled, scheduler_output, output, update, spec_stats)
+        sampled = dict(zip(output.req_handles, output.sampled_token_ids, strict=True))
         kv = self.kv_cache_manager
-        block_size, max_model_len, vocab_size = kv.block_size, self.max_model_len, self.vocab_size
+        block_size, vocab_size = kv.block_size, self.vocab_size
         cache_blocks = kv.cache_blocks if kv.enable_caching else None
-        extend_hashes = self.block_hasher.extend
         for request, num_new_tokens, num_computed in zip(
             scheduled.requests,
             scheduler_output.num_scheduled_tokens,
@@ -88,40 +117,108 @@ class StepUpdater:
         ):
             if request.status is not _RUNNING:
                 continue
-            all_token_ids = request.all_token_ids
             if cache_blocks and num_computed % block_size < num_new_tokens:
                 cache_blocks(request, num_computed)  # a block became full this step
             if request.mm_features:
                 self.encoder.release_computed(request)
-            if num_computed < len(all_token_ids):
+            if num_computed < len(request.all_token_ids):
                 continue  # a prefill chunk: nothing sampled
             token = sampled.get(request.req_handle)
             if token is None or token >= vocab_size:
                 update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
                 continue
-            if not request.output_token_ids:
-                update.num_prompt_tokens += request.num_prompt_tokens
-            request.output_token_ids.append(token)
-            all_token_ids.append(token)
-            if cache_blocks and len(all_token_ids) % block_size == 0:
-                extend_hashes(
-                    request.block_hashes,
-                    all_token_ids,
-                    request.cache_salt,
-                    request.mm_features,
-                    request.lora_hash_key,
-                )
-            grammar = request.structured_output
-            if grammar is not None and _grammar_stops(request, grammar, token, update):
-                pass
-            elif (
-                token in request.all_stop_token_ids
-                or len(request.output_token_ids) >= request.max_tokens
-            ) and check_stop(request, max_model_len):
-                update.finished.append(request)
+            self._append(request, token, update)
             update.sampled_reqs.append(request)
-            update.sampled_token_ids.append(token)
         return update
+
+    def _apply_runs(
+        self,
+        scheduled: ScheduledStep,
+        scheduler_output: SchedulerOutput,
+        output: ModelRunnerOutput,
+        update: StepUpdate,
+        spec_stats: SpecDecodingStats,
+    ) -> StepUpdate:
+        """`apply` for a step whose requests sampled several tokens each (speculative
+        decoding): each run of accepted drafts and the token after them is appended token by
+        token (a stop ends the run there), then the blocks its verified tokens filled are
+        cached (the last sampled token has no KV yet)."""
+        runs = _sampled_runs(output)
+        num_spec = scheduler_output.num_spec_tokens or [0] * len(scheduled.requests)
+        kv = self.kv_cache_manager
+        cache_blocks = kv.cache_blocks if kv.enable_caching else None
+        for request, num_computed, num_slots in zip(
+            scheduled.requests, scheduled.num_computed_tokens, num_spec, strict=True
+        ):
+            if request.status is not _RUNNING:
+                continue
+            if request.mm_features:
+                self.encoder.release_computed(request)
+            if num_computed < len(request.all_token_ids):
+                if cache_blocks:
+                    cache_blocks(request, num_computed)
+                continue  # a prefill chunk: nothing sampled
+            run = runs.get(request.req_handle)
+            if run is None or max(run[0]) >= self.vocab_size or len(run[0]) > num_slots + 1:
+                token = None if run is None else max(run[0])
+                update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
+                continue
+            tokens, num_drafts = run
+            num_appended = 0
+            for token in tokens:
+                num_appended += 1
+                if self._append(request, token, update):
+                    break
+            if cache_blocks:
+                cache_blocks(request, len(request.all_token_ids) - 1)
+            update.sampled_reqs.append(request)
+            update.num_sampled_tokens.append(num_appended)
+            if num_slots:
+                update.spec_reqs.append((request, num_slots, len(tokens)))
+            if num_drafts:
+                spec_stats.observe_draft(num_drafts, len(tokens) - 1)
+        return update
+
+    def _append(self, request: Request, token: int, update: StepUpdate) -> bool:
+        """Append one sampled token: block hashes, grammar, stops; True when it ended the
+        request (finished or failed)."""
+        all_token_ids = request.all_token_ids
+        if not request.output_token_ids:
+            update.num_prompt_tokens += request.num_prompt_tokens
+        request.output_token_ids.append(token)
+        all_token_ids.append(token)
+        if self.kv_cache_manager.enable_caching and len(all_token_ids) % self.block_size == 0:
+            self.block_hasher.extend(
+                request.block_hashes,
+                all_token_ids,
+                request.cache_salt,
+                request.mm_features,
+                request.lora_hash_key,
+            )
+        update.sampled_token_ids.append(token)
+        grammar = request.structured_output
+        if grammar is not None and _grammar_stops(request, grammar, token, update):
+            return True
+        if (
+            token in request.all_stop_token_ids
+            or len(request.output_token_ids) >= request.max_tokens
+        ) and check_stop(request, self.max_model_len):
+            update.finished.append(request)
+            return True
+        return False
+
+
+def _sampled_runs(output: ModelRunnerOutput) -> dict[int, tuple[list[int], int]]:
+    """req_handle -> (its sampled tokens, the drafts it verified)."""
+    runs = {}
+    tokens, start = output.sampled_token_ids, 0
+    drafts = output.num_draft_tokens or [0] * len(output.req_handles)
+    for handle, count, num_drafts in zip(
+        output.req_handles, output.num_sampled_token_ids, drafts, strict=True
+    ):
+        runs[handle] = (tokens[start : start + count], num_drafts)
+        start += count
+    return runs
 
 
 def _grammar_stops(

@@ -11,7 +11,9 @@
         complete grammar finishes the request (STOP)
 
 The matcher only ever consumes tokens the engine applied (never a placeholder of a step in
-flight), so it always matches `output_token_ids`: async steps need no rollback, a preempted or
+flight, never an unverified draft: a speculating request's per-draft masks come from
+llguidance's fill with draft tokens, which rolls them back), so it always matches
+`output_token_ids`: async steps need no rollback, a preempted or
 recovered request keeps its matcher, and a request resubmitted after a core restart rebuilds it
 by consuming the tokens it brings. llguidance, not xgrammar: the core never imports torch, and
 xgrammar imports it on import.
@@ -30,7 +32,11 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import (
+    fill_next_token_bitmask,
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
@@ -324,24 +330,46 @@ class StructuredOutputManager:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def fill_bitmask(self, states: Sequence[StructuredOutputRequest]) -> bytes:
+    def fill_bitmask(
+        self,
+        states: Sequence[StructuredOutputRequest],
+        drafts: Sequence[Sequence[int]] = (),
+    ) -> bytes:
         """The packed masks of `states`, one row each in order (little-endian int32 words),
-        filled by llguidance: in parallel from fill_parallel_threshold rows on."""
-        num_rows = len(states)
+        filled by llguidance: one row after another below fill_parallel_threshold rows (as vLLM),
+        in parallel from there on. With `drafts` (speculative decoding: each state's
+        grammar-valid drafts), a state gets 1 + len(its drafts) rows: the mask of its next
+        token, then the mask after each draft (llguidance consumes the drafts and rolls them
+        back: the matcher keeps following applied tokens only); those are always filled by
+        llguidance's parallel fill, which takes drafts."""
+        num_rows = len(states) + sum(len(d) for d in drafts)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.zeros(
                 (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
             )
         bitmask = self._bitmask[:num_rows]
-        if num_rows < self.config.fill_parallel_threshold:
+        if num_rows < self.config.fill_parallel_threshold and not any(drafts):
             for row, state in enumerate(states):
                 fill_next_token_bitmask(state.matcher, bitmask, row)  # type: ignore[arg-type]
             return bitmask.astype("<i4", copy=False).tobytes()
         if self._fill_executor is None:
             threads = self.config.num_fill_threads or None
             self._fill_executor = llguidance.LLExecutor(threads)
-        matchers = [(state.matcher, row) for row, state in enumerate(states)]
-        fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
+        if not drafts:
+            matchers = [(state.matcher, row) for row, state in enumerate(states)]
+            fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
+            return bitmask.astype("<i4", copy=False).tobytes()
+        plain, with_drafts, row = [], [], 0
+        for state, state_drafts in zip(states, drafts, strict=True):
+            if state_drafts:  # llguidance refuses an empty draft list
+                with_drafts.append((state.matcher, row, list(state_drafts)))
+            else:
+                plain.append((state.matcher, row))
+            row += 1 + len(state_drafts)
+        if with_drafts:
+            fill_next_token_bitmask_par_with_draft_tokens(self._fill_executor, with_drafts, bitmask)  # type: ignore[arg-type]
+        if plain:
+            fill_next_token_bitmask_par(self._fill_executor, plain, bitmask)  # type: ignore[arg-type]
         return bitmask.astype("<i4", copy=False).tobytes()
 
     def shutdown(self) -> None:

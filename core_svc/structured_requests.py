@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_output import StructuredOutputManager, StructuredOutputsConfig
+from splitserve_contracts.spec_decode import SpeculativeConfig, propose_ngram
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -31,8 +32,13 @@ class StructuredRequests:
         vocab_size: int,
         config: StructuredOutputsConfig,
         wake: Callable[[], None] = lambda: None,
+        speculative_config: SpeculativeConfig | None = None,
+        max_model_len: int = 0,
     ) -> None:
         self.manager = StructuredOutputManager(vocab_size, config, wake)
+        self.speculative_config = speculative_config
+        """How the ranks propose drafts: a constrained request's masks cover its drafts."""
+        self.max_model_len = max_model_len
         self._wake = wake
         self.compiling: dict[int, Request] = {}
         """req_handle -> request whose grammar compiles (not in the scheduler yet)."""
@@ -75,25 +81,53 @@ class StructuredRequests:
     def fill(self, step: SchedulerOutput, rows: list[tuple[Request, int]]) -> bool:
         """Give the step its bitmask: True when filled (or none is needed), False when a
         request's earlier token is still in flight (the step is marked pending; fill it
-        again once the older step is applied)."""
+        again once the older step is applied). `rows`: the constrained requests that sample,
+        each with its draft slots (its placeholders beyond this step's are tokens in flight)."""
         candidates = [
-            (request, position)
-            for request, position in rows
+            (request, num_spec)
+            for request, num_spec in rows
             if request.status is _RUNNING
             and request.structured_output is not None
             and request.structured_output.may_need_bitmask
         ]
-        if any(len(request.all_token_ids) < position for request, position in candidates):
+        if any(request.num_output_placeholders > 1 + k for request, k in candidates):
             step.has_pending_grammar = True  # its token in flight may also end the reasoning
             return False
-        live = [(r, p) for r, p in candidates if r.structured_output.needs_bitmask]  # type: ignore[union-attr]
-        if live:
-            states = [request.structured_output for request, _ in live]
+        live = [(r, k) for r, k in candidates if r.structured_output.needs_bitmask]  # type: ignore[union-attr]
+        if not live:
+            return True
+        states = [request.structured_output for request, _ in live]
+        if not any(k for _, k in live):
             step.grammar_bitmask = GrammarBitmask(
                 [request.req_handle for request, _ in live],
                 self.manager.fill_bitmask(states),  # type: ignore[arg-type]
             )
+            return True
+        drafts = [self._valid_drafts(request, k) for request, k in live]
+        handles = [r.req_handle for (r, _), d in zip(live, drafts, strict=True) for _ in (0, *d)]
+        step.grammar_bitmask = GrammarBitmask(
+            handles,
+            self.manager.fill_bitmask(states, drafts),  # type: ignore[arg-type]
+        )
         return True
+
+    def _valid_drafts(self, request: Request, num_spec: int) -> list[int]:
+        """The drafts the ranks propose for the request (the same function of the same tokens),
+        up to the first its grammar refuses: the rank rejects that one under the mask before
+        it, so no mask follows it."""
+        spec = self.speculative_config
+        if not num_spec or spec is None:
+            return []
+        drafts = propose_ngram(
+            request.all_token_ids,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+            num_spec,
+            self.max_model_len,
+        ).tolist()
+        state = request.structured_output
+        assert state is not None and state.matcher is not None
+        return drafts[: state.matcher.validate_tokens(drafts)] if drafts else []
 
     def shutdown(self) -> None:
         self.manager.shutdown()

@@ -217,6 +217,7 @@ class WorkerPool:
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,
+                speculative_config=_speculative_config_to_proto(config),
             )
             for rank in range(world)
         ]
@@ -312,3 +313,15 @@ def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
             f"{facts.max_model_len} tokens, all the engine can use"
         )
     return "the memory the workers may use (their logs say how much)"
+
+
+def _speculative_config_to_proto(config: CoreConfig) -> worker_pb2.SpeculativeConfig | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return worker_pb2.SpeculativeConfig(
+        method=spec.method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+    )

@@ -5,9 +5,11 @@ endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
 vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
 vllm:prefix_cache_queries/hits, vllm:num_preemptions, vllm:mm_cache_queries/hits,
 vllm:iteration_tokens_total and vllm:cache_config_info, labelled with model_name and the engine's
-id, and with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input). They
-are the engine core's own values, asked for at scrape time (GetSchedulerStats), or, when the core
-does not answer within a second, its latest stats this frontend saw (no histogram then).
+id, with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input) and with
+--speculative-config vllm:spec_decode_num_drafts/_num_draft_tokens/_num_accepted_tokens/
+_num_accepted_tokens_per_pos. They are the engine core's own values, asked for at scrape time
+(GetSchedulerStats), or, when the core does not answer within a second, its latest stats this
+frontend saw (no histogram then).
 
 One source per series in Prometheus: these are only on the serving port. The engine core's
 metrics port exports the same series, and the frontend's metrics port (the one the chart's
@@ -99,6 +101,7 @@ class EngineSeries:
             stats.encoder_cache_hits,
         )
         yield from self._iteration_tokens()
+        yield from self._spec_decode(stats)
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -133,6 +136,33 @@ class EngineSeries:
             "KV-cache usage. 1 means 100 percent usage.",
             stats.kv_cache_usage,
         )
+
+    def _spec_decode(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """vLLM's SpecDecodingProm counters; only when the engine speculates (a per-position
+        entry per draft position), as vLLM registers them only with a speculative config."""
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        if not per_pos:
+            return
+        yield self._counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+            stats.spec_decode_num_drafts,
+        )  # fmt: skip
+        yield self._counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+            stats.spec_decode_num_draft_tokens,
+        )  # fmt: skip
+        yield self._counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            stats.spec_decode_num_accepted_tokens,
+        )  # fmt: skip
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for position, value in enumerate(per_pos):
+            family.add_metric([*self.values, str(position)], value)
+        yield family
 
     def _iteration_tokens(self) -> Iterator[Metric]:
         hist = self.snapshot.iteration_tokens

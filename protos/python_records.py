@@ -197,7 +197,10 @@ def to_proto_line(contracts: Contracts, source_of: dict[str, str], f: F) -> list
             return [f"    for item in {value}:", f"        {convert}(item, {target}.add())"]
         return [f"    if {value} is not None:", f"        {convert}({value}, {target})"]
     if f.label == F.LABEL_REPEATED:
-        return [f"    {target}.extend({value})"]
+        line = f"    {target}.extend({value})"
+        if len(line) > 100:  # ruff format's width: wrap as it would
+            return [f"    {target}.extend(", f"        {value}", "    )"]
+        return [line]
     if f.type == F.TYPE_ENUM:
         return [
             f"    {target} = {module_alias(source_of[type_name])}.{type_name}.ValueType({value})"

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -37,6 +39,7 @@ from frontend_svc.core_client import CoreEvent
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.output_types import ModelRunnerOutput
+from splitserve_contracts.spec_decode import SpeculativeConfig, speculative_config_from_dict
 from worker_svc import convert as worker_convert
 from worker_svc.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
@@ -194,6 +197,15 @@ class EngineOptions:
     quantization: str = ""
     """vLLM's quantization ("": the checkpoint's own; int8, int4, w8a8: quantize at load)."""
     dequantize_gguf: bool = False
+    speculative_config: dict[str, Any] | None = None
+    """vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative config, checked (InvalidSpeculativeConfig says what is wrong)."""
+        if not self.speculative_config:
+            return None
+        return speculative_config_from_dict(self.speculative_config)
 
     @property
     def is_async_scheduling(self) -> bool:
@@ -220,6 +232,7 @@ class EngineOptions:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.is_async_scheduling,
+            speculative_config=self.speculative,
             max_recovery_seconds=0.0,
         )
 
@@ -249,6 +262,8 @@ class EngineOptions:
             flags.append("--enable-expert-parallel")
         if self.async_scheduling is not None:  # else the core's default (on where it can run)
             flags.append("--async-scheduling" if self.async_scheduling else "--no-async-scheduling")
+        if self.speculative_config:
+            flags += ["--speculative-config", json.dumps(self.speculative_config)]
         return flags
 
 
@@ -285,6 +300,7 @@ def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
                 async_scheduling=options.is_async_scheduling,
                 quantization=options.quantization,
                 dequantize_gguf=options.dequantize_gguf,
+                speculative_config=options.speculative,
             )
         )
         capacity = worker.get_kv_capacity(

@@ -84,7 +84,8 @@ class LLM:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
         kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
-        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf)."""
+        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf,
+        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 

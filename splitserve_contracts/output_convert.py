@@ -87,6 +87,12 @@ def scheduler_stats_to_proto(
     msg.num_waiting_deferred = record.num_waiting_deferred
     msg.running_lora_adapters.extend(record.running_lora_adapters)
     msg.waiting_lora_adapters.extend(record.waiting_lora_adapters)
+    msg.spec_decode_num_drafts = record.spec_decode_num_drafts
+    msg.spec_decode_num_draft_tokens = record.spec_decode_num_draft_tokens
+    msg.spec_decode_num_accepted_tokens = record.spec_decode_num_accepted_tokens
+    msg.spec_decode_num_accepted_tokens_per_pos.extend(
+        record.spec_decode_num_accepted_tokens_per_pos
+    )
     return msg
 
 
@@ -110,6 +116,10 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         num_waiting_deferred=msg.num_waiting_deferred,
         running_lora_adapters=list(msg.running_lora_adapters),
         waiting_lora_adapters=list(msg.waiting_lora_adapters),
+        spec_decode_num_drafts=msg.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(msg.spec_decode_num_accepted_tokens_per_pos),
     )
 
 
@@ -172,6 +182,8 @@ def model_runner_output_to_proto(
     msg.num_used_kv_blocks = record.num_used_kv_blocks
     msg.failed_req_handles.extend(record.failed_req_handles)
     msg.failed_reasons.extend(record.failed_reasons)
+    msg.num_sampled_token_ids.extend(record.num_sampled_token_ids)
+    msg.num_draft_tokens.extend(record.num_draft_tokens)
     return msg
 
 
@@ -189,4 +201,6 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         num_used_kv_blocks=msg.num_used_kv_blocks,
         failed_req_handles=list(msg.failed_req_handles),
         failed_reasons=list(msg.failed_reasons),
+        num_sampled_token_ids=list(msg.num_sampled_token_ids),
+        num_draft_tokens=list(msg.num_draft_tokens),
     )

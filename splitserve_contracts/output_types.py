@@ -188,6 +188,22 @@ class SchedulerStats:
     waiting_lora_adapters: list[str] = field(default_factory=list)
     """Names of the LoRA adapters of the waiting requests, sorted (vLLM's waiting_lora_adapters)."""
 
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding, cumulative (vLLM's SpecDecodingStats): requests that verified at least
+    one draft, per step.
+    """
+
+    spec_decode_num_draft_tokens: int = 0
+    """Draft tokens verified."""
+
+    spec_decode_num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    """Draft tokens accepted at each draft position (0 first), one entry per position up to
+    num_speculative_tokens.
+    """
+
 
 @dataclass(slots=True)
 class StepTimings:
@@ -242,7 +258,9 @@ class ModelRunnerOutput:
     """
 
     sampled_token_ids: list[int] = field(default_factory=list)
-    """Sampled token id per entry of req_handles."""
+    """Sampled token ids: one per entry of req_handles, or num_sampled_token_ids of them when that
+    is set, concatenated in req_handles order.
+    """
 
     logprobs: list[RequestLogprobs] = field(default_factory=list)
     """Log-probabilities of sampled tokens, for requests that asked."""
@@ -264,3 +282,14 @@ class ModelRunnerOutput:
 
     failed_reasons: list[str] = field(default_factory=list)
     """Why, one entry per failed_req_handles entry."""
+
+    num_sampled_token_ids: list[int] = field(default_factory=list)
+    """Tokens each entry of req_handles sampled this step, in order in sampled_token_ids (empty:
+    one each). A request that verified drafts samples its accepted drafts and one more token
+    (vLLM's bonus or recovered token).
+    """
+
+    num_draft_tokens: list[int] = field(default_factory=list)
+    """Drafts each entry of req_handles verified this step (empty: none); the accepted ones are
+    num_sampled_token_ids - 1.
+    """

@@ -14,6 +14,7 @@ from splitserve_contracts import output_convert, sampling_convert
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
+from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
@@ -107,6 +108,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         free_encoder_mm_hashes=tuple(msg.free_encoder_mm_hashes),
         grammar_bitmask=grammar_bitmask_from_proto(msg.grammar_bitmask),
         has_pending_grammar=msg.has_pending_grammar,
+        num_spec_tokens=_column(msg.num_spec_tokens),
         lora_slots=lora_slots_from_proto(msg.lora_slots) if msg.HasField("lora_slots") else None,
         free_lora_ids=tuple(msg.free_lora_ids),
     )
@@ -141,6 +143,15 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
+    spec = None
+    if req.HasField("speculative_config"):
+        msg = req.speculative_config
+        spec = SpeculativeConfig(  # InvalidSpeculativeConfig (a ValueError) names the field
+            msg.method,
+            msg.num_speculative_tokens,
+            msg.prompt_lookup_min,
+            msg.prompt_lookup_max,
+        )
     if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"unknown quantization {req.quantization!r}; choose one of "
@@ -165,6 +176,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         block_size=req.block_size,
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
+        speculative_config=spec,
         quantization=req.quantization,
         dequantize_gguf=req.dequantize_gguf,
         max_loras=req.max_loras,

@@ -34,14 +34,50 @@ def grammar_bitmask_from_bytes(handles: list[int], data: bytes) -> GrammarBitmas
     return GrammarBitmask(np.asarray(handles, np.int64), words.reshape(len(handles), -1))
 
 
+def _occurrences(handles: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """(handle, how many times it came before) per entry: a request verifying drafts has one
+    logits row and one mask row per position, in position order."""
+    seen: dict[int, int] = {}
+    keys = []
+    for handle in handles.tolist():
+        count = seen.get(handle, 0)
+        seen[handle] = count + 1
+        keys.append((handle, count))
+    return keys
+
+
+def _matched_rows(
+    sampling_handles: npt.NDArray[np.int64], mask_handles: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(logits rows, mask rows) that go together, in logits-row order. One broadcast compare
+    when every handle is there once (no drafts); by occurrence when drafts repeat handles."""
+    if len(np.unique(sampling_handles)) == len(sampling_handles) and len(
+        np.unique(mask_handles)
+    ) == len(mask_handles):
+        logit_rows, mask_rows = np.nonzero(sampling_handles[:, None] == mask_handles[None, :])
+        return logit_rows, mask_rows
+    position = dict(zip(_occurrences(sampling_handles), range(len(sampling_handles)), strict=True))
+    pairs = sorted(
+        (position[key], row)
+        for row, key in enumerate(_occurrences(mask_handles))
+        if key in position
+    )
+    empty = np.zeros(0, dtype=np.int64)
+    if not pairs:
+        return empty, empty
+    return np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+
+
 def apply_grammar_bitmask(
     logits: torch.Tensor, sampling_handles: npt.NDArray[np.int64], grammar: GrammarBitmask
 ) -> None:
     """Set to -inf, in `logits` [N, V] (row i samples for sampling_handles[i]), every token
-    the request's mask disallows. Requests without a mask row are left alone; a mask row of a
-    request that does not sample here is ignored (it finished or was refused meanwhile).
-    Vectorised: rows matched in numpy, bits unpacked by np.unpackbits, one
-    elementwise minimum against a ±inf ceiling."""
+    the request's mask disallows. A request verifying drafts has several rows, one per position;
+    its k-th mask row goes to its k-th logits row (positions without a mask row come after a
+    draft the grammar refused, which the mask before rejects). Requests without a mask row are
+    left alone; a mask row of a request that does not sample here is ignored (it finished or
+    was refused meanwhile). Vectorised: bits unpacked by np.unpackbits, one elementwise minimum
+    against a ±inf ceiling."""
     vocab_size = logits.shape[1]
     num_words = grammar.bitmask.shape[1]
     if num_words != (vocab_size + 31) // 32:
@@ -49,7 +85,7 @@ def apply_grammar_bitmask(
             f"grammar_bitmask rows have {num_words} words; the vocabulary of {vocab_size} "
             f"tokens needs {(vocab_size + 31) // 32}"
         )
-    logit_rows, mask_rows = np.nonzero(sampling_handles[:, None] == grammar.req_handles[None, :])
+    logit_rows, mask_rows = _matched_rows(sampling_handles, grammar.req_handles)
     if not len(logit_rows):
         return
     words = grammar.bitmask[mask_rows].astype("<i4", copy=False)  # bit 0 of word 0 first

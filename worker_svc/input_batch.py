@@ -45,6 +45,9 @@ class StepInputs:
     block_tables: IntArray
     logits_indices: IntArray
     sampling_reqs: IntArray
+    num_drafts: IntArray | None = None
+    """Speculative decoding: drafts each sampling request verifies (its logits rows are its last
+    1 + num_drafts tokens, in logits_indices); None: none in this step, one row each."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,11 +63,20 @@ class StepPlan:
     num_scheduled_tokens: IntArray
     fresh_block_ids: IntArray
     failed: dict[int, str]
+    num_spec: IntArray | None = None
+    """Draft slots per row (speculative decoding; None: none in this step). Once the drafts are
+    proposed (worker_svc/spec_decode.py), the drafts each row verifies: its
+    num_scheduled_tokens are then 1 + that."""
 
     def reordered(self, order: IntArray) -> StepPlan:
         """The same step with its rows in `order` (a permutation of their indices)."""
+        num_spec = None if self.num_spec is None else self.num_spec[order]
         return StepPlan(
-            self.rows[order], self.num_scheduled_tokens[order], self.fresh_block_ids, self.failed
+            self.rows[order],
+            self.num_scheduled_tokens[order],
+            self.fresh_block_ids,
+            self.failed,
+            num_spec,
         )
 
 
@@ -74,11 +86,11 @@ def _append_runs(
     """table[row, lengths[row] + j] = values[...] for each row's run of `counts` values (checked
     beforehand: they fit)."""
     if len(values):
-        table[np.repeat(rows, counts), _ragged_cols(lengths[rows], counts)] = values
+        table[np.repeat(rows, counts), ragged_cols(lengths[rows], counts)] = values
     lengths[rows] += counts
 
 
-def _ragged_cols(starts: IntArray, counts: IntArray) -> IntArray:
+def ragged_cols(starts: IntArray, counts: IntArray) -> IntArray:
     """For ragged runs of lengths `counts`, column starts[i] + j of every element j of run i."""
     run_starts = np.cumsum(counts) - counts
     return np.repeat(starts - run_starts, counts) + np.arange(int(counts.sum()))
@@ -170,7 +182,8 @@ class InputBatch:
             fresh.append(self._update_cached(cached_rows.astype(np.int64), cached))
         rows = np.concatenate([np.asarray(new_rows, np.int64), cached_rows.astype(np.int64)])
         fresh_ids = np.unique(np.concatenate(fresh)) if fresh else np.zeros(0, np.int64)
-        plan = StepPlan(rows, step.num_scheduled_tokens[keep], fresh_ids, failed)
+        num_spec = step.num_spec_tokens[keep] if len(step.num_spec_tokens) else None
+        plan = StepPlan(rows, step.num_scheduled_tokens[keep], fresh_ids, failed, num_spec)
         return self._check_schedule(plan)
 
     def _fresh_blocks(self, row: int) -> IntArray:
@@ -289,7 +302,12 @@ class InputBatch:
             [self.handle_to_row[h] for h in cached.resumed_req_handles.tolist()], np.int64
         )
         self.num_blocks[resumed] = 0  # resumed requests replace their block list
-        self.num_computed_tokens[rows] = cached.num_computed_tokens
+        # A running request's count may run ahead of this rank's by draft slots it rejected
+        # (async scheduling schedules as if every draft were accepted): the lower one holds.
+        own = np.where(
+            np.isin(rows, resumed), cached.num_computed_tokens, self.num_computed_tokens[rows]
+        )
+        self.num_computed_tokens[rows] = np.minimum(cached.num_computed_tokens, own)
         first_new = self.num_blocks[rows].copy()
         _append_runs(self.block_table, self.num_blocks, rows, cached.num_new_block_ids,
                      cached.new_block_ids)  # fmt: skip
@@ -304,7 +322,7 @@ class InputBatch:
                 self.sampling.resync_generator(row, num_outputs)
         # New blocks at or past the first block without computed tokens are fresh.
         first_fresh = -(-self.num_computed_tokens[rows] // self.block_size)
-        cols = _ragged_cols(first_new, cached.num_new_block_ids)
+        cols = ragged_cols(first_new, cached.num_new_block_ids)
         is_fresh = cols >= np.repeat(first_fresh, cached.num_new_block_ids)
         return cached.new_block_ids[is_fresh]
 
@@ -312,13 +330,17 @@ class InputBatch:
 
     def _check_schedule(self, plan: StepPlan) -> StepPlan:
         """Refuse requests whose scheduled tokens they do not have (or have no blocks for)."""
-        rows, num_scheduled = plan.rows, plan.num_scheduled_tokens
-        seq_lens = self.num_computed_tokens[rows] + num_scheduled
-        is_bad = (
-            (num_scheduled < 1)
-            | (seq_lens > self.num_tokens[rows])
-            | (seq_lens > self.num_blocks[rows] * self.block_size)
-        )
+        rows, num_scheduled, num_spec = plan.rows, plan.num_scheduled_tokens, plan.num_spec
+        num_computed = self.num_computed_tokens[rows]
+        seq_lens = num_computed + num_scheduled
+        num_known = self.num_tokens[rows]
+        is_bad = (seq_lens > self.num_blocks[rows] * self.block_size) | (num_scheduled < 1)
+        if num_spec is None:
+            is_bad |= seq_lens > num_known
+        else:  # draft slots follow a decode's one known token
+            is_decode = num_known - num_computed == 1
+            is_bad |= (seq_lens - num_spec > num_known) | ((num_spec > 0) & ~is_decode)
+            is_bad |= (num_spec < 0) | (num_spec >= num_scheduled)
         if not is_bad.any():
             return plan
         reasons = {
@@ -341,8 +363,13 @@ class InputBatch:
             plan.failed[handle] = reason
             self._remove(handle)
             keep[i] = False
+        num_spec = plan.num_spec
         return StepPlan(
-            plan.rows[keep], plan.num_scheduled_tokens[keep], plan.fresh_block_ids, plan.failed
+            plan.rows[keep],
+            plan.num_scheduled_tokens[keep],
+            plan.fresh_block_ids,
+            plan.failed,
+            None if num_spec is None else num_spec[keep],
         )
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
@@ -352,7 +379,7 @@ class InputBatch:
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)])
         token_rows = np.repeat(rows, num_scheduled)
-        positions = _ragged_cols(num_computed, num_scheduled)
+        positions = ragged_cols(num_computed, num_scheduled)
         bs = self.block_size
         slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs
         num_blocks = -(-seq_lens // bs)
@@ -362,7 +389,17 @@ class InputBatch:
             self.block_table[rows, :max_blocks],
             NULL_BLOCK_ID,
         )
-        sampling_reqs = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        num_drafts = plan.num_spec
+        if num_drafts is None:
+            sampling_reqs = np.flatnonzero(seq_lens == self.num_tokens[rows])
+            logits_indices = query_start_loc[sampling_reqs + 1] - 1
+        else:  # a row verifying drafts samples at each of its last 1 + num_drafts tokens
+            sampling_reqs = np.flatnonzero(seq_lens - num_drafts == self.num_tokens[rows])
+            num_drafts = num_drafts[sampling_reqs]
+            num_logits = num_drafts + 1
+            logits_indices = ragged_cols(
+                query_start_loc[sampling_reqs + 1] - num_logits, num_logits
+            )
         return StepInputs(
             rows=rows,
             req_handles=np.asarray([self.row_handles[r] for r in rows.tolist()], np.int64),
@@ -372,21 +409,31 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            logits_indices=query_start_loc[sampling_reqs + 1] - 1,
+            logits_indices=logits_indices,
             sampling_reqs=sampling_reqs,
+            num_drafts=num_drafts,
         )
 
     def finish_step(self, inputs: StepInputs) -> None:
         """Record that the step's tokens now have KV."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
 
-    def append_sampled(self, rows: IntArray, token_ids: np.ndarray) -> None:
+    def append_sampled(
+        self, rows: IntArray, token_ids: np.ndarray, counts: IntArray | None = None
+    ) -> None:
         """Async scheduling: the tokens the rows sampled join their tokens now (the engine core
-        sends none for them); a row already at max_model_len takes none (it is finished)."""
-        fits = self.num_tokens[rows] < self.max_model_len
-        rows = rows[fits]
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids[fits]
-        self.num_tokens[rows] += 1
+        sends none for them): one each, or the next counts[i] of token_ids for row i; a row
+        takes none past max_model_len (it is finished)."""
+        if counts is None:
+            fits = self.num_tokens[rows] < self.max_model_len
+            rows = rows[fits]
+            self.token_ids[rows, self.num_tokens[rows]] = token_ids[fits]
+            self.num_tokens[rows] += 1
+            return
+        room = self.max_model_len - self.num_tokens[rows]
+        keep = ragged_cols(np.zeros(len(counts), np.int64), counts) < np.repeat(room, counts)
+        _append_runs(self.token_ids, self.num_tokens, rows, np.minimum(counts, room),
+                     token_ids[keep])  # fmt: skip
 
     def num_used_blocks(self) -> int:
         """Distinct blocks holding at least one computed token of a live request."""

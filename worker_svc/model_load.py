@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve_contracts.spec_decode import SpeculativeConfig
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerDescription:
@@ -53,6 +55,8 @@ class LoadModelConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
     """Adapters kept in host memory (at least max_loras)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding: the rank proposes and verifies drafts (worker_svc/spec_decode.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,11 +29,12 @@ from splitserve_contracts.output_types import (
     StepStatus,
     StepTimings,
 )
+from splitserve_contracts.spec_decode import SpeculativeConfig
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
-from worker_svc.input_batch import InputBatch, StepInputs, StepPlan
+from worker_svc.input_batch import InputBatch, StepInputs, StepPlan, ragged_cols
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.lora.manager import NO_SLOT, LoraManager
@@ -40,7 +42,8 @@ from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
-from worker_svc.scheduler_output import SchedulerOutput
+from worker_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from worker_svc.spec_decode import SpecDecoder, Verified
 from worker_svc.step_checks import MalformedStep
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int,
         async_scheduling: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
         lora: LoraManager | None = None,
     ) -> None:
         self.model = model
@@ -76,6 +80,10 @@ class ModelRunner:
         """What a sampling rank does with its sampled tokens: append them to its requests
         (async scheduling: the next step takes them as inputs before the core knows them), or
         leave them to the next step's diff."""
+        self.spec = (
+            None if speculative_config is None else SpecDecoder(speculative_config, max_model_len)
+        )
+        """Speculative decoding: proposes drafts into the draft slots and verifies them."""
         start, end = model.layer_range
         self.kv_cache_spec = KvCacheSpec(
             num_layers=end - start,
@@ -193,6 +201,8 @@ class ModelRunner:
         self._failed = step_plan.failed
         if not len(step_plan.rows):
             return self._output(step, started, None, None, {}, StepTimings())
+        if self.spec is not None:
+            step_plan = self.spec.propose(batch, step_plan)
         inputs = batch.prepare_inputs(step_plan)
         if self.lora is not None:
             self.lora.set_step_rows(np.repeat(self._row_slots, step_plan.num_scheduled_tokens))
@@ -214,22 +224,12 @@ class ModelRunner:
         self._synchronize()
         forwarded = time.perf_counter()
 
-        sampler_output = None
+        sampled = None
         if num_sampling:
-            metadata = batch.sampling.build(
-                inputs.rows[inputs.sampling_reqs],
-                batch.token_ids,
-                batch.num_prompt_tokens,
-                batch.num_tokens,
-            )
             grammar = step.grammar_bitmask
             if step.has_pending_grammar and grammar_source is not None:
                 grammar = grammar_source()
-            if grammar is not None:
-                sampling_handles = inputs.req_handles[inputs.sampling_reqs]
-                apply_grammar_bitmask(logits[:num_sampling], sampling_handles, grammar)
-            sampler_output = self.sampler(logits[:num_sampling], metadata)
-            self._keep_sampled(inputs, sampler_output)
+            sampled = self._sample(inputs, logits[:num_sampling], grammar)
         if plan is not None:
             self.prompt_logprobs.collect(plan, logits[num_sampling:])
         sampled_handles = set(inputs.req_handles[inputs.sampling_reqs].tolist())
@@ -239,7 +239,39 @@ class ModelRunner:
             forward_seconds=forwarded - prepared,
             sample_seconds=time.perf_counter() - forwarded,
         )
-        return self._output(step, started, inputs, sampler_output, prompt_tables, timings)
+        return self._output(step, started, inputs, sampled, prompt_tables, timings)
+
+    def _sample(
+        self, inputs: StepInputs, logits: torch.Tensor, grammar: GrammarBitmask | None
+    ) -> Sampled:
+        """Sample every logits row (grammar masks first); a step with drafts verifies them and
+        rolls each request's computed tokens back to what it accepted."""
+        batch, spec = self.batch, self.spec
+        assert batch is not None
+        handles = inputs.req_handles[inputs.sampling_reqs]
+        if spec is None:
+            rows = inputs.rows[inputs.sampling_reqs]
+            num_tokens = batch.num_tokens[rows]
+        else:
+            rows, num_tokens = spec.expand(batch, inputs)
+            if inputs.num_drafts is not None:
+                handles = np.repeat(handles, inputs.num_drafts + 1)
+            spec.save_generators(batch, inputs)
+        metadata = batch.sampling.build(
+            rows, batch.token_ids, batch.num_prompt_tokens[rows], num_tokens
+        )
+        if grammar is not None:
+            apply_grammar_bitmask(logits, handles, grammar)
+        sampler_output = self.sampler(logits, metadata)
+        verified = None
+        if spec is not None and inputs.num_drafts is not None:
+            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64)
+            verified = spec.verify(batch, inputs, tokens)
+            num_rejected = inputs.num_drafts - (verified.num_sampled - 1)
+            batch.num_computed_tokens[inputs.rows[inputs.sampling_reqs]] -= num_rejected
+        sampled = Sampled(sampler_output, verified)
+        self._keep_sampled(inputs, sampled)
+        return sampled
 
     def _apply_lora_slots(self, step: SchedulerOutput) -> None:
         """The step's LoRA slot changes and freed adapters, before its requests are added."""
@@ -271,10 +303,15 @@ class ModelRunner:
         self._row_slots = slots[order]
         return plan.reordered(order)
 
-    def _append_sampled(self, inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+    def _append_sampled(self, inputs: StepInputs, sampled: Sampled) -> None:
         assert self.batch is not None
-        tokens = sampler_output.sampled_token_ids.cpu().numpy()
-        self.batch.append_sampled(inputs.rows[inputs.sampling_reqs], tokens)
+        rows = inputs.rows[inputs.sampling_reqs]
+        if sampled.verified is not None:
+            verified = sampled.verified
+            self.batch.append_sampled(rows, verified.token_ids, verified.num_sampled)
+        else:
+            tokens = sampled.output.sampled_token_ids.cpu().numpy()
+            self.batch.append_sampled(rows, tokens)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -323,28 +360,16 @@ class ModelRunner:
         step: SchedulerOutput,
         started: float,
         inputs: StepInputs | None,
-        sampler_output: SamplerOutput | None,
+        sampled: Sampled | None,
         prompt_tables: dict[int, LogprobsTable],
         timings: StepTimings,
     ) -> ModelRunnerOutput | None:
         if not self.parallel.is_output_rank:
             return None
-        handles: list[int] = []
-        tokens: list[int] = []
-        logprobs: list[RequestLogprobs] = []
-        if inputs is not None and sampler_output is not None:
-            sampled = inputs.req_handles[inputs.sampling_reqs]
-            handles = sampled.tolist()
-            tokens = sampler_output.sampled_token_ids.cpu().numpy().astype(np.int64).tolist()
-            logprobs = self._sample_logprobs(inputs, sampled, sampler_output)
-        assert self.batch is not None
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             step_id=step.step_id,
             status=StepStatus.OK,
             rank=self.parallel.rank,
-            req_handles=handles,
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
             prompt_logprobs=[RequestLogprobs(h, t) for h, t in prompt_tables.items()],
             timings=StepTimings(
                 timings.prepare_inputs_seconds,
@@ -352,25 +377,56 @@ class ModelRunner:
                 timings.sample_seconds,
                 total_seconds=time.perf_counter() - started,
             ),
-            num_used_kv_blocks=self.batch.num_used_blocks(),
+            num_used_kv_blocks=self.batch.num_used_blocks() if self.batch is not None else 0,
             failed_req_handles=list(self._failed),
             failed_reasons=list(self._failed.values()),
         )
+        if inputs is not None and sampled is not None:
+            handles = inputs.req_handles[inputs.sampling_reqs]
+            output.req_handles = handles.tolist()
+            verified = sampled.verified
+            if verified is None:
+                tokens = sampled.output.sampled_token_ids.cpu().numpy()
+                output.sampled_token_ids = tokens.astype(np.int64).tolist()
+            else:
+                assert inputs.num_drafts is not None
+                output.sampled_token_ids = verified.token_ids.tolist()
+                output.num_sampled_token_ids = verified.num_sampled.tolist()
+                output.num_draft_tokens = inputs.num_drafts.tolist()
+            output.logprobs = self._sample_logprobs(inputs, handles, sampled)
+        return output
 
     def _sample_logprobs(
-        self, inputs: StepInputs, handles: np.ndarray, sampler_output: SamplerOutput
+        self, inputs: StepInputs, handles: np.ndarray, sampled: Sampled
     ) -> list[RequestLogprobs]:
-        if sampler_output.logprobs is None:
+        """The chosen tokens' logprobs of the requests that asked: one row per output token."""
+        logprobs = sampled.output.logprobs
+        if logprobs is None:
             return []
         assert self.batch is not None
         num_tops = self.batch.sampling.num_logprobs[inputs.rows[inputs.sampling_reqs]]
         wanted = np.flatnonzero(num_tops >= 0)
-        ids, values, ranks = (t[torch.from_numpy(wanted)] for t in sampler_output.logprobs)
-        tables = split_tables(ids, values, ranks, [1] * len(wanted), num_tops[wanted].tolist())
+        verified = sampled.verified
+        counts = np.ones(len(wanted), np.int64)
+        logits_rows = wanted
+        if verified is not None:
+            starts = np.cumsum(verified.num_sampled) - verified.num_sampled
+            counts = verified.num_sampled[wanted]
+            logits_rows = verified.logits_rows[ragged_cols(starts[wanted], counts)]
+        ids, values, ranks = (t[torch.from_numpy(logits_rows)] for t in logprobs)
+        tables = split_tables(ids, values, ranks, counts.tolist(), num_tops[wanted].tolist())
         return [
             RequestLogprobs(h, t) for h, t in zip(handles[wanted].tolist(), tables, strict=True)
         ]
 
 
-def _leave_sampled(inputs: StepInputs, sampler_output: SamplerOutput) -> None:
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A step's sampler output, and what verifying its drafts kept (None: no drafts)."""
+
+    output: SamplerOutput
+    verified: Verified | None = None
+
+
+def _leave_sampled(inputs: StepInputs, sampled: Sampled) -> None:
     """Lockstep scheduling: the next step's diff brings the sampled tokens."""

@@ -174,10 +174,14 @@ class SamplingStates:
         num_prompt_tokens: IntArray,
         num_tokens: IntArray,
     ) -> SamplingMetadata:
-        """Metadata for sampling `rows` (one logits row each, in order)."""
+        """Metadata for sampling `rows` (one logits row each, in order; a row may repeat, one
+        entry per draft position of a request that verifies drafts). `num_prompt_tokens` and
+        `num_tokens` are per entry of `rows`: the tokens before the sampled one (a draft
+        position's count includes the drafts before it, which token_ids holds after the
+        request's tokens), so penalties and min_tokens see what precedes each position."""
         temperature = self.temperature[rows]
         is_greedy = temperature < GREEDY_TEMPERATURE
-        num_outputs = num_tokens[rows] - num_prompt_tokens[rows]
+        num_outputs = num_tokens - num_prompt_tokens
         top_k = self.top_k[rows]
         top_p, min_p = self.top_p[rows], self.min_p[rows]
         to = self._tensor
@@ -213,7 +217,7 @@ class SamplingStates:
         has_repetition = bool((repetition != 1.0).any())
         if not (presence.any() or frequency.any() or has_repetition):
             return None
-        starts, ends = num_prompt_tokens[rows], num_tokens[rows]
+        starts, ends = num_prompt_tokens, num_tokens
         outputs = _ragged_take(token_ids, rows, starts, ends, self.vocab_size)
         prompts = None
         if has_repetition:

@@ -135,6 +135,8 @@ class SchedulerOutput:
     """LoRA slots that changed since the previous step (None: none did)."""
     free_lora_ids: tuple[int, ...] = ()
     """LoRA adapters no request uses any more: ranks drop them."""
+    num_spec_tokens: IntArray = field(default_factory=_empty)
+    """Draft slots per scheduled request, in num_scheduled_tokens order (empty: none)."""
 
     @property
     def num_reqs(self) -> int:

@@ -27,6 +27,7 @@ def check_step_shape(step: SchedulerOutput) -> None:
     num_cached = cached.num_reqs
     problems = [
         (len(step.num_scheduled_tokens) != step.num_reqs, "num_scheduled_tokens"),
+        (len(step.num_spec_tokens) not in (0, step.num_reqs), "num_spec_tokens"),
         (int(step.num_scheduled_tokens.sum()) != step.total_num_scheduled_tokens, "total"),
         (len(cached.num_computed_tokens) != num_cached, "num_computed_tokens"),
         (len(cached.num_new_block_ids) != num_cached, "num_new_block_ids"),

@@ -171,6 +171,7 @@ class Worker:
             seed=config.seed,
             async_scheduling=config.async_scheduling,
             lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
+            speculative_config=config.speculative_config,
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)

@@ -162,3 +162,41 @@ def is_importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+MAX_DECODE_QUERY = 17
+"""Longest query of a request with prior context that the CPU backends attend as decodes, one
+per query token (speculative decoding's verification: one token plus up to 16 drafts)."""
+
+
+def split_decodes(inputs: AttentionInputs) -> tuple[AttentionInputs, IntArray, IntArray]:
+    """The step's decodes as `(view, entries, prefills)`: `view` describes one decode per entry
+    (its token index in `query_start_loc`, its `seq_lens` and `block_tables` row), `entries`
+    indexes it, and `prefills` are the requests attended as prefills.
+
+    A request with prior context and a short query (up to MAX_DECODE_QUERY tokens: a
+    speculative step's token and drafts) is attended as one decode per query token, each seeing
+    the keys up to its own position (the step writes the keys before attending): the same
+    arithmetic as decoding those tokens one step at a time, so verifying drafts yields the
+    logits decoding would (greedy output stays token-identical in bfloat16 too). Without such
+    requests `view` is `inputs` itself and `entries` its one-token queries."""
+    query_lens = inputs.query_lens
+    is_decode = query_lens == 1
+    is_short = (query_lens > 1) & (query_lens <= MAX_DECODE_QUERY) & (inputs.seq_lens > query_lens)
+    prefills = np.flatnonzero(~(is_decode | is_short))
+    if not is_short.any():
+        return inputs, np.flatnonzero(is_decode), prefills
+    reqs = np.flatnonzero(is_decode | is_short)
+    counts = query_lens[reqs]
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    tokens = np.repeat(inputs.query_start_loc[reqs], counts) + offsets
+    seq_lens = np.repeat(inputs.seq_lens[reqs] - counts, counts) + offsets + 1
+    view = AttentionInputs(
+        query_start_loc=np.append(tokens, inputs.num_tokens),
+        seq_lens=seq_lens,
+        block_tables=inputs.block_tables[np.repeat(reqs, counts)],
+        slot_mapping=inputs.slot_mapping,
+        block_size=inputs.block_size,
+        null_block_id=inputs.null_block_id,
+    )
+    return view, np.arange(len(tokens)), prefills

@@ -32,7 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker_svc.attention.backend import AttentionBackend, AttentionInputs, AttentionOptions
+from worker_svc.attention.backend import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionOptions,
+    split_decodes,
+)
 from worker_svc.attention.torch_backend import (
     DecodeBatch,
     TorchAttentionBackend,
@@ -111,11 +116,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def build_metadata(self, inputs: AttentionInputs) -> CpuAttentionMetadata:
         write = head_major_write_index(inputs.slot_mapping, inputs.block_size, self.num_kv_heads)
-        is_decode = inputs.query_lens == 1
+        view, decodes, prefills = split_decodes(inputs)
         decode, native = None, None
-        if is_decode.any():
-            decode, native = self._plan_decodes(inputs, is_decode.nonzero()[0])
-        chunks = [self._prefill_chunk(inputs, int(i)) for i in (~is_decode).nonzero()[0]]
+        if len(decodes):
+            decode, native = self._plan_decodes(view, decodes)
+        chunks = [self._prefill_chunk(inputs, int(i)) for i in prefills]
         return CpuAttentionMetadata(self._to_device(write), decode, [], chunks, native)
 
     def _torch_decodes(

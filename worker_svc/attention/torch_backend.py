@@ -5,7 +5,8 @@ blocks). With that layout one `index_select` over rows of [num_blocks * num_kv_h
 block_size * head_dim] gathers a request's context straight into the [kv_heads, seq, head_dim]
 layout that the matmuls want, without a transpose copy.
 
-Decode requests (one query token) are batched: their contexts are gathered into a padded
+Decode requests (one query token, or a short query after prior context: one decode per query
+token, `split_decodes`) are batched: their contexts are gathered into a padded
 [num_decodes * kv_heads, max_seq, head_dim] batch, and the query heads that share a KV head
 form the rows of one small matmul (no GQA expansion). Padded keys get a -inf bias; they come
 from the null block or from positions past seq_len, both finite (blocks are zeroed on
@@ -26,7 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker_svc.attention.backend import AttentionBackend, AttentionInputs, IntArray
+from worker_svc.attention.backend import (
+    AttentionBackend,
+    AttentionInputs,
+    IntArray,
+    split_decodes,
+)
 
 
 def head_major_write_index(slots: IntArray, block_size: int, num_kv_heads: int) -> IntArray:
@@ -92,10 +98,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         write = head_major_write_index(inputs.slot_mapping, inputs.block_size, self.num_kv_heads)
-        query_lens = inputs.query_lens
-        is_decode = query_lens == 1
-        decode = self._decode_batch(inputs, np.flatnonzero(is_decode)) if is_decode.any() else None
-        prefills = [self._prefill_span(inputs, int(i)) for i in np.flatnonzero(~is_decode)]
+        view, decodes, prefill_reqs = split_decodes(inputs)
+        decode = self._decode_batch(view, decodes) if len(decodes) else None
+        prefills = [self._prefill_span(inputs, int(i)) for i in prefill_reqs]
         return TorchAttentionMetadata(self._to_device(write), decode, prefills)
 
     def _decode_batch(self, inputs: AttentionInputs, reqs: IntArray) -> DecodeBatch:

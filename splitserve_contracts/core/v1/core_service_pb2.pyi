@@ -1319,6 +1319,10 @@ class SchedulerStats(_message.Message):
     NUM_WAITING_DEFERRED_FIELD_NUMBER: _builtins.int
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1364,6 +1368,14 @@ class SchedulerStats(_message.Message):
     """Requests waiting for their structured-output grammar to compile (vLLM's
     WAITING_FOR_FSM: waiting, deferred), not counted in num_waiting_reqs.
     """
+    spec_decode_num_drafts: _builtins.int
+    """Speculative decoding, cumulative (vLLM's SpecDecodingStats): requests
+    that verified at least one draft, per step.
+    """
+    spec_decode_num_draft_tokens: _builtins.int
+    """Draft tokens verified."""
+    spec_decode_num_accepted_tokens: _builtins.int
+    """Draft tokens accepted."""
     @_builtins.property
     def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the LoRA adapters of the running requests, sorted (vLLM's
@@ -1374,6 +1386,12 @@ class SchedulerStats(_message.Message):
     def waiting_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the LoRA adapters of the waiting requests, sorted (vLLM's
         waiting_lora_adapters).
+        """
+
+    @_builtins.property
+    def spec_decode_num_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Draft tokens accepted at each draft position (0 first), one entry per
+        position up to num_speculative_tokens.
         """
 
     def __init__(
@@ -1397,10 +1415,14 @@ class SchedulerStats(_message.Message):
         num_waiting_deferred: _builtins.int = ...,
         running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
         waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        spec_decode_num_drafts: _builtins.int = ...,
+        spec_decode_num_draft_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens: _builtins.int = ...,
+        spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "step_id", b"step_id", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

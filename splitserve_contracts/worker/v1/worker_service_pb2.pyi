@@ -146,6 +146,7 @@ class LoadModelRequest(_message.Message):
     MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -242,6 +243,14 @@ class LoadModelRequest(_message.Message):
     """Serve a GGUF file's quantized weights dequantized to float at load instead
     of keeping them quantized. Ignored for other checkpoints.
     """
+    @_builtins.property
+    def speculative_config(self) -> Global___SpeculativeConfig:
+        """Speculative decoding (vLLM's --speculative-config); unset: none. Every
+        rank proposes the drafts of its requests itself, from the token ids it
+        holds, so drafts never travel: the engine core only schedules slots for
+        them (SchedulerOutput.num_spec_tokens).
+        """
+
     def __init__(
         self,
         *,
@@ -270,14 +279,51 @@ class LoadModelRequest(_message.Message):
         max_cpu_loras: _builtins.int = ...,
         quantization: _builtins.str = ...,
         dequantize_gguf: _builtins.bool = ...,
+        speculative_config: Global___SpeculativeConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["speculative_config", b"speculative_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadModelRequest: _TypeAlias = LoadModelRequest  # noqa: Y015
+
+@_typing.final
+class SpeculativeConfig(_message.Message):
+    """SpeculativeConfig says how ranks propose draft tokens (vLLM's
+    SpeculativeConfig, method "ngram").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _builtins.int
+    method: _builtins.str
+    """Proposal method: "ngram" (prompt lookup)."""
+    num_speculative_tokens: _builtins.int
+    """Most draft tokens per request per step, >= 1."""
+    prompt_lookup_min: _builtins.int
+    """Shortest n-gram (suffix of the request's tokens) matched, >= 1."""
+    prompt_lookup_max: _builtins.int
+    """Longest n-gram matched, >= prompt_lookup_min."""
+    def __init__(
+        self,
+        *,
+        method: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        prompt_lookup_min: _builtins.int = ...,
+        prompt_lookup_max: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "num_speculative_tokens", b"num_speculative_tokens", "prompt_lookup_max", b"prompt_lookup_max", "prompt_lookup_min", b"prompt_lookup_min"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpeculativeConfig: _TypeAlias = SpeculativeConfig  # noqa: Y015
 
 @_typing.final
 class LoadModelResponse(_message.Message):
@@ -619,7 +665,12 @@ class GrammarBitmask(_message.Message):
     """
     @_builtins.property
     def req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The constrained requests, one mask each, in mask order."""
+        """The constrained requests, one mask each, in mask order. A request that
+        verifies drafts has one mask per position, consecutive: the first for its
+        first sampled token, then one after each draft the grammar accepts; a
+        draft the grammar refuses gets no mask after it (the mask before it makes
+        the rank reject it).
+        """
 
     def __init__(
         self,
@@ -681,6 +732,7 @@ class SchedulerOutput(_message.Message):
     HAS_PENDING_GRAMMAR_FIELD_NUMBER: _builtins.int
     LORA_SLOTS_FIELD_NUMBER: _builtins.int
     FREE_LORA_IDS_FIELD_NUMBER: _builtins.int
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step sequence number, 1, 2, 3, ...; a rank rejects a gap."""
     total_num_scheduled_tokens: _builtins.int
@@ -741,6 +793,17 @@ class SchedulerOutput(_message.Message):
     def free_lora_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """LoRA adapters no request uses any more (unloaded); ranks drop them."""
 
+    @_builtins.property
+    def num_spec_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding: draft slots per scheduled request, in
+        num_scheduled_tokens order (empty: none in this step). A request with
+        n > 0 decodes: its num_scheduled_tokens are its one new token plus n
+        slots; each rank proposes up to n drafts for them (the same on every rank:
+        a function of the request's tokens), computes only the slots it filled and
+        verifies the drafts in the same forward. Slots and drafts it rejects have
+        no KV afterwards (the engine core rolls num_computed_tokens back).
+        """
+
     def __init__(
         self,
         *,
@@ -756,10 +819,11 @@ class SchedulerOutput(_message.Message):
         has_pending_grammar: _builtins.bool = ...,
         lora_slots: Global___LoraSlots | None = ...,
         free_lora_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_spec_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "lora_slots", b"lora_slots", "scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "free_lora_ids", b"free_lora_ids", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "lora_slots", b"lora_slots", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "free_lora_ids", b"free_lora_ids", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "lora_slots", b"lora_slots", "num_scheduled_tokens", b"num_scheduled_tokens", "num_spec_tokens", b"num_spec_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1037,6 +1101,8 @@ class ModelRunnerOutput(_message.Message):
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     FAILED_REQ_HANDLES_FIELD_NUMBER: _builtins.int
     FAILED_REASONS_FIELD_NUMBER: _builtins.int
+    NUM_SAMPLED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The step this answers."""
     status: Global___StepStatus.ValueType
@@ -1056,7 +1122,9 @@ class ModelRunnerOutput(_message.Message):
 
     @_builtins.property
     def sampled_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Sampled token id per entry of req_handles."""
+        """Sampled token ids: one per entry of req_handles, or num_sampled_token_ids
+        of them when that is set, concatenated in req_handles order.
+        """
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestLogprobs]:
@@ -1083,6 +1151,19 @@ class ModelRunnerOutput(_message.Message):
     def failed_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Why, one entry per failed_req_handles entry."""
 
+    @_builtins.property
+    def num_sampled_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens each entry of req_handles sampled this step, in order in
+        sampled_token_ids (empty: one each). A request that verified drafts samples
+        its accepted drafts and one more token (vLLM's bonus or recovered token).
+        """
+
+    @_builtins.property
+    def num_draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Drafts each entry of req_handles verified this step (empty: none); the
+        accepted ones are num_sampled_token_ids - 1.
+        """
+
     def __init__(
         self,
         *,
@@ -1098,10 +1179,12 @@ class ModelRunnerOutput(_message.Message):
         num_used_kv_blocks: _builtins.int = ...,
         failed_req_handles: _abc.Iterable[_builtins.int] | None = ...,
         failed_reasons: _abc.Iterable[_builtins.str] | None = ...,
+        num_sampled_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_used_kv_blocks", b"num_used_kv_blocks", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "num_sampled_token_ids", b"num_sampled_token_ids", "num_used_kv_blocks", b"num_used_kv_blocks", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
