@@ -83,6 +83,10 @@ class CoreConfig(TransportConfig):
     max_recovery_seconds: float = 120.0
     enforce_eager: bool = False
     async_scheduling: bool = False
+    runner: str = "auto"
+    """vLLM's --runner: "generate", "pooling" or "auto" (the checkpoint decides)."""
+    convert: str = "auto"
+    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
     structured_outputs_compile_timeout: float = 10.0
     log_stats_interval: float = 10.0
     log_level: str = "info"
@@ -97,6 +101,8 @@ class CoreConfig(TransportConfig):
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 
 
 def structured_outputs_config(text: str) -> dict[str, Any]:
@@ -198,6 +204,21 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="schedule the next step while the workers run the current one (vLLM's flag): the "
         "time between steps overlaps the forward; needs --pipeline-parallel-size 1 (default: "
         "on where it can run, as in vLLM)",
+    ),
+    flag(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="what the model is served for (vLLM's flag): generate (tokens), pooling "
+        "(embeddings: /v1/embeddings) or auto (pooling for a checkpoint without a language-model "
+        "head, e.g. LlamaModel saved by sentence-transformers)",
+    ),
+    flag(
+        "--convert",
+        choices=CONVERTS,
+        default="auto",
+        help="adapt a generative architecture (vLLM's flag): embed serves it as an embedding "
+        "model (implies --runner pooling)",
     ),
     flag("--block-size", type=positive_int, default=16, help="tokens per KV-cache block"),
     flag(

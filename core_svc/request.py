@@ -92,6 +92,8 @@ class Request:
         "structured_output",
         "is_resumed",
         "trace",
+        "pooling_task",
+        "pooling_output",
     )
 
     def __init__(
@@ -115,8 +117,15 @@ class Request:
         structured_output: StructuredOutputRequest | None = None,
         is_resumed: bool = False,
         trace: RequestTrace | None = None,
+        pooling_task: str = "",
     ) -> None:
         self.req_handle = -1
+        self.pooling_task = pooling_task
+        """A pooling request's task ("embed"); "" for a generation request. A pooling
+        request computes its prompt (never read from the prefix cache: every position is
+        pooled), samples nothing and finishes with `pooling_output`."""
+        self.pooling_output = b""
+        """The pooled vector the output rank sent (float32 little-endian), once it ran."""
         self.trace = trace
         """Its trace (--otlp-traces-endpoint and a frontend that traces it); None: untraced."""
         self.client_id = client_id

@@ -50,6 +50,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
     scheduled with output placeholders and the workers feed their own sampled tokens."""
+    is_pooling: bool = False
+    """The ranks serve a pooling model (--runner pooling): the engine takes pooling requests
+    only (each computes its prompt and finishes with its pooled vector), and no others."""
 
     @property
     def encoder_compute_budget(self) -> int:

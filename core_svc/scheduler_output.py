@@ -30,6 +30,8 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     trace: TraceContext | None = None
     """The core's span of the request, for the workers' spans (None: not traced)."""
+    pooling_task: str = ""
+    """A pooling request's task: the ranks pool its prompt instead of sampling."""
 
 
 @dataclass(slots=True)

@@ -107,6 +107,7 @@ class StepBuilder:
                 mm_features=[f.serialized for f in request.mm_features],
                 output_token_ids=list(request.output_token_ids),  # it grows in place
                 trace=request.trace.for_workers if request.trace is not None else None,
+                pooling_task=request.pooling_task,
             )
         )
         request.is_known_to_workers = True

@@ -25,8 +25,11 @@ class StepUpdate:
     sampled_token_ids: list[int] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    pooled: list[Request] = field(default_factory=list)
+    """Pooling requests whose prompt ran this step: finished with their pooled vector (also
+    in `finished`)."""
     num_prompt_tokens: int = 0
-    """Prompt tokens of the requests that sampled their first token in this step."""
+    """Prompt tokens of the requests that sampled their first token (or pooled) this step."""
 
 
 @dataclass(slots=True)
@@ -76,6 +79,7 @@ class StepUpdater:
         sampled = dict(
             zip(model_runner_output.req_handles, model_runner_output.sampled_token_ids, strict=True)
         )
+        pooled = {p.req_handle: p.data for p in model_runner_output.pooler_outputs}
         kv = self.kv_cache_manager
         block_size, max_model_len, vocab_size = kv.block_size, self.max_model_len, self.vocab_size
         cache_blocks = kv.cache_blocks if kv.enable_caching else None
@@ -95,6 +99,9 @@ class StepUpdater:
                 self.encoder.release_computed(request)
             if num_computed < len(all_token_ids):
                 continue  # a prefill chunk: nothing sampled
+            if request.pooling_task:
+                _finish_pooled(request, pooled.get(request.req_handle), scheduled.step_id, update)
+                continue
             token = sampled.get(request.req_handle)
             if token is None or token >= vocab_size:
                 update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
@@ -137,6 +144,20 @@ def _grammar_stops(
         update.finished.append(request)
         return True
     return False
+
+
+def _finish_pooled(request: Request, data: bytes | None, step_id: int, update: StepUpdate) -> None:
+    """A pooling request whose prompt ran: it finishes (STOP) with its pooled vector, or with
+    ENGINE_FAILURE when the output rank sent none."""
+    if not data:
+        request.fail(ErrorKind.ENGINE_FAILURE, f"step {step_id}: the output rank pooled nothing")
+        update.failed.append(request)
+        return
+    request.pooling_output = data
+    request.finish(RequestStatus.FINISHED_STOPPED)
+    update.num_prompt_tokens += request.num_prompt_tokens
+    update.finished.append(request)
+    update.pooled.append(request)
 
 
 def _check_order(scheduled: ScheduledStep, scheduler_output: SchedulerOutput) -> None:

@@ -47,6 +47,7 @@ from splitserve_contracts.output_convert import (
     engine_core_event_from_proto,
     enum_member,
     logprobs_table_from_proto,
+    pooler_config_from_proto,
     scheduler_stats_from_proto,
 )
 from splitserve_contracts.output_types import ErrorKind, FinishReason
@@ -263,10 +264,12 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         prompt_token_ids=req.prompt_token_ids,
         cache_salt=req.cache_salt,
         priority=req.priority,
-        max_tokens=params.max_tokens,
+        max_tokens=0 if req.pooling_task else params.max_tokens,
         min_tokens=params.min_tokens,
         stop_token_ids=params.stop_token_ids,
     )
+    if req.pooling_task:
+        msg.pooling_params.task = req.pooling_task
     if req.eos_token_id is not None:
         msg.eos_token_id = req.eos_token_id
     if req.output_token_ids:
@@ -307,6 +310,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
         num_cached_tokens=d.num_cached_tokens if has("num_cached_tokens") else None,
         error_message=d.error_message,
         error_kind=enum_member(ErrorKind, d.error_kind),
+        pooling_output=d.pooling_output,
     )
 
 
@@ -391,6 +395,9 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
+        pooler_config=pooler_config_from_proto(msg.pooler_config)
+        if msg.HasField("pooler_config")
+        else None,
     )
 
 

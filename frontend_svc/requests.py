@@ -206,6 +206,9 @@ class EngineRequest:
     the whole answer is content."""
     trace: TraceContext | None = None
     """The frontend span (llm_request) the engine core's spans hang under; None: not traced."""
+    pooling_task: str = ""
+    """A pooling request's task ("embed"): the engine pools the prompt and generates nothing;
+    "": a generation request."""
 
 
 @dataclass(slots=True)
@@ -239,6 +242,8 @@ class CompletionDelta:
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooling_output: bytes = b""
+    """A pooling request's vector, on its final delta."""
 
     @property
     def is_finished(self) -> bool:

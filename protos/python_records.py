@@ -24,9 +24,9 @@ ENUMS = {
     "splitserve/worker/v1/worker_service.proto": ("StepStatus",),
 }
 RECORDS = {
-    "splitserve/common/v1/types.proto": ("LogprobsTable",),
+    "splitserve/common/v1/types.proto": ("LogprobsTable", "PoolerConfig"),
     "splitserve/core/v1/core_service.proto": ("EngineCoreEvent", "SchedulerStats"),
-    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "ModelRunnerOutput"),
+    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "PoolerOutput", "ModelRunnerOutput"),
 }  # fmt: skip
 SOURCES = tuple(ENUMS)
 SCALARS = {

@@ -47,6 +47,29 @@ def logprobs_table_from_proto(msg: common_pb2.LogprobsTable) -> t.LogprobsTable:
     )
 
 
+def pooler_config_to_proto(
+    record: t.PoolerConfig, msg: common_pb2.PoolerConfig | None = None
+) -> common_pb2.PoolerConfig:
+    if msg is None:
+        msg = common_pb2.PoolerConfig()
+    msg.pooling_type = record.pooling_type
+    msg.normalize = record.normalize
+    msg.hidden_size = record.hidden_size
+    msg.matryoshka_dimensions.extend(record.matryoshka_dimensions)
+    msg.is_matryoshka = record.is_matryoshka
+    return msg
+
+
+def pooler_config_from_proto(msg: common_pb2.PoolerConfig) -> t.PoolerConfig:
+    return t.PoolerConfig(
+        pooling_type=msg.pooling_type,
+        normalize=msg.normalize,
+        hidden_size=msg.hidden_size,
+        matryoshka_dimensions=list(msg.matryoshka_dimensions),
+        is_matryoshka=msg.is_matryoshka,
+    )
+
+
 def engine_core_event_to_proto(
     record: t.EngineCoreEvent, msg: core_pb2.EngineCoreEvent | None = None
 ) -> core_pb2.EngineCoreEvent:
@@ -148,6 +171,23 @@ def request_logprobs_from_proto(msg: worker_pb2.RequestLogprobs) -> t.RequestLog
     )
 
 
+def pooler_output_to_proto(
+    record: t.PoolerOutput, msg: worker_pb2.PoolerOutput | None = None
+) -> worker_pb2.PoolerOutput:
+    if msg is None:
+        msg = worker_pb2.PoolerOutput()
+    msg.req_handle = record.req_handle
+    msg.data = record.data
+    return msg
+
+
+def pooler_output_from_proto(msg: worker_pb2.PoolerOutput) -> t.PoolerOutput:
+    return t.PoolerOutput(
+        req_handle=msg.req_handle,
+        data=msg.data,
+    )
+
+
 def model_runner_output_to_proto(
     record: t.ModelRunnerOutput, msg: worker_pb2.ModelRunnerOutput | None = None
 ) -> worker_pb2.ModelRunnerOutput:
@@ -168,6 +208,8 @@ def model_runner_output_to_proto(
     msg.num_used_kv_blocks = record.num_used_kv_blocks
     msg.failed_req_handles.extend(record.failed_req_handles)
     msg.failed_reasons.extend(record.failed_reasons)
+    for item in record.pooler_outputs:
+        pooler_output_to_proto(item, msg.pooler_outputs.add())
     return msg
 
 
@@ -185,4 +227,5 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         num_used_kv_blocks=msg.num_used_kv_blocks,
         failed_req_handles=list(msg.failed_req_handles),
         failed_reasons=list(msg.failed_reasons),
+        pooler_outputs=[pooler_output_from_proto(item) for item in msg.pooler_outputs],
     )

@@ -18,7 +18,13 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
-from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.model_load import (
+    CONVERTS,
+    RUNNERS,
+    LoadedModel,
+    LoadModelConfig,
+    WorkerDescription,
+)
 from worker_svc.models.model_config import parse_dtype
 from worker_svc.scheduler_output import (
     CachedRequestData,
@@ -71,6 +77,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         ),
         output_token_ids=_column(req.output_token_ids),
         trace=_trace(req.trace_context),
+        pooling_task=req.pooling_params.task if req.HasField("pooling_params") else "",
     )
 
 
@@ -122,6 +129,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         )
     if req.block_size < 1:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
+    if req.runner not in RUNNERS or req.convert not in CONVERTS:
+        raise ValueError(
+            f"unknown runner {req.runner!r} or convert {req.convert!r}; runner is one of "
+            f"{', '.join(RUNNERS[1:])}, convert one of {', '.join(CONVERTS[1:])}"
+        )
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
     return LoadModelConfig(
@@ -142,6 +154,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         block_size=req.block_size,
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
+        runner=req.runner or "auto",
+        convert=req.convert or "auto",
     )
 
 
@@ -175,6 +189,9 @@ def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
         head_dim=m.head_dim,
         max_tokens_per_mm_item=m.max_tokens_per_mm_item,
         sliding_window=m.sliding_window,
+        pooler_config=output_convert.pooler_config_to_proto(m.pooler_config)
+        if m.pooler_config is not None
+        else None,
     )
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve_contracts.output_types import PoolerConfig
+
+RUNNERS = ("", "auto", "generate", "pooling")
+CONVERTS = ("", "auto", "none", "embed")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerDescription:
@@ -44,6 +49,11 @@ class LoadModelConfig:
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
+    runner: str = "auto"
+    """vLLM's --runner: "generate", "pooling" or "auto" (pooling for a checkpoint without an
+    LM head)."""
+    convert: str = "auto"
+    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +74,5 @@ class LoadedModel:
     """The window every layer attends within (0: some layer attends fully)."""
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens of one image; 0 for a text-only model."""
+    pooler_config: PoolerConfig | None = None
+    """How the rank pools, when it serves a pooling model; None for a generative one."""

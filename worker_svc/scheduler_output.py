@@ -61,6 +61,9 @@ class NewRequestData:
     output_token_ids: IntArray = field(default_factory=_empty)
     trace: TraceContext | None = None
     """The engine core's span of the request (worker_svc/step_tracing.py); None: untraced."""
+    pooling_task: str = ""
+    """A pooling request's task: pooled over its prompt, never sampled ("": a generation
+    request)."""
 
 
 @dataclass(frozen=True, slots=True)

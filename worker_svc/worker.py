@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from splitserve_contracts.output_types import ModelRunnerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import AttentionBackend
@@ -34,7 +34,9 @@ from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class
+from worker_svc.models.registry import has_lm_head, model_class, pooling_model_class
+from worker_svc.pooler import Pooler
+from worker_svc.pooling_config import is_pooling_runner, read_pooler_config
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
     Fp8Checkpoint,
@@ -93,6 +95,7 @@ class Worker:
         self.config: LoadModelConfig | None = None
         self.model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
+        self.pooler_config: PoolerConfig | None = None
         self.weight_bytes = 0
         self.is_kv_cache_ready = False
 
@@ -128,7 +131,9 @@ class Worker:
         started = time.perf_counter()
         source = resolve_model(config.model_path, config.revision)
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
-        cls = model_class(architecture_of(checkpoint.hf_config))
+        architecture = architecture_of(checkpoint.hf_config)
+        is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
+        cls = pooling_model_class(architecture) if is_pooling else model_class(architecture)
         model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
@@ -152,6 +157,12 @@ class Worker:
         model.eval()
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
+        self.pooler_config = None
+        if is_pooling:
+            folder = None if source.is_gguf else source.path
+            self.pooler_config = read_pooler_config(
+                folder, checkpoint.hf_config, model_config.hidden_size
+            )
         self.runner = ModelRunner(
             model,
             backend,
@@ -162,6 +173,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
+            pooler=Pooler(self.pooler_config) if self.pooler_config is not None else None,
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
@@ -239,6 +251,7 @@ class Worker:
             head_dim=config.head_dim,
             sliding_window=config.kv_sliding_window or 0,
             max_tokens_per_mm_item=model.num_image_tokens if supports_images(model) else 0,
+            pooler_config=self.pooler_config,
         )
 
     def _require_runner(self) -> ModelRunner:

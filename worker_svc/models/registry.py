@@ -29,7 +29,17 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 """Architecture -> (module under worker_svc/models, class)."""
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+_BARE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""Checkpoints of a decoder without its LM head (what sentence-transformers saves: transformers'
+AutoModel, tensors without the "model." prefix) -> the family serving them, as pooling models
+only (models/adapters.py)."""
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_MODELS, *_BARE_MODELS]))
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -38,6 +48,7 @@ class UnsupportedArchitectureError(ValueError):
 
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
+    architecture = _BARE_MODELS.get(architecture, architecture)
     if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
@@ -52,3 +63,20 @@ def read_model_config(hf: Any) -> ModelConfig:
     """The ModelConfig of a checkpoint's configuration, as its architecture's class reads it
     (multimodal ones describe their language model, with the rest in their own fields)."""
     return model_class(architecture_of(hf)).read_config(hf)
+
+
+def has_lm_head(architecture: str) -> bool:
+    """Whether the checkpoint has a language-model head (a bare decoder serves pooling only)."""
+    return architecture not in _BARE_MODELS
+
+
+def pooling_model_class(architecture: str) -> type[CausalLM]:
+    """The pooling form of `architecture` (vLLM's as_embedding_model): a text decoder family
+    without its LM head; ValueError (one line) for what cannot pool."""
+    from worker_svc.models.adapters import as_embedding_model
+    from worker_svc.models.decoder import DecoderForCausalLM
+
+    cls = model_class(architecture)
+    if not issubclass(cls, DecoderForCausalLM) or getattr(cls, "supports_images", False):
+        raise ValueError(f"{architecture} cannot be served as a pooling model (--runner pooling)")
+    return as_embedding_model(cls)
