@@ -53,8 +53,7 @@ def request_from_proto(
         stop_token_ids=tuple(msg.stop_token_ids),
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
         sampler_params=msg.sampler_params.SerializeToString(),
-        skip_reading_prefix_cache=msg.sampler_params.HasField("prompt_logprobs")
-        or bool(pooling_task),
+        skip_reading_prefix_cache=msg.sampler_params.HasField("prompt_logprobs"),
         pooling_task=pooling_task,
         cache_salt=msg.cache_salt,
         priority=msg.priority,

@@ -141,8 +141,9 @@ class Request:
         self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_params = sampler_params
-        self.skip_reading_prefix_cache = skip_reading_prefix_cache
-        """Prompt logprobs need every prompt position computed, so such requests never hit."""
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache or bool(pooling_task)
+        """Prompt logprobs and pooling need every prompt position computed, so such requests
+        never hit."""
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.priority = priority

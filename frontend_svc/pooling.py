@@ -85,7 +85,10 @@ def embed_request(
     """Tokenize and check one input (run it on the tokenizer threads)."""
     if prompt.token_ids is not None:
         inputs.check_token_ids(prompt.token_ids, field)
-    token_ids = inputs.tokenize(prompt).token_ids
+    try:
+        token_ids = inputs.tokenize(prompt).token_ids
+    except InvalidRequest as err:  # it names the generation APIs' field
+        raise InvalidRequest(str(err), field) from None
     max_len = inputs.max_model_len
     if not token_ids:
         raise InvalidRequest("the input tokenizes to no tokens; send a non-empty input", field)

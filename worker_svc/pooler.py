@@ -54,8 +54,8 @@ class Pooler:
         failed: dict[int, str] = {}
         for i, handle in enumerate(inputs.req_handles.tolist()):
             state = chunk[i]
+            earlier = self._partial.pop(handle, None)  # dropped when the prompt starts again
             if starts[i] > 0:
-                earlier = self._partial.pop(handle, None)
                 if earlier is None:
                     failed[handle] = "a prompt chunk came without the chunks before it"
                     continue

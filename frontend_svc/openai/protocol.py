@@ -164,13 +164,13 @@ def as_client_id(value: Any, name: str) -> str:
     return text
 
 
-def _check_fan_out(num_prompts: int, n: int, max_fan_out: int) -> None:
+def _check_fan_out(num_prompts: int, n: int, max_fan_out: int, name: str = "prompt") -> None:
     if num_prompts * n <= max_fan_out:
         return
     raise InvalidRequest(
         f"{num_prompts} prompts x n = {n} would make {num_prompts * n} engine requests; at most "
         f"{max_fan_out} per call (--max-fan-out): split the prompts over several calls",
-        "prompt" if num_prompts > 1 else "n",
+        name if num_prompts > 1 else "n",
     )
 
 
@@ -188,7 +188,7 @@ def prompt_inputs(
         return [PromptInput(token_ids=tuple(items))]
     is_texts = all(isinstance(i, str) for i in items)
     if is_texts or all(isinstance(i, list) for i in items):
-        _check_fan_out(len(items), 1, max_fan_out)
+        _check_fan_out(len(items), 1, max_fan_out, name)
     if is_texts:
         return [PromptInput(text=t, add_special_tokens=add_special_tokens) for t in items]
     if all(isinstance(i, list) for i in items):
