@@ -194,7 +194,8 @@ def to_proto_line(contracts: Contracts, source_of: dict[str, str], f: F) -> list
     if f.type == F.TYPE_MESSAGE:
         convert = f"{snake(type_name)}_to_proto"
         if f.label == F.LABEL_REPEATED:
-            return [f"    for item in {value}:", f"        {convert}(item, {target}.add())"]
+            item = f"{snake(type_name)}_item"  # one name per type: mypy types loop variables
+            return [f"    for {item} in {value}:", f"        {convert}({item}, {target}.add())"]
         return [f"    if {value} is not None:", f"        {convert}({value}, {target})"]
     if f.label == F.LABEL_REPEATED:
         return [f"    {target}.extend({value})"]

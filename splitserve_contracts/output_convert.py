@@ -199,17 +199,17 @@ def model_runner_output_to_proto(
     msg.rank = record.rank
     msg.req_handles.extend(record.req_handles)
     msg.sampled_token_ids.extend(record.sampled_token_ids)
-    for item in record.logprobs:
-        request_logprobs_to_proto(item, msg.logprobs.add())
-    for item in record.prompt_logprobs:
-        request_logprobs_to_proto(item, msg.prompt_logprobs.add())
+    for request_logprobs_item in record.logprobs:
+        request_logprobs_to_proto(request_logprobs_item, msg.logprobs.add())
+    for request_logprobs_item in record.prompt_logprobs:
+        request_logprobs_to_proto(request_logprobs_item, msg.prompt_logprobs.add())
     if record.timings is not None:
         step_timings_to_proto(record.timings, msg.timings)
     msg.num_used_kv_blocks = record.num_used_kv_blocks
     msg.failed_req_handles.extend(record.failed_req_handles)
     msg.failed_reasons.extend(record.failed_reasons)
-    for item in record.pooler_outputs:
-        pooler_output_to_proto(item, msg.pooler_outputs.add())
+    for pooler_output_item in record.pooler_outputs:
+        pooler_output_to_proto(pooler_output_item, msg.pooler_outputs.add())
     return msg
 
 
