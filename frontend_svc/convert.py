@@ -31,6 +31,7 @@ from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
     ContentPart,
+    Embedding,
     EngineRequest,
     GenerateInput,
     ImageInput,
@@ -168,6 +169,32 @@ def prompt_from_proto(msg: gen_pb2.GenerateRequest | gen_pb2.TokenizeRequest) ->
     if kind == "prompt":
         return PromptInput(text=msg.prompt, add_special_tokens=add_special)
     return PromptInput()
+
+
+def embed_inputs_from_proto(msg: gen_pb2.EmbedRequest, max_fan_out: int) -> list[PromptInput]:
+    """The inputs of an Embed call: at least one, at most `max_fan_out`, each set."""
+    if not 0 < len(msg.inputs) <= max_fan_out:
+        raise InvalidRequest(
+            f"send 1 to {max_fan_out} inputs (--max-fan-out), not {len(msg.inputs)}", "inputs"
+        )
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+    prompts = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest(f"inputs[{i}] sets neither `text` nor `token_ids`", f"inputs[{i}]")
+        if kind == "text":
+            prompts.append(PromptInput(text=item.text, add_special_tokens=add_special))
+        else:
+            prompts.append(PromptInput(token_ids=tuple(item.token_ids.ids)))
+    return prompts
+
+
+def embed_response_to_proto(request_id: str, embedded: list[Embedding]) -> gen_pb2.EmbedResponse:
+    reply = gen_pb2.EmbedResponse(request_id=request_id)
+    for e in embedded:
+        reply.embeddings.add(values=e.vector.tolist(), prompt_tokens=e.num_prompt_tokens)
+    return reply
 
 
 def generate_input_from_proto(

@@ -29,6 +29,7 @@ from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from frontend_svc.server import GenerationServicer
 from frontend_svc.tracing import accept_caller_traces
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -144,6 +145,7 @@ async def serve(config: FrontendConfig) -> int:
         chat,
         tuple(aliases),
         config.profiler_config.is_enabled,
+        config.max_fan_out,
     )
     http = None
     if config.http_port is not None:
@@ -260,10 +262,11 @@ def add_servicers(
     chat: ChatFeatures,
     model_aliases: tuple[str, ...] = (),
     profiling: bool = False,
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT,
 ) -> None:
     """The public API and, beside it on the same port, the gateway contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases)
+    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases, max_fan_out)
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     profiler = client if profiling else None
     gateway = VllmEngineServicer(

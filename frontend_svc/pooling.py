@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,21 +17,13 @@ from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
-from frontend_svc.requests import EngineRequest, PromptInput
+from frontend_svc.requests import Embedding, EngineRequest, PromptInput
 from splitserve_contracts.output_types import FinishReason, PoolerConfig
 from splitserve_contracts.sampling_types import SamplingParams
 
 EMBED_TASK = "embed"
 _POOLING_PARAMS = SamplingParams(max_tokens=1)
 """What a pooling request's sampler part says: nothing is sampled (the engine checks)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Embedding:
-    """One input's embedding and its prompt length."""
-
-    vector: np.ndarray
-    num_prompt_tokens: int
 
 
 def pooler_config(info: EngineInfo, api: str = "Embeddings API") -> PoolerConfig:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
@@ -248,3 +250,11 @@ class CompletionDelta:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason != FinishReason.UNSPECIFIED
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """One input's embedding (float32) and its prompt length."""
+
+    vector: np.ndarray
+    num_prompt_tokens: int

@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontend_svc import convert, grpc_errors
+from frontend_svc import convert, grpc_errors, pooling
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
 from frontend_svc.openai.tools import grpc_tools
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT, derived_request_id
 from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
@@ -35,6 +36,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         served_model_name: str,
         chat: ChatFeatures | None = None,
         model_aliases: tuple[str, ...] = (),
+        max_fan_out: int = DEFAULT_MAX_FAN_OUT,
     ) -> None:
         self.engine = engine
         self.inputs = inputs
@@ -44,6 +46,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self.chat = chat or ChatFeatures()
         """Tool calling and reasoning, as on the HTTP API."""
         self.model_aliases = model_aliases
+        self.max_fan_out = max_fan_out
+        """--max-fan-out: most inputs one Embed call may carry."""
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -54,6 +58,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
             check_model(request.model, self.served_model_name, self.model_aliases)
+            pooling.check_generative(self.info, "Generate RPC")
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
             call, rules = prepare_chat_call(call, tools, self.chat)
@@ -67,6 +72,33 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                 yield convert.delta_to_proto(request_id, delta, parsed, listed)
         except FrontendError as err:
             await grpc_errors.abort(context, err)
+
+    async def Embed(  # noqa: N802
+        self, request: gen_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb2.EmbedResponse:
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex[:16]}"
+        inputs = self.inputs
+        try:
+            check_model(request.model, self.served_model_name, self.model_aliases)
+            config = pooling.pooler_config(self.info, "Embed RPC")
+            dimensions = request.dimensions if request.HasField("dimensions") else None
+            pooling.check_dimensions(config, dimensions, "dimensions")
+            prompts = convert.embed_inputs_from_proto(request, self.max_fan_out)
+            requests = [
+                await inputs.run(
+                    pooling.embed_request,
+                    inputs,
+                    derived_request_id(request_id, f"-{i}"),
+                    prompt,
+                    f"inputs[{i}]",
+                    request.priority,
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+            embedded = await pooling.embed_all(self.engine, requests, config, dimensions)
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return convert.embed_response_to_proto(request_id, embedded)
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -113,6 +145,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
             max_num_seqs=info.max_num_seqs,
+            embedding_size=info.pooler_config.hidden_size if info.pooler_config else 0,
         )
         if inputs.multimodal is not None:
             reply.supports_vision = True

@@ -10,12 +10,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
+from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
+from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from tests.e2e.stack import Stack
 from tests.fixtures.embedder import load_embedder, make_embedder
 
@@ -144,3 +149,39 @@ def test_convert_embed_serves_a_causal_lm_with_last_token_pooling(embedder_dir: 
         last = hf(input_ids=ids).last_hidden_state[0, -1]
     want = torch.nn.functional.normalize(last, dim=0).numpy()
     assert cosines(np.array([reply.data[0].embedding]), want[None]).min() >= 0.9999
+
+
+def test_grpc_embed_and_the_gateway_contract_embed(embed_stack: Stack) -> None:
+    """The public API's Embed and the VllmEngine contract's Embed give the HTTP route's vectors;
+    Generate on the pooling engine is refused with INVALID_ARGUMENT."""
+    http = client(embed_stack).embeddings.create(model=model_name(embed_stack), input=TEXTS[:2])
+    with grpc.insecure_channel(embed_stack.frontend) as channel:
+        public = gen_grpc.GenerationServiceStub(channel)
+        reply = public.Embed(
+            gen_pb2.EmbedRequest(
+                inputs=[gen_pb2.EmbedInput(text=t) for t in TEXTS[:2]], dimensions=32
+            ),
+            timeout=60,
+        )
+        ids = public.Tokenize(gen_pb2.TokenizeRequest(prompt=TEXTS[0]), timeout=30).token_ids
+        gateway = pb_grpc.VllmEngineStub(channel)
+        one = gateway.Embed(
+            pb.EmbedRequest(request_id="e1", tokenized=pb.TokenizedInput(input_ids=ids)),
+            timeout=60,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            next(iter(public.Generate(gen_pb2.GenerateRequest(prompt="hi"), timeout=30)))
+        with pytest.raises(grpc.RpcError) as empty:
+            public.Embed(gen_pb2.EmbedRequest(), timeout=30)
+        info = gateway.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    full = [torch.tensor(d.embedding) for d in http.data]
+    for got, want in zip(reply.embeddings, full, strict=True):
+        short = torch.nn.functional.normalize(want[:32], dim=0).numpy()
+        np.testing.assert_allclose(got.values, short, atol=1e-6)
+    assert reply.embeddings[0].prompt_tokens == len(ids) == one.prompt_tokens
+    assert one.embedding_dim == len(full[0])
+    np.testing.assert_allclose(one.embedding, full[0].numpy(), atol=1e-6)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pooling model" in (refused.value.details() or "")
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not info.is_generation

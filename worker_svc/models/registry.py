@@ -39,7 +39,8 @@ _BARE_MODELS: dict[str, str] = {
 AutoModel, tensors without the "model." prefix) -> the family serving them, as pooling models
 only (models/adapters.py)."""
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_MODELS, *_BARE_MODELS]))
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_BARE_MODELS))
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -53,6 +54,8 @@ def model_class(architecture: str) -> type[CausalLM]:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
+            + "; for pooling only: "
+            + ", ".join(POOLING_ONLY_ARCHITECTURES)
         )
     module, name = _MODELS[architecture]
     cls: type[CausalLM] = pkgutil.resolve_name(f"{__package__}.{module}:{name}")
