@@ -75,7 +75,7 @@ def _resumed_outputs_problem(request: Request, scheduler_config: SchedulerConfig
     return None
 
 
-POOLING_TASKS = ("embed",)
+POOLING_TASKS = ("embed", "score")
 
 
 def _pooling_problem(request: Request, is_pooling_engine: bool) -> str | None:

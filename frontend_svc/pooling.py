@@ -22,19 +22,33 @@ from splitserve_contracts.output_types import FinishReason, PoolerConfig
 from splitserve_contracts.sampling_types import SamplingParams
 
 EMBED_TASK = "embed"
+SCORE_TASK = "score"
+_API_TASKS = {EMBED_TASK: "embed", SCORE_TASK: "classify"}
+"""Request task -> the PoolerConfig.task of the models that serve it."""
 _POOLING_PARAMS = SamplingParams(max_tokens=1)
 """What a pooling request's sampler part says: nothing is sampled (the engine checks)."""
 
 
-def pooler_config(info: EngineInfo, api: str = "Embeddings API") -> PoolerConfig:
-    """The engine's pooler; InvalidRequest (400, as vLLM) when it serves a generative model."""
-    if info.pooler_config is None:
+def pooler_config(
+    info: EngineInfo, api: str = "Embeddings API", task: str = EMBED_TASK
+) -> PoolerConfig:
+    """The engine's pooler; InvalidRequest (400, as vLLM) when it serves a generative model or
+    a pooling model for the other task (an embedder for /score, a cross-encoder for
+    /v1/embeddings)."""
+    config = info.pooler_config
+    if config is None:
         raise InvalidRequest(
             f"the model {info.served_model_name!r} does not support the {api}: it is served for "
-            "generation (serve an embedding model, or this one with --runner pooling)",
+            "generation (serve a pooling model, or this one with --runner pooling)",
             "model",
         )
-    return info.pooler_config
+    if config.task != _API_TASKS[task] or (task == SCORE_TASK and config.hidden_size != 1):
+        kind = "a cross-encoder with one label" if task == SCORE_TASK else "an embedding model"
+        raise InvalidRequest(
+            f"the model {info.served_model_name!r} does not support the {api}: it is not {kind}",
+            "model",
+        )
+    return config
 
 
 def check_generative(info: EngineInfo, api: str) -> None:
@@ -91,6 +105,31 @@ def embed_request(
         )
     return EngineRequest(
         request_id, token_ids, _POOLING_PARAMS, None, priority, pooling_task=EMBED_TASK
+    )
+
+
+def score_request(
+    inputs: InputProcessor, request_id: str, query: str, document: str, priority: int = 0
+) -> EngineRequest:
+    """Tokenize one (query, document) pair as the cross-encoder reads it (the tokenizer's pair
+    template) and check it fits (run it on the tokenizer threads)."""
+    num_bytes = len(query.encode(errors="replace")) + len(document.encode(errors="replace"))
+    if num_bytes > inputs.max_prompt_bytes:
+        raise InvalidRequest(
+            f"a pair has {num_bytes} bytes of text, more than any prompt that fits max_model_len "
+            f"{inputs.max_model_len}; shorten it",
+            "documents",
+        )
+    token_ids = list(inputs.tokenizer(query, document)["input_ids"])
+    max_len = inputs.max_model_len
+    if not token_ids or len(token_ids) >= max_len:
+        raise InvalidRequest(
+            f"a pair has {len(token_ids)} tokens; it must have 1 to {max_len - 1} "
+            "(max_model_len - 1)",
+            "documents",
+        )
+    return EngineRequest(
+        request_id, token_ids, _POOLING_PARAMS, None, priority, pooling_task=SCORE_TASK
     )
 
 

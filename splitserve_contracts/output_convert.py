@@ -57,6 +57,7 @@ def pooler_config_to_proto(
     msg.hidden_size = record.hidden_size
     msg.matryoshka_dimensions.extend(record.matryoshka_dimensions)
     msg.is_matryoshka = record.is_matryoshka
+    msg.task = record.task
     return msg
 
 
@@ -67,6 +68,7 @@ def pooler_config_from_proto(msg: common_pb2.PoolerConfig) -> t.PoolerConfig:
         hidden_size=msg.hidden_size,
         matryoshka_dimensions=list(msg.matryoshka_dimensions),
         is_matryoshka=msg.is_matryoshka,
+        task=msg.task,
     )
 
 

@@ -137,6 +137,12 @@ class PoolerConfig:
     matryoshka_dimensions).
     """
 
+    task: str = ""
+    """What the pooled vector is: "embed" (an embedding) or "classify" (a sequence-classification
+    head's scores, hidden_size of them, after its activation: sigmoid for one label; the /score
+    and /rerank model).
+    """
+
 
 @dataclass(slots=True)
 class EngineCoreEvent:

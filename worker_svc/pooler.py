@@ -9,7 +9,7 @@ L2-normalized; a Matryoshka truncation (`dimensions`) is the frontend's (it re-n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -22,8 +22,12 @@ from worker_svc.input_batch import StepInputs
 class Pooler:
     """Pools one rank's steps; every request it sees is a pooling request."""
 
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(
+        self, config: PoolerConfig, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         self.config = config
+        self.head = head
+        """A classifier's head (the model's pool_head): pooled states -> label scores."""
         self._partial: dict[int, torch.Tensor] = {}
         """Requests part-way through their prompt: their running sum (MEAN) or first token's
         state (CLS)."""
@@ -80,6 +84,8 @@ class Pooler:
         if not handles:
             return []
         stacked = torch.stack(vectors)
+        if self.head is not None:
+            stacked = self.head(stacked)
         if self.config.normalize:
             stacked = F.normalize(stacked, p=2.0, dim=-1)
         rows = stacked.cpu().numpy().astype("<f4")

@@ -47,6 +47,7 @@ def read_pooler_config(folder: Path | None, hf: Any, hidden_size: int) -> Pooler
         hidden_size=hidden_size,
         matryoshka_dimensions=sorted(d for d in dims if d <= hidden_size),
         is_matryoshka=bool(getattr(hf, "is_matryoshka", False)) or bool(dims),
+        task="embed",
     )
 
 
@@ -100,3 +101,11 @@ def is_pooling_runner(runner: str, convert: str, has_lm_head: bool) -> bool:
             "sentence-transformers): serve it with --runner pooling"
         )
     return not has_lm_head
+
+
+def classifier_config(num_labels: int) -> PoolerConfig:
+    """A sequence classifier's pooler (vLLM's for *ForSequenceClassification): the last
+    token's state through the head; its scores, not normalized."""
+    return PoolerConfig(
+        pooling_type="LAST", normalize=False, hidden_size=num_labels, task="classify"
+    )

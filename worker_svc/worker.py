@@ -34,9 +34,14 @@ from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import has_lm_head, model_class, pooling_model_class
+from worker_svc.models.registry import (
+    has_lm_head,
+    is_sequence_classifier,
+    model_class,
+    pooling_model_class,
+)
 from worker_svc.pooler import Pooler
-from worker_svc.pooling_config import is_pooling_runner, read_pooler_config
+from worker_svc.pooling_config import classifier_config, is_pooling_runner, read_pooler_config
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
     Fp8Checkpoint,
@@ -133,7 +138,12 @@ class Worker:
         checkpoint = open_checkpoint(source)  # refuses unknown architectures first
         architecture = architecture_of(checkpoint.hf_config)
         is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
-        cls = pooling_model_class(architecture) if is_pooling else model_class(architecture)
+        num_labels = int(getattr(checkpoint.hf_config, "num_labels", 1))
+        cls = (
+            pooling_model_class(architecture, num_labels)
+            if is_pooling
+            else model_class(architecture)
+        )
         model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
@@ -163,6 +173,8 @@ class Worker:
             self.pooler_config = read_pooler_config(
                 folder, checkpoint.hf_config, model_config.hidden_size
             )
+            if is_sequence_classifier(architecture):
+                self.pooler_config = classifier_config(num_labels)
         self.runner = ModelRunner(
             model,
             backend,
@@ -173,7 +185,9 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
-            pooler=Pooler(self.pooler_config) if self.pooler_config is not None else None,
+            pooler=Pooler(self.pooler_config, getattr(model, "pool_head", None))
+            if self.pooler_config is not None
+            else None,
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)

@@ -266,8 +266,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         """One tokenized input's embedding (an engine serving a pooling model: --runner
         pooling); UNIMPLEMENTED from an engine serving a generative model."""
         self.last_receive_timestamp = time.time()
-        config = self.info.pooler_config
-        if config is None:
+        if self.info.pooler_config is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
                 "Embed: this engine serves a generative model; serve a pooling model "
@@ -277,6 +276,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         request_id = request.request_id or f"embd-{uuid.uuid4().hex[:16]}"
         inputs = self.inputs
         try:
+            config = pooling.pooler_config(self.info, "Embed RPC")
             prompt = convert.embed_input_from_proto(request)
             engine_request = await inputs.run(
                 pooling.embed_request, inputs, request_id, prompt, "tokenized.input_ids"

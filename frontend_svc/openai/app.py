@@ -46,6 +46,7 @@ from frontend_svc.openai.serving_responses import (
     not_found,
     run_in_background,
 )
+from frontend_svc.openai.serving_score import create_rerank, create_scores
 from frontend_svc.openai.sse import error_body, guarded
 from frontend_svc.pooling import check_generative
 from frontend_svc.public_errors import unexpected_error_message
@@ -131,10 +132,23 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     return handle
 
 
-def _make_embeddings(ctx: ServingContext) -> Handler:
+POOLING_ROUTES = (
+    ("/v1/embeddings", create_embeddings),
+    ("/score", create_scores),
+    ("/v1/score", create_scores),
+    ("/rerank", create_rerank),
+    ("/v1/rerank", create_rerank),
+    ("/v2/rerank", create_rerank),
+)
+"""vLLM's pooling routes and their aliases."""
+
+
+def _make_pooling(ctx: ServingContext, create: Any) -> Handler:
+    """A pooling route: /v1/embeddings, /score, /rerank (`create(ctx, body, header_id)`)."""
+
     async def handle(request: Request) -> Response:
         body = await read_json(request, ctx.max_body_bytes)
-        work = create_embeddings(ctx, body, request.headers.get("x-request-id"))
+        work = create(ctx, body, request.headers.get("x-request-id"))
         reply = await unless_disconnected(request, work)
         return JsonResponse(reply, headers={"x-request-id": reply["id"]})
 
@@ -238,7 +252,10 @@ def build_app(
     table: list[tuple[str, list[str], Handler, bool]] = [
         ("/v1/completions", ["POST"], functools.partial(load.track, completions), True),
         ("/v1/chat/completions", ["POST"], functools.partial(load.track, chat), True),
-        ("/v1/embeddings", ["POST"], functools.partial(load.track, _make_embeddings(ctx)), True),
+        *(
+            (path, ["POST"], functools.partial(load.track, _make_pooling(ctx, create)), True)
+            for path, create in POOLING_ROUTES
+        ),
         ("/v1/models", ["GET"], admin.models_route(ctx), True),
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),

@@ -39,8 +39,17 @@ _BARE_MODELS: dict[str, str] = {
 AutoModel, tensors without the "model." prefix) -> the family serving them, as pooling models
 only (models/adapters.py)."""
 
+_SEQ_CLS_MODELS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+"""Decoders with a sequence-classification head (`score`) instead of the LM head: cross-encoders
+(rerankers), served as pooling models (the last token, then the head)."""
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
-POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_BARE_MODELS))
+POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_BARE_MODELS, *_SEQ_CLS_MODELS]))
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -49,7 +58,7 @@ class UnsupportedArchitectureError(ValueError):
 
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
-    architecture = _BARE_MODELS.get(architecture, architecture)
+    architecture = _BARE_MODELS.get(architecture, _SEQ_CLS_MODELS.get(architecture, architecture))
     if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
@@ -70,16 +79,23 @@ def read_model_config(hf: Any) -> ModelConfig:
 
 def has_lm_head(architecture: str) -> bool:
     """Whether the checkpoint has a language-model head (a bare decoder serves pooling only)."""
-    return architecture not in _BARE_MODELS
+    return architecture not in _BARE_MODELS and architecture not in _SEQ_CLS_MODELS
 
 
-def pooling_model_class(architecture: str) -> type[CausalLM]:
+def is_sequence_classifier(architecture: str) -> bool:
+    """Whether the checkpoint holds a sequence-classification head (a cross-encoder)."""
+    return architecture in _SEQ_CLS_MODELS
+
+
+def pooling_model_class(architecture: str, num_labels: int = 1) -> type[CausalLM]:
     """The pooling form of `architecture` (vLLM's as_embedding_model): a text decoder family
     without its LM head; ValueError (one line) for what cannot pool."""
-    from worker_svc.models.adapters import as_embedding_model
+    from worker_svc.models.adapters import as_embedding_model, as_seq_cls_model
     from worker_svc.models.decoder import DecoderForCausalLM
 
     cls = model_class(architecture)
     if not issubclass(cls, DecoderForCausalLM) or getattr(cls, "supports_images", False):
         raise ValueError(f"{architecture} cannot be served as a pooling model (--runner pooling)")
+    if is_sequence_classifier(architecture):
+        return as_seq_cls_model(cls, num_labels)
     return as_embedding_model(cls)

@@ -781,7 +781,8 @@ class PoolingParams(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     """What the pooled output is for (vLLM's pooling task): "embed" (the
-    model's pooled, maybe normalized, hidden state).
+    model's pooled, maybe normalized, hidden state) or "score" (a
+    cross-encoder's relevance score of the pair the prompt holds).
     """
     def __init__(
         self,
@@ -810,6 +811,7 @@ class PoolerConfig(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _builtins.int
     IS_MATRYOSHKA_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
     pooling_type: _builtins.str
     """"LAST" (the last prompt token), "MEAN" (mean over the prompt) or "CLS"
     (the first prompt token).
@@ -821,6 +823,11 @@ class PoolerConfig(_message.Message):
     is_matryoshka: _builtins.bool
     """Whether any size up to hidden_size may be asked for (config.json's
     is_matryoshka without matryoshka_dimensions).
+    """
+    task: _builtins.str
+    """What the pooled vector is: "embed" (an embedding) or "classify" (a
+    sequence-classification head's scores, hidden_size of them, after its
+    activation: sigmoid for one label; the /score and /rerank model).
     """
     @_builtins.property
     def matryoshka_dimensions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -836,10 +843,11 @@ class PoolerConfig(_message.Message):
         hidden_size: _builtins.int = ...,
         matryoshka_dimensions: _abc.Iterable[_builtins.int] | None = ...,
         is_matryoshka: _builtins.bool = ...,
+        task: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "is_matryoshka", b"is_matryoshka", "matryoshka_dimensions", b"matryoshka_dimensions", "normalize", b"normalize", "pooling_type", b"pooling_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "is_matryoshka", b"is_matryoshka", "matryoshka_dimensions", b"matryoshka_dimensions", "normalize", b"normalize", "pooling_type", b"pooling_type", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
