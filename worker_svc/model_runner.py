@@ -107,6 +107,7 @@ class ModelRunner:
             num_kv_blocks=num_blocks,
             capacity=max(self.max_num_seqs, 1),
             sampling=SamplingStates(max(self.max_num_seqs, 1), self.vocab_size, self.device),
+            is_pooling=self.pooler is not None,
         )
         return self.kv_cache.nbytes
 

@@ -136,3 +136,41 @@ def test_runner_resolution_follows_vllm() -> None:
     assert is_pooling_runner("auto", "embed", has_lm_head=True)
     with pytest.raises(ValueError, match="--runner pooling"):
         is_pooling_runner("generate", "auto", has_lm_head=False)
+
+
+def test_a_rank_refuses_requests_of_the_other_kind() -> None:
+    """A peer's data is checked too: a pooling rank takes pooling requests only, and the
+    reverse (the core refuses them first; a rank must not run them if it did not)."""
+    from splitserve_contracts.sampling_types import SamplerParams
+    from worker_svc.input_batch import InputBatch
+    from worker_svc.sampling_metadata import SamplingStates
+    from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
+
+    def step(task: str) -> SchedulerOutput:
+        new = NewRequestData(
+            req_handle=1,
+            request_id="r",
+            prompt_token_ids=np.array([1, 2, 3]),
+            sampling=SamplerParams(),
+            block_ids=np.array([1]),
+            pooling_task=task,
+        )
+        return SchedulerOutput(
+            step_id=1,
+            scheduled_new_reqs=[new],
+            num_scheduled_tokens=np.array([3]),
+            total_num_scheduled_tokens=3,
+        )
+
+    for is_pooling, task in ((True, ""), (False, "embed")):
+        batch = InputBatch(
+            max_model_len=64,
+            block_size=16,
+            vocab_size=32,
+            num_kv_blocks=8,
+            capacity=2,
+            sampling=SamplingStates(2, 32, torch.device("cpu")),
+            is_pooling=is_pooling,
+        )
+        assert "pooling_task" in batch.update_states(step(task)).failed[1]
+        assert not batch.update_states(step("embed" if is_pooling else "")).failed
