@@ -143,7 +143,11 @@ POOLING_ROUTES = (
 """vLLM's pooling routes and their aliases."""
 
 
-def _make_pooling(ctx: ServingContext, create: Any) -> Handler:
+PoolingCreate = Callable[[ServingContext, dict[str, Any], str | None], Awaitable[dict[str, Any]]]
+"""A pooling route's work: (context, body, x-request-id header) -> the reply."""
+
+
+def _make_pooling(ctx: ServingContext, create: PoolingCreate) -> Handler:
     """A pooling route: /v1/embeddings, /score, /rerank (`create(ctx, body, header_id)`)."""
 
     async def handle(request: Request) -> Response:
