@@ -132,12 +132,12 @@ def test_embeddings_on_a_generation_engine_are_refused(stack: Stack) -> None:
 
 
 def test_convert_embed_serves_a_causal_lm_with_last_token_pooling(embedder_dir: Path) -> None:
-    """A full Qwen3ForCausalLM checkpoint (no sentence-transformers files) with --convert embed:
-    vLLM's decoder default, the last token's hidden state, normalized."""
+    """A full Qwen3ForCausalLM checkpoint (no sentence-transformers files) with --convert embed,
+    at TP=2: vLLM's decoder default, the last token's hidden state, normalized."""
     import transformers
 
     base = embedder_dir.with_name(embedder_dir.name + "-base")
-    running = Stack(base, core_flags=["--convert", "embed"]).start()
+    running = Stack(base, tp=2, core_flags=["--convert", "embed"]).start()  # and over TP=2
     try:
         reply = client(running).embeddings.create(model=model_name(running), input=TEXTS[2])
     finally:
