@@ -48,6 +48,9 @@ _SEQ_CLS_MODELS: dict[str, str] = {
 """Decoders with a sequence-classification head (`score`) instead of the LM head: cross-encoders
 (rerankers), served as pooling models (the last token, then the head)."""
 
+_ENCODER_ONLY_PREFIXES = ("Bert", "Roberta", "XLMRoberta", "ModernBert", "NomicBert", "New", "Gte")
+"""Encoder-only families (bge, gte, e5, ...): bidirectional attention, not served yet."""
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_BARE_MODELS, *_SEQ_CLS_MODELS]))
 
@@ -59,6 +62,12 @@ class UnsupportedArchitectureError(ValueError):
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
     architecture = _BARE_MODELS.get(architecture, _SEQ_CLS_MODELS.get(architecture, architecture))
+    if architecture.startswith(_ENCODER_ONLY_PREFIXES) and architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is an encoder-only (BERT-style) model; splitserve "
+            "serves decoder embedders and rerankers only (e.g. Qwen3Model, "
+            "Qwen3ForSequenceClassification)"
+        )
     if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "

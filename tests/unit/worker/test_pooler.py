@@ -174,3 +174,12 @@ def test_a_rank_refuses_requests_of_the_other_kind() -> None:
         )
         assert "pooling_task" in batch.update_states(step(task)).failed[1]
         assert not batch.update_states(step("embed" if is_pooling else "")).failed
+
+
+@pytest.mark.parametrize("architecture", ["BertModel", "XLMRobertaForSequenceClassification"])
+def test_encoder_only_models_are_refused_in_one_line(architecture: str) -> None:
+    from worker_svc.models.registry import UnsupportedArchitectureError, pooling_model_class
+
+    with pytest.raises(UnsupportedArchitectureError, match="encoder-only") as refused:
+        pooling_model_class(architecture)
+    assert "\n" not in str(refused.value)
