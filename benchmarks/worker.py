@@ -12,7 +12,9 @@ JSON lines:
   reads, so a read-only weight stream can beat this floor by up to 2x;
 * `prefill`: one step computing a 2048-token prompt;
 * `serve_like`: 32 prompts of 256 tokens (4 prefill steps of 2048 tokens) and decode to 64
-  output tokens each: output tokens per second over the whole run.
+  output tokens each: output tokens per second over the whole run;
+* `lora_load`, `lora_decode`: a rank-16 adapter's load time, and a batch-32 decode step mixing
+  8 adapters against the base model's (benchmarks/worker_lora.py).
 
 Times are medians over repeated steps, measured around `Worker.execute` (input preparation,
 forward, sampling), after warm-up steps.
@@ -31,19 +33,12 @@ import numpy as np
 import torch
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus, StepTimings
-from splitserve_contracts.sampling_types import SamplerParams
+from benchmarks.worker_lora import bench_lora
+from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
+from splitserve_contracts.output_types import StepTimings
 from worker_svc.layers.embedding import VocabParallelEmbedding
 from worker_svc.model_load import LoadModelConfig
-from worker_svc.scheduler_output import (
-    CachedRequestData,
-    NewRequestData,
-    SchedulerOutput,
-)
 from worker_svc.worker import Worker
-
-BLOCK_SIZE = 16
-GREEDY = SamplerParams(temperature=0.0)
 
 
 def copy_bandwidth(num_bytes: int = 1 << 28, repeats: int = 10) -> float:
@@ -58,76 +53,6 @@ def copy_bandwidth(num_bytes: int = 1 << 28, repeats: int = 10) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - started)
     return num_bytes / min(times)
-
-
-def arr(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
-
-
-class Session:
-    """A loaded worker plus the bookkeeping of an engine core that never frees blocks."""
-
-    def __init__(self, worker: Worker, num_blocks: int) -> None:
-        self.worker = worker
-        self.step_id = 0
-        self.next_block = 1  # block 0 is the null block
-        self.next_handle = 0
-        self.num_blocks = num_blocks
-
-    def blocks(self, num_tokens: int) -> np.ndarray:
-        count = -(-num_tokens // BLOCK_SIZE)
-        if self.next_block + count > self.num_blocks:
-            self.next_block = 1  # reuse: contents do not matter for timing
-        ids = np.arange(self.next_block, self.next_block + count)
-        self.next_block += count
-        return ids
-
-    def execute(
-        self,
-        new: list[NewRequestData],
-        sched: list[int],
-        cached: CachedRequestData | None = None,
-        finished: Sequence[int] = (),
-    ) -> tuple[ModelRunnerOutput, float]:
-        self.step_id += 1
-        step = SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=cached or CachedRequestData(),
-            num_scheduled_tokens=arr(sched),
-            total_num_scheduled_tokens=sum(sched),
-            finished_req_handles=arr(finished),
-        )
-        started = time.perf_counter()
-        out = self.worker.execute(step)
-        elapsed = time.perf_counter() - started
-        assert out is not None and out.status == StepStatus.OK
-        return out, elapsed
-
-    def new_request(self, prompt: np.ndarray, num_computed: int, reserve: int) -> NewRequestData:
-        self.next_handle += 1
-        return NewRequestData(
-            self.next_handle,
-            f"b{self.next_handle}",
-            prompt,
-            GREEDY,
-            self.blocks(len(prompt) + reserve),
-            num_computed,
-        )
-
-
-def decode_cached(
-    handles: list[int], num_computed: list[int], tokens: list[int]
-) -> CachedRequestData:
-    n = len(handles)
-    return CachedRequestData(
-        req_handles=arr(handles),
-        num_computed_tokens=arr(num_computed),
-        num_new_block_ids=np.zeros(n, np.int64),
-        new_block_ids=np.zeros(0, np.int64),
-        num_new_token_ids=np.ones(n, np.int64),
-        new_token_ids=arr(tokens),
-    )
 
 
 def bench_decode(session: Session, batch_size: int, context: int, steps: int) -> dict[str, float]:
@@ -264,6 +189,9 @@ def run(args: argparse.Namespace) -> None:
             }
         )
         worker.shutdown()
+        if args.lora:
+            for record in bench_lora(folder, dtype, args.context, args.steps):
+                emit(record)
 
 
 def emit(record: dict[str, object]) -> None:
@@ -282,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--model-dir", default="", help="checkpoint folder (built if missing)")
+    parser.add_argument(
+        "--lora",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the LoRA case (benchmarks/worker_lora.py)",
+    )
     run(parser.parse_args(argv))
 
 

@@ -36,6 +36,7 @@ def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
         disable_chunked_mm_input=config.disable_chunked_mm_input,
         async_scheduling=config.async_scheduling,
         is_pooling=facts.pooler_config is not None,
+        max_loras=config.max_loras,
     )
 
 

@@ -1,7 +1,9 @@
 """Chained prefix-cache hashes of full KV blocks (vLLM's hash_block_tokens, SHA-256).
 
 hash(block i) = SHA-256(hash(block i-1) | token ids as little-endian uint32 | extra keys),
-with NONE_HASH as the parent of block 0 and the cache salt as an extra key of block 0. Every
+with NONE_HASH as the parent of block 0 and the cache salt as an extra key of block 0. A LoRA
+adapter's key (its id, never reused, and its name: lora.py) is an extra key of every block, so
+two adapters, or an adapter and the base model, never share a cached block. Every
 multimodal item whose placeholders overlap a block adds (its content hash, its offset relative
 to the block start) to the block's extra keys (vLLM's mm extra keys), so the same text with
 another image never hits.
@@ -48,6 +50,7 @@ class BlockHasher:
         token_ids: list[int],
         cache_salt: str,
         mm_features: Sequence[MultiModalFeatureSpec] = (),
+        lora_key: bytes = b"",
     ) -> None:
         """Append the hashes of the full blocks of token_ids not hashed yet."""
         block_size = self.block_size
@@ -65,6 +68,8 @@ class BlockHasher:
                 h.update(cache_salt.encode())
             if mm_features:
                 h.update(mm_extra_keys(mm_features, i * block_size, block_size))
+            if lora_key:
+                h.update(lora_key)
             parent = h.digest()
             block_hashes.append(parent)
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core_svc.lora import LoraModule, lora_module
 from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
@@ -27,6 +28,7 @@ from splitserve_runtime.flags import (
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
+from splitserve_runtime.quantization_names import canonical_quantization, quantization_flags
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
@@ -64,6 +66,8 @@ class CoreConfig(TransportConfig):
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 0
     dtype: str = "auto"
+    quantization: str = ""
+    dequantize_gguf: bool = False
     seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
@@ -88,6 +92,12 @@ class CoreConfig(TransportConfig):
     convert: str = "auto"
     """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
     structured_outputs_compile_timeout: float = 10.0
+    max_loras: int = 0
+    """LoRA adapter slots: --max-loras with --enable-lora, else 0 (LoRA off)."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    """Adapters a worker keeps in host memory (--max-cpu-loras, default --max-loras)."""
+    lora_modules: list[LoraModule] = field(default_factory=list)
     log_stats_interval: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -123,6 +133,49 @@ def structured_outputs_config(text: str) -> dict[str, Any]:
     if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
         raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
     return {"backend": backend, "compile_timeout": float(timeout)}
+
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's choices of --max-lora-rank."""
+
+LORA_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: requests name one as their model (vLLM's flag)",
+    ),
+    flag(
+        "--lora-modules",
+        type=lora_module,
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start-up, as NAME=PATH or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}: a PEFT folder on the workers '
+        "(adapter_config.json, adapter_model.safetensors); needs --enable-lora",
+    ),
+    flag(
+        "--max-loras",
+        type=positive_int,
+        default=1,
+        help="most distinct LoRA adapters in one step (the workers' adapter slots)",
+    ),
+    flag(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=MAX_LORA_RANKS,
+        help="largest rank an adapter may have (the slots' size)",
+    ),
+    flag(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters each worker keeps in host memory beside its slots, least recently used "
+        "dropped first (default: --max-loras)",
+    ),
+)
 
 
 CORE_FLAGS: tuple[Flag, ...] = (
@@ -248,6 +301,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
     ),
+    *quantization_flags(),
     flag(
         "--kv-cache-dtype",
         default="auto",
@@ -255,17 +309,6 @@ CORE_FLAGS: tuple[Flag, ...] = (
             "auto", why="the KV cache is kept in the model's dtype until KV quantization lands"
         ),
         help="KV-cache dtype (vLLM's flag); only auto (the model's dtype) for now",
-    ),
-    flag(
-        "--quantization",
-        "-q",
-        default="auto",
-        type=only_values(
-            "auto",
-            why="weights are used as the checkpoint stores them (its quantization_config, e.g. "
-            "fp8, is honoured without this flag); quantizing on load is not implemented yet",
-        ),
-        help="weight quantization (vLLM's flag); only auto: the checkpoint's own",
     ),
     flag(
         "--enforce-eager",
@@ -375,6 +418,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         'never loads), "compile_timeout": seconds a grammar may take to compile before its '
         "request fails (default 10)}",
     ),
+    *LORA_FLAGS,
     flag(
         "--log-stats-interval",
         type=float,
@@ -434,12 +478,13 @@ def parse_config(
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
     values["served_model_name"] = (args.served_model_name or [""])[0]
-    for unused in ("kv_cache_dtype", "quantization"):  # only "auto" gets this far
-        values.pop(unused)
+    values.pop("kv_cache_dtype")  # only "auto" gets this far
+    values["quantization"] = canonical_quantization(args.quantization)
     so_config = values.pop("structured_outputs_config")
     values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
+    _lora_values(parser, values)
     if args.max_num_batched_tokens is None:
         values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
@@ -447,3 +492,21 @@ def parse_config(
         host = args.worker_addrs[0].rsplit(":", 1)[0]
         values["distributed_init_method"] = f"tcp://{host}:29500"
     return CoreConfig(**values)
+
+
+def _lora_values(parser: FlagParser, values: dict[str, Any]) -> None:
+    """--enable-lora and its flags as the config's LoRA fields (max_loras 0: off)."""
+    if not values.pop("enable_lora"):
+        if values["lora_modules"]:
+            parser.error("--lora-modules needs --enable-lora")
+        values["max_loras"], values["max_cpu_loras"] = 0, 0
+        return
+    max_cpu_loras = values["max_cpu_loras"] or values["max_loras"]
+    if max_cpu_loras < values["max_loras"]:
+        parser.error(
+            f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({values['max_loras']})"
+        )
+    values["max_cpu_loras"] = max_cpu_loras
+    names = [m.name for m in values["lora_modules"]]
+    if len(set(names)) != len(names):
+        parser.error("--lora-modules names an adapter twice")

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from core_svc.config import CoreConfig
 from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from core_svc.lora import LoraAdapter, LoraRegistry, LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
@@ -29,11 +30,12 @@ def request_from_proto(
     client_id: int,
     arrival_time: float | None = None,
     is_tracing: bool = False,
+    loras: LoraRegistry | None = None,
 ) -> Request:
     """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
     sampler's settings stay serialized: the core only forwards them to the workers. A
     structured-outputs constraint is kept as given; the engine checks it when it adds the
-    request (core_svc/request_checks.py)."""
+    request (core_svc/request_checks.py), and so is an adapter name `loras` does not know."""
     structured = None
     pooling_task = msg.pooling_params.task if msg.HasField("pooling_params") else ""
     if msg.HasField("structured_outputs"):
@@ -63,10 +65,18 @@ def request_from_proto(
             for f in msg.mm_features
         ),
         structured_output=structured,
+        lora=_lora_request(msg.lora_name, loras),
         trace=request_trace(msg.trace_context.traceparent, msg.trace_context.tracestate)
         if is_tracing
         else None,
     )
+
+
+def _lora_request(name: str, loras: LoraRegistry | None) -> LoraRequest | None:
+    """The adapter a request names (lora_id 0: not loaded, refused when it is added)."""
+    if loras is None:
+        return LoraRequest(0, name, "") if name else None
+    return loras.lookup(name)
 
 
 def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -> None:
@@ -117,8 +127,11 @@ def kv_events_to_proto(events: Iterable[KVCacheEvent], msg: core_pb2.KvCacheEven
             if event.parent_block_hash is not None:
                 stored.parent_block_hash = event.parent_block_hash
             stored.token_ids.extend(event.token_ids)
+            stored.lora_id = event.lora_id
             for keys in event.extra_keys or ():
-                keys_msg = stored.extra_keys.add(cache_salt=keys.cache_salt)
+                keys_msg = stored.extra_keys.add(
+                    cache_salt=keys.cache_salt, lora_name=keys.lora_name
+                )
                 for identifier, offset in keys.multimodal:
                     keys_msg.multimodal.add(identifier=identifier, offset=offset)
         elif isinstance(event, BlockRemoved):
@@ -162,6 +175,7 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
             new_msg.output_token_ids.extend(new_req.output_token_ids)
         if new_req.pooling_task:
             new_msg.pooling_params.task = new_req.pooling_task
+        new_msg.lora_id = new_req.lora_id
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -180,6 +194,12 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     if output.grammar_bitmask is not None and not output.has_pending_grammar:
         _grammar_bitmask_to_proto(output.grammar_bitmask, msg.grammar_bitmask)
     msg.has_pending_grammar = output.has_pending_grammar
+    if output.lora_slots is not None:
+        slots = output.lora_slots
+        msg.lora_slots.slots.extend(slots.slots)
+        msg.lora_slots.lora_ids.extend(slots.lora_ids)
+        msg.lora_slots.lora_paths.extend(slots.lora_paths)
+    msg.free_lora_ids.extend(output.free_lora_ids)
     return msg
 
 
@@ -238,4 +258,16 @@ def engine_info_to_proto(
         pooler_config=output_convert.pooler_config_to_proto(facts.pooler_config)
         if facts.pooler_config is not None
         else None,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank if config.max_loras else 0,
+    )
+
+
+def lora_adapter_to_proto(adapter: LoraAdapter) -> core_pb2.LoraAdapter:
+    return core_pb2.LoraAdapter(
+        name=adapter.name,
+        path=adapter.path,
+        base_model_name=adapter.base_model_name,
+        lora_id=adapter.lora_id,
+        max_rank=adapter.max_rank,
     )

@@ -448,6 +448,7 @@ class EngineCore:
         scheduler = self.scheduler
         pool = self.kv_cache_manager.block_pool
         prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
+        running_loras, waiting_loras = scheduler.lora.adapter_names()
         return SchedulerStats(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),
@@ -464,8 +465,19 @@ class EngineCore:
             encoder_cache_queries=scheduler.encoder.stats.queries,
             encoder_cache_hits=scheduler.encoder.stats.hits,
             num_waiting_tokens=scheduler.num_waiting_tokens,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             num_waiting_deferred=len(self.structured.compiling),
         )
+
+    def retire_lora(self, lora_id: int) -> int:
+        """An adapter was unloaded (or replaced in place): the ranks drop it once no request
+        runs it. Returns the requests that still do (compiling ones included)."""
+        num_compiling = sum(
+            r.lora is not None and r.lora.lora_id == lora_id
+            for r in self.structured.compiling.values()
+        )
+        return num_compiling + self.scheduler.lora.retire(lora_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); refused (False) while any

@@ -51,6 +51,8 @@ class CommandKind(Enum):
     """Forget the prefix cache unless requests hold blocks."""
     PROFILE = 14
     """Start or stop the worker ranks' profilers (between two steps)."""
+    RETIRE_LORA = 15
+    """A LoRA adapter was unloaded: the workers drop it once no request runs it."""
 
 
 @dataclass(slots=True)
@@ -66,10 +68,13 @@ class EngineCommand:
     num_blocks: int = 0
     done: Future[int | None] | None = None
     """RESUME: resolved with the number of requests resumed (None: the engine failed first);
-    RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset)."""
+    RESET_PREFIX_CACHE: with the KV blocks requests held when it refused (0: reset);
+    RETIRE_LORA: with the requests still running the adapter."""
     tokenizer_json: str = ""
     """TOKENIZER: the serialized tokenizer (its EOS ids in client_handles); PROFILE: the trace
     files' prefix (the action in num_blocks: 1 start, 2 stop, ProfileAction's numbers)."""
+    lora_id: int = 0
+    """RETIRE_LORA: the adapter."""
 
 
 class EngineInbox:
@@ -122,6 +127,14 @@ class EngineInbox:
         done: Future[int | None] = Future()
         command = EngineCommand(CommandKind.PROFILE, num_blocks=action, done=done)
         command.tokenizer_json = prefix
+        self._queue.put(command)
+        return done
+
+    def retire_lora(self, lora_id: int) -> Future[int | None]:
+        """An unloaded LoRA adapter: the future gives the requests that still run it (they
+        finish with it; then the workers drop it)."""
+        done: Future[int | None] = Future()
+        command = EngineCommand(CommandKind.RETIRE_LORA, lora_id=lora_id, done=done)
         self._queue.put(command)
         return done
 

@@ -157,6 +157,9 @@ class EngineCoreProc:
             self._send_kv_events({})  # what happened before the snapshot, to the others
             for batch in engine_core.subscribe_kv_events(command.client_id):
                 self._output_sink(command.client_id, batch)
+        elif command.kind is CommandKind.RETIRE_LORA:
+            assert command.done is not None
+            command.done.set_result(engine_core.retire_lora(command.lora_id))
         elif command.kind is CommandKind.PROFILE:
             assert command.done is not None
             executor = engine_core.executor

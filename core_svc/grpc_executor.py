@@ -36,6 +36,7 @@ from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.channels import ChannelSecurity, open_channel
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from splitserve_runtime.tls import WORKER_ROLE
 
@@ -75,9 +76,16 @@ class _InFlight:
 class _RankStream:
     """One rank's Execute stream: an outbox feeding gRPC, and its replies."""
 
-    def __init__(self, rank: int, addr: str, security: ChannelSecurity, owner_epoch: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        addr: str,
+        security: ChannelSecurity,
+        owner_epoch: int,
+        grpc_metrics: GrpcClientMetrics | None,
+    ) -> None:
         self.rank, self.addr = rank, addr
-        self.channel = open_channel(addr, security)
+        self.channel = open_channel(addr, security, grpc_metrics)
         method = self.channel.stream_stream(
             EXECUTE_METHOD,
             request_serializer=_identity,
@@ -107,8 +115,10 @@ class GrpcExecutor:
         on_timing: Callable[[float, float], None],
         security: ChannelSecurity | None = None,
         owner_epoch: int = 0,
+        grpc_metrics: GrpcClientMetrics | None = None,
     ) -> None:
         self._addrs = addrs
+        self._grpc_metrics = grpc_metrics
         self._security = security or ChannelSecurity(None, WORKER_ROLE)
         self._owner_epoch = owner_epoch
         self.output_rank = output_rank
@@ -135,7 +145,7 @@ class GrpcExecutor:
     def open(self) -> None:
         """Open one Execute stream per rank; start the watchers and the watchdog."""
         self._streams = [
-            _RankStream(rank, addr, self._security, self._owner_epoch)
+            _RankStream(rank, addr, self._security, self._owner_epoch, self._grpc_metrics)
             for rank, addr in enumerate(self._addrs)
         ]
         for stream in self._streams:

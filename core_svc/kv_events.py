@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from core_svc.block_hash import BlockHash
+from core_svc.lora import LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 
 MAX_SNAPSHOT_BLOCKS_PER_BATCH = 2048
@@ -34,11 +35,14 @@ MAX_SNAPSHOT_BLOCKS_PER_BATCH = 2048
 
 @dataclass(frozen=True, slots=True)
 class BlockExtraKeys:
-    """One block's hash inputs beyond its tokens: the cache salt (a sequence's first block)
-    and the (identifier, offset from the block's first token) of overlapping images."""
+    """One block's hash inputs beyond its tokens: the cache salt (a sequence's first block),
+    the (identifier, offset from the block's first token) of overlapping images and the LoRA
+    adapter's name (every block of an adapter's request)."""
 
     cache_salt: str = ""
     multimodal: tuple[tuple[str, int], ...] = ()
+    lora_name: str = ""
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -51,6 +55,12 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     extra_keys: list[BlockExtraKeys] | None = None
+
+    @property
+    def lora_id(self) -> int:
+        """The LoRA adapter the blocks were computed with (0: the base model; a run is one
+        sequence's, so one adapter's)."""
+        return self.extra_keys[0].lora_id if self.extra_keys else 0
 
 
 @dataclass(slots=True)
@@ -88,6 +98,9 @@ class CachedSequence(Protocol):
 
     @property
     def mm_features(self) -> tuple[MultiModalFeatureSpec, ...]: ...
+
+    @property
+    def lora(self) -> LoraRequest | None: ...
 
 
 class CachedBlock(Protocol):
@@ -170,7 +183,8 @@ class KVEventRecorder:
         size = self.block_size
         token_ids = sequence.all_token_ids[start * size : end * size]
         extra_keys = None
-        if sequence.mm_features or (start == 0 and sequence.cache_salt):
+        lora = sequence.lora
+        if sequence.mm_features or (start == 0 and sequence.cache_salt) or lora is not None:
             extra_keys = _extra_keys(sequence, start, end, size)
         parents, extras, known = self._parents, self._extra_keys, self._is_known
         if end - start == 1:  # the common case: a decode fills one block at a time
@@ -279,11 +293,13 @@ def _extra_keys(
     salt and multimodal keys)."""
     salt = sequence.cache_salt if start == 0 else ""
     features = sequence.mm_features
+    lora = sequence.lora
+    lora_name, lora_id = ("", 0) if lora is None else (lora.name, lora.lora_id)
     keys = []
     for i in range(start, end):
         first, last = i * block_size, (i + 1) * block_size
         multimodal = tuple(
             (f.identifier, f.offset - first) for f in features if f.offset < last and f.end > first
         )
-        keys.append(BlockExtraKeys(salt if i == 0 else "", multimodal))
+        keys.append(BlockExtraKeys(salt if i == 0 else "", multimodal, lora_name, lora_id))
     return keys

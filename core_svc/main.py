@@ -9,11 +9,15 @@ import logging
 import time
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
+
 from core_svc import convert
 from core_svc.assembly import build_engine, served_model_name
 from core_svc.config import CoreConfig, parse_config
 from core_svc.engine_inbox import EngineInbox
 from core_svc.engine_loop import EngineCoreProc
+from core_svc.lora import LoraError, LoraRegistry
+from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics
 from core_svc.recovery import RankRecovery
 from core_svc.server import ClientStreams, EngineCoreServicer
@@ -23,9 +27,10 @@ from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool, kv_
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
-from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.service_host import ServiceHost, new_registry
 from splitserve_runtime.services import CORE
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import FRONTEND_ROLE, WORKER_ROLE
@@ -86,14 +91,20 @@ class CoreService:
     engine brings its workers up before serving): the gRPC host, the metrics, the rank recovery
     that owns the executors, the busy loop and the servicer. Build it on the serving loop."""
 
-    def __init__(self, config: CoreConfig, pool: WorkerPool, facts: ModelFacts) -> None:
+    def __init__(
+        self,
+        config: CoreConfig,
+        pool: WorkerPool,
+        facts: ModelFacts,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.info = convert.engine_info_to_proto(config, facts, served_model_name(config))
         self.facts = facts
         log_kv_cache(config, facts, self.info)
         if config.async_scheduling:  # vLLM's wording
             logger.info("Asynchronous scheduling is enabled (--no-async-scheduling: lockstep)")
-        self.host = service_host(config)
+        self.host = service_host(config, registry)
         self.metrics = CoreMetrics(
             self.host.registry,
             self.info.served_model_name,
@@ -104,6 +115,8 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
+        loras = LoraRegistry(config.max_loras, self.info.served_model_name)
+        self.loras = LoraAdmin(loras, pool, inbox)
         self.tracing = start_tracing(
             "core", config.otlp_traces_endpoint, config.collect_detailed_traces
         )
@@ -124,6 +137,7 @@ class CoreService:
             self.metrics,
             config.profiler_config.is_enabled,
             is_tracing=tracer is not None,
+            loras=self.loras,
         )
         core_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, self.host.server)
 
@@ -137,6 +151,12 @@ class CoreService:
         gc.collect()
         gc.freeze()  # the block pool's objects are long-lived: keep them out of GC passes
         self.proc.start()
+        try:
+            await self.loras.load_modules(self.config.lora_modules)
+        except LoraError as err:
+            report_fatal("core", str(err))
+            await asyncio.to_thread(self.proc.stop, 10.0)
+            return 1
         await self.host.start()
         await self.host.set_ready(True)
         stats_task = None
@@ -163,7 +183,7 @@ class CoreService:
         await self.servicer.close_streams()
 
 
-def service_host(config: CoreConfig) -> ServiceHost:
+def service_host(config: CoreConfig, registry: CollectorRegistry | None = None) -> ServiceHost:
     """The gRPC host: only frontends may call the core (health: any peer of the same CA)."""
     return ServiceHost(
         name="core",
@@ -179,13 +199,17 @@ def service_host(config: CoreConfig) -> ServiceHost:
             health_port=config.health_port,
             secret=config.internal_secret,
         ),
+        registry=registry,
     )
 
 
 async def serve(config: CoreConfig) -> int:
     """Bring the workers up first, then build the service complete and serve."""
+    registry = new_registry()
     pool = WorkerPool(
-        config.worker_addrs, ChannelSecurity(config.tls, WORKER_ROLE, config.internal_secret)
+        config.worker_addrs,
+        ChannelSecurity(config.tls, WORKER_ROLE, config.internal_secret),
+        grpc_metrics=GrpcClientMetrics(registry),
     )
     try:
         try:
@@ -195,7 +219,7 @@ async def serve(config: CoreConfig) -> int:
         except WorkerBringUpError as err:
             report_fatal("core", str(err))
             return 1
-        return await CoreService(config, pool, facts).run()
+        return await CoreService(config, pool, facts, registry).run()
     finally:
         await pool.close()
 

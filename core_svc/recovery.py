@@ -86,6 +86,7 @@ class RankRecovery:
             self._metrics.observe_worker_step,
             self._pool.security,
             self._pool.owner_epoch,
+            self._pool.grpc_metrics,
         )
         executor.open()
         return executor

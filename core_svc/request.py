@@ -6,6 +6,7 @@ import time
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from core_svc.lora import LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.request_trace import RequestTrace
 from splitserve_contracts.output_types import (
@@ -91,6 +92,8 @@ class Request:
         "mm_features",
         "structured_output",
         "is_resumed",
+        "lora",
+        "holds_lora_slot",
         "trace",
         "pooling_task",
         "pooling_output",
@@ -116,6 +119,7 @@ class Request:
         mm_features: tuple[MultiModalFeatureSpec, ...] = (),
         structured_output: StructuredOutputRequest | None = None,
         is_resumed: bool = False,
+        lora: LoraRequest | None = None,
         trace: RequestTrace | None = None,
         pooling_task: str = "",
     ) -> None:
@@ -182,10 +186,25 @@ class Request:
         until the request finishes: a recompute may run the encoder again."""
         self.structured_output = structured_output
         """Its grammar state when its output is constrained (structured outputs), else None."""
+        self.lora = lora
+        """The LoRA adapter it runs with (None: the base model; lora_id 0: a name that is not
+        loaded, refused when it is added)."""
+        self.holds_lora_slot = False
+        """Whether it counts as a running request of its adapter (core_svc/lora_slots.py)."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_name(self) -> str:
+        """Its LoRA adapter's name ("" for the base model)."""
+        return "" if self.lora is None else self.lora.name
+
+    @property
+    def lora_hash_key(self) -> bytes:
+        """What its LoRA adapter adds to every block hash (b"" for the base model)."""
+        return b"" if self.lora is None else self.lora.hash_key
 
     @property
     def num_output_tokens(self) -> int:

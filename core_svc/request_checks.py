@@ -48,6 +48,8 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
     if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
         return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
+    if request.lora is not None and (request.lora.lora_id == 0 or not scheduler_config.max_loras):
+        return _lora_problem(request.lora.name, scheduler_config)
     if request.structured_output is not None:
         try:
             validate(request.structured_output.params)
@@ -58,6 +60,18 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
             return "reasoning_end_token_id is outside the vocabulary"
     return mm_features_problem(
         request.mm_features, num_prompt_tokens, scheduler_config.max_tokens_per_mm_item
+    )
+
+
+def _lora_problem(name: str, scheduler_config: SchedulerConfig) -> str:
+    if not scheduler_config.max_loras:
+        return (
+            f"the request names the LoRA adapter '{name[:MAX_CACHE_SALT_CHARS]}', but LoRA is "
+            "off (the engine runs without --enable-lora)"
+        )
+    return (
+        f"the LoRA adapter '{name[:MAX_CACHE_SALT_CHARS]}' is not loaded (it was unloaded, or "
+        "never loaded); name a loaded adapter or the served model"
     )
 
 

@@ -21,6 +21,12 @@ class RequestQueue(ABC):
     def prepend_request(self, request: Request) -> None:
         """Put a preempted request back where it is tried first (FCFS) or by rank."""
 
+    def prepend_requests(self, requests: list[Request]) -> None:
+        """Put requests taken out back, in their order, where they are tried first (FCFS) or
+        by rank."""
+        for request in reversed(requests):
+            self.prepend_request(request)
+
     @abstractmethod
     def peek_request(self) -> Request: ...
 

@@ -12,6 +12,7 @@ from core_svc.block_pool import KVCacheBlock
 from core_svc.encoder_scheduler import EncoderScheduler
 from core_svc.engine_outputs import make_final_outputs, make_update_outputs
 from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.lora_slots import LoraSlotTable
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_queue import create_request_queue
@@ -66,6 +67,8 @@ class Scheduler:
         budget = scheduler_config.encoder_compute_budget
         self.encoder = EncoderScheduler(budget, budget, scheduler_config.disable_chunked_mm_input)
         """Encoder inputs of multimodal requests (idle for text-only ones)."""
+        self.lora = LoraSlotTable(scheduler_config.max_loras)
+        """The LoRA adapters of the requests and the workers' slots (idle without LoRA)."""
         self._updater = StepUpdater(
             kv_cache_manager,
             self.block_hasher,
@@ -100,11 +103,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if self.enable_caching:
             self.block_hasher.extend(
-                request.block_hashes, request.all_token_ids, request.cache_salt, request.mm_features
+                request.block_hashes,
+                request.all_token_ids,
+                request.cache_salt,
+                request.mm_features,
+                request.lora_hash_key,
             )
         self.requests[request.req_handle] = request
         if request.structured_output is not None:
             self.num_structured += 1
+        if request.lora is not None:
+            self.lora.add(request)
         self.waiting.add_request(request)
         self.num_waiting_tokens += request.num_tokens
         request.record_event(EngineCoreEventType.QUEUED)
@@ -129,6 +138,7 @@ class Scheduler:
             self._schedule_waiting(step, token_budget, threshold, prefill_budget, time.monotonic())
         output, scheduled = step.build()
         output.free_encoder_mm_hashes = self.encoder.take_freed()
+        output.lora_slots, output.free_lora_ids = self.lora.take_changes()
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         num_computed = [request.num_computed_tokens for request in scheduled]
         in_flight = ScheduledStep(self.step_id, scheduled, num_computed)
@@ -284,6 +294,7 @@ class Scheduler:
 
     def _requeue(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.lora.release(request)
         if request.mm_features:
             self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -304,6 +315,7 @@ class Scheduler:
             self._requeue(request)
         self.running = []
         self.encoder.reset()  # the new ranks' encoder caches start empty
+        self.lora.reset()  # and their LoRA slots
         for request in self.requests.values():
             request.is_known_to_workers = False
             request.num_sent_token_ids = 0
@@ -321,11 +333,17 @@ class Scheduler:
         now: float,
     ) -> None:
         """Pass 2: admit waiting requests while budgets and sequence slots last; the first
-        that does not fit (its whole sequence must fit) stops it."""
+        that does not fit (its whole sequence must fit) stops it. A request whose LoRA adapter
+        cannot join the step's (`max_loras`) is passed over: it keeps its place and waits,
+        the requests behind it are tried (vLLM's rule)."""
         kv = self.kv_cache_manager
         token_budget = min(token_budget, prefill_budget)
+        passed_over: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.lora is not None and not self.lora.can_run(request.lora):
+                passed_over.append(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if 0 < threshold < num_new_tokens:
@@ -343,24 +361,36 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.pop_request()
-            self.num_waiting_tokens -= request.num_tokens
-            kv.record_prefix_cache_stats(request, num_hit_tokens)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            request.record_event(EngineCoreEventType.SCHEDULED, now)
-            self.running.append(request)
-            block_ids = kv.get_block_ids(request)
-            if request.is_known_to_workers:
-                step.add_resumed(request, num_new_tokens, block_ids)
-            else:
-                step.add_new(request, num_new_tokens, block_ids)
+            self._start_running(request, step, num_hit_tokens, num_new_tokens, now)
             if encoder_inputs:
                 self.encoder.commit(request, encoder_inputs)
                 step.add_encoder_inputs(request, encoder_inputs)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
+        if passed_over:
+            self.waiting.prepend_requests(passed_over)
+
+    def _start_running(
+        self, request: Request, step: StepBuilder, num_hit_tokens: int, num_new: int, now: float
+    ) -> None:
+        """A waiting request admitted with its slots allocated joins the running ones and the
+        step (new, or resumed after a preemption)."""
+        kv = self.kv_cache_manager
+        self.num_waiting_tokens -= request.num_tokens
+        kv.record_prefix_cache_stats(request, num_hit_tokens)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        request.record_event(EngineCoreEventType.SCHEDULED, now)
+        self.running.append(request)
+        if request.lora is not None:
+            self.lora.acquire(request)
+        block_ids = kv.get_block_ids(request)
+        if request.is_known_to_workers:
+            step.add_resumed(request, num_new, block_ids)
+        else:
+            step.add_new(request, num_new, block_ids)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -392,6 +422,8 @@ class Scheduler:
             self.encoder.free(request)
         if self.requests.pop(request.req_handle, None) is not None:
             self.num_structured -= request.structured_output is not None
+            if request.lora is not None:
+                self.lora.remove(request)
         if request.is_known_to_workers:
             self.finished_req_handles.append(request.req_handle)
         if request.trace is not None:

@@ -53,6 +53,9 @@ class SchedulerConfig:
     is_pooling: bool = False
     """The ranks serve a pooling model (--runner pooling): the engine takes pooling requests
     only (each computes its prompt and finishes with its pooled vector), and no others."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
+    off and requests naming an adapter are refused."""
 
     @property
     def encoder_compute_budget(self) -> int:

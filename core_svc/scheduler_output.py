@@ -28,6 +28,8 @@ class NewRequestData:
     mm_features: list[bytes] = field(default_factory=list)
     """The serialized common.v1.MultiModalFeature of each image, as the frontend sent them."""
     output_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0
+    """The LoRA adapter it runs with (0: the base model)."""
     trace: TraceContext | None = None
     """The core's span of the request, for the workers' spans (None: not traced)."""
     pooling_task: str = ""
@@ -92,6 +94,16 @@ class GrammarBitmask:
 
 
 @dataclass(slots=True)
+class LoraSlots:
+    """LoRA slot changes, column by column: adapter lora_ids[i] (its folder lora_paths[i]) now
+    sits in slot slots[i]; id 0 empties the slot."""
+
+    slots: list[int]
+    lora_ids: list[int]
+    lora_paths: list[str]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step: num_scheduled_tokens has one entry per scheduled_new_reqs, then one per
     scheduled_cached_reqs.req_handles; finished_req_handles were freed since the last step."""
@@ -110,3 +122,7 @@ class SchedulerOutput:
     """Masks of the constrained requests that sample in this step (structured outputs)."""
     has_pending_grammar: bool = False
     """The bitmask follows in a message of its own (it needs an older step's tokens)."""
+    lora_slots: LoraSlots | None = None
+    """LoRA slots changed since the previous step (None: none)."""
+    free_lora_ids: list[int] = field(default_factory=list)
+    """Unloaded LoRA adapters no request uses any more: the workers drop them."""

@@ -23,6 +23,8 @@ import grpc
 from core_svc import convert
 from core_svc.engine_loop import EngineCoreProc
 from core_svc.kv_events import KVEventBatch
+from core_svc.lora import LORA_OFF, LoraError, LoraErrorKind
+from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts import output_convert
@@ -42,6 +44,13 @@ MAX_UNSENT_BEFORE_KV_RESYNC = 1_000
 """A subscribed frontend with this many messages unsent loses its pending KV-cache events; once
 its outbox is empty again it gets a fresh snapshot of the cache."""
 RESET_PREFIX_CACHE_TIMEOUT_S = 30.0
+LORA_STATUS = {
+    LoraErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    LoraErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    LoraErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    LoraErrorKind.OFF: grpc.StatusCode.FAILED_PRECONDITION,
+    LoraErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 class ClientStreams:
@@ -128,6 +137,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         metrics: CoreMetrics,
         profiling: bool = False,
         is_tracing: bool = False,
+        loras: LoraAdmin | None = None,
     ) -> None:
         self._proc = proc
         self._profiling = profiling
@@ -136,6 +146,8 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         self._streams = streams
         self._info = info
         self._metrics = metrics
+        self._loras = loras
+        """LoRA adapters' loading and unloading (None: an engine without LoRA, as a fake's)."""
         streams.on_overflow = proc.inbox.close_client
 
     async def close_streams(self) -> None:
@@ -207,6 +219,39 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
             reset=num_used_blocks == 0, num_used_blocks=num_used_blocks
         )
 
+    def _lora_admin(self) -> LoraAdmin:
+        if self._loras is None:
+            raise LoraError(LoraErrorKind.OFF, LORA_OFF)
+        return self._loras
+
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: core_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.LoadLoraAdapterResponse:
+        try:
+            adapter = await self._lora_admin().load(
+                request.lora_name, request.lora_path, request.base_model_name, request.load_inplace
+            )
+        except LoraError as err:
+            await context.abort(LORA_STATUS[err.kind], str(err))
+        return core_pb2.LoadLoraAdapterResponse(adapter=convert.lora_adapter_to_proto(adapter))
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: core_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.UnloadLoraAdapterResponse:
+        try:
+            num_requests = await self._lora_admin().unload(request.lora_name)
+        except LoraError as err:
+            await context.abort(LORA_STATUS[err.kind], str(err))
+        return core_pb2.UnloadLoraAdapterResponse(num_requests=num_requests)
+
+    async def ListLoraAdapters(  # noqa: N802
+        self, request: core_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.ListLoraAdaptersResponse:
+        adapters = self._loras.registry.adapters.values() if self._loras is not None else ()
+        return core_pb2.ListLoraAdaptersResponse(
+            adapters=[convert.lora_adapter_to_proto(a) for a in adapters]
+        )
+
     async def EngineStream(  # noqa: N802
         self,
         request_iterator: AsyncIterator[core_pb2.EngineStreamRequest],
@@ -254,6 +299,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
         queue: asyncio.Queue[object],
     ) -> None:
         """Move the client's adds and aborts, in order, onto the engine's input queue."""
+        loras = self._loras.registry if self._loras is not None else None
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("payload")
@@ -262,7 +308,7 @@ class EngineCoreServicer(core_grpc.EngineCoreServiceServicer):
                     proc.inbox.add_requests(
                         client_id,
                         [
-                            convert.request_from_proto(r, client_id, now, self._is_tracing)
+                            convert.request_from_proto(r, client_id, now, self._is_tracing, loras)
                             for r in msg.add.requests
                         ],
                     )

@@ -112,7 +112,11 @@ class StepUpdater:
             all_token_ids.append(token)
             if cache_blocks and len(all_token_ids) % block_size == 0:
                 extend_hashes(
-                    request.block_hashes, all_token_ids, request.cache_salt, request.mm_features
+                    request.block_hashes,
+                    all_token_ids,
+                    request.cache_salt,
+                    request.mm_features,
+                    request.lora_hash_key,
                 )
             grammar = request.structured_output
             if grammar is not None and _grammar_stops(request, grammar, token, update):

@@ -17,11 +17,13 @@ from dataclasses import dataclass, replace
 import grpc
 
 from core_svc.config import CoreConfig
+from core_svc.lora import LoraError, LoraErrorKind
 from splitserve_contracts import output_convert
 from splitserve_contracts.output_types import PoolerConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from splitserve_runtime.tls import WORKER_ROLE
 
@@ -79,11 +81,14 @@ class WorkerPool:
         addrs: list[str],
         security: ChannelSecurity | None = None,
         owner_epoch: int | None = None,
+        grpc_metrics: GrpcClientMetrics | None = None,
     ) -> None:
         self.addrs = addrs
         self.security = security or ChannelSecurity(None, WORKER_ROLE)
         self.owner_epoch = time.time_ns() if owner_epoch is None else owner_epoch
-        self.channels = [open_aio_channel(a, self.security) for a in addrs]
+        self.grpc_metrics = grpc_metrics
+        """Counts the calls to the ranks (also the executors' step streams)."""
+        self.channels = [open_aio_channel(a, self.security, metrics=grpc_metrics) for a in addrs]
         self.stubs = [worker_grpc.WorkerServiceStub(c) for c in self.channels]
 
     def next_epoch(self) -> int:
@@ -213,6 +218,11 @@ class WorkerPool:
                 async_scheduling=config.async_scheduling,
                 runner=config.runner,
                 convert=config.convert,
+                quantization=config.quantization,
+                dequantize_gguf=config.dequantize_gguf,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
             )
             for rank in range(world)
         ]
@@ -245,9 +255,44 @@ class WorkerPool:
             else None,
         )
 
+    async def load_lora_adapter(
+        self, lora_id: int, lora_path: str, timeout: float
+    ) -> worker_pb2.LoadLoraAdapterResponse:
+        """Every rank reads the adapter; LoraError (INVALID: the first refusing rank's reason;
+        UNAVAILABLE: a rank could not be asked) when one does not."""
+        request = worker_pb2.LoadLoraAdapterRequest(lora_id=lora_id, lora_path=lora_path)
+        calls = [
+            stub.LoadLoraAdapter(request, timeout=timeout, metadata=self.owner_metadata)
+            for stub in self.stubs
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, grpc.RpcError):
+                kind = _LORA_REFUSALS.get(result.code())
+                if kind is not None:
+                    raise LoraError(kind, result.details() or "refused")
+                raise LoraError(
+                    LoraErrorKind.UNAVAILABLE,
+                    f"worker rank {rank} could not load the adapter ({result.code().name}: "
+                    f"{result.details()}); retry later",
+                )
+            if isinstance(result, BaseException):
+                raise result
+        first = results[0]
+        assert isinstance(first, worker_pb2.LoadLoraAdapterResponse)
+        return first
+
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
+
+
+_LORA_REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT: LoraErrorKind.INVALID,
+    grpc.StatusCode.NOT_FOUND: LoraErrorKind.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: LoraErrorKind.OFF,
+}
+"""A rank's refusal of an adapter (its files, or LoRA off), not a passing failure."""
 
 
 def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

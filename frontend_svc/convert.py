@@ -16,6 +16,7 @@ from frontend_svc.engine_types import (
     EngineInfo,
     EngineSnapshot,
     HistogramState,
+    LoraAdapterInfo,
     TokenizerInfo,
 )
 from frontend_svc.errors import InvalidRequest
@@ -302,6 +303,7 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
     if req.output_token_ids:
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
+    msg.lora_name = req.lora_name
     if req.trace is not None:
         msg.trace_context.traceparent = req.trace.traceparent
         msg.trace_context.tracestate = req.trace.tracestate
@@ -362,7 +364,12 @@ def _stored_from_proto(msg: core_pb2.KvBlocksStored, block_size: int) -> BlocksS
     if msg.extra_keys and len(msg.extra_keys) != len(hashes):
         raise ValueError("extra_keys must name every block of the run or none")
     extra = [
-        BlockExtraKeys(k.cache_salt, tuple((m.identifier, m.offset) for m in k.multimodal))
+        BlockExtraKeys(
+            k.cache_salt,
+            tuple((m.identifier, m.offset) for m in k.multimodal),
+            k.lora_name,
+            msg.lora_id if k.lora_name else 0,
+        )
         for k in msg.extra_keys
     ]
     return BlocksStored(
@@ -425,7 +432,13 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         pooler_config=pooler_config_from_proto(msg.pooler_config)
         if msg.HasField("pooler_config")
         else None,
+        max_loras=msg.max_loras,
+        max_lora_rank=msg.max_lora_rank,
     )
+
+
+def lora_adapter_from_proto(msg: core_pb2.LoraAdapter) -> LoraAdapterInfo:
+    return LoraAdapterInfo(msg.name, msg.path, msg.base_model_name, msg.max_rank)
 
 
 def engine_snapshot_from_proto(msg: core_pb2.GetSchedulerStatsResponse) -> EngineSnapshot:

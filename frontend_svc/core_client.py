@@ -27,7 +27,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import convert
-from frontend_svc.engine_types import CoreOutputs, EngineInfo, EngineSnapshot, TokenizerInfo
+from frontend_svc.engine_types import (
+    CoreOutputs,
+    EngineInfo,
+    EngineSnapshot,
+    LoraAdapterInfo,
+    TokenizerInfo,
+)
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.kv_events import AllBlocksCleared, KvEvents
 from frontend_svc.requests import EngineRequest
@@ -36,6 +42,7 @@ from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_contracts.output_types import SchedulerStats
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tls import CORE_ROLE
 
@@ -120,6 +127,7 @@ class EngineCoreClient:
         security: ChannelSecurity | None = None,
         tokenizer: TokenizerInfo | None = None,
         subscribe_kv_events: bool = False,
+        grpc_metrics: GrpcClientMetrics | None = None,
     ) -> None:
         self.core_addr = core_addr
         self.subscribe_kv_events = subscribe_kv_events
@@ -144,6 +152,7 @@ class EngineCoreClient:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
             ),
+            metrics=grpc_metrics,
         )
         self._stub = core_grpc.EngineCoreServiceStub(self._channel)
         self._outbox: asyncio.Queue[core_pb2.EngineStreamRequest] = asyncio.Queue()
@@ -357,6 +366,30 @@ class EngineCoreClient:
             requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
+
+    async def list_lora_adapters(self, timeout: float = 10.0) -> list[LoraAdapterInfo]:
+        """The engine's LoRA adapters (grpc.RpcError when the core does not answer)."""
+        request = core_pb2.ListLoraAdaptersRequest()
+        reply = await self._stub.ListLoraAdapters(request, timeout=timeout, metadata=self._metadata)
+        return [convert.lora_adapter_from_proto(a) for a in reply.adapters]
+
+    async def load_lora_adapter(
+        self, name: str, path: str, load_inplace: bool, timeout: float
+    ) -> LoraAdapterInfo:
+        """Load an adapter on every rank (grpc.RpcError: the core's refusal, or no answer)."""
+        request = core_pb2.LoadLoraAdapterRequest(
+            lora_name=name, lora_path=path, load_inplace=load_inplace
+        )
+        reply = await self._stub.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
+        return convert.lora_adapter_from_proto(reply.adapter)
+
+    async def unload_lora_adapter(self, name: str, timeout: float) -> int:
+        """Unload an adapter; the requests still running it (grpc.RpcError: refused)."""
+        request = core_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        reply = await self._stub.UnloadLoraAdapter(
+            request, timeout=timeout, metadata=self._metadata
+        )
+        return reply.num_requests
 
     async def engine_snapshot(self, timeout: float) -> EngineSnapshot:
         """The core's scheduler stats and step histogram now (the serving port's /metrics).

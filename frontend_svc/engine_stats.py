@@ -5,8 +5,9 @@ endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
 vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
 vllm:prefix_cache_queries/hits, vllm:num_preemptions, vllm:mm_cache_queries/hits,
 vllm:iteration_tokens_total and vllm:cache_config_info, labelled with model_name and the engine's
-id. They are the engine core's own values, asked for at scrape time (GetSchedulerStats), or, when
-the core does not answer within a second, its latest stats this frontend saw (no histogram then).
+id, and with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input). They
+are the engine core's own values, asked for at scrape time (GetSchedulerStats), or, when the core
+does not answer within a second, its latest stats this frontend saw (no histogram then).
 
 One source per series in Prometheus: these are only on the serving port. The engine core's
 metrics port exports the same series, and the frontend's metrics port (the one the chart's
@@ -19,6 +20,7 @@ with Prometheus only where it is the engine's only exporter (the one-container i
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
@@ -56,6 +58,7 @@ class EngineSeries:
         self.snapshot = snapshot
         self.values = [model_name, info.engine_id]
         self.cache_config = cache_config_labels(info)
+        self.max_loras = info.max_loras
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -103,6 +106,8 @@ class EngineSeries:
         )
         info.add_metric([self.cache_config[k] for k in sorted(self.cache_config)], 1.0)
         yield info
+        if self.max_loras:
+            yield lora_requests_info(stats, self.max_loras)
 
     def _scheduler_gauges(self, stats: SchedulerStats) -> Iterator[Metric]:
         yield self._gauge(
@@ -142,6 +147,25 @@ class EngineSeries:
         buckets = list(zip(bounds, (float(c) for c in hist.cumulative_counts), strict=True))
         family.add_metric(self.values, buckets, hist.sum)
         yield family
+
+
+LORA_INFO_LABELS = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+
+
+def lora_requests_info(stats: SchedulerStats, max_loras: int) -> GaugeMetricFamily:
+    """vLLM's vllm:lora_requests_info (only with --enable-lora): the adapters of the running
+    and of the waiting requests, comma-separated, as labels, and the time as the value (a
+    consumer such as llm-d's LoRA-affinity scorer takes the newest series)."""
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info", "Running stats on lora requests.", labels=LORA_INFO_LABELS
+    )
+    labels = [
+        str(max_loras),
+        ",".join(stats.waiting_lora_adapters),
+        ",".join(stats.running_lora_adapters),
+    ]
+    family.add_metric(labels, time.time())
+    return family
 
 
 def _bound(value: float) -> str:

@@ -37,6 +37,19 @@ class EngineInfo:
     pooler_config: PoolerConfig | None = None
     """How the model pools when the engine serves a pooling model (--runner pooling): it then
     takes embedding requests only; None: a generative model."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters in one step (vLLM's --max-loras); 0: LoRA is off."""
+    max_lora_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter the engine serves (core.v1.LoraAdapter)."""
+
+    name: str
+    path: str
+    base_model_name: str
+    max_rank: int
 
 
 @dataclass(frozen=True, slots=True)

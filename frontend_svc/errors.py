@@ -48,6 +48,16 @@ class ModelNotFound(FrontendError):
     reason = "MODEL_NOT_FOUND"
 
 
+class NotEnabled(FrontendError):
+    """The call needs what this server was started without (a flag, an environment switch);
+    HTTP 404, as vLLM, whose route then does not exist."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 404
+    error_type = "not_found_error"
+    reason = "NOT_ENABLED"
+
+
 class Unauthenticated(FrontendError):
     """A missing or wrong API key."""
 

@@ -310,6 +310,7 @@ class InputProcessor:
             call.cache_salt,
             prompt.mm_features,
             structured_outputs=call.structured_outputs,
+            lora_name=call.lora_name,
             reasoning_end_token_id=None if is_ended else _reasoning_end(call),
             prompt_ends_reasoning=is_ended,
         )

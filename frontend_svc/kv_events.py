@@ -36,11 +36,14 @@ class TooManySubscribers(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BlockExtraKeys:
-    """One block's hash inputs beyond its tokens: the cache salt (a sequence's first block)
-    and (identifier, offset from the block's first token) of each overlapping image."""
+    """One block's hash inputs beyond its tokens: the cache salt (a sequence's first block),
+    (identifier, offset from the block's first token) of each overlapping image, and the LoRA
+    adapter it was computed with (name and the engine's id; every block of its requests)."""
 
     cache_salt: str = ""
     multimodal: tuple[tuple[str, int], ...] = ()
+    lora_name: str = ""
+    lora_id: int = 0
 
 
 @dataclass(slots=True)

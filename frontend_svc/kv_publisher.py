@@ -91,20 +91,26 @@ def to_vllm_events(events: list[KvEvent], block_size: int) -> list[VllmEvent]:
             extra: list[tuple[Any, ...] | None]
             if event.extra_keys is None:
                 extra = [None] * len(event.block_hashes)
-            else:  # vLLM's untagged order: (identifier, offset) pairs, then the salt
+            else:  # vLLM's untagged order: the LoRA name, (identifier, offset) pairs, the salt
                 extra = [
-                    (*k.multimodal, *((k.cache_salt,) if k.cache_salt else ())) or None
+                    (
+                        *((k.lora_name,) if k.lora_name else ()),
+                        *k.multimodal,
+                        *((k.cache_salt,) if k.cache_salt else ()),
+                    )
+                    or None
                     for k in event.extra_keys
                 ]
+            lora = event.extra_keys[0] if event.extra_keys else None
             converted.append(
                 BlockStored(
                     block_hashes=event.block_hashes,
                     parent_block_hash=event.parent_block_hash,
                     token_ids=event.token_ids,
                     block_size=block_size,
-                    lora_id=None,
+                    lora_id=lora.lora_id if lora and lora.lora_name else None,
                     medium=MEDIUM_GPU,
-                    lora_name=None,
+                    lora_name=lora.lora_name if lora and lora.lora_name else None,
                     extra_keys=extra,
                     group_idx=0,
                 )

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
@@ -30,20 +31,25 @@ from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
-from frontend_svc.server import GenerationServicer
+from frontend_svc.served_models import ServedModels, runtime_lora_updating
+from frontend_svc.server import AdminServicer, GenerationServicer
 from frontend_svc.tracing import accept_caller_traces
+from splitserve_contracts.frontend.v1 import admin_service_pb2
+from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.flags import SECRET_DESTS
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import public_listener
 from splitserve_runtime.log_config import configure_logging
-from splitserve_runtime.service_host import ServiceHost
+from splitserve_runtime.service_host import ServiceHost, new_registry
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
 from splitserve_runtime.tracing import start_tracing
 
 logger = logging.getLogger(__name__)
+ADMIN_SERVICE = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 async def _track_readiness(host: ServiceHost, client: EngineCoreClient) -> None:
@@ -75,11 +81,13 @@ async def serve(config: FrontendConfig) -> int:
     except (ValueError, OSError) as err:
         report_fatal("frontend", str(err))
         return 1
+    registry = new_registry()
     client = EngineCoreClient(
         config.core_addr,
         security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
         tokenizer=files.tokenizer_info,
         subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
+        grpc_metrics=GrpcClientMetrics(registry),
     )
     try:
         info = await client.connect(config.core_connect_timeout)
@@ -91,22 +99,7 @@ async def serve(config: FrontendConfig) -> int:
         )
         await client.close()
         return 1
-    public_services = [FRONTEND.grpc_service, gateway_convert.SERVICE_NAME]
-    host = ServiceHost(
-        name="frontend",
-        host=config.host,
-        port=config.port,
-        service_names=public_services,
-        metrics_port=config.metrics_port,
-        grace_seconds=config.shutdown_timeout + 5.0,
-        listener=public_listener(
-            ssl=config.ssl,
-            max_receive_message_bytes=config.max_receive_message_bytes,
-            interceptors=api_key_interceptors(config.api_key, public_services),
-            enable_reflection=config.enable_reflection,
-            health_port=config.health_port,
-        ),
-    )
+    host = public_host(config, registry)
     served_name, *aliases = config.served_model_name or (info.served_model_name,)
     limits = FrontendLimits(
         config.max_logprobs,
@@ -133,6 +126,10 @@ async def serve(config: FrontendConfig) -> int:
         accept_caller_traces()
     parts = build_frontend(client, info, files, host.registry, served_name, limits, hub, tracing)
     engine = parts.engine
+    models = ServedModels(
+        client, served_name, info, runtime_lora_updating(os.environ), tuple(aliases)
+    )
+    await models.refresh()
     if config.enable_log_requests:
         engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
     add_servicers(
@@ -146,10 +143,11 @@ async def serve(config: FrontendConfig) -> int:
         tuple(aliases),
         config.profiler_config.is_enabled,
         config.max_fan_out,
+        models,
     )
     http = None
     if config.http_port is not None:
-        http = http_server(config, parts, host, client, chat, tuple(aliases))
+        http = http_server(config, parts, host, client, chat, tuple(aliases), models)
     await host.start()
     engine.start()
     if http is not None:
@@ -182,6 +180,28 @@ async def serve(config: FrontendConfig) -> int:
     return code
 
 
+def public_host(config: FrontendConfig, registry: CollectorRegistry) -> ServiceHost:
+    """The public gRPC server (not started): the public API, the admin service and the gateway
+    contract, behind the API key."""
+    public_services = [FRONTEND.grpc_service, ADMIN_SERVICE, gateway_convert.SERVICE_NAME]
+    return ServiceHost(
+        name="frontend",
+        host=config.host,
+        port=config.port,
+        service_names=public_services,
+        metrics_port=config.metrics_port,
+        grace_seconds=config.shutdown_timeout + 5.0,
+        listener=public_listener(
+            ssl=config.ssl,
+            max_receive_message_bytes=config.max_receive_message_bytes,
+            interceptors=api_key_interceptors(config.api_key, public_services),
+            enable_reflection=config.enable_reflection,
+            health_port=config.health_port,
+        ),
+        registry=registry,
+    )
+
+
 def http_server(
     config: FrontendConfig,
     parts: Frontend,
@@ -189,6 +209,7 @@ def http_server(
     client: EngineCoreClient,
     chat: ChatFeatures,
     aliases: tuple[str, ...],
+    models: ServedModels,
 ) -> HttpServer:
     """The OpenAI-compatible HTTP API (not started)."""
     engine, info, served_name = parts.engine, parts.info, parts.served_model_name
@@ -202,6 +223,7 @@ def http_server(
         max_body_bytes=config.max_receive_message_bytes,
         chat=chat,
         model_aliases=aliases,
+        models=models,
     )
     engine_view = EngineView(
         client.engine_snapshot, lambda: engine.scheduler_stats, served_name, info
@@ -263,11 +285,17 @@ def add_servicers(
     model_aliases: tuple[str, ...] = (),
     profiling: bool = False,
     max_fan_out: int = DEFAULT_MAX_FAN_OUT,
+    models: ServedModels | None = None,
 ) -> None:
-    """The public API and, beside it on the same port, the gateway contract."""
+    """The public API and its admin service and, beside them on the same port, the gateway
+    contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases, max_fan_out)
+    servicer = GenerationServicer(
+        engine, inputs, info, name, chat, model_aliases, max_fan_out, models
+    )
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
+    if models is not None:
+        admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(models), host.server)
     profiler = client if profiling else None
     gateway = VllmEngineServicer(
         engine, inputs, info, files, name, hub, client, data_parallel_rank, profiler

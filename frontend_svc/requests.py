@@ -172,6 +172,8 @@ class GenerateInput:
     """The output's grammar (structured outputs); None: free text."""
     structured_outputs_field: str = "structured_outputs"
     """The request field the constraint came from, named in errors."""
+    lora_name: str = ""
+    """The LoRA adapter to run with, by its name (the request's model); "": the base model."""
     reasoning: ReasoningTokens | None = None
     """The served reasoning parser's tokens (a chat request of a thinking model): with a
     constraint, its grammar starts after the reasoning unless the prompt ended it."""
@@ -200,6 +202,8 @@ class EngineRequest:
     structured_outputs: StructuredOutputsParams | None = None
     """The output's grammar, checked to compile; the engine core enforces it."""
     is_resumed: bool = False
+    lora_name: str = ""
+    """The LoRA adapter it runs with ("": the base model)."""
     reasoning_end_token_id: int | None = None
     """With structured_outputs: the token that ends the model's reasoning (the grammar starts
     after it); None: the grammar starts with the first output token."""

@@ -1,7 +1,9 @@
-"""GenerationService servicer: thin; protobuf ends in convert.py."""
+"""The public gRPC servicers, GenerationService and AdminService: thin; protobuf ends in
+convert.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -11,13 +13,16 @@ import grpc
 
 from frontend_svc import convert, grpc_errors, pooling
 from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.engine_types import EngineInfo
-from frontend_svc.errors import FrontendError, InvalidRequest, check_model, engine_error
+from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
+from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
 from frontend_svc.openai.tools import grpc_tools
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT, derived_request_id
+from frontend_svc.served_models import ServedModels, resolve_model
 from frontend_svc.tracing import set_caller_trace
+from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
+from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 from splitserve_contracts.output_types import FinishReason
@@ -37,12 +42,15 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         chat: ChatFeatures | None = None,
         model_aliases: tuple[str, ...] = (),
         max_fan_out: int = DEFAULT_MAX_FAN_OUT,
+        models: ServedModels | None = None,
     ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.tokenizer = inputs.tokenizer
         self.info = info
         self.served_model_name = served_model_name
+        self.models = models
+        """The served model and the engine's LoRA adapters (None: the served model only)."""
         self.chat = chat or ChatFeatures()
         """Tool calling and reasoning, as on the HTTP API."""
         self.model_aliases = model_aliases
@@ -57,9 +65,12 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         set_caller_trace(dict(context.invocation_metadata() or ()))
         try:
-            check_model(request.model, self.served_model_name, self.model_aliases)
+            lora_name = await resolve_model(
+                self.models, request.model, self.served_model_name, self.model_aliases
+            )
             pooling.check_generative(self.info, "Generate RPC")
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
+            call = dataclasses.replace(call, lora_name=lora_name)
             tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
             call, rules = prepare_chat_call(call, tools, self.chat)
             engine_request = await inputs.run(inputs.process, call)
@@ -79,7 +90,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"embd-{uuid.uuid4().hex[:16]}"
         inputs = self.inputs
         try:
-            check_model(request.model, self.served_model_name, self.model_aliases)
+            await self._check_base_model(request.model)
             config = pooling.pooler_config(self.info, "Embed RPC")
             dimensions = request.dimensions if request.HasField("dimensions") else None
             pooling.check_dimensions(config, dimensions, "dimensions")
@@ -99,6 +110,18 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         except FrontendError as err:
             await grpc_errors.abort(context, err)
         return convert.embed_response_to_proto(request_id, embedded)
+
+    async def _check_base_model(self, requested: str) -> None:
+        """Pooling requests run on the base model: a LoRA adapter's name is refused."""
+        lora_name = await resolve_model(
+            self.models, requested, self.served_model_name, self.model_aliases
+        )
+        if lora_name:
+            raise InvalidRequest(
+                f"LoRA adapter {lora_name!r} cannot serve pooling requests; name the base "
+                f"model {self.served_model_name!r}",
+                "model",
+            )
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -155,3 +178,52 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         if tok.bos_token_id is not None:
             reply.bos_token_id = tok.bos_token_id
         return reply
+
+
+class AdminServicer(admin_grpc.AdminServiceServicer):
+    """The public admin API: the served models, LoRA adapters loaded and unloaded at runtime
+    (the same rules and messages as /v1/models, /v1/load_lora_adapter and
+    /v1/unload_lora_adapter)."""
+
+    def __init__(self, models: ServedModels) -> None:
+        self.models = models
+
+    def _card(self, adapter: LoraAdapterInfo) -> admin_pb2.ModelCard:
+        return admin_pb2.ModelCard(
+            id=adapter.name,
+            parent=adapter.base_model_name or self.models.served_model_name,
+            root=adapter.path,
+            max_model_len=self.models.info.max_model_len,
+            lora_rank=adapter.max_rank,
+        )
+
+    async def ListModels(  # noqa: N802
+        self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListModelsResponse:
+        models = self.models
+        await models.refresh()
+        served = admin_pb2.ModelCard(
+            id=models.served_model_name, max_model_len=models.info.max_model_len
+        )
+        cards = [self._card(a) for a in models.adapters.values()]
+        return admin_pb2.ListModelsResponse(models=[served, *cards])
+
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: admin_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.LoadLoraAdapterResponse:
+        try:
+            adapter = await self.models.load(
+                request.lora_name, request.lora_path, request.load_inplace
+            )
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return admin_pb2.LoadLoraAdapterResponse(model=self._card(adapter))
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: admin_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UnloadLoraAdapterResponse:
+        try:
+            num_requests = await self.models.unload(request.lora_name)
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return admin_pb2.UnloadLoraAdapterResponse(num_requests=num_requests)

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -67,11 +69,14 @@ class StackOptions:
     worker_metrics_port: int = 0
     """Each service's /metrics port (0: a free port each; -1: no metrics; a worker rank r
     adds r)."""
+    worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Environment added to every worker rank (e.g. the GPUs one engine of several gets)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StackOptions:
-        """What `splitserve up` parsed (its flags have these names)."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        """What `splitserve up` parsed (its flags have these names; no flag sets worker_env)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "worker_env"]
+        return cls(**{name: getattr(args, name) for name in names})
 
     def metrics_port(self, kind: str, free_port: int, rank: int = 0) -> int:
         """The --metrics-port of a child of service `kind`: its setting (+ `rank` for workers)
@@ -106,6 +111,9 @@ class Child:
     command: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """How it was started (splitserve/supervisor.py starts it again the same way)."""
+    readiness_url: str = ""
+    """Ready when a GET of this answers 200 (the gateway); "" for the services, whose
+    readiness is their gRPC health check."""
 
     def exit_reason(self, code: int) -> str:
         reason = read_termination_message(self.termination_message)
@@ -207,7 +215,8 @@ def _start_worker(
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
     argv += _common_flags(options, "worker")
     address = f"{LOOPBACK}:{port}"
-    return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, _secret_env(options))
+    env = {**options.worker_env, **_secret_env(options)}
+    return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, env)
 
 
 def start_engine_children(options: StackOptions, pki: LocalPki | None = None) -> list[Child]:
@@ -254,7 +263,14 @@ def start_frontend(options: StackOptions, core_addr: str, pki: LocalPki | None =
 
 
 def is_ready(child: Child) -> bool:
-    """True when the child's readiness health check answers SERVING."""
+    """True when the child's readiness health check answers SERVING (or its readiness URL
+    200)."""
+    if child.readiness_url:
+        try:
+            with urllib.request.urlopen(child.readiness_url, timeout=1.0) as reply:
+                return bool(reply.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
     host, port = child.address.rsplit(":", 1)
     target = f"{LOOPBACK if host in ('0.0.0.0', '') else host}:{port}"
     try:
@@ -290,11 +306,11 @@ def wait_ready(children: Sequence[Child], timeout: float) -> None:
 
 
 def stop_children(children: Sequence[Child], shutdown_timeout: float = 0.0) -> None:
-    """Stop service by service, so a drain can finish: the frontends first (they stop admitting
-    and let their requests finish, which needs the core and the workers), then the core, then
-    the workers. Each service's processes get SIGTERM and `shutdown_timeout` +
+    """Stop service by service, so a drain can finish: a gateway first, then the frontends (they
+    stop admitting and let their requests finish, which needs the core and the workers), then
+    the core, then the workers. Each service's processes get SIGTERM and `shutdown_timeout` +
     STOP_GRACE_SECONDS before SIGKILL."""
-    for kind in ("frontend", "core", "worker"):
+    for kind in ("gateway", "frontend", "core", "worker"):
         running = [c for c in children if c.kind == kind and c.process.poll() is None]
         for child in running:
             child.process.send_signal(signal.SIGTERM)

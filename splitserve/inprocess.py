@@ -191,6 +191,9 @@ class EngineOptions:
     async_scheduling: bool | None = None  # None: on where it can run (the core's default)
     enable_expert_parallel: bool = False
     """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
+    quantization: str = ""
+    """vLLM's quantization ("": the checkpoint's own; int8, int4, w8a8: quantize at load)."""
+    dequantize_gguf: bool = False
 
     @property
     def is_async_scheduling(self) -> bool:
@@ -212,6 +215,8 @@ class EngineOptions:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             dtype=self.dtype,
+            quantization=self.quantization,
+            dequantize_gguf=self.dequantize_gguf,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.is_async_scheduling,
@@ -231,12 +236,15 @@ class EngineOptions:
             "--kv-cache-memory-bytes": self.kv_cache_memory_bytes,
             "--seed": self.seed,
             "--served-model-name": self.served_model_name,
+            "--quantization": self.quantization,
         }
         flags = [str(x) for k, v in values.items() if v not in ("", None) for x in (k, v)]
         if not self.enable_prefix_caching:
             flags.append("--no-enable-prefix-caching")
         if self.enforce_eager:
             flags.append("--enforce-eager")
+        if self.dequantize_gguf:
+            flags.append("--dequantize-gguf")
         if self.enable_expert_parallel:
             flags.append("--enable-expert-parallel")
         if self.async_scheduling is not None:  # else the core's default (on where it can run)
@@ -275,6 +283,8 @@ def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
                 block_size=options.block_size,
                 enforce_eager=options.enforce_eager,
                 async_scheduling=options.is_async_scheduling,
+                quantization=options.quantization,
+                dequantize_gguf=options.dequantize_gguf,
             )
         )
         capacity = worker.get_kv_capacity(

@@ -39,6 +39,7 @@ from types import FrameType
 import grpc
 
 from frontend_svc.config import DEFAULT_HTTP_PORT
+from splitserve import data_parallel
 from splitserve.children import (
     LOOPBACK,
     Child,
@@ -113,6 +114,7 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
         help="after READY, stream the model's greedy answer to this prompt (a chat message when "
         "the model has a chat template) to stdout",
     ),
+    *data_parallel.DATA_PARALLEL_FLAGS,
     flag("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY"),
     flag(
         "--shutdown-timeout",
@@ -243,8 +245,11 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
     code, failure = 0, ""
     with pki_context as pki:
         try:
-            children = start_children(StackOptions.from_args(args), pki)
-            code = _serve(children, args)
+            if args.data_parallel_size > 1:  # N engines and the gateway (data_parallel.py)
+                code = data_parallel.serve(args, pki, children, _report, stream_sample)
+            else:
+                children = start_children(StackOptions.from_args(args), pki)
+                code = _serve(children, args)
         except KeyboardInterrupt:
             logger.info("stopping")
         except (LaunchError, grpc.RpcError) as err:
@@ -270,6 +275,7 @@ def parse_args(
     args.model = args.model_tag or args.model
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    data_parallel.check_args(args, parser)
     args.service_flags = split_service_flags(tokens, parser, owners)
     args.internal_secret = internal_secret(args, environ)
     problem = internal_secret_problem(args.internal_secret)

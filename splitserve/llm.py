@@ -64,6 +64,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt position, its token's logprob (None for
+    the first position, as vLLM)."""
 
 
 class LLM:
@@ -81,7 +84,7 @@ class LLM:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
         kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
-        enable_expert_parallel, async_scheduling)."""
+        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf)."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 
@@ -217,7 +220,9 @@ async def _generate_one(frontend: Frontend, call: GenerateInput) -> RequestOutpu
     request = frontend.inputs.process(call)
     outputs = [CompletionOutput(i) for i in range(request.params.n)]
     num_cached = 0
+    prompt_rows: list[dict[int, float] | None] = [None]
     async for delta in frontend.engine.generate(request):
+        prompt_rows += [{r.chosen.token_id: r.chosen.logprob} for r in delta.prompt_logprobs]
         out = outputs[delta.index]
         out.text += delta.text
         out.token_ids += delta.token_ids
@@ -232,7 +237,12 @@ async def _generate_one(frontend: Frontend, call: GenerateInput) -> RequestOutpu
             out.stop_reason = delta.stop_str if delta.stop_str is not None else delta.stop_token_id
     prompt = call.prompt.text
     return RequestOutput(
-        call.request_id, prompt, request.prompt_token_ids, outputs, num_cached_tokens=num_cached
+        call.request_id,
+        prompt,
+        request.prompt_token_ids,
+        outputs,
+        num_cached_tokens=num_cached,
+        prompt_logprobs=prompt_rows if request.params.prompt_logprobs is not None else None,
     )
 
 

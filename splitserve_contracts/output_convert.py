@@ -110,6 +110,8 @@ def scheduler_stats_to_proto(
     msg.num_generation_tokens = record.num_generation_tokens
     msg.num_waiting_tokens = record.num_waiting_tokens
     msg.num_waiting_deferred = record.num_waiting_deferred
+    msg.running_lora_adapters.extend(record.running_lora_adapters)
+    msg.waiting_lora_adapters.extend(record.waiting_lora_adapters)
     return msg
 
 
@@ -131,6 +133,8 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         num_generation_tokens=msg.num_generation_tokens,
         num_waiting_tokens=msg.num_waiting_tokens,
         num_waiting_deferred=msg.num_waiting_deferred,
+        running_lora_adapters=list(msg.running_lora_adapters),
+        waiting_lora_adapters=list(msg.waiting_lora_adapters),
     )
 
 

@@ -217,6 +217,12 @@ class SchedulerStats:
     waiting, deferred), not counted in num_waiting_reqs.
     """
 
+    running_lora_adapters: list[str] = field(default_factory=list)
+    """Names of the LoRA adapters of the running requests, sorted (vLLM's running_lora_adapters)."""
+
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    """Names of the LoRA adapters of the waiting requests, sorted (vLLM's waiting_lora_adapters)."""
+
 
 @dataclass(slots=True)
 class StepTimings:
@@ -276,8 +282,9 @@ class ModelRunnerOutput:
     """Rank that sent this output."""
 
     req_handles: list[int] = field(default_factory=list)
-    """Requests that sampled a token this step (a partial prefill chunk samples none), in scheduled
-    order.
+    """Requests that sampled a token this step (a partial prefill chunk samples none), in the
+    rank's row order: scheduled order, grouped by LoRA adapter slot when adapters run (the
+    engine core pairs them by handle).
     """
 
     sampled_token_ids: list[int] = field(default_factory=list)

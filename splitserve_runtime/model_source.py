@@ -40,6 +40,17 @@ class ModelSource:
     def is_gguf(self) -> bool:
         return self.kind == "gguf"
 
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights come from: the file itself, or a folder's only weights
+        file (the default model's folder: config and tokenizer beside its .gguf)."""
+        if self.is_gguf:
+            return self.path
+        if not self.path.is_dir() or any(self.path.glob("*.safetensors")):
+            return None
+        files = list(self.path.glob("*.gguf"))
+        return files[0] if len(files) == 1 else None
+
 
 def resolve_model(
     spec: str, revision: str = "", environ: Mapping[str, str] | None = None

@@ -63,6 +63,7 @@ class ServiceHost:
         metrics_port: int | None = None,
         grace_seconds: float = 10.0,
         listener: Listener | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.name = name
         self.listener = listener or Listener()
@@ -70,7 +71,9 @@ class ServiceHost:
         self.port = port
         self.service_names = list(service_names)
         self.metrics_port = metrics_port
-        self.registry = new_registry()
+        self.registry = registry or new_registry()
+        """The service's metrics (`registry`, when its clients count into it before the host
+        is built)."""
         self.grace_seconds = grace_seconds
         limit_grpc_logs()
         self.server = grpc.aio.server(

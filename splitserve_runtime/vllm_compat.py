@@ -18,7 +18,6 @@ TRUST_REMOTE_CODE_NOTE = (
     "implements itself (docs/models.md) and refuses any other when the model loads, with or "
     "without this flag"
 )
-LORA_NOTE = "LoRA adapters are not implemented here, so none is ever loaded"
 
 
 def _no_effect(*names: str, why: str, takes_value: bool = False, **settings: object) -> Flag:
@@ -36,10 +35,6 @@ NO_EFFECT_FLAGS: tuple[Flag, ...] = (
         "--max-num-batched-tokens, and chunking never changes a request's tokens",
     ),
     _no_effect("--trust-remote-code", "--no-trust-remote-code", why=TRUST_REMOTE_CODE_NOTE),
-    _no_effect("--enable-lora", "--no-enable-lora", why=LORA_NOTE),
-    _no_effect("--max-loras", why=LORA_NOTE, takes_value=True),
-    _no_effect("--max-lora-rank", why=LORA_NOTE, takes_value=True),
-    _no_effect("--max-cpu-loras", why=LORA_NOTE, takes_value=True),
     _no_effect(
         "--disable-custom-all-reduce",
         "--no-disable-custom-all-reduce",
@@ -113,15 +108,10 @@ NO_EFFECT_FLAGS: tuple[Flag, ...] = (
         takes_value=True,
     ),
     flag(
-        "--lora-modules",
-        action=RefuseFlag,
-        help=f"refused: {LORA_NOTE}; requests naming an adapter would get another model",
-    ),
-    flag(
         "--kv-transfer-config",
         action=RefuseFlag,
         help="refused: disaggregated prefill (KV-cache transfer between engines) is not "
         "implemented",
     ),
 )
-"""vLLM 0.32 flags accepted with no effect (warned once each), and two refused by name."""
+"""vLLM 0.32 flags accepted with no effect (warned once each), and one refused by name."""

@@ -15,9 +15,11 @@ from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
+from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.model_load import (
     CONVERTS,
     RUNNERS,
@@ -30,10 +32,12 @@ from worker_svc.scheduler_output import (
     CachedRequestData,
     GrammarBitmask,
     IntArray,
+    LoraSlots,
     MultiModalInput,
     NewRequestData,
     SchedulerOutput,
 )
+from worker_svc.step_checks import MalformedStep
 
 ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn", "cpu")
 
@@ -76,6 +80,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
             for f in req.mm_features
         ),
         output_token_ids=_column(req.output_token_ids),
+        lora_id=req.lora_id,
         trace=_trace(req.trace_context),
         pooling_task=req.pooling_params.task if req.HasField("pooling_params") else "",
     )
@@ -109,7 +114,19 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         free_encoder_mm_hashes=tuple(msg.free_encoder_mm_hashes),
         grammar_bitmask=grammar_bitmask_from_proto(msg.grammar_bitmask),
         has_pending_grammar=msg.has_pending_grammar,
+        lora_slots=lora_slots_from_proto(msg.lora_slots) if msg.HasField("lora_slots") else None,
+        free_lora_ids=tuple(msg.free_lora_ids),
     )
+
+
+def lora_slots_from_proto(msg: pb.LoraSlots) -> LoraSlots:
+    """A step's LoRA slot changes; MalformedStep when the columns do not line up."""
+    if not len(msg.slots) == len(msg.lora_ids) == len(msg.lora_paths):
+        raise MalformedStep(
+            f"lora_slots has {len(msg.slots)} slots, {len(msg.lora_ids)} lora_ids and "
+            f"{len(msg.lora_paths)} lora_paths; they must line up"
+        )
+    return LoraSlots(tuple(msg.slots), tuple(msg.lora_ids), tuple(msg.lora_paths))
 
 
 def grammar_bitmask_from_proto(msg: pb.GrammarBitmask) -> GrammarBitmask | None:
@@ -136,6 +153,12 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         )
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
+    if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {req.quantization!r}; choose one of "
+            + ", ".join(QUANTIZATION_CHOICES)
+        )
+    _check_lora_limits(req)
     return LoadModelConfig(
         model_path=req.model_path,
         dtype=req.dtype or "auto",
@@ -156,6 +179,35 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         enable_expert_parallel=req.enable_expert_parallel,
         runner=req.runner or "auto",
         convert=req.convert or "auto",
+        quantization=req.quantization,
+        dequantize_gguf=req.dequantize_gguf,
+        max_loras=req.max_loras,
+        max_lora_rank=req.max_lora_rank,
+        max_cpu_loras=req.max_cpu_loras,
+    )
+
+
+MAX_LORAS = 256
+MAX_LORA_RANK = 512
+
+
+def _check_lora_limits(req: pb.LoadModelRequest) -> None:
+    if req.max_loras > MAX_LORAS:
+        raise ValueError(f"max_loras {req.max_loras} is more than {MAX_LORAS}")
+    if req.max_loras and not 1 <= req.max_lora_rank <= MAX_LORA_RANK:
+        raise ValueError(f"max_lora_rank must be in 1..{MAX_LORA_RANK} when max_loras > 0")
+    if req.max_loras and not req.max_loras <= req.max_cpu_loras <= 64 * MAX_LORAS:
+        raise ValueError(
+            f"max_cpu_loras ({req.max_cpu_loras}) must be >= max_loras ({req.max_loras})"
+        )
+
+
+def lora_adapter_to_proto(adapter: LoraAdapter) -> pb.LoadLoraAdapterResponse:
+    return pb.LoadLoraAdapterResponse(
+        max_rank=adapter.max_rank,
+        target_modules=list(adapter.target_modules),
+        weight_bytes=adapter.nbytes,
+        load_seconds=adapter.load_seconds,
     )
 
 

@@ -61,6 +61,12 @@ class StepPlan:
     fresh_block_ids: IntArray
     failed: dict[int, str]
 
+    def reordered(self, order: IntArray) -> StepPlan:
+        """The same step with its rows in `order` (a permutation of their indices)."""
+        return StepPlan(
+            self.rows[order], self.num_scheduled_tokens[order], self.fresh_block_ids, self.failed
+        )
+
 
 def _append_runs(
     table: np.ndarray, lengths: IntArray, rows: IntArray, counts: IntArray, values: IntArray
@@ -112,6 +118,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(0, np.int64)
         self.num_computed_tokens = np.zeros(0, np.int64)
         self.num_blocks = np.zeros(0, np.int64)
+        self.lora_ids = np.zeros(0, np.int64)
+        """The LoRA adapter each row runs with (0: the base model)."""
         self._grow(capacity)
 
     @property
@@ -127,6 +135,7 @@ class InputBatch:
             "num_prompt_tokens",
             "num_computed_tokens",
             "num_blocks",
+            "lora_ids",
         ):
             array = getattr(self, name)
             grown = np.zeros((capacity, *array.shape[1:]), array.dtype)
@@ -232,6 +241,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = len(new.block_ids)
         self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.lora_ids[row] = new.lora_id
         self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens, num_outputs)
         return row
 
@@ -317,17 +327,29 @@ class InputBatch:
         )
         if not is_bad.any():
             return plan
-        for i in np.flatnonzero(is_bad).tolist():
-            row = int(rows[i])
-            handle = self.row_handles[row]
-            plan.failed[handle] = (
-                f"{int(num_scheduled[i])} tokens scheduled after {self.num_computed_tokens[row]}, "
-                f"but it has {int(self.num_tokens[row])} tokens and "
-                f"{int(self.num_blocks[row])} blocks of {self.block_size}"
+        reasons = {
+            i: (
+                f"{int(num_scheduled[i])} tokens scheduled after "
+                f"{self.num_computed_tokens[rows[i]]}, but it has "
+                f"{int(self.num_tokens[rows[i]])} tokens and {int(self.num_blocks[rows[i]])} "
+                f"blocks of {self.block_size}"
             )
+            for i in np.flatnonzero(is_bad).tolist()
+        }
+        return self.refuse(plan, reasons)
+
+    def refuse(self, plan: StepPlan, reasons: dict[int, str]) -> StepPlan:
+        """The plan without its entries `reasons` names (by index), whose requests are
+        dropped and reported as failed with their reason."""
+        keep = np.ones(len(plan.rows), np.bool_)
+        for i, reason in reasons.items():
+            handle = self.row_handles[int(plan.rows[i])]
+            plan.failed[handle] = reason
             self._remove(handle)
-        keep = ~is_bad
-        return StepPlan(rows[keep], num_scheduled[keep], plan.fresh_block_ids, plan.failed)
+            keep[i] = False
+        return StepPlan(
+            plan.rows[keep], plan.num_scheduled_tokens[keep], plan.fresh_block_ids, plan.failed
+        )
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Token ids, positions, slots and per-request metadata of the step, all vectorized."""

@@ -54,6 +54,15 @@ class LoadModelConfig:
     LM head)."""
     convert: str = "auto"
     """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
+    quantization: str = ""
+    """vLLM's --quantization ("": the checkpoint's own), checked against the checkpoint."""
+    dequantize_gguf: bool = False
+    """Serve a GGUF file's quantized weights dequantized to float (--dequantize-gguf)."""
+    max_loras: int = 0
+    """LoRA adapter slots (vLLM's --max-loras); 0: LoRA off."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    """Adapters kept in host memory (at least max_loras)."""
 
 
 @dataclass(frozen=True, slots=True)

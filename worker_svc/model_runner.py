@@ -32,15 +32,17 @@ from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
-from worker_svc.input_batch import InputBatch, StepInputs
+from worker_svc.input_batch import InputBatch, StepInputs, StepPlan
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
+from worker_svc.lora.manager import NO_SLOT, LoraManager
 from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.pooler import Pooler
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import SchedulerOutput
+from worker_svc.step_checks import MalformedStep
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ModelRunner:
         seed: int,
         async_scheduling: bool = False,
         pooler: Pooler | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -90,6 +93,11 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self._failed: dict[int, str] = {}
         """Requests the current step refused, reported in its output."""
+        self._row_slots = np.zeros(0, np.int64)
+        """The LoRA slot of each row of the current step (NO_SLOT: the base model)."""
+        self.lora = lora
+        """The LoRA adapters and slots (None: LoRA off; requests naming an adapter are
+        refused)."""
         self.encoder_runner: EncoderRunner | None = None
         """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
         if supports_images(model):
@@ -146,6 +154,8 @@ class ModelRunner:
         the last `num_logits`."""
         num_blocks = -(-end // cache.block_size)
         positions = np.arange(start, end)
+        if self.lora is not None:
+            self.lora.batch.clear()
         inputs = StepInputs(
             rows=np.zeros(1, np.int64),
             req_handles=np.zeros(1, np.int64),
@@ -179,10 +189,12 @@ class ModelRunner:
         mm_refused: dict[int, str] = {}
         if self.encoder_runner is not None:
             step, mm_refused = self.encoder_runner.refuse_bad_requests(step)
+        self._apply_lora_slots(step)
         step_plan = batch.update_states(step)
         if self.encoder_runner is not None:
             step_plan.failed.update(mm_refused)
             self.encoder_runner.update(step, step_plan.failed)
+        step_plan = self._group_by_adapter(step_plan)
         gone = [*step.finished_req_handles.tolist(), *step_plan.failed]
         self.prompt_logprobs.forget(gone)
         if self.pooler is not None:
@@ -193,6 +205,8 @@ class ModelRunner:
         if not len(step_plan.rows):
             return self._output(step, started, None, None, {}, StepTimings())
         inputs = batch.prepare_inputs(step_plan)
+        if self.lora is not None:
+            self.lora.set_step_rows(np.repeat(self._row_slots, step_plan.num_scheduled_tokens))
         plan = self.prompt_logprobs.plan(batch, inputs) if self.parallel.is_last_stage else None
         prepared = time.perf_counter()
 
@@ -258,6 +272,36 @@ class ModelRunner:
         if output is not None:
             output.pooler_outputs = pooled
         return output
+
+    def _apply_lora_slots(self, step: SchedulerOutput) -> None:
+        """The step's LoRA slot changes and freed adapters, before its requests are added."""
+        if step.lora_slots is None and not step.free_lora_ids:
+            return
+        if self.lora is None:
+            raise MalformedStep("the step changes LoRA slots, but LoRA is off on this rank")
+        self.lora.apply_slots(step.lora_slots, step.free_lora_ids)
+
+    def _group_by_adapter(self, plan: StepPlan) -> StepPlan:
+        """The step's rows grouped by LoRA slot, base-model rows first (each slot's rows one
+        contiguous run); requests whose adapter cannot run here are refused."""
+        assert self.batch is not None
+        lora_ids = self.batch.lora_ids[plan.rows]
+        if not lora_ids.any():
+            self._row_slots = np.full(len(plan.rows), NO_SLOT, np.int64)
+            return plan
+        if self.lora is None:
+            off = "LoRA is off on this rank (the engine runs without --enable-lora)"
+            return self.batch.refuse(plan, {int(i): off for i in np.flatnonzero(lora_ids)})
+        slots, problems = self.lora.row_slots(lora_ids)
+        if problems:
+            bad = {i: problems[lora_id] for i, lora_id in enumerate(lora_ids.tolist())
+                   if lora_id in problems}  # fmt: skip
+            keep = np.ones(len(slots), np.bool_)
+            keep[list(bad)] = False
+            plan, slots = self.batch.refuse(plan, bad), slots[keep]
+        order = np.argsort(slots, kind="stable")
+        self._row_slots = slots[order]
+        return plan.reordered(order)
 
     def _append_sampled(self, inputs: StepInputs, sampler_output: SamplerOutput) -> None:
         assert self.batch is not None

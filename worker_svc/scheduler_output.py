@@ -59,6 +59,8 @@ class NewRequestData:
     min_tokens: int = 0
     mm_features: tuple[MultiModalInput, ...] = ()
     output_token_ids: IntArray = field(default_factory=_empty)
+    lora_id: int = 0
+    """The LoRA adapter it runs with (0: the base model)."""
     trace: TraceContext | None = None
     """The engine core's span of the request (worker_svc/step_tracing.py); None: untraced."""
     pooling_task: str = ""
@@ -101,6 +103,16 @@ class GrammarBitmask:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraSlots:
+    """A step's LoRA slot changes: adapter lora_ids[i] (its folder paths[i], read when the rank
+    does not hold it) now sits in slots[i]; id 0 empties the slot."""
+
+    slots: tuple[int, ...]
+    lora_ids: tuple[int, ...]
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One engine step, identical on every rank.
 
@@ -122,6 +134,10 @@ class SchedulerOutput:
     """Token masks of the constrained requests that sample (structured outputs)."""
     has_pending_grammar: bool = False
     """The masks follow in a message of their own, before sampling (async scheduling)."""
+    lora_slots: LoraSlots | None = None
+    """LoRA slots that changed since the previous step (None: none did)."""
+    free_lora_ids: tuple[int, ...] = ()
+    """LoRA adapters no request uses any more: ranks drop them."""
 
     @property
     def num_reqs(self) -> int:

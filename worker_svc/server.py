@@ -13,6 +13,7 @@ step is answered with the same error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from splitserve_runtime.tracing import Tracing
 from worker_svc import convert
+from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.ownership import (
@@ -90,15 +92,20 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def worker(self) -> Worker:
         return self._worker
 
-    def _call(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` (alone), turning our exceptions into gRPC status codes."""
+    def _call(
+        self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any, alone: bool = True
+    ) -> T:
+        """Run `fn` (alone, unless told it may run beside a step), turning our exceptions into
+        gRPC status codes."""
         try:
-            with self._lock:
+            with self._lock if alone else contextlib.nullcontext():
                 return fn(*args)
         except OwnershipError as e:
             status, message = e.grpc_code, str(e)
         except WorkerStateError as e:
             status, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        except AdapterNotFound as e:
+            status, message = grpc.StatusCode.NOT_FOUND, str(e)
         except (ValueError, FileNotFoundError) as e:
             status, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Exception as e:  # noqa: BLE001 (reported to the caller, logged here)
@@ -204,6 +211,28 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> pb.InitializeKvCacheResponse:
         nbytes = self._as_owner(context, self._worker.initialize_kv_cache, request.num_blocks)
         return pb.InitializeKvCacheResponse(kv_cache_bytes=nbytes)
+
+    def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        """Reads the files beside a running step (only caching the adapter waits for it)."""
+        claim = self._claim(context)
+        self._call(context, self._ownership.check_call, claim)
+        worker = self._worker
+        adapter = self._call(
+            context, worker.read_lora_adapter, request.lora_id, request.lora_path, alone=False
+        )
+        self._as_owner(context, worker.keep_lora_adapter, adapter)
+        logger.info(
+            "LoRA adapter %d read from %s: rank %d, %s, %.1f MiB in %.3f s",
+            adapter.lora_id,
+            adapter.path,
+            adapter.max_rank,
+            ", ".join(adapter.target_modules),
+            adapter.nbytes / 2**20,
+            adapter.load_seconds,
+        )
+        return convert.lora_adapter_to_proto(adapter)
 
     def Execute(
         self, request_iterator: Iterator[pb.ExecuteRequest], context: grpc.ServicerContext

@@ -1,5 +1,8 @@
 """Reading checkpoints: Hugging Face safetensors folders (single file or sharded via the index
-json) and GGUF files (splitserve_runtime.gguf_checkpoint, dequantized when read).
+json) and GGUF files (splitserve_runtime.gguf_checkpoint: quantized weights kept quantized on CPU,
+worker_svc/quantization/gguf.py; others, and all with --dequantize-gguf, dequantized when read).
+`--quantization` is checked against the checkpoint here (worker_svc/quantization/plan.py), and
+a quantized one carries the planner of its layers' methods.
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
@@ -35,6 +38,14 @@ from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.model_config import parse_dtype, read_hf_config
 from worker_svc.models.registry import model_class
+from worker_svc.quantization.plan import (
+    Planner,
+    check_device,
+    compressed_tensors_planner,
+    gguf_planner,
+    online_planner,
+    resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,39 +78,132 @@ class Checkpoint:
     weights: Callable[[bool], Iterator[tuple[str, TensorSource]]]
     """weights(show_progress): every tensor, once."""
     fp8: Fp8Checkpoint | None = None
+    planner: Planner | None = None
+    """Which layers hold quantized weights (None: none, or the FP8 rules of `fp8`)."""
 
 
-def open_checkpoint(source: ModelSource) -> Checkpoint:
+@dataclass(frozen=True, slots=True)
+class QuantizationOptions:
+    """`--quantization` ("": the checkpoint's own) and `--dequantize-gguf`, and the device."""
+
+    requested: str = ""
+    dequantize_gguf: bool = False
+    device_type: str = "cpu"
+
+
+def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = None) -> Checkpoint:
     """The configuration and tensors of a resolved model; refuses an architecture we have no
-    model code for before anything else is read."""
-    if source.is_gguf:
-        from splitserve_runtime.gguf_checkpoint import GgufCheckpoint
-
-        gguf = GgufCheckpoint(source.path)
-        config = gguf.hf_config()
-        model_class(config.architectures[0])
-        # Dequantized values are exact in float32; `--dtype` picks another serving dtype.
-        num_tensors = len(gguf.reader.tensors)
-
-        def gguf_weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
-            return progress(gguf.tensors(), num_tensors, "Loading GGUF tensors", show_progress)
-
-        return Checkpoint(config, torch.float32, gguf_weights)
+    model code for, or a `--quantization` that does not fit, before anything else is read."""
+    options = options or QuantizationOptions()
+    check_device(options.requested, options.device_type)
+    gguf_file = source.gguf_file
+    if gguf_file is not None:
+        return open_gguf_checkpoint(gguf_file, options)
     declared = json.loads((source.path / "config.json").read_text()).get("architectures") or []
     if declared:
         model_class(str(declared[0]))  # before transformers parses a model type it may not know
     files = checkpoint_files(source.path)
     hf_config = read_hf_config(source.path)
     quantization = getattr(hf_config, "quantization_config", None)
-    if quantization and _quant_method(quantization) == "fp8":
+    declared_method = _quant_method(quantization) if quantization else None
+    method = resolve_quantization(
+        options.requested, declared_method, str(source.spec or "the model")
+    )
+    if method == "fp8" and quantization:
         return open_fp8_checkpoint(
             hf_config, files, Fp8Format.from_quantization_config(quantization)
         )
+    if method in ("compressed-tensors", "awq") and quantization:
+        return open_packed_checkpoint(hf_config, files, quantization, method)
+    planner = None
+    if method is not None and declared_method is None:  # online: int8, int4, w8a8
+        planner = online_planner(method, tensor_names(files))
     return Checkpoint(
         hf_config,
         stored_dtype(files),
         lambda show_progress: iter_checkpoint(files, show_progress),
+        planner=planner,
     )
+
+
+def open_packed_checkpoint(
+    hf_config: Any, files: list[Path], quantization: Any, method: str
+) -> Checkpoint:
+    """A compressed-tensors or AWQ checkpoint: each quantized layer's tensors read as one
+    quantized weight (worker_svc/quantization/compressed_tensors.py, awq.py)."""
+    from worker_svc.quantization import awq
+    from worker_svc.quantization import compressed_tensors as ct
+
+    config = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    names = tensor_names(files)
+    make: Callable[[dict[str, TensorSource]], Any]
+    if method == "awq":
+        group_size = awq.check_config(config)
+        parts = ct.layer_parts(names, awq.PARTS, "qweight")
+        is_w8a8 = False
+
+        def make(layer: dict[str, TensorSource]) -> Any:
+            return awq.AwqQuantizedTensor(layer, group_size)
+    else:
+        scheme = ct.parse_scheme(config)
+        parts = ct.layer_parts(names, (*ct.PARTS, "weight"), "weight_scale")
+        is_w8a8 = scheme.is_w8a8
+
+        def make(layer: dict[str, TensorSource]) -> Any:
+            return ct.CtQuantizedTensor(layer, scheme)
+
+    layers = set(parts.values())
+    if not layers:
+        raise ValueError(
+            f"quantization method {method!r}: the checkpoint holds no quantized layer tensors "
+            "(its weights are not stored as its quantization_config says); not supported"
+        )
+    grouped = [n for n in names if n not in parts] + sorted(layers)
+
+    def weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
+        return ct.group_layers(iter_checkpoint(files, show_progress), parts, make)
+
+    planner = compressed_tensors_planner(grouped, layers, is_w8a8, method)
+    return Checkpoint(hf_config, stored_dtype(files), weights, planner=planner)
+
+
+def open_gguf_checkpoint(path: Path, options: QuantizationOptions) -> Checkpoint:
+    """A GGUF file: its quantized weights kept quantized on CPU (unless --dequantize-gguf);
+    everything else (and everything on CUDA, which has no int8/int4 kernels here) dequantized
+    to float32 when read, exactly."""
+    from splitserve_runtime.gguf_checkpoint import GgufCheckpoint
+    from worker_svc.quantization.gguf import GgufQuantizedTensor, is_quantized_gguf
+
+    gguf = GgufCheckpoint(path)
+    config = gguf.hf_config()
+    model_class(config.architectures[0])
+    resolve_quantization(options.requested, "gguf", path.name)
+    keep = not options.dequantize_gguf and options.device_type == "cpu"
+    if not keep and not options.dequantize_gguf:
+        logger.info("GGUF weights dequantized at load: no int8/int4 kernels on this device")
+    tensors = list(gguf.tensors())
+    quantized = {name for name, t in tensors if keep and is_quantized_gguf(t)}
+
+    def gguf_weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
+        sources = (
+            (name, GgufQuantizedTensor(t) if name in quantized else t) for name, t in gguf.tensors()
+        )
+        return progress(sources, len(tensors), "Loading GGUF tensors", show_progress)
+
+    planner = gguf_planner([name for name, _ in tensors], quantized) if quantized else None
+    # Dequantized values are exact in float32; `--dtype` picks another serving dtype.
+    return Checkpoint(config, torch.float32, gguf_weights, planner=planner)
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name of a safetensors checkpoint."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            names.extend(shard.keys())
+    return names
 
 
 def _quant_method(quantization: Any) -> str:
@@ -158,7 +262,9 @@ def fp8_linear_methods(model: CausalLM, fp8: Fp8Checkpoint) -> Fp8LinearMethods:
 def num_fp8_layers(model: CausalLM) -> int:
     """How many linear layers of `model` hold FP8 weights."""
     return sum(
-        isinstance(m, LinearBase) and isinstance(m.method, Fp8LinearMethod) for m in model.modules()
+        isinstance(m, LinearBase)
+        and isinstance(getattr(m.method, "base", m.method), Fp8LinearMethod)  # LoRA wraps it
+        for m in model.modules()
     )
 
 

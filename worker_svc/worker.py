@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -28,7 +29,11 @@ from worker_svc.grammar_bitmask import GrammarSource
 from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.fp8 import can_keep_fp8
-from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
+from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
+from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.lora.adapter import LoraAdapter
+from worker_svc.lora.manager import LoraManager
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
@@ -44,7 +49,8 @@ from worker_svc.pooler import Pooler
 from worker_svc.pooling_config import classifier_config, is_pooling_runner, read_pooler_config
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
-    Fp8Checkpoint,
+    Checkpoint,
+    QuantizationOptions,
     fp8_linear_methods,
     num_fp8_layers,
     open_checkpoint,
@@ -135,7 +141,8 @@ class Worker:
             self.shutdown()
         started = time.perf_counter()
         source = resolve_model(config.model_path, config.revision)
-        checkpoint = open_checkpoint(source)  # refuses unknown architectures first
+        options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
+        checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
         architecture = architecture_of(checkpoint.hf_config)
         is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
         num_labels = int(getattr(checkpoint.hf_config, "num_labels", 1))
@@ -157,9 +164,10 @@ class Worker:
         self._join(config)
         try:
             backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
-            model = self._build_model(cls, build, checkpoint.fp8)
+            lora = _lora_parts(config, self.device, build.cpu_kernels)
+            model, wrap = self._build_model(cls, build, checkpoint, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
-            model.load_weights(checkpoint.weights(config.rank == 0 and is_text_logging()))
+            model.load_weights(wrap(checkpoint.weights(config.rank == 0 and is_text_logging())))
         except BaseException:
             self.parallel.destroy()  # so that a corrected LoadModel can join again
             self.parallel = ParallelState()
@@ -188,6 +196,7 @@ class Worker:
             pooler=Pooler(self.pooler_config, getattr(model, "pool_head", None))
             if self.pooler_config is not None
             else None,
+            lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
@@ -234,18 +243,33 @@ class Worker:
         return backend, build
 
     def _build_model(
-        self, cls: type[CausalLM], build: BuildContext, fp8: Fp8Checkpoint | None
-    ) -> CausalLM:
+        self,
+        cls: type[CausalLM],
+        build: BuildContext,
+        checkpoint: Checkpoint,
+        lora: tuple[LoraBatch, LoraShape] | None,
+    ) -> tuple[CausalLM, Callable[[Weights], Weights]]:
         """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
-        weights FP8 (which layers: planned on a copy built on the meta device, which allocates
-        nothing)."""
-        if fp8 is not None and can_keep_fp8(self.device, build.dtype):
-            meta = build.create(cls, device=torch.device("meta"))
-            methods = fp8_linear_methods(meta, fp8)
-            model = build.create(cls, linear_methods=methods)
+        weights FP8, or quantized ones where the checkpoint (GGUF, compressed-tensors, AWQ) or
+        --quantization asks for them (which layers: planned on a copy built on the meta
+        device, which allocates nothing), every linear method wrapped with LoRA slots when
+        LoRA is on; and the reader of the checkpoint's tensors for it."""
+        methods: LinearMethods = build.linear_methods
+        wrap: Callable[[Weights], Weights] = _as_read
+        fp8 = checkpoint.fp8
+        is_fp8 = fp8 is not None and can_keep_fp8(self.device, build.dtype)
+        if fp8 is not None and is_fp8:
+            methods = fp8_linear_methods(build.create(cls, device=torch.device("meta")), fp8)
+        elif checkpoint.planner is not None:
+            plan = checkpoint.planner(build.create(cls, device=torch.device("meta")))
+            logger.info("%s", plan.summary)
+            methods, wrap = plan.methods, plan.wrap
+        if lora is not None:
+            methods = LoraLinearMethods(methods, *lora)
+        model = build.create(cls, linear_methods=methods)
+        if is_fp8:
             logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-            return model
-        return build.create(cls)
+        return model, wrap
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -349,6 +373,23 @@ class Worker:
             raise WorkerStateError("InitializeKvCache must be called before Execute")
         return runner.execute(step, grammar_source)
 
+    def read_lora_adapter(self, lora_id: int, lora_path: str) -> LoraAdapter:
+        """Read a LoRA adapter for this rank (ValueError: why it cannot be served); changes
+        nothing, so it may run beside a step."""
+        return self._require_lora().read(lora_id, lora_path)
+
+    def keep_lora_adapter(self, adapter: LoraAdapter) -> None:
+        """Cache a read adapter for the steps that will put it in a slot."""
+        self._require_lora().keep(adapter)
+
+    def _require_lora(self) -> LoraManager:
+        lora = self._require_runner().lora
+        if lora is None:
+            raise WorkerStateError(
+                "LoRA is off on this rank (the engine runs without --enable-lora)"
+            )
+        return lora
+
     def shutdown(self) -> None:
         """Drop the model and cache and leave the process group; a new LoadModel may follow."""
         self.runner = None
@@ -356,6 +397,23 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
+
+
+Weights = Iterator[tuple[str, TensorSource]]
+
+
+def _as_read(weights: Weights) -> Weights:
+    return weights
+
+
+def _lora_parts(
+    config: LoadModelConfig, device: torch.device, kernels: CpuKernels | None
+) -> tuple[LoraBatch, LoraShape] | None:
+    """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
+    kernel call adds a layer's adapters."""
+    if config.max_loras <= 0:
+        return None
+    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:

@@ -349,6 +349,17 @@ def scheduler_load_to_proto(load: EngineLoad, dp_rank: int) -> pb.SchedulerLoad:
     )
 
 
+def add_lora_load(load: EngineLoad, record: common_pb2.EngineLoad) -> None:
+    """The load record's LoRA section (slots the running adapters hold, of --max-loras), for
+    smg's LoRA-aware policies; left unset when the engine serves no LoRA."""
+    if load.max_loras <= 0:
+        return
+    used = min(load.num_running_adapters, load.max_loras)
+    record.lora.slots_used = used
+    record.lora.slots_total = load.max_loras
+    record.lora.utilization = used / load.max_loras
+
+
 def _to_int64(value: int) -> int:
     """An unsigned 64-bit hash as the proto's signed int64 (same bits)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -364,6 +375,10 @@ def _stored_to_proto(event: BlocksStored, block_size: int, msg: common_pb2.KvBlo
         )
         keys = event.extra_keys[i] if event.extra_keys else None
         if keys is not None:
+            if keys.lora_name:  # vLLM's order: the LoRA name, images, the salt
+                block.extra_keys.add(text=keys.lora_name)
+                block.lora_id = keys.lora_id
+                msg.lora_name = keys.lora_name
             for identifier, offset in keys.multimodal:
                 block.extra_keys.add().multimodal.CopyFrom(
                     common_pb2.KvMultimodalKey(identifier=identifier, offset=offset)

@@ -28,6 +28,10 @@ class EngineLoad:
     gen_throughput: float
     cache_hit_rate: float
     num_waiting_uncached_tokens: int
+    num_running_adapters: int = 0
+    """Distinct LoRA adapters among the running requests (each holds a worker slot)."""
+    max_loras: int = 0
+    """The engine's LoRA slots (vLLM's --max-loras); 0: LoRA is off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +85,6 @@ class LoadReporter:
             gen_throughput=max(0.0, gen_throughput),
             cache_hit_rate=min(1.0, max(0.0, hit_rate)),
             num_waiting_uncached_tokens=round(stats.num_waiting_tokens * (1.0 - hit_rate)),
+            num_running_adapters=len(stats.running_lora_adapters),
+            max_loras=self.info.max_loras,
         )

@@ -225,8 +225,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             hub.unsubscribe(subscriber)
 
     def _load_record(self, dp_rank: int | None) -> Any:
-        load = convert.scheduler_load_to_proto(self.loads.load(), self.data_parallel_rank)
-        return engine_load_from(load, queued_token_work=True)
+        load = self.loads.load()
+        record = engine_load_from(
+            convert.scheduler_load_to_proto(load, self.data_parallel_rank), queued_token_work=True
+        )
+        convert.add_lora_load(load, record)
+        return record
 
     async def FlushCache(  # noqa: N802
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext

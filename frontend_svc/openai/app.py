@@ -116,12 +116,12 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         run: CompletionRun | ChatRun
         if kind == "chat":
             req = parse_chat(body, limits, defaults, ctx.chat.can_choose_tools)
-            ctx.check_model(req.model)
-            run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id))
+            lora = await ctx.resolve_model(req.model)
+            run = ChatRun(ctx, req, request_id("chatcmpl", header_id, req.request_id), lora)
         else:
             creq = parse_completion(body, limits, defaults)
-            ctx.check_model(creq.model)
-            run = CompletionRun(ctx, creq, request_id("cmpl", header_id, creq.request_id))
+            lora = await ctx.resolve_model(creq.model)
+            run = CompletionRun(ctx, creq, request_id("cmpl", header_id, creq.request_id), lora)
         rid = run.rid
         if run.req.stream is None:
             result = await unless_disconnected(request, run.response())
@@ -261,6 +261,8 @@ def build_app(
             for path, create in POOLING_ROUTES
         ),
         ("/v1/models", ["GET"], admin.models_route(ctx), True),
+        ("/v1/load_lora_adapter", ["POST"], admin.load_lora_route(ctx), True),
+        ("/v1/unload_lora_adapter", ["POST"], admin.unload_lora_route(ctx), True),
         ("/health", ["GET"], admin.health_route(ctx), False),
         ("/ping", ["GET", "POST"], admin.health_route(ctx), False),
         ("/version", ["GET"], admin.version, False),

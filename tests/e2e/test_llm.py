@@ -35,6 +35,7 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, tiny_model_dir:
         chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
         sampled = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2))
         stopped = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12, stop=["4"]))
+        scored = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         # Assembled as the service's engine (core_svc/assembly.py): the scheduler knows the
         # model's vocabulary (the in-process engine once built its own SchedulerConfig without).
         assert llm._inprocess is not None
@@ -59,6 +60,12 @@ def test_generate_and_chat_equal_the_served_output(stack: Stack, tiny_model_dir:
     seeded = served(stack, PROMPT, max_tokens=8, temperature=0.8, seed=3, n=2)
     assert [o.text for o in sampled[0].outputs] == [c.text for c in seeded.choices]
     assert "4" not in stopped[0].outputs[0].text
+    # vLLM's RequestOutput.prompt_logprobs: None first, then each prompt token's own logprob
+    rows = scored.prompt_logprobs
+    assert rows is not None and rows[0] is None
+    assert len(rows) == len(scored.prompt_token_ids)
+    for token, row in zip(scored.prompt_token_ids[1:], rows[1:], strict=True):
+        assert row is not None and list(row) == [token] and row[token] <= 0.0
 
 
 def test_tp2_llm_starts_and_stops_its_processes(tiny_model_dir: Path, stack: Stack) -> None:

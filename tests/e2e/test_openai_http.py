@@ -154,6 +154,33 @@ def test_metrics_on_the_http_port(stack: Stack) -> None:
     assert "vllm:time_to_first_token_seconds" in families  # the frontend's own registry
 
 
+def _samples(url: str, name: str) -> dict[tuple[str, str, str], float]:
+    """The `name` samples at a /metrics `url`, by (grpc_type, grpc_method, grpc_code)."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.labels["grpc_type"], s.labels["grpc_method"], s.labels.get("grpc_code", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_grpc_client_metrics_of_the_hops(stack: Stack) -> None:
+    """The standard client metrics of each service's calls to its peer: the frontend's to the
+    core on its serving /metrics, the core's to the ranks on its own."""
+    post(stack.http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    started = _samples(f"{stack.http}/metrics", "grpc_client_started_total")
+    assert started[("bidi_stream", "EngineStream", "")] >= 1
+    handled = _samples(f"{stack.http}/metrics", "grpc_client_handled_total")
+    assert handled[("unary", "Handshake", "OK")] >= 1
+    core = stack.child("core").metrics_url
+    assert _samples(core, "grpc_client_started_total")[("bidi_stream", "Execute", "")] >= 1
+    assert _samples(core, "grpc_client_handled_total")[("unary", "LoadModel", "OK")] >= 1
+    timed = _samples(core, "grpc_client_handling_seconds_count")
+    assert timed[("unary", "LoadModel", "")] >= 1
+
+
 def test_small_routes(stack: Stack, tokenizer: Any) -> None:
     assert get(stack.http, "/health") == (200, "")
     assert get(stack.http, "/ping")[0] == 200

@@ -88,17 +88,18 @@ class Manifests:
         return found[0]
 
     def containers(self) -> Iterator[tuple[Doc, Doc]]:
-        """(workload, container) for every container of every workload."""
+        """(workload, container) for every container of every pod template of every workload."""
         for workload in self.workloads():
-            spec = pod_spec(workload)
-            for container in [*spec.get("initContainers", []), *spec["containers"]]:
-                yield workload, container
+            for spec in pod_specs(workload):
+                for container in [*spec.get("initContainers", []), *spec["containers"]]:
+                    yield workload, container
 
     def main_containers(self) -> Iterator[tuple[Doc, Doc]]:
         """(workload, container) for every long-running (not init) container."""
         for workload in self.workloads():
-            for container in pod_spec(workload)["containers"]:
-                yield workload, container
+            for spec in pod_specs(workload):
+                for container in spec["containers"]:
+                    yield workload, container
 
     def configmap_data(self, name: str) -> dict[str, str]:
         data = self.get("ConfigMap", name).get("data") or {}
@@ -121,6 +122,13 @@ def pod_template(workload: Doc) -> Doc:
 def pod_spec(workload: Doc) -> Doc:
     spec: Doc = pod_template(workload)["spec"]
     return spec
+
+
+def pod_specs(workload: Doc) -> list[Doc]:
+    """Every PodSpec of a workload: a LeaderWorkerSet's leader template too, when it has one
+    (an engine group's leader pod: engine core and frontend)."""
+    leader = workload["spec"].get("leaderWorkerTemplate", {}).get("leaderTemplate")
+    return [*([leader["spec"]] if leader else []), pod_spec(workload)]
 
 
 def pod_labels(workload: Doc) -> dict[str, str]:

@@ -13,7 +13,8 @@ machine:
   (`svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.<domain>`, port -> targetPort) or a pod behind a
   headless Service (`pod.svc...`: StatefulSets, and LeaderWorkerSets under the Service their
   controller creates) - is rewritten to the loopback port of the pod it reaches; an
-  unresolvable name is a wiring error;
+  unresolvable name is a wiring error; `127.0.0.1:P` naming a port of the pod itself (or of
+  another container of it: they share the pod's network) is rewritten to that port's;
 * every volume becomes a folder (emptyDir: per pod; PVC: shared per claim; hostPath: itself;
   ConfigMap / Secret: files, only the listed `items` when there are some, a missing key a wiring
   error) and every absolute path in args or env is translated through the container's volume
@@ -89,6 +90,7 @@ class LocalCluster:
         self.secrets = {k: dict(v) for k, v in (secrets or {}).items()}
         self.init_env = dict(init_env or {})
         self.pods = expand_pods(manifests, workdir)
+        self._pod_volumes: dict[Path, dict[str, Path]] = {}
         self._assign_ports()
         self._dns = self._build_dns()
         for pod in self.pods:
@@ -139,6 +141,12 @@ class LocalCluster:
         ]
 
     def _volumes(self, pod: LocalPod) -> dict[str, Path]:
+        """The pod's volumes as folders (made once per pod, shared by its containers)."""
+        if pod.root not in self._pod_volumes:
+            self._pod_volumes[pod.root] = self._make_volumes(pod)
+        return self._pod_volumes[pod.root]
+
+    def _make_volumes(self, pod: LocalPod) -> dict[str, Path]:
         folders: dict[str, Path] = {}
         for volume in pod.spec.get("volumes", []):
             name = volume["name"]
@@ -242,6 +250,9 @@ class LocalCluster:
                 "spec.nodeName": "local-node",
                 "spec.serviceAccountName": pod.spec.get("serviceAccountName", "default"),
             }
+            label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", path)
+            if label is not None and label[1] in pod.labels:
+                return pod.labels[label[1]]
             if path not in fields:
                 raise WiringError(f"{pod.name}: fieldRef {path} is not emulated")
             return fields[path]
@@ -327,6 +338,8 @@ class LocalCluster:
 
         def address(match: re.Match[str]) -> str:
             host, port = match["host"], int(match["port"])
+            if host in (LOOPBACK, "localhost") and port in pod.ports:
+                return f"{LOOPBACK}:{pod.ports[port]}"  # the pod's own (or a sibling's) port
             if IP.match(host) or host == "localhost":
                 return match.group(0)
             return f"{LOOPBACK}:{self.resolve(host, port, what=f'{pod.name} {what}')}"

@@ -1,14 +1,17 @@
 """The pods a rendered chart asks for, as local_cluster.py runs them: one LocalPod per pod a
 controller would create (Deployment and StatefulSet replicas, every pod of a LeaderWorkerSet
 group with the labels and environment the LWS controller adds), each with its init containers
-and its single long-running container prepared as local command lines."""
+and its long-running container prepared as local command lines. A pod of several long-running
+containers (an engine group's leader: engine core and frontend) is one LocalPod per container,
+sharing the pod's name, folder, volumes and port space (containerPort -> loopback port), as the
+containers of a pod share its network namespace; its init containers run once, with the first."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tests.helm.chart_render import Doc, Manifests, component_of
@@ -55,10 +58,21 @@ class LocalPod:
     init: list[ContainerRun] = field(default_factory=list)
     main: ContainerRun | None = None
     process: subprocess.Popen[bytes] | None = None
+    container_index: int = 0
+    """Which of the pod's long-running containers this one runs."""
+
+    @property
+    def is_multi_container(self) -> bool:
+        return len(self.spec["containers"]) > 1
 
     @property
     def component(self) -> str:
-        return component_of(self.workload)
+        """The pod's component (its template's label: an engine group's worker pods are
+        "worker"); in a pod of several containers, the container's name."""
+        if self.is_multi_container:
+            return str(self.container["name"])
+        label = self.template["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        return str(label) if label else component_of(self.workload)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -71,17 +85,13 @@ class LocalPod:
 
     @property
     def container(self) -> Doc:
-        containers = self.spec["containers"]
-        if len(containers) != 1:
-            raise WiringError(
-                f"{self.name}: only pods with one long-running container are emulated"
-            )
-        container: Doc = containers[0]
+        container: Doc = self.spec["containers"][self.container_index]
         return container
 
     @property
     def init_containers(self) -> list[Doc]:
-        return list(self.spec.get("initContainers", []))
+        """The pod's init containers (run once per pod: with its first container)."""
+        return list(self.spec.get("initContainers", [])) if self.container_index == 0 else []
 
     @property
     def argv(self) -> list[str]:
@@ -97,6 +107,8 @@ class LocalPod:
 
     @property
     def log_path(self) -> Path:
+        if self.is_multi_container:
+            return self.root / f"{self.container['name']}.log"
         return self.root / "container.log"
 
     def log_tail(self, lines: int = 60) -> str:
@@ -128,16 +140,15 @@ def expand_pods(manifests: Manifests, workdir: Path) -> list[LocalPod]:
             subdomain = workload["spec"].get("serviceName", "") if kind == "StatefulSet" else ""
             for ordinal in range(int(workload["spec"].get("replicas", 1))):
                 pod_name = f"{name}-{ordinal}"
-                pods.append(
-                    LocalPod(
-                        pod_name,
-                        workload,
-                        ordinal,
-                        _pod_root(workdir, pod_name),
-                        workload["spec"]["template"],
-                        subdomain,
-                    )
+                pod = LocalPod(
+                    pod_name,
+                    workload,
+                    ordinal,
+                    _pod_root(workdir, pod_name),
+                    workload["spec"]["template"],
+                    subdomain,
                 )
+                pods += with_sidecars(pod)
         else:
             raise WiringError(f"{kind}/{name}: not emulated")
     return pods
@@ -174,8 +185,18 @@ def _leader_worker_pods(workload: Doc, namespace: str, workdir: Path) -> list[Lo
                     "LWS_WORKER_INDEX": str(index),
                 },
             )
-            pods.append(pod)
+            pods += with_sidecars(pod)
     return pods
+
+
+def with_sidecars(pod: LocalPod) -> list[LocalPod]:
+    """`pod` and one more LocalPod for each further container of its pod, sharing its port
+    space (the same dicts) and folder."""
+    siblings = [
+        replace(pod, container_index=i, ports=pod.ports, port_names=pod.port_names)
+        for i in range(1, len(pod.spec["containers"]))
+    ]
+    return [pod, *siblings]
 
 
 def _pod_root(workdir: Path, pod_name: str) -> Path:

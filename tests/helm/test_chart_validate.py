@@ -90,8 +90,22 @@ KITCHEN_SINK: dict[str, Any] = {
     ],
 }
 
+# Engine groups with everything on: KEDA on the engines, the gateway discovering them (its RBAC),
+# restricted egress, an API key, monitoring and an InferencePool, GPU TP=2 x PP=2 per engine.
+ENGINE_GROUPS: dict[str, Any] = {
+    "engines": {"keda": {"enabled": True, "maxReplicaCount": 8}},
+    "gateway": {"policy": "round_robin", "extraArgs": ["--cache-threshold", "0.5"]},
+    "parallelism": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    "worker": {"gpu": {"enabled": True}},
+    "frontend": {"apiKey": {"secretName": "api-key", "key": "key"}},
+    "networkPolicy": {"restrictEgress": True, "enginesFrom": [{"podSelector": {}}]},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "inferencePool": {"enabled": True},
+}
+
 CASES = [
     pytest.param(None, id="defaults"),
+    pytest.param(ENGINE_GROUPS, id="engine-groups"),
     pytest.param(KITCHEN_SINK, id="kitchen-sink"),
     pytest.param(TLS_OFF, id="internal-tls-off"),
     pytest.param(GIVEN, id="secrets-given-api-key-public-tls"),

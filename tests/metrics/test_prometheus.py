@@ -356,6 +356,9 @@ REQUIRED = [
     "vllm:mm_cache_hits_total",
     "grpc_server_started_total",
     "grpc_server_handling_seconds_count",
+    "grpc_client_started_total",
+    "grpc_client_handled_total",
+    "grpc_client_handling_seconds_count",
     "http_requests_total",
 ]
 

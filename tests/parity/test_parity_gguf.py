@@ -1,8 +1,8 @@
 """GGUF files against transformers loading the same file (`from_pretrained(..., gguf_file=...)`).
 
 Tiny files are written with gguf's GGUFWriter as llama.cpp writes them (tests/fixtures/
-gguf_files.py): F32, and quantized Q8_0 / Q4_1 (the default model's types) for Llama (q/k rows
-permuted), Q8_0 for Qwen2 (biases, tied embeddings) and Qwen3 (q/k norms, 128-wide heads:
+gguf_files.py): F32, and quantized Q8_0 / Q4_1 (the default model's types) and Q5_0 for Llama
+(q/k rows permuted; the quantized layers are served quantized, on the int8/int4 kernels), Q8_0 for Qwen2 (biases, tied embeddings) and Qwen3 (q/k norms, 128-wide heads:
 transformers' GGUF config reader takes Qwen3's head_dim from its config default, not from the
 file, so the reference is only right for 128). float32 logits of every computed position must
 match within 1e-4 and greedy tokens must equal `generate`; the tokenizer comes from the file too.
@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from splitserve_runtime.default_model import convert_gguf_to_folder
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from splitserve_runtime.tiny_model import write_tokenizer
 from tests.fixtures.checkpoints import VOCAB_SIZE, CheckpointCache
@@ -25,6 +24,7 @@ from tests.fixtures.gguf_files import write_gguf
 from tests.fixtures.parity import max_logit_diff, reference_generate, run_recording
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
+from worker_svc.layers.quantized import WeightOnlyLinearMethod
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
@@ -35,6 +35,7 @@ FILES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama-F32": ("llama", "F32", {}),
     "llama-Q8_0": ("llama", "Q8_0", {}),
     "llama-Q4_1": ("llama", "Q4_1", {}),
+    "llama-Q5_0": ("llama", "Q5_0", {}),
     "qwen2-Q8_0": ("qwen2", "Q8_0", {}),
     "qwen3-Q8_0": ("qwen3", "Q8_0", {"head_dim": 128}),
 }
@@ -103,23 +104,35 @@ def test_quantized_weights_are_not_the_float_weights(gguf_files: dict[str, Path]
     assert float((logits["llama-F32"] - logits["llama-Q4_1"]).abs().max()) > 1e-2
 
 
-def test_converted_folder_serves_what_the_file_serves(
-    gguf_files: dict[str, Path], tmp_path: Path
+def quantized_layers(rank: LocalRank) -> int:
+    runner = rank.worker.runner
+    assert runner is not None
+    return sum(
+        isinstance(getattr(m, "method", None), WeightOnlyLinearMethod)
+        for m in runner.model.modules()
+    )
+
+
+def test_quantized_file_serves_quantized_and_dequantized_on_request(
+    gguf_files: dict[str, Path],
 ) -> None:
-    """The default model's one-time dequantization (GGUF -> safetensors folder) changes
-    nothing: the folder's logits equal the file's, bit for bit."""
+    """A Q4_1 file keeps its linear layers quantized (W4A16 on the kernels); with
+    --dequantize-gguf it is served in float as before: the two agree within the kernels'
+    float32 sums (the weights are the same numbers)."""
     path = gguf_files["llama-Q4_1"]
-    convert_gguf_to_folder(path, tmp_path / "converted")
     results = []
-    for model in (str(path), str(tmp_path / "converted")):
-        rank = loaded_rank(model)
+    for dequantize in (False, True):
+        rank = LocalRank()
+        rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, dequantize_gguf=dequantize))
+        rank.init(num_blocks=128)
+        assert (quantized_layers(rank) > 0) == (not dequantize)
         driver = StepDriver(BLOCK_SIZE)
         for prompt in PROMPTS:
             driver.add(prompt, max_tokens=1)
         results.append(run_recording(driver, rank))
         rank.close()
     for handle, logits in results[0].items():
-        assert torch.equal(logits, results[1][handle])
+        assert float((logits - results[1][handle]).abs().max()) < TOLERANCE
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(

@@ -7,10 +7,17 @@ decode attention first gathers every request's context out of the paged cache (a
 bytes copied as read). cpu_ops.cpp does each in one pass, the attention reading the cache in
 place through the block table, like vLLM's CPU ops.
 
-Built for this machine's instruction set (-march=native), so the shared library is cached under
-a key of the source, the torch version, the compiler flags and the CPU's feature flags. Where no
-compiler is found, the build fails or the cache cannot be written, the worker logs why and
-runs the torch path (`CpuKernels.load` returns None).
+The quantized linear layers (layers/quantized.py) run quant_ops.cpp from the same library: int8
+and int4 weights against float activations (the weight dequantized inside the dot product), and
+W8A8's int8 dot products.
+
+Built for this machine's instruction set (-march=native: the AVX-512, AVX512_BF16 and
+AVX512_VNNI paths where the CPU has them, portable loops elsewhere), so the shared library is
+cached under a key of the sources, the torch version, the compiler flags and the CPU's feature
+flags. `SPLITSERVE_CPU_MARCH` names another -march target (e.g. x86-64-v3: no AVX-512, what the
+tests build to check the portable paths). Where no compiler is found, the build fails or the
+cache cannot be written, the worker logs why and runs the torch path (`CpuKernels.load`
+returns None).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -33,14 +41,22 @@ from splitserve_runtime.model_cache import default_cache_dir, ensure_built
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+FOLDER = Path(__file__).parent
+SOURCES = (FOLDER / "cpu_ops.cpp", FOLDER / "quant_ops.cpp")
+HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h")
 LIBRARY = "cpu_ops.so"
 COMPILE_FLAGS = [
-    *("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"),
+    *("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"),
     *("-std=c++20", "-shared", "-fPIC", "-w"),
 ]
 DISABLE_ENV = "SPLITSERVE_CPU_KERNELS"
 """Set to 0 to run the torch path on CPU (the kernels are then neither built nor loaded)."""
+MARCH_ENV = "SPLITSERVE_CPU_MARCH"
+"""The compiler's -march target (default: native, this machine's instruction set)."""
+
+
+def march_flag() -> str:
+    return f"-march={os.environ.get(MARCH_ENV) or 'native'}"
 
 
 def _cpu_flags() -> str:
@@ -52,9 +68,12 @@ def _cpu_flags() -> str:
 
 
 def cache_key() -> str:
-    """What the library depends on: source, torch, flags and the CPU's features."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, " ".join(COMPILE_FLAGS), platform.machine(), _cpu_flags()):
+    """What the library depends on: sources, torch, flags and the CPU's features."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    flags = " ".join([march_flag(), *COMPILE_FLAGS])
+    for part in (torch.__version__, flags, platform.machine(), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -67,8 +86,9 @@ def compile_command(output: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     return [
-        *(compiler, *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes),
-        *(str(SOURCE), "-o", str(output)),
+        *(compiler, march_flag(), *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes),
+        *(str(source) for source in SOURCES),
+        *("-o", str(output)),
         *(f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"),
     ]
 
@@ -77,7 +97,30 @@ def _build(folder: Path) -> None:
     folder.mkdir(parents=True)
     done = subprocess.run(compile_command(folder / LIBRARY), capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        names = ", ".join(source.name for source in SOURCES)
+        raise RuntimeError(f"compiling {names} failed:\n{done.stderr[-2000:]}")
+
+
+class QuantizedTiles(Protocol):
+    """A weight in the quantized kernels' tile layout (layers/quant_pack.py's PackedWeight)."""
+
+    @property
+    def qweight(self) -> torch.Tensor: ...
+
+    @property
+    def scales(self) -> torch.Tensor: ...
+
+    @property
+    def offsets(self) -> torch.Tensor | None: ...
+
+    @property
+    def bounds(self) -> torch.Tensor: ...
+
+    @property
+    def cols(self) -> torch.Tensor | None: ...
+
+    @property
+    def bits(self) -> int: ...
 
 
 _IN_USE: ContextVar[CpuKernels | None] = ContextVar("cpu_kernels", default=None)
@@ -119,7 +162,9 @@ class CpuKernels:
             return None
         try:
             target = default_cache_dir() / "kernels" / cache_key()
-            folder = ensure_built(target, LIBRARY, _build, "CPU kernels (cpu_ops.cpp)")
+            folder = ensure_built(
+                target, LIBRARY, _build, "CPU kernels (cpu_ops.cpp, quant_ops.cpp)"
+            )
             torch.ops.load_library(str(folder / LIBRARY))
         except (OSError, RuntimeError) as err:
             logger.warning("CPU kernels unavailable, running the torch path: %s", err)
@@ -165,3 +210,68 @@ class CpuKernels:
         scale: float,
     ) -> None:
         self.ops.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
+
+    def quant_linear(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        packed: QuantizedTiles,
+        bias: torch.Tensor | None,
+    ) -> None:
+        """out = x W^T (+ bias) for a weight in the tile layout (layers/quant_pack.py)."""
+        self.ops.quant_linear(
+            out,
+            x,
+            packed.qweight,
+            packed.bits,
+            packed.scales,
+            packed.offsets,
+            packed.bounds,
+            packed.cols,
+            bias,
+        )
+
+    def quant_dequantize(self, packed: QuantizedTiles, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`, [tiles x 16, chunks x 4] (packed column order)."""
+        num_tiles, num_chunks = packed.qweight.shape[:2]
+        out = torch.empty(num_tiles * 16, num_chunks * 4, dtype=dtype)
+        self.ops.quant_dequantize(
+            out, packed.qweight, packed.bits, packed.scales, packed.offsets, packed.bounds
+        )
+        return out
+
+    def w8a8_linear(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        packed: QuantizedTiles,
+        weight_scales: torch.Tensor,
+        weight_sums: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> None:
+        """out = x W^T (+ bias) with x quantized per token to int8 (W8A8)."""
+        self.ops.w8a8_linear(out, x, packed.qweight, weight_scales, weight_sums, bias)
+
+    def int8_quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 values, float32 scales) of x's rows, vLLM's per-token convention."""
+        values = torch.empty(x.shape, dtype=torch.int8)
+        scales = torch.empty(x.shape[0], dtype=torch.float32)
+        self.ops.int8_quantize_rows(values, scales, x)
+        return values, scales
+
+    def quant_isa(self) -> str:
+        """The instruction-set paths of this build ("portable,avx512,avx512_bf16,...")."""
+        return str(self.ops.quant_isa())
+
+    def lora_add_(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        runs: torch.Tensor,
+        col_offsets: torch.Tensor,
+        slot_ranks: torch.Tensor,
+    ) -> None:
+        """y[a:b] += x[a:b] A_s^T B_s in place for every run (slot s, a, b) (layers/lora.py)."""
+        self.ops.lora_add_(y, x, lora_a, lora_b, runs, col_offsets, slot_ranks)

@@ -4,6 +4,8 @@
 //   rotary_neox_                  neox rotary embedding of q and k heads, in place
 //   paged_decode_attention        one query token per request over its paged KV cache, read
 //                                 in place through the block table (no gather copy)
+//   lora_add_                     LoRA adapters of the rows' slots added to a linear layer's
+//                                 output, every slot of a step in one call
 // The elementwise kernels compute in float32 and round where the torch path (worker_svc.layers)
 // rounds, so their bf16 results match it (bit for bit in the tests). The decode attention keeps scores and
 // sums in float32; in bf16 on AVX512-BF16 machines it takes the bf16 dot-product instructions,
@@ -12,14 +14,16 @@
 // machine by worker_svc/kernels/cpu_kernels.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "cpu_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -29,44 +33,11 @@
 namespace {
 
 using at::Tensor;
-
-struct F32 {
-  using T = float;
-  static inline float load(float v) { return v; }
-  static inline float store(float f) { return f; }
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
-  static inline uint16_t store(float f) {  // round to nearest even, NaN stays NaN
-    const uint32_t u = std::bit_cast<uint32_t>(f);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-  }
-};
-
-struct F16 {
-  using T = c10::Half;
-  static inline float load(c10::Half v) { return float(v); }
-  static inline c10::Half store(float f) { return c10::Half(f); }
-};
-
-template <class Fn>
-void dispatch(const Tensor& t, Fn&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat: fn(F32{}); break;
-    case at::kBFloat16: fn(BF16{}); break;
-    case at::kHalf: fn(F16{}); break;
-    default: TORCH_CHECK(false, "splitserve cpu kernels take float32, bfloat16 or float16, not ",
-                         t.scalar_type());
-  }
-}
-
-template <class D>
-typename D::T* ptr(const Tensor& t) {
-  return static_cast<typename D::T*>(t.data_ptr());
-}
+using splitserve::BF16;
+using splitserve::dispatch;
+using splitserve::F16;
+using splitserve::F32;
+using splitserve::ptr;
 
 // exp(x) for x <= 88 (Cephes' polynomial, ~1 ulp): plain arithmetic that the compiler
 // vectorises, unlike a call to expf.
@@ -493,6 +464,128 @@ void paged_decode_attention(Tensor out, Tensor query, Tensor kv_cache, Tensor bl
   });
 }
 
+// LoRA over the runs of rows that share an adapter slot (rows grouped by slot):
+//   y[a:b] += (x[a:b] @ A_s^T) @ B_s   for each run (slot s, rows a..b) in `runs` [n, 3]
+// A [slots, R, in] (each rank row contiguous) and B [slots, R, out], R = parts * rank: rank
+// row k of part p (k < slot_ranks[s]) only reaches the columns [col_offsets[p],
+// col_offsets[p + 1]) of a fused layer (its B is block-diagonal; the zeros are never read).
+// Products and sums in float32, one rounding into y. The threads share the blocks of up to
+// LORA_ROWS rows of every run; a block's shrink (one pass over its adapter's A) and expand
+// (one pass over B, LORA_COLS columns at a time) need no other block, so a call is one
+// parallel region without a barrier (a decode step: one block per adapter).
+constexpr int64_t LORA_COLS = 256;
+constexpr int64_t LORA_ROWS = 32;
+
+struct LoraBlock {
+  int64_t slot, start, end;
+};
+
+template <class D>
+void lora_shrink(const Tensor& x, const typename D::T* arows, const LoraBlock& b, int64_t width,
+                 int64_t rank, int64_t slot_rank, float* h) {
+  using T = typename D::T;
+  const int64_t in = x.size(1), xst = x.stride(0);
+  const T* xs = ptr<D>(x);
+  for (int64_t k = 0; k < width; ++k) {
+    if (k % rank >= slot_rank) continue;
+    const T* arow = arows + k * in;
+    for (int64_t row = b.start; row < b.end; ++row) {
+      const T* xr = xs + row * xst;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < in; ++i) sum += D::load(xr[i]) * D::load(arow[i]);
+      h[(row - b.start) * width + k] = sum;
+    }
+  }
+}
+
+template <class D>
+void lora_expand(const Tensor& y, const typename D::T* brows, const LoraBlock& b, int64_t width,
+                 int64_t rank, int64_t slot_rank, const std::vector<int64_t>& cols,
+                 const float* h) {
+  using T = typename D::T;
+  const int64_t out = y.size(1), yst = y.stride(0), rows = b.end - b.start;
+  T* ys = ptr<D>(y);
+  float acc[LORA_ROWS][LORA_COLS];
+  for (int64_t c0 = 0; c0 < out; c0 += LORA_COLS) {
+    const int64_t c1 = std::min(out, c0 + LORA_COLS);
+    for (int64_t i = 0; i < rows; ++i) std::fill(acc[i], acc[i] + LORA_COLS, 0.0f);
+    for (int64_t p = 0; p + 1 < int64_t(cols.size()); ++p) {  // parts meeting the chunk
+      const int64_t p0 = std::max(c0, cols[p]), p1 = std::min(c1, cols[p + 1]);
+      for (int64_t k = p * rank; p0 < p1 && k < p * rank + slot_rank; ++k) {
+        const T* brow = brows + k * out;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float hv = h[i * width + k];
+          float* ai = acc[i];
+#pragma omp simd
+          for (int64_t c = p0; c < p1; ++c) ai[c - c0] += hv * D::load(brow[c]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      T* yr = ys + (b.start + i) * yst;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) yr[c] = D::store(D::load(yr[c]) + acc[i][c - c0]);
+    }
+  }
+}
+
+template <class D>
+void lora_blocks(const Tensor& y, const Tensor& x, const Tensor& a, const Tensor& b,
+                 const std::vector<LoraBlock>& blocks, const std::vector<int64_t>& cols,
+                 const int64_t* ranks) {
+  using T = typename D::T;
+  const int64_t width = a.size(1), in = a.size(2), out = b.size(2);
+  const int64_t rank = width / (int64_t(cols.size()) - 1);
+  const T* as = ptr<D>(a);
+  const T* bs = ptr<D>(b);
+  at::parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> h(LORA_ROWS * width);  // written before it is read
+    for (int64_t i = lo; i < hi; ++i) {
+      const LoraBlock& block = blocks[i];
+      const int64_t slot_rank = ranks[block.slot];
+      lora_shrink<D>(x, as + block.slot * width * in, block, width, rank, slot_rank, h.data());
+      lora_expand<D>(y, bs + block.slot * width * out, block, width, rank, slot_rank, cols,
+                     h.data());
+    }
+  });
+}
+
+void lora_add_(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Tensor col_offsets,
+               Tensor slot_ranks) {
+  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1);
+  check_rows(x, in, "x");
+  check_rows(y, out, "y");
+  TORCH_CHECK(y.size(0) == rows && y.scalar_type() == x.scalar_type(), "y must be [rows, out] of x's dtype");
+  TORCH_CHECK(lora_a.is_contiguous() && lora_b.is_contiguous() && lora_a.dim() == 3 &&
+                  lora_b.dim() == 3 && lora_a.size(2) == in && lora_b.size(2) == out &&
+                  lora_a.size(0) == lora_b.size(0) && lora_a.size(1) == lora_b.size(1) &&
+                  lora_a.scalar_type() == x.scalar_type() && lora_b.scalar_type() == x.scalar_type(),
+              "lora_a must be [slots, R, in] and lora_b [slots, R, out], contiguous, of x's dtype");
+  const int64_t slots = lora_a.size(0), width = lora_a.size(1), parts = col_offsets.numel() - 1;
+  TORCH_CHECK(col_offsets.scalar_type() == at::kLong && col_offsets.is_contiguous() && parts >= 1 &&
+                  width % parts == 0, "col_offsets must be int64 [parts + 1], R a multiple of parts");
+  TORCH_CHECK(slot_ranks.scalar_type() == at::kLong && slot_ranks.is_contiguous() &&
+                  slot_ranks.numel() == slots, "slot_ranks must be int64 [slots]");
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 &&
+                  runs.size(1) == 3, "runs must be int64 [n, 3]: slot, first row, end row");
+  const int64_t rank = width / parts;
+  const int64_t* ranks = slot_ranks.data_ptr<int64_t>();
+  std::vector<int64_t> cols(col_offsets.data_ptr<int64_t>(), col_offsets.data_ptr<int64_t>() + parts + 1);
+  std::vector<int64_t> run(runs.data_ptr<int64_t>(), runs.data_ptr<int64_t>() + runs.numel());
+  TORCH_CHECK(cols.front() == 0 && cols.back() == out, "col_offsets must run from 0 to out");
+  for (size_t p = 0; p + 1 < cols.size(); ++p) TORCH_CHECK(cols[p] <= cols[p + 1], "col_offsets must grow");
+  for (int64_t s = 0; s < slots; ++s) TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= rank, "bad slot rank");
+  for (size_t r = 0; r < run.size(); r += 3)
+    TORCH_CHECK(run[r] >= 0 && run[r] < slots && 0 <= run[r + 1] && run[r + 1] <= run[r + 2] &&
+                    run[r + 2] <= rows, "a run's slot or rows are out of range");
+  std::vector<LoraBlock> blocks;
+  for (size_t r = 0; r < run.size(); r += 3)
+    for (int64_t row = run[r + 1]; row < run[r + 2]; row += LORA_ROWS)
+      if (ranks[run[r]] > 0) blocks.push_back({run[r], row, std::min(run[r + 2], row + LORA_ROWS)});
+  dispatch(x, [&](auto tag) { lora_blocks<decltype(tag)>(y, x, lora_a, lora_b, blocks, cols, ranks); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve, m) {
@@ -501,6 +594,7 @@ TORCH_LIBRARY(splitserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_neox_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache, int rotary_dim) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Tensor col_offsets, Tensor slot_ranks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
@@ -509,4 +603,5 @@ TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("rotary_neox_", rotary_neox_);
   m.impl("paged_decode_attention", paged_decode_attention);
+  m.impl("lora_add_", lora_add_);
 }

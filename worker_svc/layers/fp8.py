@@ -267,3 +267,7 @@ class Fp8LinearMethods:
         if prefix in self.prefixes and Fp8LinearMethod.fits(shape, self.fmt, layer.row_starts):
             return Fp8LinearMethod(self.fmt)
         return UnquantizedLinearMethod()
+
+    def vocab_method(self, prefix: str) -> LinearMethodBase | None:
+        """Embeddings and the LM head are dequantized at load."""
+        return None

@@ -10,9 +10,11 @@ The layers own the sharding (which rows or columns of a checkpoint tensor a rank
 the all-reduce; how the weight is stored, loaded and multiplied is the layer's
 `LinearMethodBase` (vLLM's seam for quantization), chosen when the layer is built by the
 model's `LinearMethods` for the layer's module path: `UnquantizedLinearMethod` (the compute
-dtype, packed by oneDNN on CPU), or layers/fp8.py's `Fp8LinearMethod` (an FP8 checkpoint's
-weights kept FP8 on devices with FP8 matmuls). Other quantization formats add a method and a
-`LinearMethods`, not a branch in the layers.
+dtype, packed by oneDNN on CPU), layers/fp8.py's `Fp8LinearMethod` (an FP8 checkpoint's
+weights kept FP8 on devices with FP8 matmuls), or layers/quantized.py's int8/int4 methods
+(W8A16, W4A16, W8A8 on the CPU kernels), which can also hold an embedding table and the LM head
+(`LinearMethods.vocab_method`). Other quantization formats add a method and a `LinearMethods`,
+not a branch in the layers.
 """
 
 from __future__ import annotations
@@ -141,6 +143,10 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Bring the loaded weight into the form `apply` runs fastest with."""
 
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as float32 (a method that can hold an embedding table)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold an embedding table")
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """The weight in the compute dtype; on CPU packed by oneDNN once loaded (`packed`)."""
@@ -175,12 +181,20 @@ class LinearMethods(Protocol):
         """The method of `layer`, whose module path in the model is `prefix`."""
         ...
 
+    def vocab_method(self, prefix: str) -> LinearMethodBase | None:
+        """The method holding the embedding table or LM head at `prefix` ("embed_tokens",
+        "lm_head"); None: a dense weight in the compute dtype."""
+        ...
+
 
 class Unquantized:
     """Every layer unquantized."""
 
     def method_for(self, layer: LinearBase, prefix: str) -> LinearMethodBase:
         return UnquantizedLinearMethod()
+
+    def vocab_method(self, prefix: str) -> LinearMethodBase | None:
+        return None
 
 
 UNQUANTIZED = Unquantized()
@@ -266,6 +280,8 @@ class ColumnParallelLinear(LinearBase):
         if shards is None:
             sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
             shards = [(parallel.tp_rank * size, size) for size in sizes]
+        self.output_sizes = list(output_sizes)
+        """Each fused part's rows in the checkpoint (all ranks together)."""
         self.part_starts = [start for start, _ in shards]
         self.part_sizes = [size for _, size in shards]
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]

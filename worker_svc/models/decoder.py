@@ -131,9 +131,15 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = build.rotary(config.rope)
         dtype, device = build.dtype, build.device
         self.embed_tokens: VocabParallelEmbedding | None = None
+        methods = build.linear_methods
         if parallel.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype, device=device
+                config.vocab_size,
+                config.hidden_size,
+                parallel=parallel,
+                dtype=dtype,
+                device=device,
+                method=methods.vocab_method(join_prefix(prefix, "embed_tokens")),
             )
         start, end = self.layer_range
         self.layers = nn.ModuleList(
@@ -150,10 +156,15 @@ class DecoderForCausalLM(nn.Module):
         if parallel.is_last_stage:
             self.norm = self.make_norm(build)
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype, device=device
+                config.vocab_size,
+                config.hidden_size,
+                parallel=parallel,
+                dtype=dtype,
+                device=device,
+                method=methods.vocab_method(join_prefix(prefix, "lm_head")),
             )
             if config.tie_word_embeddings and self.embed_tokens is not None:
-                self.lm_head.weight = self.embed_tokens.weight
+                self.lm_head.tie_to(self.embed_tokens)
 
     @classmethod
     def read_config(cls, hf: Any) -> ModelConfig:
@@ -215,7 +226,8 @@ class DecoderForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """After loading: every linear layer's method repacks its weight (oneDNN on CPU); the
-        LM head too, keeping the dense copy the tied embedding still reads."""
+        LM head too, keeping the dense copy the tied embedding still reads (a quantized LM head
+        was packed as it loaded)."""
         for _, layer in linear_layers(self):
             layer.process_weights_after_loading()
         if self.lm_head is not None:

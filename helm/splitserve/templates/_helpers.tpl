@@ -143,7 +143,7 @@ Pod parts shared by the three workloads
 {{- end }}
 
 {{/* Pod spec fields every workload shares: (dict "root" $ "values" .Values.frontend
-"component" "frontend"). */}}
+"component" "frontend" ["grace" SECONDS]). */}}
 {{- define "splitserve.podCommon" -}}
 {{- $root := .root -}}
 serviceAccountName: {{ include "splitserve.serviceAccountName" $root }}
@@ -151,7 +151,7 @@ automountServiceAccountToken: {{ $root.Values.serviceAccount.automountServiceAcc
 {{- /* Service links would inject e.g. SPLITSERVE_PORT=tcp://... for a Service named "splitserve",
        which the services would read as their --port flag. */}}
 enableServiceLinks: false
-terminationGracePeriodSeconds: {{ include "splitserve.terminationGrace" (dict "root" $root "component" .component) }}
+terminationGracePeriodSeconds: {{ .grace | default (include "splitserve.terminationGrace" (dict "root" $root "component" .component)) }}
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- with $root.Values.imagePullSecrets }}
@@ -221,10 +221,11 @@ httpGet:
 {{- end }}
 
 {{/*
-env of a service container: (dict "root" $ "values" .Values.core "component" "core"). The core
-and the workers get their pod's IP (POD_IP, for --host); the frontend its API key from the
-user's Secret; every service the internal secret when the internal hops are plaintext; then
-chart-wide and per-component extras.
+env of a service container: (dict "root" $ "values" .Values.core "component" "core" ["extra"
+LIST] ["noApiKey" true]). The core and the workers get their pod's IP (POD_IP, for --host); the
+frontend its API key from the user's Secret (unless noApiKey: an engine group's, behind the
+gateway, which holds the key); every service the internal secret when the internal hops are plaintext;
+then `extra` (the caller's), chart-wide and per-component extras.
 */}}
 {{- define "splitserve.env" -}}
 {{- $env := list }}
@@ -233,14 +234,14 @@ chart-wide and per-component extras.
 {{- $env = append $env (dict "name" "POD_IP" "valueFrom" $podIp) }}
 {{- end }}
 {{- $key := .root.Values.frontend.apiKey }}
-{{- if and (eq .component "frontend") $key.secretName }}
+{{- if and (eq .component "frontend") $key.secretName (not .noApiKey) }}
 {{- $ref := dict "secretKeyRef" (dict "name" $key.secretName "key" $key.key) }}
 {{- $env = append $env (dict "name" "SPLITSERVE_API_KEY" "valueFrom" $ref) }}
 {{- end }}
 {{- with include "splitserve.internalSecretEnv" .root }}
 {{- $env = concat $env (fromYamlArray .) }}
 {{- end }}
-{{- $env = concat $env .root.Values.extraEnv .values.extraEnv }}
+{{- $env = concat $env (.extra | default list) .root.Values.extraEnv .values.extraEnv }}
 {{- if $env }}
 {{- toYaml $env }}
 {{- end }}

@@ -113,6 +113,7 @@ Values the schema cannot check on its own; rendering stops with a message that s
 {{- if and .Values.frontend.autoscaling.enabled .Values.frontend.keda.enabled }}
 {{- fail "frontend.autoscaling.enabled (HPA) and frontend.keda.enabled (KEDA ScaledObject, which owns an HPA of its own) are mutually exclusive: enable one" }}
 {{- end }}
+{{- include "splitserve.validateEngines" . }}
 {{- include "splitserve.validateSecurity" . }}
 {{- if and (eq .Values.model.source "hub") (not .Values.model.hub.repoId) }}
 {{- fail "model.source is hub: set model.hub.repoId (e.g. meta-llama/Llama-3.1-8B-Instruct)" }}
@@ -149,5 +150,24 @@ Values the schema cannot check on its own; rendering stops with a message that s
 {{- end }}
 {{- if and $fe.httpIngress.enabled (not $fe.httpPort) }}
 {{- fail "frontend.httpIngress needs frontend.httpPort (the OpenAI HTTP port)" }}
+{{- end }}
+{{- end }}
+
+{{/* Engine groups (_engine.tpl) and their gateway. */}}
+{{- define "splitserve.validateEngines" -}}
+{{- $e := .Values.engines }}
+{{- if and $e.autoscaling.enabled $e.keda.enabled }}
+{{- fail "engines.autoscaling.enabled (HPA) and engines.keda.enabled (KEDA ScaledObject, which owns an HPA of its own) are mutually exclusive: enable one" }}
+{{- end }}
+{{- if include "splitserve.isEngineGroups" . }}
+{{- if or .Values.frontend.autoscaling.enabled .Values.frontend.keda.enabled }}
+{{- fail "frontend.autoscaling / frontend.keda scale the frontend Deployment of a single engine; with engine groups (engines.replicas > 1 or engine autoscaling) each engine has its own frontend: scale engines with engines.autoscaling or engines.keda" }}
+{{- end }}
+{{- if and (eq .Values.gateway.discovery "static") (or $e.autoscaling.enabled $e.keda.enabled) }}
+{{- fail "gateway.discovery static lists the engines.replicas engines once; with engine autoscaling the gateway must watch the engines come and go: gateway.discovery kubernetes" }}
+{{- end }}
+{{- if or .Values.frontend.ingress.enabled .Values.frontend.httpIngress.enabled }}
+{{- fail "frontend.ingress / httpIngress route to the frontend Service of a single engine; with engine groups clients reach the gateway Service (<fullname>-gateway): put your Ingress in front of it" }}
+{{- end }}
 {{- end }}
 {{- end }}

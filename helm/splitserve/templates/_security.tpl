@@ -75,10 +75,11 @@ checksum/internal-tls: {{ (fromYaml (include "splitserve.internalTlsBundle" .)).
 {{- end }}
 {{- end }}
 
-{{/* The role's certificate volume: (dict "root" $ "role" "core"). */}}
+{{/* The role's certificate volume: (dict "root" $ "role" "core" ["volume" NAME]); a pod that
+holds two roles (the engine-group leader) names its volumes apart. */}}
 {{- define "splitserve.internalTlsVolume" -}}
 {{- if include "splitserve.isInternalTls" .root -}}
-- name: internal-tls
+- name: {{ .volume | default "internal-tls" }}
   secret:
     secretName: {{ include "splitserve.internalTlsSecret" . }}
     defaultMode: 0440
@@ -92,10 +93,12 @@ checksum/internal-tls: {{ (fromYaml (include "splitserve.internalTlsBundle" .)).
 {{- end }}
 {{- end }}
 
+{{/* Its mount: $, or (dict "root" $ "volume" NAME). */}}
 {{- define "splitserve.internalTlsMount" -}}
-{{- if include "splitserve.isInternalTls" . -}}
-- name: internal-tls
-  mountPath: {{ include "splitserve.internalTlsMountPath" . }}
+{{- $root := .root | default . }}
+{{- if include "splitserve.isInternalTls" $root -}}
+- name: {{ .volume | default "internal-tls" }}
+  mountPath: {{ include "splitserve.internalTlsMountPath" $root }}
   readOnly: true
 {{- end }}
 {{- end }}

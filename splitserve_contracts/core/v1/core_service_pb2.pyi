@@ -77,6 +77,200 @@ ENGINE_CORE_EVENT_TYPE_PREEMPTED: EngineCoreEventType.ValueType  # 3
 Global___EngineCoreEventType: _TypeAlias = EngineCoreEventType  # noqa: Y015
 
 @_typing.final
+class LoraAdapter(_message.Message):
+    """LoraAdapter is a LoRA adapter the engine serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    LORA_ID_FIELD_NUMBER: _builtins.int
+    MAX_RANK_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name requests use for it (OpenAI's `model`)."""
+    path: _builtins.str
+    """Its folder on the worker ranks' file system."""
+    base_model_name: _builtins.str
+    """The served model it was trained for, as --lora-modules said (vLLM's
+    base_model_name); empty: the served model.
+    """
+    lora_id: _builtins.int
+    """The engine core's id of the adapter; never reused by one engine core."""
+    max_rank: _builtins.int
+    """The adapter's largest rank (r)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        base_model_name: _builtins.str = ...,
+        lora_id: _builtins.int = ...,
+        max_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model_name", b"base_model_name", "lora_id", b"lora_id", "max_rank", b"max_rank", "name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """LoadLoraAdapterRequest names a LoRA adapter's files."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    LOAD_INPLACE_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """Name requests will use; not the served model's name, at most 256
+    characters, no control characters.
+    """
+    lora_path: _builtins.str
+    """Absolute path of the adapter's folder on the worker ranks (PEFT's
+    adapter_config.json and adapter_model.safetensors); no ".." component.
+    """
+    base_model_name: _builtins.str
+    """The served model it was trained for (vLLM's base_model_name); empty: the
+    served model.
+    """
+    load_inplace: _builtins.bool
+    """Replace an adapter loaded under the same name (vLLM's load_inplace): the
+    requests already added finish with the old weights, later ones run with
+    the new ones; the two never share cached KV blocks.
+    """
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+        base_model_name: _builtins.str = ...,
+        load_inplace: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model_name", b"base_model_name", "load_inplace", b"load_inplace", "lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    """LoadLoraAdapterResponse describes the adapter now loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___LoraAdapter:
+        """The adapter."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___LoraAdapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    """UnloadLoraAdapterRequest names the adapter to unload."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The adapter's name."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    """UnloadLoraAdapterResponse says how the unload went."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """Requests still running or waiting with the adapter: they finish with it,
+    then the ranks drop it.
+    """
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_requests", b"num_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersRequest(_message.Message):
+    """ListLoraAdaptersRequest asks for the loaded LoRA adapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLoraAdaptersRequest: _TypeAlias = ListLoraAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersResponse(_message.Message):
+    """ListLoraAdaptersResponse lists the loaded LoRA adapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """The adapters, in the order they were loaded."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLoraAdaptersResponse: _TypeAlias = ListLoraAdaptersResponse  # noqa: Y015
+
+@_typing.final
 class ProfileRequest(_message.Message):
     """ProfileRequest starts or stops the worker ranks' profilers."""
 
@@ -229,6 +423,8 @@ class EngineInfo(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     POOLER_CONFIG_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Model name reported to clients and used as the metrics label model_name."""
@@ -266,6 +462,12 @@ class EngineInfo(_message.Message):
     """Most placeholder tokens one multimodal item (image) takes; 0 when the
     model takes text only.
     """
+    max_loras: _builtins.int
+    """Most distinct LoRA adapters one step runs (vLLM's --max-loras); 0: LoRA
+    is off (no --enable-lora) and requests may not name an adapter.
+    """
+    max_lora_rank: _builtins.int
+    """Largest LoRA rank an adapter may have (vLLM's --max-lora-rank)."""
     @_builtins.property
     def pooler_config(self) -> _types_pb2.PoolerConfig:
         """How the model pools when the engine serves a pooling model (vLLM's
@@ -291,11 +493,13 @@ class EngineInfo(_message.Message):
         engine_id: _builtins.str = ...,
         max_concurrency: _builtins.float = ...,
         max_tokens_per_mm_item: _builtins.int = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
         pooler_config: _types_pb2.PoolerConfig | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pooler_config", b"pooler_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,6 +527,7 @@ class EngineCoreRequest(_message.Message):
     RESUMED_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
     POOLING_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
@@ -367,6 +572,12 @@ class EngineCoreRequest(_message.Message):
     the grammar then starts after this token is generated (vLLM's
     reasoning_ended); the tokens before it are sampled unconstrained. Below
     the vocabulary size. Unset: the grammar starts with the first output token.
+    """
+    lora_name: _builtins.str
+    """The LoRA adapter to run the request with, by the name it was loaded
+    under (LoadLoraAdapter, --lora-modules); empty: the base model. An
+    unknown name finishes the request with ERROR / INVALID_REQUEST. Requests
+    of different adapters (and of the base model) never share cached KV.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -448,11 +659,12 @@ class EngineCoreRequest(_message.Message):
         resumed: _builtins.bool = ...,
         trace_context: _types_pb2.TraceContext | None = ...,
         reasoning_end_token_id: _builtins.int | None = ...,
+        lora_name: _builtins.str = ...,
         pooling_params: _types_pb2.PoolingParams | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "pooling_params", b"pooling_params", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "lora_name", b"lora_name", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -792,11 +1004,16 @@ class KvBlocksStored(_message.Message):
     PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    LORA_ID_FIELD_NUMBER: _builtins.int
     block_hashes: _builtins.bytes
     """The blocks' hashes in sequence order, 32 bytes each, concatenated."""
     parent_block_hash: _builtins.bytes
     """Hash of the block before the first one in its sequence (32 bytes);
     empty when the first block is the sequence's first.
+    """
+    lora_id: _builtins.int
+    """The LoRA adapter the blocks were computed with (its lora_id); 0: the
+    base model.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -805,7 +1022,7 @@ class KvBlocksStored(_message.Message):
     @_builtins.property
     def extra_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlockExtraKeys]:
         """Empty, or one entry per block: the inputs besides token ids that went
-        into that block's hash (cache salt, images).
+        into that block's hash (cache salt, images, LoRA adapter).
         """
 
     def __init__(
@@ -815,10 +1032,11 @@ class KvBlocksStored(_message.Message):
         parent_block_hash: _builtins.bytes = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         extra_keys: _abc.Iterable[Global___KvBlockExtraKeys] | None = ...,
+        lora_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "extra_keys", b"extra_keys", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "extra_keys", b"extra_keys", "lora_id", b"lora_id", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -832,8 +1050,13 @@ class KvBlockExtraKeys(_message.Message):
 
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     MULTIMODAL_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
     cache_salt: _builtins.str
     """The request's cache salt; only on a sequence's first block."""
+    lora_name: _builtins.str
+    """The LoRA adapter's name, on every block computed with one; empty: the
+    base model.
+    """
     @_builtins.property
     def multimodal(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvMultimodalKey]:
         """The multimodal items whose placeholders overlap the block."""
@@ -843,10 +1066,11 @@ class KvBlockExtraKeys(_message.Message):
         *,
         cache_salt: _builtins.str = ...,
         multimodal: _abc.Iterable[Global___KvMultimodalKey] | None = ...,
+        lora_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "multimodal", b"multimodal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_name", b"lora_name", "multimodal", b"multimodal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1118,6 +1342,8 @@ class SchedulerStats(_message.Message):
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_WAITING_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_WAITING_DEFERRED_FIELD_NUMBER: _builtins.int
+    RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    WAITING_LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1163,6 +1389,18 @@ class SchedulerStats(_message.Message):
     """Requests waiting for their structured-output grammar to compile (vLLM's
     WAITING_FOR_FSM: waiting, deferred), not counted in num_waiting_reqs.
     """
+    @_builtins.property
+    def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the LoRA adapters of the running requests, sorted (vLLM's
+        running_lora_adapters).
+        """
+
+    @_builtins.property
+    def waiting_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the LoRA adapters of the waiting requests, sorted (vLLM's
+        waiting_lora_adapters).
+        """
+
     def __init__(
         self,
         *,
@@ -1182,10 +1420,12 @@ class SchedulerStats(_message.Message):
         num_generation_tokens: _builtins.int = ...,
         num_waiting_tokens: _builtins.int = ...,
         num_waiting_deferred: _builtins.int = ...,
+        running_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        waiting_lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "step_id", b"step_id", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -57,6 +57,21 @@ class EngineCoreServiceStub:
                 request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.core.v1.EngineCoreService/LoadLoraAdapter',
+                request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.core.v1.EngineCoreService/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/splitserve.core.v1.EngineCoreService/ListLoraAdapters',
+                request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/splitserve.core.v1.EngineCoreService/Profile',
                 request_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ProfileRequest.SerializeToString,
@@ -103,6 +118,34 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a LoRA adapter on every worker rank and names it
+        (vLLM's /v1/load_lora_adapter): from then on requests may run with it
+        (EngineCoreRequest.lora_name). INVALID_ARGUMENT when a field is wrong or
+        a rank refuses the files (the rank's one-line reason), ALREADY_EXISTS for
+        a name in use (unless load_inplace), FAILED_PRECONDITION when LoRA is off,
+        UNAVAILABLE while the ranks are being brought up again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter forgets an adapter's name at once: requests that name
+        it from then on are refused; requests already added finish with it, then
+        the ranks drop it. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Profile(self, request, context):
         """Profile starts or stops the torch profiler on every worker rank (vLLM's
         start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
@@ -134,6 +177,21 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
@@ -252,6 +310,87 @@ class EngineCoreService:
             '/splitserve.core.v1.EngineCoreService/ResetPrefixCache',
             splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheRequest.SerializeToString,
             splitserve_dot_core_dot_v1_dot_core__service__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.core.v1.EngineCoreService/LoadLoraAdapter',
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.core.v1.EngineCoreService/UnloadLoraAdapter',
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.core.v1.EngineCoreService/ListLoraAdapters',
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersRequest.SerializeToString,
+            splitserve_dot_core_dot_v1_dot_core__service__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,21 @@ class EngineCoreServiceStub:
     It is refused (reset false) while any request holds KV blocks; streams
     that subscribed to KV-cache events get a KvCacheCleared.
     """
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.LoadLoraAdapterRequest, _core_service_pb2.LoadLoraAdapterResponse]
+    """LoadLoraAdapter loads a LoRA adapter on every worker rank and names it
+    (vLLM's /v1/load_lora_adapter): from then on requests may run with it
+    (EngineCoreRequest.lora_name). INVALID_ARGUMENT when a field is wrong or
+    a rank refuses the files (the rank's one-line reason), ALREADY_EXISTS for
+    a name in use (unless load_inplace), FAILED_PRECONDITION when LoRA is off,
+    UNAVAILABLE while the ranks are being brought up again.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.UnloadLoraAdapterRequest, _core_service_pb2.UnloadLoraAdapterResponse]
+    """UnloadLoraAdapter forgets an adapter's name at once: requests that name
+    it from then on are refused; requests already added finish with it, then
+    the ranks drop it. NOT_FOUND for an unknown name.
+    """
+    ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ListLoraAdaptersRequest, _core_service_pb2.ListLoraAdaptersResponse]
+    """ListLoraAdapters lists the adapters requests may name."""
     Profile: _grpc.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]
     """Profile starts or stops the torch profiler on every worker rank (vLLM's
     start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
@@ -82,6 +97,21 @@ class EngineCoreServiceAsyncStub(EngineCoreServiceStub):
     It is refused (reset false) while any request holds KV blocks; streams
     that subscribed to KV-cache events get a KvCacheCleared.
     """
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_core_service_pb2.LoadLoraAdapterRequest, _core_service_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoadLoraAdapter loads a LoRA adapter on every worker rank and names it
+    (vLLM's /v1/load_lora_adapter): from then on requests may run with it
+    (EngineCoreRequest.lora_name). INVALID_ARGUMENT when a field is wrong or
+    a rank refuses the files (the rank's one-line reason), ALREADY_EXISTS for
+    a name in use (unless load_inplace), FAILED_PRECONDITION when LoRA is off,
+    UNAVAILABLE while the ranks are being brought up again.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_core_service_pb2.UnloadLoraAdapterRequest, _core_service_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """UnloadLoraAdapter forgets an adapter's name at once: requests that name
+    it from then on are refused; requests already added finish with it, then
+    the ranks drop it. NOT_FOUND for an unknown name.
+    """
+    ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ListLoraAdaptersRequest, _core_service_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
+    """ListLoraAdapters lists the adapters requests may name."""
     Profile: _aio.UnaryUnaryMultiCallable[_core_service_pb2.ProfileRequest, _core_service_pb2.ProfileResponse]  # type: ignore[assignment]
     """Profile starts or stops the torch profiler on every worker rank (vLLM's
     start_profile / stop_profile), between two steps. FAILED_PRECONDITION when
@@ -133,6 +163,39 @@ class EngineCoreServiceServicer(metaclass=_abc_1.ABCMeta):
         It is refused (reset false) while any request holds KV blocks; streams
         that subscribed to KV-cache events get a KvCacheCleared.
         """
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _core_service_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_core_service_pb2.LoadLoraAdapterResponse]]:
+        """LoadLoraAdapter loads a LoRA adapter on every worker rank and names it
+        (vLLM's /v1/load_lora_adapter): from then on requests may run with it
+        (EngineCoreRequest.lora_name). INVALID_ARGUMENT when a field is wrong or
+        a rank refuses the files (the rank's one-line reason), ALREADY_EXISTS for
+        a name in use (unless load_inplace), FAILED_PRECONDITION when LoRA is off,
+        UNAVAILABLE while the ranks are being brought up again.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _core_service_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_core_service_pb2.UnloadLoraAdapterResponse]]:
+        """UnloadLoraAdapter forgets an adapter's name at once: requests that name
+        it from then on are refused; requests already added finish with it, then
+        the ranks drop it. NOT_FOUND for an unknown name.
+        """
+
+    @_abc_1.abstractmethod
+    def ListLoraAdapters(
+        self,
+        request: _core_service_pb2.ListLoraAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_core_service_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_core_service_pb2.ListLoraAdaptersResponse]]:
+        """ListLoraAdapters lists the adapters requests may name."""
 
     @_abc_1.abstractmethod
     def Profile(

@@ -141,6 +141,11 @@ class LoadModelRequest(_message.Message):
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _builtins.int
     ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
     RUNNER_FIELD_NUMBER: _builtins.int
     CONVERT_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
@@ -215,6 +220,30 @@ class LoadModelRequest(_message.Message):
     it samples to the request at once, and the core sends no token ids for
     them. Needs pipeline_parallel_size 1 (every rank samples).
     """
+    max_loras: _builtins.int
+    """LoRA adapters (vLLM's --enable-lora): the most distinct adapters one step
+    may run (the rank's adapter slots, vLLM's --max-loras); 0 means LoRA is
+    off and requests must not name an adapter.
+    """
+    max_lora_rank: _builtins.int
+    """Largest adapter rank the slots hold (vLLM's --max-lora-rank); adapters
+    of a larger rank are refused. Used when max_loras > 0.
+    """
+    max_cpu_loras: _builtins.int
+    """Adapters the rank keeps in host memory besides the slots (vLLM's
+    --max-cpu-loras), least recently used dropped first; >= max_loras.
+    """
+    quantization: _builtins.str
+    """The weights' quantization (vLLM's --quantization): "" (the checkpoint's
+    own), a checkpoint format ("fp8", "gguf", "compressed-tensors", "awq",
+    "gptq") that must match the checkpoint, or "int8", "int4", "w8a8" to
+    quantize a float checkpoint at load. The rank refuses a name that does not
+    fit the checkpoint or that it cannot load.
+    """
+    dequantize_gguf: _builtins.bool
+    """Serve a GGUF file's quantized weights dequantized to float at load instead
+    of keeping them quantized. Ignored for other checkpoints.
+    """
     runner: _builtins.str
     """What the engine runs the model for (vLLM's --runner): "generate",
     "pooling" (pooled hidden states instead of sampled tokens) or "auto"/""
@@ -249,12 +278,17 @@ class LoadModelRequest(_message.Message):
         enforce_eager: _builtins.bool = ...,
         enable_expert_parallel: _builtins.bool = ...,
         async_scheduling: _builtins.bool = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+        max_cpu_loras: _builtins.int = ...,
+        quantization: _builtins.str = ...,
+        dequantize_gguf: _builtins.bool = ...,
         runner: _builtins.str = ...,
         convert: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -448,6 +482,76 @@ class InitializeKvCacheResponse(_message.Message):
 Global___InitializeKvCacheResponse: _TypeAlias = InitializeKvCacheResponse  # noqa: Y015
 
 @_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """LoadLoraAdapterRequest names a LoRA adapter's files and the id the engine
+    core gave it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_ID_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_id: _builtins.int
+    """The engine core's id of the adapter, >= 1; steps name it (lora_id). Ids
+    are never reused by one engine core.
+    """
+    lora_path: _builtins.str
+    """Absolute path of the adapter's folder on the rank's file system (with
+    adapter_config.json and adapter_model.safetensors); no ".." component.
+    """
+    def __init__(
+        self,
+        *,
+        lora_id: _builtins.int = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_id", b"lora_id", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    """LoadLoraAdapterResponse describes the adapter this rank loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_RANK_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    max_rank: _builtins.int
+    """The adapter's largest rank (r)."""
+    weight_bytes: _builtins.int
+    """Bytes this rank keeps for the adapter."""
+    load_seconds: _builtins.float
+    """Seconds the rank spent reading and sharding it."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The model's projections the adapter changes, by their checkpoint names
+        (e.g. "q_proj", "down_proj"), sorted.
+        """
+
+    def __init__(
+        self,
+        *,
+        max_rank: _builtins.int = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        weight_bytes: _builtins.int = ...,
+        load_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_seconds", b"load_seconds", "max_rank", b"max_rank", "target_modules", b"target_modules", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
 class ExecuteRequest(_message.Message):
     """ExecuteRequest carries one engine step to a rank."""
 
@@ -598,6 +702,8 @@ class SchedulerOutput(_message.Message):
     FREE_ENCODER_MM_HASHES_FIELD_NUMBER: _builtins.int
     GRAMMAR_BITMASK_FIELD_NUMBER: _builtins.int
     HAS_PENDING_GRAMMAR_FIELD_NUMBER: _builtins.int
+    LORA_SLOTS_FIELD_NUMBER: _builtins.int
+    FREE_LORA_IDS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step sequence number, 1, 2, 3, ...; a rank rejects a gap."""
     total_num_scheduled_tokens: _builtins.int
@@ -646,6 +752,18 @@ class SchedulerOutput(_message.Message):
         outputs); unset when none samples under a grammar.
         """
 
+    @_builtins.property
+    def lora_slots(self) -> Global___LoraSlots:
+        """The LoRA adapter slots that changed since the previous step, applied
+        before the step runs: adapter lora_ids[i] (files at lora_paths[i], read
+        when the rank does not hold it any more) now sits in slot slots[i]; an id
+        of 0 empties the slot. Unset when no slot changed.
+        """
+
+    @_builtins.property
+    def free_lora_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """LoRA adapters no request uses any more (unloaded); ranks drop them."""
+
     def __init__(
         self,
         *,
@@ -659,14 +777,54 @@ class SchedulerOutput(_message.Message):
         free_encoder_mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
         grammar_bitmask: Global___GrammarBitmask | None = ...,
         has_pending_grammar: _builtins.bool = ...,
+        lora_slots: Global___LoraSlots | None = ...,
+        free_lora_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "lora_slots", b"lora_slots", "scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "free_lora_ids", b"free_lora_ids", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "lora_slots", b"lora_slots", "num_scheduled_tokens", b"num_scheduled_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SchedulerOutput: _TypeAlias = SchedulerOutput  # noqa: Y015
+
+@_typing.final
+class LoraSlots(_message.Message):
+    """LoraSlots assigns LoRA adapters to a rank's adapter slots, column by
+    column: entry i of every field belongs to slots[i].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOTS_FIELD_NUMBER: _builtins.int
+    LORA_IDS_FIELD_NUMBER: _builtins.int
+    LORA_PATHS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Slot indices, each below LoadModelRequest.max_loras."""
+
+    @_builtins.property
+    def lora_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The adapter (LoadLoraAdapterRequest.lora_id) now in each slot; 0: none."""
+
+    @_builtins.property
+    def lora_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Each adapter's folder (LoadLoraAdapterRequest.lora_path); empty for 0."""
+
+    def __init__(
+        self,
+        *,
+        slots: _abc.Iterable[_builtins.int] | None = ...,
+        lora_ids: _abc.Iterable[_builtins.int] | None = ...,
+        lora_paths: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_ids", b"lora_ids", "lora_paths", b"lora_paths", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraSlots: _TypeAlias = LoraSlots  # noqa: Y015
 
 @_typing.final
 class ScheduledEncoderInputs(_message.Message):
@@ -715,6 +873,7 @@ class NewRequestData(_message.Message):
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    LORA_ID_FIELD_NUMBER: _builtins.int
     POOLING_PARAMS_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
@@ -726,6 +885,10 @@ class NewRequestData(_message.Message):
     """
     min_tokens: _builtins.int
     """Output tokens before stop_token_ids may be sampled."""
+    lora_id: _builtins.int
+    """The LoRA adapter the request runs with (a lora_id of a slot of the
+    step's, see SchedulerOutput.lora_slots); 0: the base model.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids."""
@@ -791,11 +954,12 @@ class NewRequestData(_message.Message):
         mm_features: _abc.Iterable[_types_pb2.MultiModalFeature] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         trace_context: _types_pb2.TraceContext | None = ...,
+        lora_id: _builtins.int = ...,
         pooling_params: _types_pb2.PoolingParams | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pooling_params", b"pooling_params", "sampler_params", b"sampler_params", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lora_id", b"lora_id", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -918,7 +1082,8 @@ class ModelRunnerOutput(_message.Message):
     @_builtins.property
     def req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Requests that sampled a token this step (a partial prefill chunk samples
-        none), in scheduled order.
+        none), in the rank's row order: scheduled order, grouped by LoRA adapter
+        slot when adapters run (the engine core pairs them by handle).
         """
 
     @_builtins.property

@@ -63,6 +63,11 @@ class WorkerServiceStub:
                 request_serializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.worker.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -110,6 +115,18 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter reads a LoRA adapter (PEFT's adapter_config.json and
+        adapter_model.safetensors) into the rank's adapter cache, this rank's
+        shard of every weight, so that the first step using it does not read the
+        disk; it is refused (INVALID_ARGUMENT, one line) when the files are
+        missing or unsupported (rank, target module, format). Needs a model loaded
+        with max_loras > 0. The engine core calls every rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +154,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteRequest.FromString,
                     response_serializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +300,33 @@ class WorkerService:
             '/splitserve.worker.v1.WorkerService/Execute',
             splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteRequest.SerializeToString,
             splitserve_dot_worker_dot_v1_dot_worker__service__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.worker.v1.WorkerService/LoadLoraAdapter',
+            splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_worker_dot_v1_dot_worker__service__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,14 @@ class WorkerServiceStub:
     order. The output rank answers every step with a ModelRunnerOutput; other
     ranks answer only to report an error.
     """
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.LoadLoraAdapterRequest, _worker_service_pb2.LoadLoraAdapterResponse]
+    """LoadLoraAdapter reads a LoRA adapter (PEFT's adapter_config.json and
+    adapter_model.safetensors) into the rank's adapter cache, this rank's
+    shard of every weight, so that the first step using it does not read the
+    disk; it is refused (INVALID_ARGUMENT, one line) when the files are
+    missing or unsupported (rank, target module, format). Needs a model loaded
+    with max_loras > 0. The engine core calls every rank.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -78,6 +86,14 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Execute is the step stream: one ExecuteRequest per engine step, in step
     order. The output rank answers every step with a ModelRunnerOutput; other
     ranks answer only to report an error.
+    """
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.LoadLoraAdapterRequest, _worker_service_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoadLoraAdapter reads a LoRA adapter (PEFT's adapter_config.json and
+    adapter_model.safetensors) into the rank's adapter cache, this rank's
+    shard of every weight, so that the first step using it does not read the
+    disk; it is refused (INVALID_ARGUMENT, one line) when the files are
+    missing or unsupported (rank, target module, format). Needs a model loaded
+    with max_loras > 0. The engine core calls every rank.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -130,6 +146,20 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Execute is the step stream: one ExecuteRequest per engine step, in step
         order. The output rank answers every step with a ModelRunnerOutput; other
         ranks answer only to report an error.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _worker_service_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_service_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_worker_service_pb2.LoadLoraAdapterResponse]]:
+        """LoadLoraAdapter reads a LoRA adapter (PEFT's adapter_config.json and
+        adapter_model.safetensors) into the rank's adapter cache, this rank's
+        shard of every weight, so that the first step using it does not read the
+        disk; it is refused (INVALID_ARGUMENT, one line) when the files are
+        missing or unsupported (rank, target module, format). Needs a model loaded
+        with max_loras > 0. The engine core calls every rank.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -11,6 +11,7 @@ from core_svc import kv_events
 from core_svc.block_hash import hash_block_tokens
 from core_svc.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from core_svc.kv_events import BlockExtraKeys, BlockRemoved, BlockStored, KVEventRecorder
+from core_svc.lora import LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from tests.fixtures.kv_index import KvIndex
 from tests.unit.core.kv_helpers import free_block_ids
@@ -25,6 +26,7 @@ class Sequence:
         self.all_token_ids = list(range(100, 100 + num_blocks * BLOCK_SIZE))
         self.cache_salt = cache_salt
         self.mm_features: tuple[MultiModalFeatureSpec, ...] = ()
+        self.lora: LoraRequest | None = None
 
 
 SEQ = Sequence()

@@ -4,8 +4,11 @@ as the gateway reads them, load rates."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_servicer.load_record import engine_load_from
 
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
@@ -144,3 +147,16 @@ def test_load_rates_come_from_the_cores_cumulative_counters() -> None:
     assert (load.gen_throughput, load.cache_hit_rate, load.num_waiting_uncached_tokens) == (
         50.0, 0.75, 10,
     )  # fmt: skip
+
+
+def test_the_load_record_carries_the_lora_slots_in_use() -> None:
+    """smg's EngineLoad.lora: the running adapters' slots of --max-loras (unset: LoRA off)."""
+    stats = SchedulerStats(num_running_reqs=3, running_lora_adapters=["a", "b"])
+    lora_info = dataclasses.replace(INFO, max_loras=4)
+    for info, expected in ((lora_info, (2, 4, 0.5)), (INFO, None)):
+        load = LoadReporter(info, lambda: stats).load()
+        record = engine_load_from(convert.scheduler_load_to_proto(load, 0), queued_token_work=True)
+        convert.add_lora_load(load, record)
+        lora = record.lora
+        got = (lora.slots_used, lora.slots_total, lora.utilization)
+        assert (got if record.HasField("lora") else None) == expected

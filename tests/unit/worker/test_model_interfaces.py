@@ -59,6 +59,9 @@ class RecordingMethods:
         self.prefixes.append(prefix)
         return UnquantizedLinearMethod()
 
+    def vocab_method(self, prefix: str) -> LinearMethodBase | None:
+        return None
+
 
 def architecture_config(architecture: str, llava_dir: Path) -> Any:
     if architecture == "LlavaForConditionalGeneration":

@@ -1,0 +1,48 @@
+"""`--quantization` (vLLM's flag) and `--dequantize-gguf`: the names the engine core accepts and
+forwards to the workers, which check them against the checkpoint (worker_svc/quantization)."""
+
+from __future__ import annotations
+
+from splitserve_runtime.flags import Flag, flag, only_values
+
+CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf")
+"""vLLM's names for quantized checkpoints (`quantization_config.quant_method`, or a .gguf)."""
+NOT_YET_LOADABLE = ("gptq",)
+"""Checkpoint formats splitserve does not load yet (refused by name)."""
+ONLINE_METHODS = ("int8", "int4", "w8a8")
+"""splitserve's own: a float checkpoint quantized at load (int8: W8A16, int4: W4A16 in groups
+of 32, w8a8: int8 weights and per-token int8 activations)."""
+QUANTIZATION_CHOICES = (*CHECKPOINT_FORMATS, *ONLINE_METHODS)
+"""The names a worker accepts in LoadModelRequest.quantization (besides "")."""
+ACCEPTED_FLAG_VALUES = ("auto", *(n for n in QUANTIZATION_CHOICES if n not in NOT_YET_LOADABLE))
+NOT_LOADABLE_WHY = (
+    "GPTQ checkpoints are not loaded yet; fp8, compressed-tensors, awq and gguf checkpoints "
+    "are, and int8, int4 or w8a8 quantize a float checkpoint at load"
+)
+
+
+def canonical_quantization(value: str) -> str:
+    """The flag's value as the workers take it: "" for the checkpoint's own ("auto")."""
+    return "" if value == "auto" else value
+
+
+def quantization_flags() -> list[Flag]:
+    return [
+        flag(
+            "--quantization",
+            "-q",
+            default="auto",
+            type=only_values(*ACCEPTED_FLAG_VALUES, why=NOT_LOADABLE_WHY),
+            help="the weights' quantization (vLLM's flag; auto: the checkpoint's own). "
+            "Checkpoint formats: fp8, compressed-tensors (int W4A16/W8A16/W8A8), awq (GEMM), "
+            "gguf (gptq is not loaded yet); a float checkpoint quantized at load: int8 (int8 weights, per-row scales), "
+            "int4 (4-bit weights in groups of 32), w8a8 (int8 weights and activations); the "
+            "CPU kernels run them",
+        ),
+        flag(
+            "--dequantize-gguf",
+            action="store_true",
+            help="serve a GGUF file's quantized weights dequantized to float at load (the "
+            "default keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights quantized)",
+        ),
+    ]
