@@ -20,7 +20,7 @@ import torch
 
 from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
 from splitserve_runtime.log_config import is_text_logging
-from splitserve_runtime.model_source import resolve_model
+from splitserve_runtime.model_source import ModelSource, resolve_model
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.selector import available_backends, backend_class, select_backend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
@@ -175,14 +175,9 @@ class Worker:
         model.eval()
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
-        self.pooler_config = None
-        if is_pooling:
-            folder = None if source.is_gguf else source.path
-            self.pooler_config = read_pooler_config(
-                folder, checkpoint.hf_config, model_config.hidden_size
-            )
-            if is_sequence_classifier(architecture):
-                self.pooler_config = classifier_config(num_labels)
+        self.pooler_config = (
+            _pooler_config(source, checkpoint, model_config.hidden_size) if is_pooling else None
+        )
         self.runner = ModelRunner(
             model,
             backend,
@@ -400,6 +395,16 @@ class Worker:
 
 
 Weights = Iterator[tuple[str, TensorSource]]
+
+
+def _pooler_config(source: ModelSource, checkpoint: Checkpoint, hidden_size: int) -> PoolerConfig:
+    """How a pooling model pools: a sequence classifier through its score head, any other
+    as its sentence-transformers files (or config.json) say."""
+    hf_config = checkpoint.hf_config
+    config = read_pooler_config(None if source.is_gguf else source.path, hf_config, hidden_size)
+    if is_sequence_classifier(architecture_of(hf_config)):
+        return classifier_config(int(getattr(hf_config, "num_labels", 1)))
+    return config
 
 
 def _as_read(weights: Weights) -> Weights:

@@ -185,3 +185,18 @@ def test_grpc_embed_and_the_gateway_contract_embed(embed_stack: Stack) -> None:
     assert "pooling model" in (refused.value.details() or "")
     assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not info.is_generation
+
+
+def test_an_int8_embedder_with_lora_slots_stays_close(embedder_dir: Path) -> None:
+    """Where pooling meets main's linear methods: every decoder linear int8-quantized at load
+    and wrapped with LoRA slots, the pooled vectors still follow sentence-transformers'."""
+    flags = ["--max-model-len", "128", "--quantization", "int8"]
+    flags += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
+    stack = Stack(embedder_dir, core_flags=flags).start()
+    try:
+        sdk = client(stack)
+        reply = sdk.embeddings.create(model=model_name(stack), input=TEXTS, encoding_format="float")
+    finally:
+        stack.stop()
+    ours = np.array([d.embedding for d in reply.data])
+    assert cosines(ours, load_embedder(embedder_dir).encode(TEXTS)).min() >= 0.999
