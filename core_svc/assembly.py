@@ -35,6 +35,7 @@ def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
         async_scheduling=config.async_scheduling,
+        is_pooling=facts.pooler_config is not None,
         max_loras=config.max_loras,
         speculative_config=config.speculative_config,
     )

@@ -93,6 +93,10 @@ class CoreConfig(TransportConfig):
     enforce_eager: bool = False
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = None
+    runner: str = "auto"
+    """vLLM's --runner: "generate", "pooling" or "auto" (the checkpoint decides)."""
+    convert: str = "auto"
+    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
     structured_outputs_compile_timeout: float = 10.0
     max_loras: int = 0
     """LoRA adapter slots: --max-loras with --enable-lora, else 0 (LoRA off)."""
@@ -113,6 +117,8 @@ class CoreConfig(TransportConfig):
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 
 
 def structured_outputs_config(text: str) -> dict[str, Any]:
@@ -274,8 +280,23 @@ CORE_FLAGS: tuple[Flag, ...] = (
         '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M, '
         '"num_speculative_tokens_per_batch_size": [[first, last, K], ...]}; the worker ranks '
         "propose drafts by prompt lookup and verify up to K per request in one forward; without "
-        "a per-batch-size schedule a step speculates while at most 8 requests run (measured "
+        "a per-batch-size schedule a step speculates while at most 8 requests run (an estimated "
         "crossover on CPU: docs/benchmarks.md). Works with --async-scheduling",
+    ),
+    flag(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="what the model is served for (vLLM's flag): generate (tokens), pooling "
+        "(embeddings: /v1/embeddings) or auto (pooling for a checkpoint without a language-model "
+        "head, e.g. LlamaModel saved by sentence-transformers)",
+    ),
+    flag(
+        "--convert",
+        choices=CONVERTS,
+        default="auto",
+        help="adapt a generative architecture (vLLM's flag): embed serves it as an embedding "
+        "model (implies --runner pooling)",
     ),
     flag("--block-size", type=positive_int, default=16, help="tokens per KV-cache block"),
     flag(

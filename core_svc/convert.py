@@ -37,6 +37,7 @@ def request_from_proto(
     structured-outputs constraint is kept as given; the engine checks it when it adds the
     request (core_svc/request_checks.py), and so is an adapter name `loras` does not know."""
     structured = None
+    pooling_task = msg.pooling_params.task if msg.HasField("pooling_params") else ""
     if msg.HasField("structured_outputs"):
         params = structured_outputs.from_proto(msg.structured_outputs)
         if params is not None:
@@ -49,12 +50,13 @@ def request_from_proto(
         prompt_token_ids=list(msg.prompt_token_ids),
         output_token_ids=list(msg.output_token_ids),
         is_resumed=msg.resumed,
-        max_tokens=msg.max_tokens,
+        max_tokens=1 if pooling_task else msg.max_tokens,  # one step, which samples nothing
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
         sampler_params=msg.sampler_params.SerializeToString(),
         skip_reading_prefix_cache=msg.sampler_params.HasField("prompt_logprobs"),
+        pooling_task=pooling_task,
         cache_salt=msg.cache_salt,
         priority=msg.priority,
         arrival_time=arrival_time,
@@ -93,6 +95,8 @@ def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -
         msg.num_cached_tokens = detail.num_cached_tokens
     msg.error_message = detail.error_message
     msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
+    if detail.pooling_output:
+        msg.pooling_output = detail.pooling_output
 
 
 def engine_core_outputs_to_proto(
@@ -169,6 +173,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
             new_msg.mm_features.add().MergeFromString(feature)
         if new_req.output_token_ids:
             new_msg.output_token_ids.extend(new_req.output_token_ids)
+        if new_req.pooling_task:
+            new_msg.pooling_params.task = new_req.pooling_task
         new_msg.lora_id = new_req.lora_id
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
@@ -268,6 +274,9 @@ def engine_info_to_proto(
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
+        pooler_config=output_convert.pooler_config_to_proto(facts.pooler_config)
+        if facts.pooler_config is not None
+        else None,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank if config.max_loras else 0,
     )

@@ -31,6 +31,7 @@ def make_detail(
         num_cached_tokens=max(request.num_cached_tokens, 0) if is_first_token else None,
         error_message=request.error_message,
         error_kind=request.error_kind,
+        pooling_output=request.pooling_output,
     )
 
 
@@ -110,6 +111,8 @@ def make_update_outputs(
         model_runner_output,
         update.num_sampled_tokens,
     )
+    if update.pooled:
+        merge_outputs(outputs, make_final_outputs(update.pooled))
     if update.failed:
         logger.error("step %d: %d requests failed", step_id, len(update.failed))
         merge_outputs(outputs, make_final_outputs(update.failed))

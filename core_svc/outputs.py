@@ -30,6 +30,8 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None
     error_message: str = ""
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
+    pooling_output: bytes = b""
+    """A pooling request's pooled vector, with its finish."""
 
 
 @dataclass(slots=True)

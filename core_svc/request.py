@@ -95,6 +95,8 @@ class Request:
         "lora",
         "holds_lora_slot",
         "trace",
+        "pooling_task",
+        "pooling_output",
     )
 
     def __init__(
@@ -119,8 +121,15 @@ class Request:
         is_resumed: bool = False,
         lora: LoraRequest | None = None,
         trace: RequestTrace | None = None,
+        pooling_task: str = "",
     ) -> None:
         self.req_handle = -1
+        self.pooling_task = pooling_task
+        """A pooling request's task ("embed"); "" for a generation request. A pooling
+        request computes its prompt (never read from the prefix cache: every position is
+        pooled), samples nothing and finishes with `pooling_output`."""
+        self.pooling_output = b""
+        """The pooled vector the output rank sent (float32 little-endian), once it ran."""
         self.trace = trace
         """Its trace (--otlp-traces-endpoint and a frontend that traces it); None: untraced."""
         self.client_id = client_id
@@ -136,8 +145,9 @@ class Request:
         self.all_token_ids = [*prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampler_params = sampler_params
-        self.skip_reading_prefix_cache = skip_reading_prefix_cache
-        """Prompt logprobs need every prompt position computed, so such requests never hit."""
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache or bool(pooling_task)
+        """Prompt logprobs and pooling need every prompt position computed, so such requests
+        never hit."""
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.priority = priority

@@ -26,6 +26,10 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
             f"the prompt ({num_prompt_tokens} tokens) leaves no room to generate within "
             f"max_model_len={max_model_len}"
         )
+    if request.pooling_task or scheduler_config.is_pooling:
+        problem = _pooling_problem(request, scheduler_config.is_pooling)
+        if problem is not None:
+            return problem
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     if max(request.prompt_token_ids) >= vocab_size:
@@ -82,4 +86,27 @@ def _resumed_outputs_problem(request: Request, scheduler_config: SchedulerConfig
             f"within max_tokens={request.max_tokens} and max_model_len="
             f"{scheduler_config.max_model_len}"
         )
+    return None
+
+
+POOLING_TASKS = ("embed", "score")
+
+
+def _pooling_problem(request: Request, is_pooling_engine: bool) -> str | None:
+    """A pooling request needs a pooling engine (and the reverse); it generates nothing, so
+    it carries no generation settings."""
+    if not is_pooling_engine:
+        return "this engine serves a generative model; it takes no pooling requests"
+    if not request.pooling_task:
+        return (
+            "this engine serves a pooling model (--runner pooling); it only takes pooling requests"
+        )
+    if request.pooling_task not in POOLING_TASKS:
+        return (
+            f"pooling task {request.pooling_task[:32]!r} is not one of {', '.join(POOLING_TASKS)}"
+        )
+    if request.output_token_ids or request.structured_output is not None:
+        return "a pooling request has no output tokens and no structured outputs"
+    if request.min_tokens or request.stop_token_ids:
+        return "a pooling request has no min_tokens and no stop token ids"
     return None

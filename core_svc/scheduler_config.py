@@ -52,6 +52,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule step N+1 while the workers run step N (vLLM's --async-scheduling): decodes are
     scheduled with output placeholders and the workers feed their own sampled tokens."""
+    is_pooling: bool = False
+    """The ranks serve a pooling model (--runner pooling): the engine takes pooling requests
+    only (each computes its prompt and finishes with its pooled vector), and no others."""
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
     off and requests naming an adapter are refused."""

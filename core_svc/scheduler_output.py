@@ -32,6 +32,8 @@ class NewRequestData:
     """The LoRA adapter it runs with (0: the base model)."""
     trace: TraceContext | None = None
     """The core's span of the request, for the workers' spans (None: not traced)."""
+    pooling_task: str = ""
+    """A pooling request's task: the ranks pool its prompt instead of sampling."""
 
 
 @dataclass(slots=True)

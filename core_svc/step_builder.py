@@ -119,6 +119,7 @@ class StepBuilder:
                 output_token_ids=list(request.output_token_ids),  # it grows in place
                 lora_id=0 if request.lora is None else request.lora.lora_id,
                 trace=request.trace.for_workers if request.trace is not None else None,
+                pooling_task=request.pooling_task,
             )
         )
         request.is_known_to_workers = True

@@ -25,8 +25,11 @@ class StepUpdate:
     sampled_token_ids: list[int] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    pooled: list[Request] = field(default_factory=list)
+    """Pooling requests whose prompt ran this step: finished with their pooled vector (also
+    in `finished`)."""
     num_prompt_tokens: int = 0
-    """Prompt tokens of the requests that sampled their first token in this step."""
+    """Prompt tokens of the requests that sampled their first token (or pooled) this step."""
     num_sampled_tokens: list[int] = field(default_factory=list)
     """Tokens each of sampled_reqs gained, in order in sampled_token_ids (empty: one each)."""
     spec_reqs: list[tuple[Request, int, int]] = field(default_factory=list)
@@ -106,6 +109,7 @@ class StepUpdater:
         if output.num_sampled_token_ids:
             return self._apply_runs(scheduled, scheduler_output, output, update, spec_stats)
         sampled = dict(zip(output.req_handles, output.sampled_token_ids, strict=True))
+        pooled = {p.req_handle: p.data for p in output.pooler_outputs}
         kv = self.kv_cache_manager
         block_size, vocab_size = kv.block_size, self.vocab_size
         cache_blocks = kv.cache_blocks if kv.enable_caching else None
@@ -123,6 +127,9 @@ class StepUpdater:
                 self.encoder.release_computed(request)
             if num_computed < len(request.all_token_ids):
                 continue  # a prefill chunk: nothing sampled
+            if request.pooling_task:
+                _finish_pooled(request, pooled.get(request.req_handle), scheduled.step_id, update)
+                continue
             token = sampled.get(request.req_handle)
             if token is None or token >= vocab_size:
                 update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
@@ -238,6 +245,20 @@ def _grammar_stops(
         update.finished.append(request)
         return True
     return False
+
+
+def _finish_pooled(request: Request, data: bytes | None, step_id: int, update: StepUpdate) -> None:
+    """A pooling request whose prompt ran: it finishes (STOP) with its pooled vector, or with
+    ENGINE_FAILURE when the output rank sent none."""
+    if not data:
+        request.fail(ErrorKind.ENGINE_FAILURE, f"step {step_id}: the output rank pooled nothing")
+        update.failed.append(request)
+        return
+    request.pooling_output = data
+    request.finish(RequestStatus.FINISHED_STOPPED)
+    update.num_prompt_tokens += request.num_prompt_tokens
+    update.finished.append(request)
+    update.pooled.append(request)
 
 
 def _check_order(scheduled: ScheduledStep, scheduler_output: SchedulerOutput) -> None:

@@ -18,6 +18,8 @@ import grpc
 
 from core_svc.config import CoreConfig
 from core_svc.lora import LoraError, LoraErrorKind
+from splitserve_contracts import output_convert
+from splitserve_contracts.output_types import PoolerConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
@@ -63,6 +65,8 @@ class ModelFacts:
     """Rank 0's device ("cpu", "cuda"), from Describe."""
     max_tokens_per_mm_item: int = 0
     """Most placeholder tokens of one image; 0 for a text-only model."""
+    pooler_config: PoolerConfig | None = None
+    """How the model pools when the ranks serve it as a pooling model; None: generative."""
 
 
 class WorkerPool:
@@ -212,6 +216,8 @@ class WorkerPool:
                 enable_expert_parallel=config.enable_expert_parallel,
                 enforce_eager=config.enforce_eager,
                 async_scheduling=config.async_scheduling,
+                runner=config.runner,
+                convert=config.convert,
                 quantization=config.quantization,
                 dequantize_gguf=config.dequantize_gguf,
                 max_loras=config.max_loras,
@@ -245,6 +251,9 @@ class WorkerPool:
             kv_bytes,
             sliding_window=min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
             max_tokens_per_mm_item=first.max_tokens_per_mm_item,
+            pooler_config=output_convert.pooler_config_from_proto(first.pooler_config)
+            if first.HasField("pooler_config")
+            else None,
         )
 
     async def load_lora_adapter(

@@ -32,6 +32,7 @@ from frontend_svc.requests import (
     ChatTurn,
     CompletionDelta,
     ContentPart,
+    Embedding,
     EngineRequest,
     GenerateInput,
     ImageInput,
@@ -48,6 +49,7 @@ from splitserve_contracts.output_convert import (
     engine_core_event_from_proto,
     enum_member,
     logprobs_table_from_proto,
+    pooler_config_from_proto,
     scheduler_stats_from_proto,
 )
 from splitserve_contracts.output_types import ErrorKind, FinishReason
@@ -170,6 +172,32 @@ def prompt_from_proto(msg: gen_pb2.GenerateRequest | gen_pb2.TokenizeRequest) ->
     return PromptInput()
 
 
+def embed_inputs_from_proto(msg: gen_pb2.EmbedRequest, max_fan_out: int) -> list[PromptInput]:
+    """The inputs of an Embed call: at least one, at most `max_fan_out`, each set."""
+    if not 0 < len(msg.inputs) <= max_fan_out:
+        raise InvalidRequest(
+            f"send 1 to {max_fan_out} inputs (--max-fan-out), not {len(msg.inputs)}", "inputs"
+        )
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+    prompts = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest(f"inputs[{i}] sets neither `text` nor `token_ids`", f"inputs[{i}]")
+        if kind == "text":
+            prompts.append(PromptInput(text=item.text, add_special_tokens=add_special))
+        else:
+            prompts.append(PromptInput(token_ids=tuple(item.token_ids.ids)))
+    return prompts
+
+
+def embed_response_to_proto(request_id: str, embedded: list[Embedding]) -> gen_pb2.EmbedResponse:
+    reply = gen_pb2.EmbedResponse(request_id=request_id)
+    for e in embedded:
+        reply.embeddings.add(values=e.vector.tolist(), prompt_tokens=e.num_prompt_tokens)
+    return reply
+
+
 def generate_input_from_proto(
     msg: gen_pb2.GenerateRequest, request_id: str, defaults: Mapping[str, Any] | None = None
 ) -> GenerateInput:
@@ -264,10 +292,12 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         prompt_token_ids=req.prompt_token_ids,
         cache_salt=req.cache_salt,
         priority=req.priority,
-        max_tokens=params.max_tokens,
+        max_tokens=0 if req.pooling_task else params.max_tokens,
         min_tokens=params.min_tokens,
         stop_token_ids=params.stop_token_ids,
     )
+    if req.pooling_task:
+        msg.pooling_params.task = req.pooling_task
     if req.eos_token_id is not None:
         msg.eos_token_id = req.eos_token_id
     if req.output_token_ids:
@@ -309,6 +339,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
         num_cached_tokens=d.num_cached_tokens if has("num_cached_tokens") else None,
         error_message=d.error_message,
         error_kind=enum_member(ErrorKind, d.error_kind),
+        pooling_output=d.pooling_output,
     )
 
 
@@ -398,6 +429,9 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
+        pooler_config=pooler_config_from_proto(msg.pooler_config)
+        if msg.HasField("pooler_config")
+        else None,
         max_loras=msg.max_loras,
         max_lora_rank=msg.max_lora_rank,
     )

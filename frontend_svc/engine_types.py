@@ -9,6 +9,7 @@ from splitserve_contracts.output_types import (
     ErrorKind,
     FinishReason,
     LogprobsTable,
+    PoolerConfig,
     SchedulerStats,
 )
 
@@ -33,6 +34,9 @@ class EngineInfo:
     max_concurrency: float
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens one image takes in the workers' model; 0: the model takes text only."""
+    pooler_config: PoolerConfig | None = None
+    """How the model pools when the engine serves a pooling model (--runner pooling): it then
+    takes embedding requests only; None: a generative model."""
     max_loras: int = 0
     """Most distinct LoRA adapters in one step (vLLM's --max-loras); 0: LoRA is off."""
     max_lora_rank: int = 0
@@ -79,6 +83,8 @@ class CoreOutputDetail:
     num_cached_tokens: int | None = None
     error_message: str = ""
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
+    pooling_output: bytes = b""
+    """A pooling request's vector (float32 little-endian), with its finish."""
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
 from frontend_svc.request_log import RequestLogger
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from frontend_svc.served_models import ServedModels, runtime_lora_updating
 from frontend_svc.server import AdminServicer, GenerationServicer
 from frontend_svc.tracing import accept_caller_traces
@@ -141,6 +142,7 @@ async def serve(config: FrontendConfig) -> int:
         chat,
         tuple(aliases),
         config.profiler_config.is_enabled,
+        config.max_fan_out,
         models,
     )
     http = None
@@ -282,12 +284,15 @@ def add_servicers(
     chat: ChatFeatures,
     model_aliases: tuple[str, ...] = (),
     profiling: bool = False,
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT,
     models: ServedModels | None = None,
 ) -> None:
     """The public API and its admin service and, beside them on the same port, the gateway
     contract."""
     engine, inputs, info, name = parts.engine, parts.inputs, parts.info, parts.served_model_name
-    servicer = GenerationServicer(engine, inputs, info, name, chat, model_aliases, models)
+    servicer = GenerationServicer(
+        engine, inputs, info, name, chat, model_aliases, max_fan_out, models
+    )
     gen_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     if models is not None:
         admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(models), host.server)

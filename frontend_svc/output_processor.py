@@ -251,6 +251,7 @@ class OutputProcessor:
             error_kind=detail.error_kind if detail else ErrorKind.UNSPECIFIED,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            pooling_output=detail.pooling_output if detail else b"",
         )
 
     def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
@@ -210,6 +212,9 @@ class EngineRequest:
     the whole answer is content."""
     trace: TraceContext | None = None
     """The frontend span (llm_request) the engine core's spans hang under; None: not traced."""
+    pooling_task: str = ""
+    """A pooling request's task ("embed"): the engine pools the prompt and generates nothing;
+    "": a generation request."""
 
 
 @dataclass(slots=True)
@@ -243,7 +248,17 @@ class CompletionDelta:
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooling_output: bytes = b""
+    """A pooling request's vector, on its final delta."""
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason != FinishReason.UNSPECIFIED
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """One input's embedding (float32) and its prompt length."""
+
+    vector: np.ndarray
+    num_prompt_tokens: int

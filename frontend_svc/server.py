@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontend_svc import convert, grpc_errors
+from frontend_svc import convert, grpc_errors, pooling
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
 from frontend_svc.openai.tools import grpc_tools
+from frontend_svc.requests import DEFAULT_MAX_FAN_OUT, derived_request_id
 from frontend_svc.served_models import ServedModels, resolve_model
 from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
@@ -40,6 +41,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         served_model_name: str,
         chat: ChatFeatures | None = None,
         model_aliases: tuple[str, ...] = (),
+        max_fan_out: int = DEFAULT_MAX_FAN_OUT,
         models: ServedModels | None = None,
     ) -> None:
         self.engine = engine
@@ -52,6 +54,8 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self.chat = chat or ChatFeatures()
         """Tool calling and reasoning, as on the HTTP API."""
         self.model_aliases = model_aliases
+        self.max_fan_out = max_fan_out
+        """--max-fan-out: most inputs one Embed call may carry."""
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: gen_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -64,6 +68,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             lora_name = await resolve_model(
                 self.models, request.model, self.served_model_name, self.model_aliases
             )
+            pooling.check_generative(self.info, "Generate RPC")
             call = convert.generate_input_from_proto(request, request_id, inputs.sampling_defaults)
             call = dataclasses.replace(call, lora_name=lora_name)
             tools = grpc_tools(convert.tools_body_from_proto(request), self.chat.can_choose_tools)
@@ -78,6 +83,45 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
                 yield convert.delta_to_proto(request_id, delta, parsed, listed)
         except FrontendError as err:
             await grpc_errors.abort(context, err)
+
+    async def Embed(  # noqa: N802
+        self, request: gen_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> gen_pb2.EmbedResponse:
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex[:16]}"
+        inputs = self.inputs
+        try:
+            await self._check_base_model(request.model)
+            config = pooling.pooler_config(self.info, "Embed RPC")
+            dimensions = request.dimensions if request.HasField("dimensions") else None
+            pooling.check_dimensions(config, dimensions, "dimensions")
+            prompts = convert.embed_inputs_from_proto(request, self.max_fan_out)
+            requests = [
+                await inputs.run(
+                    pooling.embed_request,
+                    inputs,
+                    derived_request_id(request_id, f"-{i}"),
+                    prompt,
+                    f"inputs[{i}]",
+                    request.priority,
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+            embedded = await pooling.embed_all(self.engine, requests, config, dimensions)
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return convert.embed_response_to_proto(request_id, embedded)
+
+    async def _check_base_model(self, requested: str) -> None:
+        """Pooling requests run on the base model: a LoRA adapter's name is refused."""
+        lora_name = await resolve_model(
+            self.models, requested, self.served_model_name, self.model_aliases
+        )
+        if lora_name:
+            raise InvalidRequest(
+                f"LoRA adapter {lora_name!r} cannot serve pooling requests; name the base "
+                f"model {self.served_model_name!r}",
+                "model",
+            )
 
     async def Tokenize(  # noqa: N802
         self, request: gen_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -124,6 +168,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
             max_num_seqs=info.max_num_seqs,
+            embedding_size=info.pooler_config.hidden_size if info.pooler_config else 0,
         )
         if inputs.multimodal is not None:
             reply.supports_vision = True

@@ -24,9 +24,9 @@ ENUMS = {
     "splitserve/worker/v1/worker_service.proto": ("StepStatus",),
 }
 RECORDS = {
-    "splitserve/common/v1/types.proto": ("LogprobsTable",),
+    "splitserve/common/v1/types.proto": ("LogprobsTable", "PoolerConfig"),
     "splitserve/core/v1/core_service.proto": ("EngineCoreEvent", "SchedulerStats"),
-    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "ModelRunnerOutput"),
+    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "PoolerOutput", "ModelRunnerOutput"),
 }  # fmt: skip
 SOURCES = tuple(ENUMS)
 SCALARS = {
@@ -194,7 +194,8 @@ def to_proto_line(contracts: Contracts, source_of: dict[str, str], f: F) -> list
     if f.type == F.TYPE_MESSAGE:
         convert = f"{snake(type_name)}_to_proto"
         if f.label == F.LABEL_REPEATED:
-            return [f"    for item in {value}:", f"        {convert}(item, {target}.add())"]
+            item = f"{snake(type_name)}_item"  # one name per type: mypy types loop variables
+            return [f"    for {item} in {value}:", f"        {convert}({item}, {target}.add())"]
         return [f"    if {value} is not None:", f"        {convert}({value}, {target})"]
     if f.label == F.LABEL_REPEATED:
         line = f"    {target}.extend({value})"

@@ -47,6 +47,31 @@ def logprobs_table_from_proto(msg: common_pb2.LogprobsTable) -> t.LogprobsTable:
     )
 
 
+def pooler_config_to_proto(
+    record: t.PoolerConfig, msg: common_pb2.PoolerConfig | None = None
+) -> common_pb2.PoolerConfig:
+    if msg is None:
+        msg = common_pb2.PoolerConfig()
+    msg.pooling_type = record.pooling_type
+    msg.normalize = record.normalize
+    msg.hidden_size = record.hidden_size
+    msg.matryoshka_dimensions.extend(record.matryoshka_dimensions)
+    msg.is_matryoshka = record.is_matryoshka
+    msg.task = record.task
+    return msg
+
+
+def pooler_config_from_proto(msg: common_pb2.PoolerConfig) -> t.PoolerConfig:
+    return t.PoolerConfig(
+        pooling_type=msg.pooling_type,
+        normalize=msg.normalize,
+        hidden_size=msg.hidden_size,
+        matryoshka_dimensions=list(msg.matryoshka_dimensions),
+        is_matryoshka=msg.is_matryoshka,
+        task=msg.task,
+    )
+
+
 def engine_core_event_to_proto(
     record: t.EngineCoreEvent, msg: core_pb2.EngineCoreEvent | None = None
 ) -> core_pb2.EngineCoreEvent:
@@ -162,6 +187,23 @@ def request_logprobs_from_proto(msg: worker_pb2.RequestLogprobs) -> t.RequestLog
     )
 
 
+def pooler_output_to_proto(
+    record: t.PoolerOutput, msg: worker_pb2.PoolerOutput | None = None
+) -> worker_pb2.PoolerOutput:
+    if msg is None:
+        msg = worker_pb2.PoolerOutput()
+    msg.req_handle = record.req_handle
+    msg.data = record.data
+    return msg
+
+
+def pooler_output_from_proto(msg: worker_pb2.PoolerOutput) -> t.PoolerOutput:
+    return t.PoolerOutput(
+        req_handle=msg.req_handle,
+        data=msg.data,
+    )
+
+
 def model_runner_output_to_proto(
     record: t.ModelRunnerOutput, msg: worker_pb2.ModelRunnerOutput | None = None
 ) -> worker_pb2.ModelRunnerOutput:
@@ -173,10 +215,10 @@ def model_runner_output_to_proto(
     msg.rank = record.rank
     msg.req_handles.extend(record.req_handles)
     msg.sampled_token_ids.extend(record.sampled_token_ids)
-    for item in record.logprobs:
-        request_logprobs_to_proto(item, msg.logprobs.add())
-    for item in record.prompt_logprobs:
-        request_logprobs_to_proto(item, msg.prompt_logprobs.add())
+    for request_logprobs_item in record.logprobs:
+        request_logprobs_to_proto(request_logprobs_item, msg.logprobs.add())
+    for request_logprobs_item in record.prompt_logprobs:
+        request_logprobs_to_proto(request_logprobs_item, msg.prompt_logprobs.add())
     if record.timings is not None:
         step_timings_to_proto(record.timings, msg.timings)
     msg.num_used_kv_blocks = record.num_used_kv_blocks
@@ -184,6 +226,8 @@ def model_runner_output_to_proto(
     msg.failed_reasons.extend(record.failed_reasons)
     msg.num_sampled_token_ids.extend(record.num_sampled_token_ids)
     msg.num_draft_tokens.extend(record.num_draft_tokens)
+    for pooler_output_item in record.pooler_outputs:
+        pooler_output_to_proto(pooler_output_item, msg.pooler_outputs.add())
     return msg
 
 
@@ -203,4 +247,5 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         failed_reasons=list(msg.failed_reasons),
         num_sampled_token_ids=list(msg.num_sampled_token_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
+        pooler_outputs=[pooler_output_from_proto(item) for item in msg.pooler_outputs],
     )

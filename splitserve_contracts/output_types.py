@@ -110,6 +110,41 @@ class LogprobsTable:
 
 
 @dataclass(slots=True)
+class PoolerConfig:
+    """PoolerConfig says how a pooling model turns a prompt's hidden states into one vector (vLLM's
+    PoolerConfig), as the checkpoint's sentence-transformers configuration says (modules.json,
+    1_Pooling/config.json).
+    """
+
+    pooling_type: str = ""
+    """"LAST" (the last prompt token), "MEAN" (mean over the prompt) or "CLS" (the first prompt
+    token).
+    """
+
+    normalize: bool = False
+    """Whether pooled vectors are L2-normalized (a Normalize module)."""
+
+    hidden_size: int = 0
+    """Length of one pooled vector: the model's hidden size."""
+
+    matryoshka_dimensions: list[int] = field(default_factory=list)
+    """Output sizes a Matryoshka model was trained for (the `dimensions` a client may ask for);
+    empty when the model is not a Matryoshka model.
+    """
+
+    is_matryoshka: bool = False
+    """Whether any size up to hidden_size may be asked for (config.json's is_matryoshka without
+    matryoshka_dimensions).
+    """
+
+    task: str = ""
+    """What the pooled vector is: "embed" (an embedding) or "classify" (a sequence-classification
+    head's scores, hidden_size of them, after its activation: sigmoid for one label; the /score
+    and /rerank model).
+    """
+
+
+@dataclass(slots=True)
 class EngineCoreEvent:
     """EngineCoreEvent is one lifecycle event with the engine-core time it happened."""
 
@@ -234,6 +269,17 @@ class RequestLogprobs:
 
 
 @dataclass(slots=True)
+class PoolerOutput:
+    """PoolerOutput is one pooling request's pooled vector."""
+
+    req_handle: int = 0
+    """The request."""
+
+    data: bytes = b""
+    """The vector, float32 little-endian (PoolerConfig.hidden_size values)."""
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """ModelRunnerOutput is one step's result, sent by the output rank (the first tensor-parallel
     rank of the last pipeline stage).
@@ -293,3 +339,6 @@ class ModelRunnerOutput:
     """Drafts each entry of req_handles verified this step (empty: none); the accepted ones are
     num_sampled_token_ids - 1.
     """
+
+    pooler_outputs: list[PoolerOutput] = field(default_factory=list)
+    """Pooled outputs of the pooling requests whose prompt finished this step."""

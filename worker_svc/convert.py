@@ -21,7 +21,13 @@ from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.lora.adapter import LoraAdapter
-from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.model_load import (
+    CONVERTS,
+    RUNNERS,
+    LoadedModel,
+    LoadModelConfig,
+    WorkerDescription,
+)
 from worker_svc.models.model_config import parse_dtype
 from worker_svc.scheduler_output import (
     CachedRequestData,
@@ -77,6 +83,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         output_token_ids=_column(req.output_token_ids),
         lora_id=req.lora_id,
         trace=_trace(req.trace_context),
+        pooling_task=req.pooling_params.task if req.HasField("pooling_params") else "",
     )
 
 
@@ -141,6 +148,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         )
     if req.block_size < 1:
         raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
+    if req.runner not in RUNNERS or req.convert not in CONVERTS:
+        raise ValueError(
+            f"unknown runner {req.runner!r} or convert {req.convert!r}; runner is one of "
+            f"{', '.join(RUNNERS[1:])}, convert one of {', '.join(CONVERTS[1:])}"
+        )
     if req.async_scheduling and req.pipeline_parallel_size > 1:
         raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
     spec = None
@@ -177,6 +189,8 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         revision=req.revision,
         enable_expert_parallel=req.enable_expert_parallel,
         speculative_config=spec,
+        runner=req.runner or "auto",
+        convert=req.convert or "auto",
         quantization=req.quantization,
         dequantize_gguf=req.dequantize_gguf,
         max_loras=req.max_loras,
@@ -239,6 +253,9 @@ def loaded_model_to_proto(m: LoadedModel) -> pb.LoadModelResponse:
         head_dim=m.head_dim,
         max_tokens_per_mm_item=m.max_tokens_per_mm_item,
         sliding_window=m.sliding_window,
+        pooler_config=output_convert.pooler_config_to_proto(m.pooler_config)
+        if m.pooler_config is not None
+        else None,
     )
 
 

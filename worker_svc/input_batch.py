@@ -108,7 +108,10 @@ class InputBatch:
         num_kv_blocks: int,
         capacity: int,
         sampling: SamplingStates,
+        is_pooling: bool = False,
     ) -> None:
+        self.is_pooling = is_pooling
+        """The rank serves a pooling model: it takes pooling requests only (and the reverse)."""
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -202,6 +205,9 @@ class InputBatch:
         """Why this rank cannot take the new request, or None."""
         if new.req_handle in self.handle_to_row:
             return f"request handle {new.req_handle} is already known to this rank"
+        if bool(new.pooling_task) != self.is_pooling:
+            model = "a pooling" if self.is_pooling else "a generative"
+            return f"this rank serves {model} model; pooling_task {new.pooling_task!r} does not fit"
         num_prompt = len(new.prompt_token_ids)
         num_tokens = num_prompt + len(new.output_token_ids)
         if not 0 < num_prompt <= num_tokens <= self.max_model_len:

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve_contracts.spec_decode import SpeculativeConfig
+from splitserve_contracts.output_types import PoolerConfig
+
+RUNNERS = ("", "auto", "generate", "pooling")
+CONVERTS = ("", "auto", "none", "embed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,11 @@ class LoadModelConfig:
     async_scheduling: bool = False
     """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
     to its requests itself."""
+    runner: str = "auto"
+    """vLLM's --runner: "generate", "pooling" or "auto" (pooling for a checkpoint without an
+    LM head)."""
+    convert: str = "auto"
+    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
     quantization: str = ""
     """vLLM's --quantization ("": the checkpoint's own), checked against the checkpoint."""
     dequantize_gguf: bool = False
@@ -77,3 +86,5 @@ class LoadedModel:
     """The window every layer attends within (0: some layer attends fully)."""
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens of one image; 0 for a text-only model."""
+    pooler_config: PoolerConfig | None = None
+    """How the rank pools, when it serves a pooling model; None for a generative one."""

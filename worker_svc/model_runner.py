@@ -39,6 +39,7 @@ from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.lora.manager import NO_SLOT, LoraManager
 from worker_svc.models.interfaces import CausalLM, supports_images
+from worker_svc.pooler import Pooler
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
 from worker_svc.sampling_metadata import SamplingStates
@@ -65,6 +66,7 @@ class ModelRunner:
         seed: int,
         async_scheduling: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        pooler: Pooler | None = None,
         lora: LoraManager | None = None,
     ) -> None:
         self.model = model
@@ -76,6 +78,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(device, seed)
+        self.pooler = pooler
+        """A pooling model's pooler (--runner pooling): its requests finish their prompt with
+        a pooled vector instead of a sampled token; None for a generative model."""
         self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
         """What a sampling rank does with its sampled tokens: append them to its requests
         (async scheduling: the next step takes them as inputs before the core knows them), or
@@ -118,6 +123,7 @@ class ModelRunner:
             num_kv_blocks=num_blocks,
             capacity=max(self.max_num_seqs, 1),
             sampling=SamplingStates(max(self.max_num_seqs, 1), self.vocab_size, self.device),
+            is_pooling=self.pooler is not None,
         )
         return self.kv_cache.nbytes
 
@@ -172,6 +178,8 @@ class ModelRunner:
         )
         hidden = self._forward(inputs, cache)
         assert hidden is not None
+        if self.pooler is not None:
+            return
         self.model.compute_logits(hidden[-num_logits:]).softmax(dim=-1).argmax(dim=-1)
 
     # -- the step ------------------------------------------------------------------------------
@@ -195,7 +203,10 @@ class ModelRunner:
             step_plan.failed.update(mm_refused)
             self.encoder_runner.update(step, step_plan.failed)
         step_plan = self._group_by_adapter(step_plan)
-        self.prompt_logprobs.forget([*step.finished_req_handles.tolist(), *step_plan.failed])
+        gone = [*step.finished_req_handles.tolist(), *step_plan.failed]
+        self.prompt_logprobs.forget(gone)
+        if self.pooler is not None:
+            self.pooler.forget(gone)
         if len(step_plan.fresh_block_ids):
             self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
         self._failed = step_plan.failed
@@ -216,6 +227,8 @@ class ModelRunner:
         batch.finish_step(inputs)
         if hidden is None:  # not the last pipeline stage
             return None
+        if self.pooler is not None:
+            return self._pool(step, started, prepared, hidden, inputs)
         num_sampling = len(inputs.logits_indices)
         index = inputs.logits_indices
         if plan is not None:
@@ -272,6 +285,25 @@ class ModelRunner:
         sampled = Sampled(sampler_output, verified)
         self._keep_sampled(inputs, sampled)
         return sampled
+
+    def _pool(
+        self,
+        step: SchedulerOutput,
+        started: float,
+        prepared: float,
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+    ) -> ModelRunnerOutput | None:
+        """A pooling model's step: pooled vectors of the prompts that completed, no sampling."""
+        assert self.pooler is not None
+        pooled, failed = self.pooler.pool(hidden, inputs)
+        self._failed.update(failed)
+        forwarded = time.perf_counter()
+        timings = StepTimings(prepared - started, forwarded - prepared, 0.0)
+        output = self._output(step, started, None, None, {}, timings)
+        if output is not None:
+            output.pooler_outputs = pooled
+        return output
 
     def _apply_lora_slots(self, step: SchedulerOutput) -> None:
         """The step's LoRA slot changes and freed adapters, before its requests are added."""

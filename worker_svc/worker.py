@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from splitserve_contracts.output_types import ModelRunnerOutput
+from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
 from splitserve_runtime.log_config import is_text_logging
-from splitserve_runtime.model_source import resolve_model
+from splitserve_runtime.model_source import ModelSource, resolve_model
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.selector import available_backends, backend_class, select_backend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
@@ -39,7 +39,14 @@ from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import model_class
+from worker_svc.models.registry import (
+    has_lm_head,
+    is_sequence_classifier,
+    model_class,
+    pooling_model_class,
+)
+from worker_svc.pooler import Pooler
+from worker_svc.pooling_config import classifier_config, is_pooling_runner, read_pooler_config
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
     Checkpoint,
@@ -99,6 +106,7 @@ class Worker:
         self.config: LoadModelConfig | None = None
         self.model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
+        self.pooler_config: PoolerConfig | None = None
         self.weight_bytes = 0
         self.is_kv_cache_ready = False
 
@@ -135,7 +143,14 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
         checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
-        cls = model_class(architecture_of(checkpoint.hf_config))
+        architecture = architecture_of(checkpoint.hf_config)
+        is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
+        num_labels = int(getattr(checkpoint.hf_config, "num_labels", 1))
+        cls = (
+            pooling_model_class(architecture, num_labels)
+            if is_pooling
+            else model_class(architecture)
+        )
         model_config = cls.read_config(checkpoint.hf_config)
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
@@ -160,6 +175,9 @@ class Worker:
         model.eval()
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
+        self.pooler_config = (
+            _pooler_config(source, checkpoint, model_config.hidden_size) if is_pooling else None
+        )
         self.runner = ModelRunner(
             model,
             backend,
@@ -170,6 +188,9 @@ class Worker:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             seed=config.seed,
             async_scheduling=config.async_scheduling,
+            pooler=Pooler(self.pooler_config, getattr(model, "pool_head", None))
+            if self.pooler_config is not None
+            else None,
             lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
             speculative_config=config.speculative_config,
         )
@@ -264,6 +285,7 @@ class Worker:
             head_dim=config.head_dim,
             sliding_window=config.kv_sliding_window or 0,
             max_tokens_per_mm_item=model.num_image_tokens if supports_images(model) else 0,
+            pooler_config=self.pooler_config,
         )
 
     def _require_runner(self) -> ModelRunner:
@@ -374,6 +396,16 @@ class Worker:
 
 
 Weights = Iterator[tuple[str, TensorSource]]
+
+
+def _pooler_config(source: ModelSource, checkpoint: Checkpoint, hidden_size: int) -> PoolerConfig:
+    """How a pooling model pools: a sequence classifier through its score head, any other
+    as its sentence-transformers files (or config.json) say."""
+    hf_config = checkpoint.hf_config
+    config = read_pooler_config(None if source.is_gguf else source.path, hf_config, hidden_size)
+    if is_sequence_classifier(architecture_of(hf_config)):
+        return classifier_config(int(getattr(hf_config, "num_labels", 1)))
+    return config
 
 
 def _as_read(weights: Weights) -> Weights:

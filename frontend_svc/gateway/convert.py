@@ -23,7 +23,13 @@ from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.gateway.loads import EngineLoad
 from frontend_svc.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
-from frontend_svc.requests import CompletionDelta, GenerateInput, PromptInput, TokenLogprobs
+from frontend_svc.requests import (
+    CompletionDelta,
+    Embedding,
+    GenerateInput,
+    PromptInput,
+    TokenLogprobs,
+)
 from splitserve_contracts.output_types import FinishReason
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
@@ -282,7 +288,7 @@ def model_info_to_proto(
     architectures = model_config.get("architectures") or []
     return pb.GetModelInfoResponse(
         model_path=served_model_name,
-        is_generation=True,
+        is_generation=info.pooler_config is None,
         max_context_length=info.max_model_len,
         vocab_size=info.vocab_size,
         supports_vision=False,
@@ -417,3 +423,18 @@ def kv_batch_to_proto(
 def check_flush_timeout(timeout_s: float) -> None:
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise InvalidRequest("timeout_s must be finite and >= 0", "timeout_s")
+
+
+def embed_input_from_proto(msg: pb.EmbedRequest) -> PromptInput:
+    """The token ids of an Embed call (the gateway tokenizes)."""
+    if not msg.HasField("tokenized") or not msg.tokenized.input_ids:
+        raise InvalidRequest("no input: set `tokenized.input_ids`", "tokenized.input_ids")
+    return PromptInput(token_ids=tuple(msg.tokenized.input_ids))
+
+
+def embedding_to_proto(embedding: Embedding) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embedding=embedding.vector.tolist(),
+        prompt_tokens=embedding.num_prompt_tokens,
+        embedding_dim=len(embedding.vector),
+    )

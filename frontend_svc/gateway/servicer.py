@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_servicer.load_record import LoadRecorder, engine_load_from
 from smg_grpc_servicer.tokenizer_bundle import tokenizer_chunks
 
-from frontend_svc import grpc_errors
+from frontend_svc import grpc_errors, pooling
 from frontend_svc.async_engine import AsyncEngine
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
@@ -59,7 +59,7 @@ class ProfileControl(Protocol):
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     """Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer,
     SubscribeKvEvents, FlushCache, StartProfile/StopProfile (with --profiler-config, else
-    UNIMPLEMENTED as before); Embed answers UNIMPLEMENTED."""
+    UNIMPLEMENTED as before), Embed (a pooling model)."""
 
     def __init__(
         self,
@@ -98,6 +98,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         set_caller_trace(dict(context.invocation_metadata() or ()))  # the gateway's traceparent
         try:
             convert.check_request_fields(request, self.data_parallel_rank)
+            pooling.check_generative(self.info, "Generate RPC")
             call = convert.generate_input_from_proto(request, request_id, self.info.max_model_len)
             engine_request = await inputs.run(inputs.process, call)
             builder = convert.ResponseBuilder(
@@ -266,10 +267,28 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
     async def Embed(  # noqa: N802
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "Embed: this engine serves generation models only"
-        )
-        raise AssertionError("unreachable")
+        """One tokenized input's embedding (an engine serving a pooling model: --runner
+        pooling); UNIMPLEMENTED from an engine serving a generative model."""
+        self.last_receive_timestamp = time.time()
+        if self.info.pooler_config is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "Embed: this engine serves a generative model; serve a pooling model "
+                "(--runner pooling) for embeddings",
+            )
+            raise AssertionError("unreachable")
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex[:16]}"
+        inputs = self.inputs
+        try:
+            config = pooling.pooler_config(self.info, "Embed RPC")
+            prompt = convert.embed_input_from_proto(request)
+            engine_request = await inputs.run(
+                pooling.embed_request, inputs, request_id, prompt, "tokenized.input_ids"
+            )
+            embedded = await pooling.embed_all(self.engine, [engine_request], config, None)
+        except FrontendError as err:
+            await grpc_errors.abort(context, err)
+        return convert.embedding_to_proto(embedded[0])
 
     async def StartProfile(  # noqa: N802
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext

@@ -38,6 +38,7 @@ from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.responses_protocol import parse_responses
 from frontend_svc.openai.serving_chat import ChatRun
 from frontend_svc.openai.serving_completion import CompletionRun
+from frontend_svc.openai.serving_embedding import create_embeddings
 from frontend_svc.openai.serving_responses import (
     ResponsesRun,
     cancel,
@@ -45,7 +46,9 @@ from frontend_svc.openai.serving_responses import (
     not_found,
     run_in_background,
 )
+from frontend_svc.openai.serving_score import create_rerank, create_scores
 from frontend_svc.openai.sse import error_body, guarded
+from frontend_svc.pooling import check_generative
 from frontend_svc.public_errors import unexpected_error_message
 from frontend_svc.tracing import set_caller_trace
 
@@ -109,6 +112,7 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
         header_id = request.headers.get("x-request-id")
         if header_id is not None:
             as_client_id(header_id, "the x-request-id header")
+        check_generative(ctx.info, "Chat Completions API" if kind == "chat" else "Completions API")
         run: CompletionRun | ChatRun
         if kind == "chat":
             req = parse_chat(body, limits, defaults, ctx.chat.can_choose_tools)
@@ -128,6 +132,33 @@ def _make_generate(ctx: ServingContext, kind: str) -> Handler:
     return handle
 
 
+POOLING_ROUTES = (
+    ("/v1/embeddings", create_embeddings),
+    ("/score", create_scores),
+    ("/v1/score", create_scores),
+    ("/rerank", create_rerank),
+    ("/v1/rerank", create_rerank),
+    ("/v2/rerank", create_rerank),
+)
+"""vLLM's pooling routes and their aliases."""
+
+
+PoolingCreate = Callable[[ServingContext, dict[str, Any], str | None], Awaitable[dict[str, Any]]]
+"""A pooling route's work: (context, body, x-request-id header) -> the reply."""
+
+
+def _make_pooling(ctx: ServingContext, create: PoolingCreate) -> Handler:
+    """A pooling route: /v1/embeddings, /score, /rerank (`create(ctx, body, header_id)`)."""
+
+    async def handle(request: Request) -> Response:
+        body = await read_json(request, ctx.max_body_bytes)
+        work = create(ctx, body, request.headers.get("x-request-id"))
+        reply = await unless_disconnected(request, work)
+        return JsonResponse(reply, headers={"x-request-id": reply["id"]})
+
+    return handle
+
+
 def _responses_routes(
     ctx: ServingContext, store: ResponseStore
 ) -> list[tuple[str, list[str], Handler]]:
@@ -135,6 +166,7 @@ def _responses_routes(
 
     async def create(request: Request) -> Response:
         body = await read_json(request, ctx.max_body_bytes)
+        check_generative(ctx.info, "Responses API")
         req = parse_responses(body)
         run = ResponsesRun(ctx, store, req, new_response_id())
         if req.is_background:
@@ -224,6 +256,10 @@ def build_app(
     table: list[tuple[str, list[str], Handler, bool]] = [
         ("/v1/completions", ["POST"], functools.partial(load.track, completions), True),
         ("/v1/chat/completions", ["POST"], functools.partial(load.track, chat), True),
+        *(
+            (path, ["POST"], functools.partial(load.track, _make_pooling(ctx, create)), True)
+            for path, create in POOLING_ROUTES
+        ),
         ("/v1/models", ["GET"], admin.models_route(ctx), True),
         ("/v1/load_lora_adapter", ["POST"], admin.load_lora_route(ctx), True),
         ("/v1/unload_lora_adapter", ["POST"], admin.unload_lora_route(ctx), True),

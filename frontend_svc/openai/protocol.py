@@ -164,37 +164,39 @@ def as_client_id(value: Any, name: str) -> str:
     return text
 
 
-def _check_fan_out(num_prompts: int, n: int, max_fan_out: int) -> None:
+def _check_fan_out(num_prompts: int, n: int, max_fan_out: int, name: str = "prompt") -> None:
     if num_prompts * n <= max_fan_out:
         return
     raise InvalidRequest(
         f"{num_prompts} prompts x n = {n} would make {num_prompts * n} engine requests; at most "
         f"{max_fan_out} per call (--max-fan-out): split the prompts over several calls",
-        "prompt" if num_prompts > 1 else "n",
+        name if num_prompts > 1 else "n",
     )
 
 
-def _prompts(value: Any, add_special_tokens: bool, max_fan_out: int) -> list[PromptInput]:
+def prompt_inputs(
+    value: Any, add_special_tokens: bool, max_fan_out: int, name: str = "prompt"
+) -> list[PromptInput]:
     """str | list[str] | list[int] | list[list[int]] -> one PromptInput per prompt (a list of
-    more prompts than the fan-out cap is refused before any is built)."""
+    more prompts than the fan-out cap is refused before any is built); `name`: the field."""
     if isinstance(value, str):
         return [PromptInput(text=value, add_special_tokens=add_special_tokens)]
-    items = as_list(value, "prompt")
+    items = as_list(value, name)
     if not items:
-        raise InvalidRequest("`prompt` is an empty list; send at least one prompt", "prompt")
+        raise InvalidRequest(f"`{name}` is an empty list; send at least one {name}", name)
     if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
         return [PromptInput(token_ids=tuple(items))]
     is_texts = all(isinstance(i, str) for i in items)
     if is_texts or all(isinstance(i, list) for i in items):
-        _check_fan_out(len(items), 1, max_fan_out)
+        _check_fan_out(len(items), 1, max_fan_out, name)
     if is_texts:
         return [PromptInput(text=t, add_special_tokens=add_special_tokens) for t in items]
     if all(isinstance(i, list) for i in items):
-        return [PromptInput(token_ids=tuple(as_int(t, "prompt") for t in i)) for i in items]
+        return [PromptInput(token_ids=tuple(as_int(t, name) for t in i)) for i in items]
     raise InvalidRequest(
-        "`prompt` must be a string, a list of strings, a list of token ids or a list of lists "
+        f"`{name}` must be a string, a list of strings, a list of token ids or a list of lists "
         "of token ids",
-        "prompt",
+        name,
     )
 
 
@@ -220,7 +222,7 @@ def parse_completion(
     if body.get("prompt") is None:
         raise InvalidRequest("`prompt` is required", "prompt")
     add_special = read(body, "add_special_tokens", as_bool, True)
-    prompts = _prompts(body["prompt"], add_special, limits.max_fan_out)
+    prompts = prompt_inputs(body["prompt"], add_special, limits.max_fan_out)
     echo = read(body, "echo", as_bool, False)
     params = sampling_params(body, COMPLETIONS, defaults)
     if echo and params.prompt_logprobs is None and params.logprobs is not None:

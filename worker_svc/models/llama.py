@@ -36,6 +36,10 @@ _FLAVOURS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},  # q/k/v always biased, o never
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
+for _qwen in ("Qwen2", "Qwen3"):  # the same decoders without an LM head, or with a classifier
+    _FLAVOURS[f"{_qwen}Model"] = _FLAVOURS[f"{_qwen}ForSequenceClassification"] = _FLAVOURS[
+        f"{_qwen}ForCausalLM"
+    ]
 """What the Llama-family architectures other than Llama set beyond their config.json fields."""
 
 

@@ -29,7 +29,30 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 """Architecture -> (module under worker_svc/models, class)."""
 
+_BARE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""Checkpoints of a decoder without its LM head (what sentence-transformers saves: transformers'
+AutoModel, tensors without the "model." prefix) -> the family serving them, as pooling models
+only (models/adapters.py)."""
+
+_SEQ_CLS_MODELS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+"""Decoders with a sequence-classification head (`score`) instead of the LM head: cross-encoders
+(rerankers), served as pooling models (the last token, then the head)."""
+
+_ENCODER_ONLY_PREFIXES = ("Bert", "Roberta", "XLMRoberta", "ModernBert", "NomicBert", "New", "Gte")
+"""Encoder-only families (bge, gte, e5, ...): bidirectional attention, not served yet."""
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_BARE_MODELS, *_SEQ_CLS_MODELS]))
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -38,10 +61,19 @@ class UnsupportedArchitectureError(ValueError):
 
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
+    architecture = _BARE_MODELS.get(architecture, _SEQ_CLS_MODELS.get(architecture, architecture))
+    if architecture.startswith(_ENCODER_ONLY_PREFIXES) and architecture not in _MODELS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is an encoder-only (BERT-style) model; splitserve "
+            "serves decoder embedders and rerankers only (e.g. Qwen3Model, "
+            "Qwen3ForSequenceClassification)"
+        )
     if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
+            + "; for pooling only: "
+            + ", ".join(POOLING_ONLY_ARCHITECTURES)
         )
     module, name = _MODELS[architecture]
     cls: type[CausalLM] = pkgutil.resolve_name(f"{__package__}.{module}:{name}")
@@ -52,3 +84,27 @@ def read_model_config(hf: Any) -> ModelConfig:
     """The ModelConfig of a checkpoint's configuration, as its architecture's class reads it
     (multimodal ones describe their language model, with the rest in their own fields)."""
     return model_class(architecture_of(hf)).read_config(hf)
+
+
+def has_lm_head(architecture: str) -> bool:
+    """Whether the checkpoint has a language-model head (a bare decoder serves pooling only)."""
+    return architecture not in _BARE_MODELS and architecture not in _SEQ_CLS_MODELS
+
+
+def is_sequence_classifier(architecture: str) -> bool:
+    """Whether the checkpoint holds a sequence-classification head (a cross-encoder)."""
+    return architecture in _SEQ_CLS_MODELS
+
+
+def pooling_model_class(architecture: str, num_labels: int = 1) -> type[CausalLM]:
+    """The pooling form of `architecture` (vLLM's as_embedding_model): a text decoder family
+    without its LM head; ValueError (one line) for what cannot pool."""
+    from worker_svc.models.adapters import as_embedding_model, as_seq_cls_model
+    from worker_svc.models.decoder import DecoderForCausalLM
+
+    cls = model_class(architecture)
+    if not issubclass(cls, DecoderForCausalLM) or getattr(cls, "supports_images", False):
+        raise ValueError(f"{architecture} cannot be served as a pooling model (--runner pooling)")
+    if is_sequence_classifier(architecture):
+        return as_seq_cls_model(cls, num_labels)
+    return as_embedding_model(cls)

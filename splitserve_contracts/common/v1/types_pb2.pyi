@@ -767,3 +767,88 @@ class ProfileCommand(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProfileCommand: _TypeAlias = ProfileCommand  # noqa: Y015
+
+@_typing.final
+class PoolingParams(_message.Message):
+    """PoolingParams marks a request as a pooling request (vLLM's PoolingParams):
+    the engine computes its prompt once, samples nothing and ends it with the
+    pooled hidden states. Only an engine serving a pooling model (--runner
+    pooling) takes such requests.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    task: _builtins.str
+    """What the pooled output is for (vLLM's pooling task): "embed" (the
+    model's pooled, maybe normalized, hidden state) or "score" (a
+    cross-encoder's relevance score of the pair the prompt holds).
+    """
+    def __init__(
+        self,
+        *,
+        task: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolingParams: _TypeAlias = PoolingParams  # noqa: Y015
+
+@_typing.final
+class PoolerConfig(_message.Message):
+    """PoolerConfig says how a pooling model turns a prompt's hidden states into
+    one vector (vLLM's PoolerConfig), as the checkpoint's sentence-transformers
+    configuration says (modules.json, 1_Pooling/config.json).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLING_TYPE_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _builtins.int
+    IS_MATRYOSHKA_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    pooling_type: _builtins.str
+    """"LAST" (the last prompt token), "MEAN" (mean over the prompt) or "CLS"
+    (the first prompt token).
+    """
+    normalize: _builtins.bool
+    """Whether pooled vectors are L2-normalized (a Normalize module)."""
+    hidden_size: _builtins.int
+    """Length of one pooled vector: the model's hidden size."""
+    is_matryoshka: _builtins.bool
+    """Whether any size up to hidden_size may be asked for (config.json's
+    is_matryoshka without matryoshka_dimensions).
+    """
+    task: _builtins.str
+    """What the pooled vector is: "embed" (an embedding) or "classify" (a
+    sequence-classification head's scores, hidden_size of them, after its
+    activation: sigmoid for one label; the /score and /rerank model).
+    """
+    @_builtins.property
+    def matryoshka_dimensions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output sizes a Matryoshka model was trained for (the `dimensions` a
+        client may ask for); empty when the model is not a Matryoshka model.
+        """
+
+    def __init__(
+        self,
+        *,
+        pooling_type: _builtins.str = ...,
+        normalize: _builtins.bool = ...,
+        hidden_size: _builtins.int = ...,
+        matryoshka_dimensions: _abc.Iterable[_builtins.int] | None = ...,
+        is_matryoshka: _builtins.bool = ...,
+        task: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "is_matryoshka", b"is_matryoshka", "matryoshka_dimensions", b"matryoshka_dimensions", "normalize", b"normalize", "pooling_type", b"pooling_type", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolerConfig: _TypeAlias = PoolerConfig  # noqa: Y015

@@ -425,6 +425,7 @@ class EngineInfo(_message.Message):
     MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    POOLER_CONFIG_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Model name reported to clients and used as the metrics label model_name."""
     model_path: _builtins.str
@@ -467,6 +468,13 @@ class EngineInfo(_message.Message):
     """
     max_lora_rank: _builtins.int
     """Largest LoRA rank an adapter may have (vLLM's --max-lora-rank)."""
+    @_builtins.property
+    def pooler_config(self) -> _types_pb2.PoolerConfig:
+        """How the model pools when the engine serves a pooling model (vLLM's
+        --runner pooling): the engine then takes only pooling requests. Unset
+        for a generative model, which takes no pooling requests.
+        """
+
     def __init__(
         self,
         *,
@@ -487,10 +495,11 @@ class EngineInfo(_message.Message):
         max_tokens_per_mm_item: _builtins.int = ...,
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
+        pooler_config: _types_pb2.PoolerConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pooler_config", b"pooler_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -519,6 +528,7 @@ class EngineCoreRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
+    POOLING_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -622,6 +632,14 @@ class EngineCoreRequest(_message.Message):
         worker ranks.
         """
 
+    @_builtins.property
+    def pooling_params(self) -> _types_pb2.PoolingParams:
+        """Set for a pooling request (the engine must serve a pooling model): it
+        computes its prompt without reading the prefix cache, produces no token
+        and finishes with STOP and pooling_output once its prompt ran.
+        max_tokens, min_tokens, stop ids and structured_outputs must be unset.
+        """
+
     def __init__(
         self,
         *,
@@ -642,10 +660,11 @@ class EngineCoreRequest(_message.Message):
         trace_context: _types_pb2.TraceContext | None = ...,
         reasoning_end_token_id: _builtins.int | None = ...,
         lora_name: _builtins.str = ...,
+        pooling_params: _types_pb2.PoolingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "pooling_params", b"pooling_params", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "lora_name", b"lora_name", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "lora_name", b"lora_name", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -1205,6 +1224,7 @@ class EngineCoreOutput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     ERROR_KIND_FIELD_NUMBER: _builtins.int
+    POOLING_OUTPUT_FIELD_NUMBER: _builtins.int
     request_handle: _builtins.int
     """The request these details belong to."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -1220,6 +1240,10 @@ class EngineCoreOutput(_message.Message):
     error_kind: Global___ErrorKind.ValueType
     """What kind of failure it was when finish_reason is ERROR, so the frontend
     can tell its client whether to fix the request, retry later or retry now.
+    """
+    pooling_output: _builtins.bytes
+    """The pooled vector of a pooling request, with its finish: float32
+    little-endian, PoolerConfig.hidden_size values.
     """
     @_builtins.property
     def new_logprobs(self) -> _types_pb2.LogprobsTable:
@@ -1247,10 +1271,11 @@ class EngineCoreOutput(_message.Message):
         num_cached_tokens: _builtins.int | None = ...,
         error_message: _builtins.str = ...,
         error_kind: Global___ErrorKind.ValueType = ...,
+        pooling_output: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_kind", b"error_kind", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_kind", b"error_kind", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "pooling_output", b"pooling_output", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_cached_tokens: _TypeAlias = _typing.Literal["num_cached_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_cached_tokens: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens"]  # noqa: Y015

@@ -731,6 +731,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     SUPPORTS_VISION_FIELD_NUMBER: _builtins.int
     MAX_IMAGES_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    EMBEDDING_SIZE_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Name clients use for the model."""
     model_path: _builtins.str
@@ -765,6 +766,10 @@ class GetModelInfoResponse(_message.Message):
     """Most images one request may carry (--limit-mm-per-prompt); 0 when the
     model takes text only.
     """
+    embedding_size: _builtins.int
+    """Length of the model's embeddings when it is served as a pooling model
+    (Embed); 0 for a generative model.
+    """
     def __init__(
         self,
         *,
@@ -783,10 +788,11 @@ class GetModelInfoResponse(_message.Message):
         max_num_seqs: _builtins.int = ...,
         supports_vision: _builtins.bool = ...,
         max_images_per_prompt: _builtins.int = ...,
+        embedding_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "bos_token_id", b"bos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "max_images_per_prompt", b"max_images_per_prompt", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "supports_vision", b"supports_vision", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "_eos_token_id", b"_eos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "dtype", b"dtype", "embedding_size", b"embedding_size", "eos_token_id", b"eos_token_id", "has_chat_template", b"has_chat_template", "max_images_per_prompt", b"max_images_per_prompt", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "served_model_name", b"served_model_name", "supports_vision", b"supports_vision", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015
@@ -798,3 +804,151 @@ class GetModelInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class EmbedInput(_message.Message):
+    """EmbedInput is one input to embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text, tokenized with the model's tokenizer and its default special
+    tokens.
+    """
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, used as given; each below the vocabulary size."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EmbedInput: _TypeAlias = EmbedInput  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """EmbedRequest asks for the embeddings of inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Caller's id for the call, echoed in the response; generated when empty."""
+    model: _builtins.str
+    """The model the caller means; empty: whatever this server serves; another
+    name than the served model name fails with NOT_FOUND.
+    """
+    dimensions: _builtins.int
+    """Keep the first `dimensions` values (Matryoshka models only, a size the
+    model was trained for), normalized again when the model normalizes.
+    Unset: the whole embedding.
+    """
+    add_special_tokens: _builtins.bool
+    """For text inputs: add the tokenizer's special tokens. Unset means true."""
+    priority: _builtins.int
+    """Scheduling priority when the engine runs the priority policy: lower runs
+    first.
+    """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
+        """The inputs, at least one and at most --max-fan-out; each shorter than
+        max_model_len tokens.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbedInput] | None = ...,
+        model: _builtins.str = ...,
+        dimensions: _builtins.int | None = ...,
+        add_special_tokens: _builtins.bool | None = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_dimensions", b"_dimensions", "add_special_tokens", b"add_special_tokens", "dimensions", b"dimensions"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "_dimensions", b"_dimensions", "add_special_tokens", b"add_special_tokens", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
+    _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """Embedding is one input's embedding."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """Tokens of its input."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The vector."""
+
+    def __init__(
+        self,
+        *,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_tokens", b"prompt_tokens", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """EmbedResponse holds one embedding per input, in input order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The call's id (the caller's, or the generated one)."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """The embeddings."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015

@@ -55,6 +55,11 @@ class GenerationServiceStub:
                 request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/splitserve.frontend.v1.GenerationService/Embed',
+                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -91,6 +96,15 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns the embeddings of one or more inputs (OpenAI's
+        /v1/embeddings) from an engine serving a pooling model (--runner pooling);
+        an engine serving a generative model fails it with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +127,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoRequest.FromString,
                     response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedRequest.FromString,
+                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +243,33 @@ class GenerationService:
             '/splitserve.frontend.v1.GenerationService/GetModelInfo',
             splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoRequest.SerializeToString,
             splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.frontend.v1.GenerationService/Embed',
+            splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedRequest.SerializeToString,
+            splitserve_dot_frontend_dot_v1_dot_generation__service__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,11 @@ class GenerationServiceStub:
     """Detokenize turns token ids into text."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_generation_service_pb2.GetModelInfoRequest, _generation_service_pb2.GetModelInfoResponse]
     """GetModelInfo describes the served model and its limits."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_generation_service_pb2.EmbedRequest, _generation_service_pb2.EmbedResponse]
+    """Embed returns the embeddings of one or more inputs (OpenAI's
+    /v1/embeddings) from an engine serving a pooling model (--runner pooling);
+    an engine serving a generative model fails it with INVALID_ARGUMENT.
+    """
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
@@ -63,6 +68,11 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """Detokenize turns token ids into text."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_generation_service_pb2.GetModelInfoRequest, _generation_service_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """GetModelInfo describes the served model and its limits."""
+    Embed: _aio.UnaryUnaryMultiCallable[_generation_service_pb2.EmbedRequest, _generation_service_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embed returns the embeddings of one or more inputs (OpenAI's
+    /v1/embeddings) from an engine serving a pooling model (--runner pooling);
+    an engine serving a generative model fails it with INVALID_ARGUMENT.
+    """
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     """GenerationService generates text with the served model."""
@@ -101,5 +111,16 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_service_pb2.GetModelInfoResponse, _abc.Awaitable[_generation_service_pb2.GetModelInfoResponse]]:
         """GetModelInfo describes the served model and its limits."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _generation_service_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_service_pb2.EmbedResponse, _abc.Awaitable[_generation_service_pb2.EmbedResponse]]:
+        """Embed returns the embeddings of one or more inputs (OpenAI's
+        /v1/embeddings) from an engine serving a pooling model (--runner pooling);
+        an engine serving a generative model fails it with INVALID_ARGUMENT.
+        """
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -147,6 +147,8 @@ class LoadModelRequest(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
     SPECULATIVE_CONFIG_FIELD_NUMBER: _builtins.int
+    RUNNER_FIELD_NUMBER: _builtins.int
+    CONVERT_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -243,6 +245,17 @@ class LoadModelRequest(_message.Message):
     """Serve a GGUF file's quantized weights dequantized to float at load instead
     of keeping them quantized. Ignored for other checkpoints.
     """
+    runner: _builtins.str
+    """What the engine runs the model for (vLLM's --runner): "generate",
+    "pooling" (pooled hidden states instead of sampled tokens) or "auto"/""
+    (pooling for a checkpoint without a language-model head, e.g.
+    "LlamaModel", else generate).
+    """
+    convert: _builtins.str
+    """How a generative architecture is adapted (vLLM's --convert): "embed"
+    serves it as an embedding model (implies runner "pooling"), "none" or
+    "auto"/"" as it is.
+    """
     @_builtins.property
     def speculative_config(self) -> Global___SpeculativeConfig:
         """Speculative decoding (vLLM's --speculative-config); unset: none. Every
@@ -280,10 +293,12 @@ class LoadModelRequest(_message.Message):
         quantization: _builtins.str = ...,
         dequantize_gguf: _builtins.bool = ...,
         speculative_config: Global___SpeculativeConfig | None = ...,
+        runner: _builtins.str = ...,
+        convert: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["speculative_config", b"speculative_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -343,6 +358,7 @@ class LoadModelResponse(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_PER_MM_ITEM_FIELD_NUMBER: _builtins.int
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
+    POOLER_CONFIG_FIELD_NUMBER: _builtins.int
     architecture: _builtins.str
     """Architecture from config.json, e.g. "LlamaForCausalLM"."""
     vocab_size: _builtins.int
@@ -372,6 +388,12 @@ class LoadModelResponse(_message.Message):
     one (the engine core may then free KV blocks that fell out of it); 0 when
     some layer attends to the whole sequence.
     """
+    @_builtins.property
+    def pooler_config(self) -> _types_pb2.PoolerConfig:
+        """How the model pools, when the rank serves it as a pooling model (runner
+        "pooling"); unset for a generative model.
+        """
+
     def __init__(
         self,
         *,
@@ -387,10 +409,11 @@ class LoadModelResponse(_message.Message):
         head_dim: _builtins.int = ...,
         max_tokens_per_mm_item: _builtins.int = ...,
         sliding_window: _builtins.int = ...,
+        pooler_config: _types_pb2.PoolerConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pooler_config", b"pooler_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "sliding_window", b"sliding_window", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "dtype", b"dtype", "head_dim", b"head_dim", "load_seconds", b"load_seconds", "max_model_len", b"max_model_len", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pooler_config", b"pooler_config", "sliding_window", b"sliding_window", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -915,6 +938,7 @@ class NewRequestData(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     LORA_ID_FIELD_NUMBER: _builtins.int
+    POOLING_PARAMS_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -974,6 +998,12 @@ class NewRequestData(_message.Message):
         traced). Sent again with the request after a rank restart.
         """
 
+    @_builtins.property
+    def pooling_params(self) -> _types_pb2.PoolingParams:
+        """Set for a pooling request: the ranks pool its hidden states over the
+        whole prompt (across prefill chunks) and sample nothing for it.
+        """
+
     def __init__(
         self,
         *,
@@ -989,10 +1019,11 @@ class NewRequestData(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         trace_context: _types_pb2.TraceContext | None = ...,
         lora_id: _builtins.int = ...,
+        pooling_params: _types_pb2.PoolingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampler_params", b"sampler_params", "trace_context", b"trace_context"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pooling_params", b"pooling_params", "sampler_params", b"sampler_params", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lora_id", b"lora_id", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lora_id", b"lora_id", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1103,6 +1134,7 @@ class ModelRunnerOutput(_message.Message):
     FAILED_REASONS_FIELD_NUMBER: _builtins.int
     NUM_SAMPLED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    POOLER_OUTPUTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The step this answers."""
     status: Global___StepStatus.ValueType
@@ -1164,6 +1196,10 @@ class ModelRunnerOutput(_message.Message):
         accepted ones are num_sampled_token_ids - 1.
         """
 
+    @_builtins.property
+    def pooler_outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolerOutput]:
+        """Pooled outputs of the pooling requests whose prompt finished this step."""
+
     def __init__(
         self,
         *,
@@ -1181,14 +1217,41 @@ class ModelRunnerOutput(_message.Message):
         failed_reasons: _abc.Iterable[_builtins.str] | None = ...,
         num_sampled_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        pooler_outputs: _abc.Iterable[Global___PoolerOutput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "num_sampled_token_ids", b"num_sampled_token_ids", "num_used_kv_blocks", b"num_used_kv_blocks", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "num_sampled_token_ids", b"num_sampled_token_ids", "num_used_kv_blocks", b"num_used_kv_blocks", "pooler_outputs", b"pooler_outputs", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelRunnerOutput: _TypeAlias = ModelRunnerOutput  # noqa: Y015
+
+@_typing.final
+class PoolerOutput(_message.Message):
+    """PoolerOutput is one pooling request's pooled vector."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQ_HANDLE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    req_handle: _builtins.int
+    """The request."""
+    data: _builtins.bytes
+    """The vector, float32 little-endian (PoolerConfig.hidden_size values)."""
+    def __init__(
+        self,
+        *,
+        req_handle: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "req_handle", b"req_handle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolerOutput: _TypeAlias = PoolerOutput  # noqa: Y015
 
 @_typing.final
 class RequestLogprobs(_message.Message):

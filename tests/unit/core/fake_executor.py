@@ -16,6 +16,7 @@ it as its input) and the engine core must send no token ids for it.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from splitserve_contracts.output_types import (
     FinishReason,
     LogprobsTable,
     ModelRunnerOutput,
+    PoolerOutput,
     RequestLogprobs,
     StepStatus,
 )
@@ -44,6 +46,11 @@ def default_token_fn(request_id: str, output_index: int) -> int:
     return 100 + int.from_bytes(digest[:4], "little") % 1000
 
 
+def pooled_bytes(token_ids: list[int]) -> bytes:
+    """What the fake ranks pool for a prompt: its tokens' sum and count, as two float32."""
+    return struct.pack("<2f", float(sum(token_ids)), float(len(token_ids)))
+
+
 @dataclass
 class ShadowRequest:
     request_id: str
@@ -54,6 +61,7 @@ class ShadowRequest:
     wants_logprobs: bool = False
     wants_prompt_logprobs: bool = False
     unsent_sampled: list[int] = field(default_factory=list)
+    is_pooling: bool = False
 
 
 class FakeExecutor:
@@ -126,6 +134,11 @@ class FakeExecutor:
             shadow = self.reqs[handle]
             assert num_tokens > 0
             self._compute(shadow, num_tokens)
+            if shadow.is_pooling:
+                assert shadow.num_computed_tokens <= shadow.num_prompt_tokens, "a pooling decode"
+                if shadow.num_computed_tokens == shadow.num_prompt_tokens:
+                    out.pooler_outputs.append(PoolerOutput(handle, pooled_bytes(shadow.token_ids)))
+                continue
             if shadow.num_computed_tokens == len(shadow.token_ids):
                 token = self.sample(shadow)
                 if self.feeds_sampled:
@@ -160,6 +173,7 @@ class FakeExecutor:
                 num_computed_tokens=new.num_computed_tokens,
                 wants_logprobs=sp.HasField("logprobs"),
                 wants_prompt_logprobs=sp.HasField("prompt_logprobs"),
+                is_pooling=bool(new.pooling_task),
             )
             self.reqs[new.req_handle] = shadow
             self._check_context(shadow, shadow.num_computed_tokens)
@@ -271,6 +285,7 @@ def make_request(
     ignore_eos: bool = False,
     output_token_ids: list[int] | None = None,
     is_resumed: bool = False,
+    pooling_task: str = "",
     **sampler: Any,
 ) -> Request:
     """A request as a frontend would send it: ignore_eos drops eos_token_id, max_tokens None
@@ -290,6 +305,7 @@ def make_request(
         cache_salt=cache_salt,
         priority=priority,
         is_resumed=is_resumed,
+        pooling_task=pooling_task,
     )
 
 
