@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from tests.e2e.stack import Stack
+
+# Property tests draw the same examples on every run (`make test` must not fail by chance);
+# HYPOTHESIS_PROFILE=explore draws new ones, to hunt for cases worth keeping.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.output_types import PoolerConfig
+from splitserve_contracts.spec_decode import SpeculativeConfig
 
 RUNNERS = ("", "auto", "generate", "pooling")
 CONVERTS = ("", "auto", "none", "embed")

@@ -47,7 +47,7 @@ def sample_answer(cache: Path) -> str:
     """`splitserve up --sample-prompt QUESTION` (make run) until its answer, then SIGTERM."""
     env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache), "SPLITSERVE_LOG_LEVEL": "warning"}
     up = subprocess.Popen(
-        [str(BIN / "splitserve"), "up", "--port", "0", *UP_ANY_METRICS_PORTS]
+        [str(BIN / "splitserve"), "up", "--grpc-port", "0", *UP_ANY_METRICS_PORTS]
         + ["--sample-prompt", QUESTION],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

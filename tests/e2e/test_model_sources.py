@@ -119,7 +119,7 @@ def test_a_hub_id_at_a_revision_serves_with_its_generation_defaults(
 
 def up(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "splitserve"), "up", "--port", "0", *UP_ANY_METRICS_PORTS, *args],
+        [str(BIN / "splitserve"), "up", "--grpc-port", "0", *UP_ANY_METRICS_PORTS, *args],
         capture_output=True,
         text=True,
         timeout=180,

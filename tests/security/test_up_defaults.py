@@ -69,7 +69,7 @@ def test_up_serves_over_mutual_tls_with_an_api_key(tiny_model_dir: Path, tmp_pat
     env = dict(os.environ, SPLITSERVE_LOG_LEVEL="warning", TMPDIR=str(tmp_path))
     env.pop("SPLITSERVE_API_KEY", None)
     up = subprocess.Popen(
-        [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--port", "0"]
+        [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--grpc-port", "0"]
         + UP_ANY_METRICS_PORTS
         + ["--kv-cache-memory-bytes", "16777216", "--api-key", KEY, "--http-port", "0"],
         stdout=subprocess.PIPE,

@@ -66,7 +66,7 @@ def plaintext_up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     stderr = tmp_path_factory.mktemp("up") / "up.err"
     with stderr.open("w") as err:
         process = subprocess.Popen(
-            [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--port", "0"]
+            [str(BIN / "splitserve"), "up", "--model", str(tiny_model_dir), "--grpc-port", "0"]
             + [*UP_ANY_METRICS_PORTS, "--http-port", "-1", "--no-internal-tls"]
             + ["--kv-cache-memory-bytes", "16777216", "--max-recovery-seconds", "90"],
             stdout=subprocess.PIPE,
