@@ -177,6 +177,7 @@ def successes(cluster: LocalCluster) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.extended
 def test_two_engines_serve_chat_through_the_gateway(
     cluster: tuple[Manifests, LocalCluster],
 ) -> None:

@@ -71,9 +71,17 @@ LWS_HUB = {
 # (The tpGroup values as a StatefulSet are launched by the TP-group restart test below.)
 CASES = [
     pytest.param(("cpu-values.yaml", {}), id="tp2-embedded-model"),
-    pytest.param(("cpu-pp2-hostpath-values.yaml", GIVEN_LAUNCHED), id="pp2-hostpath-given"),
-    pytest.param(("cpu-tpgroup-values.yaml", LWS_HUB), id="tpgroup-lws-hub"),
+    pytest.param(
+        ("cpu-pp2-hostpath-values.yaml", GIVEN_LAUNCHED),
+        id="pp2-hostpath-given",
+        marks=pytest.mark.extended,
+    ),
+    pytest.param(
+        ("cpu-tpgroup-values.yaml", LWS_HUB), id="tpgroup-lws-hub", marks=pytest.mark.extended
+    ),
 ]
+"""The chart's CI layouts, launched: the first in `make test`, the others in
+`make test-extended` (each takes about a minute to launch on 2 cores)."""
 
 
 @dataclass
@@ -467,6 +475,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.extended
 def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
