@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import os
 import random
 import signal
@@ -41,6 +42,8 @@ FAULTS = ("core", "worker", "frontend")
 OUTCOMES = ("complete", "error", "truncated")
 WORDS = "river stone light window garden music paper water bright quiet early field".split()
 LOG_DIR = Path(".bench") / "dp-failover-logs"
+PROBE_IDS = itertools.count(1)
+"""Probe requests' indices (negative: apart from the load's), never the same prompt twice."""
 
 
 def kill_engine_process(serve: Serve, engine: int, kind: str, running: list[float]) -> None:
@@ -128,8 +131,9 @@ def wait_serving(
     while time.monotonic() - started < timeout:
         try:
             before = engine_metric(serve.engine_http[engine], name)
-            for i in range(4):
-                one_request(client, model, -1 - i, 1)
+            for _ in range(4):  # new prompts each time: a cache-aware gateway sends a prompt
+                # it has seen to the engine that cached it, never to the restarted one
+                one_request(client, model, -next(PROBE_IDS), 1)
             if engine_metric(serve.engine_http[engine], name) > before:
                 return time.monotonic() - started
         except OSError:
