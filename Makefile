@@ -46,7 +46,7 @@ test: setup-dev lint proto-check
 
 # The launch tests make test leaves out to stay within 30 minutes on 2 cores: the chart's other
 # CI layouts (PP=2 on a hostPath, a TP group from a fake Hub) and a TP group's restart, and two
-# engine groups behind the gateway (pytest marker `extended`; about 6 minutes).
+# engine groups behind the gateway (pytest marker `extended`; about 4 minutes).
 test-extended: setup-dev
 	$(PY) -m pytest -m extended $(PYTEST_ARGS)
 
