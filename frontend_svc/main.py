@@ -108,13 +108,8 @@ async def serve(config: FrontendConfig) -> int:
         config.max_inflight_requests,
         config.max_recovery_seconds,
     )
-    try:
+    try:  # the ZMQ endpoints of --kv-events-config, then the OTLP exporter
         hub, publisher = kv_event_hub(config, info.block_size)
-    except ValueError as err:
-        report_fatal("frontend", str(err))
-        await client.close()
-        return 1
-    try:
         tracing = start_tracing(
             "frontend", config.otlp_traces_endpoint, config.collect_detailed_traces
         )
