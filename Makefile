@@ -150,6 +150,8 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # splitserve against `vllm serve` on the same checkpoint, alternating rounds (not part of `make test`).
+# Quantized rows beside the bf16 ones in the same run:
+# BENCH_PEER_ARGS='--splitserve-variant int8="--quantization int8" --splitserve-variant int4="--quantization int4"'
 bench-peer: setup-dev $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
 

@@ -9,7 +9,9 @@ public gRPC (or its OpenAI HTTP endpoint, `--splitserve-transport http`, once it
 vLLM's OpenAI `/v1/completions` SSE. Each server is warmed up with one short request first.
 
 Reports one table (medians over rounds, each round's value, splitserve / vLLM) and writes every
-round to `.bench/peer-results.json`. Not part of `make test`.
+round to `.bench/peer-results.json`. `--splitserve-variant NAME=FLAGS` adds more splitserve
+configurations to the same run (e.g. quantized weights), each with its own column and ratio.
+Not part of `make test`.
 """
 
 from __future__ import annotations
@@ -50,13 +52,12 @@ from benchmarks.peer_servers import (
     vllm_is_ready,
     wait_ready,
 )
-from benchmarks.peer_stats import render_table, round_metrics, summarize
+from benchmarks.peer_stats import render_systems_table, round_metrics, summarize
 from benchmarks.peer_workloads import Suite, Workload, build_suite
 from splitserve.loopback_ports import free_ports
 
 BENCH_DIR = Path(".bench")
 DEFAULT_VLLM_PYTHON = BENCH_DIR / "vllm-venv" / "bin" / "python"
-SYSTEMS = ("splitserve", "vllm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help='more `splitserve up` flags, one string (e.g. "--async-scheduling", which vLLM-CPU '
         "has on by default)",
+    )
+    p.add_argument(
+        "--splitserve-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help='one more splitserve configuration in the same run, e.g. int8="--quantization int8" '
+        "(repeatable): its own rows beside splitserve's and vLLM's, in every round",
     )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -129,11 +138,26 @@ class Launch:
     loop: a gRPC aio channel belongs to the loop it is made in)."""
 
 
-def splitserve_launch(args: argparse.Namespace, model: str) -> Launch:
-    flags = [*common_flags(args), "--log-level", "warning", *shlex.split(args.splitserve_flags)]
+def splitserve_variants(args: argparse.Namespace) -> dict[str, str]:
+    """System name -> its extra `splitserve up` flags: "splitserve", then each variant as
+    "splitserve[NAME]" (NAME=FLAGS; a malformed one is a usage error)."""
+    variants = {"splitserve": args.splitserve_flags}
+    for spec in args.splitserve_variant:
+        name, is_named, flags = spec.partition("=")
+        if not is_named or not name.isidentifier():
+            raise SystemExit(f"--splitserve-variant {spec!r}: expected NAME=FLAGS, e.g. int8=...")
+        variants[f"splitserve[{name}]"] = f"{args.splitserve_flags} {flags}"
+    return variants
+
+
+def splitserve_launch(
+    args: argparse.Namespace, model: str, name: str = "splitserve", extra_flags: str | None = None
+) -> Launch:
+    extra = args.splitserve_flags if extra_flags is None else extra_flags
+    flags = [*common_flags(args), "--log-level", "warning", *shlex.split(extra)]
     command = splitserve_command(model, free_ports(1)[0], flags)
     if args.splitserve_transport == "grpc":
-        return Launch("splitserve", command, {}, _has_ready_line, _grpc_connect)
+        return Launch(name, command, {}, _has_ready_line, _grpc_connect)
     if not splitserve_has_http(command[: command.index("up")]):
         raise ServerError(
             "--splitserve-transport http: `splitserve up` has no --http-port flag (no OpenAI "
@@ -141,7 +165,7 @@ def splitserve_launch(args: argparse.Namespace, model: str) -> Launch:
         )
     port = args.splitserve_http_port or free_ports(1)[0]
     command += ["--http-port", str(port)]
-    return Launch("splitserve", command, {}, _has_ready_line, _http_connect(port, model))
+    return Launch(name, command, {}, _has_ready_line, _http_connect(port, model))
 
 
 def _has_ready_line(server: ServerProcess) -> bool:
@@ -273,14 +297,16 @@ def write_results(path: Path, args: argparse.Namespace, records: list[dict[str, 
 
 
 def report(records: list[dict[str, Any]], output: Path) -> None:
-    """The exact command lines, then the table of both systems."""
-    by_system = {name: [r for r in records if r["system"] == name] for name in SYSTEMS}
+    """The exact command lines, then the table of every system."""
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    by_system = {name: [r for r in records if r["system"] == name] for name in systems}
     print("\nCommands (last round):")
-    for name in SYSTEMS:
+    for name in systems:
         print(f"  {name}: {by_system[name][-1]['command']}")
-    print(f"\n{render_table(*([r['metrics'] for r in by_system[n]] for n in SYSTEMS))}")
+    ours = {n: [r["metrics"] for r in by_system[n]] for n in systems if n != "vllm"}
+    print(f"\n{render_systems_table(ours, [r['metrics'] for r in by_system['vllm']])}")
     print("\nCPU share other processes took during a timed workload (max per round):")
-    for name in SYSTEMS:
+    for name in systems:
         shares = " / ".join(f"{r['others_cpu_share_max']:.0%}" for r in by_system[name])
         print(f"  {name}: {shares}")
     print(f"\nEvery round: {output}")
@@ -303,13 +329,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     model = str(ensure_bench_model())
     suite = build_suite(VOCAB_SIZE, args.seed, args.num_w2_repeats)
-    launches = {"splitserve": splitserve_launch, "vllm": vllm_launch}
+    launches: dict[str, Callable[[], Launch]] = {
+        name: functools.partial(splitserve_launch, args, model, name, flags)
+        for name, flags in splitserve_variants(args).items()
+    }
+    launches["vllm"] = functools.partial(vllm_launch, args, model)
+    systems = list(launches)
     records: list[dict[str, Any]] = []
     try:
         for round_index in range(1, args.rounds + 1):
-            order = SYSTEMS if round_index % 2 else SYSTEMS[::-1]
+            order = systems if round_index % 2 else systems[::-1]
             for name in order:
-                records.append(run_one(launches[name](args, model), round_index, args, suite))
+                records.append(run_one(launches[name](), round_index, args, suite))
                 write_results(args.output, args, records)
     except ServerError as err:
         print(f"bench-peer: {err}", file=sys.stderr)

@@ -126,16 +126,31 @@ def render_table(
     splitserve_rounds: Sequence[Mapping[str, float]], vllm_rounds: Sequence[Mapping[str, float]]
 ) -> str:
     """A Markdown table: median (each round) per system, then splitserve / vLLM of the medians."""
-    ours, theirs = medians(splitserve_rounds), medians(vllm_rounds)
+    return render_systems_table({"splitserve": splitserve_rounds}, vllm_rounds)
+
+
+def render_systems_table(
+    ours: Mapping[str, Sequence[Mapping[str, float]]], vllm_rounds: Sequence[Mapping[str, float]]
+) -> str:
+    """One Markdown table for several splitserve configurations (name -> rounds) beside vLLM:
+    each one's median (each round), then its ratio to vLLM's median and the verdict."""
+    names = list(ours)
+    only = len(names) == 1
+    head = ["workload", *names, "vLLM"]
+    head += ["splitserve / vLLM", "ahead"] if only else [f"{n} / vLLM" for n in names]
     lines = [
-        "| workload | splitserve | vLLM | splitserve / vLLM | ahead |",
-        "|---|---:|---:|---:|---|",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1 - only) + "---|" * only,
     ]
+    theirs = medians(vllm_rounds)
+    medians_of = {n: medians(rounds) for n, rounds in ours.items()}
     for m in METRICS:
-        r = ratio(ours[m.key], theirs[m.key])
-        lines.append(
-            f"| {m.label} | {_cell(ours[m.key], [x[m.key] for x in splitserve_rounds])} "
-            f"| {_cell(theirs[m.key], [x[m.key] for x in vllm_rounds])} "
-            f"| {r:.2f}x | {verdict(m, r)} |"
-        )
+        cells = [_cell(medians_of[n][m.key], [x[m.key] for x in ours[n]]) for n in names]
+        cells.append(_cell(theirs[m.key], [x[m.key] for x in vllm_rounds]))
+        ratios = [ratio(medians_of[n][m.key], theirs[m.key]) for n in names]
+        if only:
+            cells += [f"{ratios[0]:.2f}x", verdict(m, ratios[0])]
+        else:
+            cells += [f"{r:.2f}x {verdict(m, r)}" for r in ratios]
+        lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

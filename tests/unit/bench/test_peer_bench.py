@@ -25,6 +25,7 @@ from benchmarks.peer_stats import (
     medians,
     percentile,
     ratio,
+    render_systems_table,
     render_table,
     summarize,
     verdict,
@@ -241,3 +242,26 @@ def test_splitserve_flags_reach_splitserve_only() -> None:
     assert (
         "--async-scheduling" not in splitserve_launch(build_parser().parse_args([]), "/m").command
     )
+
+
+def test_splitserve_variants_are_more_systems_in_the_same_run() -> None:
+    from benchmarks.peer import build_parser, splitserve_launch, splitserve_variants
+
+    argv = ["--splitserve-flags", "--seed 3", "--splitserve-variant", "int8=--quantization int8"]
+    variants = splitserve_variants(build_parser().parse_args(argv))
+    assert list(variants) == ["splitserve", "splitserve[int8]"]
+    args = build_parser().parse_args(argv)
+    launch = splitserve_launch(args, "/m", "splitserve[int8]", variants["splitserve[int8]"])
+    assert launch.name == "splitserve[int8]"
+    assert launch.command[-4:] == ["--seed", "3", "--quantization", "int8"]
+    with pytest.raises(SystemExit, match="NAME=FLAGS"):
+        splitserve_variants(build_parser().parse_args(["--splitserve-variant", "int8"]))
+
+
+def test_table_of_several_splitserve_configurations() -> None:
+    ours = {"splitserve": [_round(2.0)], "splitserve[int8]": [_round(4.0)]}
+    rows = render_systems_table(ours, [_round(4.0)]).splitlines()
+    assert rows[0].split(" | ")[1:4] == ["splitserve", "splitserve[int8]", "vLLM"]
+    assert len(rows) == 2 + len(METRICS)
+    assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
+    assert "0.50x" in rows[2] and "1.00x even" in rows[2]
