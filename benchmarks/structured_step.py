@@ -6,7 +6,7 @@ tokenizer (32000 tokens) with benchmarks/structured_schemas.RECORDS, at batch 1 
 * core, fill: StructuredOutputManager.fill_bitmask (llguidance's parallel fill into packed
   int32 rows, then the bytes that travel with the step);
 * worker, decode + apply: grammar_bitmask_from_bytes, then apply_grammar_bitmask on fp32 logits
-  [batch, 32000].
+  [batch, 32000], by numpy (a rank without the CPU kernels) and by sampling_ops.cpp.
 
 Matchers walk a random path through the grammar first (tokens drawn from their own masks), so
 the masks are the mixed states a real output passes through (inside strings most tokens are
@@ -34,6 +34,7 @@ from core_svc.structured_output import (
 )
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
+from worker_svc.kernels.cpu_kernels import CpuKernels
 
 WALK_TOKENS = 40
 
@@ -79,10 +80,13 @@ def measure(manager: StructuredOutputManager, batch: int, repeats: int) -> dict[
     sampling_handles = np.arange(batch, dtype=np.int64)
     logits = torch.randn(batch, VOCAB_SIZE)
 
-    def worker_side() -> None:
-        grammar = grammar_bitmask_from_bytes(handles, data)
-        assert grammar is not None
-        apply_grammar_bitmask(logits, sampling_handles, grammar)
+    def worker_side(kernels: CpuKernels | None) -> Callable[[], None]:
+        def apply() -> None:
+            grammar = grammar_bitmask_from_bytes(handles, data)
+            assert grammar is not None
+            apply_grammar_bitmask(logits, sampling_handles, grammar, kernels)
+
+        return apply
 
     allowed = np.unpackbits(np.frombuffer(data, np.uint8)).reshape(batch, -1).sum(axis=1)
     return {
@@ -90,7 +94,8 @@ def measure(manager: StructuredOutputManager, batch: int, repeats: int) -> dict[
         "bitmask_bytes": len(data),
         "allowed_tokens_median": int(np.median(allowed)),
         "core_fill": timed(lambda: manager.fill_bitmask(states), repeats),
-        "worker_decode_apply": timed(worker_side, repeats),
+        "worker_decode_apply_numpy": timed(worker_side(None), repeats),
+        "worker_decode_apply_kernel": timed(worker_side(CpuKernels.load()), repeats),
     }
 
 

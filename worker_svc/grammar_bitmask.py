@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.step_checks import MalformedStep
 
@@ -69,15 +70,19 @@ def _matched_rows(
 
 
 def apply_grammar_bitmask(
-    logits: torch.Tensor, sampling_handles: npt.NDArray[np.int64], grammar: GrammarBitmask
+    logits: torch.Tensor,
+    sampling_handles: npt.NDArray[np.int64],
+    grammar: GrammarBitmask,
+    kernels: CpuKernels | None = None,
 ) -> None:
     """Set to -inf, in `logits` [N, V] (row i samples for sampling_handles[i]), every token
     the request's mask disallows. A request verifying drafts has several rows, one per position;
     its k-th mask row goes to its k-th logits row (positions without a mask row come after a
     draft the grammar refused, which the mask before rejects). Requests without a mask row are
     left alone; a mask row of a request that does not sample here is ignored (it finished or
-    was refused meanwhile). Vectorised: bits unpacked by np.unpackbits, one elementwise minimum
-    against a ±inf ceiling."""
+    was refused meanwhile). With the CPU `kernels` (fp32 CPU logits), sampling_ops.cpp writes -inf over
+    the refused logits only; elsewhere, vectorised: bits unpacked by np.unpackbits, one
+    elementwise minimum against a ±inf ceiling."""
     vocab_size = logits.shape[1]
     num_words = grammar.bitmask.shape[1]
     if num_words != (vocab_size + 31) // 32:
@@ -87,6 +92,15 @@ def apply_grammar_bitmask(
         )
     logit_rows, mask_rows = _matched_rows(sampling_handles, grammar.req_handles)
     if not len(logit_rows):
+        return
+    if kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        bitmask = torch.from_numpy(np.array(grammar.bitmask, np.int32))  # writable, for torch
+        kernels.apply_token_bitmask_(
+            logits,
+            bitmask,
+            torch.from_numpy(np.ascontiguousarray(logit_rows, np.int64)),
+            torch.from_numpy(np.ascontiguousarray(mask_rows, np.int64)),
+        )
         return
     words = grammar.bitmask[mask_rows].astype("<i4", copy=False)  # bit 0 of word 0 first
     allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab_size, bitorder="little")

@@ -35,6 +35,7 @@ from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
 from worker_svc.input_batch import InputBatch, StepInputs, StepPlan, ragged_cols
+from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.lora.manager import NO_SLOT, LoraManager
@@ -78,6 +79,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(device, seed)
+        self.cpu_kernels = CpuKernels.load() if backend.uses_cpu_kernels else None
+        """The CPU kernels the backend runs (loaded once per process), for the grammar masks."""
         self.pooler = pooler
         """A pooling model's pooler (--runner pooling): its requests finish their prompt with
         a pooled vector instead of a sampled token; None for a generative model."""
@@ -274,7 +277,7 @@ class ModelRunner:
             rows, batch.token_ids, batch.num_prompt_tokens[rows], num_tokens
         )
         if grammar is not None:
-            apply_grammar_bitmask(logits, handles, grammar)
+            apply_grammar_bitmask(logits, handles, grammar, self.cpu_kernels)
         sampler_output = self.sampler(logits, metadata)
         verified = None
         if spec is not None and inputs.num_drafts is not None:

@@ -442,6 +442,8 @@ def test_source_stage_builds_a_wheel_with_the_entrypoints(
         "splitserve_contracts/frontend/v1/generation_service_pb2.py",
         "splitserve_client/generate.py",
         "worker_svc/kernels/cpu_ops.cpp",
+        "worker_svc/kernels/sampling_ops.cpp",
+        "worker_svc/kernels/cpu_common.h",
     ):
         assert module in names, module
 

@@ -42,7 +42,7 @@ from splitserve_runtime.model_cache import default_cache_dir, ensure_built
 logger = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "cpu_ops.cpp", FOLDER / "quant_ops.cpp")
+SOURCES = (FOLDER / "cpu_ops.cpp", FOLDER / "quant_ops.cpp", FOLDER / "sampling_ops.cpp")
 HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h")
 LIBRARY = "cpu_ops.so"
 COMPILE_FLAGS = [
@@ -163,7 +163,10 @@ class CpuKernels:
         try:
             target = default_cache_dir() / "kernels" / cache_key()
             folder = ensure_built(
-                target, LIBRARY, _build, "CPU kernels (cpu_ops.cpp, quant_ops.cpp)"
+                target,
+                LIBRARY,
+                _build,
+                "CPU kernels (cpu_ops.cpp, quant_ops.cpp, sampling_ops.cpp)",
             )
             torch.ops.load_library(str(folder / LIBRARY))
         except (OSError, RuntimeError) as err:
@@ -275,3 +278,14 @@ class CpuKernels:
     ) -> None:
         """y[a:b] += x[a:b] A_s^T B_s in place for every run (slot s, a, b) (layers/lora.py)."""
         self.ops.lora_add_(y, x, lora_a, lora_b, runs, col_offsets, slot_ranks)
+
+    def apply_token_bitmask_(
+        self,
+        logits: torch.Tensor,
+        bitmask: torch.Tensor,
+        logit_rows: torch.Tensor,
+        mask_rows: torch.Tensor,
+    ) -> None:
+        """logits[logit_rows[k], t] = -inf in place wherever bit t of bitmask[mask_rows[k]] is
+        0 (float32 logits, int32 packed words, little-endian bit order)."""
+        self.ops.apply_token_bitmask_(logits, bitmask, logit_rows, mask_rows)
