@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ from worker_svc.input_batch import InputBatch, StepInputs, StepPlan, ragged_cols
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.lora.manager import NO_SLOT, LoraManager
-from worker_svc.models.interfaces import CausalLM, supports_images
+from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
 from worker_svc.pooler import Pooler
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
@@ -106,6 +107,11 @@ class ModelRunner:
         self.lora = lora
         """The LoRA adapters and slots (None: LoRA off; requests naming an adapter are
         refused)."""
+        self._attention_metadata: Callable[[AttentionInputs], object] = backend.build_metadata
+        """The step's attention metadata: the backend's, or an encoder-only model's own (it
+        attends without the paged cache, so its blocks are never zeroed either)."""
+        if is_encoder_only(model):
+            self._attention_metadata = model.attention_metadata
         self.encoder_runner: EncoderRunner | None = None
         """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
         if supports_images(model):
@@ -207,7 +213,7 @@ class ModelRunner:
         self.prompt_logprobs.forget(gone)
         if self.pooler is not None:
             self.pooler.forget(gone)
-        if len(step_plan.fresh_block_ids):
+        if len(step_plan.fresh_block_ids) and not is_encoder_only(self.model):
             self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
         self._failed = step_plan.failed
         if not len(step_plan.rows):
@@ -366,7 +372,7 @@ class ModelRunner:
             null_block_id=kv_cache.null_block_id,
         )
         ctx = self.model.step_context(
-            self._to_device(inputs.positions), self.backend.build_metadata(attn_inputs)
+            self._to_device(inputs.positions), self._attention_metadata(attn_inputs)
         )
         parallel = self.parallel
         hidden = residual = None
