@@ -92,7 +92,7 @@ class ModelRunner:
         """Speculative decoding: proposes drafts into the draft slots and verifies them."""
         start, end = model.layer_range
         self.kv_cache_spec = KvCacheSpec(
-            num_layers=end - start,
+            num_layers=0 if is_encoder_only(model) else end - start,  # it keeps no KV
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=dtype,
@@ -109,7 +109,7 @@ class ModelRunner:
         refused)."""
         self._attention_metadata: Callable[[AttentionInputs], object] = backend.build_metadata
         """The step's attention metadata: the backend's, or an encoder-only model's own (it
-        attends without the paged cache, so its blocks are never zeroed either)."""
+        attends without the paged cache, which then has no layers)."""
         if is_encoder_only(model):
             self._attention_metadata = model.attention_metadata
         self.encoder_runner: EncoderRunner | None = None
@@ -213,7 +213,7 @@ class ModelRunner:
         self.prompt_logprobs.forget(gone)
         if self.pooler is not None:
             self.pooler.forget(gone)
-        if len(step_plan.fresh_block_ids) and not is_encoder_only(self.model):
+        if len(step_plan.fresh_block_ids):
             self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
         self._failed = step_plan.failed
         if not len(step_plan.rows):

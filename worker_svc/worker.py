@@ -303,6 +303,10 @@ class Worker:
         runner = self._require_runner()
         assert self.config is not None
         block_size = self.config.block_size
+        if runner.kv_cache_spec.num_layers == 0:  # encoder-only: blocks count a step's tokens
+            max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
+            return KvCapacity(0, 0, shape.num_blocks_usable())
         if self.device.type == "cpu":
             return self._cpu_kv_capacity(kv_cache_memory_bytes)
         if kv_cache_memory_bytes > 0:

@@ -1,8 +1,8 @@
 """One rank in this process serving a BertModel embedder (encoder-only, bidirectional
 attention) saved by sentence-transformers: prompts of different lengths pooled in one step
 equal `SentenceTransformer.encode` (cosine >= 0.9999, MEAN pooling; CLS over HTTP and TP=2 in
-tests/e2e/test_bert_embeddings.py), and a step carrying part of a prompt fails that request
-alone."""
+tests/e2e/test_bert_embeddings.py) with no KV cache allocated, and a step carrying part of a
+prompt fails that request alone."""
 
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def test_bert_prompts_pooled_in_one_step_equal_sentence_transformers(
     ref = reference.encode(TEXTS)
     cosines = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     assert cosines.min() >= 0.9999
+    runner = rank.worker.runner
+    assert runner is not None and runner.kv_cache is not None
+    assert runner.kv_cache.nbytes == 0  # no KV cache at all: attention never reads or writes it
 
 
 def test_a_step_with_part_of_a_bert_prompt_fails_that_request_alone(rank: LocalRank) -> None:
