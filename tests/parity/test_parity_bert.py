@@ -76,3 +76,10 @@ def test_a_step_with_part_of_a_bert_prompt_fails_that_request_alone(rank: LocalR
     assert output is not None and output.failed_req_handles == [2]
     assert "whole, in one step" in output.failed_reasons[0]
     assert [p.req_handle for p in output.pooler_outputs] == [1]
+
+
+def test_lora_on_a_bert_model_is_refused_in_one_line(embedder: Path) -> None:
+    rank = LocalRank()
+    with pytest.raises(ValueError, match="not served on encoder-only") as refused:
+        rank.load(LoadModelConfig(str(embedder), block_size=BLOCK_SIZE, max_loras=1))
+    assert "\n" not in str(refused.value)

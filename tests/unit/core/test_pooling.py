@@ -85,13 +85,15 @@ def test_mismatched_requests_are_refused_alone(
     assert detail.error_kind == ErrorKind.INVALID_REQUEST and reason in detail.error_message
 
 
-def test_encoder_only_prompts_run_whole_in_one_step() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_encoder_only_prompts_run_whole_in_one_step(async_scheduling: bool) -> None:
     """An encoder-only model's prompt is never chunked (bidirectional attention): one that does
     not fit what is left of a step waits for the next, whatever long_prefill_token_threshold
     says; one longer than a step's budget is refused alone."""
     engine, executor = make_engine(
         max_num_batched_tokens=16,
         long_prefill_token_threshold=4,
+        async_scheduling=async_scheduling,
         is_pooling=True,
         is_encoder_only=True,
     )
