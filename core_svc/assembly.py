@@ -36,17 +36,24 @@ def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
         disable_chunked_mm_input=config.disable_chunked_mm_input,
         async_scheduling=config.async_scheduling,
         is_pooling=facts.pooler_config is not None,
+        is_encoder_only=is_encoder_only(facts),
         max_loras=config.max_loras,
         speculative_config=config.speculative_config,
     )
 
 
+def is_encoder_only(facts: ModelFacts) -> bool:
+    """Whether the ranks serve an encoder-only pooling model (BERT-style)."""
+    return facts.pooler_config is not None and facts.pooler_config.is_encoder_only
+
+
 def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
-    """The paged KV cache the ranks allocated."""
+    """The paged KV cache the ranks allocated; an encoder-only model's blocks hold no KV (its
+    attention does not use the cache), so nothing of them is cached for other requests."""
     return CacheConfig(
         num_blocks=facts.num_kv_blocks,
         block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching and not is_encoder_only(facts),
         sliding_window=facts.sliding_window,
     )
 

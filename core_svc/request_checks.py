@@ -30,6 +30,13 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         problem = _pooling_problem(request, scheduler_config.is_pooling)
         if problem is not None:
             return problem
+    budget = scheduler_config.max_num_batched_tokens
+    if scheduler_config.is_encoder_only and num_prompt_tokens > budget:
+        return (
+            f"the prompt ({num_prompt_tokens} tokens) is longer than one step's token budget "
+            f"(max_num_batched_tokens={budget}); an encoder-only model computes a prompt whole, "
+            "in one step: shorten it, or serve with a larger --max-num-batched-tokens"
+        )
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     if max(request.prompt_token_ids) >= vocab_size:

@@ -60,6 +60,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.prefill_token_budget = scheduler_config.prefill_token_budget
+        self.is_encoder_only = scheduler_config.is_encoder_only
+        """Prompts are computed whole, in one step (no chunked prefill)."""
         self.policy = scheduler_config.policy
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = kv_cache_manager
@@ -371,7 +373,10 @@ class Scheduler:
                 continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            if 0 < threshold < num_new_tokens:
+            if self.is_encoder_only:
+                if num_new_tokens < request.num_tokens:
+                    break  # whole prompts only: it waits for a step with room for all of it
+            elif 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             encoder_inputs = None
             if request.mm_features:

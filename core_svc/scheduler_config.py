@@ -55,6 +55,11 @@ class SchedulerConfig:
     is_pooling: bool = False
     """The ranks serve a pooling model (--runner pooling): the engine takes pooling requests
     only (each computes its prompt and finishes with its pooled vector), and no others."""
+    is_encoder_only: bool = False
+    """The pooling model is encoder-only (BERT-style, bidirectional attention): a prompt is
+    computed whole, in one step (vLLM disables chunked prefill for it), so a prompt longer
+    than max_num_batched_tokens is refused and one that does not fit this step's budget waits
+    for the next."""
     max_loras: int = 0
     """Most distinct LoRA adapters among the running requests (vLLM's --max-loras); 0: LoRA is
     off and requests naming an adapter are refused."""

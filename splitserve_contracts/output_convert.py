@@ -58,6 +58,7 @@ def pooler_config_to_proto(
     msg.matryoshka_dimensions.extend(record.matryoshka_dimensions)
     msg.is_matryoshka = record.is_matryoshka
     msg.task = record.task
+    msg.is_encoder_only = record.is_encoder_only
     return msg
 
 
@@ -69,6 +70,7 @@ def pooler_config_from_proto(msg: common_pb2.PoolerConfig) -> t.PoolerConfig:
         matryoshka_dimensions=list(msg.matryoshka_dimensions),
         is_matryoshka=msg.is_matryoshka,
         task=msg.task,
+        is_encoder_only=msg.is_encoder_only,
     )
 
 

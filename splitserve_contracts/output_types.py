@@ -143,6 +143,13 @@ class PoolerConfig:
     and /rerank model).
     """
 
+    is_encoder_only: bool = False
+    """Whether the model is encoder-only (BERT-style): it attends bidirectionally over the whole
+    prompt, so a prompt is computed whole, in one step (never chunked), and its KV is neither
+    kept after the step nor shared (no prefix caching), as vLLM serves encoder-only pooling
+    models.
+    """
+
 
 @dataclass(slots=True)
 class EngineCoreEvent:

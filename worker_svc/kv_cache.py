@@ -91,6 +91,8 @@ class PagedKVCache:
             return
         if int(block_ids.max()) >= self.num_blocks or int(block_ids.min()) < 0:
             raise ValueError(f"block id outside 0..{self.num_blocks - 1}")
+        if not self.layers:  # an encoder-only model's: blocks without KV
+            return
         index = torch.from_numpy(block_ids).to(self.layers[0].device)
         for layer in self.layers:
             layer.index_fill_(1, index, 0.0)

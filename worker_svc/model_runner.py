@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.logprobs import split_tables
 from worker_svc.lora.manager import NO_SLOT, LoraManager
-from worker_svc.models.interfaces import CausalLM, supports_images
+from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
 from worker_svc.pooler import Pooler
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.sampler import Sampler, SamplerOutput
@@ -94,7 +95,7 @@ class ModelRunner:
         """Speculative decoding: proposes drafts into the draft slots and verifies them."""
         start, end = model.layer_range
         self.kv_cache_spec = KvCacheSpec(
-            num_layers=end - start,
+            num_layers=0 if is_encoder_only(model) else end - start,  # it keeps no KV
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=dtype,
@@ -109,6 +110,11 @@ class ModelRunner:
         self.lora = lora
         """The LoRA adapters and slots (None: LoRA off; requests naming an adapter are
         refused)."""
+        self._attention_metadata: Callable[[AttentionInputs], object] = backend.build_metadata
+        """The step's attention metadata: the backend's, or an encoder-only model's own (it
+        attends without the paged cache, which then has no layers)."""
+        if is_encoder_only(model):
+            self._attention_metadata = model.attention_metadata
         self.encoder_runner: EncoderRunner | None = None
         """Images of a multimodal model's requests (encoder_runner.py); None for text-only."""
         if supports_images(model):
@@ -369,7 +375,7 @@ class ModelRunner:
             null_block_id=kv_cache.null_block_id,
         )
         ctx = self.model.step_context(
-            self._to_device(inputs.positions), self.backend.build_metadata(attn_inputs)
+            self._to_device(inputs.positions), self._attention_metadata(attn_inputs)
         )
         parallel = self.parallel
         hidden = residual = None

@@ -5,6 +5,8 @@ CLS the first token's state per request until the step that completes the prompt
 only that step. A chunk that starts at position 0 starts the request afresh (a recompute after
 a preemption drops what the earlier run pooled). Then, as the checkpoint says, the vector is
 L2-normalized; a Matryoshka truncation (`dimensions`) is the frontend's (it re-normalizes).
+An encoder-only model's prompt must come whole, in one step (its attention is bidirectional): a
+step carrying part of one fails that request.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import torch.nn.functional as F
 
 from splitserve_contracts.output_types import PoolerConfig, PoolerOutput
 from worker_svc.input_batch import StepInputs
+
+_PART_OF_A_PROMPT = (
+    "an encoder-only model computes a prompt whole, in one step; the step carried part of one"
+)
 
 
 class Pooler:
@@ -46,17 +52,23 @@ class Pooler:
         is_done = np.zeros(num_reqs, dtype=bool)
         is_done[inputs.sampling_reqs] = True
         starts = inputs.positions[qsl[:-1]] if num_reqs else qsl[:0]
+        failed: dict[int, str] = {}
+        if self.config.is_encoder_only:
+            for i in np.flatnonzero((starts > 0) | ~is_done).tolist():
+                failed[int(inputs.req_handles[i])] = _PART_OF_A_PROMPT
+            is_done &= starts == 0
         pooling_type = self.config.pooling_type
         if pooling_type == "LAST":
             done = np.flatnonzero(is_done)
             last = torch.from_numpy(qsl[1:][done] - 1).to(hidden.device)
             vectors = list(hidden[last].float())
-            return self._finish(inputs.req_handles[done].tolist(), vectors), {}
+            return self._finish(inputs.req_handles[done].tolist(), vectors), failed
         chunk = self._chunk_states(hidden, qsl)
         handles: list[int] = []
         vectors = []
-        failed: dict[int, str] = {}
         for i, handle in enumerate(inputs.req_handles.tolist()):
+            if handle in failed:
+                continue
             state = chunk[i]
             earlier = self._partial.pop(handle, None)  # dropped when the prompt starts again
             if starts[i] > 0:

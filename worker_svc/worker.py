@@ -37,7 +37,7 @@ from worker_svc.lora.manager import LoraManager
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
 from worker_svc.models.decoder import BuildContext
-from worker_svc.models.interfaces import CausalLM, supports_images
+from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
 from worker_svc.models.model_config import ModelConfig, architecture_of
 from worker_svc.models.registry import (
     has_lm_head,
@@ -152,6 +152,8 @@ class Worker:
             else model_class(architecture)
         )
         model_config = cls.read_config(checkpoint.hf_config)
+        if is_encoder_only(cls) and config.max_loras:
+            raise ValueError("LoRA adapters are not served on encoder-only (BERT) models")
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
@@ -176,7 +178,9 @@ class Worker:
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
         self.pooler_config = (
-            _pooler_config(source, checkpoint, model_config.hidden_size) if is_pooling else None
+            _pooler_config(source, checkpoint, model_config.hidden_size, is_encoder_only(model))
+            if is_pooling
+            else None
         )
         self.runner = ModelRunner(
             model,
@@ -299,6 +303,10 @@ class Worker:
         runner = self._require_runner()
         assert self.config is not None
         block_size = self.config.block_size
+        if runner.kv_cache_spec.num_layers == 0:  # encoder-only: blocks count a step's tokens
+            max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
+            return KvCapacity(0, 0, shape.num_blocks_usable())
         if self.device.type == "cpu":
             return self._cpu_kv_capacity(kv_cache_memory_bytes)
         if kv_cache_memory_bytes > 0:
@@ -398,13 +406,16 @@ class Worker:
 Weights = Iterator[tuple[str, TensorSource]]
 
 
-def _pooler_config(source: ModelSource, checkpoint: Checkpoint, hidden_size: int) -> PoolerConfig:
+def _pooler_config(
+    source: ModelSource, checkpoint: Checkpoint, hidden_size: int, encoder_only: bool
+) -> PoolerConfig:
     """How a pooling model pools: a sequence classifier through its score head, any other
     as its sentence-transformers files (or config.json) say."""
     hf_config = checkpoint.hf_config
     config = read_pooler_config(None if source.is_gguf else source.path, hf_config, hidden_size)
     if is_sequence_classifier(architecture_of(hf_config)):
-        return classifier_config(int(getattr(hf_config, "num_labels", 1)))
+        config = classifier_config(int(getattr(hf_config, "num_labels", 1)))
+    config.is_encoder_only = encoder_only
     return config
 
 

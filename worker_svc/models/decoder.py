@@ -269,18 +269,23 @@ class DecoderForCausalLM(nn.Module):
                 view = source if target.rows is None else row_range(source, *target.rows)
                 module.load(target.param, view, target.part)  # type: ignore[operator]
                 parts.setdefault(f"{path}.{target.param}", set()).add(target.part)
-        self._check_complete(parts)
+        check_complete(self, parts, tied={"lm_head.weight": "embed_tokens.weight"})
 
-    def _check_complete(self, parts: dict[str, set[int]]) -> None:
-        missing = []
-        for path, module in self.named_modules():
-            num_parts = getattr(module, "num_parts", None)
-            for param, _ in module.named_parameters(prefix=path, recurse=False):
-                if param == "lm_head.weight" and "embed_tokens.weight" in parts:
-                    continue
-                name = param.rsplit(".", 1)[-1]
-                expected = num_parts(name) if num_parts else len(getattr(module, "part_sizes", [0]))
-                if len(parts.get(param, ())) < expected:
-                    missing.append(param)
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing))}")
+
+def check_complete(
+    model: nn.Module, parts: dict[str, set[int]], tied: Mapping[str, str] | None = None
+) -> None:
+    """Raise unless every parameter of `model` got all its fused parts (`parts`: parameter path
+    -> the parts loaded); a parameter `tied` to a loaded one needs none of its own."""
+    missing = []
+    for path, module in model.named_modules():
+        num_parts = getattr(module, "num_parts", None)
+        for param, _ in module.named_parameters(prefix=path, recurse=False):
+            if tied and tied.get(param) in parts:
+                continue
+            name = param.rsplit(".", 1)[-1]
+            expected = num_parts(name) if num_parts else len(getattr(module, "part_sizes", [0]))
+            if len(parts.get(param, ())) < expected:
+                missing.append(param)
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors for: {', '.join(sorted(missing))}")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, r
 import torch
 from torch import nn
 
+from worker_svc.attention.backend import AttentionInputs
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.weight_names import WeightTarget
@@ -140,3 +141,22 @@ class SupportsImages(Protocol):
 def supports_images(model: object) -> TypeGuard[SupportsImages]:
     """Whether `model` takes images (and so needs the encoder runner)."""
     return getattr(model, "supports_images", False) is True and isinstance(model, SupportsImages)
+
+
+@runtime_checkable
+class EncoderOnly(Protocol):
+    """A bidirectional encoder (BERT-style; vLLM's encoder-only attention): every token of a
+    prompt attends to the whole prompt, so a prompt runs whole, in one step, and the model
+    attends without the paged KV cache (`attention_metadata` replaces the backend's): a request
+    keeps no KV after its step."""
+
+    is_encoder_only: ClassVar[Literal[True]]
+
+    def attention_metadata(self, inputs: AttentionInputs) -> object:
+        """The step's attention metadata, from its host-side layout."""
+        ...
+
+
+def is_encoder_only(model: object) -> TypeGuard[EncoderOnly]:
+    """Whether `model` (or a model class) is an encoder-only model."""
+    return getattr(model, "is_encoder_only", False) is True

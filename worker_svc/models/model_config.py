@@ -107,7 +107,7 @@ class ModelConfig:
         """The fields every decoder has, read from transformers' config `hf`; `fields` give a
         subclass's own (or replace read ones)."""
         arch = architecture_of(hf)
-        _refuse_quantization(hf)
+        refuse_quantization(hf)
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (embedding models) is not supported")
         num_heads = int(hf.num_attention_heads)
@@ -131,7 +131,7 @@ class ModelConfig:
             "qkv_bias": attention_bias,
             "o_bias": attention_bias,
             "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
-            "checkpoint_dtype": _checkpoint_dtype(hf),
+            "checkpoint_dtype": checkpoint_dtype_of(hf),
             "sliding_window": sliding_window,
             "layer_types": _layer_types(hf, sliding_window),
             "hidden_act": _activation(hf, arch, cls.activations),
@@ -153,7 +153,7 @@ def architecture_of(hf: Any) -> str:
     return str(architectures[0])
 
 
-def _refuse_quantization(hf: Any) -> None:
+def refuse_quantization(hf: Any) -> None:
     """A quantized checkpoint must never be served as if its weights were plain floats."""
     quantization = getattr(hf, "quantization_config", None)
     if not quantization:
@@ -171,7 +171,7 @@ def _refuse_quantization(hf: Any) -> None:
         )
 
 
-def _checkpoint_dtype(hf: Any) -> torch.dtype | None:
+def checkpoint_dtype_of(hf: Any) -> torch.dtype | None:
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype

@@ -2,8 +2,8 @@
 
 One row per architecture: the module under worker_svc/models and the class in it, imported on
 first use (as vLLM's and mini-sglang's registries), so serving one family never imports the
-others. Every class is an `interfaces.CausalLM`; a new architecture is its model file plus a
-row here.
+others. Every class is an `interfaces.CausalLM` (an encoder-only one also
+`interfaces.EncoderOnly`); a new architecture is its model file plus a row here.
 """
 
 from __future__ import annotations
@@ -48,11 +48,17 @@ _SEQ_CLS_MODELS: dict[str, str] = {
 """Decoders with a sequence-classification head (`score`) instead of the LM head: cross-encoders
 (rerankers), served as pooling models (the last token, then the head)."""
 
+_ENCODER_MODELS: dict[str, tuple[str, str]] = {"BertModel": ("bert", "BertModel")}
+"""Encoder-only models (bidirectional attention, `interfaces.EncoderOnly`): embedders served as
+pooling models only."""
+
 _ENCODER_ONLY_PREFIXES = ("Bert", "Roberta", "XLMRoberta", "ModernBert", "NomicBert", "New", "Gte")
-"""Encoder-only families (bge, gte, e5, ...): bidirectional attention, not served yet."""
+"""Encoder-only families (bge, gte, e5, ...): only BertModel is served."""
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
-POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(sorted([*_BARE_MODELS, *_SEQ_CLS_MODELS]))
+POOLING_ONLY_ARCHITECTURES: tuple[str, ...] = tuple(
+    sorted([*_BARE_MODELS, *_SEQ_CLS_MODELS, *_ENCODER_MODELS])
+)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -62,20 +68,21 @@ class UnsupportedArchitectureError(ValueError):
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving `architecture` (its module imported now)."""
     architecture = _BARE_MODELS.get(architecture, _SEQ_CLS_MODELS.get(architecture, architecture))
-    if architecture.startswith(_ENCODER_ONLY_PREFIXES) and architecture not in _MODELS:
+    if architecture.startswith(_ENCODER_ONLY_PREFIXES) and architecture not in _ENCODER_MODELS:
         raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} is an encoder-only (BERT-style) model; splitserve "
-            "serves decoder embedders and rerankers only (e.g. Qwen3Model, "
-            "Qwen3ForSequenceClassification)"
+            f"architecture {architecture!r} is an encoder-only model splitserve does not serve; "
+            "of the encoder-only families it serves BertModel embedders (bge, gte, e5, MiniLM; "
+            "no BERT cross-encoders: their pairs need token_type_ids)"
         )
-    if architecture not in _MODELS:
+    row = _MODELS.get(architecture) or _ENCODER_MODELS.get(architecture)
+    if row is None:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
             + "; for pooling only: "
             + ", ".join(POOLING_ONLY_ARCHITECTURES)
         )
-    module, name = _MODELS[architecture]
+    module, name = row
     cls: type[CausalLM] = pkgutil.resolve_name(f"{__package__}.{module}:{name}")
     return cls
 
@@ -88,7 +95,7 @@ def read_model_config(hf: Any) -> ModelConfig:
 
 def has_lm_head(architecture: str) -> bool:
     """Whether the checkpoint has a language-model head (a bare decoder serves pooling only)."""
-    return architecture not in _BARE_MODELS and architecture not in _SEQ_CLS_MODELS
+    return not any(architecture in t for t in (_BARE_MODELS, _SEQ_CLS_MODELS, _ENCODER_MODELS))
 
 
 def is_sequence_classifier(architecture: str) -> bool:
@@ -103,6 +110,8 @@ def pooling_model_class(architecture: str, num_labels: int = 1) -> type[CausalLM
     from worker_svc.models.decoder import DecoderForCausalLM
 
     cls = model_class(architecture)
+    if architecture in _ENCODER_MODELS:
+        return cls  # an embedder as it is
     if not issubclass(cls, DecoderForCausalLM) or getattr(cls, "supports_images", False):
         raise ValueError(f"{architecture} cannot be served as a pooling model (--runner pooling)")
     if is_sequence_classifier(architecture):

@@ -812,6 +812,7 @@ class PoolerConfig(_message.Message):
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _builtins.int
     IS_MATRYOSHKA_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    IS_ENCODER_ONLY_FIELD_NUMBER: _builtins.int
     pooling_type: _builtins.str
     """"LAST" (the last prompt token), "MEAN" (mean over the prompt) or "CLS"
     (the first prompt token).
@@ -829,6 +830,12 @@ class PoolerConfig(_message.Message):
     sequence-classification head's scores, hidden_size of them, after its
     activation: sigmoid for one label; the /score and /rerank model).
     """
+    is_encoder_only: _builtins.bool
+    """Whether the model is encoder-only (BERT-style): it attends bidirectionally
+    over the whole prompt, so a prompt is computed whole, in one step (never
+    chunked), and its KV is neither kept after the step nor shared (no prefix
+    caching), as vLLM serves encoder-only pooling models.
+    """
     @_builtins.property
     def matryoshka_dimensions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Output sizes a Matryoshka model was trained for (the `dimensions` a
@@ -844,10 +851,11 @@ class PoolerConfig(_message.Message):
         matryoshka_dimensions: _abc.Iterable[_builtins.int] | None = ...,
         is_matryoshka: _builtins.bool = ...,
         task: _builtins.str = ...,
+        is_encoder_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "is_matryoshka", b"is_matryoshka", "matryoshka_dimensions", b"matryoshka_dimensions", "normalize", b"normalize", "pooling_type", b"pooling_type", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "is_encoder_only", b"is_encoder_only", "is_matryoshka", b"is_matryoshka", "matryoshka_dimensions", b"matryoshka_dimensions", "normalize", b"normalize", "pooling_type", b"pooling_type", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -83,3 +83,31 @@ def test_mismatched_requests_are_refused_alone(
     detail = view.details[(1, 1)][-1]
     assert detail.finish_reason == FinishReason.ERROR
     assert detail.error_kind == ErrorKind.INVALID_REQUEST and reason in detail.error_message
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_encoder_only_prompts_run_whole_in_one_step(async_scheduling: bool) -> None:
+    """An encoder-only model's prompt is never chunked (bidirectional attention): one that does
+    not fit what is left of a step waits for the next, whatever long_prefill_token_threshold
+    says; one longer than a step's budget is refused alone."""
+    engine, executor = make_engine(
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=4,
+        async_scheduling=async_scheduling,
+        is_pooling=True,
+        is_encoder_only=True,
+    )
+    prompts = {1: list(range(10, 22)), 2: list(range(30, 40)), 3: list(range(50, 67))}
+    for handle, prompt in prompts.items():
+        engine.add_request(pooling_request(handle, prompt))
+    view = run_to_completion(engine)
+    assert [list(so.num_scheduled_tokens) for so in executor.seen if so.num_scheduled_tokens] == [
+        [12],
+        [10],
+    ]
+    for handle in (1, 2):
+        assert view.details[(1, handle)][-1].pooling_output == pooled_bytes(prompts[handle])
+    refused = view.details[(1, 3)][-1]
+    assert refused.error_kind == ErrorKind.INVALID_REQUEST
+    assert "token budget (max_num_batched_tokens=16)" in refused.error_message
+    assert engine.make_stats().kv_cache_usage == 0.0

@@ -79,6 +79,18 @@ def test_a_recompute_starts_afresh_and_a_lost_prefix_fails_the_request() -> None
     assert list(failed) == [5]
 
 
+@pytest.mark.parametrize("pooling_type", ["CLS", "LAST"])
+def test_an_encoder_only_pooler_refuses_part_of_a_prompt(pooling_type: str) -> None:
+    """Bidirectional attention needs the whole prompt in one step: a chunk that starts or
+    stops part-way fails its request, the whole prompts beside it are pooled."""
+    config = PoolerConfig(pooling_type, False, HIDDEN, is_encoder_only=True)
+    hidden = torch.randn(9, HIDDEN)
+    chunks = [(1, 0, 3, True), (2, 0, 4, False), (3, 4, 2, True)]
+    out, failed = Pooler(config).pool(hidden, step_inputs(chunks))
+    assert [o.req_handle for o in out] == [1]
+    assert sorted(failed) == [2, 3] and "whole, in one step" in failed[2]
+
+
 def write_st(folder: Path, modules: list[str], pooling: dict[str, object]) -> Path:
     entries = [
         {"idx": i, "name": str(i), "path": "" if i == 0 else f"{i}_{kind}", "type": f"x.{kind}"}
@@ -176,8 +188,10 @@ def test_a_rank_refuses_requests_of_the_other_kind() -> None:
         assert not batch.update_states(step("embed" if is_pooling else "")).failed
 
 
-@pytest.mark.parametrize("architecture", ["BertModel", "XLMRobertaForSequenceClassification"])
-def test_encoder_only_models_are_refused_in_one_line(architecture: str) -> None:
+@pytest.mark.parametrize(
+    "architecture", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
+)
+def test_encoder_only_models_but_bert_model_are_refused_in_one_line(architecture: str) -> None:
     from worker_svc.models.registry import UnsupportedArchitectureError, pooling_model_class
 
     with pytest.raises(UnsupportedArchitectureError, match="encoder-only") as refused:
