@@ -172,7 +172,7 @@ def _responses_routes(
         body = await read_json(request, ctx.max_body_bytes)
         check_generative(ctx.info, "Responses API")
         req = parse_responses(body)
-        run = ResponsesRun(ctx, store, req, new_response_id())
+        run = await ResponsesRun.open(ctx, store, req, new_response_id())
         if req.is_background:
             return JSONResponse(await run_in_background(run))
         if not req.is_stream:
