@@ -454,6 +454,7 @@ class EngineCore:
         prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
         running_loras, waiting_loras = scheduler.lora.adapter_names()
         spec = scheduler.spec_stats
+        grammars = self.structured.manager
         return SchedulerStats(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),
@@ -477,6 +478,9 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            # hits read first: a compile thread counts the query before its hit
+            structured_output_cache_hits=grammars.num_cache_hits,
+            structured_output_cache_queries=grammars.num_cache_queries,
         )
 
     def retire_lora(self, lora_id: int) -> int:

@@ -96,7 +96,7 @@ def _resumed_outputs_problem(request: Request, scheduler_config: SchedulerConfig
     return None
 
 
-POOLING_TASKS = ("embed", "score")
+POOLING_TASKS = ("embed", "score", "classify")
 
 
 def _pooling_problem(request: Request, is_pooling_engine: bool) -> str | None:

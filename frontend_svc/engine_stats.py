@@ -4,8 +4,8 @@ A router or autoscaler scraping a pod's serving port (the production-stack route
 endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
 vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
 vllm:prefix_cache_queries/hits, vllm:num_preemptions, vllm:mm_cache_queries/hits,
-vllm:iteration_tokens_total and vllm:cache_config_info, labelled with model_name and the engine's
-id, with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input) and with
+vllm:structured_output_cache_queries/hits, vllm:iteration_tokens_total and
+vllm:cache_config_info, labelled with model_name and the engine's id, with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input) and with
 --speculative-config vllm:spec_decode_num_drafts/_num_draft_tokens/_num_accepted_tokens/
 _num_accepted_tokens_per_pos. They are the engine core's own values, asked for at scrape time
 (GetSchedulerStats), or, when the core does not answer within a second, its latest stats this
@@ -40,6 +40,8 @@ from splitserve_contracts.output_types import SchedulerStats
 logger = logging.getLogger(__name__)
 LABELS = ["model_name", "engine"]
 SNAPSHOT_TIMEOUT_S = 1.0
+MAX_COUNT = 1 << 53
+"""The largest count a Prometheus sample (a float64) holds exactly."""
 
 
 def cache_config_labels(info: EngineInfo) -> dict[str, str]:
@@ -100,6 +102,7 @@ class EngineSeries:
             "Multi-modal cache hits, in terms of number of cached items.",
             stats.encoder_cache_hits,
         )
+        yield from self._grammar_cache(stats)
         yield from self._iteration_tokens()
         yield from self._spec_decode(stats)
         info = GaugeMetricFamily(
@@ -135,6 +138,23 @@ class EngineSeries:
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
             stats.kv_cache_usage,
+        )
+
+    def _grammar_cache(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """vLLM's structured-output grammar cache counters, as the core counts them; what a
+        peer sends is checked: at most MAX_COUNT, hits at most the queries."""
+        queries = min(stats.structured_output_cache_queries, MAX_COUNT)
+        yield self._counter(
+            "vllm:structured_output_cache_queries",
+            "Structured output grammar cache queries, in terms of number of requests that "
+            "looked up a compiled grammar.",
+            queries,
+        )
+        yield self._counter(
+            "vllm:structured_output_cache_hits",
+            "Structured output grammar cache hits, in terms of number of requests whose "
+            "grammar was already compiled.",
+            min(stats.structured_output_cache_hits, queries),
         )
 
     def _spec_decode(self, stats: SchedulerStats) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
+from frontend_svc.classification import ClassifierHead
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_stats import EngineView
@@ -142,7 +143,8 @@ async def serve(config: FrontendConfig) -> int:
     )
     http = None
     if config.http_port is not None:
-        http = http_server(config, parts, host, client, chat, tuple(aliases), models)
+        classifier = ClassifierHead.from_config(files.model_config)
+        http = http_server(config, parts, host, client, chat, tuple(aliases), models, classifier)
     await host.start()
     engine.start()
     if http is not None:
@@ -205,6 +207,7 @@ def http_server(
     chat: ChatFeatures,
     aliases: tuple[str, ...],
     models: ServedModels,
+    classifier: ClassifierHead,
 ) -> HttpServer:
     """The OpenAI-compatible HTTP API (not started)."""
     engine, info, served_name = parts.engine, parts.info, parts.served_model_name
@@ -219,6 +222,7 @@ def http_server(
         chat=chat,
         model_aliases=aliases,
         models=models,
+        classifier=classifier,
     )
     engine_view = EngineView(
         client.engine_snapshot, lambda: engine.scheduler_stats, served_name, info

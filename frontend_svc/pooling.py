@@ -1,4 +1,4 @@
-"""Pooling requests (embeddings), shared by the OpenAI route, the public gRPC API and the gateway
+"""Pooling requests (embeddings, classifications, scores), shared by the OpenAI route, the public gRPC API and the gateway
 contract: build them from prompts, run them on the engine, turn each pooled vector into the
 embedding the client asked for.
 
@@ -23,8 +23,14 @@ from splitserve_contracts.sampling_types import SamplingParams
 
 EMBED_TASK = "embed"
 SCORE_TASK = "score"
-_API_TASKS = {EMBED_TASK: "embed", SCORE_TASK: "classify"}
+CLASSIFY_TASK = "classify"
+_API_TASKS = {EMBED_TASK: "embed", SCORE_TASK: "classify", CLASSIFY_TASK: "classify"}
 """Request task -> the PoolerConfig.task of the models that serve it."""
+_KINDS = {
+    EMBED_TASK: "an embedding model",
+    SCORE_TASK: "a cross-encoder with one label",
+    CLASSIFY_TASK: "a sequence classifier (a *ForSequenceClassification checkpoint)",
+}
 _POOLING_PARAMS = SamplingParams(max_tokens=1)
 """What a pooling request's sampler part says: nothing is sampled (the engine checks)."""
 
@@ -34,7 +40,7 @@ def pooler_config(
 ) -> PoolerConfig:
     """The engine's pooler; InvalidRequest (400, as vLLM) when it serves a generative model or
     a pooling model for the other task (an embedder for /score, a cross-encoder for
-    /v1/embeddings)."""
+    /v1/embeddings, an embedder for /classify)."""
     config = info.pooler_config
     if config is None:
         raise InvalidRequest(
@@ -43,7 +49,7 @@ def pooler_config(
             "model",
         )
     if config.task != _API_TASKS[task] or (task == SCORE_TASK and config.hidden_size != 1):
-        kind = "a cross-encoder with one label" if task == SCORE_TASK else "an embedding model"
+        kind = _KINDS[task]
         raise InvalidRequest(
             f"the model {info.served_model_name!r} does not support the {api}: it is not {kind}",
             "model",
@@ -57,7 +63,8 @@ def check_generative(info: EngineInfo, api: str) -> None:
     if info.pooler_config is not None:
         raise InvalidRequest(
             f"the model {info.served_model_name!r} does not support the {api}: it is served "
-            "as a pooling model (--runner pooling); use /v1/embeddings",
+            "as a pooling model (--runner pooling); use its pooling routes (/v1/embeddings, "
+            "/pooling, /classify, /score, /rerank)",
             "model",
         )
 
@@ -85,9 +92,14 @@ def check_dimensions(config: PoolerConfig, dimensions: int | None, name: str) ->
 
 
 def embed_request(
-    inputs: InputProcessor, request_id: str, prompt: PromptInput, field: str, priority: int = 0
+    inputs: InputProcessor,
+    request_id: str,
+    prompt: PromptInput,
+    field: str,
+    priority: int = 0,
+    task: str = EMBED_TASK,
 ) -> EngineRequest:
-    """Tokenize and check one input (run it on the tokenizer threads)."""
+    """Tokenize and check one input for `task` (run it on the tokenizer threads)."""
     if prompt.token_ids is not None:
         inputs.check_token_ids(prompt.token_ids, field)
     try:
@@ -103,9 +115,7 @@ def embed_request(
             f"to at most {max_len - 1} tokens",
             field,
         )
-    return EngineRequest(
-        request_id, token_ids, _POOLING_PARAMS, None, priority, pooling_task=EMBED_TASK
-    )
+    return EngineRequest(request_id, token_ids, _POOLING_PARAMS, None, priority, pooling_task=task)
 
 
 def score_request(

@@ -120,6 +120,8 @@ def scheduler_stats_to_proto(
     msg.spec_decode_num_accepted_tokens_per_pos.extend(
         record.spec_decode_num_accepted_tokens_per_pos
     )
+    msg.structured_output_cache_queries = record.structured_output_cache_queries
+    msg.structured_output_cache_hits = record.structured_output_cache_hits
     return msg
 
 
@@ -147,6 +149,8 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=list(msg.spec_decode_num_accepted_tokens_per_pos),
+        structured_output_cache_queries=msg.structured_output_cache_queries,
+        structured_output_cache_hits=msg.structured_output_cache_hits,
     )
 
 

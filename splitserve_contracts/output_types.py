@@ -246,6 +246,16 @@ class SchedulerStats:
     num_speculative_tokens.
     """
 
+    structured_output_cache_queries: int = 0
+    """Structured-output requests that looked up their compiled grammar in the engine's grammar
+    cache, cumulative (vLLM's structured_output_cache_queries).
+    """
+
+    structured_output_cache_hits: int = 0
+    """Of those, requests whose grammar was already compiled, cumulative (vLLM's
+    structured_output_cache_hits); never more than the queries.
+    """
+
 
 @dataclass(slots=True)
 class StepTimings:

@@ -37,6 +37,7 @@ from frontend_svc.openai.protocol import as_client_id, parse_chat, parse_complet
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.responses_protocol import parse_responses
 from frontend_svc.openai.serving_chat import ChatRun
+from frontend_svc.openai.serving_classify import create_classify, create_pooling
 from frontend_svc.openai.serving_completion import CompletionRun
 from frontend_svc.openai.serving_embedding import create_embeddings
 from frontend_svc.openai.serving_responses import (
@@ -139,6 +140,8 @@ POOLING_ROUTES = (
     ("/rerank", create_rerank),
     ("/v1/rerank", create_rerank),
     ("/v2/rerank", create_rerank),
+    ("/classify", create_classify),
+    ("/pooling", create_pooling),
 )
 """vLLM's pooling routes and their aliases."""
 
@@ -148,7 +151,8 @@ PoolingCreate = Callable[[ServingContext, dict[str, Any], str | None], Awaitable
 
 
 def _make_pooling(ctx: ServingContext, create: PoolingCreate) -> Handler:
-    """A pooling route: /v1/embeddings, /score, /rerank (`create(ctx, body, header_id)`)."""
+    """A pooling route: /v1/embeddings, /score, /rerank, /classify, /pooling
+    (`create(ctx, body, header_id)`)."""
 
     async def handle(request: Request) -> Response:
         body = await read_json(request, ctx.max_body_bytes)
@@ -168,7 +172,7 @@ def _responses_routes(
         body = await read_json(request, ctx.max_body_bytes)
         check_generative(ctx.info, "Responses API")
         req = parse_responses(body)
-        run = ResponsesRun(ctx, store, req, new_response_id())
+        run = await ResponsesRun.open(ctx, store, req, new_response_id())
         if req.is_background:
             return JSONResponse(await run_in_background(run))
         if not req.is_stream:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend_svc.async_engine import AsyncEngine
+from frontend_svc.classification import ClassifierHead
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import check_model, engine_error
 from frontend_svc.input_processor import InputProcessor
@@ -50,6 +51,8 @@ class ServingContext:
     --reasoning-parser)."""
     model_aliases: tuple[str, ...] = ()
     """The other --served-model-name names clients may send (responses carry the first)."""
+    classifier: ClassifierHead = ClassifierHead()
+    """A sequence classifier's labels and activation (config.json), for /classify."""
 
     @property
     def tokenizer(self) -> Any:

@@ -30,28 +30,31 @@ ECHOED = ("instructions", "max_output_tokens", "metadata", "temperature", "top_p
 
 
 class ResponsesRun:
-    """One /v1/responses call."""
+    """One /v1/responses call (`open` builds it from the request)."""
 
     def __init__(
-        self, ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, rid: str
+        self,
+        ctx: ServingContext,
+        store: ResponseStore,
+        req: ResponsesRequest,
+        rid: str,
+        conversation: list[dict[str, Any]],
+        chat: ChatRun,
     ) -> None:
         self.ctx, self.store, self.req, self.id = ctx, store, req, rid
         self.created = generation.now()
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            previous = store.get(req.previous_response_id)
-            if previous is None:
-                raise InvalidRequest(
-                    f"Previous response with id {req.previous_response_id!r} not found (it was "
-                    "not stored, expired, or another frontend holds it)",
-                    "previous_response_id",
-                )
-            history = list(previous.conversation)
-        self.conversation = history + req.new_messages
-        chat_body = {
-            **req.chat_body,
-            "messages": instructions_message(req.body) + self.conversation,
-        }
+        self.conversation = conversation
+        """The stored conversation of previous_response_id, then this request's messages."""
+        self.chat = chat
+
+    @classmethod
+    async def open(
+        cls, ctx: ServingContext, store: ResponseStore, req: ResponsesRequest, rid: str
+    ) -> ResponsesRun:
+        """The run of `req` as a chat call; InvalidRequest names the Responses field at fault,
+        ModelNotFound (404) a `model` that is neither the served model nor a LoRA adapter."""
+        conversation = _history(store, req) + req.new_messages
+        chat_body = {**req.chat_body, "messages": instructions_message(req.body) + conversation}
         try:
             chat = parse_chat(
                 chat_body,
@@ -63,8 +66,8 @@ class ResponsesRun:
             raise renamed(err) from None
         if chat.params.n != 1:
             raise InvalidRequest("`n` must be 1 on /v1/responses", "n")
-        ctx.check_model(chat.model)
-        self.chat = ChatRun(ctx, chat, rid)
+        lora_name = await ctx.resolve_model(chat.model)
+        return cls(ctx, store, req, rid, conversation, ChatRun(ctx, chat, rid, lora_name))
 
     def body(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """The response object (OpenAI's fields; the request's settings echoed)."""
@@ -78,7 +81,7 @@ class ResponsesRun:
             "background": self.req.is_background,
             "error": None,
             "incomplete_details": None,
-            "model": self.ctx.served_model_name,
+            "model": self.chat.lora_name or self.ctx.served_model_name,
             "output": output,
             "parallel_tool_calls": chat.tools.is_parallel if chat.tools is not None else True,
             "previous_response_id": self.req.previous_response_id,
@@ -148,6 +151,20 @@ class ResponsesRun:
         body = self.finished(events.items, output.finish_reason(state.finish_reason))
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield events.sse(kind, response=body)
+
+
+def _history(store: ResponseStore, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The stored conversation `previous_response_id` continues ([] without one)."""
+    if req.previous_response_id is None:
+        return []
+    previous = store.get(req.previous_response_id)
+    if previous is None:
+        raise InvalidRequest(
+            f"Previous response with id {req.previous_response_id!r} not found (it was not "
+            "stored, expired, or another frontend holds it)",
+            "previous_response_id",
+        )
+    return list(previous.conversation)
 
 
 async def _chain(first: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:

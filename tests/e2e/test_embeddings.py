@@ -91,6 +91,32 @@ def test_base64_token_ids_and_dimensions(embed_stack: Stack, embedder_dir: Path)
     np.testing.assert_allclose(short, want, atol=1e-6)
 
 
+def test_pooling_gives_the_embeddings(embed_stack: Stack) -> None:
+    """/pooling on an embedder: each input's embedding as /v1/embeddings gives it (float and
+    base64, `dimensions`); what the model cannot give gets a 400 naming the field."""
+    sdk, model = client(embed_stack), model_name(embed_stack)
+    want = [d.embedding for d in sdk.embeddings.create(model=model, input=TEXTS[:2],
+                                                       encoding_format="float").data]  # fmt: skip
+    reply = httpx.post(f"{embed_stack.http}/pooling", json={"input": TEXTS[:2]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["id"].startswith("pool-") and {d["object"] for d in body["data"]} == {"pooling"}
+    np.testing.assert_allclose([d["data"] for d in body["data"]], want, atol=1e-6)
+    short = {"input": TEXTS[0], "task": "embed", "dimensions": 16, "encoding_format": "base64"}
+    encoded = httpx.post(f"{embed_stack.http}/pooling", json=short, timeout=60).json()
+    got = np.frombuffer(base64.b64decode(encoded["data"][0]["data"]), "<f4")
+    wanted = torch.nn.functional.normalize(torch.tensor(want[0])[:16], dim=0).numpy()
+    np.testing.assert_allclose(got, wanted, atol=1e-6)
+    for path, extra, field in (
+        ("/pooling", {"normalize": False}, "normalize"),
+        ("/pooling", {"embed_dtype": "float16"}, "embed_dtype"),
+        ("/pooling", {"task": "classify"}, "model"),
+        ("/classify", {}, "model"),  # not a classifier
+    ):
+        refused = httpx.post(f"{embed_stack.http}{path}", json={"input": "x", **extra}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

@@ -95,6 +95,22 @@ def test_the_openai_sdk_names_an_adapter_as_its_model(
         sdk.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
 
 
+def test_responses_name_an_adapter_as_their_model(lora_stack: Stack) -> None:
+    """/v1/responses runs the adapter its `model` names: the chat route's greedy answer with
+    that adapter, not the base model's; an unknown name gets the same 404."""
+    sdk = client(lora_stack)
+    chat = sdk.chat.completions.create(
+        model="first", messages=[{"role": "user", "content": PROMPT}], max_tokens=12, **GREEDY
+    )
+    want = chat.choices[0].message.content
+    adapted = sdk.responses.create(model="first", input=PROMPT, max_output_tokens=12, **GREEDY)
+    assert (adapted.model, adapted.output_text) == ("first", want)
+    base = sdk.responses.create(model=MODEL, input=PROMPT, max_output_tokens=12, **GREEDY)
+    assert base.model == MODEL and base.output_text != want
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.responses.create(model="no-such-adapter", input=PROMPT, max_output_tokens=2)
+
+
 def _stream(stack: Stack, model: str, results: list[Any]) -> None:
     try:
         chunks = client(stack).completions.create(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.stack import Stack
-from tests.fixtures.embedder import load_cross_encoder, make_cross_encoder
+from tests.fixtures.embedder import classifier_logits, load_cross_encoder, make_cross_encoder
 
 pytestmark = pytest.mark.slow
 QUERY = "where does the river run"
@@ -69,6 +69,18 @@ def test_rerank_orders_documents_best_first(rerank_stack: Stack, reranker_dir: P
         np.testing.assert_allclose(
             [r["relevance_score"] for r in results], [want[i] for i in best_first[:2]], atol=1e-5
         )
+
+
+def test_classify_gives_the_one_labels_sigmoid(rerank_stack: Stack, reranker_dir: Path) -> None:
+    """/classify on a one-label head: its sigmoid (vLLM's activation for one label)."""
+    logits = classifier_logits(reranker_dir, DOCUMENTS)
+    reply = post(rerank_stack, "/classify", {"input": DOCUMENTS})
+    assert reply.status_code == 200, reply.text
+    data = reply.json()["data"]
+    np.testing.assert_allclose([d["probs"] for d in data], 1 / (1 + np.exp(-logits)), atol=1e-5)
+    assert {(d["label"], d["num_classes"]) for d in data} == {("LABEL_0", 1)}
+    raw = post(rerank_stack, "/classify", {"input": "a", "use_activation": False})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "use_activation"
 
 
 @pytest.mark.parametrize(

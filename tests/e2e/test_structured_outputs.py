@@ -10,12 +10,15 @@ import asyncio
 import json
 import random
 import re
+import uuid
 from typing import Any
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.frontend.v1 import generation_service_pb2 as gen_pb2
@@ -270,3 +273,25 @@ def test_bad_constraint_over_grpc_is_invalid_argument(stack: Stack) -> None:
         generate(stack.frontend, request)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs.json" in (caught.value.details() or "")
+
+
+GRAMMAR_CACHE = ("vllm:structured_output_cache_queries", "vllm:structured_output_cache_hits")
+
+
+def _grammar_cache(stack: Stack) -> list[float]:
+    """The grammar cache counters on the frontend's serving-port /metrics (vLLM's one
+    /metrics)."""
+    text = httpx.get(f"{stack.http}/metrics", timeout=30).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return [values[f"{name}_total"] for name in GRAMMAR_CACHE]
+
+
+def test_the_grammar_cache_counters_on_the_frontends_metrics(stack: Stack) -> None:
+    """A new constraint is a cache query and a miss; the same one again is a hit."""
+    queries, hits = _grammar_cache(stack)
+    choice = {"structured_outputs": {"choice": [f"yes {uuid.uuid4().hex[:8]}", "no"]}}
+    for _ in range(2):
+        _http(stack).completions.create(
+            model=MODEL, prompt="Answer:", max_tokens=40, extra_body=choice
+        )
+    assert _grammar_cache(stack) == [queries + 2, hits + 1]

@@ -781,8 +781,9 @@ class PoolingParams(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     """What the pooled output is for (vLLM's pooling task): "embed" (the
-    model's pooled, maybe normalized, hidden state) or "score" (a
-    cross-encoder's relevance score of the pair the prompt holds).
+    model's pooled, maybe normalized, hidden state), "score" (a
+    cross-encoder's relevance score of the pair the prompt holds) or
+    "classify" (a sequence classifier's scores of the prompt, one per label).
     """
     def __init__(
         self,

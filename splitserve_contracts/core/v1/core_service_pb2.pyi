@@ -1348,6 +1348,8 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_CACHE_HITS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1401,6 +1403,15 @@ class SchedulerStats(_message.Message):
     """Draft tokens verified."""
     spec_decode_num_accepted_tokens: _builtins.int
     """Draft tokens accepted."""
+    structured_output_cache_queries: _builtins.int
+    """Structured-output requests that looked up their compiled grammar in the
+    engine's grammar cache, cumulative (vLLM's
+    structured_output_cache_queries).
+    """
+    structured_output_cache_hits: _builtins.int
+    """Of those, requests whose grammar was already compiled, cumulative (vLLM's
+    structured_output_cache_hits); never more than the queries.
+    """
     @_builtins.property
     def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the LoRA adapters of the running requests, sorted (vLLM's
@@ -1444,10 +1455,12 @@ class SchedulerStats(_message.Message):
         spec_decode_num_draft_tokens: _builtins.int = ...,
         spec_decode_num_accepted_tokens: _builtins.int = ...,
         spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
+        structured_output_cache_queries: _builtins.int = ...,
+        structured_output_cache_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "structured_output_cache_hits", b"structured_output_cache_hits", "structured_output_cache_queries", b"structured_output_cache_queries", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
