@@ -7,7 +7,10 @@ The only SmolLM2 weights this machine has are the default model's Q4_1 GGUF (no 
 float baseline is that file dequantized by transformers and saved as a bfloat16 checkpoint
 (built once in the splitserve cache); `--quantization int8/int4/w8a8` quantize that bf16
 checkpoint at load. The GGUF file itself is scored as served (Q4_1 kept quantized) and with
-`--dequantize-gguf`.
+`--dequantize-gguf`. `fp8-kv` / `fp8_e5m2-kv` serve the bf16 checkpoint with
+`--kv-cache-dtype fp8` / `fp8_e5m2` (the KV cache in one byte per value, scales 1.0: the
+checkpoint has none); every prompt position then attends over keys and values read back from
+the fp8 cache.
 
     python -m benchmarks.quant_quality [--window 512] [--variants bf16,int8,...]
 """
@@ -36,6 +39,8 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "w8a8": ("bf16", {"dtype": "bfloat16", "quantization": "w8a8"}),
     "gguf-q4_1": ("gguf", {"dtype": "bfloat16"}),
     "gguf-dequantized": ("gguf", {"dtype": "bfloat16", "dequantize_gguf": True}),
+    "fp8-kv": ("bf16", {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}),
+    "fp8_e5m2-kv": ("bf16", {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}),
 }
 
 

@@ -27,13 +27,16 @@ from splitserve_runtime.flags import (
     address_list,
     flag,
     non_negative_int,
-    only_values,
     positive_int,
 )
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, canonical_dtype, model_flags
 from splitserve_runtime.profiler_config import PROFILER_FLAGS, ProfilerConfig
-from splitserve_runtime.quantization_names import canonical_quantization, quantization_flags
+from splitserve_runtime.quantization_names import (
+    canonical_quantization,
+    kv_cache_dtype_flag,
+    quantization_flags,
+)
 from splitserve_runtime.services import CORE
 from splitserve_runtime.tracing import TRACING_FLAGS
 from splitserve_runtime.transport_flags import (
@@ -73,6 +76,8 @@ class CoreConfig(TransportConfig):
     dtype: str = "auto"
     quantization: str = ""
     dequantize_gguf: bool = False
+    kv_cache_dtype: str = "auto"
+    """vLLM's --kv-cache-dtype: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2."""
     seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
@@ -327,14 +332,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         "CPU); half = float16, float = float32",
     ),
     *quantization_flags(),
-    flag(
-        "--kv-cache-dtype",
-        default="auto",
-        type=only_values(
-            "auto", why="the KV cache is kept in the model's dtype until KV quantization lands"
-        ),
-        help="KV-cache dtype (vLLM's flag); only auto (the model's dtype) for now",
-    ),
+    kv_cache_dtype_flag(),
     flag(
         "--enforce-eager",
         action="store_true",
@@ -503,7 +501,6 @@ def parse_config(
     values["health_port"] = optional_port(args.health_port)
     values["dtype"] = canonical_dtype(args.dtype)
     values["served_model_name"] = (args.served_model_name or [""])[0]
-    values.pop("kv_cache_dtype")  # only "auto" gets this far
     values["quantization"] = canonical_quantization(args.quantization)
     so_config = values.pop("structured_outputs_config")
     values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)

@@ -279,6 +279,7 @@ def engine_info_to_proto(
         else None,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank if config.max_loras else 0,
+        cache_dtype=config.kv_cache_dtype,
     )
 
 

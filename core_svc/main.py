@@ -78,7 +78,7 @@ def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]
     return {
         "engine": config.engine_id,
         "block_size": str(config.block_size),
-        "cache_dtype": "auto",
+        "cache_dtype": config.kv_cache_dtype,
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(facts.num_kv_blocks),

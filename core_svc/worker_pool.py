@@ -220,6 +220,7 @@ class WorkerPool:
                 convert=config.convert,
                 quantization=config.quantization,
                 dequantize_gguf=config.dequantize_gguf,
+                kv_cache_dtype=config.kv_cache_dtype,
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,

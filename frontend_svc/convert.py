@@ -434,6 +434,7 @@ def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
         else None,
         max_loras=msg.max_loras,
         max_lora_rank=msg.max_lora_rank,
+        cache_dtype=msg.cache_dtype or "auto",
     )
 
 

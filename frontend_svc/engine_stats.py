@@ -51,7 +51,7 @@ def cache_config_labels(info: EngineInfo) -> dict[str, str]:
         "block_size": str(info.block_size),
         "num_gpu_blocks": str(info.num_kv_blocks),
         "enable_prefix_caching": str(info.enable_prefix_caching),
-        "cache_dtype": "auto",
+        "cache_dtype": info.cache_dtype,
     }
 
 

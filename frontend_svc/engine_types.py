@@ -40,6 +40,8 @@ class EngineInfo:
     max_loras: int = 0
     """Most distinct LoRA adapters in one step (vLLM's --max-loras); 0: LoRA is off."""
     max_lora_rank: int = 0
+    cache_dtype: str = "auto"
+    """How the workers store the KV cache (vLLM's --kv-cache-dtype: auto, fp8, ...)."""
 
 
 @dataclass(frozen=True, slots=True)

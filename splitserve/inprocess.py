@@ -197,6 +197,8 @@ class EngineOptions:
     quantization: str = ""
     """vLLM's quantization ("": the checkpoint's own; int8, int4, w8a8: quantize at load)."""
     dequantize_gguf: bool = False
+    kv_cache_dtype: str = "auto"
+    """vLLM's kv_cache_dtype: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2."""
     speculative_config: dict[str, Any] | None = None
     """vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
 
@@ -229,6 +231,7 @@ class EngineOptions:
             dtype=self.dtype,
             quantization=self.quantization,
             dequantize_gguf=self.dequantize_gguf,
+            kv_cache_dtype=self.kv_cache_dtype,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             async_scheduling=self.is_async_scheduling,
@@ -250,6 +253,7 @@ class EngineOptions:
             "--seed": self.seed,
             "--served-model-name": self.served_model_name,
             "--quantization": self.quantization,
+            "--kv-cache-dtype": self.kv_cache_dtype,
         }
         flags = [str(x) for k, v in values.items() if v not in ("", None) for x in (k, v)]
         if not self.enable_prefix_caching:
@@ -300,6 +304,7 @@ def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
                 async_scheduling=options.is_async_scheduling,
                 quantization=options.quantization,
                 dequantize_gguf=options.dequantize_gguf,
+                kv_cache_dtype=options.kv_cache_dtype,
                 speculative_config=options.speculative,
             )
         )

@@ -84,8 +84,9 @@ class LLM:
         """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
         kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
-        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf,
-        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
+        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf, kv_cache_dtype
+        (auto, fp8, fp8_e4m3, fp8_e5m2), speculative_config: vLLM's dict, e.g.
+        {"method": "ngram", "num_speculative_tokens": 4})."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 

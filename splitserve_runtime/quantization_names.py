@@ -46,3 +46,23 @@ def quantization_flags() -> list[Flag]:
             "default keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights quantized)",
         ),
     ]
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's --kv-cache-dtype values splitserve stores: auto (the model's dtype), fp8 (= fp8_e4m3,
+vLLM's meaning), fp8_e4m3 and fp8_e5m2 (one byte per value, per-tensor scales)."""
+KV_CACHE_DTYPES_WHY = (
+    "the KV cache is stored as auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2; "
+    "vLLM's other cache dtypes (bfloat16, fp8_inc, fp8_ds_mla, ...) are not"
+)
+
+
+def kv_cache_dtype_flag() -> Flag:
+    return flag(
+        "--kv-cache-dtype",
+        default="auto",
+        type=only_values(*KV_CACHE_DTYPES, why=KV_CACHE_DTYPES_WHY),
+        help="KV-cache dtype (vLLM's flag): auto (the model's dtype), or fp8 (= fp8_e4m3) / "
+        "fp8_e5m2: one byte per value, twice the blocks in the same memory; values are stored "
+        "divided by the layer's k_scale / v_scale (the checkpoint's, else 1.0, as vLLM)",
+    )

@@ -9,7 +9,8 @@ model_runner.py   one step: state update -> inputs -> forward -> logits -> sampl
 input_batch.py    per-request state across steps; vectorized step inputs
 kv_cache.py       paged KV tensors per layer, null block (block 0), capacity arithmetic
 attention/        backends: torch (reference), cpu, triton (our kernel), flash_attn (paged API);
-                  selector.py picks one (a lazy table of their classes)
+                  selector.py picks one (a lazy table of their classes); kv_quant.py: the fp8
+                  KV cache's dtypes, scales, quantize / dequantize
 layers/           embedding / LM head (vocab-parallel), linears (column/row-parallel, fused qkv
                   and gate_up; their weights held by a LinearMethodBase: unquantized, fp8.py),
                   ops that pick CPU kernels or torch when built (custom_op.py: RMSNorm, rotary,
@@ -18,7 +19,8 @@ models/           interfaces.py (CausalLM, SupportsImages), registry.py (archite
                   (module, class), imported on use), decoder.py (what every family shares,
                   BuildContext), one file per family (llama, gemma2/3, phi3, mixtral,
                   qwen3_moe, granite, llava + clip)
-kernels/          cpu_ops.cpp (RMSNorm, rotary, SiLU-and-mul, paged decode), built on first use
+kernels/          cpu_ops.cpp (RMSNorm, rotary, SiLU-and-mul, LoRA), attention_ops.cpp (paged
+                  decode, bf16/float or fp8 caches), quant_ops.cpp; built on first use
 weights.py        safetensors / GGUF checkpoints, FP8 scans (which layers keep FP8), dtype choice
 sampler.py        batched sampling; penalties.py, logprobs.py, prompt_logprobs.py,
                   sampling_metadata.py (per-request SamplerParams as columns, checked with

@@ -16,7 +16,7 @@ from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
-from splitserve_runtime.quantization_names import QUANTIZATION_CHOICES
+from splitserve_runtime.quantization_names import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
 from worker_svc.kv_cache import KvCapacity
@@ -169,6 +169,11 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
             f"unknown quantization {req.quantization!r}; choose one of "
             + ", ".join(QUANTIZATION_CHOICES)
         )
+    if req.kv_cache_dtype and req.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {req.kv_cache_dtype!r}; choose one of "
+            + ", ".join(KV_CACHE_DTYPES)
+        )
     _check_lora_limits(req)
     return LoadModelConfig(
         model_path=req.model_path,
@@ -193,6 +198,7 @@ def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
         convert=req.convert or "auto",
         quantization=req.quantization,
         dequantize_gguf=req.dequantize_gguf,
+        kv_cache_dtype=req.kv_cache_dtype or "auto",
         max_loras=req.max_loras,
         max_lora_rank=req.max_lora_rank,
         max_cpu_loras=req.max_cpu_loras,

@@ -18,11 +18,13 @@ import numpy.typing as npt
 import torch
 
 from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.kv_quant import is_fp8
 
 
 @dataclass(frozen=True, slots=True)
 class KvCacheSpec:
-    """Per-rank shape of the cache: this stage's layers and this TP rank's KV heads."""
+    """Per-rank shape of the cache: this stage's layers and this TP rank's KV heads; `dtype`
+    is the cache's (the compute dtype, or fp8: one byte per value, so twice the blocks fit)."""
 
     num_layers: int
     num_kv_heads: int
@@ -95,4 +97,6 @@ class PagedKVCache:
             return
         index = torch.from_numpy(block_ids).to(self.layers[0].device)
         for layer in self.layers:
-            layer.index_fill_(1, index, 0.0)
+            # Zero bits are 0.0 in every float format; fp8 tensors are filled as bytes.
+            target = layer.view(torch.uint8) if is_fp8(layer.dtype) else layer
+            target.index_fill_(1, index, 0)

@@ -59,6 +59,8 @@ class LoadModelConfig:
     """vLLM's --quantization ("": the checkpoint's own), checked against the checkpoint."""
     dequantize_gguf: bool = False
     """Serve a GGUF file's quantized weights dequantized to float (--dequantize-gguf)."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's --kv-cache-dtype: auto (the compute dtype), fp8 / fp8_e4m3 or fp8_e5m2."""
     max_loras: int = 0
     """LoRA adapter slots (vLLM's --max-loras); 0: LoRA off."""
     max_lora_rank: int = 16

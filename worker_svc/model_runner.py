@@ -98,7 +98,7 @@ class ModelRunner:
             num_layers=0 if is_encoder_only(model) else end - start,  # it keeps no KV
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
-            dtype=dtype,
+            dtype=backend.kv_cache_dtype,
         )
         self.kv_cache: PagedKVCache | None = None
         self.batch: InputBatch | None = None

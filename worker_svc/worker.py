@@ -22,6 +22,7 @@ from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import ModelSource, resolve_model
 from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.kv_quant import KvScales, kv_cache_torch_dtype
 from worker_svc.attention.selector import available_backends, backend_class, select_backend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
@@ -158,14 +159,17 @@ class Worker:
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
         max_model_len = _max_model_len(config.max_model_len, model_config)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         backend_name = select_backend(
-            config.attention_backend, self.device, config.block_size, dtype
+            config.attention_backend, self.device, config.block_size, dtype, kv_dtype
         )
         backend_name = backend_for_model(backend_name, config.attention_backend, model_config)
         check_parallel_shape(config, model_config)
         self._join(config)
         try:
-            backend, build = self._build_context(backend_name, model_config, dtype, max_model_len)
+            backend, build = self._build_context(
+                backend_name, model_config, (dtype, kv_dtype), max_model_len
+            )
             lora = _lora_parts(config, self.device, build.cpu_kernels)
             model, wrap = self._build_model(cls, build, checkpoint, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
@@ -175,6 +179,7 @@ class Worker:
             self.parallel = ParallelState()
             raise
         model.eval()
+        _log_kv_cache(model, backend)
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
         self.pooler_config = (
@@ -214,11 +219,16 @@ class Worker:
         self.parallel.enable_expert_parallel = config.enable_expert_parallel
 
     def _build_context(
-        self, backend_name: str, model: ModelConfig, dtype: torch.dtype, max_model_len: int
+        self,
+        backend_name: str,
+        model: ModelConfig,
+        dtypes: tuple[torch.dtype, torch.dtype],
+        max_model_len: int,
     ) -> tuple[AttentionBackend, BuildContext]:
-        """The attention backend for this rank's heads and what the model is built with; a
-        backend that runs the CPU kernels loads them (where they build) for itself and for the
-        model's ops."""
+        """The attention backend for this rank's heads and what the model is built with, in
+        `dtypes` (compute, KV cache); a backend that runs the CPU kernels loads them (where
+        they build) for itself and for the model's ops."""
+        dtype, kv_dtype = dtypes
         cls = backend_class(backend_name)
         kernels = CpuKernels.load() if cls.uses_cpu_kernels else None
         tp = self.parallel.tp_size
@@ -229,6 +239,7 @@ class Worker:
                 model.head_dim,
                 dtype=dtype,
                 device=self.device,
+                kv_cache_dtype=kv_dtype,
             )
         build = BuildContext(
             model,
@@ -431,6 +442,23 @@ def _lora_parts(
     if config.max_loras <= 0:
         return None
     return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
+
+
+def _log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:
+    """Which scales an fp8 KV cache stores with (vLLM warns likewise when it falls back to
+    1.0: values beyond the format's range are then saturated)."""
+    if not backend.is_fp8_kv_cache:
+        return
+    views = [getattr(m, "backend", None) for m in model.modules()]
+    layers = [v for v in views if isinstance(v, AttentionBackend)]
+    scaled = sum(v.kv_scales != KvScales() for v in layers)
+    logger.info(
+        "KV cache in %s: %d of %d attention layers have the checkpoint's k/v scales, the "
+        "others 1.0",
+        str(backend.kv_cache_dtype).removeprefix("torch."),
+        scaled,
+        len(layers),
+    )
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:

@@ -325,7 +325,7 @@ def server_info_to_proto(
         uptime_seconds=uptime_seconds,
         server_type="vllm-grpc",
         data_parallel_size=data_parallel_size,
-        kv_cache_dtype="auto",
+        kv_cache_dtype=info.cache_dtype,
         block_size=info.block_size,
         model_dtype=f"torch.{info.dtype}" if info.dtype else "",
         max_num_seqs=info.max_num_seqs,

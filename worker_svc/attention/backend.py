@@ -22,6 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from worker_svc.attention.kv_quant import KvScales, as_bytes, dequantize, is_fp8, quantize
+
 IntArray = npt.NDArray[np.int64]
 
 
@@ -89,7 +91,11 @@ class AttentionBackend(ABC):
     uses_cpu_kernels: ClassVar[bool] = False
     """Whether the backend (and the layers beside it) run the CPU kernels (worker_svc/kernels)
     where they load: such a backend is built inside `using_cpu_kernels`."""
+    supports_fp8_kv_cache: ClassVar[bool] = False
+    """Whether the backend stores an fp8 KV cache (--kv-cache-dtype fp8/fp8_e5m2)."""
     options: AttentionOptions = AttentionOptions()
+    kv_scales: KvScales = KvScales()
+    """This layer's per-tensor KV scales (fp8 caches only; 1.0 unless the checkpoint has them)."""
 
     def __init__(
         self,
@@ -99,7 +105,12 @@ class AttentionBackend(ABC):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_cache_dtype`: how the cache stores keys and values (None: `dtype`; or fp8)."""
+        kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        if is_fp8(kv_cache_dtype) and not self.supports_fp8_kv_cache:
+            raise ValueError(f"the {self.name} attention backend has no fp8 KV cache")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
         self.num_heads = num_heads
@@ -109,12 +120,20 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.dtype = dtype
         self.device = device
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_fp8_kv_cache = is_fp8(kv_cache_dtype)
 
     def with_options(self, options: AttentionOptions) -> AttentionBackend:
         """This backend for a layer that attends with `options` (shares the step's metadata)."""
         layer = copy.copy(self)
         layer.options = options
         layer.scale = self.head_dim**-0.5 if options.scale is None else options.scale
+        return layer
+
+    def with_kv_scales(self, scales: KvScales) -> AttentionBackend:
+        """This layer's view with the checkpoint's KV scales (shares the step's metadata)."""
+        layer = copy.copy(self)
+        layer.kv_scales = scales
         return layer
 
     @classmethod
@@ -132,10 +151,40 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
     ) -> None:
         """Store the step's keys and values at precomputed rows of a cache laid out as
-        (key/value, ..., head_dim): row r of the flattened cache is one head of one slot."""
+        (key/value, ..., head_dim): row r of the flattened cache is one head of one slot. An
+        fp8 cache stores them quantized (divided by the layer's scales, saturated)."""
+        key, value = key.reshape(-1, self.head_dim), value.reshape(-1, self.head_dim)
+        if self.is_fp8_kv_cache:
+            scales = self.kv_scales
+            kv_cache = as_bytes(kv_cache)
+            key = as_bytes(quantize(key, scales.k_scale, self.kv_cache_dtype))
+            value = as_bytes(quantize(value, scales.v_scale, self.kv_cache_dtype))
         rows = kv_cache.view(2, -1, self.head_dim)
-        rows[0].index_copy_(0, write_index, key.reshape(-1, self.head_dim))
-        rows[1].index_copy_(0, write_index, value.reshape(-1, self.head_dim))
+        rows[0].index_copy_(0, write_index, key)
+        rows[1].index_copy_(0, write_index, value)
+
+    def as_cached(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's own keys and values as attention reads them back from the cache: with
+        an fp8 cache quantized and dequantized (so a prefill attends over what its later
+        decodes will read, as vLLM's backends that attend from the cache do), else as they are."""
+        if not self.is_fp8_kv_cache:
+            return key, value
+        scales, dtype = self.kv_scales, self.kv_cache_dtype
+        key = dequantize(quantize(key, scales.k_scale, dtype), scales.k_scale, self.dtype)
+        value = dequantize(quantize(value, scales.v_scale, dtype), scales.v_scale, self.dtype)
+        return key, value
+
+    def read_cached(
+        self, rows: torch.Tensor, gather_index: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Rows `gather_index` of one cache half's [rows, width] view, in the compute dtype
+        (an fp8 cache's dequantized by `scale`)."""
+        if not self.is_fp8_kv_cache:
+            return rows.index_select(0, gather_index)
+        stored = as_bytes(rows).index_select(0, gather_index).view(self.kv_cache_dtype)
+        return dequantize(stored, scale, self.dtype)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

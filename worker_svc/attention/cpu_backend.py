@@ -21,6 +21,10 @@ read the cache in place through their block tables (a request's blocks in cache 
 KV head of it when there are few requests) with float32 scores and softmax: no gather, no bias
 tensor, no per-step index arrays beyond the block table itself.
 
+An fp8 KV cache is dequantized into the scratch by the gathers; the kernel's decodes convert
+its bytes to float32 in registers (scores scaled by k_scale through the query, outputs by
+v_scale).
+
 The torch backend stays the reference: tests compare the two on mixed steps.
 """
 
@@ -38,6 +42,7 @@ from worker_svc.attention.backend import (
     AttentionOptions,
     split_decodes,
 )
+from worker_svc.attention.kv_quant import as_bytes
 from worker_svc.attention.torch_backend import (
     DecodeBatch,
     TorchAttentionBackend,
@@ -89,6 +94,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
     uses_cpu_kernels = True
+    supports_fp8_kv_cache = True
     _scratch: torch.Tensor | None = None
     kernels: CpuKernels
     """Set when built with the CPU kernels (then the decodes run through them)."""
@@ -177,8 +183,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[decode.token_index] = self._decode(query[decode.token_index], kv_cache, decode)
         for chunk in metadata.chunks:
             if chunk.gather_index is None:
-                k = key[chunk.start : chunk.end].transpose(0, 1)
-                v = value[chunk.start : chunk.end].transpose(0, 1)
+                k, v = self.as_cached(key[chunk.start : chunk.end], value[chunk.start : chunk.end])
+                k, v = k.transpose(0, 1), v.transpose(0, 1)
             else:
                 k, v = self._gather_scratch(kv_cache, chunk.gather_index, self.num_kv_heads)
             q = query[chunk.start : chunk.end]
@@ -189,9 +195,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, query: torch.Tensor, kv_cache: torch.Tensor, native: NativeDecode
     ) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        scales = self.kv_scales
         self.kernels.paged_decode_attention(
-            out, query, kv_cache, native.block_tables, native.seq_lens, self.scale
-        )
+            out, query, kv_cache, native.block_tables, native.seq_lens, self.scale,
+            scales.k_scale, scales.v_scale,
+        )  # fmt: skip
         return out
 
     def _decode(
@@ -200,7 +208,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """The torch backend's decode, a group of requests at a time through the scratch."""
         n, kvh, g, d = batch.num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_dim
         seq = batch.max_seq_len
-        group = max(1, min(n, DECODE_GROUP_BYTES // (kvh * seq * d * kv_cache.element_size())))
+        group = max(1, min(n, DECODE_GROUP_BYTES // (kvh * seq * d * query.element_size())))
         rows_per_req = kvh * (seq // kv_cache.shape[3])
         q = query.reshape(n * kvh, g, d)
         out = torch.empty_like(q)
@@ -220,19 +228,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch backend's `_gather`, into the scratch: keys and values [num_rows, seq,
         head_dim], valid until the next gather (the scratch is kept between steps and layers,
-        and grown when a longer context needs more)."""
+        and grown when a longer context needs more). An fp8 cache's rows are dequantized into
+        the scratch (compute dtype)."""
         cache_rows = kv_cache.shape[1] * kv_cache.shape[2]
         width = kv_cache.shape[3] * self.head_dim
         num_index = len(gather_index)
         scratch = self._scratch
-        if scratch is None or scratch.dtype != kv_cache.dtype or scratch.shape[1] < num_index:
-            scratch = torch.empty(2, num_index, width, dtype=kv_cache.dtype, device=kv_cache.device)
+        if scratch is None or scratch.dtype != self.dtype or scratch.shape[1] < num_index:
+            scratch = torch.empty(2, num_index, width, dtype=self.dtype, device=kv_cache.device)
             self._scratch = scratch
-        key = torch.index_select(kv_cache[0].view(cache_rows, width), 0, gather_index,
-                                 out=scratch[0, :num_index])  # fmt: skip
-        value = torch.index_select(kv_cache[1].view(cache_rows, width), 0, gather_index,
-                                   out=scratch[1, :num_index])  # fmt: skip
-        return key.view(num_rows, -1, self.head_dim), value.view(num_rows, -1, self.head_dim)
+        halves = []
+        for half, scale in enumerate((self.kv_scales.k_scale, self.kv_scales.v_scale)):
+            rows, out = kv_cache[half].view(cache_rows, width), scratch[half, :num_index]
+            if self.is_fp8_kv_cache:
+                out.copy_(as_bytes(rows).index_select(0, gather_index).view(rows.dtype))
+                out = out if scale == 1.0 else out.mul_(scale)
+            else:
+                torch.index_select(rows, 0, gather_index, out=out)
+            halves.append(out.view(num_rows, -1, self.head_dim))
+        return halves[0], halves[1]
 
     def _blocked_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, out: torch.Tensor

@@ -11,6 +11,7 @@ import pkgutil
 import torch
 
 from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.kv_quant import is_fp8
 
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("torch_backend", "TorchAttentionBackend"),
@@ -42,22 +43,30 @@ def select_backend(
     device: torch.device,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> str:
     """Resolve "auto" (CPU: cpu; CUDA: flash_attn, else triton, else torch) or check an
-    explicit choice.
+    explicit choice; an fp8 `kv_cache_dtype` needs a backend that stores one (cpu, torch).
 
     "auto" on CUDA prefers flash_attn, whose paged API needs a block size that is a multiple of
     256; before the block size is known it picks flash_attn provisionally and the KV cache
     initialization resolves again.
     """
+    fp8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
     if requested in ("", "auto"):
         if device.type != "cuda":
             return "cpu" if device.type == "cpu" else "torch"
         for name in BACKEND_NAMES:
-            if backend_class(name).unsupported_reason(device, block_size, dtype) is None:
+            cls = backend_class(name)
+            if fp8 and not cls.supports_fp8_kv_cache:
+                continue
+            if cls.unsupported_reason(device, block_size, dtype) is None:
                 return name
         return "torch"
-    reason = backend_class(requested).unsupported_reason(device, block_size, dtype)
+    cls = backend_class(requested)
+    reason = cls.unsupported_reason(device, block_size, dtype)
+    if fp8 and not cls.supports_fp8_kv_cache:
+        reason = "it has no fp8 KV cache (--kv-cache-dtype fp8 runs on the cpu and torch backends)"
     if reason is not None:
         raise ValueError(f"attention backend {requested!r} cannot run: {reason}")
     return requested

@@ -1,12 +1,15 @@
 // Helpers every splitserve CPU kernel source shares: the element types they take (float32,
 // bfloat16 as raw bits, float16), loaded to and stored from float32 (bf16: round to nearest
-// even, as torch rounds), and a dispatch on a tensor's dtype.
+// even, as torch rounds), the fp8 KV-cache formats (loaded only), and dispatches on a tensor's
+// dtype.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace splitserve {
@@ -35,6 +38,45 @@ struct F16 {
   static inline c10::Half store(float f) { return c10::Half(f); }
 };
 
+// float8_e4m3fn (bias 7, no infinities, NaN = 0x7f/0xff) and float8_e5m2 (bias 15, IEEE-like)
+// to float32, exactly and without branches (the selects compile to blends, so loops over them
+// vectorise): a normal value's exponent is moved into place, a subnormal (exponent field 0) is
+// its mantissa x 2^-9 (2^-16).
+struct FP8E4M3 {
+  using T = uint8_t;
+  static inline float load(uint8_t v) {
+    const uint32_t mag = v & 0x7fu;
+    const float normal = std::bit_cast<float>((mag << 20) + (120u << 23));
+    float f = (mag >> 3) == 0 ? float(mag) * 0x1p-9f : normal;
+    f = mag == 0x7fu ? __builtin_nanf("") : f;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | (uint32_t(v & 0x80u) << 24));
+  }
+};
+
+struct FP8E5M2 {
+  using T = uint8_t;
+  static inline float load(uint8_t v) {
+    const uint32_t mag = v & 0x7fu;
+    const float normal = std::bit_cast<float>((mag << 21) + (112u << 23));
+    float f = (mag >> 2) == 0 ? float(mag) * 0x1p-16f : normal;
+    f = mag >= 0x7cu ? (mag == 0x7cu ? __builtin_inff() : __builtin_nanf("")) : f;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | (uint32_t(v & 0x80u) << 24));
+  }
+};
+
+inline bool is_fp8(const Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+template <class Fn>
+void dispatch_fp8(const Tensor& t, Fn&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat8_e4m3fn: fn(FP8E4M3{}); break;
+    case at::kFloat8_e5m2: fn(FP8E5M2{}); break;
+    default: TORCH_CHECK(false, "expected float8_e4m3fn or float8_e5m2, not ", t.scalar_type());
+  }
+}
+
 template <class Fn>
 void dispatch(const Tensor& t, Fn&& fn) {
   switch (t.scalar_type()) {
@@ -44,6 +86,22 @@ void dispatch(const Tensor& t, Fn&& fn) {
     default: TORCH_CHECK(false, "splitserve cpu kernels take float32, bfloat16 or float16, not ",
                          t.scalar_type());
   }
+}
+
+// exp(x) for x <= 88 (Cephes' polynomial, ~1 ulp): plain arithmetic that the compiler
+// vectorises, unlike a call to expf.
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  return y * std::bit_cast<float>((int32_t(n) + 127) << 23);
 }
 
 template <class D>

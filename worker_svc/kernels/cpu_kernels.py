@@ -1,11 +1,12 @@
-"""The CPU kernels of cpu_ops.cpp: built once per machine with the system's C++ compiler,
-cached, loaded as torch.ops.splitserve.
+"""The CPU kernels of cpu_ops.cpp, attention_ops.cpp and quant_ops.cpp: built once per machine
+with the system's C++ compiler, cached, loaded as torch.ops.splitserve.
 
 A bf16 decode step of a small Llama spends a few per cent of its time in RMSNorm, rotary and
 SiLU-and-mul, each of which torch runs as several kernels with a temporary per op; and its
 decode attention first gathers every request's context out of the paged cache (about as many
-bytes copied as read). cpu_ops.cpp does each in one pass, the attention reading the cache in
-place through the block table, like vLLM's CPU ops.
+bytes copied as read). cpu_ops.cpp does each in one pass, and attention_ops.cpp's decode
+attention reads the cache in place through the block table (a bf16/float cache, or an fp8 one
+converted in registers), like vLLM's CPU ops.
 
 The quantized linear layers (layers/quantized.py) run quant_ops.cpp from the same library: int8
 and int4 weights against float activations (the weight dequantized inside the dot product), and
@@ -42,7 +43,10 @@ from splitserve_runtime.model_cache import default_cache_dir, ensure_built
 logger = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "cpu_ops.cpp", FOLDER / "quant_ops.cpp", FOLDER / "sampling_ops.cpp")
+SOURCES = tuple(
+    FOLDER / name
+    for name in ("cpu_ops.cpp", "attention_ops.cpp", "quant_ops.cpp", "sampling_ops.cpp")
+)
 HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h")
 LIBRARY = "cpu_ops.so"
 COMPILE_FLAGS = [
@@ -162,12 +166,8 @@ class CpuKernels:
             return None
         try:
             target = default_cache_dir() / "kernels" / cache_key()
-            folder = ensure_built(
-                target,
-                LIBRARY,
-                _build,
-                "CPU kernels (cpu_ops.cpp, quant_ops.cpp, sampling_ops.cpp)",
-            )
+            names = ", ".join(source.name for source in SOURCES)
+            folder = ensure_built(target, LIBRARY, _build, f"CPU kernels ({names})")
             torch.ops.load_library(str(folder / LIBRARY))
         except (OSError, RuntimeError) as err:
             logger.warning("CPU kernels unavailable, running the torch path: %s", err)
@@ -211,8 +211,13 @@ class CpuKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        self.ops.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
+        """An fp8 cache (float8_e4m3fn / float8_e5m2) holds keys / k_scale, values / v_scale."""
+        self.ops.paged_decode_attention(
+            out, query, kv_cache, block_tables, seq_lens, scale, k_scale, v_scale
+        )
 
     def quant_linear(
         self,

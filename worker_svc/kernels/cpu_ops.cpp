@@ -2,14 +2,11 @@
 //   rms_norm, fused_add_rms_norm  RMSNorm (after the residual add) in one pass over each row
 //   silu_and_mul                  silu(gate) * up of the fused gate_up projection
 //   rotary_neox_                  neox rotary embedding of q and k heads, in place
-//   paged_decode_attention        one query token per request over its paged KV cache, read
-//                                 in place through the block table (no gather copy)
 //   lora_add_                     LoRA adapters of the rows' slots added to a linear layer's
 //                                 output, every slot of a step in one call
 // The elementwise kernels compute in float32 and round where the torch path (worker_svc.layers)
-// rounds, so their bf16 results match it (bit for bit in the tests). The decode attention keeps scores and
-// sums in float32; in bf16 on AVX512-BF16 machines it takes the bf16 dot-product instructions,
-// with the probabilities rounded to bf16 as the matmul path (worker_svc.attention) has them.
+// rounds, so their bf16 results match it (bit for bit in the tests). The paged decode attention
+// is in attention_ops.cpp.
 // Small inputs run on one thread (torch's own grain: 32768 values). Built on the worker's
 // machine by worker_svc/kernels/cpu_kernels.py.
 #include <ATen/Parallel.h>
@@ -25,35 +22,15 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define SPLITSERVE_AVX512_BF16 1  // bf16 decodes take the dot-product instructions
-#endif
-
 namespace {
 
 using at::Tensor;
 using splitserve::BF16;
 using splitserve::dispatch;
+using splitserve::fast_exp;
 using splitserve::F16;
 using splitserve::F32;
 using splitserve::ptr;
-
-// exp(x) for x <= 88 (Cephes' polynomial, ~1 ulp): plain arithmetic that the compiler
-// vectorises, unlike a call to expf.
-__attribute__((always_inline)) inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  return y * std::bit_cast<float>((int32_t(n) + 127) << 23);
-}
 
 void check_rows(const Tensor& t, int64_t width, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -201,269 +178,6 @@ void rotary_neox_(Tensor x, Tensor positions, Tensor cos_cache, Tensor sin_cache
   });
 }
 
-// scores[t] = exp(scores[t] - max) in place; returns 1 / their sum (the softmax's scale).
-float exp_shifted(float* scores, int64_t num) {
-  float m = scores[0];
-  for (int64_t t = 1; t < num; ++t) m = std::max(m, scores[t]);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < num; ++t) {
-    scores[t] = fast_exp(scores[t] - m);
-    sum += scores[t];
-  }
-  return 1.0f / sum;
-}
-
-struct DecodeShape {
-  int64_t num_reqs, num_heads, num_kv_heads, group, head_dim, num_blocks, block_size, max_blocks;
-};
-
-// One (request, kv head): the `group` query heads sharing that KV head attend over the
-// request's seq_len keys, read block by block through its block table.
-template <class D>
-void decode_one(const DecodeShape& s, int64_t req, int64_t kvh, const typename D::T* q, int64_t qst,
-                const typename D::T* kc, const typename D::T* vc, const int64_t* table, int64_t seq_len,
-                float scale, typename D::T* out, std::vector<float>& scores, std::vector<float>& acc) {
-  using T = typename D::T;
-  const int64_t g = s.group, d = s.head_dim, bs = s.block_size;
-  const int64_t block_stride = s.num_kv_heads * bs * d;
-  float qf[8][256];
-  for (int64_t j = 0; j < g; ++j) {
-    const T* qr = q + req * qst + (kvh * g + j) * d;
-    for (int64_t i = 0; i < d; ++i) qf[j][i] = D::load(qr[i]) * scale;
-  }
-  scores.resize(g * seq_len);
-  acc.assign(g * d, 0.0f);
-  const int64_t used_blocks = (seq_len + bs - 1) / bs;
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const T* kb = kc + table[b] * block_stride + kvh * bs * d;
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t t = 0; t < num; ++t) {
-      const T* kr = kb + t * d;
-      for (int64_t j = 0; j < g; ++j) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qf[j][i] * D::load(kr[i]);
-        scores[j * seq_len + b * bs + t] = dot;
-      }
-    }
-  }
-  float inv_sum[8];
-  for (int64_t j = 0; j < g; ++j) inv_sum[j] = exp_shifted(scores.data() + j * seq_len, seq_len);
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const T* vb = vc + table[b] * block_stride + kvh * bs * d;
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t t = 0; t < num; ++t) {
-      const T* vr = vb + t * d;
-      for (int64_t j = 0; j < g; ++j) {
-        const float p = scores[j * seq_len + b * bs + t];
-        float* aj = acc.data() + j * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) aj[i] += p * D::load(vr[i]);
-      }
-    }
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    T* orow = out + (req * s.num_heads + kvh * g + j) * d;
-    for (int64_t i = 0; i < d; ++i) orow[i] = D::store(acc[j * d + i] * inv_sum[j]);
-  }
-}
-
-#ifdef SPLITSERVE_AVX512_BF16
-// One vector whose lane t holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45
-// shuffles and adds for 16 dot products, against about 10 instructions each one by one).
-inline __m512 sum_lanes_16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int k = 0; k < 8; ++k)
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)
-    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
-
-// out[t] = scale * q . k_t for the num <= 16 bf16 key rows at k (q: d / 32 bf16 vectors).
-inline void qk_tile(const __m512bh* q, int64_t nq, const uint16_t* k, int64_t d, int64_t num,
-                    float scale, float* out) {
-  __m512 acc[16];
-  for (int64_t t = 0; t < 16; ++t) {
-    __m512 a = _mm512_setzero_ps();
-    if (t < num)
-      for (int64_t c = 0; c < nq; ++c)
-        a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(k + t * d + 32 * c));
-    acc[t] = a;
-  }
-  const __m512 r = _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale));
-  _mm512_mask_storeu_ps(out, __mmask16((1u << num) - 1u), r);
-}
-
-inline uint32_t bf16_pair(float a, float b) {
-  return uint32_t(BF16::store(a)) | (uint32_t(BF16::store(b)) << 16);
-}
-
-
-// Scratch of one thread's decodes: scores [heads, seq_len], the query heads as bf16 vectors, and
-// the float32 accumulators of the values (lanes permuted by the interleave, see below).
-struct DecodeScratch {
-  std::vector<float> scores;
-  std::vector<__m512bh> queries;
-  std::vector<__m512> acc;
-};
-
-// acc += p v over the num value rows of one block of kv head `local` (its g query heads'
-// probabilities start at column `pos` of their score rows): two rows per step, interleaved
-// into bf16 pairs, so lane 4k + i of the lo (hi) accumulator of chunk c holds dimension
-// 32c + 8k + i (+ 4).
-void pv_block(DecodeScratch& x, int64_t local, int64_t g, int64_t nq, const uint16_t* vb,
-              int64_t d, int64_t num, int64_t seq_len, int64_t pos) {
-  for (int64_t t = 0; t < num; t += 2) {
-    const bool is_pair = t + 1 < num;
-    const uint16_t* v0 = vb + t * d;
-    const uint16_t* v1 = is_pair ? v0 + d : v0;  // a lone last row pairs with itself at p = 0
-    __m512i lo[8], hi[8];
-    for (int64_t c = 0; c < nq; ++c) {
-      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), e = _mm512_loadu_si512(v1 + 32 * c);
-      lo[c] = _mm512_unpacklo_epi16(a, e);
-      hi[c] = _mm512_unpackhi_epi16(a, e);
-    }
-    for (int64_t j = local * g; j < (local + 1) * g; ++j) {
-      const float* pj = x.scores.data() + j * seq_len + pos + t;
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(bf16_pair(pj[0], is_pair ? pj[1] : 0.0f)));
-      __m512* acc = &x.acc[j * 2 * nq];
-      for (int64_t c = 0; c < nq; ++c) {
-        acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], (__m512bh)lo[c], p);
-        acc[2 * c + 1] = _mm512_dpbf16_ps(acc[2 * c + 1], (__m512bh)hi[c], p);
-      }
-    }
-  }
-}
-
-// softmax(q k^T * scale) v of one request's query heads sharing kv heads [h0, h1), in bf16 with
-// AVX512-BF16 dot products: scores 16 keys at a time, values two rows at a time (interleaved
-// pairs; probabilities in bf16 as the matmul path has them), accumulators in float32. Blocks
-// are the outer loop, so a block's kv heads are read in cache order (one contiguous span).
-void decode_heads_avx512(const DecodeShape& s, int64_t req, int64_t h0, int64_t h1,
-                         const uint16_t* q, int64_t qst, const uint16_t* kc, const uint16_t* vc,
-                         const int64_t* table, int64_t seq_len, float scale, uint16_t* out,
-                         DecodeScratch& x) {
-  const int64_t g = s.group, d = s.head_dim, bs = s.block_size, nq = d / 32;
-  const int64_t block_stride = s.num_kv_heads * bs * d, first = h0 * g, heads = (h1 - h0) * g;
-  const int64_t used_blocks = (seq_len + bs - 1) / bs;
-  x.scores.resize(heads * seq_len);
-  x.queries.resize(heads * nq);
-  x.acc.assign(heads * 2 * nq, _mm512_setzero_ps());
-  for (int64_t j = 0; j < heads; ++j)
-    for (int64_t c = 0; c < nq; ++c)
-      x.queries[j * nq + c] = (__m512bh)_mm512_loadu_si512(q + req * qst + (first + j) * d + 32 * c);
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t h = h0; h < h1; ++h) {
-      const uint16_t* kb = kc + table[b] * block_stride + h * bs * d;
-      for (int64_t t = 0; t < num; t += 16)
-        for (int64_t j = (h - h0) * g; j < (h - h0 + 1) * g; ++j)
-          qk_tile(&x.queries[j * nq], nq, kb + t * d, d, std::min<int64_t>(16, num - t), scale,
-                  x.scores.data() + j * seq_len + b * bs + t);
-    }
-  }
-  std::vector<float> inv_sum(heads);
-  for (int64_t j = 0; j < heads; ++j) inv_sum[j] = exp_shifted(x.scores.data() + j * seq_len, seq_len);
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const int64_t num = std::min(bs, seq_len - b * bs);
-    for (int64_t h = h0; h < h1; ++h)
-      pv_block(x, h - h0, g, nq, vc + table[b] * block_stride + h * bs * d, d, num,
-               seq_len, b * bs);
-  }
-  alignas(64) float lanes[16];
-  for (int64_t j = 0; j < heads; ++j) {
-    uint16_t* orow = out + (req * s.num_heads + first + j) * d;
-    for (int64_t c = 0; c < 2 * nq; ++c) {  // lane 4k + i of the lo (hi) half: d = 32 (c / 2) + 8k + i (+ 4)
-      _mm512_store_ps(lanes, _mm512_mul_ps(x.acc[j * 2 * nq + c], _mm512_set1_ps(inv_sum[j])));
-      for (int k = 0; k < 4; ++k)
-        for (int i = 0; i < 4; ++i) orow[32 * (c / 2) + 8 * k + 4 * (c % 2) + i] = BF16::store(lanes[4 * k + i]);
-    }
-  }
-}
-#endif
-
-// out [reqs, heads, head_dim] = softmax(q k^T * scale) v for each request's one query token
-// over kv_cache [2, num_blocks, kv_heads, block_size, head_dim], through block_tables
-// [reqs, max_blocks] (int64) and seq_lens [reqs] (int64).
-void paged_decode_attention(Tensor out, Tensor query, Tensor kv_cache, Tensor block_tables,
-                            Tensor seq_lens, double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, num_blocks, kv_heads, block_size, head_dim]");
-  DecodeShape s{query.size(0), query.size(1), kv_cache.size(2), 0, kv_cache.size(4),
-                kv_cache.size(1), kv_cache.size(3), block_tables.size(1)};
-  TORCH_CHECK(query.dim() == 3 && query.size(2) == s.head_dim && query.stride(2) == 1 &&
-                  query.stride(1) == s.head_dim, "query must be [reqs, heads, head_dim] with packed heads");
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
-  s.group = s.num_heads / s.num_kv_heads;
-  TORCH_CHECK(s.group <= 8 && s.head_dim <= 256, "at most 8 query heads per kv head and head_dim 256");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must have one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && block_tables.size(0) == s.num_reqs,
-              "block_tables must be contiguous int64 [reqs, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-                  seq_lens.numel() == s.num_reqs, "seq_lens must be int64 [reqs]");
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < s.num_reqs; ++r) {
-    TORCH_CHECK(lens[r] >= 1 && lens[r] <= s.max_blocks * s.block_size, "seq_len ", lens[r],
-                " does not fit the block table");
-    const int64_t used = (lens[r] + s.block_size - 1) / s.block_size;
-    for (int64_t b = 0; b < used; ++b)
-      TORCH_CHECK(tables[r * s.max_blocks + b] >= 0 && tables[r * s.max_blocks + b] < s.num_blocks,
-                  "block id ", tables[r * s.max_blocks + b], " outside the cache");
-  }
-#ifdef SPLITSERVE_AVX512_BF16
-  if (query.scalar_type() == at::kBFloat16 && s.head_dim % 32 == 0) {
-    const auto* kc = ptr<BF16>(kv_cache);
-    const auto* vc = kc + s.num_blocks * s.num_kv_heads * s.block_size * s.head_dim;
-    const auto* q = ptr<BF16>(query);
-    auto* o = ptr<BF16>(out);
-    const int64_t qst = query.stride(0);
-    // A task is a request (its blocks read in cache order) when there are enough of them to
-    // share out, else one kv head of a request.
-    const int64_t split = s.num_reqs >= 2 * at::get_num_threads() ? 1 : s.num_kv_heads;
-    at::parallel_for(0, s.num_reqs * split, 1, [&](int64_t begin, int64_t end) {
-      DecodeScratch scratch;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t req = task / split, h0 = (task % split) * s.num_kv_heads / split;
-        const int64_t h1 = h0 + s.num_kv_heads / split;
-        decode_heads_avx512(s, req, h0, h1, q, qst, kc, vc, tables + req * s.max_blocks,
-                            lens[req], float(scale), o, scratch);
-      }
-    });
-    return;
-  }
-#endif
-  dispatch(query, [&](auto tag) {
-    using D = decltype(tag);
-    const auto* kc = ptr<D>(kv_cache);
-    const auto* vc = kc + s.num_blocks * s.num_kv_heads * s.block_size * s.head_dim;
-    const auto* q = ptr<D>(query);
-    auto* o = ptr<D>(out);
-    const int64_t qst = query.stride(0);
-    at::parallel_for(0, s.num_reqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t req = task / s.num_kv_heads, kvh = task % s.num_kv_heads;
-        decode_one<D>(s, req, kvh, q, qst, kc, vc, tables + req * s.max_blocks, lens[req],
-                      float(scale), o, scores, acc);
-      }
-    });
-  });
-}
-
 // LoRA over the runs of rows that share an adapter slot (rows grouped by slot):
 //   y[a:b] += (x[a:b] @ A_s^T) @ B_s   for each run (slot s, rows a..b) in `runs` [n, 3]
 // A [slots, R, in] (each rank row contiguous) and B [slots, R, out], R = parts * rank: rank
@@ -593,7 +307,6 @@ TORCH_LIBRARY(splitserve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_neox_(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache, int rotary_dim) -> ()");
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor runs, Tensor col_offsets, Tensor slot_ranks) -> ()");
 }
 
@@ -602,6 +315,5 @@ TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("fused_add_rms_norm", fused_add_rms_norm);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("rotary_neox_", rotary_neox_);
-  m.impl("paged_decode_attention", paged_decode_attention);
   m.impl("lora_add_", lora_add_);
 }

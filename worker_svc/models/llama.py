@@ -26,6 +26,7 @@ from worker_svc.layers.linear import (
 )
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.decoder import BuildContext, DecoderForCausalLM, StepContext, join_prefix
 from worker_svc.models.model_config import ModelConfig, architecture_of
 
@@ -97,6 +98,20 @@ class LlamaAttention(nn.Module):
             query, key = rotated[:, :h], rotated[:, h:]
         out = self.backend.forward(query, key, value, kv_cache, ctx.attn_metadata)
         return self.o_proj(out.reshape(num_tokens, h * d))
+
+    def load(self, param: str, source: TensorSource, part: int) -> None:
+        """The checkpoint's per-tensor KV-cache scale of this layer (`k_scale` / `v_scale`):
+        an fp8 cache stores keys / k_scale and values / v_scale; the model's-dtype cache does
+        not use them (as vLLM)."""
+        scale = float(source[()].float().reshape(-1)[0])
+        scales = self.backend.kv_scales
+        if param == "k_scale":
+            scales = replace(scales, k_scale=scale)
+        elif param == "v_scale":
+            scales = replace(scales, v_scale=scale)
+        else:
+            raise ValueError(f"the attention layer has no checkpoint tensor {param!r}")
+        self.backend = self.backend.with_kv_scales(scales)
 
 
 class LlamaMLP(nn.Module):

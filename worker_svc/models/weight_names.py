@@ -32,6 +32,12 @@ _LAYER_MODULES: dict[str, tuple[str, int]] = {
 }
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_KV_SCALE = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v|kv)_scale|([kv])_proj\.output_scale)$"
+)
+"""A layer's per-tensor KV-cache scales (compressed-tensors' kv_cache_scheme: `self_attn.k_scale`
+and `v_scale`; older llm-compressor checkpoints `self_attn.k_proj.output_scale`; AutoFP8's one
+`self_attn.kv_scale` for both), for an fp8 KV cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,11 @@ def resolve_weight_name(name: str, tie_word_embeddings: bool) -> list[WeightTarg
         return [WeightTarget(None, "norm", "weight")]
     if name == "lm_head.weight":
         return [WeightTarget(None, "lm_head", "weight")]
+    match = _KV_SCALE.match(name)
+    if match:
+        which = match.group(2) or match.group(3)  # "k", "v" or "kv"
+        layer = int(match.group(1))
+        return [WeightTarget(layer, "self_attn", f"{part}_scale") for part in which]
     match = _LAYER.match(name)
     if match and match.group(2) in _LAYER_MODULES:
         module, part = _LAYER_MODULES[match.group(2)]

@@ -426,6 +426,7 @@ class EngineInfo(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     POOLER_CONFIG_FIELD_NUMBER: _builtins.int
+    CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Model name reported to clients and used as the metrics label model_name."""
     model_path: _builtins.str
@@ -468,6 +469,11 @@ class EngineInfo(_message.Message):
     """
     max_lora_rank: _builtins.int
     """Largest LoRA rank an adapter may have (vLLM's --max-lora-rank)."""
+    cache_dtype: _builtins.str
+    """How the workers store the KV cache (vLLM's cache_dtype, --kv-cache-dtype):
+    "auto" (the compute dtype), "fp8", "fp8_e4m3" or "fp8_e5m2"; "" means
+    "auto".
+    """
     @_builtins.property
     def pooler_config(self) -> _types_pb2.PoolerConfig:
         """How the model pools when the engine serves a pooling model (vLLM's
@@ -496,10 +502,11 @@ class EngineInfo(_message.Message):
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
         pooler_config: _types_pb2.PoolerConfig | None = ...,
+        cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pooler_config", b"pooler_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_dtype", b"cache_dtype", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -149,6 +149,7 @@ class LoadModelRequest(_message.Message):
     SPECULATIVE_CONFIG_FIELD_NUMBER: _builtins.int
     RUNNER_FIELD_NUMBER: _builtins.int
     CONVERT_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -256,6 +257,14 @@ class LoadModelRequest(_message.Message):
     serves it as an embedding model (implies runner "pooling"), "none" or
     "auto"/"" as it is.
     """
+    kv_cache_dtype: _builtins.str
+    """How the rank stores its KV cache (vLLM's --kv-cache-dtype): "auto"/"" (the
+    compute dtype), "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2"
+    (float8_e5m2): one byte per value, stored divided by the layer's per-tensor
+    k_scale / v_scale (the checkpoint's, else 1.0) and saturated to the
+    format's range. GetKvCapacity counts blocks at that size. The rank refuses
+    any other value.
+    """
     @_builtins.property
     def speculative_config(self) -> Global___SpeculativeConfig:
         """Speculative decoding (vLLM's --speculative-config); unset: none. Every
@@ -295,10 +304,11 @@ class LoadModelRequest(_message.Message):
         speculative_config: Global___SpeculativeConfig | None = ...,
         runner: _builtins.str = ...,
         convert: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["speculative_config", b"speculative_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "kv_cache_dtype", b"kv_cache_dtype", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -83,7 +83,11 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--kv-cache-dtype", "fp8"], "'fp8' is not available here"),
+        (
+            ["--kv-cache-dtype", "fp8_inc"],
+            "'fp8_inc' is not available here: the KV cache is stored as",
+        ),
+        (["--kv-cache-dtype", "bfloat16"], "fp8 / fp8_e4m3 or fp8_e5m2"),
         (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
         (["-q", "gptq"], "GPTQ checkpoints are not loaded yet"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
@@ -112,6 +116,14 @@ def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:
     args = parse_serve(["tiny", "--kv-cache-dtype", "auto", "--quantization", "auto"], {})
     assert args.service_flags["core"] == ["--kv-cache-dtype", "auto", "--quantization", "auto"]
     parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_dtypes_reach_the_core(value: str) -> None:
+    """vLLM's fp8 cache dtypes go to the core, which sends them to the workers as they are."""
+    args = parse_serve(["tiny", "--kv-cache-dtype", value], {})
+    config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+    assert config.kv_cache_dtype == value
 
 
 def test_several_served_model_names_reach_the_core_and_the_frontend(tmp_path: Path) -> None:

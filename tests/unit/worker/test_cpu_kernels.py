@@ -178,3 +178,93 @@ def test_paged_decode_attention_against_float_reference(
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     error = (out.float() - reference_decode(query, cache, tables, seq_lens)).abs().max()
     assert float(error) < tolerance
+
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def random_fp8_cache(
+    shape: tuple[int, ...], fp8: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
+    """Values spread over the format's normal and subnormal range, finite (saturated writes
+    never store NaN or infinity)."""
+    values = torch.randn(shape, generator=gen) * torch.exp2(
+        torch.randint(-12, 4, shape, generator=gen)
+    )
+    limit = torch.finfo(fp8).max
+    return values.clamp(-limit, limit).to(fp8)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(12, 4, 64, 16), (4, 1, 96, 5), (6, 3, 32, 7)]
+)
+def test_paged_decode_attention_over_fp8_cache(
+    kernels: CpuKernels,
+    fp8: torch.dtype,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    """An fp8 cache (keys / k_scale, values / v_scale) read in place against the float
+    reference over the same cache dequantized: every fp8 value is exact in bf16 and float32, so
+    fp8's own precision does not enter and the bounds are the compute dtype's, relative to the
+    values' size.
+    Odd block sizes and head_dim 96 take the portable loop, head_dim 32/64 in bf16 the
+    AVX512-BF16 one where the CPU has it."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, seq_lens = 48, torch.tensor([1, 2, 17, 3 * block_size, 5 * block_size - 3])
+    cache = random_fp8_cache((2, num_blocks, kv_heads, block_size, head_dim), fp8, gen)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: 5 * width] + 1).view(5, width)
+    query = torch.randn(5, heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty(query.shape, dtype=dtype)
+    k_scale, v_scale = 0.75, 3.5
+    kernels.paged_decode_attention(
+        out, query, cache, tables, seq_lens, head_dim**-0.5, k_scale, v_scale
+    )
+    dequantized = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    expected = reference_decode(query, dequantized, tables, seq_lens)
+    # The output averages values of up to ~100 here: float32 sums within ~1e-6 of them, bf16
+    # (probabilities and outputs rounded to 8 significant bits) within 2^-7 of them.
+    largest = float(dequantized[1].abs().max())
+    tolerance = largest * (1e-6 if dtype == torch.float32 else 2**-7)
+    error = (out.float() - expected).abs().max()
+    assert float(error) < tolerance
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_value_reads_back_exactly(
+    kernels: CpuKernels, fp8: torch.dtype, dtype: torch.dtype
+) -> None:
+    """A one-key context's output is its value row: each of the 256 byte codes but NaN and
+    infinity (never stored: writes saturate) reads back as torch's own conversion, subnormals,
+    signed zeros and the largest values included, in the portable and the AVX512-BF16 loops."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(fp8).float())]
+    head_dim = 64
+    rows = torch.cat([codes, codes[: -len(codes) % head_dim]]).view(-1, head_dim)
+    cache = torch.zeros(2, len(rows) + 1, 1, 1, head_dim, dtype=torch.uint8)
+    cache[1, 1:, 0, 0] = rows
+    tables = torch.arange(1, len(rows) + 1).view(-1, 1)
+    query = torch.randn(len(rows), 1, head_dim).to(dtype)
+    out = torch.empty(query.shape, dtype=dtype)
+    seq_lens = torch.ones(len(rows), dtype=torch.long)
+    kernels.paged_decode_attention(out, query, cache.view(fp8), tables, seq_lens, 0.125)
+    torch.testing.assert_close(out[:, 0], rows.view(fp8).to(dtype), rtol=0, atol=0)
+
+
+def test_fp8_cache_refusals(kernels: CpuKernels) -> None:
+    cache = torch.zeros(2, 4, 2, 16, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    query, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
+    tables, lens = torch.tensor([[1]]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="positive and finite"):
+        kernels.paged_decode_attention(out, query, cache, tables, lens, 0.125, 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="1 unless the cache is fp8"):
+        kernels.paged_decode_attention(out, query, cache.float(), tables, lens, 0.125, 2.0, 1.0)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn/e5m2"):
+        kernels.paged_decode_attention(out, query, cache.view(torch.int8), tables, lens, 0.125)
