@@ -85,7 +85,7 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
     [
         (["--kv-cache-dtype", "fp8"], "'fp8' is not available here"),
         (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
-        (["-q", "gptq"], "GPTQ checkpoints are not loaded yet"),
+        (["-q", "bitsandbytes"], "splitserve loads fp8, compressed-tensors, awq, gptq and gguf"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
         (["--kv-transfer-config"], "disaggregated prefill"),
         (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
@@ -112,6 +112,14 @@ def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:
     args = parse_serve(["tiny", "--kv-cache-dtype", "auto", "--quantization", "auto"], {})
     assert args.service_flags["core"] == ["--kv-cache-dtype", "auto", "--quantization", "auto"]
     parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+
+
+@pytest.mark.parametrize(("value", "method"), [("gptq", "gptq"), ("gptq_marlin", "gptq")])
+def test_gptq_names_reach_the_workers_as_gptq(value: str, method: str) -> None:
+    """vLLM's gptq_marlin (its GPU kernel for GPTQ checkpoints) is the same checkpoint here."""
+    args = parse_serve(["tiny", "-q", value], {})
+    config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+    assert config.quantization == method
 
 
 def test_several_served_model_names_reach_the_core_and_the_frontend(tmp_path: Path) -> None:
