@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 
+from splitserve_runtime.model_cache import default_cache_dir
 from splitserve_runtime.tiny_model import write_tokenizer
 from tests.fixtures.checkpoints import VOCAB_SIZE, CheckpointCache, load_reference
 from tests.fixtures.gptq_checkpoints import gptqmodel_error, make_gptq_checkpoint
@@ -46,7 +47,12 @@ def reference_run(source: Path, weights: dict[str, torch.Tensor]) -> tuple[list[
 
 
 def serve_completion(folder: Path, tmp_path: Path) -> openai.types.Completion:
-    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    cache = tmp_path / "cache"  # the launcher's state file; the built CPU kernels are shared
+    cache.mkdir()
+    shared = default_cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache)}
     command = [str(BIN / "splitserve"), "serve", str(folder), "-tp", "2"]
     command += ["--quantization", "gptq_marlin", "--kv-cache-memory-bytes", "16777216"]
     command += ["--grpc-port", "0", "--http-port", "0", "--frontend-metrics-port", "0"]
