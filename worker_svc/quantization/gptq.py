@@ -54,7 +54,7 @@ class GptqScheme:
     is_v2: bool
 
 
-def _unsupported(quantization: dict[str, Any], bits: Any, fmt: str) -> str | None:
+def _unsupported(quantization: dict[str, Any], bits: object, fmt: str) -> str | None:
     group_size = quantization.get("group_size", 128)
     if bits not in (4, 8):
         return f"{bits}-bit weights (4 and 8 are)"
@@ -81,7 +81,8 @@ def check_config(quantization: dict[str, Any]) -> GptqScheme:
     what = _unsupported(quantization, bits, fmt)
     if what is not None:
         raise ValueError(f"quantization method 'gptq': {what} is not supported")
-    return GptqScheme(int(bits), int(quantization.get("group_size", 128)), fmt == "gptq_v2")
+    assert isinstance(bits, int)  # 4 or 8: checked above
+    return GptqScheme(bits, int(quantization.get("group_size", 128)), fmt == "gptq_v2")
 
 
 def unpack_columns(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -104,8 +105,12 @@ def unpack_zeros(qzeros: torch.Tensor, bits: int, is_v2: bool) -> torch.Tensor:
 
 def check_parts(parts: dict[str, torch.Tensor]) -> None:
     """Refuse a layer's tensors of the wrong type or rank, naming the tensor."""
-    expected = {"qweight": (2, (torch.int32,)), "qzeros": (2, (torch.int32,))}
-    expected |= {"g_idx": (1, (torch.int32, torch.int64)), "scales": (2, FLOAT_DTYPES)}
+    expected: dict[str, tuple[int, tuple[torch.dtype, ...]]] = {
+        "qweight": (2, (torch.int32,)),
+        "qzeros": (2, (torch.int32,)),
+        "g_idx": (1, (torch.int32, torch.int64)),
+        "scales": (2, FLOAT_DTYPES),
+    }
     for name, (num_dims, dtypes) in expected.items():
         t = parts.get(name)
         if t is not None and (t.dtype not in dtypes or t.dim() != num_dims):
