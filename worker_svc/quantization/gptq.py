@@ -47,11 +47,13 @@ V1_ZERO_OFFSETS = {4: 0x11111111, 8: 0x01010101}
 
 @dataclass(frozen=True, slots=True)
 class GptqScheme:
-    """bits, group size (-1: one group per row) and whether zero points are stored as is."""
+    """bits, group size (-1: one group per row), whether zero points are stored as is, and
+    act-order (every layer then needs its g_idx)."""
 
     bits: int
     group_size: int
     is_v2: bool
+    desc_act: bool = False
 
 
 def _unsupported(quantization: dict[str, Any], bits: object, fmt: str) -> str | None:
@@ -82,7 +84,8 @@ def check_config(quantization: dict[str, Any]) -> GptqScheme:
     if what is not None:
         raise ValueError(f"quantization method 'gptq': {what} is not supported")
     assert isinstance(bits, int)  # 4 or 8: checked above
-    return GptqScheme(bits, int(quantization.get("group_size", 128)), fmt == "gptq_v2")
+    group_size = int(quantization.get("group_size", 128))
+    return GptqScheme(bits, group_size, fmt == "gptq_v2", bool(quantization.get("desc_act")))
 
 
 def unpack_columns(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -130,6 +133,8 @@ def to_group_quantized(parts: dict[str, torch.Tensor], scheme: GptqScheme) -> Gr
     g_idx = parts.get("g_idx")
     if g_idx is not None:
         num_in = int(g_idx.numel())
+    elif scheme.desc_act:
+        raise ValueError("GPTQ desc_act checkpoint without g_idx: its column groups are unknown")
     group_size = num_in if scheme.group_size == -1 else scheme.group_size
     contiguous = torch.arange(num_in, dtype=torch.int64) // group_size
     if g_idx is not None and torch.equal(g_idx.long(), contiguous):

@@ -77,8 +77,21 @@ def test_unsupported_gptq_configs_are_refused(change: dict[str, Any], message: s
 
 
 def test_v2_and_per_row_configs_are_read() -> None:
-    assert check_config({**CONFIG, "checkpoint_format": "gptq_v2"}) == GptqScheme(4, 32, True)
-    assert check_config({**CONFIG, "bits": 8, "group_size": -1}) == GptqScheme(8, -1, False)
+    v2 = check_config({**CONFIG, "checkpoint_format": "gptq_v2"})
+    assert v2 == GptqScheme(4, 32, is_v2=True, desc_act=True)
+    per_row = check_config({**CONFIG, "bits": 8, "group_size": -1, "desc_act": False})
+    assert per_row == GptqScheme(8, -1, is_v2=False)
+
+
+def test_act_order_without_g_idx_is_refused() -> None:
+    parts = {
+        "qweight": torch.zeros(4, 32, dtype=torch.int32),
+        "qzeros": torch.zeros(1, 4, dtype=torch.int32),
+        "scales": torch.ones(1, 32, dtype=torch.float16),
+    }
+    assert to_group_quantized(parts, GptqScheme(4, 32, is_v2=False)).shape == (32, 32)
+    with pytest.raises(ValueError, match="desc_act checkpoint without g_idx"):
+        to_group_quantized(parts, GptqScheme(4, 32, is_v2=False, desc_act=True))
 
 
 @pytest.mark.parametrize(
@@ -107,3 +120,17 @@ def test_quantization_that_does_not_fit_is_refused(
     with pytest.raises(ValueError) as err:
         resolve_quantization(requested, declared, "tiny")
     assert message in str(err.value)
+
+
+def test_malformed_tensors_are_refused_naming_them() -> None:
+    parts = {
+        "qweight": torch.zeros(4, 32, dtype=torch.float32),
+        "qzeros": torch.zeros(1, 4, dtype=torch.int32),
+        "scales": torch.ones(1, 32, dtype=torch.float16),
+    }
+    with pytest.raises(ValueError, match="GPTQ qweight must be a 2-D torch.int32 tensor"):
+        to_group_quantized(parts, GptqScheme(4, 32, is_v2=False))
+    parts["qweight"] = torch.zeros(4, 32, dtype=torch.int32)
+    parts["g_idx"] = torch.full((32,), 5, dtype=torch.int32)  # a group the scales do not have
+    with pytest.raises(ValueError, match="g_idx must give each of the 32 columns a group < 1"):
+        to_group_quantized(parts, GptqScheme(4, 32, is_v2=False))
