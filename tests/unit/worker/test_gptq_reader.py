@@ -26,10 +26,16 @@ def edge_weight(num_out: int, num_in: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
-    ("desc_act", "sym", "is_v2"), [(False, True, False), (True, False, False), (True, False, True)]
+    ("desc_act", "sym", "is_v2", "group_size"),
+    [
+        (False, True, False, 32),
+        (True, False, False, 32),
+        (True, False, True, 32),
+        (False, False, False, -1),
+    ],
 )
 def test_reader_equals_gptqmodel_dequantize(
-    bits: int, desc_act: bool, sym: bool, is_v2: bool
+    bits: int, desc_act: bool, sym: bool, is_v2: bool, group_size: int
 ) -> None:
     from tests.fixtures.gptq_checkpoints import gptqmodel_error
 
@@ -42,11 +48,11 @@ def test_reader_equals_gptqmodel_dequantize(
         quantize_config,
     )
 
-    qcfg = quantize_config(bits, desc_act, sym)
+    qcfg = quantize_config(bits, desc_act, sym, group_size)
     weight = edge_weight(64, 96)
-    parts = pack_layer(weight, qcfg, act_order_g_idx(96, desc_act, seed=3), is_v2)
+    parts = pack_layer(weight, qcfg, act_order_g_idx(96, desc_act, 3, group_size), is_v2)
     expected = dequantize_layer(parts, qcfg, is_v2)
-    ours = to_group_quantized(parts, GptqScheme(bits, 32, is_v2))
+    ours = to_group_quantized(parts, GptqScheme(bits, group_size, is_v2))
     assert (ours.g_idx is not None) == desc_act
     assert torch.equal(ours.dequantize(), expected)
     # The packing kept the weight (a sanity check on the rows of both signs; GPTQModel's
