@@ -114,9 +114,13 @@ def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:
     parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
 
 
-@pytest.mark.parametrize(("value", "method"), [("gptq", "gptq"), ("gptq_marlin", "gptq")])
-def test_gptq_names_reach_the_workers_as_gptq(value: str, method: str) -> None:
-    """vLLM's gptq_marlin (its GPU kernel for GPTQ checkpoints) is the same checkpoint here."""
+@pytest.mark.parametrize(
+    ("value", "method"),
+    [("gptq", "gptq"), ("gptq_marlin", "gptq"), ("awq", "awq"), ("awq_marlin", "awq")],
+)
+def test_marlin_names_reach_the_workers_as_their_checkpoint_format(value: str, method: str) -> None:
+    """vLLM's gptq_marlin / awq_marlin (its GPU kernels for GPTQ / AWQ checkpoints) name the same
+    checkpoints here."""
     args = parse_serve(["tiny", "-q", value], {})
     config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
     assert config.quantization == method
