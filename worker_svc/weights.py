@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from splitserve_runtime.model_source import ModelSource
+from splitserve_runtime.quantization_names import canonical_quantization
 from worker_svc.layers.fp8 import (
     SCALE_SUFFIXES,
     Fp8Format,
@@ -104,7 +105,9 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         model_class(str(declared[0]))  # before transformers parses a model type it may not know
     files = checkpoint_files(source.path)
     hf_config = read_hf_config(source.path)
-    quantization = getattr(hf_config, "quantization_config", None)
+    quantization = getattr(hf_config, "quantization_config", None) or quantize_config_json(
+        source.path, options.requested
+    )
     declared_method = _quant_method(quantization) if quantization else None
     method = resolve_quantization(
         options.requested, declared_method, str(source.spec or "the model")
@@ -113,7 +116,7 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         return open_fp8_checkpoint(
             hf_config, files, Fp8Format.from_quantization_config(quantization)
         )
-    if method in ("compressed-tensors", "awq") and quantization:
+    if method in ("compressed-tensors", "awq", "gptq") and quantization:
         return open_packed_checkpoint(hf_config, files, quantization, method)
     planner = None
     if method is not None and declared_method is None:  # online: int8, int4, w8a8
@@ -126,32 +129,51 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
     )
 
 
+def quantize_config_json(path: Path, requested: str) -> dict[str, Any] | None:
+    """AutoGPTQ's `quantize_config.json` beside a config.json without quantization_config,
+    read (as vLLM does) when `--quantization gptq` asks for it."""
+    file = path / "quantize_config.json"
+    if canonical_quantization(requested) != "gptq" or not file.is_file():
+        return None
+    return {"quant_method": "gptq", **json.loads(file.read_text())}
+
+
+PackedLayer = Callable[[dict[str, TensorSource]], Any]
+
+
+def packed_reader(
+    method: str, config: dict[str, Any]
+) -> tuple[tuple[str, ...], str, PackedLayer, bool]:
+    """(a layer's tensor names, the one that marks a quantized layer, the maker of its quantized
+    source, W8A8) for a compressed-tensors, AWQ or GPTQ configuration; ValueError if refused."""
+    from worker_svc.quantization import awq, gptq
+    from worker_svc.quantization import compressed_tensors as ct
+
+    if method == "awq":
+        group_size = awq.check_config(config)
+        return awq.PARTS, "qweight", lambda layer: awq.make_source(layer, group_size), False
+    if method == "gptq":
+        gptq_scheme = gptq.check_config(config)
+        return gptq.PARTS, "qweight", lambda layer: gptq.make_source(layer, gptq_scheme), False
+    scheme = ct.parse_scheme(config)
+
+    def make(layer: dict[str, TensorSource]) -> Any:
+        return ct.CtQuantizedTensor(layer, scheme)
+
+    return (*ct.PARTS, "weight"), "weight_scale", make, scheme.is_w8a8
+
+
 def open_packed_checkpoint(
     hf_config: Any, files: list[Path], quantization: Any, method: str
 ) -> Checkpoint:
-    """A compressed-tensors or AWQ checkpoint: each quantized layer's tensors read as one
-    quantized weight (worker_svc/quantization/compressed_tensors.py, awq.py)."""
-    from worker_svc.quantization import awq
+    """A compressed-tensors, AWQ or GPTQ checkpoint: each quantized layer's tensors read as one
+    quantized weight (worker_svc/quantization/compressed_tensors.py, awq.py, gptq.py)."""
     from worker_svc.quantization import compressed_tensors as ct
 
     config = quantization if isinstance(quantization, dict) else quantization.to_dict()
     names = tensor_names(files)
-    make: Callable[[dict[str, TensorSource]], Any]
-    if method == "awq":
-        group_size = awq.check_config(config)
-        parts = ct.layer_parts(names, awq.PARTS, "qweight")
-        is_w8a8 = False
-
-        def make(layer: dict[str, TensorSource]) -> Any:
-            return awq.AwqQuantizedTensor(layer, group_size)
-    else:
-        scheme = ct.parse_scheme(config)
-        parts = ct.layer_parts(names, (*ct.PARTS, "weight"), "weight_scale")
-        is_w8a8 = scheme.is_w8a8
-
-        def make(layer: dict[str, TensorSource]) -> Any:
-            return ct.CtQuantizedTensor(layer, scheme)
-
+    local_names, marker, make, is_w8a8 = packed_reader(method, config)
+    parts = ct.layer_parts(names, local_names, marker)
     layers = set(parts.values())
     if not layers:
         raise ValueError(

@@ -136,14 +136,14 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_quantized_checkpoint_is_refused_in_one_line(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    folder = tmp_path / "gptq"
+    folder = tmp_path / "bnb"
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     line = last_line(up("--model", str(folder)))
     assert line.startswith("splitserve up: core exited with code 1: worker rank 0")
-    assert "quantization method 'gptq'" in line and "not supported" in line
+    assert "quantization method 'bitsandbytes'" in line and "not supported" in line
 
 
 def test_source_errors_are_one_line_before_anything_starts(

@@ -13,12 +13,14 @@ become the common divisor), which is exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from worker_svc.layers.quant_pack import GroupQuantized
+from worker_svc.layers.tensor_source import TensorSource
 
 Index = slice | tuple[slice, ...]
 
@@ -63,6 +65,41 @@ class QuantizedTensor:
     def row_range(self, start: int, num_rows: int) -> QuantizedTensor:
         """Rows [start, start + num_rows): a fused checkpoint tensor's part, still quantized."""
         return QuantizedTensor(self.weight.rows(slice(start, start + num_rows)))
+
+
+class ConvertedTensor:
+    """A `QuantizedSource` over one layer's checkpoint tensors in a packed format (AWQ, GPTQ):
+    read whole and turned into a `GroupQuantized` by `convert` when a layer first asks; `shape`
+    is the weight's [out, in]."""
+
+    def __init__(
+        self,
+        parts: dict[str, TensorSource],
+        convert: Callable[[dict[str, torch.Tensor]], GroupQuantized],
+        shape: list[int],
+    ) -> None:
+        self.parts = parts
+        self.convert = convert
+        self.shape = shape
+        self._weight: QuantizedTensor | None = None
+
+    def weight(self) -> QuantizedTensor:
+        if self._weight is None:
+            tensors = {name: source[:] for name, source in self.parts.items()}
+            self._weight = QuantizedTensor(self.convert(tensors))
+        return self._weight
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def quantized(self, index: Index) -> GroupQuantized:
+        return self.weight().quantized(index)
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        return self.weight()[index]
+
+    def row_range(self, start: int, num_rows: int) -> QuantizedTensor:
+        return self.weight().row_range(start, num_rows)
 
 
 def widened(q: GroupQuantized, bits: int, group_size: int, with_offsets: bool) -> GroupQuantized:

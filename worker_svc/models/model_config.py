@@ -22,7 +22,7 @@ from worker_svc.layers.rope_config import RopeConfig, layer_type_rope_configs
 # Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
 # FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
 # `quantization_config` method is refused: its weights would be read as if unquantized.
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq")
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
 SLIDING_ATTENTION = "sliding_attention"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -166,8 +166,8 @@ def refuse_quantization(hf: Any) -> None:
     if method not in SUPPORTED_QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization method {method!r} (config.json quantization_config) is not supported; "
-            "serve an unquantized (bfloat16/float16/float32), fp8, compressed-tensors or AWQ "
-            "checkpoint, or a GGUF file"
+            "serve an unquantized (bfloat16/float16/float32), fp8, compressed-tensors, AWQ or "
+            "GPTQ checkpoint, or a GGUF file"
         )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from worker_svc.layers.quant_pack import GroupQuantized
-from worker_svc.layers.quant_source import Index, QuantizedTensor
+from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
 
 PARTS = ("qweight", "qzeros", "scales")
@@ -58,29 +58,9 @@ def to_group_quantized(parts: dict[str, torch.Tensor], group_size: int) -> Group
     return GroupQuantized(values, scales, -zeros * scales, 4, group_size)
 
 
-class AwqQuantizedTensor:
-    """A layer's AWQ tensors (a `QuantizedSource`), converted when a layer first asks."""
-
-    def __init__(self, parts: dict[str, TensorSource], group_size: int) -> None:
-        self.parts = parts
-        self.group_size = group_size
-        self._weight: QuantizedTensor | None = None
-
-    def weight(self) -> QuantizedTensor:
-        if self._weight is None:
-            tensors = {name: source[:] for name, source in self.parts.items()}
-            self._weight = QuantizedTensor(to_group_quantized(tensors, self.group_size))
-        return self._weight
-
-    def get_shape(self) -> list[int]:
-        num_cols, num_words = self.parts["qweight"].get_shape()
-        return [num_words * 8, num_cols]
-
-    def quantized(self, index: Index) -> GroupQuantized:
-        return self.weight().quantized(index)
-
-    def __getitem__(self, index: Index) -> torch.Tensor:
-        return self.weight()[index]
-
-    def row_range(self, start: int, num_rows: int) -> QuantizedTensor:
-        return self.weight().row_range(start, num_rows)
+def make_source(parts: dict[str, TensorSource], group_size: int) -> ConvertedTensor:
+    """A layer's AWQ tensors as one quantized source, shaped [out, in]."""
+    num_cols, num_words = parts["qweight"].get_shape()
+    return ConvertedTensor(
+        parts, lambda t: to_group_quantized(t, group_size), [num_words * 8, num_cols]
+    )

@@ -7,10 +7,14 @@ tensors are read for them.
     ""/fp8      fp8                   FP8 (kept FP8 on CUDA with FP8 matmuls, else dequantized)
     ""/gguf     .gguf                 Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights quantized
                                       (W8A16 / W4A16); --dequantize-gguf: float (today's path)
+    ""/compressed-tensors, awq, gptq (gptq_marlin: gptq)
+                checkpoint of that    packed int4/int8 weights kept quantized (W4A16/W8A16,
+                format                or W8A8 for compressed-tensors int8 activations)
     int8|int4|  float                 quantized at load (worker_svc/quantization/online.py)
     w8a8
     anything else: refused in one line that says why (a name that does not match the
-    checkpoint, a format not loaded yet, online quantization of a quantized checkpoint).
+    checkpoint, a checkpoint format asked of a float checkpoint, online quantization of a
+    quantized checkpoint).
 
 The plan is made on the model built on the meta device (nothing allocated): each checkpoint
 tensor's destinations give the layers it feeds; a fused layer is quantized only when all its
@@ -23,11 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from splitserve_runtime.quantization_names import (
-    NOT_YET_LOADABLE,
-    ONLINE_METHODS,
-    canonical_quantization,
-)
+from splitserve_runtime.quantization_names import ONLINE_METHODS, canonical_quantization
 from worker_svc.layers.linear import LinearBase, LinearMethods
 from worker_svc.layers.quantized import CUDA_REFUSAL, QuantizedLinearMethods
 from worker_svc.layers.tensor_source import TensorSource
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 Weights = Iterator[tuple[str, TensorSource]]
 VOCAB = ("embed_tokens", "lm_head")
+PACKED_FORMATS = ("compressed-tensors", "awq", "gptq")
+"""Checkpoint formats whose layers store packed integers (not quantized at load)."""
 
 
 def resolve_quantization(requested: str, checkpoint_method: str | None, what: str) -> str | None:
@@ -56,12 +58,6 @@ def resolve_quantization(requested: str, checkpoint_method: str | None, what: st
             f"{checkpoint_method}; drop --quantization or pass --quantization {checkpoint_method}"
         )
     method = requested or checkpoint_method
-    if method in NOT_YET_LOADABLE:
-        raise ValueError(
-            f"quantization method {method!r} is not supported yet (splitserve loads fp8, "
-            "compressed-tensors and GGUF checkpoints, and quantizes float ones with "
-            "--quantization int8, int4 or w8a8)"
-        )
     if checkpoint_method is None and method == "fp8":
         raise ValueError(
             f"--quantization fp8 needs an FP8 checkpoint; {what} is not quantized (online FP8 "
@@ -69,6 +65,8 @@ def resolve_quantization(requested: str, checkpoint_method: str | None, what: st
         )
     if checkpoint_method is None and method == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file; {what} is not one")
+    if checkpoint_method is None and method in PACKED_FORMATS:
+        raise ValueError(f"--quantization {method} reads {method} checkpoints; {what} is not one")
     return method
 
 
@@ -138,7 +136,7 @@ ONLINE_SCHEMES: dict[str, OnlineScheme] = {"int8": INT8_PER_ROW, "int4": INT4_GR
 def compressed_tensors_planner(
     names: list[str], quantized: set[str], is_w8a8: bool, method: str
 ) -> Planner:
-    """A compressed-tensors or AWQ checkpoint: its quantized layers (`quantized`: their
+    """A compressed-tensors, AWQ or GPTQ checkpoint: its quantized layers (`quantized`: their
     `.weight` names, each read as one quantized source), W8A8 or weight-only."""
 
     def plan(model: CausalLM) -> QuantizationPlan:

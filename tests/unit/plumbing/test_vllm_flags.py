@@ -89,7 +89,7 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
         ),
         (["--kv-cache-dtype", "bfloat16"], "fp8 / fp8_e4m3 or fp8_e5m2"),
         (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
-        (["-q", "gptq"], "GPTQ checkpoints are not loaded yet"),
+        (["-q", "bitsandbytes"], "splitserve loads fp8, compressed-tensors, awq, gptq and gguf"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
         (["--kv-transfer-config"], "disaggregated prefill"),
         (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
@@ -124,6 +124,18 @@ def test_fp8_kv_cache_dtypes_reach_the_core(value: str) -> None:
     args = parse_serve(["tiny", "--kv-cache-dtype", value], {})
     config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
     assert config.kv_cache_dtype == value
+
+
+@pytest.mark.parametrize(
+    ("value", "method"),
+    [("gptq", "gptq"), ("gptq_marlin", "gptq"), ("awq", "awq"), ("awq_marlin", "awq")],
+)
+def test_marlin_names_reach_the_workers_as_their_checkpoint_format(value: str, method: str) -> None:
+    """vLLM's gptq_marlin / awq_marlin (its GPU kernels for GPTQ / AWQ checkpoints) name the same
+    checkpoints here."""
+    args = parse_serve(["tiny", "-q", value], {})
+    config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
+    assert config.quantization == method
 
 
 def test_several_served_model_names_reach_the_core_and_the_frontend(tmp_path: Path) -> None:
