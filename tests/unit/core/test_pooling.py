@@ -70,7 +70,7 @@ def test_pooling_requests_never_read_the_prefix_cache() -> None:
         (False, pooling_request(1, [1, 2, 3]), "takes no pooling requests"),
         (True, make_request(1, [1, 2, 3]), "only takes pooling requests"),
         (True, pooling_request(1, [1, 2], stop_token_ids=(5,)), "no stop token ids"),
-        (True, make_request(1, [1, 2], max_tokens=1, pooling_task="classify"), "not one of"),
+        (True, make_request(1, [1, 2], max_tokens=1, pooling_task="token_classify"), "not one of"),
     ],
 )
 def test_mismatched_requests_are_refused_alone(
