@@ -7,7 +7,8 @@
 //   int8_quantize_rows  that per-token quantization alone: vLLM's convention (its CPU and CUDA
 //                       kernels): scale = absmax / 127, q = round-half-even(x * (1 / scale))
 //                       clamped to [-128, 127], 1 / scale taken in double as vLLM-CPU does
-//   quant_dequantize    W in float (steps of many tokens hand it to oneDNN's matmul; tests)
+//   quant_dequantize    W^T in float (quant_dequant.h; steps of many tokens hand it to oneDNN's
+//                       matmul)
 //   quant_isa           which instruction-set paths this build has
 // The activations are first gathered into a scratch row per token: in the packed column order
 // (`cols`: input feature of each packed column, K meaning zero: padding, act-order), as float32
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "quant_dequant.h"
 #include "quant_tiles.h"
 
 namespace {
@@ -393,42 +395,42 @@ void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Ten
   });
 }
 
+// Blocks of tiles shared out over the threads, each writing its columns of W^T (quant_dequant.h).
+constexpr int64_t DEQUANTIZE_TILES = 8;
+
 template <class D, class S>
-void dequantize_tiles(const Tensor& out, const uint8_t* w, const Packed& p, const S* sc,
-                      const S* of, const int32_t* bounds) {
+void dequantize_weight(const Tensor& out, const uint8_t* w, const Packed& p, const S* sc,
+                       const S* of, const int32_t* bounds) {
   auto* o = ptr<D>(out);
-  const int64_t width = p.num_chunks * 4, chunk = p.bits == 8 ? 64 : 32;
-  at::parallel_for(0, p.num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < p.num_groups; ++g)
-        for (int64_t c = bounds[g]; c < bounds[g + 1]; ++c)
-          for (int64_t i = 0; i < TILE; ++i)
-            for (int64_t j = 0; j < 4; ++j) {
-              const uint8_t* wc = w + (t * p.num_chunks + c) * chunk;
-              const uint8_t b = wc[2 * i + (j & 1)];
-              const float q = p.bits == 8 ? float(int8_t(wc[32 * (j >> 1) + 2 * i + (j & 1)]))
-                                          : float(j < 2 ? (b & 15) : (b >> 4));
-              const int64_t si = (t * p.num_groups + g) * TILE + i;
-              o[(t * TILE + i) * width + 4 * c + j] = D::store(float(sc[si]) * q + (of ? float(of[si]) : 0.0f));
-            }
+  const int64_t ld = p.num_tiles * TILE, tile_bytes = p.num_chunks * (p.bits == 8 ? 64 : 32);
+  const int64_t scale_stride = p.num_groups * TILE;
+  const int64_t num_blocks = (p.num_tiles + DEQUANTIZE_TILES - 1) / DEQUANTIZE_TILES;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t = b0 * DEQUANTIZE_TILES; t < std::min(b1 * DEQUANTIZE_TILES, p.num_tiles);
+         t += DEQUANTIZE_TILES)
+      dequantize_tiles<D, S>(w + t * tile_bytes, p.bits, tile_bytes, sc + t * scale_stride,
+                             of ? of + t * scale_stride : nullptr, scale_stride, bounds,
+                             p.num_groups, std::min(DEQUANTIZE_TILES, p.num_tiles - t),
+                             o + t * TILE, ld);
   });
 }
 
 void quant_dequantize(Tensor out, Tensor qweight, int64_t bits, Tensor scales, OptTensor offsets,
                       Tensor bounds) {
   const Packed p = check_packed(qweight, bits, scales, offsets, bounds);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == p.num_tiles * TILE &&
-                  out.size(1) == p.num_chunks * 4, "out must be contiguous [tiles * 16, chunks * 4]");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == p.num_chunks * 4 &&
+                  out.size(1) == p.num_tiles * TILE,
+              "out must be contiguous [chunks * 4, tiles * 16] (the weight transposed)");
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
   const int32_t* b = bounds.data_ptr<int32_t>();
   dispatch(out, [&](auto tag) {
     using D = decltype(tag);
     if (p.is_half_scales)
-      dequantize_tiles<D, c10::Half>(out, w, p, scales.data_ptr<c10::Half>(),
-                                     offsets ? offsets->data_ptr<c10::Half>() : nullptr, b);
+      dequantize_weight<D, c10::Half>(out, w, p, scales.data_ptr<c10::Half>(),
+                                      offsets ? offsets->data_ptr<c10::Half>() : nullptr, b);
     else
-      dequantize_tiles<D, float>(out, w, p, scales.data_ptr<float>(),
-                                 offsets ? offsets->data_ptr<float>() : nullptr, b);
+      dequantize_weight<D, float>(out, w, p, scales.data_ptr<float>(),
+                                  offsets ? offsets->data_ptr<float>() : nullptr, b);
   });
 }
 

@@ -3,8 +3,8 @@
 - `WeightOnlyLinearMethod`: int8 or int4 weights with group-wise scales and optional offsets
   (W8A16 / W4A16; per-output-channel scales are one group per row), activations left in the
   compute dtype. The kernel (quant_ops.cpp `quant_linear`) dequantizes inside the dot product;
-  steps of `DEQUANTIZE_ROWS` tokens or more (prefill) dequantize the weight once into the
-  compute dtype and take oneDNN's matmul instead.
+  steps of `DEQUANTIZE_ROWS` tokens or more (prefill) dequantize the weight, transposed, into
+  the compute dtype (quant_dequant.h, at about copy speed) and take oneDNN's matmul instead.
 - `W8A8LinearMethod`: int8 weights with one scale per output row, activations quantized per
   token on the fly to int8 with vLLM's convention (scale = absmax / 127, round half to even),
   int8 dot products (AVX512_VNNI) and y = (acc x weight scale) x token scale.
@@ -168,15 +168,16 @@ class WeightOnlyLinearMethod(QuantizedMethodBase):
             out = rows.new_empty(rows.shape[0], p.out_features)
             self.kernels.quant_linear(out, rows, p, bias)
         else:
-            weight = self.dequantized(x.dtype)[: p.out_features]
-            out = F.linear(gather_columns(rows, p), weight, bias)
+            weight_t = self.dequantized_t(x.dtype)[:, : p.out_features]
+            gathered = gather_columns(rows, p)
+            out = gathered @ weight_t if bias is None else torch.addmm(bias, gathered, weight_t)
         return out.reshape(*x.shape[:-1], p.out_features)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, packed column order (padding rows included)."""
+    def dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight transposed, in `dtype`: [packed columns, padded output rows]."""
         p = self.require_packed()
         if self.kernels is None:
-            return dequantize_packed(p).to(dtype)
+            return dequantize_packed(p).to(dtype).t()
         return self.kernels.quant_dequantize(p, dtype)
 
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -28,7 +29,13 @@ from worker_svc.layers.quant_pack import (
     from_signed,
     pack,
 )
-from worker_svc.layers.quantized import quantize_rows_reference, w8a8_reference
+from worker_svc.layers.linear import LinearBase
+from worker_svc.layers.quantized import (
+    DEQUANTIZE_ROWS,
+    WeightOnlyLinearMethod,
+    quantize_rows_reference,
+    w8a8_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, columns, group size): odd rows, columns not a multiple of 64, a partial last group.
@@ -171,7 +178,7 @@ def test_bad_inputs_are_refused_with_a_message(kernels: CpuKernels) -> None:
 PORTABLE_CHECK = """
 import json, torch
 from worker_svc.kernels.cpu_kernels import CpuKernels
-from worker_svc.layers.quant_pack import pack
+from worker_svc.layers.quant_pack import dequantize_packed, pack
 from worker_svc.layers.quantized import w8a8_reference
 from tests.fixtures.quantized import random_quantized, reference_linear
 kernels = CpuKernels.load()
@@ -192,6 +199,9 @@ x = torch.randn(3, 100)
 out = torch.empty(3, 17)
 kernels.w8a8_linear(out, x, p, scales, sums, None)
 errors["w8a8"] = float((out - w8a8_reference(x, p, scales, None)).abs().max())
+w = pack(random_quantized(150, 328, 4, 128, with_offsets=True))
+dequantized = kernels.quant_dequantize(w, torch.float32)
+errors["dequantize-float32"] = float((dequantized - dequantize_packed(w).t()).abs().max())
 print(json.dumps({"isa": kernels.quant_isa(), "errors": errors}))
 """
 
@@ -211,11 +221,34 @@ def test_portable_build_without_avx512(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_dequantize_kernel_equals_the_reference(kernels: CpuKernels, bits: int) -> None:
+@pytest.mark.parametrize("shape", [(37, 200, 64), (150, 328, 128)])
+def test_dequantize_kernel_equals_the_reference(
+    kernels: CpuKernels, bits: int, shape: tuple[int, int, int]
+) -> None:
     """quant_dequantize (steps of DEQUANTIZE_ROWS tokens or more take oneDNN's matmul on it)
-    writes exactly the packed weight's values, rounded once to the dtype."""
-    weight = random_quantized(37, 200, bits, 64, with_offsets=True, seed=bits)
+    writes exactly the packed weight's values transposed, rounded once to the dtype: odd row
+    counts, a partial last group, and more tiles than one thread's block (8) with a partial one."""
+    num_rows, num_cols, group = shape
+    weight = random_quantized(num_rows, num_cols, bits, group, with_offsets=True, seed=bits)
     packed = pack(weight)
     expected = dequantize_packed(packed)
     for dtype in DTYPES:
-        assert torch.equal(kernels.quant_dequantize(packed, dtype), expected.to(dtype))
+        assert torch.equal(kernels.quant_dequantize(packed, dtype), expected.t().to(dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_take_the_dequantized_matmul(kernels: CpuKernels, bits: int) -> None:
+    """A step of DEQUANTIZE_ROWS tokens or more (an odd count, bias, N not a multiple of 16)
+    through the weight-only method: the float64 product of the weight rounded once to bf16
+    (what the matmul takes), within one bf16 rounding of the result."""
+    weight = random_quantized(150, 200, bits, 64, with_offsets=bits == 4, seed=3)
+    method = WeightOnlyLinearMethod(kernels)
+    method.packed = packed = pack(weight)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(DEQUANTIZE_ROWS + 3, 200, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(150, generator=gen).to(torch.bfloat16)
+    out = method.apply(cast(LinearBase, None), x, bias)
+    assert out.shape == (DEQUANTIZE_ROWS + 3, 150) and out.dtype == torch.bfloat16
+    rounded = dequantize_packed(packed).to(torch.bfloat16).double()[:150, :200]
+    expected = (x.double() @ rounded.t() + bias.double()).to(torch.bfloat16)
+    assert_close_to_reference(out, expected)
