@@ -8,7 +8,9 @@ compute) and reports, as JSON lines, medians over `--rounds` rounds that alterna
 * `step`: a prefill step of one `--prefill-tokens`-token prompt, and decode steps at batch 1
   and 32 (`context` tokens cached), wall and process CPU milliseconds (`Worker.execute`);
 * `linear`: each linear shape of a layer (qkv, o, gate_up, down) at `--rows` rows: the
-  variant's own linear method against the bf16 `F.linear` of the same shape, in the same round.
+  variant's own linear method against the bf16 `F.linear` of the same shape, in the same round
+  (wall and process CPU ms; on a busy machine `--threads 1` and the CPU times are the ones to
+  trust: two threads waiting on each other's preempted half spin).
 """
 
 from __future__ import annotations
@@ -87,24 +89,27 @@ class Variant:
             wall, cpu = time.perf_counter(), time.process_time()
             out, _ = self.session.execute([], [1] * batch_size, cached)
             if i > 0:  # warm-up
-                times.append((1e3 * (time.perf_counter() - wall), 1e3 * (time.process_time() - cpu)))
+                times.append(
+                    (1e3 * (time.perf_counter() - wall), 1e3 * (time.process_time() - cpu))
+                )
         self.session.execute([], [], finished=handles)
         return times
 
-    def linear(self, suffix: str, rows: int, repeats: int) -> tuple[float, float]:
-        """(this variant's ms, bf16 F.linear ms) at `rows` rows, medians of `repeats`."""
+    def linear(self, suffix: str, rows: int, repeats: int) -> tuple[float, float, float, float]:
+        """This variant's (wall, CPU) ms and bf16 F.linear's at `rows` rows, medians."""
         layer = self.model.get_submodule(f"layers.0.{suffix}")
         assert isinstance(layer, LinearBase)
         x = torch.randn(rows, layer.input_size_per_rank, dtype=torch.bfloat16)
         weight = torch.randn(layer.output_size_per_rank, layer.input_size_per_rank).bfloat16()
         own, base = [], []
         for _ in range(repeats + 1):
-            own.append(cpu_timed(lambda: layer(x))[0])
-            base.append(cpu_timed(lambda: F.linear(x, weight))[0])
-        return statistics.median(own[1:]), statistics.median(base[1:])
+            own.append(cpu_timed(lambda: layer(x)))
+            base.append(cpu_timed(lambda: F.linear(x, weight)))
+        own, base = own[1:], base[1:]
+        return (*summary(own).values(), *summary(base).values())
 
 
-def summary(samples: list[tuple[float, float]]) -> dict[str, float]:
+def summary(samples: Sequence[tuple[float, ...]]) -> dict[str, float]:
     return {
         "step_ms": statistics.median(s[0] for s in samples),
         "cpu_ms": statistics.median(s[1] for s in samples),
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     folder = ensure_bench_model(Path(args.model_dir) if args.model_dir else None)
     variants = [Variant(folder, q, args.context) for q in args.quantization]
     steps: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    linears: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    linears: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     for _ in range(args.rounds):
         for v in variants:  # alternating: each round runs every variant once
             steps.setdefault((v.name, "prefill"), []).append(v.prefill(args.prefill_tokens))
@@ -129,19 +134,19 @@ def run(args: argparse.Namespace) -> None:
                 linears.setdefault((v.name, suffix), []).append(v.linear(suffix, args.rows, 3))
     load = os.getloadavg()[0]
     for (name, what), samples in steps.items():
-        emit({"bench": "step", "quantization": name, "what": what, **summary(samples), "load": load})
-    for (name, suffix), pairs in linears.items():
-        own = statistics.median(p[0] for p in pairs)
-        bf16 = statistics.median(p[1] for p in pairs)
+        emit(
+            {"bench": "step", "quantization": name, "what": what, **summary(samples), "load": load}
+        )
+    for (name, suffix), samples in linears.items():
+        own, own_cpu, bf16, bf16_cpu = (statistics.median(s[i] for s in samples) for i in range(4))
         emit(
             {
                 "bench": "linear",
                 "quantization": name,
                 "layer": suffix,
                 "rows": args.rows,
-                "ms": own,
-                "bf16_ms": bf16,
-                "ratio": own / bf16,
+                **{"ms": own, "cpu_ms": own_cpu, "bf16_ms": bf16, "bf16_cpu_ms": bf16_cpu},
+                "cpu_ratio": own_cpu / bf16_cpu,
             }
         )
     for v in variants:

@@ -90,6 +90,69 @@ void dequantize_tiles_avx512(const uint8_t* w, int64_t tile_bytes, const S* sc, 
           store16<D>(o + (4 * c + j) * ld + t * TILE, _mm512_fmadd_ps(q[j], s, offset));
       }
 }
+
+#ifdef __AVX512BF16__
+// nt tiles as bf16 pairs for the dot products of many tokens, converted once per step instead
+// of once per block of 8 tokens: panel[(t * chunks * 2 + 2c + p) * 16 + i] = row i's columns
+// 4c + 2p, 4c + 2p + 1, either the integers q (exact: |q| <= 128 has 8 significant bits; the
+// scales come after the sums) or, `is_scaled`, scale * q + offset rounded to bf16 (as the
+// weight a bf16 matmul takes: no per-group work left per token).
+template <int BITS, class S>
+void panel_weights(const TileArgs& a, int64_t nt, int64_t chunks, bool is_scaled, uint32_t* panel) {
+  constexpr int64_t chunk = BITS == 8 ? 64 : 32;
+  const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < a.num_groups; ++g) {
+      const int64_t idx = t * a.scale_stride + g * TILE;
+      const __m512 s = is_scaled ? load_scales<S>(a.scales, idx) : _mm512_set1_ps(1.0f);
+      const __m512 offset = is_scaled && a.offsets ? load_scales<S>(a.offsets, idx) : _mm512_setzero_ps();
+      for (int64_t c = a.bounds[g]; c < a.bounds[g + 1]; ++c) {
+        __m512 q[4];
+        chunk_columns<BITS>(a.weight + t * a.tile_bytes + c * chunk, q);
+        __m512i r[4];  // rounded to nearest even in the high 16 bits (BF16::store, NaN aside)
+        for (int j = 0; j < 4; ++j) {
+          const __m512i u = _mm512_castps_si512(_mm512_fmadd_ps(q[j], s, offset));
+          r[j] = _mm512_add_epi32(_mm512_add_epi32(u, round),
+                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+        }
+        for (int p = 0; p < 2; ++p)
+          _mm512_storeu_si512(panel + ((t * chunks + c) * 2 + p) * TILE,
+                              _mm512_or_si512(_mm512_srli_epi32(r[2 * p], 16),
+                                              _mm512_and_si512(r[2 * p + 1], high)));
+      }
+    }
+}
+
+// out[t * MB + m]: the panel's NT tiles against MB tokens (a.x: bf16 pairs); integer panels
+// group by group with the tiles' scales and offsets (close_group, as tile_int8_bf16 and
+// tile_int4_bf16 sum), scaled ones in one run.
+template <int NT, int MB, class S>
+void panel_tokens(const uint32_t* panel, int64_t pairs, const TileArgs& a, bool is_scaled,
+                  float (*out)[TILE]) {
+  const auto* x = static_cast<const uint32_t*>(a.x);
+  zero_tiles<NT, MB>(out);
+  for (int64_t g = 0; g < (is_scaled ? 1 : a.num_groups); ++g) {
+    __m512 acc[NT][MB];
+    zero_acc(acc);
+    const int64_t k1 = is_scaled ? pairs : 2 * a.bounds[g + 1];
+    for (int64_t k = is_scaled ? 0 : 2 * a.bounds[g]; k < k1; ++k) {
+      __m512bh w[NT];
+      for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(panel + (t * pairs + k) * TILE);
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int32_t(x[m * a.x_stride + k]));
+        for (int t = 0; t < NT; ++t) acc[t][m] = _mm512_dpbf16_ps(acc[t][m], w[t], xv);
+      }
+    }
+    if (!is_scaled) {
+      close_group<NT, MB, S>(a, g, acc, out, 0.0f);
+      continue;
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out[t * MB + m], acc[t][m]);
+  }
+}
+#endif
 #endif
 
 // Tiles [0, nt) of a weight (tile_bytes, scale_stride: from one tile to the next).

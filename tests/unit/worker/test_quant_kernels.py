@@ -23,13 +23,13 @@ from tests.fixtures.quantized import (
     reference_linear,
 )
 from worker_svc.kernels.cpu_kernels import MARCH_ENV, CpuKernels
+from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.quant_pack import (
     GroupQuantized,
     dequantize_packed,
     from_signed,
     pack,
 )
-from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.quantized import (
     DEQUANTIZE_ROWS,
     WeightOnlyLinearMethod,
@@ -39,6 +39,8 @@ from worker_svc.layers.quantized import (
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, columns, group size): odd rows, columns not a multiple of 64, a partial last group.
+# Batches of 45 and 64 take int8's bf16 panels (PANEL_ROWS = 32 in quant_ops.cpp), 45 with a
+# partial block of tokens.
 SHAPES = [(17, 100, 100), (33, 96, 32), (50, 200, 64), (64, 256, 128), (7, 328, 128)]
 
 
@@ -66,7 +68,7 @@ def test_weight_only_matches_the_dequantized_reference(
     weight = random_quantized(num_rows, num_cols, bits, group, with_offsets=with_offsets)
     gen = torch.Generator().manual_seed(1)
     for dtype in DTYPES:
-        for batch in (1, 3, 17, 64):
+        for batch in (1, 3, 17, 45, 64):
             x = torch.randn(batch, num_cols, generator=gen).to(dtype)
             bias = torch.randn(num_rows, generator=gen).to(dtype)
             assert_close_to_reference(
@@ -125,7 +127,7 @@ def test_w8a8_is_exact_integer_arithmetic(kernels: CpuKernels, num_cols: int) ->
     sums = torch.zeros(packed.qweight.shape[0] * 16, dtype=torch.int32)
     sums[:37] = weight.values.sum(dim=1, dtype=torch.int32)
     for dtype in DTYPES:
-        for batch in (1, 3, 17, 64):
+        for batch in (1, 3, 17, 45, 64):
             x = (torch.randn(batch, num_cols) * 3).to(dtype)
             bias = torch.randn(37).to(dtype)
             out = torch.empty(batch, 37, dtype=dtype)
@@ -237,18 +239,22 @@ def test_dequantize_kernel_equals_the_reference(
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_many_rows_take_the_dequantized_matmul(kernels: CpuKernels, bits: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_rows_take_the_dequantized_weight(
+    kernels: CpuKernels, bits: int, dtype: torch.dtype
+) -> None:
     """A step of DEQUANTIZE_ROWS tokens or more (an odd count, bias, N not a multiple of 16)
-    through the weight-only method: the float64 product of the weight rounded once to bf16
-    (what the matmul takes), within one bf16 rounding of the result."""
+    through the weight-only method (bf16: the kernel's scaled panels; float32: oneDNN's matmul
+    on the dequantized weight): the float64 product of the weight rounded once to the dtype,
+    within one rounding of the result."""
     weight = random_quantized(150, 200, bits, 64, with_offsets=bits == 4, seed=3)
     method = WeightOnlyLinearMethod(kernels)
     method.packed = packed = pack(weight)
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(DEQUANTIZE_ROWS + 3, 200, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(150, generator=gen).to(torch.bfloat16)
+    x = torch.randn(DEQUANTIZE_ROWS + 3, 200, generator=gen).to(dtype)
+    bias = torch.randn(150, generator=gen).to(dtype)
     out = method.apply(cast(LinearBase, None), x, bias)
-    assert out.shape == (DEQUANTIZE_ROWS + 3, 150) and out.dtype == torch.bfloat16
-    rounded = dequantize_packed(packed).to(torch.bfloat16).double()[:150, :200]
-    expected = (x.double() @ rounded.t() + bias.double()).to(torch.bfloat16)
+    assert out.shape == (DEQUANTIZE_ROWS + 3, 150) and out.dtype == dtype
+    rounded = dequantize_packed(packed).to(dtype).double()[:150, :200]
+    expected = (x.double() @ rounded.t() + bias.double()).to(dtype)
     assert_close_to_reference(out, expected)
