@@ -1,8 +1,10 @@
-// Dequantizing a weight in the tile layout (quant_tiles.h) for a matmul: one tile's 16 output
-// rows at a time, written transposed, out[4c + j][16t + i] = scale * q + offset (W^T, [chunks x 4,
-// tiles x 16]): column j of chunk c is then one 16-lane vector of the tile's rows, a single
-// store, and x @ out is the layer's product with no transposition by the matmul. A step of many
-// tokens (prefill) dequantizes each weight per call, so this runs at about copy speed.
+// Weights in the tile layout (quant_tiles.h) converted for steps of many tokens:
+// - dequantize_tiles: W^T for a matmul (float32/float16 steps, builds without AVX512_BF16), one
+//   tile's 16 output rows at a time, out[4c + j][16t + i] = scale * q + offset ([chunks x 4,
+//   tiles x 16]): column j of chunk c is one 16-lane vector of the tile's rows, a single store,
+//   and x @ out is the layer's product; about copy speed.
+// - panel_weights / panel_tokens (AVX512_BF16): a pair of tiles as bf16 pairs in a
+//   cache-resident panel, converted once per step, then every token block's dot products.
 #pragma once
 
 #include <type_traits>

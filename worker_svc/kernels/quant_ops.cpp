@@ -1,7 +1,8 @@
 // Quantized linear layers on the CPU, registered as torch.ops.splitserve.*:
 //   quant_linear        y = x W^T (+ b) with W int8 ("pairs") or int4 in the tile layout (quant_tiles.h),
 //                       group-wise scales and optional offsets (w = scale * q + offset); the
-//                       activations stay float (W8A16 / W4A16)
+//                       activations stay float (W8A16 / W4A16); bf16 steps of many tokens
+//                       run against bf16 panels converted once per step (run_panels)
 //   w8a8_linear         y = x W^T (+ b) with x quantized per token to int8 on the fly and W int8
 //                       ("quads") with one scale per output row (W8A8)
 //   int8_quantize_rows  that per-token quantization alone: vLLM's convention (its CPU and CUDA
