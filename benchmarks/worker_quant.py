@@ -105,8 +105,9 @@ class Variant:
         for _ in range(repeats + 1):
             own.append(cpu_timed(lambda: layer(x)))
             base.append(cpu_timed(lambda: F.linear(x, weight)))
-        own, base = own[1:], base[1:]
-        return (*summary(own).values(), *summary(base).values())
+        wall, cpu = summary(own[1:]).values()
+        bf16_wall, bf16_cpu = summary(base[1:]).values()
+        return wall, cpu, bf16_wall, bf16_cpu
 
 
 def summary(samples: Sequence[tuple[float, ...]]) -> dict[str, float]:
@@ -133,10 +134,8 @@ def run(args: argparse.Namespace) -> None:
             for suffix in LINEARS:
                 linears.setdefault((v.name, suffix), []).append(v.linear(suffix, args.rows, 3))
     load = os.getloadavg()[0]
-    for (name, what), samples in steps.items():
-        emit(
-            {"bench": "step", "quantization": name, "what": what, **summary(samples), "load": load}
-        )
+    for (name, what), timed in steps.items():
+        emit({"bench": "step", "quantization": name, "what": what, **summary(timed), "load": load})
     for (name, suffix), samples in linears.items():
         own, own_cpu, bf16, bf16_cpu = (statistics.median(s[i] for s in samples) for i in range(4))
         emit(

@@ -108,7 +108,8 @@ void panel_weights(const TileArgs& a, int64_t nt, int64_t chunks, bool is_scaled
     for (int64_t g = 0; g < a.num_groups; ++g) {
       const int64_t idx = t * a.scale_stride + g * TILE;
       const __m512 s = is_scaled ? load_scales<S>(a.scales, idx) : _mm512_set1_ps(1.0f);
-      const __m512 offset = is_scaled && a.offsets ? load_scales<S>(a.offsets, idx) : _mm512_setzero_ps();
+      const bool has_offset = is_scaled && a.offsets;
+      const __m512 offset = has_offset ? load_scales<S>(a.offsets, idx) : _mm512_setzero_ps();
       for (int64_t c = a.bounds[g]; c < a.bounds[g + 1]; ++c) {
         __m512 q[4];
         chunk_columns<BITS>(a.weight + t * a.tile_bytes + c * chunk, q);
@@ -140,7 +141,8 @@ void panel_tokens(const uint32_t* panel, int64_t pairs, const TileArgs& a, bool 
     const int64_t k1 = is_scaled ? pairs : 2 * a.bounds[g + 1];
     for (int64_t k = is_scaled ? 0 : 2 * a.bounds[g]; k < k1; ++k) {
       __m512bh w[NT];
-      for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(panel + (t * pairs + k) * TILE);
+      for (int t = 0; t < NT; ++t)
+        w[t] = (__m512bh)_mm512_loadu_si512(panel + (t * pairs + k) * TILE);
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(int32_t(x[m * a.x_stride + k]));
         for (int t = 0; t < NT; ++t) acc[t][m] = _mm512_dpbf16_ps(acc[t][m], w[t], xv);

@@ -228,7 +228,8 @@ void store_block(typename D::T* o, const typename D::T* b, int64_t n, int64_t t0
       const int64_t first = (t0 + t) * TILE, width = std::min(TILE, n - first);
       const float* row = tot[t * mb + m];
       auto* orow = o + (m0 + m) * n + first;
-      for (int64_t i = 0; i < width; ++i) orow[i] = D::store(row[i] + (b ? D::load(b[first + i]) : 0.0f));
+      for (int64_t i = 0; i < width; ++i)
+        orow[i] = D::store(row[i] + (b ? D::load(b[first + i]) : 0.0f));
     }
 }
 
