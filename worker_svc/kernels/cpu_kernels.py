@@ -47,7 +47,7 @@ SOURCES = tuple(
     FOLDER / name
     for name in ("cpu_ops.cpp", "attention_ops.cpp", "quant_ops.cpp", "sampling_ops.cpp")
 )
-HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h")
+HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h", FOLDER / "quant_dequant.h")
 LIBRARY = "cpu_ops.so"
 COMPILE_FLAGS = [
     *("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"),
@@ -240,9 +240,10 @@ class CpuKernels:
         )
 
     def quant_dequantize(self, packed: QuantizedTiles, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, [tiles x 16, chunks x 4] (packed column order)."""
+        """The weight transposed, in `dtype`: [chunks x 4, tiles x 16] (packed column order by
+        padded output row), what `x @ out` multiplies by."""
         num_tiles, num_chunks = packed.qweight.shape[:2]
-        out = torch.empty(num_tiles * 16, num_chunks * 4, dtype=dtype)
+        out = torch.empty(num_chunks * 4, num_tiles * 16, dtype=dtype)
         self.ops.quant_dequantize(
             out, packed.qweight, packed.bits, packed.scales, packed.offsets, packed.bounds
         )

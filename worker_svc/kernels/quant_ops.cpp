@@ -1,13 +1,15 @@
 // Quantized linear layers on the CPU, registered as torch.ops.splitserve.*:
 //   quant_linear        y = x W^T (+ b) with W int8 ("pairs") or int4 in the tile layout (quant_tiles.h),
 //                       group-wise scales and optional offsets (w = scale * q + offset); the
-//                       activations stay float (W8A16 / W4A16)
+//                       activations stay float (W8A16 / W4A16); bf16 steps of many tokens
+//                       run against bf16 panels converted once per step (run_panels)
 //   w8a8_linear         y = x W^T (+ b) with x quantized per token to int8 on the fly and W int8
 //                       ("quads") with one scale per output row (W8A8)
 //   int8_quantize_rows  that per-token quantization alone: vLLM's convention (its CPU and CUDA
 //                       kernels): scale = absmax / 127, q = round-half-even(x * (1 / scale))
 //                       clamped to [-128, 127], 1 / scale taken in double as vLLM-CPU does
-//   quant_dequantize    W in float (steps of many tokens hand it to oneDNN's matmul; tests)
+//   quant_dequantize    W^T in float (quant_dequant.h; steps of many tokens hand it to oneDNN's
+//                       matmul)
 //   quant_isa           which instruction-set paths this build has
 // The activations are first gathered into a scratch row per token: in the packed column order
 // (`cols`: input feature of each packed column, K meaning zero: padding, act-order), as float32
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "quant_dequant.h"
 #include "quant_tiles.h"
 
 namespace {
@@ -216,6 +219,20 @@ std::vector<std::pair<int64_t, int64_t>> token_blocks(int64_t rows) {
   return blocks;
 }
 
+// tot[t * mb + m] (+ bias) into out rows m0 .. m0 + mb, columns of tiles t0 .. t0 + nt.
+template <class D>
+void store_block(typename D::T* o, const typename D::T* b, int64_t n, int64_t t0, int64_t nt,
+                 int64_t m0, int64_t mb, const float (*tot)[TILE]) {
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t m = 0; m < mb; ++m) {
+      const int64_t first = (t0 + t) * TILE, width = std::min(TILE, n - first);
+      const float* row = tot[t * mb + m];
+      auto* orow = o + (m0 + m) * n + first;
+      for (int64_t i = 0; i < width; ++i)
+        orow[i] = D::store(row[i] + (b ? D::load(b[first + i]) : 0.0f));
+    }
+}
+
 template <class D, class S>
 void run_tiles(const Tensor& out, const Tensor& x, const Tensor& qweight, const Packed& p,
                const Tensor& scales, const OptTensor& offsets, const int32_t* bounds,
@@ -251,17 +268,66 @@ void run_tiles(const Tensor& out, const Tensor& x, const Tensor& qweight, const 
         fn(args, tot);
       else
         (p.bits == 8 ? generic_fn<8, S> : generic_fn<4, S>)(args, mb, tot);
-      for (int64_t t = 0; t < nt; ++t)
-        for (int64_t m = 0; m < mb; ++m) {
-          const int64_t first = (t0 + t) * TILE, width = std::min(TILE, n - first);
-          const float* row = tot[t * mb + m];
-          auto* orow = o + (m0 + m) * n + first;
-          for (int64_t i = 0; i < width; ++i)
-            orow[i] = D::store(row[i] + (b ? D::load(b[first + i]) : 0.0f));
-        }
+      store_block<D>(o, b, n, t0, nt, m0, mb, tot);
     }
   });
 }
+
+#ifdef SPLITSERVE_QUANT_BF16
+// From PANEL_ROWS bf16 tokens (int8; int4 from SCALED_ROWS: its per-block kernel converts
+// cheaply, and its many groups cost a panel more) a step converts each pair of tiles once into
+// a cache-resident panel of bf16 pairs (quant_dequant.h) and runs every token block against
+// it, instead of converting the weight again for each block of 8 tokens; from SCALED_ROWS (the
+// Python side's DEQUANTIZE_ROWS: the numbers of a matmul on the weight dequantized to bf16) the
+// panel holds the weight rounded to bf16, below it the integers (exact, scaled after the sums).
+constexpr int64_t PANEL_ROWS = 32, SCALED_ROWS = 128, PANEL_TILES = 2;
+
+template <int NT, class S>
+void panel_block(const uint32_t* panel, int64_t pairs, const TileArgs& a, bool is_scaled,
+                 int64_t mb, float (*out)[TILE]) {
+  switch (mb) {
+    case 8: return panel_tokens<NT, 8, S>(panel, pairs, a, is_scaled, out);
+    case 4: return panel_tokens<NT, 4, S>(panel, pairs, a, is_scaled, out);
+    case 2: return panel_tokens<NT, 2, S>(panel, pairs, a, is_scaled, out);
+    default: return panel_tokens<NT, 1, S>(panel, pairs, a, is_scaled, out);
+  }
+}
+
+template <class S>
+void run_panels(const Tensor& out, const Tensor& x, const Tensor& qweight, const Packed& p,
+                const Tensor& scales, const OptTensor& offsets, const int32_t* bounds,
+                const std::vector<int64_t>& map, const OptTensor& bias) {
+  const bool is_scaled = x.size(0) >= SCALED_ROWS;
+  const Activations act = gather<BF16>(x, map, bounds, p.num_groups, true, offsets && !is_scaled);
+  const int64_t n = out.size(1), pairs = p.num_chunks * 2, x_stride = act.stride / 2;
+  const int64_t tile_bytes = p.num_chunks * (p.bits == 8 ? 64 : 32), scale_stride = p.num_groups * TILE;
+  const int64_t calls = (p.num_tiles + PANEL_TILES - 1) / PANEL_TILES;
+  const auto blocks = token_blocks(x.size(0));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  const S* sc = scales.data_ptr<S>();
+  const S* of = offsets ? offsets->data_ptr<S>() : nullptr;
+  const auto* b = bias ? ptr<BF16>(*bias) : nullptr;
+  auto* o = ptr<BF16>(out);
+  at::parallel_for(0, calls, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> panel(PANEL_TILES * pairs * TILE);
+    float tot[2 * MAX_MB][TILE];
+    for (int64_t call = begin; call < end; ++call) {
+      const int64_t t0 = call * PANEL_TILES, nt = std::min(PANEL_TILES, p.num_tiles - t0);
+      TileArgs args{w + t0 * tile_bytes, tile_bytes, sc + t0 * scale_stride,
+                    of ? of + t0 * scale_stride : nullptr, scale_stride, bounds, p.num_groups,
+                    nullptr, x_stride, nullptr};
+      (p.bits == 8 ? panel_weights<8, S> : panel_weights<4, S>)(args, nt, p.num_chunks, is_scaled,
+                                                                panel.data());
+      for (const auto& [m0, mb] : blocks) {
+        args.x = act.xb.data() + m0 * act.stride;
+        args.xs = act.xs.empty() ? nullptr : act.xs.data() + m0 * p.num_groups;
+        (nt == 2 ? panel_block<2, S> : panel_block<1, S>)(panel.data(), pairs, args, is_scaled, mb, tot);
+        store_block<BF16>(o, b, n, t0, nt, m0, mb, tot);
+      }
+    }
+  });
+}
+#endif
 
 void quant_linear(Tensor out, Tensor x, Tensor qweight, int64_t bits, Tensor scales,
                   OptTensor offsets, Tensor bounds, OptTensor cols, OptTensor bias) {
@@ -270,6 +336,16 @@ void quant_linear(Tensor out, Tensor x, Tensor qweight, int64_t bits, Tensor sca
   const std::vector<int64_t> map = column_map(cols, p.num_chunks * 4, x.size(1));
   if (x.size(0) == 0) return;
   const int32_t* b = bounds.data_ptr<int32_t>();
+#ifdef SPLITSERVE_QUANT_BF16
+  const int64_t panel_rows = bits == 8 ? PANEL_ROWS : SCALED_ROWS;
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) >= panel_rows) {
+    if (p.is_half_scales)
+      run_panels<c10::Half>(out, x, qweight, p, scales, offsets, b, map, bias);
+    else
+      run_panels<float>(out, x, qweight, p, scales, offsets, b, map, bias);
+    return;
+  }
+#endif
   dispatch(x, [&](auto tag) {
     using D = decltype(tag);
     if (p.is_half_scales)
@@ -393,42 +469,42 @@ void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Ten
   });
 }
 
+// Blocks of tiles shared out over the threads, each writing its columns of W^T (quant_dequant.h).
+constexpr int64_t DEQUANTIZE_TILES = 8;
+
 template <class D, class S>
-void dequantize_tiles(const Tensor& out, const uint8_t* w, const Packed& p, const S* sc,
-                      const S* of, const int32_t* bounds) {
+void dequantize_weight(const Tensor& out, const uint8_t* w, const Packed& p, const S* sc,
+                       const S* of, const int32_t* bounds) {
   auto* o = ptr<D>(out);
-  const int64_t width = p.num_chunks * 4, chunk = p.bits == 8 ? 64 : 32;
-  at::parallel_for(0, p.num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t g = 0; g < p.num_groups; ++g)
-        for (int64_t c = bounds[g]; c < bounds[g + 1]; ++c)
-          for (int64_t i = 0; i < TILE; ++i)
-            for (int64_t j = 0; j < 4; ++j) {
-              const uint8_t* wc = w + (t * p.num_chunks + c) * chunk;
-              const uint8_t b = wc[2 * i + (j & 1)];
-              const float q = p.bits == 8 ? float(int8_t(wc[32 * (j >> 1) + 2 * i + (j & 1)]))
-                                          : float(j < 2 ? (b & 15) : (b >> 4));
-              const int64_t si = (t * p.num_groups + g) * TILE + i;
-              o[(t * TILE + i) * width + 4 * c + j] = D::store(float(sc[si]) * q + (of ? float(of[si]) : 0.0f));
-            }
+  const int64_t ld = p.num_tiles * TILE, tile_bytes = p.num_chunks * (p.bits == 8 ? 64 : 32);
+  const int64_t scale_stride = p.num_groups * TILE;
+  const int64_t num_blocks = (p.num_tiles + DEQUANTIZE_TILES - 1) / DEQUANTIZE_TILES;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t = b0 * DEQUANTIZE_TILES; t < std::min(b1 * DEQUANTIZE_TILES, p.num_tiles);
+         t += DEQUANTIZE_TILES)
+      dequantize_tiles<D, S>(w + t * tile_bytes, p.bits, tile_bytes, sc + t * scale_stride,
+                             of ? of + t * scale_stride : nullptr, scale_stride, bounds,
+                             p.num_groups, std::min(DEQUANTIZE_TILES, p.num_tiles - t),
+                             o + t * TILE, ld);
   });
 }
 
 void quant_dequantize(Tensor out, Tensor qweight, int64_t bits, Tensor scales, OptTensor offsets,
                       Tensor bounds) {
   const Packed p = check_packed(qweight, bits, scales, offsets, bounds);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == p.num_tiles * TILE &&
-                  out.size(1) == p.num_chunks * 4, "out must be contiguous [tiles * 16, chunks * 4]");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == p.num_chunks * 4 &&
+                  out.size(1) == p.num_tiles * TILE,
+              "out must be contiguous [chunks * 4, tiles * 16] (the weight transposed)");
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
   const int32_t* b = bounds.data_ptr<int32_t>();
   dispatch(out, [&](auto tag) {
     using D = decltype(tag);
     if (p.is_half_scales)
-      dequantize_tiles<D, c10::Half>(out, w, p, scales.data_ptr<c10::Half>(),
-                                     offsets ? offsets->data_ptr<c10::Half>() : nullptr, b);
+      dequantize_weight<D, c10::Half>(out, w, p, scales.data_ptr<c10::Half>(),
+                                      offsets ? offsets->data_ptr<c10::Half>() : nullptr, b);
     else
-      dequantize_tiles<D, float>(out, w, p, scales.data_ptr<float>(),
-                                 offsets ? offsets->data_ptr<float>() : nullptr, b);
+      dequantize_weight<D, float>(out, w, p, scales.data_ptr<float>(),
+                                  offsets ? offsets->data_ptr<float>() : nullptr, b);
   });
 }
 

@@ -3,8 +3,11 @@
 - `WeightOnlyLinearMethod`: int8 or int4 weights with group-wise scales and optional offsets
   (W8A16 / W4A16; per-output-channel scales are one group per row), activations left in the
   compute dtype. The kernel (quant_ops.cpp `quant_linear`) dequantizes inside the dot product;
-  steps of `DEQUANTIZE_ROWS` tokens or more (prefill) dequantize the weight once into the
-  compute dtype and take oneDNN's matmul instead.
+  for bf16 activations on AVX512_BF16, steps of 32 tokens or more convert each pair of tiles
+  once into a cache-resident bf16 panel (quant_dequant.h), from `DEQUANTIZE_ROWS` tokens the
+  weight itself rounded to bf16 (the numbers of a bf16 matmul on the dequantized weight, at
+  that matmul's speed). Other activations, from `DEQUANTIZE_ROWS` tokens, dequantize the
+  weight, transposed, into the compute dtype and take oneDNN's matmul.
 - `W8A8LinearMethod`: int8 weights with one scale per output row, activations quantized per
   token on the fly to int8 with vLLM's convention (scale = absmax / 127, round half to even),
   int8 dot products (AVX512_VNNI) and y = (acc x weight scale) x token scale.
@@ -25,7 +28,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.kernels.cpu_kernels import CpuKernels, current_cpu_kernels
@@ -47,8 +49,8 @@ from worker_svc.layers.quant_source import merge_rows
 from worker_svc.layers.tensor_source import TensorSource
 
 DEQUANTIZE_ROWS = 128
-"""From this many tokens a step dequantizes each weight for oneDNN's matmul (measured:
-docs/benchmarks.md)."""
+"""From this many tokens a step computes with the weight dequantized (quant_ops.cpp's
+SCALED_ROWS: bf16 panels; other dtypes: oneDNN's matmul; measured: docs/benchmarks.md)."""
 CUDA_REFUSAL = (
     "int8/int4 quantized linear layers run on the CPU kernels only (no CUDA kernel is wired "
     "yet); serve this model on --device cpu, or unquantized on CUDA"
@@ -161,22 +163,30 @@ def _unpack_rows(p: PackedWeight, tile: torch.Tensor, lane: torch.Tensor) -> tor
 class WeightOnlyLinearMethod(QuantizedMethodBase):
     """W8A16 / W4A16 (see the module docstring); the width is the weight's own."""
 
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
+        super().__init__(kernels)
+        self.has_bf16_panels = self.kernels is not None and "avx512_bf16" in (
+            self.kernels.quant_isa()
+        )
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = self.require_packed()
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernels is not None and rows.shape[0] < DEQUANTIZE_ROWS:
+        is_panels = self.has_bf16_panels and x.dtype == torch.bfloat16
+        if self.kernels is not None and (is_panels or rows.shape[0] < DEQUANTIZE_ROWS):
             out = rows.new_empty(rows.shape[0], p.out_features)
             self.kernels.quant_linear(out, rows, p, bias)
         else:
-            weight = self.dequantized(x.dtype)[: p.out_features]
-            out = F.linear(gather_columns(rows, p), weight, bias)
+            weight_t = self.dequantized_t(x.dtype)[:, : p.out_features]
+            gathered = gather_columns(rows, p)
+            out = gathered @ weight_t if bias is None else torch.addmm(bias, gathered, weight_t)
         return out.reshape(*x.shape[:-1], p.out_features)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, packed column order (padding rows included)."""
+    def dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight transposed, in `dtype`: [packed columns, padded output rows]."""
         p = self.require_packed()
         if self.kernels is None:
-            return dequantize_packed(p).to(dtype)
+            return dequantize_packed(p).to(dtype).t()
         return self.kernels.quant_dequantize(p, dtype)
 
 

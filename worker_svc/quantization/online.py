@@ -24,7 +24,7 @@ from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import Index, split_index
 from worker_svc.layers.tensor_source import RowRange, TensorSource
 
-INT4_GROUP_SIZE = 64
+INT4_GROUP_SIZE = 32
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -22,16 +23,24 @@ from tests.fixtures.quantized import (
     reference_linear,
 )
 from worker_svc.kernels.cpu_kernels import MARCH_ENV, CpuKernels
+from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.quant_pack import (
     GroupQuantized,
     dequantize_packed,
     from_signed,
     pack,
 )
-from worker_svc.layers.quantized import quantize_rows_reference, w8a8_reference
+from worker_svc.layers.quantized import (
+    DEQUANTIZE_ROWS,
+    WeightOnlyLinearMethod,
+    quantize_rows_reference,
+    w8a8_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, columns, group size): odd rows, columns not a multiple of 64, a partial last group.
+# Batches of 45 and 64 take int8's bf16 panels (PANEL_ROWS = 32 in quant_ops.cpp), 45 with a
+# partial block of tokens.
 SHAPES = [(17, 100, 100), (33, 96, 32), (50, 200, 64), (64, 256, 128), (7, 328, 128)]
 
 
@@ -59,7 +68,7 @@ def test_weight_only_matches_the_dequantized_reference(
     weight = random_quantized(num_rows, num_cols, bits, group, with_offsets=with_offsets)
     gen = torch.Generator().manual_seed(1)
     for dtype in DTYPES:
-        for batch in (1, 3, 17, 64):
+        for batch in (1, 3, 17, 45, 64):
             x = torch.randn(batch, num_cols, generator=gen).to(dtype)
             bias = torch.randn(num_rows, generator=gen).to(dtype)
             assert_close_to_reference(
@@ -118,7 +127,7 @@ def test_w8a8_is_exact_integer_arithmetic(kernels: CpuKernels, num_cols: int) ->
     sums = torch.zeros(packed.qweight.shape[0] * 16, dtype=torch.int32)
     sums[:37] = weight.values.sum(dim=1, dtype=torch.int32)
     for dtype in DTYPES:
-        for batch in (1, 3, 17, 64):
+        for batch in (1, 3, 17, 45, 64):
             x = (torch.randn(batch, num_cols) * 3).to(dtype)
             bias = torch.randn(37).to(dtype)
             out = torch.empty(batch, 37, dtype=dtype)
@@ -171,7 +180,7 @@ def test_bad_inputs_are_refused_with_a_message(kernels: CpuKernels) -> None:
 PORTABLE_CHECK = """
 import json, torch
 from worker_svc.kernels.cpu_kernels import CpuKernels
-from worker_svc.layers.quant_pack import pack
+from worker_svc.layers.quant_pack import dequantize_packed, pack
 from worker_svc.layers.quantized import w8a8_reference
 from tests.fixtures.quantized import random_quantized, reference_linear
 kernels = CpuKernels.load()
@@ -192,6 +201,9 @@ x = torch.randn(3, 100)
 out = torch.empty(3, 17)
 kernels.w8a8_linear(out, x, p, scales, sums, None)
 errors["w8a8"] = float((out - w8a8_reference(x, p, scales, None)).abs().max())
+w = pack(random_quantized(150, 328, 4, 128, with_offsets=True))
+dequantized = kernels.quant_dequantize(w, torch.float32)
+errors["dequantize-float32"] = float((dequantized - dequantize_packed(w).t()).abs().max())
 print(json.dumps({"isa": kernels.quant_isa(), "errors": errors}))
 """
 
@@ -211,11 +223,38 @@ def test_portable_build_without_avx512(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_dequantize_kernel_equals_the_reference(kernels: CpuKernels, bits: int) -> None:
+@pytest.mark.parametrize("shape", [(37, 200, 64), (150, 328, 128)])
+def test_dequantize_kernel_equals_the_reference(
+    kernels: CpuKernels, bits: int, shape: tuple[int, int, int]
+) -> None:
     """quant_dequantize (steps of DEQUANTIZE_ROWS tokens or more take oneDNN's matmul on it)
-    writes exactly the packed weight's values, rounded once to the dtype."""
-    weight = random_quantized(37, 200, bits, 64, with_offsets=True, seed=bits)
+    writes exactly the packed weight's values transposed, rounded once to the dtype: odd row
+    counts, a partial last group, and more tiles than one thread's block (8) with a partial one."""
+    num_rows, num_cols, group = shape
+    weight = random_quantized(num_rows, num_cols, bits, group, with_offsets=True, seed=bits)
     packed = pack(weight)
     expected = dequantize_packed(packed)
     for dtype in DTYPES:
-        assert torch.equal(kernels.quant_dequantize(packed, dtype), expected.to(dtype))
+        assert torch.equal(kernels.quant_dequantize(packed, dtype), expected.t().to(dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_rows_take_the_dequantized_weight(
+    kernels: CpuKernels, bits: int, dtype: torch.dtype
+) -> None:
+    """A step of DEQUANTIZE_ROWS tokens or more (an odd count, bias, N not a multiple of 16)
+    through the weight-only method (bf16: the kernel's scaled panels; float32: oneDNN's matmul
+    on the dequantized weight): the float64 product of the weight rounded once to the dtype,
+    within one rounding of the result."""
+    weight = random_quantized(150, 200, bits, 64, with_offsets=bits == 4, seed=3)
+    method = WeightOnlyLinearMethod(kernels)
+    method.packed = packed = pack(weight)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(DEQUANTIZE_ROWS + 3, 200, generator=gen).to(dtype)
+    bias = torch.randn(150, generator=gen).to(dtype)
+    out = method.apply(cast(LinearBase, None), x, bias)
+    assert out.shape == (DEQUANTIZE_ROWS + 3, 150) and out.dtype == dtype
+    rounded = dequantize_packed(packed).to(dtype).double()[:150, :200]
+    expected = (x.double() @ rounded.t() + bias.double()).to(dtype)
+    assert_close_to_reference(out, expected)
