@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='one more splitserve configuration in the same run, e.g. int8="--quantization int8" '
         "(repeatable): its own rows beside splitserve's and vLLM's, in every round",
     )
+    p.add_argument(
+        "--model",
+        default="",
+        help="a checkpoint folder both systems serve (default: the benchmark checkpoint, built "
+        "if missing), e.g. a compressed-tensors W8A8 one",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64, help="fits W3-burst's 64 at once")
@@ -327,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not Path(args.vllm_python).exists():
         print(f"no vLLM venv at {args.vllm_python}: run `make bench-peer`", file=sys.stderr)
         return 2
-    model = str(ensure_bench_model())
+    model = args.model or str(ensure_bench_model())
     suite = build_suite(VOCAB_SIZE, args.seed, args.num_w2_repeats)
     launches: dict[str, Callable[[], Launch]] = {
         name: functools.partial(splitserve_launch, args, model, name, flags)

@@ -265,3 +265,11 @@ def test_table_of_several_splitserve_configurations() -> None:
     assert len(rows) == 2 + len(METRICS)
     assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
     assert "0.50x" in rows[2] and "1.00x even" in rows[2]
+
+
+def test_both_systems_can_serve_another_checkpoint() -> None:
+    from benchmarks.peer import build_parser, splitserve_launch
+
+    args = build_parser().parse_args(["--model", "/ckpt/w8a8"])
+    assert args.model == "/ckpt/w8a8"
+    assert "/ckpt/w8a8" in splitserve_launch(args, args.model).command
