@@ -10,10 +10,11 @@ must be used well) and the real smg gateway in front:
 - cache_aware without events (`--kv-events-config '{"enable_kv_cache_events": false}'`): smg
   routes on its own approximate tree of what it sent where.
 
-Per variant and round: a fresh stack; SP-MT-16 (benchmarks/scaleout_workload.py) at each arrival
-rate of the sweep, ascending, each on flushed caches and with prompts of its own (a new seed), until
-TTFT p90 passes 2 s at or above the reference rate; then the no-sharing control at the reference
-rate. Variants alternate their order round by round (ABC, CBA, ...). Reported (medians over
+Per variant and round: a fresh stack; SP-MT-16 (benchmarks/scaleout_workload.py) at the reference
+arrival rate, then at the sweep's higher rates while TTFT p90 stays within 2 s (or, where the
+reference rate is not sustained, at its lower rates until one is), each on flushed caches and with
+prompts of its own (a new seed); then the no-sharing control at the reference rate (for the
+variants of --control-variants). Variants alternate their order round by round (ABC, CBA, ...). Reported (medians over
 rounds): the engines' own prefix-cache token hit rate (`vllm:prefix_cache_hits` / `queries` from
 the engine cores' /metrics, not the gateway's prediction), TTFT p50 / p90 and output tok/s at the
 reference rate, the highest rate of the sweep with TTFT p90 <= 2 s (and no failed request), and
@@ -26,10 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions-per-group", type=int, default=4)
     p.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of {list(VARIANTS)}"
+    )
+    p.add_argument(
+        "--control-variants",
+        default="round_robin,cache_aware+events",
+        help="the variants that also run the no-sharing control (comma-separated)",
     )
     p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="the vLLM venv's python")
     p.add_argument("--startup-timeout", type=float, default=900.0)
@@ -152,17 +159,37 @@ def run_variant(
     try:
         client = openai.OpenAI(base_url=f"http://{target.http}/v1", api_key="-")
         model = client.models.list().data[0].id
-        sweep = []
-        for k, rate in enumerate(rates):
-            seed = 1000 * round_index + k
-            sweep.append(measure(target, model, sp_mt_16(words, rate, seed, shape), rate))
-            if not sweep[-1].is_sustained and rate >= args.rate:
-                break
-        seed = 1000 * round_index + 999
-        control = measure(target, model, no_sharing(words, args.rate, seed, shape), args.rate)
+
+        def at(rate: float) -> RunStats:
+            seed = 1000 * round_index + rates.index(rate)
+            return measure(target, model, sp_mt_16(words, rate, seed, shape), rate)
+
+        sweep = run_sweep(rates, args.rate, at)
+        control = None
+        if variant in args.control_variants.split(","):
+            seed = 1000 * round_index + 999
+            control = measure(target, model, no_sharing(words, args.rate, seed, shape), args.rate)
     finally:
         target.stop()
-    return {"sweep": [asdict(s) for s in sweep], "control": asdict(control)}
+    return {"sweep": [asdict(s) for s in sweep], "control": control and asdict(control)}
+
+
+def run_sweep(
+    rates: Sequence[float], reference: float, at: Callable[[float], RunStats]
+) -> list[RunStats]:
+    """The rates from the reference one up while TTFT p90 holds; where the reference rate is not
+    sustained, the rates below it, downward, until one is (ascending by rate)."""
+    sweep: list[RunStats] = []
+    for rate in (r for r in rates if r >= reference):
+        sweep.append(at(rate))
+        if not sweep[-1].is_sustained:
+            break
+    if not sweep or not sweep[0].is_sustained:
+        for rate in sorted((r for r in rates if r < reference), reverse=True):
+            sweep.append(at(rate))
+            if sweep[-1].is_sustained:
+                break
+    return sorted(sweep, key=lambda s: s.rate)
 
 
 def headline(run: dict[str, Any], rate: float) -> dict[str, float]:
@@ -174,7 +201,7 @@ def headline(run: dict[str, Any], rate: float) -> dict[str, float]:
         "ttft_p90_s": at_rate["ttft_p90_s"],
         "output_tok_s": at_rate["output_tok_s"],
         "max_rate": max(sustained, default=0.0),
-        "control_tok_s": run["control"]["output_tok_s"],
+        "control_tok_s": run["control"]["output_tok_s"] if run["control"] else math.nan,
     }
 
 
@@ -199,6 +226,9 @@ def render(results: dict[str, list[dict[str, float]]], rate: float) -> str:
     for variant, rows in results.items():
         cells = []
         for key, _, fmt in COLUMNS:
+            if math.isnan(medians[variant][key]):
+                cells.append("–")
+                continue
             cell = fmt.format(medians[variant][key])
             if len(rows) > 1:
                 cell += " (" + " / ".join(fmt.format(r[key]) for r in rows) + ")"
