@@ -29,6 +29,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -241,6 +242,8 @@ def render(results: dict[str, list[dict[str, float]]], rate: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `kill PID` stops the stack under test too (SystemExit runs run_variant's `finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from frontend_svc.input_processor import load_tokenizer
     from splitserve_runtime.model_source import resolve_model
 
