@@ -26,7 +26,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend_svc import convert
+from frontend_svc import core_convert
 from frontend_svc.engine_types import (
     CoreOutputs,
     EngineInfo,
@@ -133,7 +133,7 @@ class EngineCoreClient:
         self.subscribe_kv_events = subscribe_kv_events
         """Ask every stream for the engine's KV-cache events (they arrive as KvEvents)."""
         self._tokenizer_msg = (
-            None if tokenizer is None else convert.tokenizer_info_to_proto(tokenizer)
+            None if tokenizer is None else core_convert.tokenizer_info_to_proto(tokenizer)
         )
         """Sent first on every stream: the core compiles structured outputs with it."""
         self.max_backoff = max_backoff
@@ -207,7 +207,7 @@ class EngineCoreClient:
                     wait_for_ready=True,
                     metadata=self._metadata,
                 )
-                return convert.engine_info_from_proto(reply.engine_info)
+                return core_convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
                 state = self._channel.get_state().name
                 logger.info(
@@ -265,7 +265,7 @@ class EngineCoreClient:
                 if msg.HasField("kv_events"):
                     self._events.put_nowait(self._kv_events(msg.kv_events))
                 if msg.HasField("outputs"):
-                    outputs = convert.core_outputs_from_proto(msg.outputs)
+                    outputs = core_convert.core_outputs_from_proto(msg.outputs)
                     if outputs.scheduler_stats is not None:
                         self._stats_at = time.monotonic()
                     self._events.put_nowait(outputs)
@@ -282,7 +282,7 @@ class EngineCoreClient:
     def _kv_events(self, msg: core_pb2.KvCacheEvents) -> KvEvents:
         assert self.info is not None
         try:
-            return convert.kv_events_from_proto(msg, self.info.block_size)
+            return core_convert.kv_events_from_proto(msg, self.info.block_size)
         except ValueError as err:
             # The mirror can no longer be trusted: start over empty (it converges as the
             # engine caches blocks again) rather than serve a wrong view.
@@ -318,7 +318,7 @@ class EngineCoreClient:
             except grpc.RpcError:
                 continue  # the stream's own read reports a break
             self._stats_at = time.monotonic()
-            stats = convert.scheduler_stats_from_proto(reply.scheduler_stats)
+            stats = core_convert.scheduler_stats_from_proto(reply.scheduler_stats)
             self._events.put_nowait(StatsRefresh(stats))
 
     async def _ping(self) -> None:
@@ -363,7 +363,7 @@ class EngineCoreClient:
 
     def _send_add(self, requests: list[tuple[int, EngineRequest]]) -> None:
         add = core_pb2.AddRequests(
-            requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
+            requests=[core_convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
 
@@ -371,7 +371,7 @@ class EngineCoreClient:
         """The engine's LoRA adapters (grpc.RpcError when the core does not answer)."""
         request = core_pb2.ListLoraAdaptersRequest()
         reply = await self._stub.ListLoraAdapters(request, timeout=timeout, metadata=self._metadata)
-        return [convert.lora_adapter_from_proto(a) for a in reply.adapters]
+        return [core_convert.lora_adapter_from_proto(a) for a in reply.adapters]
 
     async def load_lora_adapter(
         self, name: str, path: str, load_inplace: bool, timeout: float
@@ -381,7 +381,7 @@ class EngineCoreClient:
             lora_name=name, lora_path=path, load_inplace=load_inplace
         )
         reply = await self._stub.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
-        return convert.lora_adapter_from_proto(reply.adapter)
+        return core_convert.lora_adapter_from_proto(reply.adapter)
 
     async def unload_lora_adapter(self, name: str, timeout: float) -> int:
         """Unload an adapter; the requests still running it (grpc.RpcError: refused)."""
@@ -398,7 +398,7 @@ class EngineCoreClient:
         reply = await self._stub.GetSchedulerStats(
             request, timeout=timeout, metadata=self._metadata
         )
-        return convert.engine_snapshot_from_proto(reply)
+        return core_convert.engine_snapshot_from_proto(reply)
 
     async def profile(self, action: int, prefix: str, timeout: float = 60.0) -> None:
         """Start (1) or stop (2) the worker ranks' torch profilers (the core's --profiler-config)
