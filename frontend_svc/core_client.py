@@ -20,15 +20,20 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc import core_convert
+from frontend_svc.core_events import CoreClient as CoreClient
+from frontend_svc.core_events import (
+    CoreEvent,
+    Disconnected,
+    Reconnected,
+    RoundTrip,
+    StatsRefresh,
+)
 from frontend_svc.engine_types import (
-    CoreOutputs,
     EngineInfo,
     EngineSnapshot,
     LoraAdapterInfo,
@@ -40,7 +45,7 @@ from frontend_svc.requests import EngineRequest
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
-from splitserve_contracts.output_types import SchedulerStats
+from splitserve_contracts.output_convert import scheduler_stats_from_proto
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
 from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import CORE
@@ -49,71 +54,10 @@ from splitserve_runtime.tls import CORE_ROLE
 logger = logging.getLogger(__name__)
 HANDSHAKE_WAIT_SECONDS = 10.0
 """How long one Handshake waits for the channel to connect before the wait is logged."""
-
-
-@dataclass(frozen=True, slots=True)
-class Disconnected:
-    """The stream to the engine core broke; every request sent on it is lost."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class RoundTrip:
-    """A ping's round trip to the engine core, in seconds of this process's clock."""
-
-    seconds: float
-
-
 STATS_MAX_AGE_S = 1.0
 """The core's scheduler stats (the engine gauges this frontend exports) come with this frontend's
 outputs; when none brought them for this long - this frontend idle while others keep the engine
 busy, or the engine idle - the client asks the core (GetSchedulerStats)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StatsRefresh:
-    """The core's scheduler stats, fetched because no outputs brought them lately."""
-
-    stats: SchedulerStats
-
-
-@dataclass(frozen=True, slots=True)
-class Reconnected:
-    """A new stream to the engine core is open after a break. `problem` is set when the core
-    that answered serves something else than before (another model, vocabulary or context
-    length): requests of the old one cannot continue there."""
-
-    problem: str = ""
-
-
-CoreEvent = CoreOutputs | KvEvents | Disconnected | Reconnected | RoundTrip | StatsRefresh
-
-
-class CoreClient(Protocol):
-    """What AsyncEngine needs from its link to the engine core (gRPC here; in-process in the
-    hop benchmark)."""
-
-    core_addr: str
-
-    @property
-    def is_connected(self) -> bool: ...
-
-    def next_handle(self) -> int: ...
-
-    async def next_event(self) -> CoreEvent:
-        """The next event, in order; the caller calls `event_done` after handling it."""
-        ...
-
-    def event_done(self) -> None: ...
-
-    def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
-
-    def resubmit_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
-
-    def abort_requests(self, handles: list[int]) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class EngineCoreClient:
@@ -318,7 +262,7 @@ class EngineCoreClient:
             except grpc.RpcError:
                 continue  # the stream's own read reports a break
             self._stats_at = time.monotonic()
-            stats = core_convert.scheduler_stats_from_proto(reply.scheduler_stats)
+            stats = scheduler_stats_from_proto(reply.scheduler_stats)
             self._events.put_nowait(StatsRefresh(stats))
 
     async def _ping(self) -> None:
@@ -342,7 +286,7 @@ class EngineCoreClient:
             batch = [first]
             while not self._outbox.empty():
                 batch.append(self._outbox.get_nowait())
-            for msg in _coalesce(batch):
+            for msg in core_convert.coalesce(batch):
                 await call.write(msg)
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
@@ -437,18 +381,3 @@ def _change_problem(before: EngineInfo | None, after: EngineInfo) -> str:
         if old != new:
             return f"the engine core now reports {name} {new!r}, not {old!r}"
     return ""
-
-
-def _coalesce(batch: list[core_pb2.EngineStreamRequest]) -> list[core_pb2.EngineStreamRequest]:
-    """Merge runs of adds (or of aborts) into one message each, keeping their order."""
-    merged: list[core_pb2.EngineStreamRequest] = []
-    for msg in batch:
-        kind = msg.WhichOneof("payload")
-        last = merged[-1] if merged else None
-        if last is not None and last.WhichOneof("payload") == kind == "add":
-            last.add.requests.extend(msg.add.requests)
-        elif last is not None and last.WhichOneof("payload") == kind == "abort":
-            last.abort.request_handles.extend(msg.abort.request_handles)
-        else:
-            merged.append(msg)
-    return merged

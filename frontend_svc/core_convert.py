@@ -43,6 +43,21 @@ def tokenizer_info_to_proto(info: TokenizerInfo) -> core_pb2.EngineStreamRequest
     return msg
 
 
+def coalesce(batch: list[core_pb2.EngineStreamRequest]) -> list[core_pb2.EngineStreamRequest]:
+    """Merge runs of adds (or of aborts) into one message each, keeping their order."""
+    merged: list[core_pb2.EngineStreamRequest] = []
+    for msg in batch:
+        kind = msg.WhichOneof("payload")
+        last = merged[-1] if merged else None
+        if last is not None and last.WhichOneof("payload") == kind == "add":
+            last.add.requests.extend(msg.add.requests)
+        elif last is not None and last.WhichOneof("payload") == kind == "abort":
+            last.abort.request_handles.extend(msg.abort.request_handles)
+        else:
+            merged.append(msg)
+    return merged
+
+
 def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineCoreRequest:
     """The engine core reads the stop conditions; the sampler's part of the params travels
     in sampler_params, copied field by field (same names) from SamplingParams."""
