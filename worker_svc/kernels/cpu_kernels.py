@@ -57,6 +57,7 @@ HEADERS = tuple(
     FOLDER / name
     for name in (
         "cpu_common.h",
+        "attention_decode.h",
         "quant_tiles.h",
         "quant_dequant.h",
         "quant_args.h",
