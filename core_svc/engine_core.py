@@ -295,7 +295,9 @@ class EngineCore:
         self, queue: BatchQueue, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
         deferred = None
-        if not queue.is_full and self._has_step_to_schedule():
+        if queue and not self.scheduler.prefill_policy.may_schedule_ahead():
+            pass  # the step in flight computes prompt tokens: the next one waits for it
+        elif not queue.is_full and self._has_step_to_schedule():
             step = self.scheduler.schedule()
             if self.scheduler.num_structured and not self._fill_grammar(step):
                 deferred = step  # its bitmask needs the older step's tokens
