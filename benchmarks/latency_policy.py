@@ -225,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--workloads", nargs="+", default=["W1", "W3", "W3-burst"])
     parser.add_argument(
+        "--seed", type=int, default=3, help="W3's shapes and arrivals (3: benchmarks.peer's)"
+    )
+    parser.add_argument(
         "--breakdown",
         type=int,
         default=3,
@@ -243,7 +246,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.decode_seconds,
         args.context_token_seconds,
     )
-    workloads = {"W1": w1(), "W3": w3(burst=False), "W3-burst": w3(burst=True)}
+    workloads = {
+        "W1": w1(),
+        "W3": w3(burst=False, seed=args.seed),
+        "W3-burst": w3(burst=True, seed=args.seed),
+    }
     for budget, threshold, chunk in itertools.product(
         args.prefill_token_budgets, args.long_prefill_token_thresholds, args.adaptive_prefill_chunks
     ):
