@@ -8,7 +8,10 @@ import json
 import pytest
 
 from benchmarks.latency_policy import Spec, StepCost, breakdown, main, simulate, summarize
+from benchmarks.latency_trace import breakdown as trace_breakdown
+from benchmarks.peer_workloads import RequestSpec, Workload
 from core_svc.config import CoreConfig
+from splitserve_client.bench_serve import RequestResult
 
 COST = StepCost(fixed=0.01, prefill_token=0.001, decode=0.0, context_token=0.0)
 """Round numbers: a step is 10 ms plus 1 ms per prompt token."""
@@ -58,3 +61,26 @@ def test_the_cli_prints_one_row_per_workload_and_the_w3_breakdown(
     assert [row["adaptive_prefill_chunk"] for row in summaries] == [0, 192]
     assert sum("slow_ttft" in row for row in rows) == 4
     assert sum("slow_itl" in row for row in rows) == 4
+
+
+def test_the_real_stack_breakdown_matches_spans_to_the_slowest_client_requests() -> None:
+    workload = Workload("W3", (RequestSpec((5,) * 10, 4, 0.0), RequestSpec((6,) * 20, 3, 0.1)))
+    results = [
+        RequestResult(sent=0.0, token_times=[0.05]),
+        RequestResult(sent=0.1, token_times=[0.4]),
+    ]
+    spans: list[dict[str, float]] = [
+        {"prompt_tokens": 20, "completion_tokens": 3, "ttft": 0.29, "queue": 0.1, "prefill": 0.15},
+        {"prompt_tokens": 10, "completion_tokens": 4},
+    ]
+    slow, fast = trace_breakdown(workload, results, spans, 2)
+    assert slow == {
+        "prompt_tokens": 20,
+        "client_ttft_ms": 300.0,
+        "ttft_ms": 290.0,
+        "queue_ms": 100.0,
+        "prefill_ms": 150.0,
+        "hops_ms": 40.0,
+        "to_client_ms": 10.0,
+    }
+    assert fast == {"prompt_tokens": 10, "client_ttft_ms": 50.0}, "its span has no latencies"
