@@ -18,7 +18,7 @@ when that pays:
 - with async scheduling, no step is built ahead of one that computes prompt tokens: a request
   arriving while such a (long) step runs is admitted into the very next step rather than the
   one after a step already built without it. Decode steps, short and many, still overlap the
-  next one's scheduling.
+  next one's scheduling (and so do a pooling model's steps, all prompts).
 
 The thresholds and the default N come from `python -m benchmarks.latency_policy` (the real
 scheduler on a virtual clock; docs/benchmarks.md, "Latency policy").
@@ -49,6 +49,9 @@ class PrefillPolicy:
         if chunk and config.disable_chunked_mm_input:
             chunk = max(chunk, config.max_tokens_per_mm_item)  # a whole image fits a step
         self.adaptive_chunk = chunk
+        self.holds_steps_ahead = bool(chunk) and not config.is_pooling
+        """Whether a step that computes prompt tokens is applied before the next is built (not
+        for a pooling model: every step of it computes prompts, and none decodes)."""
         self.num_prefill_tokens = 0
         """Prompt tokens of the step built last (the scheduler sets it)."""
 
@@ -72,7 +75,7 @@ class PrefillPolicy:
 
     def may_schedule_ahead(self) -> bool:
         """Whether the engine may build the next step while the last one built runs."""
-        return not (self.adaptive_chunk and self.num_prefill_tokens)
+        return not (self.holds_steps_ahead and self.num_prefill_tokens)
 
 
 def count_phases(running: Sequence[Request], num_waiting: int) -> tuple[int, int]:
