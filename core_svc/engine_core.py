@@ -263,7 +263,8 @@ class EngineCore:
         `before_update` runs after the executor returned and before the outputs are made:
         the busy loop applies aborts that arrived during the step there. With async
         scheduling, one call schedules and sends the next step, then applies the oldest step
-        in flight once two are (or when there is nothing more to schedule).
+        in flight once two are (or when there is nothing more to schedule, or when the step in
+        flight computes prompt tokens and the prefill policy holds the next one back).
         """
         if self.structured.compiling:
             self._admit_compiled()
