@@ -33,6 +33,7 @@ from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from splitserve_runtime.tracing import Tracing
 from worker_svc import convert
+from worker_svc.cpu_binding import CpuBinding
 from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -76,8 +77,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         rank_hint: int = 0,
         profiler_config: ProfilerConfig | None = None,
         tracing: Tracing | None = None,
+        cpu_binding: CpuBinding | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._cpu_binding = cpu_binding or CpuBinding()
         self._traces = StepTraces(tracing)
         self._profiler_config = profiler_config or ProfilerConfig()
         self._profiler: RankProfiler | None = None
@@ -175,6 +178,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config.dtype,
             ", enforce_eager" if config.enforce_eager else "",
         )
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self._cpu_binding.apply(config.rank, world_size)  # before torch starts its threads
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)
         return loaded
