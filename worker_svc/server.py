@@ -178,8 +178,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config.dtype,
             ", enforce_eager" if config.enforce_eager else "",
         )
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        self._cpu_binding.apply(config.rank, world_size)  # before torch starts its threads
+        if self._worker.device.type == "cpu":  # vLLM-CPU's variable: GPU ranks stay unbound
+            world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+            self._cpu_binding.apply(config.rank, world_size)
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)
         return loaded
