@@ -8,7 +8,8 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.unit.worker.test_worker_server import open_stream, read_output, start_server
 from worker_svc.output_stream import StepOutputs, StreamClosed
@@ -169,3 +171,41 @@ def test_the_next_step_runs_while_the_previous_output_is_written(
     finally:
         servicer.close()
         server.stop(None)
+
+
+async def taken_over_mid_stream(model: Path, port: int) -> tuple[list[int], grpc.StatusCode, str]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
+        await stub.LoadModel(
+            pb.LoadModelRequest(model_path=str(model), block_size=4, owner_epoch=1)
+        )
+        await stub.InitializeKvCache(
+            pb.InitializeKvCacheRequest(num_blocks=16), metadata=((OWNER_EPOCH_METADATA_KEY, "1"),)
+        )
+        execute: Any = stub.Execute
+        call = execute(metadata=((OWNER_EPOCH_METADATA_KEY, "1"),))
+        for step_id in (1, 2):
+            await call.write(new_request_step(step_id, handle=step_id))
+        step_ids = [(await read_output(call)).step_id, (await read_output(call)).step_id]
+        await stub.LoadModel(  # a restarted core (a larger epoch) takes the rank over
+            pb.LoadModelRequest(model_path=str(model), block_size=4, owner_epoch=2)
+        )
+        await call.write(new_request_step(3, handle=3))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call.read()
+        return step_ids, failed.value.code(), str(failed.value.details())
+
+
+def test_a_rank_taken_over_mid_stream_fails_the_stream_after_its_outputs(
+    worker_checkpoints: CheckpointCache,
+) -> None:
+    model = worker_checkpoints.get("llama")
+    servicer = WorkerServicer(CollectorRegistry(), StallWatch(lambda is_ready: None), device="cpu")
+    server, port = start_server(servicer)
+    try:
+        step_ids, code, details = asyncio.run(taken_over_mid_stream(model, port))
+    finally:
+        servicer.close()
+        server.stop(None)
+    assert step_ids == [1, 2]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and details == "rank taken over"
