@@ -6,7 +6,10 @@ tokenizer (32000 tokens) with benchmarks/structured_schemas.RECORDS, at batch 1 
 * core, fill: StructuredOutputManager.fill_bitmask (llguidance's parallel fill into packed
   int32 rows, then the bytes that travel with the step);
 * worker, decode + apply: grammar_bitmask_from_bytes, then apply_grammar_bitmask on fp32 logits
-  [batch, 32000], by numpy (a rank without the CPU kernels) and by sampling_ops.cpp.
+  [batch, 32000], by numpy (a rank without the CPU kernels) and by sampling_ops.cpp;
+* the wire, end to end: the core's fill + encoding (dense, or sparse when smaller:
+  core_svc/structured_bitmask.py) + serialisation of the deferred-mask message, its bytes, and
+  the rank's parse + decode + apply (CPU kernels).
 
 Matchers walk a random path through the grammar first (tokens drawn from their own masks), so
 the masks are the mixed states a real output passes through (inside strings most tokens are
@@ -27,12 +30,16 @@ import torch
 
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.structured_schemas import RECORDS, as_text
+from core_svc import convert as core_convert
+from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_output import (
     StructuredOutputManager,
     StructuredOutputRequest,
     StructuredOutputsConfig,
 )
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from worker_svc import convert as worker_convert
 from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.kernels.cpu_kernels import CpuKernels
 
@@ -88,10 +95,26 @@ def measure(manager: StructuredOutputManager, batch: int, repeats: int) -> dict[
 
         return apply
 
+    def core_wire() -> bytes:
+        bitmask = GrammarBitmask(handles, manager.fill_bitmask(states))
+        step = SchedulerOutput(step_id=1, grammar_bitmask=bitmask)
+        return core_convert.grammar_output_to_proto(step).SerializeToString()
+
+    payload = core_wire()
+
+    def worker_wire() -> None:
+        received = pb.ExecuteRequest.FromString(payload).grammar_output.grammar_bitmask
+        grammar = worker_convert.grammar_bitmask_from_proto(received)
+        assert grammar is not None
+        apply_grammar_bitmask(logits, sampling_handles, grammar, CpuKernels.load())
+
     allowed = np.unpackbits(np.frombuffer(data, np.uint8)).reshape(batch, -1).sum(axis=1)
     return {
         "batch": batch,
         "bitmask_bytes": len(data),
+        "wire_message_bytes": len(payload),
+        "core_fill_encode_serialize": timed(core_wire, repeats),
+        "worker_parse_decode_apply_kernel": timed(worker_wire, repeats),
         "allowed_tokens_median": int(np.median(allowed)),
         "core_fill": timed(lambda: manager.fill_bitmask(states), repeats),
         "worker_decode_apply_numpy": timed(worker_side(None), repeats),

@@ -29,6 +29,7 @@ def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
         policy=config.scheduling_policy,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         prefill_token_budget=config.prefill_token_budget,
+        adaptive_prefill_chunk=config.adaptive_prefill_chunk,
         vocab_size=facts.vocab_size,
         max_num_queued_reqs=config.max_num_queued_reqs,
         max_num_queued_tokens=config.max_num_queued_tokens,

@@ -11,6 +11,7 @@ from typing import Any
 
 from core_svc.lora import LoraModule, lora_module
 from core_svc.scheduler_config import (
+    DEFAULT_ADAPTIVE_PREFILL_CHUNK,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_TOKEN_BUDGET,
@@ -69,6 +70,7 @@ class CoreConfig(TransportConfig):
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
     long_prefill_token_threshold: int = 0
     prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
+    adaptive_prefill_chunk: int = DEFAULT_ADAPTIVE_PREFILL_CHUNK
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -268,6 +270,17 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="while some request decodes, the most prompt tokens one step computes (bounds the "
         "decoders' inter-token latency under a burst of prompts; 0: up to "
         "--max-num-batched-tokens)",
+    ),
+    flag(
+        "--adaptive-prefill-chunk",
+        type=non_negative_int,
+        default=DEFAULT_ADAPTIVE_PREFILL_CHUNK,
+        help="while at least 3 requests decode and at most 3 have prompt tokens to compute (a "
+        "light load), one step computes at most N prompt tokens (a prompt's chunk included); "
+        "with --async-scheduling no step is scheduled ahead of one that computes prompt "
+        "tokens, so a request arriving meanwhile joins the next step. Shortens the "
+        "inter-token and first-token tails of a light load; a burst keeps the whole budget "
+        f"(default {DEFAULT_ADAPTIVE_PREFILL_CHUNK}; 0: off, vLLM's behaviour)",
     ),
     flag(
         "--async-scheduling",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from core_svc.config import CoreConfig
 from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.lora import LoraAdapter, LoraRegistry, LoraRequest
@@ -16,6 +18,7 @@ from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.request_trace import request_trace
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_bitmask import sparse_bitmask
 from core_svc.structured_output import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert, structured_outputs
@@ -206,8 +209,21 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
 
 
 def _grammar_bitmask_to_proto(bitmask: GrammarBitmask, msg: worker_pb2.GrammarBitmask) -> None:
+    """The masks, in the sparse form when that is smaller (core_svc/structured_bitmask.py)."""
     msg.req_handles.extend(bitmask.req_handles)
-    msg.bitmask = bitmask.bitmask
+    num_rows = len(bitmask.req_handles)
+    sparse = None
+    if num_rows:
+        words = np.frombuffer(bitmask.bitmask, "<i4").reshape(num_rows, -1)
+        sparse = sparse_bitmask(words)
+    if sparse is None:
+        msg.bitmask = bitmask.bitmask
+        return
+    msg.sparse.num_words = sparse.num_words
+    msg.sparse.row_defaults = sparse.row_defaults
+    msg.sparse.num_listed_words.extend(sparse.num_listed_words)
+    msg.sparse.word_indices = sparse.word_indices
+    msg.sparse.words = sparse.words
 
 
 def grammar_output_to_proto(output: SchedulerOutput) -> worker_pb2.ExecuteRequest:

@@ -263,7 +263,8 @@ class EngineCore:
         `before_update` runs after the executor returned and before the outputs are made:
         the busy loop applies aborts that arrived during the step there. With async
         scheduling, one call schedules and sends the next step, then applies the oldest step
-        in flight once two are (or when there is nothing more to schedule).
+        in flight once two are (or when there is nothing more to schedule, or when the step in
+        flight computes prompt tokens and the prefill policy holds the next one back).
         """
         if self.structured.compiling:
             self._admit_compiled()
@@ -295,7 +296,9 @@ class EngineCore:
         self, queue: BatchQueue, before_update: Callable[[], None] | None
     ) -> dict[int, EngineCoreOutputs]:
         deferred = None
-        if not queue.is_full and self._has_step_to_schedule():
+        if queue and not self.scheduler.prefill_policy.may_schedule_ahead():
+            pass  # the step in flight computes prompt tokens: the next one waits for it
+        elif not queue.is_full and self._has_step_to_schedule():
             step = self.scheduler.schedule()
             if self.scheduler.num_structured and not self._fill_grammar(step):
                 deferred = step  # its bitmask needs the older step's tokens

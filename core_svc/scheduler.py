@@ -14,6 +14,7 @@ from core_svc.engine_outputs import make_final_outputs, make_update_outputs
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.lora_slots import LoraSlotTable
 from core_svc.outputs import EngineCoreOutputs
+from core_svc.prefill_policy import PrefillPolicy
 from core_svc.request import Request, RequestStatus
 from core_svc.request_queue import create_request_queue
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
@@ -58,8 +59,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
-        self.prefill_token_budget = scheduler_config.prefill_token_budget
+        self.prefill_policy = PrefillPolicy(scheduler_config)
+        """The caps on prompt tokens per step, static or adaptive."""
         self.is_encoder_only = scheduler_config.is_encoder_only
         """Prompts are computed whole, in one step (no chunked prefill)."""
         self.policy = scheduler_config.policy
@@ -137,12 +138,15 @@ class Scheduler:
         step = StepBuilder(self.step_id, self.finished_req_handles)
         self.finished_req_handles = []
         self.encoder.begin_step()
-        threshold, prefill_budget = self._prefill_limits()
+        threshold, max_prefill = self.prefill_policy.limits(self.running, len(self.waiting))
         token_budget, prefill_budget, preempted = self._schedule_running(
-            step, threshold, prefill_budget
+            step, threshold, max_prefill
         )
         if not preempted:
-            self._schedule_waiting(step, token_budget, threshold, prefill_budget, time.monotonic())
+            prefill_budget = self._schedule_waiting(
+                step, token_budget, threshold, prefill_budget, time.monotonic()
+            )
+        self.prefill_policy.num_prefill_tokens = max_prefill - prefill_budget
         output, scheduled = step.build()
         output.free_encoder_mm_hashes = self.encoder.take_freed()
         output.lora_slots, output.free_lora_ids = self.lora.take_changes()
@@ -186,24 +190,6 @@ class Scheduler:
     @property
     def has_steps_in_flight(self) -> bool:
         return bool(self._in_flight)
-
-    def _prefill_limits(self) -> tuple[int, int]:
-        """This step's cap on one request's prefill chunk (0: none) and on all prefill tokens:
-        prefills share the step with decodes within `prefill_token_budget` when some request
-        decodes."""
-        threshold = self.long_prefill_token_threshold
-        prefill_budget = self.max_num_batched_tokens
-        if self.prefill_token_budget and self._has_decodes():
-            prefill_budget = min(prefill_budget, self.prefill_token_budget)
-        return threshold, prefill_budget
-
-    def _has_decodes(self) -> bool:
-        """Whether a running request is decoding (usually the first one looked at)."""
-        for request in self.running:
-            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
-            if num_tokens - request.num_computed_tokens == 1:
-                return True
-        return False
 
     def _schedule_running(
         self, step: StepBuilder, threshold: int, prefill_budget: int
@@ -358,12 +344,13 @@ class Scheduler:
         threshold: int,
         prefill_budget: int,
         now: float,
-    ) -> None:
+    ) -> int:
         """Pass 2: admit waiting requests while budgets and sequence slots last; the first
         that does not fit (its whole sequence must fit) stops it. A request whose LoRA adapter
         cannot join the step's (`max_loras`) is passed over: it keeps its place and waits,
-        the requests behind it are tried (vLLM's rule)."""
+        the requests behind it are tried (vLLM's rule). Returns the prefill budget left."""
         kv = self.kv_cache_manager
+        num_admitted = 0
         token_budget = min(token_budget, prefill_budget)
         passed_over: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -397,8 +384,10 @@ class Scheduler:
                 step.add_encoder_inputs(request, encoder_inputs)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
+            num_admitted += num_new_tokens
         if passed_over:
             self.waiting.prepend_requests(passed_over)
+        return prefill_budget - num_admitted
 
     def _start_running(
         self, request: Request, step: StepBuilder, num_hit_tokens: int, num_new: int, now: float

@@ -17,6 +17,9 @@ CPU (2048 x tensor_parallel_size x pipeline_parallel_size)."""
 DEFAULT_PREFILL_TOKEN_BUDGET = 0
 """Prompt tokens one step computes while some request decodes, unless configured (0: no cap
 beyond max_num_batched_tokens)."""
+DEFAULT_ADAPTIVE_PREFILL_CHUNK = 192
+"""Prompt tokens one step computes under a light load while requests decode, unless
+configured (0: the adaptive chunk is off); see core_svc/prefill_policy.py."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,6 +41,11 @@ class SchedulerConfig:
     chunks and new admissions together) one step computes, so a burst of prompts cannot
     stretch the decoders' inter-token gap; decodes keep their own tokens. 0: prefills share
     max_num_batched_tokens with decodes freely (vLLM's behaviour)."""
+    adaptive_prefill_chunk: int = DEFAULT_ADAPTIVE_PREFILL_CHUNK
+    """When > 0, the adaptive chunk (core_svc/prefill_policy.py): while at least 3 requests
+    decode and at most 3 have prompt tokens to compute, a step computes at most N prompt
+    tokens; and no step is built ahead of one that computes prompt tokens. 0: the static
+    limits only (vLLM's behaviour)."""
     vocab_size: int = 1 << 32
     """Token ids must be below it, in requests and in what the workers sample (the default
     accepts every uint32)."""
@@ -89,6 +97,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.prefill_token_budget < 0:
             raise ValueError("prefill_token_budget must be >= 0")
+        if self.adaptive_prefill_chunk < 0:
+            raise ValueError("adaptive_prefill_chunk must be >= 0")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         item, chunk = self.max_tokens_per_mm_item, self.long_prefill_token_threshold

@@ -20,15 +20,20 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend_svc import convert
+from frontend_svc import core_convert
+from frontend_svc.core_events import CoreClient as CoreClient
+from frontend_svc.core_events import (
+    CoreEvent,
+    Disconnected,
+    Reconnected,
+    RoundTrip,
+    StatsRefresh,
+)
 from frontend_svc.engine_types import (
-    CoreOutputs,
     EngineInfo,
     EngineSnapshot,
     LoraAdapterInfo,
@@ -40,7 +45,7 @@ from frontend_svc.requests import EngineRequest
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
-from splitserve_contracts.output_types import SchedulerStats
+from splitserve_contracts.output_convert import scheduler_stats_from_proto
 from splitserve_runtime.channels import ChannelSecurity, open_aio_channel
 from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.services import CORE
@@ -49,71 +54,10 @@ from splitserve_runtime.tls import CORE_ROLE
 logger = logging.getLogger(__name__)
 HANDSHAKE_WAIT_SECONDS = 10.0
 """How long one Handshake waits for the channel to connect before the wait is logged."""
-
-
-@dataclass(frozen=True, slots=True)
-class Disconnected:
-    """The stream to the engine core broke; every request sent on it is lost."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class RoundTrip:
-    """A ping's round trip to the engine core, in seconds of this process's clock."""
-
-    seconds: float
-
-
 STATS_MAX_AGE_S = 1.0
 """The core's scheduler stats (the engine gauges this frontend exports) come with this frontend's
 outputs; when none brought them for this long - this frontend idle while others keep the engine
 busy, or the engine idle - the client asks the core (GetSchedulerStats)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StatsRefresh:
-    """The core's scheduler stats, fetched because no outputs brought them lately."""
-
-    stats: SchedulerStats
-
-
-@dataclass(frozen=True, slots=True)
-class Reconnected:
-    """A new stream to the engine core is open after a break. `problem` is set when the core
-    that answered serves something else than before (another model, vocabulary or context
-    length): requests of the old one cannot continue there."""
-
-    problem: str = ""
-
-
-CoreEvent = CoreOutputs | KvEvents | Disconnected | Reconnected | RoundTrip | StatsRefresh
-
-
-class CoreClient(Protocol):
-    """What AsyncEngine needs from its link to the engine core (gRPC here; in-process in the
-    hop benchmark)."""
-
-    core_addr: str
-
-    @property
-    def is_connected(self) -> bool: ...
-
-    def next_handle(self) -> int: ...
-
-    async def next_event(self) -> CoreEvent:
-        """The next event, in order; the caller calls `event_done` after handling it."""
-        ...
-
-    def event_done(self) -> None: ...
-
-    def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
-
-    def resubmit_requests(self, requests: list[tuple[int, EngineRequest]]) -> None: ...
-
-    def abort_requests(self, handles: list[int]) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class EngineCoreClient:
@@ -133,7 +77,7 @@ class EngineCoreClient:
         self.subscribe_kv_events = subscribe_kv_events
         """Ask every stream for the engine's KV-cache events (they arrive as KvEvents)."""
         self._tokenizer_msg = (
-            None if tokenizer is None else convert.tokenizer_info_to_proto(tokenizer)
+            None if tokenizer is None else core_convert.tokenizer_info_to_proto(tokenizer)
         )
         """Sent first on every stream: the core compiles structured outputs with it."""
         self.max_backoff = max_backoff
@@ -207,7 +151,7 @@ class EngineCoreClient:
                     wait_for_ready=True,
                     metadata=self._metadata,
                 )
-                return convert.engine_info_from_proto(reply.engine_info)
+                return core_convert.engine_info_from_proto(reply.engine_info)
             except grpc.RpcError as err:
                 state = self._channel.get_state().name
                 logger.info(
@@ -265,7 +209,7 @@ class EngineCoreClient:
                 if msg.HasField("kv_events"):
                     self._events.put_nowait(self._kv_events(msg.kv_events))
                 if msg.HasField("outputs"):
-                    outputs = convert.core_outputs_from_proto(msg.outputs)
+                    outputs = core_convert.core_outputs_from_proto(msg.outputs)
                     if outputs.scheduler_stats is not None:
                         self._stats_at = time.monotonic()
                     self._events.put_nowait(outputs)
@@ -282,7 +226,7 @@ class EngineCoreClient:
     def _kv_events(self, msg: core_pb2.KvCacheEvents) -> KvEvents:
         assert self.info is not None
         try:
-            return convert.kv_events_from_proto(msg, self.info.block_size)
+            return core_convert.kv_events_from_proto(msg, self.info.block_size)
         except ValueError as err:
             # The mirror can no longer be trusted: start over empty (it converges as the
             # engine caches blocks again) rather than serve a wrong view.
@@ -318,7 +262,7 @@ class EngineCoreClient:
             except grpc.RpcError:
                 continue  # the stream's own read reports a break
             self._stats_at = time.monotonic()
-            stats = convert.scheduler_stats_from_proto(reply.scheduler_stats)
+            stats = scheduler_stats_from_proto(reply.scheduler_stats)
             self._events.put_nowait(StatsRefresh(stats))
 
     async def _ping(self) -> None:
@@ -342,7 +286,7 @@ class EngineCoreClient:
             batch = [first]
             while not self._outbox.empty():
                 batch.append(self._outbox.get_nowait())
-            for msg in _coalesce(batch):
+            for msg in core_convert.coalesce(batch):
                 await call.write(msg)
 
     def add_requests(self, requests: list[tuple[int, EngineRequest]]) -> None:
@@ -363,7 +307,7 @@ class EngineCoreClient:
 
     def _send_add(self, requests: list[tuple[int, EngineRequest]]) -> None:
         add = core_pb2.AddRequests(
-            requests=[convert.engine_request_to_proto(h, r) for h, r in requests]
+            requests=[core_convert.engine_request_to_proto(h, r) for h, r in requests]
         )
         self._outbox.put_nowait(core_pb2.EngineStreamRequest(add=add))
 
@@ -371,7 +315,7 @@ class EngineCoreClient:
         """The engine's LoRA adapters (grpc.RpcError when the core does not answer)."""
         request = core_pb2.ListLoraAdaptersRequest()
         reply = await self._stub.ListLoraAdapters(request, timeout=timeout, metadata=self._metadata)
-        return [convert.lora_adapter_from_proto(a) for a in reply.adapters]
+        return [core_convert.lora_adapter_from_proto(a) for a in reply.adapters]
 
     async def load_lora_adapter(
         self, name: str, path: str, load_inplace: bool, timeout: float
@@ -381,7 +325,7 @@ class EngineCoreClient:
             lora_name=name, lora_path=path, load_inplace=load_inplace
         )
         reply = await self._stub.LoadLoraAdapter(request, timeout=timeout, metadata=self._metadata)
-        return convert.lora_adapter_from_proto(reply.adapter)
+        return core_convert.lora_adapter_from_proto(reply.adapter)
 
     async def unload_lora_adapter(self, name: str, timeout: float) -> int:
         """Unload an adapter; the requests still running it (grpc.RpcError: refused)."""
@@ -398,7 +342,7 @@ class EngineCoreClient:
         reply = await self._stub.GetSchedulerStats(
             request, timeout=timeout, metadata=self._metadata
         )
-        return convert.engine_snapshot_from_proto(reply)
+        return core_convert.engine_snapshot_from_proto(reply)
 
     async def profile(self, action: int, prefix: str, timeout: float = 60.0) -> None:
         """Start (1) or stop (2) the worker ranks' torch profilers (the core's --profiler-config)
@@ -437,18 +381,3 @@ def _change_problem(before: EngineInfo | None, after: EngineInfo) -> str:
         if old != new:
             return f"the engine core now reports {name} {new!r}, not {old!r}"
     return ""
-
-
-def _coalesce(batch: list[core_pb2.EngineStreamRequest]) -> list[core_pb2.EngineStreamRequest]:
-    """Merge runs of adds (or of aborts) into one message each, keeping their order."""
-    merged: list[core_pb2.EngineStreamRequest] = []
-    for msg in batch:
-        kind = msg.WhichOneof("payload")
-        last = merged[-1] if merged else None
-        if last is not None and last.WhichOneof("payload") == kind == "add":
-            last.add.requests.extend(msg.add.requests)
-        elif last is not None and last.WhichOneof("payload") == kind == "abort":
-            last.abort.request_handles.extend(msg.abort.request_handles)
-        else:
-            merged.append(msg)
-    return merged

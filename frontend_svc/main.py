@@ -17,6 +17,7 @@ from frontend_svc.classification import ClassifierHead
 from frontend_svc.config import FrontendConfig, parse_config
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_stats import EngineView
+from frontend_svc.engine_types import EngineInfo
 from frontend_svc.gateway import convert as gateway_convert
 from frontend_svc.gateway.servicer import VllmEngineServicer
 from frontend_svc.grpc_auth import api_key_interceptors
@@ -47,7 +48,7 @@ from splitserve_runtime.service_host import ServiceHost, new_registry
 from splitserve_runtime.services import FRONTEND
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import CORE_ROLE
-from splitserve_runtime.tracing import start_tracing
+from splitserve_runtime.tracing import Tracing, start_tracing
 
 logger = logging.getLogger(__name__)
 ADMIN_SERVICE = admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
@@ -83,13 +84,7 @@ async def serve(config: FrontendConfig) -> int:
         report_fatal("frontend", str(err))
         return 1
     registry = new_registry()
-    client = EngineCoreClient(
-        config.core_addr,
-        security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
-        tokenizer=files.tokenizer_info,
-        subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
-        grpc_metrics=GrpcClientMetrics(registry),
-    )
+    client = core_client(config, files, registry)
     try:
         info = await client.connect(config.core_connect_timeout)
     except TimeoutError:
@@ -101,14 +96,6 @@ async def serve(config: FrontendConfig) -> int:
         await client.close()
         return 1
     host = public_host(config, registry)
-    served_name, *aliases = config.served_model_name or (info.served_model_name,)
-    limits = FrontendLimits(
-        config.max_logprobs,
-        config.max_n,
-        config.max_stop_strings,
-        config.max_inflight_requests,
-        config.max_recovery_seconds,
-    )
     try:  # the ZMQ endpoints of --kv-events-config, then the OTLP exporter
         hub, publisher = kv_event_hub(config, info.block_size)
         tracing = start_tracing(
@@ -120,14 +107,55 @@ async def serve(config: FrontendConfig) -> int:
         return 1
     if tracing is not None:
         accept_caller_traces()
+    parts, http = await assemble(config, client, info, files, chat, host, hub, tracing)
+    code = await run_until_stopped(config, host, parts, http, client)
+    if publisher is not None:
+        publisher.close()
+    if tracing is not None:
+        tracing.shutdown()  # the spans still batched
+    return code
+
+
+def core_client(
+    config: FrontendConfig, files: ModelFiles, registry: CollectorRegistry
+) -> EngineCoreClient:
+    """The client of the engine core at --core-addr (not connected yet)."""
+    return EngineCoreClient(
+        config.core_addr,
+        security=ChannelSecurity(config.tls, CORE_ROLE, config.internal_secret),
+        tokenizer=files.tokenizer_info,
+        subscribe_kv_events=config.kv_events_config.enable_kv_cache_events,
+        grpc_metrics=GrpcClientMetrics(registry),
+    )
+
+
+async def assemble(
+    config: FrontendConfig,
+    client: EngineCoreClient,
+    info: EngineInfo,
+    files: ModelFiles,
+    chat: ChatFeatures,
+    host: ServiceHost,
+    hub: KvEventHub | None,
+    tracing: Tracing | None,
+) -> tuple[Frontend, HttpServer | None]:
+    """The engine and its servicers on `host`, and the HTTP API (None: --http-port -1); nothing
+    started yet."""
+    served_name, *aliases = config.served_model_name or (info.served_model_name,)
+    limits = FrontendLimits(
+        config.max_logprobs,
+        config.max_n,
+        config.max_stop_strings,
+        config.max_inflight_requests,
+        config.max_recovery_seconds,
+    )
     parts = build_frontend(client, info, files, host.registry, served_name, limits, hub, tracing)
-    engine = parts.engine
     models = ServedModels(
         client, served_name, info, runtime_lora_updating(os.environ), tuple(aliases)
     )
     await models.refresh()
     if config.enable_log_requests:
-        engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
+        parts.engine.request_logger = RequestLogger(files.tokenizer, config.max_log_len)
     add_servicers(
         host,
         parts,
@@ -141,10 +169,22 @@ async def serve(config: FrontendConfig) -> int:
         config.max_fan_out,
         models,
     )
-    http = None
-    if config.http_port is not None:
-        classifier = ClassifierHead.from_config(files.model_config)
-        http = http_server(config, parts, host, client, chat, tuple(aliases), models, classifier)
+    if config.http_port is None:
+        return parts, None
+    classifier = ClassifierHead.from_config(files.model_config)
+    http = http_server(config, parts, host, client, chat, tuple(aliases), models, classifier)
+    return parts, http
+
+
+async def run_until_stopped(
+    config: FrontendConfig,
+    host: ServiceHost,
+    parts: Frontend,
+    http: HttpServer | None,
+    client: EngineCoreClient,
+) -> int:
+    """Open the ports and start the engine; on shutdown, drain and close it. The exit code."""
+    engine, info = parts.engine, parts.info
     await host.start()
     engine.start()
     if http is not None:
@@ -170,10 +210,6 @@ async def serve(config: FrontendConfig) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await tracker
     await engine.close()
-    if publisher is not None:
-        publisher.close()
-    if tracing is not None:
-        tracing.shutdown()  # the spans still batched
     return code
 
 

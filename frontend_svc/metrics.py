@@ -135,125 +135,154 @@ class RequestStats:
     """Prompt tokens found in the prefix cache (the core says with the first token)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _MetricMaker:
+    """Makes the frontend's metrics in `registry`, bound to the served model's labels."""
+
+    registry: CollectorRegistry
+    values: tuple[str, str]
+    lengths: tuple[int, ...]
+    """Token-count buckets up to the model's context length."""
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self.registry).labels(*self.values)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+        return metric.labels(*self.values)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(*self.values)
+
+
 class FrontendMetrics:
     """Metric objects bound to the served model's labels."""
 
     def __init__(
         self, registry: CollectorRegistry, model_name: str, engine: str, max_model_len: int
     ) -> None:
-        values = (model_name, engine)
-        lengths = buckets_1_2_5(max_model_len)
+        self._values = (model_name, engine)
+        make = _MetricMaker(registry, self._values, buckets_1_2_5(max_model_len))
+        # Made in this order: the exposition lists them so.
+        self._add_token_metrics(make)
+        self._add_request_metrics(make)
+        self._add_latency_metrics(make)
+        self._add_hop_metrics(make)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=registry).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
-
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter(
+    def _add_token_metrics(self, make: _MetricMaker) -> None:
+        """Tokens processed, and requests finished (by reason)."""
+        self.prompt_tokens = make.counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        )
+        self.generation_tokens = make.counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self.prompt_tokens_cached = counter(
+        self.prompt_tokens_cached = make.counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        self.prefill_kv_computed = histogram(
+        self.prefill_kv_computed = make.histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            lengths,
+            make.lengths,
         )
         self.request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*LABELS, "finished_reason"],
-            registry=registry,
+            registry=make.registry,
         )
-        self._values = values
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths
+
+    def _add_request_metrics(self, make: _MetricMaker) -> None:
+        """Each request's sizes and parameters."""
+        self.request_prompt_tokens = make.histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", make.lengths
         )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths
+        self.request_generation_tokens = make.histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", make.lengths
         )
-        self.params_n = histogram(
+        self.params_n = make.histogram(
             "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
-        self.params_max_tokens = histogram(
+        self.params_max_tokens = make.histogram(
             "vllm:request_params_max_tokens",
             "Histogram of the max_tokens request parameter.",
-            lengths,
+            make.lengths,
         )
-        self.max_num_generation_tokens = histogram(
+        self.max_num_generation_tokens = make.histogram(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
-            lengths,
+            make.lengths,
         )
-        self.ttft = histogram(
+
+    def _add_latency_metrics(self, make: _MetricMaker) -> None:
+        """vLLM's request latencies: TTFT, ITL, TPOT, end to end, and the engine's phases."""
+        self.ttft = make.histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             TTFT_BUCKETS,
         )
-        self.itl = histogram(
+        self.itl = make.histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
             ITL_BUCKETS,
         )
-        self.tpot = histogram(
+        self.tpot = make.histogram(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )
-        self.e2e = histogram(
+        self.e2e = make.histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             REQUEST_BUCKETS,
         )
-        self.queue_time = histogram(
+        self.queue_time = make.histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_BUCKETS,
         )
-        self.inference_time = histogram(
+        self.inference_time = make.histogram(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
             REQUEST_BUCKETS,
         )
-        self.prefill_time = histogram(
+        self.prefill_time = make.histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
             REQUEST_BUCKETS,
         )
-        self.decode_time = histogram(
+        self.decode_time = make.histogram(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_BUCKETS,
         )
-        self.core_rtt = histogram(
+
+    def _add_hop_metrics(self, make: _MetricMaker) -> None:
+        """The frontend<->core hop and this frontend's own work (splitserve's)."""
+        self.core_rtt = make.histogram(
             "splitserve_frontend_core_rtt_seconds",
             "Round trip of a ping over the frontend<->core EngineStream, on the frontend's clock.",
             HOP_BUCKETS,
         )
-        self.output_processing = histogram(
+        self.output_processing = make.histogram(
             "splitserve_frontend_output_processing_seconds",
             "Per message from the core: time to detokenize, check stops and hand deltas to "
             "requests.",
             HOP_BUCKETS,
         )
-        self.reconnects = counter(
+        self.reconnects = make.counter(
             "splitserve_frontend_core_reconnects",
             "Times the stream to the engine core broke and was reopened.",
         )
-        self.resubmitted = counter(
+        self.resubmitted = make.counter(
             "splitserve_frontend_requests_resubmitted",
             "Requests in flight resubmitted (prompt and the tokens so far) to an engine core "
             "that came back after the stream to it broke.",
         )
-        self.in_flight = Gauge(
+        self.in_flight = make.gauge(
             "splitserve_frontend_requests_in_flight",
             "Engine requests this frontend is streaming.",
-            LABELS,
-            registry=registry,
-        ).labels(*values)
+        )
 
     def on_request(self, n: int, max_tokens: int) -> None:
         self.params_n.observe(n)

@@ -33,6 +33,7 @@ from splitserve_runtime.flags import env_name
 from splitserve_runtime.services import FRONTEND, SERVICES
 from splitserve_runtime.termination import TERMINATION_MESSAGE_ENV, read_termination_message
 from splitserve_runtime.tls import FRONTEND_ROLE, ROLE_OF_SERVICE, TlsFiles
+from worker_svc.cpu_binding import AUTO, OMP_THREADS_BIND_ENV
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 15.0
@@ -215,8 +216,18 @@ def _start_worker(
     argv = ["--host", LOOPBACK, "--port", str(port), "--metrics-port", str(metrics)]
     argv += _common_flags(options, "worker")
     address = f"{LOOPBACK}:{port}"
-    env = {**options.worker_env, **_secret_env(options)}
+    env = {**_worker_binding(options), **_secret_env(options)}
     return _spawn(f"worker[{rank}]", "worker", argv, address, metrics, pki, env)
+
+
+def _worker_binding(options: StackOptions) -> dict[str, str]:
+    """The ranks' environment: `worker_env`, and VLLM_CPU_OMP_THREADS_BIND=auto unless the
+    operator's environment or `worker_env` says otherwise (every rank of this stack runs on
+    this machine, beside its core and frontend: worker_svc/cpu_binding.py)."""
+    env = dict(options.worker_env)
+    if OMP_THREADS_BIND_ENV not in os.environ:
+        env.setdefault(OMP_THREADS_BIND_ENV, AUTO)
+    return env
 
 
 def start_engine_children(options: StackOptions, pki: LocalPki | None = None) -> list[Child]:

@@ -58,6 +58,7 @@ from splitserve.loopback_ports import free_ports
 from splitserve.supervisor import Supervisor
 from splitserve_client.last_serve import record_serve
 from splitserve_runtime.flags import Flag, env_name, flag, positive_int
+from worker_svc.cpu_binding import OMP_THREADS_BIND_ENV
 
 logger = logging.getLogger("splitserve.launcher")
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -135,8 +136,15 @@ def engine_options(
         frontend_metrics_port=offset(base.frontend_metrics_port, stride),
         core_metrics_port=offset(base.core_metrics_port, stride),
         worker_metrics_port=offset(base.worker_metrics_port, stride),
-        worker_env=engine_devices(index, world, args.data_parallel_size, args.device),
+        worker_env=engine_devices(index, world, args.data_parallel_size, args.device)
+        | _unbound(environ),
     )
+
+
+def _unbound(environ: Mapping[str, str]) -> dict[str, str]:
+    """Engines share the machine's CPUs by thread count, not by binding: auto would put every
+    engine's rank 0 on the same CPUs (unless the operator's environment says otherwise)."""
+    return {} if OMP_THREADS_BIND_ENV in environ else {OMP_THREADS_BIND_ENV: "all"}
 
 
 def visible_gpus(environ: Mapping[str, str], gpus_dir: Path = NVIDIA_GPUS) -> list[str]:

@@ -20,6 +20,7 @@ from splitserve_runtime.transport_flags import (
     optional_port,
 )
 from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
+from worker_svc.cpu_binding import OMP_THREADS_BIND_ENV, check_bind
 
 DEFAULT_PORT = WORKER.default_port
 DEFAULT_METRICS_PORT = WORKER.default_metrics_port
@@ -34,6 +35,8 @@ class WorkerConfig(TransportConfig):
     metrics_port: int | None = DEFAULT_METRICS_PORT
     device: str = "auto"
     torch_threads: int = 0
+    omp_threads_bind: str = "all"
+    """VLLM_CPU_OMP_THREADS_BIND from the environment (worker_svc/cpu_binding.py)."""
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
@@ -97,9 +100,14 @@ def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> WorkerConfig:
     parser = build_parser()
-    args = parser.parse(argv, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    args = parser.parse(argv, environ)
     check_internal_tls(parser, args)
     values = vars(args)
+    try:
+        values["omp_threads_bind"] = check_bind(environ.get(OMP_THREADS_BIND_ENV, "all").strip())
+    except ValueError as e:
+        parser.error(str(e))
     values.pop("config", None)
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     values["health_port"] = optional_port(args.health_port)

@@ -18,7 +18,7 @@ from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime.quantization_names import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from splitserve_runtime.tracing import TraceContext, trace_context
-from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes
+from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes, grammar_bitmask_from_sparse
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.model_load import (
@@ -133,8 +133,20 @@ def lora_slots_from_proto(msg: pb.LoraSlots) -> LoraSlots:
 
 def grammar_bitmask_from_proto(msg: pb.GrammarBitmask) -> GrammarBitmask | None:
     """The step's token masks, or None (no constrained request samples); MalformedStep when
-    the blob does not split into one row per request."""
-    return grammar_bitmask_from_bytes(list(msg.req_handles), msg.bitmask)
+    the blob does not split into one row per request, or the sparse form does not line up."""
+    if not msg.HasField("sparse"):
+        return grammar_bitmask_from_bytes(list(msg.req_handles), msg.bitmask)
+    if msg.bitmask:
+        raise MalformedStep("grammar_bitmask has both bitmask and sparse; one form at a time")
+    sparse = msg.sparse
+    return grammar_bitmask_from_sparse(
+        list(msg.req_handles),
+        sparse.num_words,
+        sparse.row_defaults,
+        list(sparse.num_listed_words),
+        sparse.word_indices,
+        sparse.words,
+    )
 
 
 def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:

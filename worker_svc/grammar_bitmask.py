@@ -35,6 +35,58 @@ def grammar_bitmask_from_bytes(handles: list[int], data: bytes) -> GrammarBitmas
     return GrammarBitmask(np.asarray(handles, np.int64), words.reshape(len(handles), -1))
 
 
+MAX_SPARSE_WORDS = 1 << 26
+"""Words a sparse mask may expand to (256 MiB): a peer's num_words cannot make the rank
+allocate without bound."""
+
+
+def grammar_bitmask_from_sparse(
+    handles: list[int],
+    num_words: int,
+    row_defaults: bytes,
+    num_listed_words: list[int],
+    word_indices: bytes,
+    words: bytes,
+) -> GrammarBitmask | None:
+    """Decode the sparse wire form (worker.v1.SparseGrammarBitmask) into dense rows;
+    MalformedStep when its columns do not line up or an index is out of its row."""
+    if not handles:
+        return None
+    num_rows = len(handles)
+    if not 0 < num_words <= MAX_SPARSE_WORDS // num_rows:
+        raise MalformedStep(
+            f"grammar_bitmask.sparse: {num_words} words per row for {num_rows} rows"
+        )
+    if len(row_defaults) != num_rows or len(num_listed_words) != num_rows:
+        raise MalformedStep(
+            f"grammar_bitmask.sparse: {len(row_defaults)} row_defaults and "
+            f"{len(num_listed_words)} num_listed_words for {num_rows} rows"
+        )
+    num_listed = np.asarray(num_listed_words, np.int64)
+    total = int(num_listed.sum())
+    if len(word_indices) != 4 * total or len(words) != 4 * total:
+        raise MalformedStep(
+            f"grammar_bitmask.sparse: {total} listed words, but {len(word_indices)} bytes of "
+            f"word_indices and {len(words)} bytes of words"
+        )
+    defaults = np.frombuffer(row_defaults, np.uint8)
+    indices = np.frombuffer(word_indices, "<u4")
+    if defaults.max() > 1 or (total and int(indices.max()) >= num_words):
+        raise MalformedStep(
+            "grammar_bitmask.sparse: a row default is not 0 or 1, or a word index is past its row"
+        )
+    allow = defaults == 1
+    bitmask = np.zeros((num_rows, num_words), np.int32)
+    if allow.any():
+        bitmask[allow] = -1
+    row_starts = np.repeat(np.arange(0, num_rows * num_words, num_words), num_listed)
+    bitmask.reshape(-1)[row_starts + indices] = np.frombuffer(words, "<i4")
+    all_allowed = allow & (num_listed == 0)
+    return GrammarBitmask(
+        np.asarray(handles, np.int64), bitmask, all_allowed if all_allowed.any() else None
+    )
+
+
 def _occurrences(handles: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
     """(handle, how many times it came before) per entry: a request verifying drafts has one
     logits row and one mask row per position, in position order."""
@@ -91,10 +143,14 @@ def apply_grammar_bitmask(
             f"tokens needs {(vocab_size + 31) // 32}"
         )
     logit_rows, mask_rows = _matched_rows(sampling_handles, grammar.req_handles)
+    if grammar.all_allowed is not None:  # rows that change nothing
+        needed = ~grammar.all_allowed[mask_rows]
+        logit_rows, mask_rows = logit_rows[needed], mask_rows[needed]
     if not len(logit_rows):
         return
     if kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        bitmask = torch.from_numpy(np.array(grammar.bitmask, np.int32))  # writable, for torch
+        # writable for torch: copies only a read-only (dense wire form) mask
+        bitmask = torch.from_numpy(np.require(grammar.bitmask, np.int32, ["C", "W"]))
         kernels.apply_token_bitmask_(
             logits,
             bitmask,

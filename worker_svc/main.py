@@ -13,6 +13,7 @@ from splitserve_runtime.sync_service_host import SyncServiceHost
 from splitserve_runtime.tls import CORE_ROLE
 from splitserve_runtime.tracing import start_tracing
 from worker_svc.config import WorkerConfig, parse_config
+from worker_svc.cpu_binding import OMP_THREADS_BIND_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 def serve(config: WorkerConfig) -> int:
     import torch
 
+    from worker_svc.cpu_binding import CpuBinding
     from worker_svc.server import WorkerServicer
     from worker_svc.stall_watch import StallWatch
 
@@ -48,6 +50,9 @@ def serve(config: WorkerConfig) -> int:
         device=config.device,
         profiler_config=config.profiler_config,
         tracing=tracing,
+        cpu_binding=CpuBinding.from_environ(
+            {OMP_THREADS_BIND_ENV: config.omp_threads_bind}, config.torch_threads
+        ),
     )
     worker_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     host.start()

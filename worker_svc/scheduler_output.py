@@ -100,6 +100,9 @@ class GrammarBitmask:
 
     req_handles: IntArray
     bitmask: npt.NDArray[np.int32]
+    all_allowed: npt.NDArray[np.bool_] | None = None
+    """Per row, whether it allows every token (known from the sparse wire form; None when
+    not known): such rows are not applied."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,12 @@ Every RPC runs on a thread of its own (splitserve_runtime.sync_service_host.Thre
 ends with it. torch's OpenMP thread team belongs to the thread that starts it, and a second live
 team roughly halves CPU throughput, so the model must only ever be driven from one live thread:
 unary calls (LoadModel, KV sizing and warm-up) run one at a time on their short-lived threads,
-and an Execute stream runs each step inline on its own thread — no hand-off between the
-network and the model on the step path. Execute is the bidirectional step stream: each
-ExecuteRequest runs in order; the output rank answers every step, other ranks answer only with
-errors. A failed step poisons the rank (its per-request state may be half-updated): every later
-step is answered with the same error.
+and an Execute stream runs its steps in order on one step thread of its own, which reads the
+requests itself and hands each output to the stream's RPC thread to write while the next step
+runs (worker_svc/output_stream.py): the step path never waits for the network. Execute is the
+bidirectional step stream: each ExecuteRequest runs in order; the output rank answers every step,
+other ranks answer only with errors. A failed step poisons the rank (its per-request state may be
+half-updated): every later step is answered with the same error.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
 from splitserve_runtime.tracing import Tracing
 from worker_svc import convert
+from worker_svc.cpu_binding import CpuBinding
 from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.output_stream import StepOutputs
 from worker_svc.ownership import (
     Claim,
     Ownership,
@@ -74,8 +77,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         rank_hint: int = 0,
         profiler_config: ProfilerConfig | None = None,
         tracing: Tracing | None = None,
+        cpu_binding: CpuBinding | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._cpu_binding = cpu_binding or CpuBinding()
         self._traces = StepTraces(tracing)
         self._profiler_config = profiler_config or ProfilerConfig()
         self._profiler: RankProfiler | None = None
@@ -173,6 +178,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             config.dtype,
             ", enforce_eager" if config.enforce_eager else "",
         )
+        if self._worker.device.type == "cpu":  # vLLM-CPU's variable: GPU ranks stay unbound
+            world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+            self._cpu_binding.apply(config.rank, world_size)
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)
         return loaded
@@ -245,6 +253,19 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "Execute needs LoadModel and InitializeKvCache first",
             )
+        outputs: StepOutputs[pb.ExecuteResponse] = StepOutputs(context.is_active)
+        outputs.run(lambda: self._step_loop(request_iterator, context, claim, outputs), "steps")
+        yield from outputs.drain()
+
+    def _step_loop(
+        self,
+        request_iterator: Iterator[pb.ExecuteRequest],
+        context: grpc.ServicerContext,
+        claim: Claim,
+        outputs: StepOutputs[pb.ExecuteResponse],
+    ) -> None:
+        """Run the stream's steps in order on this (the step) thread; hand each response to
+        the RPC thread, which writes it while the next step runs (worker_svc/output_stream.py)."""
         if self._worker.device.type == "cuda":
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:
@@ -263,7 +284,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 finally:
                     self._stall_watch.step_ended()
             if response is not None:
-                yield response
+                outputs.put(response)
 
     def _rank_profiler(self) -> RankProfiler:
         if self._profiler is None:

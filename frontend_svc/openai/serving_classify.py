@@ -18,12 +18,12 @@ import numpy as np
 from frontend_svc import pooling
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.openai import generation
 from frontend_svc.openai.fields import as_bool, as_int, as_str, read
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.serving_embedding import (
     encode,
     encoding_format,
+    list_reply,
     pooling_requests,
     refuse_unsupported,
 )
@@ -55,14 +55,7 @@ def _reply(
 ) -> dict[str, Any]:
     num_tokens = sum(o.num_prompt_tokens for o in outputs)
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
-    return {
-        "id": rid,
-        "object": "list",
-        "created": generation.now(),
-        "model": ctx.served_model_name,
-        "data": data,
-        "usage": {**usage, "prompt_tokens_details": None},
-    }
+    return list_reply(ctx, rid, data, {**usage, "prompt_tokens_details": None})
 
 
 async def create_classify(

@@ -38,13 +38,20 @@ async def create_embeddings(
         for i, e in enumerate(embedded)
     ]
     num_tokens = sum(e.num_prompt_tokens for e in embedded)
+    return list_reply(ctx, rid, data, {"prompt_tokens": num_tokens, "total_tokens": num_tokens})
+
+
+def list_reply(
+    ctx: ServingContext, rid: str, data: list[dict[str, Any]], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The pooling endpoints' list envelope (vLLM's): id, object, created, model, data, usage."""
     return {
         "id": rid,
         "object": "list",
         "created": generation.now(),
         "model": ctx.served_model_name,
         "data": data,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "usage": usage,
     }
 
 

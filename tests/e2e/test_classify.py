@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
+from tests.e2e.pooling_stack import pooling_stack, post
 from tests.e2e.stack import Stack
 from tests.fixtures.embedder import classifier_logits, make_cross_encoder
 
@@ -36,14 +36,7 @@ def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def classify_stack(classifier_dir: Path) -> Iterator[Stack]:
-    flags = ["--max-num-batched-tokens", "16", "--max-model-len", "128"]
-    running = Stack(classifier_dir, core_flags=flags).start()
-    yield running
-    running.stop()
-
-
-def post(stack: Stack, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{stack.http}{path}", json=body, timeout=120)
+    yield from pooling_stack(classifier_dir)
 
 
 def test_classify_equals_transformers(classify_stack: Stack, classifier_dir: Path) -> None:

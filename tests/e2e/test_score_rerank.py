@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.pooling_stack import pooling_stack, post
 from tests.e2e.stack import Stack
 from tests.fixtures.embedder import classifier_logits, load_cross_encoder, make_cross_encoder
 
@@ -32,14 +32,7 @@ def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def rerank_stack(reranker_dir: Path) -> Iterator[Stack]:
     """A Qwen3ForSequenceClassification checkpoint: --runner auto serves it for pooling."""
-    flags = ["--max-num-batched-tokens", "16", "--max-model-len", "128"]
-    running = Stack(reranker_dir, core_flags=flags).start()
-    yield running
-    running.stop()
-
-
-def post(stack: Stack, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{stack.http}{path}", json=body, timeout=120)
+    yield from pooling_stack(reranker_dir)
 
 
 def test_scores_equal_the_cross_encoder(rerank_stack: Stack, reranker_dir: Path) -> None:

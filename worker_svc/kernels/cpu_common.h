@@ -41,28 +41,25 @@ struct F16 {
 // float8_e4m3fn (bias 7, no infinities, NaN = 0x7f/0xff) and float8_e5m2 (bias 15, IEEE-like)
 // to float32, exactly and without branches (the selects compile to blends, so loops over them
 // vectorise): a normal value's exponent is moved into place, a subnormal (exponent field 0) is
-// its mantissa x 2^-9 (2^-16).
-struct FP8E4M3 {
+// its mantissa x 2^(1 - BIAS - MANTISSA) (2^-9, 2^-16).
+template <int MANTISSA, int BIAS>
+struct FP8 {
   using T = uint8_t;
+  static constexpr uint32_t EXPONENT_SHIFT = uint32_t(127 - BIAS) << 23;
+  static constexpr float SUBNORMAL_UNIT = std::bit_cast<float>(uint32_t(128 - BIAS - MANTISSA) << 23);
   static inline float load(uint8_t v) {
     const uint32_t mag = v & 0x7fu;
-    const float normal = std::bit_cast<float>((mag << 20) + (120u << 23));
-    float f = (mag >> 3) == 0 ? float(mag) * 0x1p-9f : normal;
-    f = mag == 0x7fu ? __builtin_nanf("") : f;
+    const float normal = std::bit_cast<float>((mag << (23 - MANTISSA)) + EXPONENT_SHIFT);
+    float f = (mag >> MANTISSA) == 0 ? float(mag) * SUBNORMAL_UNIT : normal;
+    if constexpr (MANTISSA == 3)  // e4m3fn: no infinities, NaN = all ones
+      f = mag == 0x7fu ? __builtin_nanf("") : f;
+    else  // e5m2: exponent all ones = infinity (mantissa 0) or NaN
+      f = mag >= 0x7cu ? (mag == 0x7cu ? __builtin_inff() : __builtin_nanf("")) : f;
     return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | (uint32_t(v & 0x80u) << 24));
   }
 };
-
-struct FP8E5M2 {
-  using T = uint8_t;
-  static inline float load(uint8_t v) {
-    const uint32_t mag = v & 0x7fu;
-    const float normal = std::bit_cast<float>((mag << 21) + (112u << 23));
-    float f = (mag >> 2) == 0 ? float(mag) * 0x1p-16f : normal;
-    f = mag >= 0x7cu ? (mag == 0x7cu ? __builtin_inff() : __builtin_nanf("")) : f;
-    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | (uint32_t(v & 0x80u) << 24));
-  }
-};
+using FP8E4M3 = FP8<3, 7>;
+using FP8E5M2 = FP8<2, 15>;
 
 inline bool is_fp8(const Tensor& t) {
   return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;

@@ -1,5 +1,5 @@
-"""The CPU kernels of cpu_ops.cpp, attention_ops.cpp and quant_ops.cpp: built once per machine
-with the system's C++ compiler, cached, loaded as torch.ops.splitserve.
+"""The CPU kernels of cpu_ops.cpp, attention_ops.cpp, quant_ops.cpp and w8a8_ops.cpp: built once
+per machine with the system's C++ compiler, cached, loaded as torch.ops.splitserve.
 
 A bf16 decode step of a small Llama spends a few per cent of its time in RMSNorm, rotary and
 SiLU-and-mul, each of which torch runs as several kernels with a temporary per op; and its
@@ -9,8 +9,8 @@ attention reads the cache in place through the block table (a bf16/float cache, 
 converted in registers), like vLLM's CPU ops.
 
 The quantized linear layers (layers/quantized.py) run quant_ops.cpp from the same library: int8
-and int4 weights against float activations (the weight dequantized inside the dot product), and
-W8A8's int8 dot products.
+and int4 weights against float activations (the weight dequantized inside the dot product); and
+w8a8_ops.cpp: W8A8's int8 dot products.
 
 Built for this machine's instruction set (-march=native: the AVX-512, AVX512_BF16 and
 AVX512_VNNI paths where the CPU has them, portable loops elsewhere), so the shared library is
@@ -45,9 +45,24 @@ logger = logging.getLogger(__name__)
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
     FOLDER / name
-    for name in ("cpu_ops.cpp", "attention_ops.cpp", "quant_ops.cpp", "sampling_ops.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "attention_ops.cpp",
+        "quant_ops.cpp",
+        "w8a8_ops.cpp",
+        "sampling_ops.cpp",
+    )
 )
-HEADERS = (FOLDER / "cpu_common.h", FOLDER / "quant_tiles.h", FOLDER / "quant_dequant.h")
+HEADERS = tuple(
+    FOLDER / name
+    for name in (
+        "cpu_common.h",
+        "attention_decode.h",
+        "quant_tiles.h",
+        "quant_dequant.h",
+        "quant_args.h",
+    )
+)
 LIBRARY = "cpu_ops.so"
 COMPILE_FLAGS = [
     *("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"),

@@ -3,14 +3,10 @@
 //                       group-wise scales and optional offsets (w = scale * q + offset); the
 //                       activations stay float (W8A16 / W4A16); bf16 steps of many tokens
 //                       run against bf16 panels converted once per step (run_panels)
-//   w8a8_linear         y = x W^T (+ b) with x quantized per token to int8 on the fly and W int8
-//                       ("quads") with one scale per output row (W8A8)
-//   int8_quantize_rows  that per-token quantization alone: vLLM's convention (its CPU and CUDA
-//                       kernels): scale = absmax / 127, q = round-half-even(x * (1 / scale))
-//                       clamped to [-128, 127], 1 / scale taken in double as vLLM-CPU does
 //   quant_dequantize    W^T in float (quant_dequant.h; steps of many tokens hand it to oneDNN's
 //                       matmul)
 //   quant_isa           which instruction-set paths this build has
+// (W8A8's w8a8_linear and int8_quantize_rows: w8a8_ops.cpp; the argument checks: quant_args.h.)
 // The activations are first gathered into a scratch row per token: in the packed column order
 // (`cols`: input feature of each packed column, K meaning zero: padding, act-order), as float32
 // (or bf16 pairs for the int4 x bf16 kernel), with each group's sum. Tiles of 16 output rows
@@ -26,79 +22,15 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "quant_args.h"
 #include "quant_dequant.h"
 #include "quant_tiles.h"
 
 namespace {
 
 using at::Tensor;
-using OptTensor = std::optional<Tensor>;
 using namespace splitserve;
 using namespace splitserve::quant;
-
-constexpr int64_t MAX_MB = 8;
-
-struct Packed {
-  int64_t bits, num_tiles, num_chunks, num_groups;
-  bool is_half_scales;
-};
-
-Packed check_packed(const Tensor& qweight, int64_t bits, const Tensor& scales,
-                    const OptTensor& offsets, const Tensor& bounds) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, not ", bits);
-  const int64_t chunk = bits == 8 ? 64 : 32;
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.is_contiguous() && qweight.dim() == 3 &&
-                  qweight.size(2) == chunk && qweight.element_size() == 1,
-              "qweight must be contiguous 8-bit [tiles, chunks, ", chunk, "] on the CPU");
-  const int64_t tiles = qweight.size(0), chunks = qweight.size(1);
-  TORCH_CHECK(bounds.scalar_type() == at::kInt && bounds.is_contiguous() && bounds.dim() == 1 &&
-                  bounds.numel() >= 2, "bounds must be int32 [groups + 1]");
-  const int64_t groups = bounds.numel() - 1;
-  const int32_t* b = bounds.data_ptr<int32_t>();
-  TORCH_CHECK(b[0] == 0 && b[groups] == chunks, "bounds must run from 0 to ", chunks, " chunks");
-  for (int64_t g = 0; g < groups; ++g) TORCH_CHECK(b[g] <= b[g + 1], "bounds must not decrease");
-  const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "scales must be float32 or float16");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == tiles &&
-                  scales.size(1) == groups && scales.size(2) == TILE,
-              "scales must be contiguous [", tiles, ", ", groups, ", 16]");
-  if (offsets)
-    TORCH_CHECK(offsets->scalar_type() == scales.scalar_type() && offsets->is_contiguous() &&
-                    offsets->sizes() == scales.sizes(), "offsets must be shaped and typed as scales");
-  return {bits, tiles, chunks, groups, half};
-}
-
-void check_io(const Tensor& out, const Tensor& x, int64_t num_tiles, const OptTensor& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
-              "x must be [tokens, in_features] with contiguous rows on the CPU");
-  const int64_t n = out.dim() == 2 ? out.size(1) : -1;
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.scalar_type() == x.scalar_type(),
-              "out must be contiguous [tokens, out_features] of x's dtype");
-  TORCH_CHECK(n > (num_tiles - 1) * TILE && n <= num_tiles * TILE, "out has ", n,
-              " features but the weight has ", num_tiles, " tiles of 16 rows");
-  if (bias)
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type(),
-                "bias must hold out_features values of x's dtype");
-}
-
-// The packed column -> input feature map (K: a zero column).
-std::vector<int64_t> column_map(const OptTensor& cols, int64_t num_cols, int64_t k) {
-  std::vector<int64_t> map(num_cols);
-  if (cols) {
-    TORCH_CHECK(cols->scalar_type() == at::kLong && cols->is_contiguous() && cols->numel() == num_cols,
-                "cols must be int64 [", num_cols, "] (one input feature per packed column)");
-    const int64_t* c = cols->data_ptr<int64_t>();
-    for (int64_t i = 0; i < num_cols; ++i) {
-      TORCH_CHECK(c[i] >= 0 && c[i] <= k, "cols[", i, "] = ", c[i], " is outside [0, ", k, "]");
-      map[i] = c[i];
-    }
-  } else {
-    TORCH_CHECK(k <= num_cols, "x has ", k, " features but the weight only ", num_cols, " columns");
-    for (int64_t i = 0; i < num_cols; ++i) map[i] = std::min(i, k);
-  }
-  return map;
-}
 
 // x gathered per token (float32, or bf16 bits when `as_bf16`), and each group's sum.
 struct Activations {
@@ -205,18 +137,6 @@ int64_t tiles_per_call(Kind kind) {
 #else
   return 1;
 #endif
-}
-
-// Blocks of tokens (first, count): 8 at a time, the rest in 4, 2, 1.
-std::vector<std::pair<int64_t, int64_t>> token_blocks(int64_t rows) {
-  std::vector<std::pair<int64_t, int64_t>> blocks;
-  for (int64_t m0 = 0; m0 < rows;) {
-    const int64_t left = rows - m0;
-    const int64_t mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    blocks.emplace_back(m0, mb);
-    m0 += mb;
-  }
-  return blocks;
 }
 
 // tot[t * mb + m] (+ bias) into out rows m0 .. m0 + mb, columns of tiles t0 .. t0 + nt.
@@ -355,120 +275,6 @@ void quant_linear(Tensor out, Tensor x, Tensor qweight, int64_t bits, Tensor sca
   });
 }
 
-// Per-token int8 quantization (vLLM's convention, see the top); rows of xq padded with zeros.
-// Rounding half to even by the float addition of 1.5 * 2^23 (exact for |v| <= 128, and it
-// vectorises, where a call to nearbyint per value does not).
-template <class D>
-void quantize_rows(const Tensor& x, int8_t* xq, int64_t xq_stride, float* scales) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  const auto* xs = ptr<D>(x);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const auto* xr = xs + r * x.stride(0);
-      float absmax = 0.0f;
-#pragma omp simd reduction(max : absmax)
-      for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::abs(D::load(xr[i])));
-      const float scale = absmax / 127.0f;
-      const float inv = scale > 0.0f ? float(1.0 / double(scale)) : 0.0f;
-      constexpr float magic = 12582912.0f;  // 1.5 * 2^23
-      int8_t* qr = xq + r * xq_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) {
-        const float v = std::min(std::max(D::load(xr[i]) * inv, -128.0f), 127.0f);
-        qr[i] = int8_t(int32_t((v + magic) - magic));
-      }
-      std::fill(qr + k, qr + xq_stride, int8_t(0));
-      scales[r] = scale;
-    }
-  });
-}
-
-void int8_quantize_rows(Tensor out, Tensor scales, Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, features] rows");
-  TORCH_CHECK(out.scalar_type() == at::kChar && out.is_contiguous() && out.sizes() == x.sizes(),
-              "out must be contiguous int8 shaped like x");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == x.size(0),
-              "scales must be float32 [tokens]");
-  dispatch(x, [&](auto tag) {
-    quantize_rows<decltype(tag)>(x, out.data_ptr<int8_t>(), x.size(1), scales.data_ptr<float>());
-  });
-}
-
-#ifdef SPLITSERVE_QUANT_VNNI
-constexpr int64_t W8A8_TILES_PER_CALL = 2;
-
-template <int NT>
-void w8a8_tiles(const uint8_t* w, int64_t tile_bytes, int64_t chunks, const uint32_t* xq,
-                int64_t mb, int32_t (*acc)[TILE]) {
-  switch (mb) {
-    case 8: return tile_w8a8_vnni<NT, 8>(w, tile_bytes, chunks, xq, chunks, acc);
-    case 4: return tile_w8a8_vnni<NT, 4>(w, tile_bytes, chunks, xq, chunks, acc);
-    case 2: return tile_w8a8_vnni<NT, 2>(w, tile_bytes, chunks, xq, chunks, acc);
-    default: return tile_w8a8_vnni<NT, 1>(w, tile_bytes, chunks, xq, chunks, acc);
-  }
-}
-#else
-constexpr int64_t W8A8_TILES_PER_CALL = 1;
-#endif
-
-// int32 sums of nt tiles x mb tokens into acc[t * mb + m].
-void w8a8_block(const uint8_t* w, int64_t tile_bytes, int64_t chunks, const uint32_t* xq,
-                int64_t nt, int64_t mb, int32_t (*acc)[TILE]) {
-#ifdef SPLITSERVE_QUANT_VNNI
-  (nt == 2 ? w8a8_tiles<2> : w8a8_tiles<1>)(w, tile_bytes, chunks, xq, mb, acc);
-#else
-  tile_w8a8_generic(w, chunks, xq, chunks, mb, acc);
-#endif
-}
-
-void w8a8_linear(Tensor out, Tensor x, Tensor qweight, Tensor weight_scales, Tensor weight_sums,
-                 OptTensor bias) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar &&
-                  qweight.is_contiguous() && qweight.dim() == 3 && qweight.size(2) == 64,
-              "qweight must be contiguous int8 [tiles, chunks, 64] on the CPU");
-  const int64_t tiles = qweight.size(0), chunks = qweight.size(1), rows = tiles * TILE;
-  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous() &&
-                  weight_scales.numel() == rows, "weight_scales must be float32 [tiles * 16]");
-  TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.is_contiguous() &&
-                  weight_sums.numel() == rows, "weight_sums must be int32 [tiles * 16]");
-  check_io(out, x, tiles, bias);
-  TORCH_CHECK(x.size(1) <= chunks * 4, "x has ", x.size(1), " features but the weight only ", chunks * 4);
-  const int64_t m = x.size(0), n = out.size(1);
-  if (m == 0) return;
-  const auto blocks = token_blocks(m);
-  const int64_t num_blocks = int64_t(blocks.size()), per_call = W8A8_TILES_PER_CALL;
-  const int64_t calls = (tiles + per_call - 1) / per_call;
-  std::vector<uint32_t> xq(m * chunks);
-  std::vector<float> xscale(m);
-  auto* xq8 = reinterpret_cast<int8_t*>(xq.data());
-  dispatch(x, [&](auto tag) { quantize_rows<decltype(tag)>(x, xq8, chunks * 4, xscale.data()); });
-  for (auto& v : xq) v ^= 0x80808080u;  // int8 -> u8 (q + 128), the dot product's unsigned side
-  const float* ws = weight_scales.data_ptr<float>();
-  const int32_t* wsum = weight_sums.data_ptr<int32_t>();
-  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  dispatch(x, [&](auto tag) {
-    using D = decltype(tag);
-    const auto* b = bias ? ptr<D>(*bias) : nullptr;
-    auto* o = ptr<D>(out);
-    at::parallel_for(0, calls * num_blocks, 1, [&](int64_t begin, int64_t end) {
-      int32_t acc[2 * MAX_MB][TILE];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t0 = task / num_blocks * per_call, nt = std::min(per_call, tiles - t0);
-        const auto [m0, mb] = blocks[task % num_blocks];
-        const uint32_t* xr = xq.data() + m0 * chunks;
-        w8a8_block(w + t0 * chunks * 64, chunks * 64, chunks, xr, nt, mb, acc);
-        for (int64_t t = 0; t < nt; ++t)
-          for (int64_t r = 0; r < mb; ++r)
-            for (int64_t i = 0, width = std::min(TILE, n - (t0 + t) * TILE); i < width; ++i) {
-              const int64_t col = (t0 + t) * TILE + i;
-              const float y = float(acc[t * mb + r][i] - 128 * wsum[col]) * ws[col] * xscale[m0 + r];
-              o[(m0 + r) * n + col] = D::store(y + (b ? D::load(b[col]) : 0.0f));
-            }
-      }
-    });
-  });
-}
-
 // Blocks of tiles shared out over the threads, each writing its columns of W^T (quant_dequant.h).
 constexpr int64_t DEQUANTIZE_TILES = 8;
 
@@ -526,15 +332,11 @@ std::string quant_isa() {
 
 TORCH_LIBRARY_FRAGMENT(splitserve, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int bits, Tensor scales, Tensor? offsets, Tensor bounds, Tensor? cols, Tensor? bias) -> ()");
-  m.def("w8a8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor weight_scales, Tensor weight_sums, Tensor? bias) -> ()");
-  m.def("int8_quantize_rows(Tensor(a!) out, Tensor(b!) scales, Tensor x) -> ()");
   m.def("quant_dequantize(Tensor(a!) out, Tensor qweight, int bits, Tensor scales, Tensor? offsets, Tensor bounds) -> ()");
   m.def("quant_isa() -> str", &quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(splitserve, CPU, m) {
   m.impl("quant_linear", quant_linear);
-  m.impl("w8a8_linear", w8a8_linear);
-  m.impl("int8_quantize_rows", int8_quantize_rows);
   m.impl("quant_dequantize", quant_dequantize);
 }

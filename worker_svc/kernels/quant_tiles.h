@@ -1,4 +1,4 @@
-// The tile kernels of quant_ops.cpp: one 16-row tile of a quantized weight against a block
+// The tile kernels of quant_ops.cpp and w8a8_ops.cpp: one 16-row tile of a quantized weight against a block
 // of MB activation rows, results in float32 (before bias and rounding).
 //
 // The packed layout (worker_svc/layers/quant_pack.py writes it): output rows in tiles of 16,

@@ -68,9 +68,9 @@ class QuantizedTensor:
 
 
 class ConvertedTensor:
-    """A `QuantizedSource` over one layer's checkpoint tensors in a packed format (AWQ, GPTQ):
-    read whole and turned into a `GroupQuantized` by `convert` when a layer first asks; `shape`
-    is the weight's [out, in]."""
+    """A `QuantizedSource` over one layer's checkpoint tensors in a packed format (AWQ, GPTQ,
+    compressed-tensors): read whole and turned into a `GroupQuantized` by `convert` when a
+    layer first asks; `shape` is the weight's [out, in]."""
 
     def __init__(
         self,

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from worker_svc.layers.quant_pack import GroupQuantized
-from worker_svc.layers.quant_source import Index, QuantizedTensor
+from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
@@ -119,34 +120,20 @@ def to_group_quantized(parts: dict[str, torch.Tensor], scheme: CtScheme) -> Grou
     )
 
 
-class CtQuantizedTensor:
+class CtQuantizedTensor(ConvertedTensor):
     """A layer's compressed tensors (a `QuantizedSource`), read and converted when a layer
-    first asks; float32 slices for a reader that wants floats."""
+    first asks; float32 slices for a reader that wants floats. Its shape too is read when
+    asked (`weight_shape`, or the unpacked `weight`'s)."""
 
     def __init__(self, parts: dict[str, TensorSource], scheme: CtScheme) -> None:
-        self.parts = parts
+        convert = partial(to_group_quantized, scheme=scheme)
+        super().__init__(parts, convert, [])  # no shape: get_shape reads it when asked
         self.scheme = scheme
-        self._weight: QuantizedTensor | None = None
-
-    def weight(self) -> QuantizedTensor:
-        if self._weight is None:
-            tensors = {name: source[:] for name, source in self.parts.items()}
-            self._weight = QuantizedTensor(to_group_quantized(tensors, self.scheme))
-        return self._weight
 
     def get_shape(self) -> list[int]:
         if "weight_shape" in self.parts:
             return [int(v) for v in self.parts["weight_shape"][:].tolist()]
         return self.parts["weight"].get_shape()
-
-    def quantized(self, index: Index) -> GroupQuantized:
-        return self.weight().quantized(index)
-
-    def __getitem__(self, index: Index) -> torch.Tensor:
-        return self.weight()[index]
-
-    def row_range(self, start: int, num_rows: int) -> QuantizedTensor:
-        return self.weight().row_range(start, num_rows)
 
 
 def layer_parts(names: list[str], local_names: tuple[str, ...], marker: str) -> dict[str, str]:

@@ -692,9 +692,11 @@ class GrammarBitmask(_message.Message):
 
     REQ_HANDLES_FIELD_NUMBER: _builtins.int
     BITMASK_FIELD_NUMBER: _builtins.int
+    SPARSE_FIELD_NUMBER: _builtins.int
     bitmask: _builtins.bytes
     """The masks, concatenated: per request ceil(vocab_size / 32) little-endian
-    int32 words; bit b of word w allows token id 32 * w + b.
+    int32 words; bit b of word w allows token id 32 * w + b. Empty when the
+    masks travel in `sparse` instead.
     """
     @_builtins.property
     def req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -705,19 +707,75 @@ class GrammarBitmask(_message.Message):
         the rank reject it).
         """
 
+    @_builtins.property
+    def sparse(self) -> Global___SparseGrammarBitmask:
+        """The same masks in a sparse form, set instead of `bitmask` when that is
+        smaller (large batches: a row's words are mostly 0, or mostly -1).
+        """
+
     def __init__(
         self,
         *,
         req_handles: _abc.Iterable[_builtins.int] | None = ...,
         bitmask: _builtins.bytes = ...,
+        sparse: Global___SparseGrammarBitmask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sparse", b"sparse"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bitmask", b"bitmask", "req_handles", b"req_handles"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bitmask", b"bitmask", "req_handles", b"req_handles", "sparse", b"sparse"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GrammarBitmask: _TypeAlias = GrammarBitmask  # noqa: Y015
+
+@_typing.final
+class SparseGrammarBitmask(_message.Message):
+    """SparseGrammarBitmask holds a GrammarBitmask's rows (one per req_handles
+    entry) as a default word per row plus the words that differ from it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_WORDS_FIELD_NUMBER: _builtins.int
+    ROW_DEFAULTS_FIELD_NUMBER: _builtins.int
+    NUM_LISTED_WORDS_FIELD_NUMBER: _builtins.int
+    WORD_INDICES_FIELD_NUMBER: _builtins.int
+    WORDS_FIELD_NUMBER: _builtins.int
+    num_words: _builtins.int
+    """Words per row: ceil(vocab_size / 32)."""
+    row_defaults: _builtins.bytes
+    """One byte per row: 0, every word not listed is 0 (refuses its 32 tokens);
+    1, every word not listed is -1 (allows them). A row of 1 with no listed
+    word allows every token: the rank leaves its logits alone.
+    """
+    word_indices: _builtins.bytes
+    """The listed words' indices within their row, little-endian uint32, each
+    below num_words.
+    """
+    words: _builtins.bytes
+    """The listed words, little-endian int32, in word_indices' order."""
+    @_builtins.property
+    def num_listed_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per row, how many of its words are listed (in word_indices and words, row
+        after row).
+        """
+
+    def __init__(
+        self,
+        *,
+        num_words: _builtins.int = ...,
+        row_defaults: _builtins.bytes = ...,
+        num_listed_words: _abc.Iterable[_builtins.int] | None = ...,
+        word_indices: _builtins.bytes = ...,
+        words: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_listed_words", b"num_listed_words", "num_words", b"num_words", "row_defaults", b"row_defaults", "word_indices", b"word_indices", "words", b"words"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SparseGrammarBitmask: _TypeAlias = SparseGrammarBitmask  # noqa: Y015
 
 @_typing.final
 class ExecuteResponse(_message.Message):

@@ -251,8 +251,11 @@ def make_engine(
     can_recover: bool = False,
     prefill_token_budget: int = 0,
     async_scheduling: bool = False,
+    adaptive_prefill_chunk: int = 0,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
+    """An engine on the FakeExecutor; the adaptive prefill chunk is off unless asked for, so
+    the tests of the static limits and of async scheduling see vLLM's behaviour."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -261,6 +264,7 @@ def make_engine(
         long_prefill_token_threshold=long_prefill_token_threshold,
         prefill_token_budget=prefill_token_budget,
         async_scheduling=async_scheduling,
+        adaptive_prefill_chunk=adaptive_prefill_chunk,
         **limits,
     )
     cache_config = CacheConfig(

@@ -43,12 +43,15 @@ class EngineMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         caching=st.booleans(),
         async_scheduling=st.booleans(),
+        adaptive_prefill_chunk=st.sampled_from([0, 3]),
     )
-    def create(self, policy: str, caching: bool, async_scheduling: bool) -> None:
+    def create(
+        self, policy: str, caching: bool, async_scheduling: bool, adaptive_prefill_chunk: int
+    ) -> None:
         self.engine, self.executor = make_engine(
             num_blocks=12, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=16,
             max_model_len=32, policy=policy, enable_prefix_caching=caching or policy == "fcfs",
-            async_scheduling=async_scheduling,
+            async_scheduling=async_scheduling, adaptive_prefill_chunk=adaptive_prefill_chunk,
         )  # fmt: skip
 
     @rule(

@@ -280,3 +280,35 @@ def test_grammar_cache_counters_reach_vllms_metric_names(tokenizer_json: str) ->
     labels = '{engine="0",model_name="m"}'
     assert f"vllm:structured_output_cache_queries_total{labels} 2.0" in text
     assert f"vllm:structured_output_cache_hits_total{labels} 1.0" in text
+
+
+def test_filled_rows_are_llguidances_with_the_padding_bits_set(tokenizer_json: str) -> None:
+    """The fill writes each matcher's row in place (llguidance's fill_next_token_bitmask,
+    without its per-row checks), and sets the last word's bits past the vocabulary, so a row
+    that allows every token is all -1 words (sent as nothing on the sparse wire form)."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    from core_svc.structured_output import StructuredOutputManager
+
+    vocab_size = VOCAB + 5  # the last word holds 5 tokens and 27 padding bits
+    manager = StructuredOutputManager(vocab_size, StructuredOutputsConfig())
+    manager.set_tokenizer(1, tokenizer_json, [1])
+    states = [
+        StructuredOutputRequest(StructuredOutputsParams(regex=regex))
+        for regex in (r"[0-9]{3}", r"(?s:.*)", r"yes|no")
+    ]
+    for handle, state in enumerate(states):
+        assert manager.submit(handle, 1, state, []) is None
+    deadline = time.monotonic() + 20
+    while manager.num_compiling and time.monotonic() < deadline:
+        assert not manager.take_compiled(time.monotonic())[1]
+        time.sleep(0.01)
+    words = np.frombuffer(manager.fill_bitmask(states), "<i4").reshape(len(states), -1)
+    expected = np.zeros_like(words)
+    for row, state in enumerate(states):
+        fill_next_token_bitmask(state.matcher, expected, row)  # type: ignore[arg-type]
+    padding = np.int32(-(1 << 5))
+    assert np.array_equal(words[:, :-1], expected[:, :-1])
+    assert np.array_equal(words[:, -1], expected[:, -1] | padding)
+    assert (expected[:, -1] & padding == 0).all()  # llguidance leaves the padding bits clear
+    manager.shutdown()

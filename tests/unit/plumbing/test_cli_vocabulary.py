@@ -217,12 +217,19 @@ def test_enforce_eager_and_the_stats_interval_reach_the_core_config() -> None:
 
 def test_the_latency_policy_flags_reach_the_scheduler() -> None:
     argv = ["--worker-addrs", "h:1", "--prefill-token-budget", "128"]
+    argv += ["--adaptive-prefill-chunk", "96"]
     config = parse_core([*argv, "--long-prefill-token-threshold", "64"], {})
     facts = ModelFacts("LlamaForCausalLM", 32000, 1024, "bfloat16", "cpu", 64, 1 << 20)
     scheduler = build_engine(config, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
-    assert scheduler.prefill_token_budget == 128
-    assert scheduler.long_prefill_token_threshold == 64
-    assert parse_core(["--worker-addrs", "h:1"], {}).prefill_token_budget == 0, "off by default"
+    policy = scheduler.prefill_policy
+    assert policy.prefill_token_budget == 128
+    assert policy.long_prefill_token_threshold == 64
+    assert policy.adaptive_chunk == 96
+    defaults = parse_core(["--worker-addrs", "h:1"], {})
+    assert defaults.prefill_token_budget == 0, "off by default"
+    assert defaults.adaptive_prefill_chunk == 192, "on by default"
+    off = parse_core(["--worker-addrs", "h:1", "--adaptive-prefill-chunk", "0"], {})
+    assert off.adaptive_prefill_chunk == 0
 
 
 def test_async_scheduling_reaches_the_scheduler_and_is_on_where_it_can_run() -> None:

@@ -213,3 +213,67 @@ def test_bad_requests_fail_alone_and_a_malformed_step_is_refused(
     assert malformed.status == pb.STEP_STATUS_ERROR and malformed.step_id == 2
     assert "malformed step 2" in malformed.error_message
     assert valid.status == pb.STEP_STATUS_OK and list(valid.req_handles) == [5]
+
+
+def only_token(msg: pb.GrammarBitmask, handle: int, token: int, vocab_size: int) -> None:
+    """A sparse grammar mask (core_svc/structured_bitmask.py's form) allowing `token` alone."""
+    msg.req_handles.append(handle)
+    msg.sparse.num_words = (vocab_size + 31) // 32
+    msg.sparse.row_defaults = b"\x00"
+    msg.sparse.num_listed_words.append(1)
+    msg.sparse.word_indices = (token // 32).to_bytes(4, "little")
+    msg.sparse.words = (1 << (token % 32)).to_bytes(4, "little", signed=False)
+
+
+async def constrained_steps(model: Path) -> tuple[int, list[pb.ModelRunnerOutput]]:
+    servicer = WorkerServicer(CollectorRegistry(), StallWatch(lambda is_ready: None), device="cpu")
+    server, port = start_server(servicer)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
+            loaded = await stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4))
+            vocab = loaded.vocab_size
+            await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
+            call = open_stream(stub)
+            step = first_step(1)  # the mask with the step
+            only_token(step.scheduler_output.grammar_bitmask, 5, vocab - 3, vocab)
+            await call.write(step)
+            outputs = [await read_output(call)]
+            step = decode_step(2, vocab - 3, 5)  # the mask after the step (async scheduling)
+            step.scheduler_output.has_pending_grammar = True
+            await call.write(step)
+            grammar = pb.ExecuteRequest(grammar_output=pb.GrammarOutput(step_id=2))
+            only_token(grammar.grammar_output.grammar_bitmask, 5, 40, vocab)
+            await call.write(grammar)
+            outputs.append(await read_output(call))
+            step = decode_step(3, 40, 6)
+            only_token(step.scheduler_output.grammar_bitmask, 5, 33, vocab)
+            bad_index = (1 << 20).to_bytes(4, "little")
+            step.scheduler_output.grammar_bitmask.sparse.word_indices = bad_index
+            await call.write(step)  # a malformed mask: refused before the step runs
+            outputs.append(await read_output(call))
+            step = decode_step(4, 40, 6)
+            only_token(step.scheduler_output.grammar_bitmask, 5, 33, vocab)
+            await call.write(step)  # the rank still serves
+            outputs.append(await read_output(call))
+            await call.done_writing()
+            return vocab, outputs
+    finally:
+        servicer.close()
+        server.stop(None)
+
+
+def test_sparse_grammar_masks_steer_sampling_and_a_malformed_one_is_refused(
+    worker_checkpoints: CheckpointCache,
+) -> None:
+    vocab, (inline, deferred, malformed, after) = asyncio.run(
+        constrained_steps(worker_checkpoints.get("llama"))
+    )
+    assert inline.status == pb.STEP_STATUS_OK, inline.error_message
+    assert list(inline.sampled_token_ids) == [vocab - 3]
+    (logprobs,) = inline.logprobs  # logprobs see the mask: the only allowed token has all
+    assert list(logprobs.table.ranks) == [1] and logprobs.table.logprobs[0] == 0.0
+    assert deferred.status == pb.STEP_STATUS_OK and list(deferred.sampled_token_ids) == [40]
+    assert malformed.status == pb.STEP_STATUS_ERROR and malformed.step_id == 3
+    assert "grammar_bitmask.sparse" in malformed.error_message
+    assert after.status == pb.STEP_STATUS_OK and list(after.sampled_token_ids) == [33]
