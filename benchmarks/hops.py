@@ -23,7 +23,8 @@ import argparse
 import asyncio
 import json
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,6 +32,8 @@ from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.serve_compare import stack_options
 from splitserve.children import Child, start_children, stop_children, wait_ready
 from splitserve_client.bench_serve import Workload, grpc_generate, run_workload, summarize
+
+_T = TypeVar("_T")
 
 W1 = Workload(num_prompts=32, input_len=256, output_len=64, vocab_size=VOCAB_SIZE)
 W2 = Workload(num_prompts=1, input_len=256, output_len=128, vocab_size=VOCAB_SIZE, seed=1)
@@ -102,7 +105,8 @@ async def measure(children: Sequence[Child]) -> dict[str, dict[str, float]]:
         await close()
 
 
-async def run(flags: list[str]) -> dict[str, dict[str, float]]:
+async def on_bench_stack(flags: list[str], measure: Callable[[list[Child]], Awaitable[_T]]) -> _T:
+    """`measure` run on a fresh stack (the benchmark checkpoint, bf16, `flags` added)."""
     core_flags = ["--dtype", "bfloat16", "--max-num-seqs", "64", *flags]
     children = start_children(stack_options(str(ensure_bench_model(None)), core_flags))
     try:
@@ -110,6 +114,10 @@ async def run(flags: list[str]) -> dict[str, dict[str, float]]:
         return await measure(children)
     finally:
         await asyncio.to_thread(stop_children, children)
+
+
+async def run(flags: list[str]) -> dict[str, dict[str, float]]:
+    return await on_bench_stack(flags, measure)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

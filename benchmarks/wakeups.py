@@ -18,9 +18,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
-from benchmarks.serve_compare import stack_options
-from splitserve.children import Child, start_children, stop_children, wait_ready
+from benchmarks.bench_model import VOCAB_SIZE
+from benchmarks.hops import on_bench_stack
+from splitserve.children import Child
 from splitserve_client.bench_serve import Workload, grpc_generate, run_workload
 
 W2 = Workload(num_prompts=1, input_len=256, output_len=128, vocab_size=VOCAB_SIZE, seed=1)
@@ -100,13 +100,7 @@ async def measure(children: Sequence[Child]) -> dict[str, dict[str, dict[str, fl
 
 
 async def run(flags: list[str]) -> dict[str, dict[str, dict[str, float]]]:
-    core_flags = ["--dtype", "bfloat16", "--max-num-seqs", "64", *flags]
-    children = start_children(stack_options(str(ensure_bench_model(None)), core_flags))
-    try:
-        await asyncio.to_thread(wait_ready, children, 600.0)
-        return await measure(children)
-    finally:
-        await asyncio.to_thread(stop_children, children)
+    return await on_bench_stack(flags, measure)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
