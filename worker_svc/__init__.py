@@ -1,7 +1,10 @@
 """worker_svc: one tensor-/pipeline-parallel rank of the model (vLLM's Worker + ModelRunner).
 
-server.py         WorkerServicer on a synchronous gRPC server, a thread per RPC: each Execute
-                  step runs inline on its stream's thread; model calls are serialised
+server.py         WorkerServicer on a synchronous gRPC server, a thread per RPC: an Execute
+                  stream's steps run in order on a step thread of its own; model calls are
+                  serialised
+request_stream.py an Execute stream's requests, received ahead of the step loop
+output_stream.py  its outputs, written beside the step loop
 convert.py        protobuf <-> the worker's own types (the only other `*_pb2` importer)
 worker.py         Worker: describe, load_model (joins torch.distributed, picks the attention
                   backend for the block size, once), KV capacity, execute

@@ -4,9 +4,10 @@ Every RPC runs on a thread of its own (splitserve_runtime.sync_service_host.Thre
 ends with it. torch's OpenMP thread team belongs to the thread that starts it, and a second live
 team roughly halves CPU throughput, so the model must only ever be driven from one live thread:
 unary calls (LoadModel, KV sizing and warm-up) run one at a time on their short-lived threads,
-and an Execute stream runs its steps in order on one step thread of its own, which reads the
-requests itself and hands each output to the stream's RPC thread to write while the next step
-runs (worker_svc/output_stream.py): the step path never waits for the network. Execute is the
+and an Execute stream runs its steps in order on one step thread of its own, which takes the
+requests a reader thread received ahead of it (worker_svc/request_stream.py) and hands each
+output to the stream's RPC thread to write while the next step runs (worker_svc/output_stream.py):
+the step path never waits for the network. Execute is the
 bidirectional step stream: each ExecuteRequest runs in order; the output rank answers every step,
 other ranks answer only with errors. A failed step poisons the rank (its per-request state may be
 half-updated): every later step is answered with the same error.
@@ -46,6 +47,7 @@ from worker_svc.ownership import (
     claim_from_metadata,
 )
 from worker_svc.profiler import RankProfiler
+from worker_svc.request_stream import StepRequests
 from worker_svc.scheduler_output import GrammarBitmask
 from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
@@ -254,8 +256,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 "Execute needs LoadModel and InitializeKvCache first",
             )
         outputs: StepOutputs[pb.ExecuteResponse] = StepOutputs(context.is_active)
-        outputs.run(lambda: self._step_loop(request_iterator, context, claim, outputs), "steps")
-        yield from outputs.drain()
+        requests = StepRequests(request_iterator)
+        try:
+            outputs.run(lambda: self._step_loop(requests, context, claim, outputs), "steps")
+            yield from outputs.drain()
+        finally:
+            requests.close()
 
     def _step_loop(
         self,
