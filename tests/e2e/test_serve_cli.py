@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.kernel_cache import fresh_cache_with_kernels
+
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CONFIG = """\
@@ -50,7 +52,8 @@ def test_serve_a_model_positionally_with_a_config_file(
 ) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
-    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    cache = fresh_cache_with_kernels(tmp_path / "cache")
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache)}
     for name in ("SPLITSERVE_ADDR", "SPLITSERVE_LOG_LEVEL", "SPLITSERVE_API_KEY"):
         env.pop(name, None)
     stderr_path = tmp_path / "serve.err"
@@ -68,7 +71,7 @@ def test_serve_a_model_positionally_with_a_config_file(
             line = serve.stdout.readline()
             match = re.match(r"READY frontend=(\S+) .* http=(\S+)\n", line)
             assert match, line
-            state = tmp_path / "cache" / "last-serve.json"
+            state = cache / "last-serve.json"
             recorded = json.loads(state.read_text())
             assert (recorded["frontend"], recorded["http"]) == match.groups()
 
