@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,26 @@ def log_records(text: str) -> list[dict[str, str]]:
     records = [json.loads(line) for line in lines if line.startswith("{")]
     assert len(records) == len(lines), [line for line in lines if not line.startswith("{")]
     return records
+
+
+def wait_for_messages(path: Path, is_done: Callable[[list[str]], bool]) -> None:
+    """Until the messages of the whole JSON lines in `path` satisfy `is_done` (30 s at most:
+    the assertions after it say what is missing)."""
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        text = path.read_text()
+        lines = text[: text.rfind("\n") + 1].splitlines()
+        if is_done([json.loads(line)["message"] for line in lines if line.startswith("{")]):
+            return
+        time.sleep(0.05)
+
+
+def is_logged(messages: list[str]) -> bool:
+    """The four requests' lines and a stats line that counted generated tokens."""
+    stats = [m for m in messages if "Avg prompt throughput" in m]
+    return sum(m.startswith("Finished request") for m in messages) == 4 and any(
+        "Avg generation throughput: 0.0" not in m for m in stats
+    )
 
 
 def test_serve_a_model_positionally_with_a_config_file(
@@ -82,7 +103,7 @@ def test_serve_a_model_positionally_with_a_config_file(
                            "--output-len", "4", env=env)  # fmt: skip
             assert bench.returncode == 0, bench.stderr
             assert json.loads(bench.stdout.splitlines()[-1])["completed"] == 3
-            time.sleep(1.5)  # a stats interval or three
+            wait_for_messages(stderr_path, is_logged)  # the stats line comes every 0.5 s
         finally:
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(timeout=90) == 0
