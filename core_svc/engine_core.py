@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from core_svc.admission import kv_capacity_problem, overload_reason
 from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
@@ -19,6 +20,7 @@ from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.scheduler_stats import make_scheduler_stats
 from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOutputsConfig
 from core_svc.structured_requests import StructuredRequests
 from splitserve_contracts.output_types import (
@@ -160,46 +162,25 @@ class EngineCore:
         return self._overload_reason(request)
 
     def _kv_capacity_problem(self, request: Request) -> str | None:
-        max_model_len = self.scheduler_config.max_model_len
-        max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-        block_size = self.cache_config.block_size
+        max_model_len, block_size = (
+            self.scheduler_config.max_model_len,
+            self.cache_config.block_size,
+        )
         num_usable_blocks = self.kv_cache_manager.block_pool.num_usable_blocks
-        if -(-max_num_tokens // block_size) > num_usable_blocks:
-            return (
-                f"the request may need {max_num_tokens} tokens of KV cache, more than the "
-                f"{num_usable_blocks * block_size} the cache holds"
-            )
-        return None
+        return kv_capacity_problem(request, max_model_len, block_size, num_usable_blocks)
 
     def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
-        """A full queue refuses a new request. A resumed one (a frontend resubmits what an
-        engine core admitted before) was admitted once: a core holds at most max_num_seqs
-        running requests, with their tokens in its KV cache, besides its queue, so resumed
-        requests get that much room beyond the limits - no more, whoever marks them."""
-        config, scheduler = self.scheduler_config, self.scheduler
-        max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
-        room = ""
-        if request.is_resumed:
-            max_reqs += config.max_num_seqs if max_reqs else 0
-            max_tokens += self._kv_cache_tokens if max_tokens else 0
-            room = " even for a resumed request"
-        if max_reqs and len(scheduler.waiting) >= max_reqs:
-            return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full{room} ({len(scheduler.waiting)} requests waiting, "
-                f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
-            )
-        num_tokens = scheduler.num_waiting_tokens + request.num_tokens
-        if max_tokens and num_tokens > max_tokens:
-            return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full{room} ({scheduler.num_waiting_tokens} prompt "
-                f"tokens waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); "
-                "retry later"
-            )
-        return None
-
-    @property
-    def _kv_cache_tokens(self) -> int:
-        return self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
+        scheduler = self.scheduler
+        num_kv_cache_tokens = (
+            self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
+        )
+        return overload_reason(
+            request,
+            self.scheduler_config,
+            len(scheduler.waiting),
+            scheduler.num_waiting_tokens,
+            num_kv_cache_tokens,
+        )
 
     def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
         log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning
@@ -452,39 +433,7 @@ class EngineCore:
         return outputs
 
     def make_stats(self) -> SchedulerStats:
-        scheduler = self.scheduler
-        pool = self.kv_cache_manager.block_pool
-        prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
-        running_loras, waiting_loras = scheduler.lora.adapter_names()
-        spec = scheduler.spec_stats
-        grammars = self.structured.manager
-        return SchedulerStats(
-            num_running_reqs=len(scheduler.running),
-            num_waiting_reqs=len(scheduler.waiting),
-            kv_cache_usage=pool.get_usage(),
-            prefix_cache_queries=prefix_cache_stats.queries,
-            prefix_cache_hits=prefix_cache_stats.hits,
-            num_preemptions=scheduler.num_preemptions,
-            step_id=scheduler.step_id,
-            num_scheduled_tokens=scheduler.num_scheduled_tokens,
-            num_used_blocks=pool.get_num_used_blocks(),
-            num_total_blocks=pool.num_usable_blocks,
-            num_prompt_tokens=scheduler.num_prompt_tokens,
-            num_generation_tokens=scheduler.num_generation_tokens,
-            encoder_cache_queries=scheduler.encoder.stats.queries,
-            encoder_cache_hits=scheduler.encoder.stats.hits,
-            num_waiting_tokens=scheduler.num_waiting_tokens,
-            running_lora_adapters=running_loras,
-            waiting_lora_adapters=waiting_loras,
-            num_waiting_deferred=len(self.structured.compiling),
-            spec_decode_num_drafts=spec.num_drafts,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
-            # hits read first: a compile thread counts the query before its hit
-            structured_output_cache_hits=grammars.num_cache_hits,
-            structured_output_cache_queries=grammars.num_cache_queries,
-        )
+        return make_scheduler_stats(self.scheduler, self.kv_cache_manager, self.structured)
 
     def retire_lora(self, lora_id: int) -> int:
         """An adapter was unloaded (or replaced in place): the ranks drop it once no request
