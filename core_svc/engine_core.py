@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterable
 from core_svc.admission import kv_capacity_problem, overload_reason
 from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
+from core_svc.client_requests import ClientRequests
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
 from core_svc.executor import Executor, ExecutorError, Fault
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.kv_events import KVEventBatch, KVEventRecorder
-from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
@@ -25,7 +26,6 @@ from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOut
 from core_svc.structured_requests import StructuredRequests
 from splitserve_contracts.output_types import (
     ErrorKind,
-    FinishReason,
     ModelRunnerOutput,
     SchedulerStats,
     StepStatus,
@@ -80,8 +80,8 @@ class EngineCore:
         )
         """Requests compiling their grammar, and the steps' grammar bitmasks; `wake` tells
         the busy loop a compile finished."""
-        self.client_requests: dict[int, dict[int, Request]] = {}
-        """client_id -> client_handle -> live request."""
+        self.clients = ClientRequests()
+        """Each client's live requests, and the outputs owed to clients between steps."""
         self.can_recover = can_recover
         self.is_failed = False
         self.failure_message = ""
@@ -93,10 +93,8 @@ class EngineCore:
         """Set when the service is shutting down: new requests are refused, running ones
         finish."""
         self._next_req_handle = 1
-        self._pending_outputs: dict[int, EngineCoreOutputs] = {}
         self.num_steps_applied = 0
         """Steps whose output was applied (with async scheduling, fewer than step() calls)."""
-        """Outputs of requests refused at add, returned by the next step()."""
         self._batch_queue = self._new_batch_queue(executor)
         """Steps in flight, when the scheduler runs ahead (async scheduling)."""
 
@@ -118,7 +116,7 @@ class EngineCore:
             if problem is not None:
                 self._reject(request, ErrorKind.INVALID_REQUEST, problem)
                 return
-        self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
+        self.clients.add(request)
         if request.structured_output is None:
             self.scheduler.add_request(request)
 
@@ -132,8 +130,7 @@ class EngineCore:
         for request in ready:
             self.scheduler.add_request(request)
         for request, problem in failed:
-            live = self.client_requests.get(request.client_id, {})
-            live.pop(request.client_handle, None)
+            self.clients.discard(request)
             self._reject(request, ErrorKind.INVALID_REQUEST, problem)
 
     def _finish_compiling(self, requests: list[Request], status: RequestStatus) -> list[Request]:
@@ -151,9 +148,7 @@ class EngineCore:
         if self.is_draining:
             return ErrorKind.ENGINE_FAILURE, "the engine is shutting down; retry elsewhere"
         problem = invalid_request_reason(request, self.scheduler_config)
-        if problem is None and request.client_handle in self.client_requests.get(
-            request.client_id, {}
-        ):
+        if problem is None and self.clients.is_handle_in_use(request):
             problem = f"request handle {request.client_handle} is already in use by this client"
         if problem is None:
             problem = self._kv_capacity_problem(request)
@@ -185,41 +180,24 @@ class EngineCore:
     def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
         log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning
         log("refusing request %s: %s", request.request_id[:64], error)
-        request.fail(kind, error)
-        outputs = self._pending_outputs.setdefault(request.client_id, EngineCoreOutputs())
-        outputs.details.append(
-            EngineCoreOutput(
-                request_handle=request.client_handle,
-                finish_reason=FinishReason.ERROR,
-                error_message=error,
-                error_kind=kind,
-            )
-        )
+        self.clients.refuse(request, kind, error)
 
     def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
         """Stop live requests of a client and free their blocks; unknown handles are no-ops.
         Aborted requests produce no further output, but the client gets the next step's
         scheduler stats (an empty EngineCoreOutputs), so its view of the queue and the KV cache
         does not stay at the pre-abort values."""
-        live = self.client_requests.get(client_id)
-        if not live:
-            return
-        requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
+        requests = self.clients.abort(client_id, client_handles)
         scheduled = self._finish_compiling(requests, RequestStatus.FINISHED_ABORTED)
         self.scheduler.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
-        if requests:
-            self._pending_outputs.setdefault(client_id, EngineCoreOutputs())
-        if not live:
-            del self.client_requests[client_id]
 
     def abort_client(self, client_id: int) -> None:
         """Stop every live request of a client (its stream closed)."""
-        live = self.client_requests.pop(client_id, None)
-        self._pending_outputs.pop(client_id, None)
+        live = self.clients.drop_client(client_id)
         self.kv_events.unsubscribe(client_id)
         self.structured.manager.forget_client(client_id)
         if live:
-            aborted = self._finish_compiling(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            aborted = self._finish_compiling(live, RequestStatus.FINISHED_ABORTED)
             self.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -229,7 +207,7 @@ class EngineCore:
         """Whether step() has anything to do: requests to run, finished handles to tell
         the workers about, a step in flight, or outputs of refused requests to return."""
         return (
-            bool(self._pending_outputs)
+            bool(self.clients.pending)
             or self.structured.has_news
             or (self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue)))
         )
@@ -249,7 +227,7 @@ class EngineCore:
         """
         if self.structured.compiling:
             self._admit_compiled()
-        outputs, self._pending_outputs = self._pending_outputs, {}
+        outputs = self.clients.take_pending()
         if self.can_step:
             if self._batch_queue is not None:
                 step_outputs = self._step_ahead(self._batch_queue, before_update)
@@ -257,7 +235,7 @@ class EngineCore:
                 step_outputs = self._step_in_lockstep(before_update)
             else:
                 step_outputs = {}
-            self._forget_finished(step_outputs)
+            self.clients.forget_finished(step_outputs)
             merge_outputs(outputs, step_outputs)
         return self.stamp(outputs)
 
@@ -354,17 +332,6 @@ class EngineCore:
                 engine_outputs.scheduler_stats = stats
         return outputs
 
-    def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        for client_id, engine_outputs in outputs.items():
-            live = self.client_requests.get(client_id)
-            if live is None:
-                continue
-            for detail in engine_outputs.details:
-                if detail.finish_reason is not None:
-                    live.pop(detail.request_handle, None)
-            if not live:
-                del self.client_requests[client_id]
-
     def fail(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Enter the failed state: every request finishes with ERROR and `message`."""
         logger.error("engine core failed: %s", message)
@@ -374,7 +341,7 @@ class EngineCore:
         self.failure_message = message
         self._drop_steps_in_flight()
         outputs = self._fail_all(message)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def _fail_all(self, message: str) -> dict[int, EngineCoreOutputs]:
@@ -401,6 +368,11 @@ class EngineCore:
         return {}
 
     @property
+    def client_requests(self) -> dict[int, dict[int, Request]]:
+        """client_id -> client_handle -> live request."""
+        return self.clients.live
+
+    @property
     def num_requests(self) -> int:
         """Requests running or waiting."""
         return len(self.scheduler.requests)
@@ -423,13 +395,13 @@ class EngineCore:
             request.error_kind, request.error_message = ErrorKind.ENGINE_FAILURE, message
         self.scheduler.finish_requests(too_big, RequestStatus.FINISHED_ERROR)
         outputs = make_final_outputs(too_big)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
         """End every request with an error (shutdown); the engine itself stays usable."""
         outputs = self._fail_all(message)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def make_stats(self) -> SchedulerStats:
