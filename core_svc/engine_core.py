@@ -7,23 +7,25 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from core_svc.admission import kv_capacity_problem, overload_reason
 from core_svc.async_scheduler import AsyncScheduler
 from core_svc.batch_queue import BatchQueue
+from core_svc.client_requests import ClientRequests
 from core_svc.engine_outputs import make_final_outputs, merge_outputs
 from core_svc.executor import Executor, ExecutorError, Fault
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.kv_events import KVEventBatch, KVEventRecorder
-from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.request_checks import invalid_request_reason
 from core_svc.scheduler import Scheduler
 from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
+from core_svc.scheduler_stats import make_scheduler_stats
 from core_svc.structured_output import DEFAULT_STRUCTURED_OUTPUTS, StructuredOutputsConfig
 from core_svc.structured_requests import StructuredRequests
 from splitserve_contracts.output_types import (
     ErrorKind,
-    FinishReason,
     ModelRunnerOutput,
     SchedulerStats,
     StepStatus,
@@ -78,8 +80,8 @@ class EngineCore:
         )
         """Requests compiling their grammar, and the steps' grammar bitmasks; `wake` tells
         the busy loop a compile finished."""
-        self.client_requests: dict[int, dict[int, Request]] = {}
-        """client_id -> client_handle -> live request."""
+        self.clients = ClientRequests()
+        """Each client's live requests, and the outputs owed to clients between steps."""
         self.can_recover = can_recover
         self.is_failed = False
         self.failure_message = ""
@@ -91,10 +93,8 @@ class EngineCore:
         """Set when the service is shutting down: new requests are refused, running ones
         finish."""
         self._next_req_handle = 1
-        self._pending_outputs: dict[int, EngineCoreOutputs] = {}
         self.num_steps_applied = 0
         """Steps whose output was applied (with async scheduling, fewer than step() calls)."""
-        """Outputs of requests refused at add, returned by the next step()."""
         self._batch_queue = self._new_batch_queue(executor)
         """Steps in flight, when the scheduler runs ahead (async scheduling)."""
 
@@ -116,7 +116,7 @@ class EngineCore:
             if problem is not None:
                 self._reject(request, ErrorKind.INVALID_REQUEST, problem)
                 return
-        self.client_requests.setdefault(request.client_id, {})[request.client_handle] = request
+        self.clients.add(request)
         if request.structured_output is None:
             self.scheduler.add_request(request)
 
@@ -130,8 +130,7 @@ class EngineCore:
         for request in ready:
             self.scheduler.add_request(request)
         for request, problem in failed:
-            live = self.client_requests.get(request.client_id, {})
-            live.pop(request.client_handle, None)
+            self.clients.discard(request)
             self._reject(request, ErrorKind.INVALID_REQUEST, problem)
 
     def _finish_compiling(self, requests: list[Request], status: RequestStatus) -> list[Request]:
@@ -149,9 +148,7 @@ class EngineCore:
         if self.is_draining:
             return ErrorKind.ENGINE_FAILURE, "the engine is shutting down; retry elsewhere"
         problem = invalid_request_reason(request, self.scheduler_config)
-        if problem is None and request.client_handle in self.client_requests.get(
-            request.client_id, {}
-        ):
+        if problem is None and self.clients.is_handle_in_use(request):
             problem = f"request handle {request.client_handle} is already in use by this client"
         if problem is None:
             problem = self._kv_capacity_problem(request)
@@ -160,85 +157,47 @@ class EngineCore:
         return self._overload_reason(request)
 
     def _kv_capacity_problem(self, request: Request) -> str | None:
-        max_model_len = self.scheduler_config.max_model_len
-        max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-        block_size = self.cache_config.block_size
+        max_model_len, block_size = (
+            self.scheduler_config.max_model_len,
+            self.cache_config.block_size,
+        )
         num_usable_blocks = self.kv_cache_manager.block_pool.num_usable_blocks
-        if -(-max_num_tokens // block_size) > num_usable_blocks:
-            return (
-                f"the request may need {max_num_tokens} tokens of KV cache, more than the "
-                f"{num_usable_blocks * block_size} the cache holds"
-            )
-        return None
+        return kv_capacity_problem(request, max_model_len, block_size, num_usable_blocks)
 
     def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
-        """A full queue refuses a new request. A resumed one (a frontend resubmits what an
-        engine core admitted before) was admitted once: a core holds at most max_num_seqs
-        running requests, with their tokens in its KV cache, besides its queue, so resumed
-        requests get that much room beyond the limits - no more, whoever marks them."""
-        config, scheduler = self.scheduler_config, self.scheduler
-        max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
-        room = ""
-        if request.is_resumed:
-            max_reqs += config.max_num_seqs if max_reqs else 0
-            max_tokens += self._kv_cache_tokens if max_tokens else 0
-            room = " even for a resumed request"
-        if max_reqs and len(scheduler.waiting) >= max_reqs:
-            return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full{room} ({len(scheduler.waiting)} requests waiting, "
-                f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
-            )
-        num_tokens = scheduler.num_waiting_tokens + request.num_tokens
-        if max_tokens and num_tokens > max_tokens:
-            return ErrorKind.OVERLOADED, (
-                f"the engine's queue is full{room} ({scheduler.num_waiting_tokens} prompt "
-                f"tokens waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); "
-                "retry later"
-            )
-        return None
-
-    @property
-    def _kv_cache_tokens(self) -> int:
-        return self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
+        scheduler = self.scheduler
+        num_kv_cache_tokens = (
+            self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
+        )
+        return overload_reason(
+            request,
+            self.scheduler_config,
+            len(scheduler.waiting),
+            scheduler.num_waiting_tokens,
+            num_kv_cache_tokens,
+        )
 
     def _reject(self, request: Request, kind: ErrorKind, error: str) -> None:
         log = logger.info if kind is ErrorKind.OVERLOADED else logger.warning
         log("refusing request %s: %s", request.request_id[:64], error)
-        request.fail(kind, error)
-        outputs = self._pending_outputs.setdefault(request.client_id, EngineCoreOutputs())
-        outputs.details.append(
-            EngineCoreOutput(
-                request_handle=request.client_handle,
-                finish_reason=FinishReason.ERROR,
-                error_message=error,
-                error_kind=kind,
-            )
-        )
+        self.clients.refuse(request, kind, error)
 
     def abort_requests(self, client_id: int, client_handles: Iterable[int]) -> None:
         """Stop live requests of a client and free their blocks; unknown handles are no-ops.
         Aborted requests produce no further output, but the client gets the next step's
         scheduler stats (an empty EngineCoreOutputs), so its view of the queue and the KV cache
         does not stay at the pre-abort values."""
-        live = self.client_requests.get(client_id)
-        if not live:
-            return
-        requests = [r for h in client_handles if (r := live.pop(h, None)) is not None]
+        requests = self.clients.abort(client_id, client_handles)
         scheduled = self._finish_compiling(requests, RequestStatus.FINISHED_ABORTED)
         self.scheduler.finish_requests(scheduled, RequestStatus.FINISHED_ABORTED)
-        if requests:
-            self._pending_outputs.setdefault(client_id, EngineCoreOutputs())
-        if not live:
-            del self.client_requests[client_id]
 
     def abort_client(self, client_id: int) -> None:
         """Stop every live request of a client (its stream closed)."""
-        live = self.client_requests.pop(client_id, None)
-        self._pending_outputs.pop(client_id, None)
+        live = self.clients.drop_client(client_id)
         self.kv_events.unsubscribe(client_id)
         self.structured.manager.forget_client(client_id)
         if live:
-            aborted = self._finish_compiling(list(live.values()), RequestStatus.FINISHED_ABORTED)
+            aborted = self._finish_compiling(live, RequestStatus.FINISHED_ABORTED)
             self.scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -248,7 +207,7 @@ class EngineCore:
         """Whether step() has anything to do: requests to run, finished handles to tell
         the workers about, a step in flight, or outputs of refused requests to return."""
         return (
-            bool(self._pending_outputs)
+            bool(self.clients.pending)
             or self.structured.has_news
             or (self.can_step and (self._has_step_to_schedule() or bool(self._batch_queue)))
         )
@@ -268,7 +227,7 @@ class EngineCore:
         """
         if self.structured.compiling:
             self._admit_compiled()
-        outputs, self._pending_outputs = self._pending_outputs, {}
+        outputs = self.clients.take_pending()
         if self.can_step:
             if self._batch_queue is not None:
                 step_outputs = self._step_ahead(self._batch_queue, before_update)
@@ -276,7 +235,7 @@ class EngineCore:
                 step_outputs = self._step_in_lockstep(before_update)
             else:
                 step_outputs = {}
-            self._forget_finished(step_outputs)
+            self.clients.forget_finished(step_outputs)
             merge_outputs(outputs, step_outputs)
         return self.stamp(outputs)
 
@@ -373,17 +332,6 @@ class EngineCore:
                 engine_outputs.scheduler_stats = stats
         return outputs
 
-    def _forget_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        for client_id, engine_outputs in outputs.items():
-            live = self.client_requests.get(client_id)
-            if live is None:
-                continue
-            for detail in engine_outputs.details:
-                if detail.finish_reason is not None:
-                    live.pop(detail.request_handle, None)
-            if not live:
-                del self.client_requests[client_id]
-
     def fail(self, message: str) -> dict[int, EngineCoreOutputs]:
         """Enter the failed state: every request finishes with ERROR and `message`."""
         logger.error("engine core failed: %s", message)
@@ -393,7 +341,7 @@ class EngineCore:
         self.failure_message = message
         self._drop_steps_in_flight()
         outputs = self._fail_all(message)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def _fail_all(self, message: str) -> dict[int, EngineCoreOutputs]:
@@ -420,6 +368,11 @@ class EngineCore:
         return {}
 
     @property
+    def client_requests(self) -> dict[int, dict[int, Request]]:
+        """client_id -> client_handle -> live request."""
+        return self.clients.live
+
+    @property
     def num_requests(self) -> int:
         """Requests running or waiting."""
         return len(self.scheduler.requests)
@@ -442,49 +395,17 @@ class EngineCore:
             request.error_kind, request.error_message = ErrorKind.ENGINE_FAILURE, message
         self.scheduler.finish_requests(too_big, RequestStatus.FINISHED_ERROR)
         outputs = make_final_outputs(too_big)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def abort_all(self, message: str) -> dict[int, EngineCoreOutputs]:
         """End every request with an error (shutdown); the engine itself stays usable."""
         outputs = self._fail_all(message)
-        self._forget_finished(outputs)
+        self.clients.forget_finished(outputs)
         return outputs
 
     def make_stats(self) -> SchedulerStats:
-        scheduler = self.scheduler
-        pool = self.kv_cache_manager.block_pool
-        prefix_cache_stats = self.kv_cache_manager.prefix_cache_stats
-        running_loras, waiting_loras = scheduler.lora.adapter_names()
-        spec = scheduler.spec_stats
-        grammars = self.structured.manager
-        return SchedulerStats(
-            num_running_reqs=len(scheduler.running),
-            num_waiting_reqs=len(scheduler.waiting),
-            kv_cache_usage=pool.get_usage(),
-            prefix_cache_queries=prefix_cache_stats.queries,
-            prefix_cache_hits=prefix_cache_stats.hits,
-            num_preemptions=scheduler.num_preemptions,
-            step_id=scheduler.step_id,
-            num_scheduled_tokens=scheduler.num_scheduled_tokens,
-            num_used_blocks=pool.get_num_used_blocks(),
-            num_total_blocks=pool.num_usable_blocks,
-            num_prompt_tokens=scheduler.num_prompt_tokens,
-            num_generation_tokens=scheduler.num_generation_tokens,
-            encoder_cache_queries=scheduler.encoder.stats.queries,
-            encoder_cache_hits=scheduler.encoder.stats.hits,
-            num_waiting_tokens=scheduler.num_waiting_tokens,
-            running_lora_adapters=running_loras,
-            waiting_lora_adapters=waiting_loras,
-            num_waiting_deferred=len(self.structured.compiling),
-            spec_decode_num_drafts=spec.num_drafts,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
-            # hits read first: a compile thread counts the query before its hit
-            structured_output_cache_hits=grammars.num_cache_hits,
-            structured_output_cache_queries=grammars.num_cache_queries,
-        )
+        return make_scheduler_stats(self.scheduler, self.kv_cache_manager, self.structured)
 
     def retire_lora(self, lora_id: int) -> int:
         """An adapter was unloaded (or replaced in place): the ranks drop it once no request

@@ -39,7 +39,7 @@ SERVICE_KINDS = ("core", "frontend", "worker")
 
 
 def _service_tables() -> dict[str, Sequence[Flag]]:
-    from core_svc.config import CORE_FLAGS
+    from core_svc.core_flags import CORE_FLAGS
     from frontend_svc.config import FRONTEND_FLAGS
     from worker_svc.config import WORKER_FLAGS
 

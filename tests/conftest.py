@@ -12,6 +12,9 @@ from hypothesis import settings
 
 from tests.e2e.stack import Stack
 
+pytest_plugins = ["tests.fixtures.cpu_kernels"]
+"""Fixtures defined in tests/fixtures for more than one folder of tests."""
+
 # Property tests draw the same examples on every run (`make test` must not fail by chance);
 # HYPOTHESIS_PROFILE=explore draws new ones, to hunt for cases worth keeping.
 settings.register_profile("ci", derandomize=True)

@@ -8,6 +8,9 @@ output_stream.py  its outputs, written beside the step loop
 convert.py        protobuf <-> the worker's own types (the only other `*_pb2` importer)
 worker.py         Worker: describe, load_model (joins torch.distributed, picks the attention
                   backend for the block size, once), KV capacity, execute
+model_build.py    a rank's model shard built: model class, shape checks, build context, linear
+                  methods (FP8, quantized, LoRA), pooler config
+model_load.py     what LoadModel and Describe carry
 model_runner.py   one step: state update -> inputs -> forward -> logits -> sample -> output
 input_batch.py    per-request state across steps; vectorized step inputs
 kv_cache.py       paged KV tensors per layer, null block (block 0), capacity arithmetic
@@ -15,18 +18,29 @@ attention/        backends: torch (reference), cpu, triton (our kernel), flash_a
                   selector.py picks one (a lazy table of their classes); kv_quant.py: the fp8
                   KV cache's dtypes, scales, quantize / dequantize
 layers/           embedding / LM head (vocab-parallel), linears (column/row-parallel, fused qkv
-                  and gate_up; their weights held by a LinearMethodBase: unquantized, fp8.py),
+                  and gate_up; their weights held by a LinearMethodBase: unquantized, fp8.py,
+                  quantized.py; LoRA slots: lora.py),
                   ops that pick CPU kernels or torch when built (custom_op.py: RMSNorm, rotary,
                   activations), rope and MoE configs; never imports models/
 models/           interfaces.py (CausalLM, SupportsImages), registry.py (architecture ->
                   (module, class), imported on use), decoder.py (what every family shares,
                   BuildContext), one file per family (llama, gemma2/3, phi3, mixtral,
-                  qwen3_moe, granite, llava + clip)
+                  qwen3_moe, granite, bert, llava + clip)
 kernels/          cpu_ops.cpp (RMSNorm, rotary, SiLU-and-mul, LoRA), attention_ops.cpp (paged
-                  decode, bf16/float or fp8 caches), quant_ops.cpp; built on first use
+                  decode, bf16/float or fp8 caches), quant_ops.cpp (W8A16 / W4A16 linears),
+                  w8a8_ops.cpp (W8A8 linears, per-token int8 activations), sampling_ops.cpp
+                  (the grammar bitmask); the headers they share (cpu_common.h, quant_*.h,
+                  attention_decode.h); cpu_kernels.py builds them on first use
+quantization/     quantized checkpoints (GGUF, GPTQ, AWQ, compressed-tensors) and online
+                  quantization: which layers hold quantized weights, and where from
+lora/             LoRA adapters read from PEFT folders into the model's slots (layers/lora.py)
 weights.py        safetensors / GGUF checkpoints, FP8 scans (which layers keep FP8), dtype choice
 sampler.py        batched sampling; penalties.py, logprobs.py, prompt_logprobs.py,
                   sampling_metadata.py (per-request SamplerParams as columns, checked with
                   splitserve_contracts.sampling_rules)
+grammar_bitmask.py the engine core's grammar bitmask applied to the logits (structured outputs)
+spec_decode.py    n-gram drafts proposed and verified in the step's own forward
+encoder_runner.py images: the vision encoder for a step's items; encoder_cache.py keeps outputs
+pooler.py         embeddings (pooling models); pooling_config.py: how a checkpoint pools
 distributed.py    TP groups and PP send/recv
 """

@@ -14,46 +14,41 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable, Iterator
 
 import torch
 
 from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
 from splitserve_runtime.log_config import is_text_logging
-from splitserve_runtime.model_source import ModelSource, resolve_model
+from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.attention.kv_quant import KvScales, kv_cache_torch_dtype
-from worker_svc.attention.selector import available_backends, backend_class, select_backend
+from worker_svc.attention.kv_quant import kv_cache_torch_dtype
+from worker_svc.attention.selector import available_backends, select_backend
 from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.grammar_bitmask import GrammarSource
-from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
 from worker_svc.kv_cache import KvCapacity, kv_capacity
-from worker_svc.layers.fp8 import can_keep_fp8
-from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
-from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
-from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.lora.manager import LoraManager
+from worker_svc.model_build import (
+    backend_for_model,
+    build_context,
+    build_model,
+    check_parallel_shape,
+    log_kv_cache,
+    lora_parts,
+    model_class_for,
+    pooler_config,
+    resolve_max_model_len,
+)
 from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_runner import ModelRunner
-from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
-from worker_svc.models.model_config import ModelConfig, architecture_of
-from worker_svc.models.registry import (
-    has_lm_head,
-    is_sequence_classifier,
-    model_class,
-    pooling_model_class,
-)
+from worker_svc.models.model_config import ModelConfig
 from worker_svc.pooler import Pooler
-from worker_svc.pooling_config import classifier_config, is_pooling_runner, read_pooler_config
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.weights import (
-    Checkpoint,
     QuantizationOptions,
-    fp8_linear_methods,
-    num_fp8_layers,
     open_checkpoint,
     resolve_compute_dtype,
     weight_bytes,
@@ -144,21 +139,14 @@ class Worker:
         source = resolve_model(config.model_path, config.revision)
         options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
         checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
-        architecture = architecture_of(checkpoint.hf_config)
-        is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
-        num_labels = int(getattr(checkpoint.hf_config, "num_labels", 1))
-        cls = (
-            pooling_model_class(architecture, num_labels)
-            if is_pooling
-            else model_class(architecture)
-        )
+        cls, is_pooling = model_class_for(config, checkpoint)
         model_config = cls.read_config(checkpoint.hf_config)
         if is_encoder_only(cls) and config.max_loras:
             raise ValueError("LoRA adapters are not served on encoder-only (BERT) models")
         dtype = resolve_compute_dtype(
             config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
-        max_model_len = _max_model_len(config.max_model_len, model_config)
+        max_model_len = resolve_max_model_len(config.max_model_len, model_config)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         backend_name = select_backend(
             config.attention_backend, self.device, config.block_size, dtype, kv_dtype
@@ -167,11 +155,16 @@ class Worker:
         check_parallel_shape(config, model_config)
         self._join(config)
         try:
-            backend, build = self._build_context(
-                backend_name, model_config, (dtype, kv_dtype), max_model_len
+            backend, build = build_context(
+                backend_name,
+                model_config,
+                (dtype, kv_dtype),
+                max_model_len,
+                self.parallel,
+                self.device,
             )
-            lora = _lora_parts(config, self.device, build.cpu_kernels)
-            model, wrap = self._build_model(cls, build, checkpoint, lora)
+            lora = lora_parts(config, self.device, build.cpu_kernels)
+            model, wrap = build_model(cls, build, checkpoint, lora)
             # vLLM's bar on one rank only, and never inside JSON logs.
             model.load_weights(wrap(checkpoint.weights(config.rank == 0 and is_text_logging())))
         except BaseException:
@@ -179,11 +172,11 @@ class Worker:
             self.parallel = ParallelState()
             raise
         model.eval()
-        _log_kv_cache(model, backend)
+        log_kv_cache(model, backend)
         self.weight_bytes = weight_bytes(model)
         model.process_weights_after_loading()
         self.pooler_config = (
-            _pooler_config(source, checkpoint, model_config.hidden_size, is_encoder_only(model))
+            pooler_config(source, checkpoint, model_config.hidden_size, is_encoder_only(model))
             if is_pooling
             else None
         )
@@ -217,70 +210,6 @@ class Worker:
             rendezvous_id=config.rendezvous_id,
         )
         self.parallel.enable_expert_parallel = config.enable_expert_parallel
-
-    def _build_context(
-        self,
-        backend_name: str,
-        model: ModelConfig,
-        dtypes: tuple[torch.dtype, torch.dtype],
-        max_model_len: int,
-    ) -> tuple[AttentionBackend, BuildContext]:
-        """The attention backend for this rank's heads and what the model is built with, in
-        `dtypes` (compute, KV cache); a backend that runs the CPU kernels loads them (where
-        they build) for itself and for the model's ops."""
-        dtype, kv_dtype = dtypes
-        cls = backend_class(backend_name)
-        kernels = CpuKernels.load() if cls.uses_cpu_kernels else None
-        tp = self.parallel.tp_size
-        with using_cpu_kernels(kernels):
-            backend = cls(
-                model.num_heads // tp,
-                kv_heads_per_rank(model.num_kv_heads, tp),
-                model.head_dim,
-                dtype=dtype,
-                device=self.device,
-                kv_cache_dtype=kv_dtype,
-            )
-        build = BuildContext(
-            model,
-            self.parallel,
-            backend,
-            dtype,
-            self.device,
-            max_positions=max(max_model_len, model.max_position_embeddings),
-            context_len=max_model_len,
-            cpu_kernels=kernels,
-        )
-        return backend, build
-
-    def _build_model(
-        self,
-        cls: type[CausalLM],
-        build: BuildContext,
-        checkpoint: Checkpoint,
-        lora: tuple[LoraBatch, LoraShape] | None,
-    ) -> tuple[CausalLM, Callable[[Weights], Weights]]:
-        """The shard, with FP8 linear methods where the device keeps an FP8 checkpoint's
-        weights FP8, or quantized ones where the checkpoint (GGUF, compressed-tensors, AWQ) or
-        --quantization asks for them (which layers: planned on a copy built on the meta
-        device, which allocates nothing), every linear method wrapped with LoRA slots when
-        LoRA is on; and the reader of the checkpoint's tensors for it."""
-        methods: LinearMethods = build.linear_methods
-        wrap: Callable[[Weights], Weights] = _as_read
-        fp8 = checkpoint.fp8
-        is_fp8 = fp8 is not None and can_keep_fp8(self.device, build.dtype)
-        if fp8 is not None and is_fp8:
-            methods = fp8_linear_methods(build.create(cls, device=torch.device("meta")), fp8)
-        elif checkpoint.planner is not None:
-            plan = checkpoint.planner(build.create(cls, device=torch.device("meta")))
-            logger.info("%s", plan.summary)
-            methods, wrap = plan.methods, plan.wrap
-        if lora is not None:
-            methods = LoraLinearMethods(methods, *lora)
-        model = build.create(cls, linear_methods=methods)
-        if is_fp8:
-            logger.info("%d linear layers keep their weights in FP8", num_fp8_layers(model))
-        return model, wrap
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -412,92 +341,6 @@ class Worker:
         self.is_kv_cache_ready = False
         self.parallel.destroy()
         self.parallel = ParallelState()
-
-
-Weights = Iterator[tuple[str, TensorSource]]
-
-
-def _pooler_config(
-    source: ModelSource, checkpoint: Checkpoint, hidden_size: int, encoder_only: bool
-) -> PoolerConfig:
-    """How a pooling model pools: a sequence classifier through its score head, any other
-    as its sentence-transformers files (or config.json) say."""
-    hf_config = checkpoint.hf_config
-    config = read_pooler_config(None if source.is_gguf else source.path, hf_config, hidden_size)
-    if is_sequence_classifier(architecture_of(hf_config)):
-        config = classifier_config(int(getattr(hf_config, "num_labels", 1)))
-    config.is_encoder_only = encoder_only
-    return config
-
-
-def _as_read(weights: Weights) -> Weights:
-    return weights
-
-
-def _lora_parts(
-    config: LoadModelConfig, device: torch.device, kernels: CpuKernels | None
-) -> tuple[LoraBatch, LoraShape] | None:
-    """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
-    kernel call adds a layer's adapters."""
-    if config.max_loras <= 0:
-        return None
-    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
-
-
-def _log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:
-    """Which scales an fp8 KV cache stores with (vLLM warns likewise when it falls back to
-    1.0: values beyond the format's range are then saturated)."""
-    if not backend.is_fp8_kv_cache:
-        return
-    views = [getattr(m, "backend", None) for m in model.modules()]
-    layers = [v for v in views if isinstance(v, AttentionBackend)]
-    scaled = sum(v.kv_scales != KvScales() for v in layers)
-    logger.info(
-        "KV cache in %s: %d of %d attention layers have the checkpoint's k/v scales, the "
-        "others 1.0",
-        str(backend.kv_cache_dtype).removeprefix("torch."),
-        scaled,
-        len(layers),
-    )
-
-
-def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
-    """The cpu backend has no sliding windows or soft caps: "auto" takes the torch backend for
-    models that need them; asking for cpu by name is refused."""
-    has_soft_caps = any(
-        model.layer_attention(i).logits_soft_cap is not None for i in range(model.num_layers)
-    )
-    if name != "cpu" or (model.sliding_window is None and not has_soft_caps):
-        return name
-    if requested in ("", "auto"):
-        return "torch"
-    raise ValueError(
-        "attention backend 'cpu' has no sliding windows or soft caps, which this model uses; "
-        "use --attention-backend torch (or auto)"
-    )
-
-
-def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-    heads, kv_heads = model.num_heads, model.num_kv_heads
-    if heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the {heads} attention heads")
-    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the {kv_heads} KV heads, or be a multiple "
-            "of them (each KV head is then replicated on tp / num_kv_heads ranks)"
-        )
-    if model.num_layers < pp:
-        raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
-
-
-def _max_model_len(requested: int, model: ModelConfig) -> int:
-    limit = model.max_context_len
-    if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
-    return requested or limit
 
 
 def _activation_estimate(

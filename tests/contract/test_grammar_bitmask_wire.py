@@ -90,15 +90,6 @@ def test_the_dense_form_stays_where_sparse_would_not_be_smaller() -> None:
     assert sparse_bitmask(small, min_dense_bytes=0) is not None
 
 
-@pytest.fixture(params=["numpy", "kernel"])
-def kernels(request: pytest.FixtureRequest) -> CpuKernels | None:
-    if request.param == "numpy":
-        return None
-    loaded = CpuKernels.load()
-    assert loaded is not None, "the CPU kernels did not build (is g++ installed?)"
-    return loaded
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rank_masks_the_logits_exactly_as_the_dense_form_does(
     dtype: torch.dtype, kernels: CpuKernels | None

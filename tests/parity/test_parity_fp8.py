@@ -28,7 +28,7 @@ from tests.fixtures.parity import (
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
-from worker_svc import worker as worker_module
+from worker_svc import model_build
 from worker_svc.layers.fp8 import Fp8LinearMethod
 from worker_svc.layers.linear import ColumnParallelLinear
 from worker_svc.model_load import LoadModelConfig
@@ -94,7 +94,7 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(
 @pytest.fixture
 def keep_fp8_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The CUDA path (linear layers keep FP8), forced on this CPU."""
-    monkeypatch.setattr(worker_module, "can_keep_fp8", lambda device, dtype: True)
+    monkeypatch.setattr(model_build, "can_keep_fp8", lambda device, dtype: True)
     yield
 
 

@@ -13,16 +13,6 @@ from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.step_checks import MalformedStep
 
 
-@pytest.fixture(params=["numpy", "kernel"])
-def kernels(request: pytest.FixtureRequest) -> CpuKernels | None:
-    """Both paths: numpy's (no CPU kernels) and sampling_ops.cpp's (fp32 logits only)."""
-    if request.param == "numpy":
-        return None
-    loaded = CpuKernels.load()
-    assert loaded is not None, "the CPU kernels did not build (is g++ installed?)"
-    return loaded
-
-
 def _reference(
     logits: torch.Tensor, handles: np.ndarray, mask_handles: list[int], words: np.ndarray
 ) -> torch.Tensor:

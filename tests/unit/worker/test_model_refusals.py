@@ -111,9 +111,9 @@ def test_an_architecture_transformers_does_not_know_is_refused_by_name(
 def test_models_with_windows_or_soft_caps_leave_the_cpu_backend_for_torch() -> None:
     from dataclasses import replace
 
+    from worker_svc.model_build import backend_for_model
     from worker_svc.models.gemma2 import GemmaConfig
     from worker_svc.models.model_config import ModelConfig
-    from worker_svc.worker import backend_for_model
 
     plain = ModelConfig.from_hf_config(hf_config("llama", architectures=["LlamaForCausalLM"]))
     windowed = replace(plain, sliding_window=6)

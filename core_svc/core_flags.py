@@ -1,0 +1,392 @@
+"""The flags of `splitserve core` (vLLM's names where vLLM has the flag) and their value parsers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from core_svc.lora import lora_module
+from core_svc.scheduler_config import (
+    DEFAULT_ADAPTIVE_PREFILL_CHUNK,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_TOKEN_BUDGET,
+)
+from splitserve_contracts.spec_decode import (
+    InvalidSpeculativeConfig,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
+from splitserve_runtime.flags import (
+    Flag,
+    address_list,
+    flag,
+    non_negative_int,
+    positive_int,
+)
+from splitserve_runtime.log_config import LOGGING_FLAGS
+from splitserve_runtime.model_spec import DTYPE_CHOICES, model_flags
+from splitserve_runtime.profiler_config import PROFILER_FLAGS
+from splitserve_runtime.quantization_names import kv_cache_dtype_flag, quantization_flags
+from splitserve_runtime.services import CORE
+from splitserve_runtime.tracing import TRACING_FLAGS
+from splitserve_runtime.transport_flags import LOOPBACK, internal_tls_flags, listener_flags
+from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
+
+DEFAULT_PORT = CORE.default_port
+DEFAULT_METRICS_PORT = CORE.default_metrics_port
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+
+
+def structured_outputs_config(text: str) -> dict[str, Any]:
+    """--structured-outputs-config: a JSON object with `backend` and `compile_timeout`."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict) or set(value) - {"backend", "compile_timeout"}:
+        raise argparse.ArgumentTypeError('expected {"backend": ..., "compile_timeout": ...}')
+    backend = value.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r} is not available; the engine core runs llguidance "
+            '("guidance" or "auto"): xgrammar would load torch into the core'
+        )
+    timeout = value.get("compile_timeout", 10.0)
+    if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
+        raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
+    return {"backend": backend, "compile_timeout": float(timeout)}
+
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's choices of --max-lora-rank."""
+
+LORA_FLAGS: tuple[Flag, ...] = (
+    flag(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: requests name one as their model (vLLM's flag)",
+    ),
+    flag(
+        "--lora-modules",
+        type=lora_module,
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start-up, as NAME=PATH or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}: a PEFT folder on the workers '
+        "(adapter_config.json, adapter_model.safetensors); needs --enable-lora",
+    ),
+    flag(
+        "--max-loras",
+        type=positive_int,
+        default=1,
+        help="most distinct LoRA adapters in one step (the workers' adapter slots)",
+    ),
+    flag(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=MAX_LORA_RANKS,
+        help="largest rank an adapter may have (the slots' size)",
+    ),
+    flag(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters each worker keeps in host memory beside its slots, least recently used "
+        "dropped first (default: --max-loras)",
+    ),
+)
+
+
+def speculative_config(text: str) -> SpeculativeConfig | None:
+    """--speculative-config: vLLM's JSON object (splitserve_contracts/spec_decode.py)."""
+    try:
+        return parse_speculative_config(text)
+    except InvalidSpeculativeConfig as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+CORE_FLAGS: tuple[Flag, ...] = (
+    *model_flags(is_frontend=False),
+    flag(
+        "--worker-addrs",
+        type=address_list,
+        default=[],
+        help="worker ranks as HOST:PORT,... in rank order (rank = pp_rank*tp + tp_rank)",
+    ),
+    flag(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="model name reported to clients and in metrics (default: the Hub id, or the "
+        "model folder's or file's name); the engine core takes the first of several, the "
+        "frontend serves every one (vLLM's aliases)",
+    ),
+    flag(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per pipeline stage",
+    ),
+    flag(
+        "--pipeline-parallel-size",
+        "-pp",
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="pipeline stages",
+    ),
+    flag(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts layers split whole experts over the tensor-parallel ranks "
+        "(default: every rank holds a slice of every expert)",
+    ),
+    flag(
+        "--max-model-len",
+        type=non_negative_int,
+        default=0,
+        help="longest sequence in tokens (0: the model's max_position_embeddings)",
+    ),
+    flag(
+        "--max-num-seqs",
+        type=positive_int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="most requests running at once",
+    ),
+    flag(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of one engine step (default: vLLM's on CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK} x tp x pp)",
+    ),
+    flag(
+        "--long-prefill-token-threshold",
+        type=non_negative_int,
+        default=0,
+        help="most prompt tokens one request computes per step (0: no cap)",
+    ),
+    flag(
+        "--prefill-token-budget",
+        type=non_negative_int,
+        default=DEFAULT_PREFILL_TOKEN_BUDGET,
+        help="while some request decodes, the most prompt tokens one step computes (bounds the "
+        "decoders' inter-token latency under a burst of prompts; 0: up to "
+        "--max-num-batched-tokens)",
+    ),
+    flag(
+        "--adaptive-prefill-chunk",
+        type=non_negative_int,
+        default=DEFAULT_ADAPTIVE_PREFILL_CHUNK,
+        help="while at least 3 requests decode and at most 3 have prompt tokens to compute (a "
+        "light load), one step computes at most N prompt tokens (a prompt's chunk included); "
+        "with --async-scheduling no step is scheduled ahead of one that computes prompt "
+        "tokens, so a request arriving meanwhile joins the next step. Shortens the "
+        "inter-token and first-token tails of a light load; a burst keeps the whole budget "
+        f"(default {DEFAULT_ADAPTIVE_PREFILL_CHUNK}; 0: off, vLLM's behaviour)",
+    ),
+    flag(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the workers run the current one (vLLM's flag): the "
+        "time between steps overlaps the forward; needs --pipeline-parallel-size 1 (default: "
+        "on where it can run, as in vLLM)",
+    ),
+    flag(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='speculative decoding, as JSON (vLLM\'s flag): {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M, '
+        '"num_speculative_tokens_per_batch_size": [[first, last, K], ...]}; the worker ranks '
+        "propose drafts by prompt lookup and verify up to K per request in one forward; without "
+        "a per-batch-size schedule a step speculates while at most 8 requests run (an estimated "
+        "crossover on CPU: docs/benchmarks.md). Works with --async-scheduling",
+    ),
+    flag(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="what the model is served for (vLLM's flag): generate (tokens), pooling "
+        "(embeddings: /v1/embeddings) or auto (pooling for a checkpoint without a language-model "
+        "head, e.g. LlamaModel saved by sentence-transformers)",
+    ),
+    flag(
+        "--convert",
+        choices=CONVERTS,
+        default="auto",
+        help="adapt a generative architecture (vLLM's flag): embed serves it as an embedding "
+        "model (implies --runner pooling)",
+    ),
+    flag("--block-size", type=positive_int, default=16, help="tokens per KV-cache block"),
+    flag(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full KV blocks between requests with the same prefix",
+    ),
+    flag(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory a worker may use (weights + activations + KV)",
+    ),
+    flag(
+        "--kv-cache-memory-bytes",
+        type=non_negative_int,
+        default=0,
+        help="KV-cache bytes per worker; 0 derives it: on CUDA from --gpu-memory-utilization, "
+        "on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the workers' environment, else "
+        "half their free memory) but no more than max_num_seqs x max_model_len tokens use",
+    ),
+    flag(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
+        "CPU); half = float16, float = float32",
+    ),
+    *quantization_flags(),
+    kv_cache_dtype_flag(),
+    flag(
+        "--enforce-eager",
+        action="store_true",
+        help="always run the model eagerly in the workers: no compiled graphs",
+    ),
+    flag("--seed", type=int, default=0, help="seed of the workers' default generator"),
+    flag(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="order of waiting requests",
+    ),
+    flag(
+        "--max-num-queued-reqs",
+        type=non_negative_int,
+        default=0,
+        help="most requests waiting to be scheduled; more are refused at once with "
+        "RESOURCE_EXHAUSTED (HTTP 429) and a retry hint (0: unlimited)",
+    ),
+    flag(
+        "--max-num-queued-tokens",
+        type=non_negative_int,
+        default=0,
+        help="most prompt tokens waiting to be scheduled; more are refused like "
+        "--max-num-queued-reqs (0: unlimited)",
+    ),
+    flag(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="multimodal models: never split an image's placeholder tokens over two steps "
+        "(by default a chunk may end inside an image whose encoder output is cached)",
+    ),
+    flag(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "flash_attn", "cpu"],
+        help="workers' attention",
+    ),
+    flag(
+        "--distributed-init-method",
+        default="",
+        help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
+        "(default: rank 0's host, port 29500)",
+    ),
+    flag(
+        "--host",
+        default=LOOPBACK,
+        help="address to listen on (in a pod: its IP, from the downward API)",
+    ),
+    flag("--port", type=non_negative_int, default=DEFAULT_PORT, help="gRPC port"),
+    flag(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port (-1 disables)",
+    ),
+    flag("--engine-id", default="0", help="metrics label `engine`"),
+    flag(
+        "--worker-connect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the workers to come up and load",
+    ),
+    flag(
+        "--execute-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the first steps may take, before the engine has learnt its step times",
+    ),
+    flag(
+        "--step-timeout-floor",
+        type=float,
+        default=5.0,
+        help="once step times are known, a step may take this multiple of the recent p99 time "
+        "of steps its size, but never less than this many seconds; a rank that misses the "
+        "budget counts as hung",
+    ),
+    flag(
+        "--step-timeout-multiple",
+        type=float,
+        default=10.0,
+        help="see --step-timeout-floor",
+    ),
+    flag(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests may take to finish (no new ones are "
+        "admitted) before they are aborted",
+    ),
+    flag(
+        "--max-recovery-seconds",
+        type=float,
+        default=120.0,
+        help="when a worker rank dies or hangs, keep every request and wait this long for the "
+        "ranks to come back (restarted by `splitserve up` or the kubelet), bring them up again "
+        "and resume the requests by recompute; past it they fail with UNAVAILABLE and the core "
+        "exits non-zero. 0: fail at once (fail-stop)",
+    ),
+    flag(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default={},
+        help='structured outputs, as JSON (vLLM\'s flag): {"backend": "guidance" (llguidance, '
+        'the default; "auto" means it; xgrammar is not offered: it needs torch, which the core '
+        'never loads), "compile_timeout": seconds a grammar may take to compile before its '
+        "request fails (default 10)}",
+    ),
+    *LORA_FLAGS,
+    flag(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the stats lines (throughput, running and waiting requests, KV "
+        "cache usage, prefix cache hit rate) logged while the engine is busy; 0 disables them",
+    ),
+    flag(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats lines (vLLM's name; same as --log-stats-interval 0)",
+    ),
+    *LOGGING_FLAGS,
+    *internal_tls_flags("the port the frontends call and the calls to the workers"),
+    *listener_flags(reflection_default=False),
+    *PROFILER_FLAGS,
+    *TRACING_FLAGS,
+    *NO_EFFECT_FLAGS,
+)
+"""The flags of `splitserve core`, in --help order (vLLM's names where vLLM has the flag)."""
