@@ -49,6 +49,7 @@ from tests.helm.fake_hub import hub_calls, install_fake_hub
 from tests.helm.launch_clients import FrontendClient, generate, sse_completion
 from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
 from tests.helm.security_values import GIVEN_LAUNCHED, PUBLIC_HOST, TLS_OFF, user_secrets
+from tests.helm.worker_caches import seed_worker_pods
 from tests.metrics.dashboard_queries import metric_names as expr_metric_names
 from tests.security.peers import speaks_http2
 
@@ -172,6 +173,7 @@ def launched(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_model_dir: Path,
+    cpu_kernels_dir: Path,
 ) -> Iterator[Launched]:
     values_file, extra = request.param
     values = case_values(values_file, tiny_model_dir, extra)
@@ -189,6 +191,7 @@ def launched(
         secrets={"hf-token": {"token": HUB_TOKEN}, **secrets},
         init_env=hub_env,
     )
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)
@@ -410,11 +413,14 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_engine_recovers_when_the_core_pod_restarts(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_engine_recovers_when_the_core_pod_restarts(
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path
+) -> None:
     """Kubernetes restarts a failed core container (liveness, crash, eviction) while the worker
     pods keep running; the new core must bring the same ranks up again and serve."""
     manifests = render(case_values("cpu-pp2-hostpath-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)
@@ -477,13 +483,14 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.mark.timeout(900)
 @pytest.mark.extended
 def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path
 ) -> None:
     """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
     fails as a whole (the supervisor stops the other rank) and is restarted; the engine core,
     which stayed live (not ready) and kept its requests, brings every rank up again itself."""
     manifests = render(case_values("cpu-tpgroup-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)
