@@ -59,6 +59,10 @@ MAX_TOKENS = 12
 DRAIN_TOKENS = 160  # a request still streaming when every pod is told to stop
 HUB_REPO = "splitserve/default-llama-v1"
 HUB_TOKEN = "hf_not_a_real_token"
+# A stopping frontend or core keeps serving this long before its SIGTERM (the chart's default
+# is 5 s, for load balancers to notice; here nothing needs the time, and every stop, restart and
+# drain of a launched case waits it out).
+PRE_STOP_SLEEP = {"drain": {"preStopSleepSeconds": 1}}
 # On top of the tpGroup values: the worker pods as one LeaderWorkerSet group, the model from the
 # Hub into a created claim, the token from a user-made Secret.
 LWS_HUB = {
@@ -95,7 +99,7 @@ class Launched:
 
 
 def case_values(name: str, model_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    values = deep_merge(load_values(CI_DIR / name), extra or {})
+    values = deep_merge(deep_merge(load_values(CI_DIR / name), PRE_STOP_SLEEP), extra or {})
     if values.get("model", {}).get("source") == "hostPath":
         # The node folder holds the tiny model the test session built.
         values = deep_merge(
