@@ -7,6 +7,7 @@ PodTemplate."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import shutil
@@ -226,9 +227,20 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def validate_doc(doc: Doc) -> None:
-    import kubernetes_validate  # type: ignore[import-untyped]
+@functools.cache
+def read_schemas_once() -> None:
+    """kubernetes-validate reads and parses its schema files again on every call (among them
+    the 1.2 MB _definitions.json); they do not change while the tests run: parse each once."""
+    import kubernetes_validate.utils  # type: ignore[import-untyped]
 
+    utils = kubernetes_validate.utils
+    utils.schema_contents = functools.cache(utils.schema_contents)
+
+
+def validate_doc(doc: Doc) -> None:
+    import kubernetes_validate
+
+    read_schemas_once()
     if doc["kind"] not in CRD_SCHEMAS:
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
         return
