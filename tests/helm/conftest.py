@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.cpu_kernels import built_cpu_kernels
 from tests.helm.chart_render import CI_DIR, Manifests, render, render_values_file
 from tests.helm.security_values import GIVEN, TLS_OFF, user_secrets
-from tests.helm.worker_caches import built_cpu_kernels
 
 
 @pytest.fixture(scope="session")

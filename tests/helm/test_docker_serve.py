@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
+from tests.fixtures.cpu_kernels import seed_cpu_kernels
 from tests.helm.test_docker import exec_form, load_healthcheck, parse_dockerfile
-from tests.helm.worker_caches import seed_cpu_kernels
 
 BIN = Path(sys.executable).parent
 SERVE_STAGES = ("serve-cpu", "serve-cuda")
