@@ -44,6 +44,6 @@ def user_secret_data() -> dict[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def cpu_kernels_dir() -> Path:
+def cpu_kernels_dir() -> Path | None:
     """This machine's build of the workers' CPU kernels (worker_caches.py)."""
     return built_cpu_kernels()

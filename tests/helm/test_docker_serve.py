@@ -54,7 +54,7 @@ def test_the_serve_images_run_splitserve_serve_on_every_interface(name: str) -> 
 
 @pytest.mark.slow
 def test_docker_run_image_model_serves_the_whole_stack(
-    tiny_model_dir: Path, tmp_path: Path, cpu_kernels_dir: Path
+    tiny_model_dir: Path, tmp_path: Path, cpu_kernels_dir: Path | None
 ) -> None:
     command, image_env = image_command("serve-cpu")
     cache = tmp_path / "cache"

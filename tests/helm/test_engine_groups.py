@@ -153,7 +153,7 @@ def test_engine_pods_are_the_inference_pools_model_servers() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path | None
 ) -> Iterator[tuple[Manifests, LocalCluster]]:
     manifests = render(ENGINES)
     local = LocalCluster(manifests, tmp_path_factory.mktemp("engines"), BIN_DIR,

@@ -177,7 +177,7 @@ def launched(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_model_dir: Path,
-    cpu_kernels_dir: Path,
+    cpu_kernels_dir: Path | None,
 ) -> Iterator[Launched]:
     values_file, extra = request.param
     values = case_values(values_file, tiny_model_dir, extra)
@@ -418,7 +418,7 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_engine_recovers_when_the_core_pod_restarts(
-    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path | None
 ) -> None:
     """Kubernetes restarts a failed core container (liveness, crash, eviction) while the worker
     pods keep running; the new core must bring the same ranks up again and serve."""
@@ -487,7 +487,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.mark.timeout(900)
 @pytest.mark.extended
 def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
-    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path | None
 ) -> None:
     """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
     fails as a whole (the supervisor stops the other rank) and is restarted; the engine core,

@@ -11,7 +11,7 @@ from tests.fixtures.cpu_kernels import seed_cpu_kernels
 from tests.helm.local_cluster import LocalCluster
 
 
-def seed_worker_pods(cluster: LocalCluster, built: Path) -> None:
+def seed_worker_pods(cluster: LocalCluster, built: Path | None) -> None:
     """Every worker pod's cache volume (its SPLITSERVE_CACHE_DIR) holds the built kernels."""
     for pod in cluster.pods_of("worker"):
         seed_cpu_kernels(Path(pod.env["SPLITSERVE_CACHE_DIR"]), built)
