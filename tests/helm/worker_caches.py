@@ -12,6 +12,8 @@ from tests.helm.local_cluster import LocalCluster
 
 
 def seed_worker_pods(cluster: LocalCluster, built: Path | None) -> None:
-    """Every worker pod's cache volume (its SPLITSERVE_CACHE_DIR) holds the built kernels."""
+    """Every worker pod's cache volume (its SPLITSERVE_CACHE_DIR) holds the built kernels (a pod
+    without one is left as it is: its workers build them wherever they look)."""
     for pod in cluster.pods_of("worker"):
-        seed_cpu_kernels(Path(pod.env["SPLITSERVE_CACHE_DIR"]), built)
+        if cache_dir := pod.env.get("SPLITSERVE_CACHE_DIR"):
+            seed_cpu_kernels(Path(cache_dir), built)
