@@ -20,7 +20,6 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from benchmarks.dp_failover import kill_engine_process, run_load, wait_serving
 from benchmarks.dp_serve import Serve, children_of, engine_metric, start_serve
 from benchmarks.peer_servers import stop
-from tests.fixtures.cpu_kernels import built_cpu_kernels, seed_cpu_kernels
 
 pytestmark = pytest.mark.slow
 SUCCESSES = "vllm:request_success_total"
@@ -29,7 +28,6 @@ SUCCESSES = "vllm:request_success_total"
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     tmp = tmp_path_factory.mktemp("dp")
-    seed_cpu_kernels(tmp / "cache", built_cpu_kernels())  # not compiled again, by each engine
     env = {"SPLITSERVE_CACHE_DIR": str(tmp / "cache")}
     flags = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
     running = start_serve(str(tiny_model_dir), "cache_aware", flags, tmp / "serve.log", 600, env)

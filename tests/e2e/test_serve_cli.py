@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cpu_kernels import built_cpu_kernels, seed_cpu_kernels
-
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 CONFIG = """\
@@ -52,7 +50,6 @@ def test_serve_a_model_positionally_with_a_config_file(
 ) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
-    seed_cpu_kernels(tmp_path / "cache", built_cpu_kernels())  # not compiled again
     env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache")}
     for name in ("SPLITSERVE_ADDR", "SPLITSERVE_LOG_LEVEL", "SPLITSERVE_API_KEY"):
         env.pop(name, None)
