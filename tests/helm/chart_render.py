@@ -22,6 +22,9 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "LeaderWorker
 RANK_SEPARATOR = ";"
 
 Doc = dict[str, Any]
+# PyYAML's safe loader, in C (libyaml) where PyYAML has it: the same documents, about ten times
+# faster than the pure-Python one on the hundreds of renderings the helm tests parse.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def ci_values_files() -> list[Path]:
@@ -219,7 +222,7 @@ def render(
     for path, text in sorted(render_files(values, name=name, namespace=namespace).items()):
         if not path.endswith((".yaml", ".yml")):
             continue
-        for doc in yaml.safe_load_all(text):
+        for doc in yaml.load_all(text, Loader=SAFE_LOADER):
             if doc:
                 assert isinstance(doc, dict) and "kind" in doc, f"{path}: not a manifest: {doc!r}"
                 docs.append(doc)

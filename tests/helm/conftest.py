@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.fixtures.kernel_seed import built_cpu_kernels
 from tests.helm.chart_render import CI_DIR, Manifests, render, render_values_file
 from tests.helm.security_values import GIVEN, TLS_OFF, user_secrets
 
@@ -38,3 +41,9 @@ def given_manifests() -> Manifests:
 def user_secret_data() -> dict[str, dict[str, str]]:
     """The Secrets GIVEN names, with real certificates."""
     return user_secrets()
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels_dir() -> Path | None:
+    """This machine's build of the workers' CPU kernels (worker_caches.py)."""
+    return built_cpu_kernels()

@@ -46,6 +46,12 @@ def init_container(workload: Doc, name: str = "model-download") -> Doc:
     return container
 
 
+@pytest.fixture(scope="module")
+def hub_manifests() -> Manifests:
+    """HUB rendered once for the module (the tests only read it)."""
+    return render(HUB)
+
+
 def mount_of(container: Doc, volume: str) -> Doc | None:
     return next((m for m in container.get("volumeMounts", []) if m["name"] == volume), None)
 
@@ -80,8 +86,10 @@ def test_only_pods_that_read_the_model_mount_it(
 # -- Hugging Face Hub download --------------------------------------------------------------------
 
 
-def test_workers_download_the_checkpoint_to_the_path_the_core_sends() -> None:
-    m = render(HUB)
+def test_workers_download_the_checkpoint_to_the_path_the_core_sends(
+    hub_manifests: Manifests,
+) -> None:
+    m = hub_manifests
     worker = m.workload("worker")
     download = init_container(worker)
     core_model = flag_value(only_container(m.workload("core"))["args"], "--model")
@@ -108,8 +116,10 @@ def test_workers_download_the_checkpoint_to_the_path_the_core_sends() -> None:
     assert config["SPLITSERVE_SERVED_MODEL_NAME"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def test_frontends_download_only_the_tokenizer_into_their_cache() -> None:
-    m = render(HUB)
+def test_frontends_download_only_the_tokenizer_into_their_cache(
+    hub_manifests: Manifests,
+) -> None:
+    m = hub_manifests
     frontend = m.workload("frontend")
     download = init_container(frontend)
     tokenizer_dir = flag_value(only_container(frontend)["args"], "--model")
@@ -123,7 +133,9 @@ def test_frontends_download_only_the_tokenizer_into_their_cache() -> None:
     assert tokenizer_dir.startswith(cache_mount["mountPath"] + "/")
 
 
-def test_downloads_get_the_token_and_go_online_while_the_services_stay_offline() -> None:
+def test_downloads_get_the_token_and_go_online_while_the_services_stay_offline(
+    hub_manifests: Manifests,
+) -> None:
     values = {
         "model": {
             **HUB["model"],
@@ -141,12 +153,12 @@ def test_downloads_get_the_token_and_go_online_while_the_services_stay_offline()
         assert container_env(m, download)["HF_HUB_OFFLINE"] == "0"
         assert container_env(m, only_container(workload))["HF_HUB_OFFLINE"] == "1"
         assert "HF_TOKEN" not in container_env(m, only_container(workload))
-    anonymous = init_container(render(HUB).workload("worker"))
+    anonymous = init_container(hub_manifests.workload("worker"))
     assert "HF_TOKEN" not in {e["name"] for e in anonymous["env"]}
 
 
-def test_download_snippet_is_python() -> None:
-    download = init_container(render(HUB).workload("worker"))
+def test_download_snippet_is_python(hub_manifests: Manifests) -> None:
+    download = init_container(hub_manifests.workload("worker"))
     assert download["command"][:2] == ["python", "-c"]
     compile(download["command"][2], "model-download", "exec")
 

@@ -6,6 +6,7 @@ the ranks; and the tpGroup supervisor restarts its TP group as a whole."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -227,11 +228,13 @@ def test_colliding_rank_ports_are_refused(worker: dict[str, int], message: str) 
 # -- the tpGroup supervisor: the recovery model of a TP group --------------------------------
 
 
-def supervisor_command() -> list[str]:
-    """The tpGroup worker container's command: bash -c SCRIPT tp-group (then the ranks)."""
+@functools.cache
+def supervisor_command() -> tuple[str, ...]:
+    """The tpGroup worker container's command: bash -c SCRIPT tp-group (then the ranks);
+    rendered once for the module's tests."""
     container = only_container(render(values_for("tpGroup", 2, 1, lws=False)).workload("worker"))
-    command: list[str] = container["command"]
-    assert command[:2] == ["bash", "-c"]
+    command = tuple(container["command"])
+    assert command[:2] == ("bash", "-c")
     return command
 
 

@@ -6,6 +6,8 @@ PodTemplate."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 import shutil
@@ -225,9 +227,20 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def validate_doc(doc: Doc) -> None:
-    import kubernetes_validate  # type: ignore[import-untyped]
+@functools.cache
+def read_schemas_once() -> None:
+    """kubernetes-validate reads and parses its schema files again on every call (among them
+    the 1.2 MB _definitions.json); they do not change while the tests run: parse each once."""
+    import kubernetes_validate.utils  # type: ignore[import-untyped]
 
+    utils = kubernetes_validate.utils
+    utils.schema_contents = functools.cache(utils.schema_contents)
+
+
+def validate_doc(doc: Doc) -> None:
+    import kubernetes_validate
+
+    read_schemas_once()
     if doc["kind"] not in CRD_SCHEMAS:
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
         return
@@ -277,6 +290,22 @@ CUSTOM_RESOURCES: dict[str, Any] = {
 }
 
 
+RULE_VALUES: dict[str, Any] = {"metrics": {"prometheusRule": {"enabled": True}}}
+
+
+@pytest.fixture(scope="module")
+def custom_resources() -> Manifests:
+    """CUSTOM_RESOURCES rendered once for the module (each test corrupts its own copy)."""
+    return render(CUSTOM_RESOURCES)
+
+
+@pytest.fixture(scope="module")
+def prometheus_rule() -> Doc:
+    """The PrometheusRule of RULE_VALUES, rendered once for the module (read only)."""
+    rule: Doc = render(RULE_VALUES).of_kind("PrometheusRule")[0]
+    return rule
+
+
 @pytest.mark.parametrize(
     ("kind", "path", "bad"),
     [
@@ -290,12 +319,12 @@ CUSTOM_RESOURCES: dict[str, Any] = {
     ],
 )
 def test_custom_resource_schemas_catch_bad_fields(
-    kind: str, path: tuple[Any, ...], bad: Any
+    custom_resources: Manifests, kind: str, path: tuple[Any, ...], bad: Any
 ) -> None:
     """The CRD schemas are not a no-op: each corruption of a rendered custom resource fails."""
     import kubernetes_validate
 
-    doc = render(CUSTOM_RESOURCES).of_kind(kind)[0]
+    doc = copy.deepcopy(custom_resources.of_kind(kind)[0])
     validate_doc(doc)  # as rendered: valid
     node = doc
     for key in path[:-1]:
@@ -330,9 +359,8 @@ def _balanced(expr: str) -> bool:
     return not stack
 
 
-def test_prometheus_rule_alerts_cover_the_vllm_signals() -> None:
-    rule = render({"metrics": {"prometheusRule": {"enabled": True}}}).of_kind("PrometheusRule")[0]
-    rules = rule["spec"]["groups"][0]["rules"]
+def test_prometheus_rule_alerts_cover_the_vllm_signals(prometheus_rule: Doc) -> None:
+    rules = prometheus_rule["spec"]["groups"][0]["rules"]
     exprs = {r["alert"]: r["expr"] for r in rules}
     assert "vllm:e2e_request_latency_seconds_bucket" in exprs["SplitserveHighE2ELatencyP99"]
     assert "histogram_quantile(0.99" in exprs["SplitserveHighE2ELatencyP99"]
@@ -369,30 +397,27 @@ def test_prometheus_rule_thresholds_and_switches_come_from_values() -> None:
     assert "SplitserveHighPreemptionRate" not in rules
 
 
-def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
+def test_promtool_accepts_the_rules(tmp_path: Path, prometheus_rule: Doc) -> None:
     """promtool (Debian `prometheus`, installed by .ci/run) parses every expression."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus)")
-    rule = render({"metrics": {"prometheusRule": {"enabled": True}}}).of_kind("PrometheusRule")[0]
     rules_file = tmp_path / "rules.yml"
-    rules_file.write_text(yaml.safe_dump(rule["spec"]))
+    rules_file.write_text(yaml.safe_dump(prometheus_rule["spec"]))
     result = subprocess.run(
         [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_requests_waiting_alert_counts_an_engine_once(tmp_path: Path) -> None:
+def test_requests_waiting_alert_counts_an_engine_once(tmp_path: Path, prometheus_rule: Doc) -> None:
     """Only the engine core exports vllm:num_requests_waiting on the scraped ports, so the
     alert sums by engine (as vLLM's): 30 waiting in each of two engines is no engine over 50,
     60 in one is (promtool test rules)."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus)")
-    values = {"metrics": {"prometheusRule": {"enabled": True}}}
-    rule = render(values).of_kind("PrometheusRule")[0]
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"]))
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(prometheus_rule["spec"]))
     labels = 'model_name="m", namespace="llm", service="splitserve-metrics"'
     series = [
         {

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
+from tests.fixtures.kernel_seed import seed_cpu_kernels
 from tests.helm.test_docker import exec_form, load_healthcheck, parse_dockerfile
 
 BIN = Path(sys.executable).parent
@@ -53,10 +54,11 @@ def test_the_serve_images_run_splitserve_serve_on_every_interface(name: str) -> 
 
 @pytest.mark.slow
 def test_docker_run_image_model_serves_the_whole_stack(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, cpu_kernels_dir: Path | None
 ) -> None:
     command, image_env = image_command("serve-cpu")
     cache = tmp_path / "cache"
+    seed_cpu_kernels(cache, cpu_kernels_dir)  # the image's cache volume, its kernels built
     env = {**os.environ, **image_env, "SPLITSERVE_CACHE_DIR": str(cache), "HOME": str(tmp_path)}
     env["HF_HOME"] = str(cache / "huggingface")
     env["PATH"] = f"{BIN}:{os.environ['PATH']}"

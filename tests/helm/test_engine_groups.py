@@ -29,6 +29,7 @@ from tests.helm.chart_render import (
 )
 from tests.helm.local_cluster import LocalCluster
 from tests.helm.security_values import user_secrets
+from tests.helm.worker_caches import seed_worker_pods
 
 ENGINES = load_values(CI_DIR / "cpu-engines-values.yaml")
 AUTOSCALED = deep_merge(
@@ -151,10 +152,13 @@ def test_engine_pods_are_the_inference_pools_model_servers() -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Manifests, LocalCluster]]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path | None
+) -> Iterator[tuple[Manifests, LocalCluster]]:
     manifests = render(ENGINES)
     local = LocalCluster(manifests, tmp_path_factory.mktemp("engines"), BIN_DIR,
                          secrets=user_secrets())  # fmt: skip
+    seed_worker_pods(local, cpu_kernels_dir)
     try:
         local.start()
         local.wait_ready(420)

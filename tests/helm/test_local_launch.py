@@ -49,6 +49,7 @@ from tests.helm.fake_hub import hub_calls, install_fake_hub
 from tests.helm.launch_clients import FrontendClient, generate, sse_completion
 from tests.helm.local_cluster import LocalCluster, LocalPod, WiringError, metric_names
 from tests.helm.security_values import GIVEN_LAUNCHED, PUBLIC_HOST, TLS_OFF, user_secrets
+from tests.helm.worker_caches import seed_worker_pods
 from tests.metrics.dashboard_queries import metric_names as expr_metric_names
 from tests.security.peers import speaks_http2
 
@@ -58,6 +59,10 @@ MAX_TOKENS = 12
 DRAIN_TOKENS = 160  # a request still streaming when every pod is told to stop
 HUB_REPO = "splitserve/default-llama-v1"
 HUB_TOKEN = "hf_not_a_real_token"
+# A stopping frontend or core keeps serving this long before its SIGTERM (the chart's default
+# is 5 s, for load balancers to notice; here nothing needs the time, and every stop, restart and
+# drain of a launched case waits it out).
+PRE_STOP_SLEEP = {"drain": {"preStopSleepSeconds": 1}}
 # On top of the tpGroup values: the worker pods as one LeaderWorkerSet group, the model from the
 # Hub into a created claim, the token from a user-made Secret.
 LWS_HUB = {
@@ -94,7 +99,7 @@ class Launched:
 
 
 def case_values(name: str, model_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    values = deep_merge(load_values(CI_DIR / name), extra or {})
+    values = deep_merge(deep_merge(load_values(CI_DIR / name), PRE_STOP_SLEEP), extra or {})
     if values.get("model", {}).get("source") == "hostPath":
         # The node folder holds the tiny model the test session built.
         values = deep_merge(
@@ -172,6 +177,7 @@ def launched(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_model_dir: Path,
+    cpu_kernels_dir: Path | None,
 ) -> Iterator[Launched]:
     values_file, extra = request.param
     values = case_values(values_file, tiny_model_dir, extra)
@@ -189,6 +195,7 @@ def launched(
         secrets={"hf-token": {"token": HUB_TOKEN}, **secrets},
         init_env=hub_env,
     )
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)
@@ -410,11 +417,14 @@ def test_pods_stop_cleanly_on_sigterm(launched: Launched) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_engine_recovers_when_the_core_pod_restarts(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_engine_recovers_when_the_core_pod_restarts(
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path | None
+) -> None:
     """Kubernetes restarts a failed core container (liveness, crash, eviction) while the worker
     pods keep running; the new core must bring the same ranks up again and serve."""
     manifests = render(case_values("cpu-pp2-hostpath-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)
@@ -477,13 +487,14 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 @pytest.mark.timeout(900)
 @pytest.mark.extended
 def test_a_tp_group_restarts_as_a_whole_and_the_engine_comes_back(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, cpu_kernels_dir: Path | None
 ) -> None:
     """tpGroup's recovery model, as the kubelet plays it: one TP rank dies; its pod's container
     fails as a whole (the supervisor stops the other rank) and is restarted; the engine core,
     which stayed live (not ready) and kept its requests, brings every rank up again itself."""
     manifests = render(case_values("cpu-tpgroup-values.yaml", tiny_model_dir))
     cluster = LocalCluster(manifests, tmp_path, BIN_DIR)
+    seed_worker_pods(cluster, cpu_kernels_dir)
     try:
         cluster.start()
         cluster.wait_ready(READY_TIMEOUT_S)

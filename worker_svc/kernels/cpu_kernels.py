@@ -120,6 +120,14 @@ def _build(folder: Path) -> None:
         raise RuntimeError(f"compiling {names} failed:\n{done.stderr[-2000:]}")
 
 
+def built_library_folder() -> Path:
+    """The folder of this machine's build of the kernels in splitserve's cache (`LIBRARY` and
+    nothing else; named `cache_key()` under `<cache>/kernels/`), built on first use."""
+    target = default_cache_dir() / "kernels" / cache_key()
+    names = ", ".join(source.name for source in SOURCES)
+    return ensure_built(target, LIBRARY, _build, f"CPU kernels ({names})")
+
+
 class QuantizedTiles(Protocol):
     """A weight in the quantized kernels' tile layout (layers/quant_pack.py's PackedWeight)."""
 
@@ -180,9 +188,7 @@ class CpuKernels:
             logger.info("%s=0: CPU layers run the torch path", DISABLE_ENV)
             return None
         try:
-            target = default_cache_dir() / "kernels" / cache_key()
-            names = ", ".join(source.name for source in SOURCES)
-            folder = ensure_built(target, LIBRARY, _build, f"CPU kernels ({names})")
+            folder = built_library_folder()
             torch.ops.load_library(str(folder / LIBRARY))
         except (OSError, RuntimeError) as err:
             logger.warning("CPU kernels unavailable, running the torch path: %s", err)
