@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.kernel_seed import built_cpu_kernels
+from tests.fixtures.kernel_cache import built_cpu_kernels
 from tests.helm.chart_render import CI_DIR, Manifests, render, render_values_file
 from tests.helm.security_values import GIVEN, TLS_OFF, user_secrets
 

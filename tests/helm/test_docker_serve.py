@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
-from tests.fixtures.kernel_seed import seed_cpu_kernels
+from tests.fixtures.kernel_cache import seed_cpu_kernels
 from tests.helm.test_docker import exec_form, load_healthcheck, parse_dockerfile
 
 BIN = Path(sys.executable).parent

@@ -1,5 +1,5 @@
 """Launched worker pods (local_cluster.py) start with this machine's build of the CPU kernels in
-their cache volume (tests/fixtures/kernel_seed.py): what the launch tests check is the wiring,
+their cache volume (tests/fixtures/kernel_cache.py): what the launch tests check is the wiring,
 not the first start's compile. A pod whose cache path is wrong still fails (the path must be on
 a writable volume) or builds the kernels where it looks for them."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.fixtures.kernel_seed import seed_cpu_kernels
+from tests.fixtures.kernel_cache import seed_cpu_kernels
 from tests.helm.local_cluster import LocalCluster
 
 
