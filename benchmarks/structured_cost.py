@@ -12,7 +12,9 @@ benchmarks/bench_model.py, driven through the public gRPC API, two measurements:
    the client's (last token - first token) / (generated tokens - 1), per request, averaged
    over the batch; only generated tokens count, and a round where a request got fewer tokens
    than asked is reported as failed. Rounds alternate plain / constrained (the order flips every
-   round) so this shared machine's drift hits both sides alike; the report gives each side's
+   round) so this shared machine's drift hits both sides alike, each side with prompts of its
+   own (the same prompts would be prefix-cache hits for the side that runs second: a faster
+   prefill, a different admission, a bias that flips with the order); the report gives each side's
    min and median and the ratio of medians, and the same for the CPU time the stack's three
    processes used per generated token (robust to other jobs taking the cores) (targets: <= 1.10 at batch 1, <= 1.05 at batch 32).
 2. (First, on the fresh stack.) Other streams' inter-token latency while a grammar compiles. 8 unconstrained streams decode;
@@ -100,7 +102,10 @@ async def tpot_rounds(children: Sequence[Child], rounds: int) -> dict[str, dict[
             order = list(sides) if i % 2 == 0 else list(reversed(sides))
             for batch, workload in BATCHES.items():
                 for side in order:
-                    measured = await tpot_round(sides[side][0], replace(workload, seed=i), children)
+                    seed = 2 * i + list(sides).index(side)  # no prefix-cache hits across sides
+                    measured = await tpot_round(
+                        sides[side][0], replace(workload, seed=seed), children
+                    )
                     tpots[batch][side].append(measured)
                     row = {"round": i, "batch": batch, "side": side, "tpot_cpu_ms": measured}
                     print(json.dumps(row), flush=True)
