@@ -22,7 +22,8 @@ first chunk. Scales and offsets are stored float16 where every value is exactly 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -58,9 +59,9 @@ class GroupQuantized:
             return self.g_idx.long()
         return torch.arange(self.shape[1]) // self.group_size
 
-    def rows(self, index: slice) -> GroupQuantized:
-        """Rows `index` (a contiguous slice)."""
-        return replace(
+    def rows(self, index: slice | torch.Tensor) -> GroupQuantized:
+        """Rows `index` (a slice, or a tensor of row numbers: a reordering)."""
+        return derived(
             self,
             values=self.values[index],
             scales=self.scales[index],
@@ -75,17 +76,17 @@ class GroupQuantized:
             raise ValueError("quantized weights are sliced in contiguous column ranges")
         values = self.values[:, start:stop]
         if self.g_idx is not None:
-            return replace(self, values=values, g_idx=self.g_idx[start:stop])
+            return derived(self, values=values, g_idx=self.g_idx[start:stop])
         g = self.group_size
         if g >= self.shape[1]:
-            return replace(self, values=values, group_size=max(stop - start, 1))
+            return derived(self, values=values, group_size=max(stop - start, 1))
         if start % g or ((stop - start) % g and stop != self.shape[1]):
             raise ValueError(
                 f"a slice of columns [{start}, {stop}) splits a quantization group of {g} "
                 "columns: choose a tensor_parallel_size that divides the groups"
             )
         groups = slice(start // g, -(-stop // g))
-        return replace(
+        return derived(
             self,
             values=values,
             scales=self.scales[:, groups],
@@ -101,8 +102,22 @@ class GroupQuantized:
         return weight
 
 
-def check_group_quantized(q: GroupQuantized) -> None:
-    """Refuse a malformed weight with a message that names the tensor at fault."""
+def derived(parent: GroupQuantized, **changes: Any) -> GroupQuantized:
+    """`replace(parent, **changes)` for changes that keep `parent`'s checked codes and groups (a
+    slice, a reordering of rows, a join or widening of checked weights): the shapes are checked
+    again, the value and g_idx ranges (a scan of the whole tensor) are not. Everything else builds
+    a `GroupQuantized`, which checks them."""
+    values = {f.name: getattr(parent, f.name) for f in fields(GroupQuantized)} | changes
+    q = object.__new__(GroupQuantized)
+    for name, value in values.items():
+        object.__setattr__(q, name, value)  # a frozen dataclass, built without __post_init__
+    check_group_quantized(q, check_ranges=False)
+    return q
+
+
+def check_group_quantized(q: GroupQuantized, check_ranges: bool = True) -> None:
+    """Refuse a malformed weight with a message that names the tensor at fault; `check_ranges`
+    False: the codes and g_idx are a checked weight's (`derived`), only the shapes are checked."""
     if q.bits not in (4, 8):
         raise ValueError(f"quantized weights have 4 or 8 bits, not {q.bits}")
     dtype = torch.int8 if q.bits == 8 else torch.uint8
@@ -124,10 +139,11 @@ def check_group_quantized(q: GroupQuantized) -> None:
     if q.offsets is not None and q.offsets.shape != q.scales.shape:
         raise ValueError(f"offsets must be shaped as scales, got {tuple(q.offsets.shape)}")
     if q.g_idx is not None and (
-        q.g_idx.shape != (num_cols,) or int(q.g_idx.min()) < 0 or int(q.g_idx.max()) >= num_groups
+        q.g_idx.shape != (num_cols,)
+        or (check_ranges and (int(q.g_idx.min()) < 0 or int(q.g_idx.max()) >= num_groups))
     ):
         raise ValueError(f"g_idx must give each of the {num_cols} columns a group < {num_groups}")
-    if q.bits == 4 and q.values.numel() and int(q.values.max()) > 15:
+    if check_ranges and q.bits == 4 and q.values.numel() and int(q.values.max()) > 15:
         raise ValueError("4-bit values must lie in 0..15 (signed ones: use from_signed)")
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from worker_svc.layers.quant_pack import GroupQuantized
+from worker_svc.layers.quant_pack import GroupQuantized, derived
 from worker_svc.layers.tensor_source import TensorSource
 
 Index = slice | tuple[slice, ...]
@@ -137,7 +136,7 @@ def merge_rows(parts: list[GroupQuantized]) -> GroupQuantized:
     with_offsets = any(p.offsets is not None for p in parts)
     same = [widened(p, bits, group_size, with_offsets) for p in parts]
     offsets = [p.offsets for p in same]
-    return replace(
+    return derived(
         same[0],
         values=torch.cat([p.values for p in same]),
         scales=torch.cat([p.scales.float() for p in same]),

@@ -56,11 +56,4 @@ class GgufQuantizedTensor:
 def permute_rows(weight: GroupQuantized, num_heads: int) -> GroupQuantized:
     """llama.cpp's q/k rows back in Hugging Face order (gguf_checkpoint.unpermute_rows)."""
     order = torch.from_numpy(unpermute_rows(np.arange(weight.shape[0]), num_heads).copy())
-    return GroupQuantized(
-        weight.values[order],
-        weight.scales[order],
-        None if weight.offsets is None else weight.offsets[order],
-        weight.bits,
-        weight.group_size,
-        weight.g_idx,
-    )
+    return weight.rows(order)
