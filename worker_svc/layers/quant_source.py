@@ -114,7 +114,9 @@ def widened(q: GroupQuantized, bits: int, group_size: int, with_offsets: bool) -
             offsets = offsets.repeat_interleave(repeat, dim=1)[:, :num_groups]
     if with_offsets and offsets is None:
         offsets = torch.zeros_like(scales)
-    return GroupQuantized(values, scales, offsets, bits, group_size, q.g_idx)
+    return derived(
+        q, values=values, scales=scales, offsets=offsets, bits=bits, group_size=group_size
+    )
 
 
 def merge_rows(parts: list[GroupQuantized]) -> GroupQuantized:
