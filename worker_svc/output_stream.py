@@ -37,8 +37,24 @@ class StreamClosed(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _End:
+class StreamEnd:
+    """A stream's end, queued behind its items; `error` when it failed."""
+
     error: BaseException | None
+
+
+U = TypeVar("U")
+
+
+def put_while(items: queue.Queue[U], item: U, is_open: Callable[[], bool]) -> bool:
+    """Put `item` in the bounded `items`, waiting for room while `is_open()`; False once not."""
+    while is_open():
+        try:
+            items.put(item, timeout=POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class StepOutputs(Generic[T]):
@@ -47,7 +63,7 @@ class StepOutputs(Generic[T]):
     `is_active` says whether the RPC is still live (grpc.ServicerContext.is_active)."""
 
     def __init__(self, is_active: Callable[[], bool], max_pending: int = MAX_PENDING) -> None:
-        self._queue: queue.Queue[T | _End] = queue.Queue(max_pending)
+        self._queue: queue.Queue[T | StreamEnd] = queue.Queue(max_pending)
         self._is_active = is_active
         self._is_closed = threading.Event()
 
@@ -70,7 +86,7 @@ class StepOutputs(Generic[T]):
                 error = e
             except BaseException as e:  # noqa: BLE001 (handed to the RPC thread, which raises it)
                 error = e
-            self._offer(_End(error))
+            self._offer(StreamEnd(error))
 
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
@@ -81,7 +97,7 @@ class StepOutputs(Generic[T]):
         try:
             while True:
                 item = self._queue.get()
-                if isinstance(item, _End):
+                if isinstance(item, StreamEnd):
                     if item.error is not None:
                         raise item.error
                     return
@@ -89,12 +105,8 @@ class StepOutputs(Generic[T]):
         finally:
             self._is_closed.set()
 
-    def _offer(self, item: T | _End) -> bool:
+    def _offer(self, item: T | StreamEnd) -> bool:
         """Put `item`, waiting for room while the stream is drained; False once it is not."""
-        while not self._is_closed.is_set() and self._is_active():
-            try:
-                self._queue.put(item, timeout=POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_while(
+            self._queue, item, lambda: not self._is_closed.is_set() and self._is_active()
+        )

@@ -19,20 +19,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from worker_svc.output_stream import StreamEnd, put_while
 
 T = TypeVar("T")
 MAX_PENDING = 16
 """Requests read but not yet taken by the step loop before the reader waits (the core keeps
 at most two steps and their masks in flight)."""
-POLL_SECONDS = 0.1
-"""How often a reader held by a full queue checks that the loop still reads."""
-
-
-@dataclass(frozen=True, slots=True)
-class _End:
-    error: BaseException | None
 
 
 class StepRequests(Generic[T]):
@@ -40,7 +34,7 @@ class StepRequests(Generic[T]):
     stream itself (the step loop's thread)."""
 
     def __init__(self, requests: Iterator[T], max_pending: int = MAX_PENDING) -> None:
-        self._queue: queue.Queue[T | _End] = queue.Queue(max_pending)
+        self._queue: queue.Queue[T | StreamEnd] = queue.Queue(max_pending)
         self._is_closed = threading.Event()
         self._reader = threading.Thread(
             target=self._read, args=(requests,), name="execute-reader", daemon=True
@@ -53,7 +47,7 @@ class StepRequests(Generic[T]):
     def __next__(self) -> T:
         """The next request; StopIteration at the stream's end, or the stream's error."""
         item = self._queue.get()
-        if isinstance(item, _End):
+        if isinstance(item, StreamEnd):
             self._queue.put(item)  # every later call ends the same way
             if item.error is not None:
                 raise item.error
@@ -72,14 +66,8 @@ class StepRequests(Generic[T]):
                     return
         except BaseException as e:  # noqa: BLE001 (handed to the step loop, which raises it)
             error = e
-        self._offer(_End(error))
+        self._offer(StreamEnd(error))
 
-    def _offer(self, item: T | _End) -> bool:
+    def _offer(self, item: T | StreamEnd) -> bool:
         """Queue `item`, waiting for room while the loop reads; False once it stopped."""
-        while not self._is_closed.is_set():
-            try:
-                self._queue.put(item, timeout=POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_while(self._queue, item, lambda: not self._is_closed.is_set())
