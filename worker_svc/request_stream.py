@@ -11,7 +11,7 @@ the step loop takes requests from the queue, in order.
 Bounded: at most `MAX_PENDING` requests wait, then the reader stops receiving, so gRPC's flow
 control holds a peer that sends faster than the rank steps. The stream's end, or its error,
 travels behind the requests read before it. A loop that stops reading (`close`) releases the
-reader, which then only drains the stream until gRPC ends it.
+reader: it stops receiving, and the stream ends with its RPC.
 """
 
 from __future__ import annotations
