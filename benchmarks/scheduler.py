@@ -32,10 +32,10 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_inbox import EngineInbox
 from core_svc.executor import Executor
+from core_svc.grammar_state import StructuredOutputRequest
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from core_svc.structured_output import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus

@@ -31,12 +31,9 @@ import torch
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.structured_schemas import RECORDS, as_text
 from core_svc import convert as core_convert
+from core_svc.grammar_state import StructuredOutputRequest
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from core_svc.structured_output import (
-    StructuredOutputManager,
-    StructuredOutputRequest,
-    StructuredOutputsConfig,
-)
+from core_svc.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert as worker_convert

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from core_svc.config import CoreConfig
+from core_svc.grammar_state import StructuredOutputRequest
 from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.lora import LoraAdapter, LoraRegistry, LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
@@ -19,7 +20,6 @@ from core_svc.request import Request
 from core_svc.request_trace import request_trace
 from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_bitmask import sparse_bitmask
-from core_svc.structured_output import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2

@@ -17,7 +17,7 @@ from splitserve_contracts.output_types import (
 )
 
 if TYPE_CHECKING:
-    from core_svc.structured_output import StructuredOutputRequest
+    from core_svc.grammar_state import StructuredOutputRequest
 
 
 class RequestStatus(IntEnum):

@@ -3,17 +3,19 @@ failed (the half of the scheduler that runs when a step's output comes back)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from core_svc.block_hash import BlockHasher
 from core_svc.encoder_scheduler import EncoderScheduler
+from core_svc.grammar_state import StructuredOutputRequest
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.request import Request, RequestStatus
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.stop_check import check_stop
-from core_svc.structured_output import StructuredOutputRequest
 from splitserve_contracts.output_types import ErrorKind, ModelRunnerOutput
 
+logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
@@ -134,7 +136,11 @@ class StepUpdater:
             if token is None or token >= vocab_size:
                 update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
                 continue
-            self._append(request, token, update)
+            grammar = request.structured_output
+            if grammar is not None and grammar.failure is not None:
+                update.failed.append(_fail_dead_end(request, grammar.failure))
+                continue
+            self._append(request, token, update, scheduler_output.grammar_bitmask)
             update.sampled_reqs.append(request)
         return update
 
@@ -170,11 +176,16 @@ class StepUpdater:
                 token = None if run is None else max(run[0])
                 update.failed.append(_fail_unsampled(request, token, scheduled.step_id))
                 continue
+            grammar = request.structured_output
+            if grammar is not None and grammar.failure is not None:
+                update.failed.append(_fail_dead_end(request, grammar.failure))
+                continue
             tokens, num_drafts = run
             num_appended = 0
-            for token in tokens:
+            mask = scheduler_output.grammar_bitmask
+            for position, token in enumerate(tokens):
                 num_appended += 1
-                if self._append(request, token, update):
+                if self._append(request, token, update, mask, position):
                     break
             if cache_blocks:
                 cache_blocks(request, len(request.all_token_ids) - 1)
@@ -186,9 +197,17 @@ class StepUpdater:
                 spec_stats.observe_draft(num_drafts, len(tokens) - 1)
         return update
 
-    def _append(self, request: Request, token: int, update: StepUpdate) -> bool:
-        """Append one sampled token: block hashes, grammar, stops; True when it ended the
-        request (finished or failed)."""
+    def _append(
+        self,
+        request: Request,
+        token: int,
+        update: StepUpdate,
+        mask: GrammarBitmask | None,
+        position: int = 0,
+    ) -> bool:
+        """Append one sampled token (sampled under the request's `position`-th row of the step's
+        `mask`): block hashes, grammar, stops; True when it ended the request (finished or
+        failed)."""
         all_token_ids = request.all_token_ids
         if not request.output_token_ids:
             update.num_prompt_tokens += request.num_prompt_tokens
@@ -204,7 +223,7 @@ class StepUpdater:
             )
         update.sampled_token_ids.append(token)
         grammar = request.structured_output
-        if grammar is not None and _grammar_stops(request, grammar, token, update):
+        if grammar is not None and _grammar_stops(request, grammar, token, update, mask, position):
             return True
         if (
             token in request.all_stop_token_ids
@@ -228,16 +247,31 @@ def _sampled_runs(output: ModelRunnerOutput) -> dict[int, tuple[list[int], int]]
     return runs
 
 
+def _fail_dead_end(request: Request, failure: str) -> Request:
+    """A request whose grammar the step's fill found unable to go on with a token the model can
+    emit (StructuredOutputRequest.failure): it fails, and what it sampled is dropped."""
+    logger.warning("request %s: %s", request.request_id[:64], failure)
+    request.fail(ErrorKind.INVALID_REQUEST, failure)
+    return request
+
+
 def _grammar_stops(
-    request: Request, grammar: StructuredOutputRequest, token: int, update: StepUpdate
+    request: Request,
+    grammar: StructuredOutputRequest,
+    token: int,
+    update: StepUpdate,
+    mask: GrammarBitmask | None,
+    position: int,
 ) -> bool:
-    """Advance the request's matcher by its new token: a complete grammar finishes it (STOP), a
-    token the grammar refuses (its mask did not hold) fails it; True when it ended."""
+    """Advance the request's matcher by its new token: a complete grammar finishes it (STOP); a
+    token the matcher refuses fails it, ENGINE_FAILURE when the step's mask did not allow it
+    (the rank broke it), INVALID_REQUEST when it did (the matcher failed: one of llguidance's
+    limits); True when it ended."""
     if not grammar.accept(token):
-        request.fail(
-            ErrorKind.ENGINE_FAILURE,
-            f"the output rank sampled token {token}, which the request's grammar does not allow",
-        )
+        was_allowed = _mask_allows(mask, request.req_handle, position, token)
+        kind, message = grammar.refusal(token, was_allowed)
+        logger.warning("request %s: %s", request.request_id[:64], message)
+        request.fail(kind, message)
         update.failed.append(request)
         return True
     if grammar.is_terminated:
@@ -245,6 +279,19 @@ def _grammar_stops(
         update.finished.append(request)
         return True
     return False
+
+
+def _mask_allows(mask: GrammarBitmask | None, req_handle: int, position: int, token: int) -> bool:
+    """Whether the request's `position`-th row of a step's mask (its next token's, then one per
+    draft) allows `token`; False where it has no such row."""
+    if mask is None:
+        return False
+    rows = [i for i, handle in enumerate(mask.req_handles) if handle == req_handle]
+    if position >= len(rows):
+        return False
+    row_bytes = len(mask.bitmask) // len(mask.req_handles)
+    byte = mask.bitmask[rows[position] * row_bytes + token // 8]
+    return bool(byte >> (token % 8) & 1)  # little-endian words: bit t is in byte t // 8
 
 
 def _finish_pooled(request: Request, data: bytes | None, step_id: int, update: StepUpdate) -> None:

@@ -8,7 +8,12 @@
     each step --> fill_bitmask: one packed int32 row per constrained request that samples,
         filled by llguidance (in parallel, LLExecutor, for large batches), shipped with the step
     each applied token --> StructuredOutputRequest.accept advances the request's matcher; a
-        complete grammar finishes the request (STOP)
+        complete grammar finishes the request (STOP); a matcher that failed (one of llguidance's
+        limits) fails it (INVALID_REQUEST), never passing for a complete grammar
+
+Masks are the model's width whichever of model and tokenizer has more ids: the tokenizer is
+llguidance's with max(the two) ids, and a wider tokenizer's rows are cut to the model's
+(core_svc/grammar_masks.py).
 
 The matcher only ever consumes tokens the engine applied (never a placeholder of a step in
 flight, never an unverified draft: a speculating request's per-draft masks come from
@@ -31,12 +36,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import numpy as np
-from llguidance.numpy import (
-    fill_next_token_bitmask_par,
-    fill_next_token_bitmask_par_with_draft_tokens,
-)
+from tokenizers import Tokenizer
 
+from core_svc.grammar_masks import GrammarMasks
+from core_svc.grammar_state import CompiledGrammar, StructuredOutputRequest
 from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
     StructuredOutputsParams,
@@ -72,66 +75,6 @@ class StructuredOutputsConfig:
 DEFAULT_STRUCTURED_OUTPUTS = StructuredOutputsConfig()
 
 
-class StructuredOutputRequest:
-    """One request's grammar state (vLLM's StructuredOutputRequest): its matcher, once compiled.
-
-    `reasoning_ended` is the hook for reasoning models (vLLM's `reasoning_ended`): while False
-    the request samples unconstrained and its tokens are not fed to the matcher;
-    `reasoning_end_token_id`, when set, flips it once that token is generated (a reasoning
-    parser in the frontend sets it, e.g. the id of `</think>`), and the grammar starts there.
-    """
-
-    __slots__ = ("params", "matcher", "reasoning_ended", "reasoning_end_token_id")
-
-    def __init__(
-        self, params: StructuredOutputsParams, reasoning_end_token_id: int | None = None
-    ) -> None:
-        self.params = params
-        self.matcher: llguidance.LLMatcher | None = None
-        self.reasoning_end_token_id = reasoning_end_token_id
-        self.reasoning_ended = reasoning_end_token_id is None
-
-    @property
-    def needs_bitmask(self) -> bool:
-        """Whether its next token is constrained (compiled, past reasoning, not complete)."""
-        matcher = self.matcher
-        return self.reasoning_ended and matcher is not None and not matcher.is_stopped()
-
-    @property
-    def may_need_bitmask(self) -> bool:
-        """Whether its next token may be constrained: needs_bitmask, or still reasoning (the
-        token before it, in flight under async scheduling, may end the reasoning)."""
-        matcher = self.matcher
-        return matcher is not None and not matcher.is_stopped()
-
-    def accept(self, token_id: int) -> bool:
-        """Advance the matcher by one applied token; False when the grammar refused it (the
-        mask did not hold: the request must fail)."""
-        if not self.reasoning_ended:
-            self.reasoning_ended = token_id == self.reasoning_end_token_id
-            return True
-        assert self.matcher is not None
-        return self.matcher.consume_token(token_id)
-
-    def after_reasoning(self, output_token_ids: Sequence[int]) -> list[int]:
-        """The tokens of `output_token_ids` (a resubmitted request's outputs) its matcher must
-        consume: all of them once reasoning ended, else those after the first reasoning end
-        token among them (which ends the reasoning now), else none."""
-        tokens = list(output_token_ids)
-        if self.reasoning_ended:
-            return tokens
-        end_id = self.reasoning_end_token_id
-        if end_id is None or end_id not in tokens:
-            return []
-        self.reasoning_ended = True
-        return tokens[tokens.index(end_id) + 1 :]
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete: nothing more may follow (the request finishes, STOP)."""
-        return self.reasoning_ended and self.matcher is not None and self.matcher.is_stopped()
-
-
 @dataclass(slots=True)
 class _Compiling:
     state: StructuredOutputRequest
@@ -152,20 +95,17 @@ class StructuredOutputManager:
     ) -> None:
         self.vocab_size = vocab_size
         self.config = config
-        self.num_words = (vocab_size + 31) // 32
+        self.masks = GrammarMasks(
+            vocab_size, config.fill_parallel_threshold, config.num_fill_threads
+        )
         self._on_compiled = on_compiled
         self._pool: ThreadPoolExecutor | None = None
-        self._fill_executor: llguidance.LLExecutor | None = None
         self._tokenizers: OrderedDict[bytes, Future[llguidance.LLTokenizer]] = OrderedDict()
         self._client_tokenizers: dict[int, bytes] = {}
-        self._compiled: OrderedDict[tuple[object, ...], llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[object, ...], CompiledGrammar] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._compiling: dict[int, _Compiling] = {}
         """req_handle -> its compile in progress."""
-        self._bitmask = np.zeros((0, self.num_words), np.int32)
-        num_used = vocab_size % 32  # of the last word's bits; the others are padding
-        padding = (0xFFFFFFFF << num_used) & 0xFFFFFFFF if num_used else 0
-        self._padding_bits = np.array([padding], np.uint32).view(np.int32)[0]
         self.num_compiled = 0
         self.num_cache_queries = 0
         """Grammar cache lookups, one per request that compiles (vLLM's
@@ -200,15 +140,15 @@ class StructuredOutputManager:
             self._tokenizers.popitem(last=False)
 
     def _build_tokenizer(self, tokenizer_json: str, eos: list[int]) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer of max(the model's vocabulary, the tokenizer's ids) (vLLM's
+        `from_tokenizer(tokenizer, max(vocab_size, len(tokenizer)))`): llguidance pads a
+        tokenizer to n_vocab but refuses one larger than it."""
         if len(tokenizer_json) > MAX_TOKENIZER_JSON_CHARS:
             raise InvalidStructuredOutputs("the frontend's tokenizer is too large", "tokenizer")
-        if any(not 0 <= e < self.vocab_size for e in eos):
-            raise InvalidStructuredOutputs(
-                "the frontend's eos_token_ids are outside the vocabulary", "tokenizer"
-            )
-        try:
-            tokenizer = llguidance.LLTokenizer(
-                tokenizer_json, n_vocab=self.vocab_size, eos_token=eos or None
+        try:  # its ids as llguidance counts them (tokenizers' get_vocab_size(true))
+            num_ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+            tokenizer = llguidance.LLTokenizer(  # which checks the eos ids against them
+                tokenizer_json, n_vocab=max(self.vocab_size, num_ids), eos_token=eos or None
             )
         except Exception as err:  # noqa: BLE001 (llguidance's parse errors are plain exceptions)
             raise InvalidStructuredOutputs(
@@ -216,6 +156,9 @@ class StructuredOutputManager:
                 "tokenizer",
             ) from None
         logger.info("structured outputs: tokenizer of %d tokens ready", tokenizer.vocab_size)
+        if tokenizer.vocab_size > self.vocab_size:
+            logger.info("its ids past the model's %d are never allowed", self.vocab_size)
+            self.masks.has_wider_tokenizer = True
         return tokenizer
 
     def forget_client(self, client_id: int) -> None:
@@ -258,16 +201,20 @@ class StructuredOutputManager:
         with self._cache_lock:
             self.num_cache_queries += 1
             template = self._compiled.get(key)
+            if template is not None and template.is_spent:
+                template = None  # a copy failed: compiled anew (StructuredOutputRequest)
             if template is not None:
                 self._compiled.move_to_end(key)
                 self.num_cache_hits += 1
         if template is None:
-            template = self._compile_grammar(tokenizer, state.params)
+            compiled = self._compile_grammar(tokenizer, state.params)
+            template = CompiledGrammar(compiled, tokenizer.vocab_size)
             with self._cache_lock:
                 self._compiled[key] = template
                 while len(self._compiled) > self.config.max_cached_grammars:
                     self._compiled.popitem(last=False)
-        matcher = template.deep_copy()
+        state.template = template
+        matcher = template.matcher.deep_copy()
         if output_token_ids and not matcher.consume_tokens(output_token_ids):
             raise InvalidStructuredOutputs(
                 "the output tokens the request brings do not follow its grammar",
@@ -337,54 +284,9 @@ class StructuredOutputManager:
         states: Sequence[StructuredOutputRequest],
         drafts: Sequence[Sequence[int]] = (),
     ) -> bytes:
-        """The packed masks of `states`, one row each in order (little-endian int32 words),
-        filled by llguidance: one row after another below fill_parallel_threshold rows (as vLLM),
-        in parallel from there on. With `drafts` (speculative decoding: each state's
-        grammar-valid drafts), a state gets 1 + len(its drafts) rows: the mask of its next
-        token, then the mask after each draft (llguidance consumes the drafts and rolls them
-        back: the matcher keeps following applied tokens only); those are always filled by
-        llguidance's parallel fill, which takes drafts."""
-        num_rows = len(states) + sum(len(d) for d in drafts)
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = np.zeros(
-                (max(num_rows, 2 * self._bitmask.shape[0]), self.num_words), np.int32
-            )
-        bitmask = self._bitmask[:num_rows]
-        if num_rows < self.config.fill_parallel_threshold and not any(drafts):
-            # llguidance's fill_next_token_bitmask, minus its per-row numpy checks and slicing
-            # (half the fill's time at batch 32): each matcher writes its row in place
-            address, row_bytes = bitmask.ctypes.data, 4 * self.num_words
-            for row, state in enumerate(states):
-                matcher: llguidance.LLMatcher = state.matcher  # type: ignore[assignment]
-                matcher.unsafe_compute_mask_ptr(address + row * row_bytes, row_bytes)
-            return self._to_bytes(bitmask)
-        if self._fill_executor is None:
-            threads = self.config.num_fill_threads or None
-            self._fill_executor = llguidance.LLExecutor(threads)
-        if not drafts:
-            matchers = [(state.matcher, row) for row, state in enumerate(states)]
-            fill_next_token_bitmask_par(self._fill_executor, matchers, bitmask)  # type: ignore[arg-type]
-            return self._to_bytes(bitmask)
-        plain, with_drafts, row = [], [], 0
-        for state, state_drafts in zip(states, drafts, strict=True):
-            if state_drafts:  # llguidance refuses an empty draft list
-                with_drafts.append((state.matcher, row, list(state_drafts)))
-            else:
-                plain.append((state.matcher, row))
-            row += 1 + len(state_drafts)
-        if with_drafts:
-            fill_next_token_bitmask_par_with_draft_tokens(self._fill_executor, with_drafts, bitmask)  # type: ignore[arg-type]
-        if plain:
-            fill_next_token_bitmask_par(self._fill_executor, plain, bitmask)  # type: ignore[arg-type]
-        return self._to_bytes(bitmask)
-
-    def _to_bytes(self, bitmask: np.ndarray) -> bytes:
-        """The rows' wire bytes, the last word's padding bits (past the vocabulary) set: a row
-        that allows every token is then all -1 words, which the sparse wire form sends as
-        nothing (core_svc/structured_bitmask.py) and the rank skips."""
-        if self._padding_bits:
-            bitmask[:, -1] |= self._padding_bits
-        return bitmask.astype("<i4", copy=False).tobytes()
+        """The packed masks of `states` (and of their drafts), one row each in order, at the
+        model's width: core_svc/grammar_masks.py."""
+        return self.masks.fill(states, drafts)
 
     def shutdown(self) -> None:
         if self._pool is not None:

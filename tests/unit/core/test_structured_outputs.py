@@ -6,7 +6,6 @@ fail only their own request."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import time
@@ -15,14 +14,20 @@ import numpy as np
 import pytest
 
 from core_svc.engine_core import EngineCore
+from core_svc.grammar_state import StructuredOutputRequest
 from core_svc.request import Request
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.scheduler_output import SchedulerOutput
-from core_svc.structured_output import StructuredOutputRequest, StructuredOutputsConfig
-from splitserve_contracts.output_types import ErrorKind, FinishReason, ModelRunnerOutput
+from core_svc.structured_output import StructuredOutputsConfig
+from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_runtime.tiny_model import ensure_tiny_model
-from tests.unit.core.fake_executor import ClientView, FakeExecutor, ShadowRequest, make_request
+from tests.unit.core.fake_executor import ClientView, make_request
+from tests.unit.core.masked_executor import (
+    MaskedExecutor,
+    compiled_states,
+    masked_engine,
+    run_engine,
+)
 
 VOCAB = 2048
 
@@ -34,58 +39,10 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     return (folder / "tokenizer.json").read_text()
 
 
-class MaskedExecutor(FakeExecutor):
-    """A rank that samples, for a constrained request, a pseudo-random token its mask allows."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, verify_context=False, **kwargs)  # type: ignore[arg-type]
-        self._masks: dict[int, np.ndarray] = {}
-        self.num_masked_steps = 0
-        self.num_deferred_steps = 0
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        assert not scheduler_output.has_pending_grammar, "ran before its masks came"
-        grammar = scheduler_output.grammar_bitmask
-        self._masks = {}
-        if grammar is not None:
-            self.num_masked_steps += 1
-            words = np.frombuffer(grammar.bitmask, "<i4").reshape(len(grammar.req_handles), -1)
-            for handle, row in zip(grammar.req_handles, words, strict=True):
-                bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
-                self._masks[handle] = np.flatnonzero(bits)
-        return super().execute_model(scheduler_output)
-
-    def sample(self, shadow: ShadowRequest) -> int:
-        handle = next(h for h, s in self.reqs.items() if s is shadow)
-        allowed = self._masks.get(handle)
-        if allowed is None:
-            return super().sample(shadow)
-        index = len(shadow.token_ids)
-        digest = hashlib.sha256(f"{shadow.request_id}:{index}".encode()).digest()
-        return int(allowed[int.from_bytes(digest[:4], "little") % len(allowed)])
-
-
 def _engine(
     tokenizer_json: str, async_scheduling: bool, timeout: float = 10.0
 ) -> tuple[EngineCore, MaskedExecutor]:
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        vocab_size=VOCAB,
-        async_scheduling=async_scheduling,
-    )
-    executor = MaskedExecutor(4, 128, feeds_sampled=async_scheduling)
-    engine = EngineCore(
-        scheduler_config,
-        CacheConfig(num_blocks=128, block_size=4),
-        executor,
-        structured_outputs_config=StructuredOutputsConfig(
-            compile_timeout_s=timeout, num_compile_threads=1
-        ),
-    )
-    engine.set_tokenizer(1, tokenizer_json, [1])
-    return engine, executor
+    return masked_engine(tokenizer_json, VOCAB, [1], async_scheduling, timeout)
 
 
 def _constrained(handle: int, params: StructuredOutputsParams, max_tokens: int = 64) -> Request:
@@ -94,16 +51,7 @@ def _constrained(handle: int, params: StructuredOutputsParams, max_tokens: int =
     return request
 
 
-def _run(engine: EngineCore, view: ClientView, seconds: float = 20.0) -> ClientView:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if engine.has_work():
-            view.absorb(engine.step())
-        elif engine.structured.compiling:
-            time.sleep(0.001)
-        else:
-            return view
-    raise AssertionError("the engine is still busy")
+_run = run_engine
 
 
 def _error(view: ClientView, handle: int, client_id: int = 1) -> tuple[str, ErrorKind]:
@@ -293,16 +241,8 @@ def test_filled_rows_are_llguidances_with_the_padding_bits_set(tokenizer_json: s
     vocab_size = VOCAB + 5  # the last word holds 5 tokens and 27 padding bits
     manager = StructuredOutputManager(vocab_size, StructuredOutputsConfig())
     manager.set_tokenizer(1, tokenizer_json, [1])
-    states = [
-        StructuredOutputRequest(StructuredOutputsParams(regex=regex))
-        for regex in (r"[0-9]{3}", r"(?s:.*)", r"yes|no")
-    ]
-    for handle, state in enumerate(states):
-        assert manager.submit(handle, 1, state, []) is None
-    deadline = time.monotonic() + 20
-    while manager.num_compiling and time.monotonic() < deadline:
-        assert not manager.take_compiled(time.monotonic())[1]
-        time.sleep(0.01)
+    regexes = (r"[0-9]{3}", r"(?s:.*)", r"yes|no")
+    states = compiled_states(manager, [StructuredOutputsParams(regex=r) for r in regexes])
     words = np.frombuffer(manager.fill_bitmask(states), "<i4").reshape(len(states), -1)
     expected = np.zeros_like(words)
     for row, state in enumerate(states):
@@ -312,3 +252,86 @@ def test_filled_rows_are_llguidances_with_the_padding_bits_set(tokenizer_json: s
     assert np.array_equal(words[:, -1], expected[:, -1] | padding)
     assert (expected[:, -1] & padding == 0).all()  # llguidance leaves the padding bits clear
     manager.shutdown()
+
+
+HUGE_REGEX = "((a|aa){50}){50}"
+"""Legal (at least 2,500 characters), but its lexer outgrows one of llguidance's limits on its
+first `a` (issue 37 item 6)."""
+LEXER_LIMIT = (
+    "structured_outputs.regex: the grammar could not be followed: lexer error: too many "
+    "expressions constructed"
+)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_past_the_matchers_limits_fails_by_name_request_after_request(
+    tokenizer_json: str, async_scheduling: bool
+) -> None:
+    """Three requests in turn, each with a request beside it: each fails with INVALID_REQUEST
+    naming llguidance's limit, never ENGINE_FAILURE blaming the rank (a 503 "retry it") nor STOP
+    with an empty output (a copy of the cached grammar, whose lexer the first had exhausted,
+    allowed EOS only and took it for the grammar's end); each compiles its grammar anew, and
+    the requests beside them are served."""
+    engine, _ = _engine(tokenizer_json, async_scheduling)
+    for handle in (1, 2, 3):
+        engine.add_request(_constrained(handle, StructuredOutputsParams(regex=HUGE_REGEX)))
+        engine.add_request(_constrained(10 + handle, StructuredOutputsParams(regex="[0-9]{4}")))
+        view = _run(engine, ClientView())
+        assert view.finished[(1, handle)] == FinishReason.ERROR, view.details[(1, handle)]
+        assert _error(view, handle) == (LEXER_LIMIT, ErrorKind.INVALID_REQUEST)
+        assert view.finished[(1, 10 + handle)] == FinishReason.STOP
+    assert engine.structured.manager.num_compiled == 4  # the regex thrice, the digits once
+
+
+def test_a_failed_matcher_is_not_a_complete_grammar(tokenizer_json: str) -> None:
+    """llguidance stops a matcher that failed, as it stops a complete one, masks EOS only for
+    it and lets it "consume" EOS: accept refuses that EOS, and the refusal names the failure
+    (INVALID_REQUEST, the cached grammar spent), as for the token that failed it."""
+    from core_svc.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(VOCAB, StructuredOutputsConfig(num_compile_threads=1))
+    manager.set_tokenizer(1, tokenizer_json, [1])
+    params = [StructuredOutputsParams(regex=HUGE_REGEX)] * 2
+    first, second = compiled_states(manager, params)  # second: a copy of the cached first
+    assert second.template is first.template and manager.num_cache_hits == 1
+    allowed = np.flatnonzero(_unpacked(manager.fill_bitmask([first])))
+    assert not first.accept(int(allowed[0]))
+    assert first.refusal(int(allowed[0]), True) == (ErrorKind.INVALID_REQUEST, LEXER_LIMIT)
+    assert first.template is not None and first.template.is_spent
+    assert np.flatnonzero(_unpacked(manager.fill_bitmask([second]))).tolist() == [1]  # EOS
+    assert second.matcher is not None and second.matcher.is_stopped()
+    assert not second.accept(1)
+    assert second.refusal(1, True) == (ErrorKind.INVALID_REQUEST, LEXER_LIMIT)
+
+
+def test_a_token_the_mask_refused_is_the_ranks_fault(tokenizer_json: str) -> None:
+    """A rank that samples past its mask (here: ignores it) fails the request with
+    ENGINE_FAILURE, as before; only a token the mask allowed is blamed on the grammar."""
+    engine, executor = _engine(tokenizer_json, async_scheduling=False)
+    letter = _encode(tokenizer_json, "x")
+    request = _constrained(1, StructuredOutputsParams(regex="[0-9]{4}"))
+    executor.ignores_mask.add(request.request_id)
+    executor.scripts[request.request_id] = [letter]
+    engine.add_request(request)
+    view = _run(engine, ClientView())
+    expected = f"the output rank sampled token {letter}, which the request's grammar does not allow"
+    assert _error(view, 1) == (expected, ErrorKind.ENGINE_FAILURE)
+
+
+def test_max_tokens_reached_mid_grammar_ends_with_length(tokenizer_json: str) -> None:
+    engine, _ = _engine(tokenizer_json, async_scheduling=True)
+    engine.add_request(_constrained(1, StructuredOutputsParams(regex="[0-9]{60}"), max_tokens=6))
+    view = _run(engine, ClientView())
+    assert view.finished[(1, 1)] == FinishReason.LENGTH and len(view.tokens[(1, 1)]) == 6
+    assert re.fullmatch("[0-9]+", _decode(tokenizer_json, view.tokens[(1, 1)]))
+
+
+def _unpacked(data: bytes) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[:VOCAB]
+
+
+def _encode(tokenizer_json: str, text: str) -> int:
+    from tokenizers import Tokenizer
+
+    (token,) = Tokenizer.from_str(tokenizer_json).encode(text, add_special_tokens=False).ids
+    return token
