@@ -127,12 +127,13 @@ class FrontendConfig(TransportConfig):
 
     @property
     def http_limits(self) -> HttpLimits:
-        """The HTTP port's timeouts and connection cap."""
+        """The HTTP port's timeouts, connection cap and body limit."""
         return HttpLimits(
             timeout_keep_alive=self.timeout_keep_alive,
             header_timeout=self.http_header_timeout,
             body_timeout=self.http_body_timeout,
             max_connections=self.max_http_connections,
+            max_body_bytes=self.max_receive_message_bytes,
         )
 
     @property

@@ -39,6 +39,16 @@ class InvalidRequest(FrontendError, ValueError):
         self.param = param
 
 
+class BodyTooLarge(InvalidRequest):
+    """An HTTP request body over --max-receive-message-bytes: 413 Content Too Large (over gRPC,
+    grpc itself refuses such a message with RESOURCE_EXHAUSTED)."""
+
+    http_status = 413
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"the body is over {max_bytes} bytes (--max-receive-message-bytes)")
+
+
 class ModelNotFound(FrontendError):
     """The request names a model this server does not serve."""
 

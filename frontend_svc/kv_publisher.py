@@ -29,8 +29,11 @@ import zmq
 
 from frontend_svc.kv_events import BlocksRemoved, BlocksStored, KvEvent
 from frontend_svc.kv_events_config import KVEventsConfig, offset_endpoint_port
+from splitserve_runtime.log_limits import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+replay_log = RateLimitedLog(logger)
+"""Malformed replay requests: any peer that reaches the replay socket can send them."""
 
 MEDIUM_GPU = "GPU"
 """vLLM's name of the device tier, whatever the device."""
@@ -135,6 +138,7 @@ class ZmqEventPublisher:
         self.block_size = block_size
         self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank) or ""
         self.replay_endpoint = offset_endpoint_port(config.replay_endpoint, data_parallel_rank)
+        self._binds = _is_bind_endpoint(self.endpoint)
         self._queue: queue.Queue[tuple[float, list[KvEvent]] | None] = queue.Queue(
             maxsize=config.max_queue_size
         )
@@ -157,11 +161,13 @@ class ZmqEventPublisher:
         self.num_resyncs = 0
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
-        logger.info("publishing KV-cache events on %s (replay: %s)", self.endpoint,
+        # vLLM's rule: an endpoint without `*` (or `::`, ipc://, inproc://) is connected to
+        where = "publishing KV-cache events on" if self._binds else "connecting to"
+        logger.info("%s %s (KV-cache events; replay: %s)", where, self.endpoint,
                     self.replay_endpoint or "off")  # fmt: skip
 
     def _open_sockets(self) -> None:
-        if _is_bind_endpoint(self.endpoint):
+        if self._binds:
             self._pub.bind(self.endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -230,7 +236,7 @@ class ZmqEventPublisher:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("invalid KV-event replay request (%d frames)", len(frames))
+            replay_log.warning("replay", "invalid KV-event replay request (%d frames)", len(frames))
             return
         client_id, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")

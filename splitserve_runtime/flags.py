@@ -213,6 +213,12 @@ class FlagParser(argparse.ArgumentParser):
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         return _with_environment_note(super().add_argument(*args, **kwargs))
 
+    def error(self, message: str) -> NoReturn:
+        """The error and where the flags are listed, without argparse's usage: a command with
+        a hundred flags would print a hundred lines of it before the one that says what is
+        wrong (e.g. a bad --speculative-config). Exits 2, as argparse."""
+        self.exit(2, f"{self.prog}: error: {message}\nRun `{self.prog} --help` for its flags.\n")
+
     @classmethod
     def of_service(cls, prog: str, description: str, table: Sequence[Flag]) -> FlagParser:
         """A service's parser: its flag table, after `--config`."""

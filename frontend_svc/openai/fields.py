@@ -1,4 +1,5 @@
-"""JSON request values to Python values, each refusal a 400 that names the field.
+"""JSON request values to Python values, each refusal a 400 that names the field (a body over
+the size limit: 413).
 
 A coercer takes the JSON value and the field's name and returns the value or raises
 InvalidRequest. JSON null never reaches a coercer: a null field counts as absent (guidellm sends
@@ -21,7 +22,7 @@ from typing import Any, NoReturn, Union, get_args, get_origin
 import msgspec
 from starlette.requests import Request
 
-from frontend_svc.errors import InvalidRequest, shorten
+from frontend_svc.errors import BodyTooLarge, InvalidRequest, shorten
 from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 
 DEFAULT_MAX_BODY_BYTES = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
@@ -138,19 +139,18 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
-    """The request's body as a JSON object, refused past `max_bytes`: by its Content-Length,
-    and while it arrives (a chunked body announces no length)."""
-    too_big = InvalidRequest(
-        f"the body is over {max_bytes} bytes (--max-receive-message-bytes), or its length is bad"
-    )
+    """The request's body as a JSON object, refused (413) past `max_bytes`: by its
+    Content-Length, and while it arrives (a chunked body announces no length). The HTTP server
+    refuses such a body before the app sees it (http_limits.py, which also reads the rest of it
+    so that the client gets the 413); this bounds what the app holds under any server."""
     size = request.headers.get("content-length")
-    if size is not None and (not size.isdigit() or int(size) > max_bytes):
-        raise too_big
+    if size is not None and size.isdigit() and int(size) > max_bytes:
+        raise BodyTooLarge(max_bytes)
     chunks, num_bytes = [], 0
     async for chunk in request.stream():
         num_bytes += len(chunk)
         if num_bytes > max_bytes:
-            raise too_big
+            raise BodyTooLarge(max_bytes)
         chunks.append(chunk)
     raw = b"".join(chunks)
     if num_bytes < PARSE_ON_LOOP_BYTES:

@@ -7,17 +7,25 @@ sends nothing, sends its headers a byte at a time, or its body a byte a second h
     first byte of a request --header timeout--> 408    (--http-header-timeout)
     headers complete --body timeout--> 408             (--http-body-timeout, the whole body)
     headers over 64 KiB or 256 fields --> 431
+    a body over --max-receive-message-bytes --> 413    (by its Content-Length at once, or as
+                                                        a chunked body arrives; any route)
     a connection past --max-http-connections --> 503 with Retry-After, at once
 
 A refused connection gets its response, then the server stops writing and reads (and drops)
-what the client still sends for at most LINGER_S before it closes: closing with unread data would
-reset the connection and the client could lose the response. Nothing here bounds the time a
-response takes (a long generation streams for as long as it needs).
+what the client still sends before it closes: closing with unread data would reset the
+connection, and the reset can discard the response before the client reads it (Python's urllib,
+or any client that writes its whole body before it reads, would see only a broken pipe). After
+408, 431 and 503 it reads for at most LINGER_S; after 413 until the body's end, MAX_DRAIN_BYTES
+more of it or the body's deadline (--http-body-timeout), whichever comes first (nginx's lingering
+close). Nothing here bounds the time a response takes (a long generation streams for as long as
+it needs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -25,7 +33,11 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from frontend_svc.errors import BodyTooLarge
+from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +47,10 @@ MAX_HEADER_COUNT = 256
 """Header fields per request (vLLM's --h11-max-header-count default)."""
 LINGER_S = 1.0
 """How long a refused connection is read (and dropped) before it closes."""
+MAX_DRAIN_BYTES = 16 * 1024 * 1024
+"""How much more of a body refused with 413 is read (and dropped) before the connection closes:
+a body a few MiB over the limit still ends cleanly, so that a client that reads only once it has
+sent everything gets the 413; a larger one is cut off (reset) there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,9 @@ class HttpLimits:
     """Seconds from the end of the headers to the end of the body."""
     max_connections: int = 4096
     """Open connections; more are refused with 503 at once."""
+    max_body_bytes: int = DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
+    """A request's body (--max-receive-message-bytes, as the gRPC port's largest message); a
+    larger one is refused with 413."""
 
 
 def raise_open_file_limit(wanted: int = 65536) -> int:
@@ -79,7 +98,7 @@ def fitted_limits(limits: HttpLimits, open_file_limit: int) -> HttpLimits:
         cap,
         open_file_limit,
     )
-    return HttpLimits(limits.timeout_keep_alive, limits.header_timeout, limits.body_timeout, cap)
+    return dataclasses.replace(limits, max_connections=cap)
 
 
 class _Phase(enum.Enum):
@@ -98,7 +117,7 @@ def _raw_response(status: int, message: str, extra: tuple[tuple[str, str], ...] 
     instead of) the app."""
     error_type = "invalid_request_error" if status < 500 else "service_unavailable"
     error = {"message": message, "type": error_type, "param": None, "code": status}
-    body = json.dumps({"error": error}).encode()
+    body = json.dumps({"error": error}, separators=(",", ":")).encode()  # as the app's
     headers = [
         ("content-type", "application/json"),
         ("content-length", str(len(body))),
@@ -123,6 +142,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._is_refused = False
         self._num_header_bytes = 0
         self._num_headers = 0
+        self._num_body_bytes = 0
+        self._num_drained: int | None = None
+        """Bytes of a refused body read and dropped so far; None: not draining one."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -142,6 +164,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._num_drained is not None:  # the rest of a body refused with 413
+            with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
+                self.parser.feed_data(data)  # on_body drops it, on_message_complete closes
+            return
         if self._is_refused:
             return  # lingering: read and drop
         if self._phase is _Phase.IDLE:
@@ -153,6 +179,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().send_400_response(msg)
 
     def on_message_begin(self) -> None:
+        if self._is_refused:
+            return
         if self._phase is not _Phase.HEADERS:
             self._start_headers()
         super().on_message_begin()
@@ -166,11 +194,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._is_refused:
+            return
         self._phase = _Phase.BODY
+        self._num_body_bytes = 0
         self._arm(self.limits.body_timeout, self._body_timed_out)
-        super().on_headers_complete()
+        previous = self.cycle  # None, answered, or (pipelining) a response still in progress
+        is_next = previous is None or previous.response_complete
+        if self._declared_length() > self.limits.max_body_bytes and is_next:
+            self._refuse_body(answer=True)  # at once: no app runs for it
+            return
+        super().on_headers_complete()  # pipelined: queued (refused in its turn, by the app)
+
+    def on_body(self, body: bytes) -> None:
+        if self._num_drained is not None:
+            self._num_drained += len(body)
+            if self._num_drained > MAX_DRAIN_BYTES:
+                self.transport.close()  # past the bound: cut off
+            return
+        if self._is_refused:
+            return
+        self._num_body_bytes += len(body)
+        if self._num_body_bytes > self.limits.max_body_bytes and not self.pipeline:
+            self._refuse_body(answer=not self.cycle.response_started)  # this request's cycle
+            return
+        super().on_body(body)  # queued behind a response: uvicorn holds it, reading paused
 
     def on_message_complete(self) -> None:
+        if self._num_drained is not None:  # the refused body ended: a clean close
+            self._num_drained = None
+            self.transport.close()
+            return
+        if self._is_refused:
+            return
         self._cancel_deadline()
         if self.cycle is not None and self.cycle.response_complete:  # answered before its end
             self._become_idle()
@@ -218,6 +274,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _body_timed_out(self) -> None:
+        if self._num_drained is not None:  # a refused body still arriving: enough waiting
+            self.transport.close()
+            return
         if self.pipeline:  # queued behind a response still streaming (reading is paused)
             self._arm(self.limits.body_timeout, self._body_timed_out)
             return
@@ -237,6 +296,32 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.transport.write(_raw_response(status, message, extra))
         self._refuse_silently()
+
+    def _declared_length(self) -> int:
+        """The request's Content-Length (httptools has checked it is a number); 0 if none."""
+        for name, value in self.headers:
+            if name == b"content-length":
+                return int(value)
+        return 0
+
+    def _refuse_body(self, answer: bool) -> None:
+        """A body over the limit: 413 unless the app has answered already (e.g. a 401 sent
+        before the body), the app (if it runs) sees a disconnect, and the rest of the body is
+        read and dropped until its end (then the connection closes), MAX_DRAIN_BYTES more or
+        the body's deadline."""
+        limit = self.limits.max_body_bytes
+        if answer:
+            self.transport.write(_raw_response(413, str(BodyTooLarge(limit))))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        self._is_refused = True
+        self._num_drained = max(0, self._num_body_bytes - limit)
+        self._unset_keepalive_if_required()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.flow.resume_reading()  # uvicorn pauses it while the app has not read the body
 
     def _refuse_silently(self) -> None:
         self._is_refused = True

@@ -43,7 +43,12 @@ from tests.reliability.public_cases import INT64_MAX
 pytestmark = pytest.mark.slow
 FINISHED = ("stop", "length")
 JSON_HEADERS = {"Content-Type": "application/json"}
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
 """OpenAI's error `type` of each status."""
 
 
@@ -201,24 +206,22 @@ def test_huge_tokenizer_calls_are_refused_and_stall_no_stream(shared_stack: Stac
         # bodies serialized first: json.dumps of 6 M ids holds this process's GIL for seconds
         # on a busy machine, which would stall the reader thread here, not the server
         calls = [
-            (DETOKENIZE, _json({"tokens": [5] * 6_000_000}), "the body is over"),
-            (DETOKENIZE, _json({"tokens": [5] * 1_000_000}), "at most max_model_len"),
-            (TOKENIZE, _json({"prompt": "word " * 800_000}), "more than any prompt"),
-            (DETOKENIZE, _json({"tokens": [7] * 2048}), ""),
+            (DETOKENIZE, _json({"tokens": [5] * 6_000_000}), 413, "the body is over"),
+            (DETOKENIZE, _json({"tokens": [5] * 1_000_000}), 400, "at most max_model_len"),
+            (TOKENIZE, _json({"prompt": "word " * 800_000}), 400, "more than any prompt"),
+            (DETOKENIZE, _json({"tokens": [7] * 2048}), 200, ""),
         ]
         quiet_since = time.monotonic()
         time.sleep(QUIET_WINDOW_S)
         bound = max(MAX_TOKEN_GAP_S, LOAD_FACTOR * stream.max_gap_s(quiet_since))
         since = time.monotonic()
-        replies = [post_json(shared_stack.http, path, body) for path, body, _ in calls]
+        replies = [post_json(shared_stack.http, path, body) for path, body, _, _ in calls]
         gap = stream.max_gap_s(since)
         assert gap < bound, f"a concurrent stream stalled {gap:.1f} s (bound {bound:.1f} s)"
-        for (status, reply), (_, _, fragment) in zip(replies, calls, strict=True):
+        for (status, reply), (_, _, expected, fragment) in zip(replies, calls, strict=True):
+            assert status == expected, str(reply)[:200]
             if fragment:
-                assert status == 400, str(reply)[:200]
-                assert fragment in assert_openai_error(reply, 400)["message"]
-            else:
-                assert status == 200
+                assert fragment in assert_openai_error(reply, status)["message"]
     finally:
         stream.close()
     assert_http_serving_and_idle(shared_stack)

@@ -1,8 +1,9 @@
 """The HTTP port's timeouts and connection cap (issue 22 row 6), on a real frontend over raw
 sockets: a connection that sends nothing is closed after --timeout-keep-alive, headers that
 trickle get 408 after --http-header-timeout, a body that trickles gets 408 after
---http-body-timeout, a connection past --max-http-connections gets 503 at once while the others
-keep serving, and gRPC streams are untouched throughout. On main, uvicorn closed none of these."""
+--http-body-timeout (as does a body refused with 413 that stops arriving), a connection past
+--max-http-connections gets 503 at once while the others keep serving, and gRPC streams are
+untouched throughout. On main, uvicorn closed none of these."""
 
 from __future__ import annotations
 
@@ -118,6 +119,19 @@ def test_a_body_that_trickles_gets_408(stack: Stack) -> None:
         assert status_of(reply) == 408, reply
         assert b"--http-body-timeout" in reply
         assert time.monotonic() - started >= BODY_S - 0.5
+
+
+def test_a_refused_body_that_stops_arriving_is_closed_after_the_body_timeout(
+    stack: Stack,
+) -> None:
+    """413 at once (Content-Length over --max-receive-message-bytes); the server then reads
+    what comes of the body, but waits for the rest no longer than --http-body-timeout."""
+    with connect(stack) as sock:
+        head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head + f"Content-Length: {64 << 20}\r\n\r\n".encode() + b" " * (1 << 20))
+        reply, _ = read_until_closed(sock, BODY_S + SLACK_S)
+        assert status_of(reply) == 413, reply
+        assert b"--max-receive-message-bytes" in reply
 
 
 def test_headers_over_the_size_limit_get_431(stack: Stack) -> None:

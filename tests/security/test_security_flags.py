@@ -36,6 +36,12 @@ def test_internal_services_are_closed_by_default_and_the_frontend_is_public() ->
     assert parse_core(CORE_ARGS, {"SPLITSERVE_HEALTH_PORT": "8081"}).health_port == 8081
 
 
+def test_one_message_limit_bounds_grpc_messages_and_http_bodies() -> None:
+    frontend = parse_frontend(["--max-receive-message-bytes", "1000"], {})
+    assert frontend.max_receive_message_bytes == frontend.http_limits.max_body_bytes == 1000
+    assert parse_frontend([], {}).http_limits.max_body_bytes == 4 * 1024 * 1024
+
+
 def test_certificate_flags_come_all_together_and_readable(pki: LocalPki) -> None:
     files = pki.files[CORE_ROLE]
     full = ["--tls-cert-file", files.cert_file, "--tls-key-file", files.key_file]

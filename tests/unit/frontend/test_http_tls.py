@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from frontend_svc.openai.server import HttpServer
 from splitserve.local_pki import CertificateAuthority
+from splitserve_runtime.listener import DEFAULT_PUBLIC_MAX_RECEIVE_BYTES
 from splitserve_runtime.tls import TlsFiles
 
 
@@ -74,3 +75,17 @@ def test_client_certificates_required_with_a_ca(ca: tuple[CertificateAuthority, 
             assert reply.status == 200
         with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
             urllib.request.urlopen(f"https://{address}/health", context=client_context(folder))
+
+
+def test_a_body_over_the_limit_gets_413_over_https(ca: tuple[CertificateAuthority, Path]) -> None:
+    """TLS has no half-close: the server reads and drops the rest of the body all the same, so
+    urllib (which sends everything before it reads) gets the 413."""
+    authority, folder = ca
+    server = authority.write(folder, "limit-server", ["localhost"])
+    with serving(TlsFiles(server.cert_file, server.key_file)) as address:
+        body = b"x" * (DEFAULT_PUBLIC_MAX_RECEIVE_BYTES + 3 * 1024 * 1024)
+        request = urllib.request.Request(f"https://{address}/health", data=body)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, context=client_context(folder), timeout=30)
+        assert refused.value.code == 413
+        assert b"--max-receive-message-bytes" in refused.value.read()

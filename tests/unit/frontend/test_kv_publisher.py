@@ -1,12 +1,15 @@
 """The ZMQ KV-event publisher on loopback: vLLM 0.32's wire layout (read back by
 smg-grpc-servicer's relay decoder, an independent implementation), sequence numbers, topic,
-replay from a sequence, and a resync after an overflow."""
+replay from a sequence, a resync after an overflow, and the log line of a bound or a connected
+endpoint."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import msgspec
+import pytest
 import zmq
 from smg_grpc_servicer.kv_relay import decode_batch
 
@@ -84,3 +87,24 @@ def test_a_resync_replaces_what_is_queued_with_the_whole_cache() -> None:
         assert kinds == ["AllBlocksCleared", "BlockStored"] and publisher.num_resyncs == 1
     finally:
         publisher.close()
+
+
+def test_the_log_says_whether_the_publisher_binds_or_connects(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's rule: an endpoint with `*` is bound; one without is connected to (a consumer
+    listens there), and the log line says so."""
+    context = zmq.Context()
+    consumer = context.socket(zmq.SUB)
+    port = consumer.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with caplog.at_level(logging.INFO, logger="frontend_svc.kv_publisher"):
+            for endpoint in ("tcp://*:0", f"tcp://127.0.0.1:{port}"):
+                config = KVEventsConfig(True, "zmq", endpoint, None)
+                ZmqEventPublisher(config, data_parallel_rank=0, block_size=2).close()
+        bound, connected = (r.getMessage() for r in caplog.records)
+        assert bound.startswith("publishing KV-cache events on tcp://0.0.0.0:"), bound
+        assert connected.startswith(f"connecting to tcp://127.0.0.1:{port} "), connected
+        assert "publishing" not in connected
+    finally:
+        context.destroy(linger=0)

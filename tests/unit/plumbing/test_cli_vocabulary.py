@@ -255,3 +255,23 @@ def test_async_scheduling_refuses_pipeline_parallelism(
     with pytest.raises(SystemExit):
         parse_core(argv, {})
     assert "--async-scheduling needs --pipeline-parallel-size 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--speculative-config", "{bad", "not JSON"),
+        ("--speculative-config", '{"method": "ngram"}', '"num_speculative_tokens" is required'),
+        ("--structured-outputs-config", '{"backend": "xgrammar"}', "not available"),
+        ("--kv-events-config", "[1]", ""),
+        ("--profiler-config", "{bad", "not JSON"),
+    ],
+)
+def test_a_bad_json_flag_prints_its_error_and_a_pointer_to_help_only(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, says: str
+) -> None:
+    """Issue 37: a bad --speculative-config printed ~105 lines of usage before its error."""
+    err = refusal(capsys, lambda: parse_serve(["tiny", flag, value], {}))
+    error, pointer = err.splitlines()
+    assert error.startswith(f"splitserve serve: error: argument {flag}: ") and says in error
+    assert pointer == "Run `splitserve serve --help` for its flags."
