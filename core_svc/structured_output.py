@@ -44,6 +44,7 @@ from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
     StructuredOutputsParams,
 )
+from splitserve_runtime.grammar_stack import GrammarThreadPool
 from splitserve_runtime.grammars import parser_limits, summary, to_llguidance
 
 logger = logging.getLogger(__name__)
@@ -113,10 +114,8 @@ class StructuredOutputManager:
         self.num_cache_hits = 0
 
     def _compile_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.config.num_compile_threads, thread_name_prefix="grammar-compile"
-            )
+        if self._pool is None:  # stacks the deepest grammar fits (a deeper one kills the core)
+            self._pool = GrammarThreadPool(self.config.num_compile_threads, "grammar-compile")
         return self._pool
 
     # -- tokenizers ----------------------------------------------------------------------------

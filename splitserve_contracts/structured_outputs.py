@@ -133,6 +133,8 @@ def _check_json_text(text: str, kind: str) -> None:
         value = json.loads(text)
     except ValueError as err:
         raise InvalidStructuredOutputs(f"is not valid JSON: {err}", kind) from None
+    except RecursionError:  # deeper than Python's recursion limit (llguidance takes 128 levels)
+        raise InvalidStructuredOutputs("nests too deeply to be read", kind) from None
     if kind == "json" and not isinstance(value, dict | bool):
         raise InvalidStructuredOutputs("a JSON Schema must be an object (or a boolean)", kind)
     if kind == "structural_tag" and not isinstance(value, dict):

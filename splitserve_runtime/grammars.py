@@ -2,7 +2,9 @@
 
 The frontend calls `check_grammar` to refuse a bad constraint before it reaches the engine
 (no tokenizer needed); the engine core compiles `to_llguidance` with its stream's tokenizer.
-Both read the same translation, after vLLM's `serialize_guidance_grammar`:
+Both compile on threads whose stack the deepest grammar fits (splitserve_runtime.grammar_stack:
+llguidance's compiler recurses by the grammar's depth, and overflowing a thread's stack kills
+the process). Both read the same translation, after vLLM's `serialize_guidance_grammar`:
 
 - json: the schema through llguidance's JSON Schema compiler; `disable_additional_properties`
   closes every object that has no `additionalProperties` keyword.
@@ -28,6 +30,7 @@ from splitserve_contracts.structured_outputs import (
     InvalidStructuredOutputs,
     StructuredOutputsParams,
 )
+from splitserve_runtime.grammar_stack import on_grammar_stack
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -51,10 +54,19 @@ def to_llguidance(params: StructuredOutputsParams) -> str:
     grammar)."""
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = json.loads(params.spec)
-        if params.disable_additional_properties:
-            schema = _close_objects(schema, 0)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(params))
+        try:
+            schema = json.loads(params.spec)
+            if params.disable_additional_properties:
+                schema = _close_objects(schema, 0)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults=_json_options(params)
+            )
+        except InvalidStructuredOutputs:
+            raise
+        except RecursionError:
+            raise InvalidStructuredOutputs("nests too deeply to be read", kind) from None
+        except ValueError as err:  # e.g. a number llguidance cannot take
+            raise InvalidStructuredOutputs(f"is not supported: {err}", kind) from None
     if kind == "structural_tag":
         return _structural_tag(params.spec)
     fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
@@ -66,7 +78,12 @@ def to_llguidance(params: StructuredOutputsParams) -> str:
 
 def check_grammar(params: StructuredOutputsParams) -> None:
     """Refuse a constraint llguidance cannot compile (InvalidStructuredOutputs naming the
-    field and llguidance's reason); checked without a tokenizer, so cheap."""
+    field and llguidance's reason); checked without a tokenizer, so cheap, on a grammar thread
+    (the caller waits)."""
+    on_grammar_stack(_check_grammar, params)
+
+
+def _check_grammar(params: StructuredOutputsParams) -> None:
     grammar = to_llguidance(params)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=parser_limits()
