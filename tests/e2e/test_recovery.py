@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -37,9 +38,33 @@ NUM_STREAMS, MAX_TOKENS, VOCAB = 32, 32, 2048
 CORE_FLAGS = ["--dtype", "float32", "--step-timeout-floor", "2"]
 
 
-def request(i: int) -> gen_pb2.GenerateRequest:
-    params = {"temperature": 1.0, "seed": 1000 + i} if i % 2 else {"temperature": 0.0}
-    return text_request(f"stream {i} tells", max_tokens=MAX_TOKENS, ignore_eos=True, **params)
+PROMPT = "stream {i} reads"
+"""Stream i's prompt. Every greedy token of these streams leads its runner-up by at least
+MIN_GREEDY_MARGIN (test_the_greedy_streams_have_no_near_tie): the token-for-token checks compare
+runs whose steps are laid out differently (TP=1 and TP=2, drafts verified or not, a request
+recomputed in one prefill after a recovery or a preemption), and fp32 rounding moves a logit by
+up to about 1e-6 between such layouts. The earlier "stream {i} tells" had one near-tie: stream
+10's output 26, where token 247 led 488 by 2.4e-7 (4 ulps) decoding step by step; the engine's
+ranks make it an exact tie in some layouts (a request resumed after 18 outputs at TP=2), and
+transformers' forward over the whole context picks 488."""
+
+MIN_GREEDY_MARGIN = 1e-4
+"""Least lead of a greedy stream's token over the runner-up (fp32 logits): 100 times the
+spread rounding gives across step layouts."""
+
+
+def prompt(i: int, variant: int = 0) -> str:
+    """Stream i's prompt; another `variant` gives other prompts (tests/e2e/spec_kill_loop.py)."""
+    return PROMPT.format(i=i) + (f" {variant} times" if variant else "")
+
+
+def request(i: int, variant: int = 0) -> gen_pb2.GenerateRequest:
+    """Stream i's request (even: greedy; odd: seeded); `variant`: other prompts and seeds."""
+    if i % 2:
+        params = {"temperature": 1.0, "seed": 1000 + i + 97 * variant}
+    else:
+        params = {"temperature": 0.0}
+    return text_request(prompt(i, variant), max_tokens=MAX_TOKENS, ignore_eos=True, **params)
 
 
 @dataclass
@@ -47,6 +72,8 @@ class Streams:
     """NUM_STREAMS Generate calls on one channel, each read on its own thread."""
 
     addr: str
+    variant: int = 0
+    """The requests' prompts and seeds (request())."""
     tokens: list[list[int]] = field(default_factory=lambda: [[] for _ in range(NUM_STREAMS)])
     errors: dict[int, grpc.RpcError] = field(default_factory=dict)
     underway: threading.Event = field(default_factory=threading.Event)
@@ -55,7 +82,9 @@ class Streams:
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.addr)
         stub = gen_grpc.GenerationServiceStub(self.channel)
-        self.calls = [stub.Generate(request(i), timeout=240) for i in range(NUM_STREAMS)]
+        self.calls = [
+            stub.Generate(request(i, self.variant), timeout=240) for i in range(NUM_STREAMS)
+        ]
         self.threads = [threading.Thread(target=self._read, args=(i,)) for i in range(NUM_STREAMS)]
         for thread in self.threads:
             thread.start()
@@ -80,13 +109,38 @@ class Streams:
         return self
 
 
-def run_streams(addr: str, fault: Callable[[Streams], None] | None = None) -> Streams:
-    streams = Streams(addr)
+def run_streams(
+    addr: str, fault: Callable[[Streams], None] | None = None, variant: int = 0
+) -> Streams:
+    streams = Streams(addr, variant)
     if fault is not None:
         assert streams.underway.wait(120)
         assert not any(len(t) == MAX_TOKENS for t in streams.tokens), "the load ended too soon"
         fault(streams)
     return streams.join()
+
+
+def run_streams_killing(
+    stack: Stack, rank: int, kill_at: str, variant: int = 0
+) -> tuple[Streams, list[int]]:
+    """The streams, with worker rank `rank` SIGKILLed at `kill_at` once the core holds every
+    request: "tokens:K", when some stream has K tokens (K=1: most requests are still in their
+    prefill), or "total:N", when N tokens have streamed in all. Returns the streams and each
+    one's token count at the kill."""
+    kind, count = kill_at.split(":")
+    streamed = max if kind == "tokens" else sum
+    process = stack.child(f"worker[{rank}]").process
+    streams = Streams(stack.frontend, variant)
+    wait_until(lambda: num_requests(stack) == NUM_STREAMS, 60, "the requests never all arrived")
+    wait_until(lambda: streamed(map(len, streams.tokens)) >= int(count), 120, f"no {kill_at}")
+    at_kill = [len(t) for t in streams.tokens]
+    process.send_signal(signal.SIGKILL)
+    return streams.join(), at_kill
+
+
+def num_requests(stack: Stack) -> int:
+    stats = stack.scheduler_stats()
+    return int(stats.num_running_reqs + stats.num_waiting_reqs)
 
 
 def metric(child: Child, name: str, url: str = "", **labels: str) -> float:
@@ -164,6 +218,41 @@ def assert_resumed(
             continue
         assert len(streams.tokens[i]) == MAX_TOKENS and max(streams.tokens[i]) < VOCAB
         assert streams.tokens[i] == undisturbed[i], f"stream {i} differs after the recovery"
+
+
+def greedy_margins(model: Any, tokenizer: Any, variant: int = 0) -> list[tuple[float, int, int]]:
+    """(lead, stream, output index) for every token of the greedy streams: how far its fp32
+    logit leads the runner-up's in transformers' `model` (one batch, prompts padded left)."""
+    import torch
+
+    streams = range(0, NUM_STREAMS, 2)
+    prompts = [tokenizer.encode(prompt(i, variant), add_special_tokens=True) for i in streams]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    margins = []
+    for index, logits in enumerate(out.logits):
+        top = torch.topk(logits, 2).values
+        margins += [(a - b, i, index) for (a, b), i in zip(top.tolist(), streams, strict=True)]
+    return margins
+
+
+def test_the_greedy_streams_have_no_near_tie(hf_model: Any, tokenizer: Any) -> None:
+    """The greedy streams' tokens are the same in every step layout only where no choice is
+    a near-tie (PROMPT): each token leads the runner-up by MIN_GREEDY_MARGIN."""
+    lead, stream, index = min(greedy_margins(hf_model, tokenizer))
+    assert lead >= MIN_GREEDY_MARGIN, f"stream {stream}, output {index}: a lead of {lead:.2g}"
 
 
 def test_a_killed_rank_is_restarted_and_every_request_resumes(

@@ -11,7 +11,6 @@ and most of them are accepted: the speculative path is the one that runs (the co
 from __future__ import annotations
 
 import json
-import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from tests.e2e.test_recovery import (
     assert_resumed,
     metric,
     run_streams,
+    run_streams_killing,
     wait_idle,
 )
 
@@ -156,18 +156,27 @@ def test_structured_outputs_and_logprobs_with_drafts(spec_tp1: Stack, stack: Sta
     wait_idle(spec_tp1)
 
 
-def test_tp2_lockstep_speculation_survives_a_killed_rank(
-    spec_tp2: Stack, reference: list[list[int]]
-) -> None:
+@pytest.fixture(scope="module")
+def undisturbed_tp2(spec_tp2: Stack, reference: list[list[int]]) -> list[list[int]]:
+    """The speculative TP=2 stack's tokens for the streams; the greedy ones are TP=1's."""
     undisturbed = run_streams(spec_tp2.frontend)
     assert not undisturbed.errors
     for i in range(0, NUM_STREAMS, 2):  # greedy: the same as TP=1 without drafts
         assert undisturbed.tokens[i] == reference[i], f"stream {i}"
+    return undisturbed.tokens
+
+
+@pytest.mark.parametrize("kill_at", ["tokens:1", "tokens:5", "total:320", "tokens:28"])
+def test_tp2_lockstep_speculation_survives_a_killed_rank(
+    spec_tp2: Stack, undisturbed_tp2: list[list[int]], kill_at: str
+) -> None:
+    """Rank 1 killed at several moments (most requests still in their prefill; the first
+    drafts; halfway; the last tokens, most steps verifying drafts): every stream resumes with
+    the undisturbed run's tokens. tests/e2e/spec_kill_loop.py runs more of these."""
     core = spec_tp2.child("core")
     recoveries = metric(core, "splitserve_engine_recoveries_total", cause="rank_died")
-    old = spec_tp2.child("worker[1]").process
-    streams = run_streams(spec_tp2.frontend, lambda s: old.send_signal(signal.SIGKILL))
-    assert_resumed(streams, undisturbed.tokens)
+    streams, _ = run_streams_killing(spec_tp2, 1, kill_at)
+    assert_resumed(streams, undisturbed_tp2)
     assert metric(core, "splitserve_engine_recoveries_total", cause="rank_died") == recoveries + 1
     assert spec_counters(spec_tp2)[1] > 0
     wait_idle(spec_tp2)
