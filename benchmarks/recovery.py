@@ -58,7 +58,7 @@ def run_streams(addr: str, fault: Callable[[], None] | None) -> list[Stream]:
 
     def read(i: int) -> None:
         params = types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        request = gen_pb2.GenerateRequest(prompt=f"stream {i} tells", sampling_params=params)
+        request = gen_pb2.GenerateRequest(prompt=f"stream {i} reads", sampling_params=params)
         try:
             for response in stub.Generate(request, timeout=600):
                 streams[i].tokens += response.token_ids
