@@ -48,6 +48,7 @@ from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from worker_svc.spec_decode import SpecDecoder, Verified
 from worker_svc.step_checks import MalformedStep
+from worker_svc.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
 
@@ -139,11 +140,19 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run a dummy prefill and decode once, so first-use costs (oneDNN primitives, allocator
-        growth) are paid before serving. Single rank only: collectives would need every rank."""
-        assert self.kv_cache is not None
+        growth, the sampler's first call) are paid before serving: a generative model's through
+        the whole step path (worker_svc/warm_up.py), others' forward only, in a scratch cache.
+        Single rank only: collectives would need every rank."""
+        assert self.kv_cache is not None and self.batch is not None
         if self.parallel.world_size > 1:
             return
         block_size = self.kv_cache.block_size
+        if self.pooler is None and self.spec is None:
+            is_async = self._keep_sampled == self._append_sampled
+            for step in warm_up_steps(block_size, is_async):
+                self.execute(step)
+            assert not self.batch.num_reqs, "the warm-up request must leave the batch"
+            return
         scratch = PagedKVCache(
             self.backend, self.kv_cache_spec, 2 + 9 // block_size, block_size, self.device
         )
