@@ -234,7 +234,8 @@ def _serve(children: list[Child], args: argparse.Namespace, sample: Sample) -> i
         record_serve(frontend.address, frontend.http_address)
     except OSError as err:  # e.g. a read-only home: the clients then need --addr
         logger.warning("could not record the address for the clients: %s", err)
-    print(ready_line(children), flush=True)
+    sys.stdout.write(ready_line(children) + "\n")  # one write: no log line lands inside it
+    sys.stdout.flush()
     if args.sample_prompt:
         sample(children[-1].address, args.sample_prompt, args.api_key)
     supervisor = Supervisor(children, report=_report)

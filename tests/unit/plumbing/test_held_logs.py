@@ -6,6 +6,7 @@ during it after. Run in a subprocess: HeldLogs takes over file descriptor 2."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def child_logs():  # one line, and wait until it is written
     assert child.stdout.readline() == "logged\\n"
 
 child_logs()
-print("READY", flush=True)
+sys.stdout.write("READY\\n")  # as the launcher writes it: one write
+sys.stdout.flush()
 with logs.held() if logs else open("/dev/null"):
     print("sample answer:", end="", flush=True)
     for i in range({NUM_TOKENS}):
@@ -60,6 +62,7 @@ def run(tmp_path: Path, mode: str) -> list[str]:
             timeout=60,
             check=True,
             cwd=Path(__file__).parents[3],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # print's text and end: two writes
         )
     return out.read_text().splitlines()
 
