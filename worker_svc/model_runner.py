@@ -86,6 +86,7 @@ class ModelRunner:
         self.pooler = pooler
         """A pooling model's pooler (--runner pooling): its requests finish their prompt with
         a pooled vector instead of a sampled token; None for a generative model."""
+        self.is_async_scheduling = async_scheduling
         self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
         """What a sampling rank does with its sampled tokens: append them to its requests
         (async scheduling: the next step takes them as inputs before the core knows them), or
@@ -140,16 +141,16 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run a dummy prefill and decode once, so first-use costs (oneDNN primitives, allocator
-        growth, the sampler's first call) are paid before serving: a generative model's through
-        the whole step path (worker_svc/warm_up.py), others' forward only, in a scratch cache.
-        Single rank only: collectives would need every rank."""
+        growth, the sampler's first call) are paid before serving: through the whole step path
+        (worker_svc/warm_up.py), or the forward only, in a scratch cache, for pooling models and
+        speculative decoding. Single rank only: collectives would need every rank."""
         assert self.kv_cache is not None and self.batch is not None
         if self.parallel.world_size > 1:
             return
         block_size = self.kv_cache.block_size
-        if self.pooler is None and self.spec is None:
-            is_async = self._keep_sampled == self._append_sampled
-            for step in warm_up_steps(block_size, is_async):
+        steps = warm_up_steps(block_size, self.kv_cache.num_blocks, self.is_async_scheduling)
+        if steps and self.pooler is None and self.spec is None:
+            for step in steps:
                 self.execute(step)
             assert not self.batch.num_reqs, "the warm-up request must leave the batch"
             return

@@ -21,12 +21,16 @@ WARM_UP_HANDLE = -1
 """A handle the engine core never gives (its handles count up from 1)."""
 
 
-def warm_up_steps(block_size: int, is_async_scheduling: bool) -> list[SchedulerOutput]:
-    """The dummy request's prefill, decode and finishing steps. Under async scheduling the
-    rank appends its sampled token itself; otherwise the decode step brings it (token 0: what
-    it is does not matter)."""
+def warm_up_steps(
+    block_size: int, num_blocks: int, is_async_scheduling: bool
+) -> list[SchedulerOutput]:
+    """The dummy request's prefill, decode and finishing steps (none when the cache's
+    `num_blocks` cannot hold it). Under async scheduling the rank appends its sampled token
+    itself; otherwise the decode step brings it (token 0: what it is does not matter)."""
     num_tokens = WARM_UP_PROMPT_TOKENS + 1
     blocks = np.arange(1, 1 + -(-num_tokens // block_size), dtype=np.int64)
+    if len(blocks) >= num_blocks:
+        return []
     prefill = SchedulerOutput(
         step_id=0,
         scheduled_new_reqs=[

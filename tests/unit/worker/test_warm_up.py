@@ -18,7 +18,7 @@ from tests.fixtures.step_driver import StepDriver
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.model_runner import ModelRunner
 from worker_svc.sampler import Sampler
-from worker_svc.warm_up import WARM_UP_PROMPT_TOKENS
+from worker_svc.warm_up import WARM_UP_PROMPT_TOKENS, warm_up_steps
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +78,8 @@ def test_the_warm_up_runs_a_dummy_request_and_leaves_nothing_behind(
     skipped, num_cold_sampled, cold_tokens, cold_state = first_answer(base, is_async, sampled)
     assert (skipped, num_cold_sampled) == ([], 0) and tokens == cold_tokens
     assert torch.equal(state, cold_state)
+
+
+def test_a_cache_too_small_for_the_warm_up_request_gets_none() -> None:
+    assert warm_up_steps(block_size=4, num_blocks=3, is_async_scheduling=False) == []
+    assert len(warm_up_steps(block_size=4, num_blocks=4, is_async_scheduling=False)) == 3
