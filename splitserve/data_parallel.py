@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -233,7 +234,8 @@ def serve(
         record_serve(frontends[0].address, http)
     except OSError as err:
         logger.warning("could not record the address for the clients: %s", err)
-    print(ready_line(children, args.router), flush=True)
+    sys.stdout.write(ready_line(children, args.router) + "\n")  # one write, as the launcher's
+    sys.stdout.flush()
     if args.sample_prompt:
         sample(frontends[0].address, args.sample_prompt, "" if has_gateway(args) else args.api_key)
     supervisor = Supervisor(children, report=report)

@@ -15,7 +15,8 @@ the launcher makes a throwaway CA and per-role certificates (splitserve/local_pk
 private temporary folder that it deletes on exit (`--no-internal-tls` for plaintext). It waits
 until every child reports SERVING on its readiness health check, prints one `READY ...` line,
 records the frontend's address for `splitserve generate` and `bench serve`
-(splitserve_client/last_serve.py), optionally streams a sample answer, and keeps running. Ctrl-C or
+(splitserve_client/last_serve.py), optionally streams a sample answer (the services' log lines
+held back until its line is complete: splitserve/held_logs.py), and keeps running. Ctrl-C or
 SIGTERM drains and stops every child. Once the stack is ready, a child that exits is started again
 with the same port and flags (splitserve/supervisor.py): a worker rank or an engine core comes back
 and the requests in flight resume. A child that dies before the stack is ready, or keeps dying,
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
 import grpc
@@ -49,6 +51,7 @@ from splitserve.children import (
     stop_children,
     wait_ready,
 )
+from splitserve.held_logs import HeldLogs
 from splitserve.local_pki import LocalPki
 from splitserve.serve_flags import add_service_flags, split_service_flags
 from splitserve.supervisor import Supervisor
@@ -70,6 +73,8 @@ from splitserve_runtime.transport_flags import internal_secret_problem
 from splitserve_runtime.vllm_compat import NO_EFFECT_FLAGS
 
 logger = logging.getLogger("splitserve.launcher")
+Sample = Callable[[str, str, str], None]
+"""Streams the sample answer: (frontend address, prompt, API key)."""
 
 
 METRICS_PORT_HELP = {
@@ -200,8 +205,11 @@ def ready_line(children: Sequence[Child]) -> str:
     )
 
 
-def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
-    """The greedy answer to `prompt`, as a chat message when the model has a chat template."""
+def stream_sample(
+    address: str, prompt: str, api_key: str = "", logs: HeldLogs | None = None
+) -> None:
+    """The greedy answer to `prompt`, as a chat message when the model has a chat template;
+    the services' log lines wait in `logs` until its line is complete."""
     from splitserve_client.generate import build_parser as generate_parser
     from splitserve_client.generate import (
         build_request,
@@ -214,20 +222,22 @@ def stream_sample(address: str, prompt: str, api_key: str = "") -> None:
     if has_chat_template(address, api_key=api_key):
         argv.append("--chat")
     args = generate_parser().parse(argv, {})
-    print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
-    print_stream(stream_text(address, build_request(args), 120.0, api_key), sys.stdout)
+    with logs.held() if logs is not None else contextlib.nullcontext():
+        print(f"sample prompt: {prompt}\nsample answer: ", end="", flush=True)
+        print_stream(stream_text(address, build_request(args), 120.0, api_key), sys.stdout)
 
 
-def _serve(children: list[Child], args: argparse.Namespace) -> int:
+def _serve(children: list[Child], args: argparse.Namespace, sample: Sample) -> int:
     wait_ready(children, args.startup_timeout)
     frontend = children[-1]
     try:  # first: READY means the clients can find it
         record_serve(frontend.address, frontend.http_address)
     except OSError as err:  # e.g. a read-only home: the clients then need --addr
         logger.warning("could not record the address for the clients: %s", err)
-    print(ready_line(children), flush=True)
+    sys.stdout.write(ready_line(children) + "\n")  # one write: no log line lands inside it
+    sys.stdout.flush()
     if args.sample_prompt:
-        stream_sample(children[-1].address, args.sample_prompt, args.api_key)
+        sample(children[-1].address, args.sample_prompt, args.api_key)
     supervisor = Supervisor(children, report=_report)
     while True:
         supervisor.poll()
@@ -243,13 +253,15 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
     children: list[Child] = []
     pki_context = LocalPki() if args.internal_tls else contextlib.nullcontext(None)
     code, failure = 0, ""
-    with pki_context as pki:
+    logs = HeldLogs() if args.sample_prompt else None  # before the children: they inherit it
+    sample: Sample = functools.partial(stream_sample, logs=logs)
+    with pki_context as pki, contextlib.closing(logs) if logs else contextlib.nullcontext():
         try:
             if args.data_parallel_size > 1:  # N engines and the gateway (data_parallel.py)
-                code = data_parallel.serve(args, pki, children, _report, stream_sample)
+                code = data_parallel.serve(args, pki, children, _report, sample)
             else:
                 children = start_children(StackOptions.from_args(args), pki)
-                code = _serve(children, args)
+                code = _serve(children, args, sample)
         except KeyboardInterrupt:
             logger.info("stopping")
         except (LaunchError, grpc.RpcError) as err:

@@ -48,6 +48,7 @@ from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import GrammarBitmask, SchedulerOutput
 from worker_svc.spec_decode import SpecDecoder, Verified
 from worker_svc.step_checks import MalformedStep
+from worker_svc.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class ModelRunner:
         self.pooler = pooler
         """A pooling model's pooler (--runner pooling): its requests finish their prompt with
         a pooled vector instead of a sampled token; None for a generative model."""
+        self.is_async_scheduling = async_scheduling
         self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
         """What a sampling rank does with its sampled tokens: append them to its requests
         (async scheduling: the next step takes them as inputs before the core knows them), or
@@ -139,11 +141,19 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run a dummy prefill and decode once, so first-use costs (oneDNN primitives, allocator
-        growth) are paid before serving. Single rank only: collectives would need every rank."""
-        assert self.kv_cache is not None
+        growth, the sampler's first call) are paid before serving: through the whole step path
+        (worker_svc/warm_up.py), or the forward only, in a scratch cache, for pooling models and
+        speculative decoding. Single rank only: collectives would need every rank."""
+        assert self.kv_cache is not None and self.batch is not None
         if self.parallel.world_size > 1:
             return
         block_size = self.kv_cache.block_size
+        steps = warm_up_steps(block_size, self.kv_cache.num_blocks, self.is_async_scheduling)
+        if steps and self.pooler is None and self.spec is None:
+            for step in steps:
+                self.execute(step)
+            assert not self.batch.num_reqs, "the warm-up request must leave the batch"
+            return
         scratch = PagedKVCache(
             self.backend, self.kv_cache_spec, 2 + 9 // block_size, block_size, self.device
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.stack import UP_ANY_METRICS_PORTS
 from tests.fixtures.kernel_cache import fresh_cache_with_kernels
 
 pytestmark = pytest.mark.slow
@@ -121,3 +122,38 @@ def test_serve_a_model_positionally_with_a_config_file(
     finished = [m for m in messages if m.startswith("Finished request")]
     assert len(finished) == 4  # generate's request and bench's three
     assert all("The quick" not in m for m in finished)  # no prompt text by default
+
+
+def test_the_sample_answer_is_one_line_however_much_the_services_log(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`splitserve up --sample-prompt` (make run) on a terminal, stdout and stderr on one file:
+    the services' log lines written while the answer streams (a stats line every 0.02 s) wait
+    until its line is complete, then all come (issue 37, item 4)."""
+    cache = fresh_cache_with_kernels(tmp_path / "cache")
+    env = {**os.environ, "SPLITSERVE_CACHE_DIR": str(cache)}
+    terminal = tmp_path / "terminal"
+    with terminal.open("wb") as out:
+        up = subprocess.Popen(
+            [str(BIN / "splitserve"), "up", str(tiny_model_dir), "--grpc-port", "0"]
+            + ["--http-port", "0", *UP_ANY_METRICS_PORTS, "--log-level", "info"]
+            + ["--log-stats-interval", "0.02", "--sample-prompt", "The capital of France is"],
+            stdout=out,
+            stderr=out,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "Running: 0 reqs" not in terminal.read_text().partition("sample answer:")[2]:
+                assert up.poll() is None and time.monotonic() < deadline, terminal.read_text()
+                time.sleep(0.1)
+        finally:
+            up.send_signal(signal.SIGTERM)
+            assert up.wait(timeout=90) == 0
+    lines = terminal.read_text().splitlines()
+    [answer] = [i for i, line in enumerate(lines) if line.startswith("sample answer:")]
+    assert lines[answer - 1] == "sample prompt: The capital of France is", lines[answer - 1]
+    assert " INFO " not in lines[answer] and len(lines[answer]) > len("sample answer: "), lines
+    stats = [line for line in lines[answer:] if "core INFO core_svc.stats_logger" in line]
+    assert any("Running: 1 reqs" in line for line in stats), lines[answer:]  # held, then shown
+    assert all(re.match(r"\d\d:\d\d:\d\d \w+ [A-Z]+ ", line) for line in stats)

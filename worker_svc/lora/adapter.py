@@ -5,8 +5,9 @@ sharded like the base weights, padded to max_lora_rank, scaling folded into B.
 A tensor is placed by the base weight it adapts: `base_model.model.<module>.lora_A.weight`
 adapts checkpoint tensor `<module>.weight`, which the model resolves (`resolve_weight_name`,
 `target_path`) to one of its layers and, for fused layers, a part (an adapter of q_proj lands in
-qkv_proj's q columns, as vLLM's packed_modules_mapping says). Every name and shape is checked
-before a tensor is read; anything that is not a LoRA weight of a wrapped layer (embeddings, the
+qkv_proj's q columns, as vLLM's packed_modules_mapping says). The safetensors header is checked
+against the file's size first (lora/safetensors_header.py: a damaged file is the client's
+error), and every name and shape before a tensor is read; anything that is not a LoRA weight of a wrapped layer (embeddings, the
 LM head, MoE experts) refuses the adapter in one line.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from worker_svc.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from worker_svc.layers.lora import LayerWeights, LoraLinearMethod, LoraShape, num_lora_parts
@@ -28,6 +29,7 @@ from worker_svc.lora.peft_config import (
     adapter_folder,
     read_peft_config,
 )
+from worker_svc.lora.safetensors_header import check_safetensors_header
 from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.weight_names import WeightTarget
 
@@ -74,8 +76,10 @@ def read_adapter(
     config = read_peft_config(folder, shape.max_rank)
     staged: dict[LoraLinearMethod, LayerWeights] = {}
     modules: set[str] = set()
+    weights_file = folder / WEIGHTS_FILE
     try:
-        with safe_open(str(folder / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        check_safetensors_header(weights_file)
+        with safe_open(str(weights_file), framework="pt", device="cpu") as f:
             for module, placements, keys in _plan(model, list(f.keys()), f):
                 a, b = (f.get_tensor(k).to(torch.float32) for k in keys)
                 rank, scaling = config.rank_and_scaling(module)
@@ -83,7 +87,7 @@ def read_adapter(
                 for place in placements:
                     _stage(staged, place, a, b * scaling, shape.max_rank)
                 modules.add(module.rsplit(".", 1)[-1])
-    except (OSError, RuntimeError) as err:  # a damaged or truncated safetensors file
+    except (OSError, RuntimeError, SafetensorError) as err:  # a damaged safetensors file
         raise AdapterError(f"{WEIGHTS_FILE} cannot be read: {err}") from None
     if not modules:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")

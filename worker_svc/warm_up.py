@@ -1,0 +1,62 @@
+"""The steps of a rank's start-up warm-up (vLLM's compile_or_warm_up_model: a dummy run and a
+dummy sampler run before the engine serves).
+
+One dummy greedy request goes through the whole step path a real request takes, so the first
+request after start-up pays none of its one-off costs (the kernels' and oneDNN's first use, the
+allocator's growth, the input batch's and the sampler's first calls and the imports they make):
+a prefill of WARM_UP_PROMPT_TOKENS tokens, one decode step, a step that finishes it. It runs
+right after the KV cache is allocated, before the rank serves any step, in blocks 1.. of the new
+cache (no request holds any yet; block 0 is the null block), and leaves the input batch empty.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from splitserve_contracts.sampling_types import SamplerParams
+from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+WARM_UP_PROMPT_TOKENS = 8
+WARM_UP_HANDLE = -1
+"""A handle the engine core never gives (its handles count up from 1)."""
+
+
+def warm_up_steps(
+    block_size: int, num_blocks: int, is_async_scheduling: bool
+) -> list[SchedulerOutput]:
+    """The dummy request's prefill, decode and finishing steps (none when the cache's
+    `num_blocks` cannot hold it). Under async scheduling the rank appends its sampled token
+    itself; otherwise the decode step brings it (token 0: what it is does not matter)."""
+    num_tokens = WARM_UP_PROMPT_TOKENS + 1
+    blocks = np.arange(1, 1 + -(-num_tokens // block_size), dtype=np.int64)
+    if len(blocks) >= num_blocks:
+        return []
+    prefill = SchedulerOutput(
+        step_id=0,
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_handle=WARM_UP_HANDLE,
+                request_id="warm-up",
+                prompt_token_ids=np.zeros(WARM_UP_PROMPT_TOKENS, np.int64),
+                sampling=SamplerParams(temperature=0.0),
+                block_ids=blocks,
+            )
+        ],
+        num_scheduled_tokens=np.array([WARM_UP_PROMPT_TOKENS]),
+        total_num_scheduled_tokens=WARM_UP_PROMPT_TOKENS,
+    )
+    new_tokens = np.zeros(0 if is_async_scheduling else 1, np.int64)
+    decode = SchedulerOutput(
+        step_id=0,
+        scheduled_cached_reqs=CachedRequestData(
+            req_handles=np.array([WARM_UP_HANDLE]),
+            num_computed_tokens=np.array([WARM_UP_PROMPT_TOKENS]),
+            num_new_block_ids=np.zeros(1, np.int64),
+            num_new_token_ids=np.array([len(new_tokens)]),
+            new_token_ids=new_tokens,
+        ),
+        num_scheduled_tokens=np.array([1]),
+        total_num_scheduled_tokens=1,
+    )
+    finish = SchedulerOutput(step_id=0, finished_req_handles=np.array([WARM_UP_HANDLE]))
+    return [prefill, decode, finish]
