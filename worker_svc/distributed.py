@@ -111,6 +111,8 @@ class Rendezvous:
     Rank 0 hosts one TCPStore for the life of its process; every bring-up (a new engine core
     calling LoadModel on all ranks) meets under its own key prefix. Re-creating the store per
     bring-up would race: a fast rank could join the store a slow rank 0 is still tearing down.
+    The other ranks keep their connection to it; one whose host has gone (rank 0's process
+    was restarted, hosting a new store) is replaced before the bring-up uses it.
     """
 
     def __init__(self) -> None:
@@ -126,6 +128,9 @@ class Rendezvous:
                 f"distributed_init_method must be tcp://HOST:PORT, got {init_method!r}"
             )
         key = (parsed.hostname, parsed.port, rank == 0)
+        if self._store is not None and self._key == key and not _answers(self._store):
+            logger.warning("rendezvous store at %s is gone; connecting afresh", init_method)
+            self.forget()
         if self._store is None or self._key != key:
             self._store = dist.TCPStore(
                 parsed.hostname,
@@ -140,6 +145,15 @@ class Rendezvous:
     def forget(self) -> None:
         """Drop the store (its host may be gone); the next bring-up connects afresh."""
         self._store, self._key = None, None
+
+
+def _answers(store: dist.Store) -> bool:
+    """Whether the store's host still answers (one round trip)."""
+    try:
+        store.check(["splitserve/alive"])
+    except RuntimeError:  # dist.DistError and the socket errors under it
+        return False
+    return True
 
 
 def init_parallel_state(
@@ -200,17 +214,26 @@ def _join(
     rendezvous_id: str,
     timeout: timedelta,
 ) -> None:
-    """init_process_group on the kept store; once more on a fresh one if the old store's host
-    went away (e.g. rank 0's process was restarted)."""
-    for attempt in range(2):
-        store = rendezvous.store(init_method, rank, rendezvous_id, timeout)
-        try:
-            dist.init_process_group(
-                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
-            return
-        except dist.DistError:
-            rendezvous.forget()
-            if attempt:
-                raise
-            logger.warning("rendezvous store at %s unusable; connecting afresh", init_method)
+    """init_process_group, once, on the kept store (Rendezvous.store replaces a dead one).
+
+    Never twice in a row: a failed init_process_group has used up a default group name
+    (torch names groups by a per-process counter that only destroy_process_group resets), so
+    a second one would meet its peers under another name and wait for them forever. A failure
+    resets the counter and drops the store; the core's next bring-up starts clean."""
+    store = rendezvous.store(init_method, rank, rendezvous_id, timeout)
+    try:
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    except BaseException:
+        rendezvous.forget()
+        _reset_group_names()
+        raise
+
+
+def _reset_group_names() -> None:
+    """What destroy_process_group does to the group names "to allow consistent value to be
+    generated when we re-create process groups after some trainers recover from failure";
+    there is no process group to destroy after a failed init_process_group."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0

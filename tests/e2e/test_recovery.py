@@ -255,13 +255,16 @@ def test_the_greedy_streams_have_no_near_tie(hf_model: Any, tokenizer: Any) -> N
     assert lead >= MIN_GREEDY_MARGIN, f"stream {stream}, output {index}: a lead of {lead:.2g}"
 
 
+@pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_rank_is_restarted_and_every_request_resumes(
-    tp2: Stack, undisturbed: list[list[int]]
+    tp2: Stack, undisturbed: list[list[int]], killed: int
 ) -> None:
+    """Rank 1, or rank 0: the host of the rendezvous store, which dies with it; rank 1 must
+    join the store its restarted peer hosts, not the dead one's."""
     core = tp2.child("core")
     before = metric(core, "splitserve_engine_recoveries_total", cause="rank_died")
     resumed = metric(core, "splitserve_engine_requests_resumed_total")
-    rank = tp2.child("worker[1]")
+    rank = tp2.child(f"worker[{killed}]")
     old = rank.process
     streams = run_streams(tp2.frontend, lambda s: old.send_signal(signal.SIGKILL))
     assert_resumed(streams, undisturbed)
