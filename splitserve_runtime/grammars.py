@@ -22,6 +22,7 @@ hundreds of tokens on blanks before the JSON closes. `disable_any_whitespace` al
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -94,10 +95,12 @@ def _check_grammar(params: StructuredOutputsParams) -> None:
 
 def summary(messages: list[str]) -> str:
     """llguidance's error in one line: its first line and its `error:` lines (the source
-    excerpt between them is left out), at most 500 characters."""
+    excerpt between them is left out), at most 500 characters, its categories lower-cased."""
     lines = [line.strip() for line in (messages[0] if messages else "").splitlines()]
     kept = [line for i, line in enumerate(lines) if line and (i == 0 or line.startswith("error:"))]
-    return " ".join(kept)[:500] or "invalid grammar"
+    text = " ".join(kept)[:500] or "invalid grammar"
+    # Its matchers' categories ("Parser Error: ...") read as a leaked Python exception.
+    return re.sub(r"\b(\w+) Error: ", lambda m: f"{m.group(1).lower()} error: ", text)
 
 
 def _json_options(params: StructuredOutputsParams) -> JsonCompileOptions:

@@ -12,11 +12,19 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tests.e2e.stack import Stack
+from tests.reliability.http_cases import HttpCase
 from tests.reliability.probes import PYTHON_INTERNALS, wait_idle
 
 MAX_MESSAGE_CHARS = 2048
 """No refusal echoes a client's huge input back."""
 MIB = 1024 * 1024
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
+"""OpenAI's error `type` of each status."""
 
 
 def http_call(
@@ -80,3 +88,24 @@ def chunked(num_bytes: int) -> Iterator[bytes]:
     for _ in range(num_bytes // MIB):
         yield b"a" * MIB
     yield b'", "max_tokens": 1}'
+
+
+def case_body(case: HttpCase) -> bytes | None:
+    """A case's body as sent: bytes as they are, any other value as JSON."""
+    if case.body is None or isinstance(case.body, bytes):
+        return case.body
+    return json.dumps(case.body).encode()
+
+
+def assert_refused_and_serving(
+    stack: Stack, case: HttpCase, body: bytes | Iterator[bytes] | None
+) -> None:
+    """`case` sent with `body` gets its status and OpenAI's error naming its field; then the
+    stack still serves and nothing leaked."""
+    status, reply, _ = http_call(stack.http, case.method, case.path, body, case.headers)
+    assert status == case.status, reply
+    error = assert_openai_error(reply, status)
+    assert case.fragment in error["message"], error["message"]
+    assert error["param"] == case.param, error
+    assert error["type"] == ERROR_TYPES[status]
+    assert_http_serving_and_idle(stack)

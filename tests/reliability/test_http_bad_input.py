@@ -34,8 +34,9 @@ from tests.reliability.http_probes import (
     MIB,
     assert_http_serving_and_idle,
     assert_openai_error,
+    assert_refused_and_serving,
+    case_body,
     chunked,
-    http_call,
     post_json,
 )
 from tests.reliability.public_cases import INT64_MAX
@@ -43,13 +44,6 @@ from tests.reliability.public_cases import INT64_MAX
 pytestmark = pytest.mark.slow
 FINISHED = ("stop", "length")
 JSON_HEADERS = {"Content-Type": "application/json"}
-TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-}
-"""OpenAI's error `type` of each status."""
 
 
 def test_the_table_has_the_cases_the_issue_asks_for() -> None:
@@ -64,24 +58,14 @@ def _payload(case: HttpCase) -> Any:
         return b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     if case.id == "chunked-over-the-limit":
         return chunked(MAX_BODY_BYTES + MIB)
-    if case.body is None or isinstance(case.body, bytes):
-        return case.body
-    return json.dumps(case.body).encode()
+    return case_body(case)
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=lambda c: c.id)
 def test_bad_http_input_is_refused_by_name_and_the_engine_keeps_serving(
     shared_stack: Stack, case: HttpCase
 ) -> None:
-    status, reply, _ = http_call(
-        shared_stack.http, case.method, case.path, _payload(case), case.headers
-    )
-    assert status == case.status, reply
-    error = assert_openai_error(reply, status)
-    assert case.fragment in error["message"], error["message"]
-    assert error["param"] == case.param, error
-    assert error["type"] == TYPES[status]
-    assert_http_serving_and_idle(shared_stack)
+    assert_refused_and_serving(shared_stack, case, _payload(case))
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))

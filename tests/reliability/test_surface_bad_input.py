@@ -5,22 +5,19 @@ serves and nothing leaked."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.e2e.stack import Stack
 from tests.reliability.http_cases import HttpCase
 from tests.reliability.http_probes import (
     assert_http_serving_and_idle,
-    assert_openai_error,
-    http_call,
+    assert_refused_and_serving,
+    case_body,
     post_json,
 )
 from tests.reliability.surface_cases import ACCEPTED, REFUSED
 
 pytestmark = pytest.mark.slow
-TYPES = {400: "invalid_request_error", 404: "not_found_error"}
 
 
 def test_the_table_covers_every_surface() -> None:
@@ -33,15 +30,7 @@ def test_the_table_covers_every_surface() -> None:
 def test_bad_surface_input_is_refused_by_name_and_the_engine_keeps_serving(
     shared_stack: Stack, case: HttpCase
 ) -> None:
-    body = case.body if case.body is None or isinstance(case.body, bytes) else json.dumps(case.body)
-    data = body.encode() if isinstance(body, str) else body
-    status, reply, _ = http_call(shared_stack.http, case.method, case.path, data, case.headers)
-    assert status == case.status, reply
-    error = assert_openai_error(reply, status)
-    assert case.fragment in error["message"], error["message"]
-    assert error["param"] == case.param, error
-    assert error["type"] == TYPES[status]
-    assert_http_serving_and_idle(shared_stack)
+    assert_refused_and_serving(shared_stack, case, case_body(case))
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))

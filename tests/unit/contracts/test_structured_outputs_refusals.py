@@ -41,3 +41,14 @@ def test_an_integer_llguidance_cannot_take_is_refused_by_name() -> None:
         with pytest.raises(InvalidStructuredOutputs, match="not JSON serializable") as info:
             compile_(params)
         assert info.value.field == "json"
+
+
+def test_llguidance_error_categories_do_not_read_as_a_python_exception() -> None:
+    """A failed matcher's "Parser Error: Current row has 4044 items" reaches the client as the
+    request's 400 (the hostile-grammar fuzz found it); it must not look like a leaked exception."""
+    from splitserve_runtime.grammars import summary
+    from tests.reliability.probes import PYTHON_INTERNALS
+
+    message = summary(["Parser Error: Current row has 4044 items; max is 2000"])
+    assert message == "parser error: Current row has 4044 items; max is 2000"
+    assert not [fragment for fragment in PYTHON_INTERNALS if fragment in message]
