@@ -131,11 +131,21 @@ def run_streams_killing(
     streamed = max if kind == "tokens" else sum
     process = stack.child(f"worker[{rank}]").process
     streams = Streams(stack.frontend, variant)
-    wait_until(lambda: num_requests(stack) == NUM_STREAMS, 60, "the requests never all arrived")
+    wait_until(lambda: all_arrived(stack, streams), 60, "the requests never all arrived")
     wait_until(lambda: streamed(map(len, streams.tokens)) >= int(count), 120, f"no {kill_at}")
     at_kill = [len(t) for t in streams.tokens]
     process.send_signal(signal.SIGKILL)
     return streams.join(), at_kill
+
+
+def all_arrived(stack: Stack, streams: Streams) -> bool:
+    """Whether the core has held every stream's request: those it holds now plus those already
+    answered in full (a stream of cached prompt and well-drafted tokens can end before the last
+    request reaches the core on a loaded machine). The finished count is read first: the core
+    frees a request before its last tokens reach the stream, so none is counted twice."""
+    assert not streams.errors, f"streams failed before the fault: {streams.errors}"
+    finished = sum(len(t) == MAX_TOKENS for t in streams.tokens)
+    return finished + num_requests(stack) == NUM_STREAMS
 
 
 def num_requests(stack: Stack) -> int:
