@@ -103,7 +103,7 @@ def test_a_fresh_cache_after_recovery_is_announced() -> None:
 
 
 def engine_fault() -> object:
-    from core_svc.engine_core import Fault
+    from core_svc.executor import Fault
 
     return Fault("rank_died", "test")
 
