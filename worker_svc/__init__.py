@@ -11,8 +11,10 @@ worker.py         Worker: describe, load_model (joins torch.distributed, picks t
 model_build.py    a rank's model shard built: model class, shape checks, build context, linear
                   methods (FP8, quantized, LoRA), pooler config
 model_load.py     what LoadModel and Describe carry
-model_runner.py   one step: state update -> inputs -> forward -> logits -> sample -> output
-input_batch.py    per-request state across steps; vectorized step inputs
+model_runner.py   one step: state update -> inputs -> forward -> logits -> sample -> output;
+                  runner_inputs.py (LoRA rows, attention inputs), runner_output.py (the output)
+input_batch.py    a step's diffs applied to the per-request rows (batch_rows.py), checked;
+                  vectorized step inputs (step_inputs.py: StepPlan, StepInputs)
 kv_cache.py       paged KV tensors per layer, null block (block 0), capacity arithmetic
 attention/        backends: torch (reference), cpu, triton (our kernel), flash_attn (paged API);
                   selector.py picks one (a lazy table of their classes); kv_quant.py: the fp8

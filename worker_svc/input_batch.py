@@ -1,162 +1,28 @@
-"""Per-request state that persists on a rank across steps, and each step's model inputs.
+"""A rank's live requests across steps (their rows: worker_svc/batch_rows.py) and each step's
+model inputs.
 
-Every live request owns a row of fixed-width numpy tables: its token ids (prompt, then outputs
-as the engine core reports them), its KV block ids and its counters. A step's diffs update
-rows in bulk: ragged appends become one fancy-index assignment over the concatenated ids.
-Input preparation is vectorized over the step's tokens the same way (vLLM's
-`_prepare_inputs`): no Python loop runs per token.
-
-Invariants per row: num_computed_tokens <= num_tokens <= max_model_len, and the row's first
-num_blocks block ids are its KV blocks in sequence order.
+A step's diffs update rows in bulk: ragged appends become one fancy-index assignment over the
+concatenated ids. Input preparation is vectorized over the step's tokens the same way (vLLM's
+`_prepare_inputs`): no Python loop runs per token. Every diff is checked first: a request
+whose own data is wrong is refused alone, a step whose columns do not line up raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import numpy.typing as npt
 
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import InvalidSamplingParams
+from worker_svc.batch_rows import BatchRows
 from worker_svc.kv_cache import NULL_BLOCK_ID
-from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from worker_svc.step_checks import BoolArray, bad_runs, check_step_shape, select_cached
-
-IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class StepInputs:
-    """Host-side inputs of one step; requests in scheduled order (new, then cached).
-
-    Token t belongs to request `token_req[t]`; `logits_indices` are the last tokens of the
-    requests that sample (`sampling_reqs`), i.e. whose prefill is complete after this step.
-    """
-
-    rows: IntArray
-    req_handles: IntArray
-    input_ids: IntArray
-    positions: IntArray
-    slot_mapping: IntArray
-    query_start_loc: IntArray
-    seq_lens: IntArray
-    block_tables: IntArray
-    logits_indices: IntArray
-    sampling_reqs: IntArray
-    num_drafts: IntArray | None = None
-    """Speculative decoding: drafts each sampling request verifies (its logits rows are its last
-    1 + num_drafts tokens, in logits_indices); None: none in this step, one row each."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
+from worker_svc.step_inputs import IntArray, StepInputs, StepPlan, append_runs, ragged_cols
 
 
-@dataclass(slots=True)
-class StepPlan:
-    """What update_states made of a step: the rows this rank runs, in scheduled order, with
-    their scheduled tokens; the fresh block ids to zero; the requests it refused, and why."""
-
-    rows: IntArray
-    num_scheduled_tokens: IntArray
-    fresh_block_ids: IntArray
-    failed: dict[int, str]
-    num_spec: IntArray | None = None
-    """Draft slots per row (speculative decoding; None: none in this step). Once the drafts are
-    proposed (worker_svc/spec_decode.py), the drafts each row verifies: its
-    num_scheduled_tokens are then 1 + that."""
-
-    def reordered(self, order: IntArray) -> StepPlan:
-        """The same step with its rows in `order` (a permutation of their indices)."""
-        num_spec = None if self.num_spec is None else self.num_spec[order]
-        return StepPlan(
-            self.rows[order],
-            self.num_scheduled_tokens[order],
-            self.fresh_block_ids,
-            self.failed,
-            num_spec,
-        )
-
-
-def _append_runs(
-    table: np.ndarray, lengths: IntArray, rows: IntArray, counts: IntArray, values: IntArray
-) -> None:
-    """table[row, lengths[row] + j] = values[...] for each row's run of `counts` values (checked
-    beforehand: they fit)."""
-    if len(values):
-        table[np.repeat(rows, counts), ragged_cols(lengths[rows], counts)] = values
-    lengths[rows] += counts
-
-
-def ragged_cols(starts: IntArray, counts: IntArray) -> IntArray:
-    """For ragged runs of lengths `counts`, column starts[i] + j of every element j of run i."""
-    run_starts = np.cumsum(counts) - counts
-    return np.repeat(starts - run_starts, counts) + np.arange(int(counts.sum()))
-
-
-class InputBatch:
-    """The rank's table of live requests, keyed by the engine core's request handles."""
-
-    def __init__(
-        self,
-        *,
-        max_model_len: int,
-        block_size: int,
-        vocab_size: int,
-        num_kv_blocks: int,
-        capacity: int,
-        sampling: SamplingStates,
-        is_pooling: bool = False,
-    ) -> None:
-        self.is_pooling = is_pooling
-        """The rank serves a pooling model: it takes pooling requests only (and the reverse)."""
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.vocab_size = vocab_size
-        self.num_kv_blocks = num_kv_blocks
-        """Blocks in the rank's cache; a request's blocks are 1..num_kv_blocks - 1 (block 0
-        is the null block)."""
-        self.max_blocks_per_req = -(-max_model_len // block_size)
-        self.sampling = sampling
-        self.handle_to_row: dict[int, int] = {}
-        self.row_handles: dict[int, int] = {}
-        self.free_rows: list[int] = []
-        self.capacity = 0
-        self.token_ids = np.zeros((0, max_model_len), np.int32)
-        self.block_table = np.zeros((0, self.max_blocks_per_req), np.int64)
-        self.num_tokens = np.zeros(0, np.int64)
-        self.num_prompt_tokens = np.zeros(0, np.int64)
-        self.num_computed_tokens = np.zeros(0, np.int64)
-        self.num_blocks = np.zeros(0, np.int64)
-        self.lora_ids = np.zeros(0, np.int64)
-        """The LoRA adapter each row runs with (0: the base model)."""
-        self._grow(capacity)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.handle_to_row)
-
-    def _grow(self, capacity: int) -> None:
-        old = self.capacity
-        for name in (
-            "token_ids",
-            "block_table",
-            "num_tokens",
-            "num_prompt_tokens",
-            "num_computed_tokens",
-            "num_blocks",
-            "lora_ids",
-        ):
-            array = getattr(self, name)
-            grown = np.zeros((capacity, *array.shape[1:]), array.dtype)
-            grown[:old] = array
-            setattr(self, name, grown)
-        if old:
-            self.sampling.grow(capacity)
-        self.free_rows.extend(range(capacity - 1, old - 1, -1))
-        self.capacity = capacity
+class InputBatch(BatchRows):
+    """The rank's live requests (BatchRows), updated by each step's diffs, and the step's
+    inputs built from them."""
 
     # -- state updates from the step's diffs ---------------------------------------------------
 
@@ -194,13 +60,6 @@ class InputBatch:
         first_fresh = -(-int(self.num_computed_tokens[row]) // self.block_size)
         return self.block_table[row, first_fresh : self.num_blocks[row]]
 
-    def _remove(self, handle: int) -> None:
-        row = self.handle_to_row.pop(handle, None)
-        if row is not None:
-            del self.row_handles[row]
-            self.sampling.remove(row)
-            self.free_rows.append(row)
-
     def _new_request_problem(self, new: NewRequestData) -> str | None:
         """Why this rank cannot take the new request, or None."""
         if new.req_handle in self.handle_to_row:
@@ -237,26 +96,6 @@ class InputBatch:
         except InvalidSamplingParams as err:
             return str(err)
         return None
-
-    def _add_request(self, new: NewRequestData) -> int:
-        """Store a checked new request in a free row."""
-        if not self.free_rows:
-            self._grow(2 * self.capacity)
-        row = self.free_rows.pop()
-        num_prompt = len(new.prompt_token_ids)
-        num_outputs = len(new.output_token_ids)
-        self.handle_to_row[new.req_handle] = row
-        self.row_handles[row] = new.req_handle
-        self.token_ids[row, :num_prompt] = new.prompt_token_ids
-        self.token_ids[row, num_prompt : num_prompt + num_outputs] = new.output_token_ids
-        self.num_prompt_tokens[row] = num_prompt
-        self.num_tokens[row] = num_prompt + num_outputs
-        self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = len(new.block_ids)
-        self.block_table[row, : len(new.block_ids)] = new.block_ids
-        self.lora_ids[row] = new.lora_id
-        self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens, num_outputs)
-        return row
 
     def _check_cached(self, cached: CachedRequestData, failed: dict[int, str]) -> BoolArray:
         """Which cached entries can be applied; the others are refused (state dropped)."""
@@ -315,13 +154,13 @@ class InputBatch:
         )
         self.num_computed_tokens[rows] = np.minimum(cached.num_computed_tokens, own)
         first_new = self.num_blocks[rows].copy()
-        _append_runs(self.block_table, self.num_blocks, rows, cached.num_new_block_ids,
+        append_runs(self.block_table, self.num_blocks, rows, cached.num_new_block_ids,
                      cached.new_block_ids)  # fmt: skip
-        _append_runs(self.token_ids, self.num_tokens, rows, cached.num_new_token_ids,
+        append_runs(self.token_ids, self.num_tokens, rows, cached.num_new_token_ids,
                      cached.new_token_ids)  # fmt: skip
         if len(resumed):
             self.num_tokens[resumed] = 0  # and rebuild their tokens from scratch
-            _append_runs(self.token_ids, self.num_tokens, resumed,
+            append_runs(self.token_ids, self.num_tokens, resumed,
                          cached.num_resumed_token_ids, cached.resumed_all_token_ids)  # fmt: skip
             for row in resumed.tolist():
                 num_outputs = int(self.num_tokens[row] - self.num_prompt_tokens[row])
@@ -423,30 +262,3 @@ class InputBatch:
     def finish_step(self, inputs: StepInputs) -> None:
         """Record that the step's tokens now have KV."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
-
-    def append_sampled(
-        self, rows: IntArray, token_ids: np.ndarray, counts: IntArray | None = None
-    ) -> None:
-        """Async scheduling: the tokens the rows sampled join their tokens now (the engine core
-        sends none for them): one each, or the next counts[i] of token_ids for row i; a row
-        takes none past max_model_len (it is finished)."""
-        if counts is None:
-            fits = self.num_tokens[rows] < self.max_model_len
-            rows = rows[fits]
-            self.token_ids[rows, self.num_tokens[rows]] = token_ids[fits]
-            self.num_tokens[rows] += 1
-            return
-        room = self.max_model_len - self.num_tokens[rows]
-        keep = ragged_cols(np.zeros(len(counts), np.int64), counts) < np.repeat(room, counts)
-        _append_runs(self.token_ids, self.num_tokens, rows, np.minimum(counts, room),
-                     token_ids[keep])  # fmt: skip
-
-    def num_used_blocks(self) -> int:
-        """Distinct blocks holding at least one computed token of a live request."""
-        if not self.handle_to_row:
-            return 0
-        live = np.fromiter(self.handle_to_row.values(), np.int64, len(self.handle_to_row))
-        num_blocks = -(-self.num_computed_tokens[live] // self.block_size)
-        width = int(num_blocks.max())
-        used = np.arange(width)[None, :] < num_blocks[:, None]
-        return len(np.unique(self.block_table[live, :width][used]))

@@ -11,6 +11,10 @@ consistent copy of every request's state. Sampled tokens reach the rank's state 
 next step's diff (CachedRequestData.new_token_ids), as on every other rank; under async
 scheduling (the core schedules step N+1 before step N's output came back, so it cannot send
 them) each sampling rank appends them at once instead, and step N+1 takes them as its inputs.
+
+This module executes the step; what it makes of the step before the forward, beside the
+batch's own inputs, is runner_inputs.py (LoRA rows, attention inputs), and what it returns is
+runner_output.py.
 """
 
 from __future__ import annotations
@@ -18,37 +22,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from splitserve_contracts.output_types import (
-    LogprobsTable,
-    ModelRunnerOutput,
-    RequestLogprobs,
-    StepStatus,
-    StepTimings,
-)
+from splitserve_contracts.output_types import LogprobsTable, ModelRunnerOutput, StepTimings
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
-from worker_svc.input_batch import InputBatch, StepInputs, StepPlan, ragged_cols
+from worker_svc.input_batch import InputBatch
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
-from worker_svc.logprobs import split_tables
-from worker_svc.lora.manager import NO_SLOT, LoraManager
+from worker_svc.lora.manager import LoraManager
 from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
 from worker_svc.pooler import Pooler
 from worker_svc.prompt_logprobs import PromptLogprobsCollector
-from worker_svc.sampler import Sampler, SamplerOutput
+from worker_svc.runner_inputs import apply_lora_slots, attention_inputs, group_by_adapter
+from worker_svc.runner_output import Sampled, add_sampled, leave_sampled, step_output
+from worker_svc.sampler import Sampler
 from worker_svc.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from worker_svc.spec_decode import SpecDecoder, Verified
-from worker_svc.step_checks import MalformedStep
-from worker_svc.warm_up import warm_up_steps
+from worker_svc.spec_decode import SpecDecoder
+from worker_svc.step_inputs import StepInputs
+from worker_svc.warm_up import dummy_step_inputs, warm_up_steps
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +85,7 @@ class ModelRunner:
         """A pooling model's pooler (--runner pooling): its requests finish their prompt with
         a pooled vector instead of a sampled token; None for a generative model."""
         self.is_async_scheduling = async_scheduling
-        self._keep_sampled = self._append_sampled if async_scheduling else _leave_sampled
+        self._keep_sampled = self._append_sampled if async_scheduling else leave_sampled
         """What a sampling rank does with its sampled tokens: append them to its requests
         (async scheduling: the next step takes them as inputs before the core knows them), or
         leave them to the next step's diff."""
@@ -179,22 +177,9 @@ class ModelRunner:
         """Forward positions [start, end) of one request whose first `start` tokens sit in
         blocks 1, 2, ... of `cache` (block 0 is the null block); then logits and an argmax for
         the last `num_logits`."""
-        num_blocks = -(-end // cache.block_size)
-        positions = np.arange(start, end)
         if self.lora is not None:
             self.lora.batch.clear()
-        inputs = StepInputs(
-            rows=np.zeros(1, np.int64),
-            req_handles=np.zeros(1, np.int64),
-            input_ids=np.zeros(end - start, np.int64),
-            positions=positions,
-            slot_mapping=positions + cache.block_size,
-            query_start_loc=np.array([0, end - start]),
-            seq_lens=np.array([end]),
-            block_tables=np.arange(1, num_blocks + 1)[None, :],
-            logits_indices=np.array([end - start - 1]),
-            sampling_reqs=np.zeros(1, np.int64),
-        )
+        inputs = dummy_step_inputs(start, end, cache.block_size)
         hidden = self._forward(inputs, cache)
         assert hidden is not None
         if self.pooler is not None:
@@ -216,12 +201,12 @@ class ModelRunner:
         mm_refused: dict[int, str] = {}
         if self.encoder_runner is not None:
             step, mm_refused = self.encoder_runner.refuse_bad_requests(step)
-        self._apply_lora_slots(step)
+        apply_lora_slots(self.lora, step)
         step_plan = batch.update_states(step)
         if self.encoder_runner is not None:
             step_plan.failed.update(mm_refused)
             self.encoder_runner.update(step, step_plan.failed)
-        step_plan = self._group_by_adapter(step_plan)
+        step_plan, self._row_slots = group_by_adapter(batch, self.lora, step_plan)
         gone = [*step.finished_req_handles.tolist(), *step_plan.failed]
         self.prompt_logprobs.forget(gone)
         if self.pooler is not None:
@@ -324,36 +309,6 @@ class ModelRunner:
             output.pooler_outputs = pooled
         return output
 
-    def _apply_lora_slots(self, step: SchedulerOutput) -> None:
-        """The step's LoRA slot changes and freed adapters, before its requests are added."""
-        if step.lora_slots is None and not step.free_lora_ids:
-            return
-        if self.lora is None:
-            raise MalformedStep("the step changes LoRA slots, but LoRA is off on this rank")
-        self.lora.apply_slots(step.lora_slots, step.free_lora_ids)
-
-    def _group_by_adapter(self, plan: StepPlan) -> StepPlan:
-        """The step's rows grouped by LoRA slot, base-model rows first (each slot's rows one
-        contiguous run); requests whose adapter cannot run here are refused."""
-        assert self.batch is not None
-        lora_ids = self.batch.lora_ids[plan.rows]
-        if not lora_ids.any():
-            self._row_slots = np.full(len(plan.rows), NO_SLOT, np.int64)
-            return plan
-        if self.lora is None:
-            off = "LoRA is off on this rank (the engine runs without --enable-lora)"
-            return self.batch.refuse(plan, {int(i): off for i in np.flatnonzero(lora_ids)})
-        slots, problems = self.lora.row_slots(lora_ids)
-        if problems:
-            bad = {i: problems[lora_id] for i, lora_id in enumerate(lora_ids.tolist())
-                   if lora_id in problems}  # fmt: skip
-            keep = np.ones(len(slots), np.bool_)
-            keep[list(bad)] = False
-            plan, slots = self.batch.refuse(plan, bad), slots[keep]
-        order = np.argsort(slots, kind="stable")
-        self._row_slots = slots[order]
-        return plan.reordered(order)
-
     def _append_sampled(self, inputs: StepInputs, sampled: Sampled) -> None:
         assert self.batch is not None
         rows = inputs.rows[inputs.sampling_reqs]
@@ -376,17 +331,9 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """This stage's forward; returns final hidden states on the last stage, else None.
         `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings."""
-        attn_inputs = AttentionInputs(
-            query_start_loc=inputs.query_start_loc,
-            seq_lens=inputs.seq_lens,
-            block_tables=inputs.block_tables,
-            slot_mapping=inputs.slot_mapping,
-            block_size=kv_cache.block_size,
-            null_block_id=kv_cache.null_block_id,
-        )
-        ctx = self.model.step_context(
-            self._to_device(inputs.positions), self._attention_metadata(attn_inputs)
-        )
+        positions = self._to_device(inputs.positions)
+        metadata = self._attention_metadata(attention_inputs(inputs, kv_cache))
+        ctx = self.model.step_context(positions, metadata)
         parallel = self.parallel
         hidden = residual = None
         input_ids = None
@@ -417,67 +364,10 @@ class ModelRunner:
     ) -> ModelRunnerOutput | None:
         if not self.parallel.is_output_rank:
             return None
-        output = ModelRunnerOutput(
-            step_id=step.step_id,
-            status=StepStatus.OK,
-            rank=self.parallel.rank,
-            prompt_logprobs=[RequestLogprobs(h, t) for h, t in prompt_tables.items()],
-            timings=StepTimings(
-                timings.prepare_inputs_seconds,
-                timings.forward_seconds,
-                timings.sample_seconds,
-                total_seconds=time.perf_counter() - started,
-            ),
-            num_used_kv_blocks=self.batch.num_used_blocks() if self.batch is not None else 0,
-            failed_req_handles=list(self._failed),
-            failed_reasons=list(self._failed.values()),
+        batch, rank = self.batch, self.parallel.rank
+        output = step_output(
+            step.step_id, rank, started, timings, prompt_tables, batch, self._failed
         )
         if inputs is not None and sampled is not None:
-            handles = inputs.req_handles[inputs.sampling_reqs]
-            output.req_handles = handles.tolist()
-            verified = sampled.verified
-            if verified is None:
-                tokens = sampled.output.sampled_token_ids.cpu().numpy()
-                output.sampled_token_ids = tokens.astype(np.int64).tolist()
-            else:
-                assert inputs.num_drafts is not None
-                output.sampled_token_ids = verified.token_ids.tolist()
-                output.num_sampled_token_ids = verified.num_sampled.tolist()
-                output.num_draft_tokens = inputs.num_drafts.tolist()
-            output.logprobs = self._sample_logprobs(inputs, handles, sampled)
+            add_sampled(output, inputs, sampled, batch)
         return output
-
-    def _sample_logprobs(
-        self, inputs: StepInputs, handles: np.ndarray, sampled: Sampled
-    ) -> list[RequestLogprobs]:
-        """The chosen tokens' logprobs of the requests that asked: one row per output token."""
-        logprobs = sampled.output.logprobs
-        if logprobs is None:
-            return []
-        assert self.batch is not None
-        num_tops = self.batch.sampling.num_logprobs[inputs.rows[inputs.sampling_reqs]]
-        wanted = np.flatnonzero(num_tops >= 0)
-        verified = sampled.verified
-        counts = np.ones(len(wanted), np.int64)
-        logits_rows = wanted
-        if verified is not None:
-            starts = np.cumsum(verified.num_sampled) - verified.num_sampled
-            counts = verified.num_sampled[wanted]
-            logits_rows = verified.logits_rows[ragged_cols(starts[wanted], counts)]
-        ids, values, ranks = (t[torch.from_numpy(logits_rows)] for t in logprobs)
-        tables = split_tables(ids, values, ranks, counts.tolist(), num_tops[wanted].tolist())
-        return [
-            RequestLogprobs(h, t) for h, t in zip(handles[wanted].tolist(), tables, strict=True)
-        ]
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """A step's sampler output, and what verifying its drafts kept (None: no drafts)."""
-
-    output: SamplerOutput
-    verified: Verified | None = None
-
-
-def _leave_sampled(inputs: StepInputs, sampled: Sampled) -> None:
-    """Lockstep scheduling: the next step's diff brings the sampled tokens."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from splitserve_contracts.sampling_types import SamplerParams
 from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from worker_svc.step_inputs import StepInputs
 
 WARM_UP_PROMPT_TOKENS = 8
 WARM_UP_HANDLE = -1
@@ -60,3 +61,23 @@ def warm_up_steps(
     )
     finish = SchedulerOutput(step_id=0, finished_req_handles=np.array([WARM_UP_HANDLE]))
     return [prefill, decode, finish]
+
+
+def dummy_step_inputs(start: int, end: int, block_size: int) -> StepInputs:
+    """Positions [start, end) of one request whose tokens sit in blocks 1, 2, ... of a scratch
+    cache (block 0 is the null block), the last one sampling: the inputs of the runner's
+    dummy steps (warm-up in a scratch cache, memory profiling)."""
+    num_blocks = -(-end // block_size)
+    positions = np.arange(start, end)
+    return StepInputs(
+        rows=np.zeros(1, np.int64),
+        req_handles=np.zeros(1, np.int64),
+        input_ids=np.zeros(end - start, np.int64),
+        positions=positions,
+        slot_mapping=positions + block_size,
+        query_start_loc=np.array([0, end - start]),
+        seq_lens=np.array([end]),
+        block_tables=np.arange(1, num_blocks + 1)[None, :],
+        logits_indices=np.array([end - start - 1]),
+        sampling_reqs=np.zeros(1, np.int64),
+    )

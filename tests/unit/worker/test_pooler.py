@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from splitserve_contracts.output_types import PoolerConfig
-from worker_svc.input_batch import StepInputs
 from worker_svc.pooler import Pooler
 from worker_svc.pooling_config import is_pooling_runner, read_pooler_config
+from worker_svc.step_inputs import StepInputs
 
 HIDDEN = 8
 
