@@ -123,13 +123,11 @@ class Request:
         trace: RequestTrace | None = None,
         pooling_task: str = "",
     ) -> None:
-        self.req_handle = -1
+        self._init_engine_state()
         self.pooling_task = pooling_task
         """A pooling request's task ("embed"); "" for a generation request. A pooling
         request computes its prompt (never read from the prefix cache: every position is
         pooled), samples nothing and finishes with `pooling_output`."""
-        self.pooling_output = b""
-        """The pooled vector the output rank sent (float32 little-endian), once it ran."""
         self.trace = trace
         """Its trace (--otlp-traces-endpoint and a frontend that traces it); None: untraced."""
         self.client_id = client_id
@@ -152,6 +150,31 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens
+        """Output tokens allowed; capped by `resolve_max_tokens` when the request is added."""
+        self.min_tokens = min_tokens
+        self.stop_token_ids = stop_token_ids
+        """Token ids besides EOS that end the request, reported as its stop_reason."""
+        self.all_stop_token_ids = frozenset(
+            stop_token_ids if eos_token_id is None else (*stop_token_ids, eos_token_id)
+        )
+        """Every id that may end the request; the workers' sampler masks them under
+        min_tokens."""
+        self.mm_features = mm_features
+        """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept
+        until the request finishes: a recompute may run the encoder again."""
+        self.structured_output = structured_output
+        """Its grammar state when its output is constrained (structured outputs), else None."""
+        self.lora = lora
+        """The LoRA adapter it runs with (None: the base model; lora_id 0: a name that is not
+        loaded, refused when it is added)."""
+
+    def _init_engine_state(self) -> None:
+        """What the engine tracks of the request, as it starts (nothing the client sent):
+        its handle, status and progress, its errors, what the workers have."""
+        self.req_handle = -1
+        self.pooling_output = b""
+        """The pooled vector the output rank sent (float32 little-endian), once it ran."""
         self.status = RequestStatus.WAITING
         self.is_finished = False
         """Whether the status is final; set by `finish` only (a plain attribute: the hot loops
@@ -163,16 +186,6 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
         self.events: list[EngineCoreEvent] = []
-        self.max_tokens = max_tokens
-        """Output tokens allowed; capped by `resolve_max_tokens` when the request is added."""
-        self.min_tokens = min_tokens
-        self.stop_token_ids = stop_token_ids
-        """Token ids besides EOS that end the request, reported as its stop_reason."""
-        self.all_stop_token_ids = frozenset(
-            stop_token_ids if eos_token_id is None else (*stop_token_ids, eos_token_id)
-        )
-        """Every id that may end the request; the workers' sampler masks them under
-        min_tokens."""
         self.error_message = ""
         self.error_kind = ErrorKind.UNSPECIFIED
         self.num_sent_token_ids = 0
@@ -181,14 +194,6 @@ class Request:
         """Async scheduling: tokens scheduled to be sampled by steps still in flight (vLLM's
         num_output_placeholders); the workers feed each one to the next step themselves."""
         self.is_known_to_workers = False
-        self.mm_features = mm_features
-        """The prompt's images (placeholder ranges, hashes, serialized encoder inputs), kept
-        until the request finishes: a recompute may run the encoder again."""
-        self.structured_output = structured_output
-        """Its grammar state when its output is constrained (structured outputs), else None."""
-        self.lora = lora
-        """The LoRA adapter it runs with (None: the base model; lora_id 0: a name that is not
-        loaded, refused when it is added)."""
         self.holds_lora_slot = False
         """Whether it counts as a running request of its adapter (core_svc/lora_slots.py)."""
 
