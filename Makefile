@@ -87,12 +87,14 @@ test-extended: setup-dev
 	$(PY) -m pytest -m extended $(PYTEST_ARGS)
 
 # lint-imports checks the contracts in pyproject.toml: imports point down, protobuf stays at the
-# edges, the core has no torch, and no import circles (tools/import_cycles.py).
+# edges, the core has no torch, and no import circles (tools/import_cycles.py). tools/size_limits.py:
+# no source file over 400 lines, no function over 80 (tests and generated code aside).
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(PY) tools/size_limits.py
 	cd protos && $(BIN)/buf lint
 
 # Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the
