@@ -100,14 +100,14 @@ def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broke
 
 
 def test_an_import_circle_is_found_and_named(copy: Path) -> None:
-    """A circle the tree does not have (scheduler -> request_queue -> scheduler) is reported
+    """A circle the tree does not have (sched_state -> request_queue -> sched_state) is reported
     with its modules, whatever else the check reports."""
     path = copy / "core_svc" / "request_queue.py"
     original = path.read_text()
     path.write_text(
         original.replace(
             "\nfrom core_svc.request import",
-            "\nimport core_svc.scheduler\nfrom core_svc.request import",
+            "\nimport core_svc.sched_state\nfrom core_svc.request import",
             1,
         )
     )
@@ -118,7 +118,7 @@ def test_an_import_circle_is_found_and_named(copy: Path) -> None:
     assert result.returncode != 0
     text = " ".join(result.stdout.split())
     assert "No import circles between modules (tools/import_cycles.py) BROKEN" in text
-    assert "core_svc.request_queue, core_svc.scheduler" in text, result.stdout
+    assert "core_svc.request_queue, core_svc.sched_state" in text, result.stdout
 
 
 def test_a_circle_through_a_package_init_is_a_circle() -> None:
