@@ -13,13 +13,14 @@ Refused in one line: other versions (gemv, exllama, ipex), other bit widths, no 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.quantization.config import PackedConfig
 
 PARTS = ("qweight", "qzeros", "scales")
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -64,3 +65,20 @@ def make_source(parts: dict[str, TensorSource], group_size: int) -> ConvertedTen
     return ConvertedTensor(
         parts, lambda t: to_group_quantized(t, group_size), [num_words * 8, num_cols]
     )
+
+
+class AwqConfig(PackedConfig):
+    """vLLM's AWQConfig: the registry's `awq` (and `awq_marlin`)."""
+
+    layer_tensors = PARTS
+    marker = "qweight"
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Self:
+        return cls(check_config(config))
+
+    def make_source(self, layer: dict[str, TensorSource]) -> TensorSource:
+        return make_source(layer, self.group_size)
