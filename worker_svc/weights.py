@@ -1,8 +1,9 @@
 """Reading checkpoints: Hugging Face safetensors folders (single file or sharded via the index
 json) and GGUF files (splitserve_runtime.gguf_checkpoint: quantized weights kept quantized on CPU,
 worker_svc/quantization/gguf.py; others, and all with --dequantize-gguf, dequantized when read).
-`--quantization` is checked against the checkpoint here (worker_svc/quantization/plan.py), and
-a quantized one carries the planner of its layers' methods.
+`--quantization` is checked against the checkpoint here (worker_svc/quantization/plan.py), the
+format's config comes from the quantization registry (quantization/config.py) and is read by its
+kind, and a quantized checkpoint carries the planner of its layers' methods.
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
