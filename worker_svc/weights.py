@@ -125,7 +125,7 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
     )
     config = make_quantization_config(method, quantization)
     if isinstance(config, Fp8Config):
-        return open_fp8_checkpoint(hf_config, files, config.fmt)
+        return open_fp8_checkpoint(hf_config, files, config.scheme)
     if isinstance(config, PackedConfig):
         return open_packed_checkpoint(hf_config, files, config)
     planner = None

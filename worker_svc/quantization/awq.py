@@ -13,7 +13,7 @@ Refused in one line: other versions (gemv, exllama, ipex), other bit widths, no 
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -67,18 +67,13 @@ def make_source(parts: dict[str, TensorSource], group_size: int) -> ConvertedTen
     )
 
 
-class AwqConfig(PackedConfig):
+class AwqConfig(PackedConfig[int]):
     """vLLM's AWQConfig: the registry's `awq` (and `awq_marlin`)."""
 
     layer_tensors = PARTS
     marker = "qweight"
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Self:
-        return cls(check_config(config))
+    parse_scheme = staticmethod(check_config)
 
     def make_source(self, layer: dict[str, TensorSource]) -> TensorSource:
-        return make_source(layer, self.group_size)
+        return make_source(layer, self.scheme)

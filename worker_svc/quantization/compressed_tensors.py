@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -137,18 +137,13 @@ class CtQuantizedTensor(ConvertedTensor):
         return self.parts["weight"].get_shape()
 
 
-class CompressedTensorsConfig(PackedConfig):
+class CompressedTensorsConfig(PackedConfig[CtScheme]):
     """vLLM's CompressedTensorsConfig: the registry's `compressed-tensors`."""
 
     layer_tensors = (*PARTS, "weight")
     marker = "weight_scale"
 
-    def __init__(self, scheme: CtScheme) -> None:
-        self.scheme = scheme
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Self:
-        return cls(parse_scheme(config))
+    parse_scheme = staticmethod(parse_scheme)
 
     @property
     def is_w8a8(self) -> bool:

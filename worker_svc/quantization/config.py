@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any, Self
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from splitserve_runtime.quantization_names import FORMATS, quantization_format
 from worker_svc.layers.tensor_source import TensorSource
+
+Scheme = TypeVar("Scheme")
 
 
 class QuantizationConfig(ABC):
@@ -55,12 +58,27 @@ class QuantizationConfig(ABC):
         return f"--quantization {name} reads {name} checkpoints; {what} is not one"
 
 
-class PackedConfig(QuantizationConfig):
+class SchemeConfig(QuantizationConfig, Generic[Scheme]):
+    """A format's config that is its `scheme`: what `parse_scheme` read from the checkpoint's
+    `quantization_config`."""
+
+    parse_scheme: Callable[[dict[str, Any]], Scheme]
+    """The format's reading of a `quantization_config`; ValueError naming what it refuses."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Self:
+        return cls(cls.parse_scheme(config))
+
+
+class PackedConfig(SchemeConfig[Scheme]):
     """A format whose layers store packed integers, grouped into one quantized source each."""
 
-    layer_tensors: tuple[str, ...]
+    layer_tensors: ClassVar[tuple[str, ...]]
     """A quantized layer's tensors (the local names after its prefix)."""
-    marker: str
+    marker: ClassVar[str]
     """The local name of the tensor that makes a layer a quantized one."""
 
     @property

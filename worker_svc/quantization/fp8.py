@@ -4,22 +4,16 @@ the scales in worker_svc/weights.py (`open_fp8_checkpoint`)."""
 
 from __future__ import annotations
 
-from typing import Any, Self
-
 from splitserve_runtime.quantization_names import ONLINE_METHODS, spoken
 from worker_svc.layers.fp8 import Fp8Format
-from worker_svc.quantization.config import QuantizationConfig
+from worker_svc.quantization.config import SchemeConfig
 
 
-class Fp8Config(QuantizationConfig):
-    """vLLM's Fp8Config, for serialized FP8 checkpoints only (no online FP8 quantization)."""
+class Fp8Config(SchemeConfig[Fp8Format]):
+    """vLLM's Fp8Config, for serialized FP8 checkpoints only (no online FP8 quantization): the
+    scheme is the weights' layout (per-tensor or block scales)."""
 
-    def __init__(self, fmt: Fp8Format) -> None:
-        self.fmt = fmt
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Self:
-        return cls(Fp8Format.from_quantization_config(config))
+    parse_scheme = staticmethod(Fp8Format.from_quantization_config)
 
     @classmethod
     def float_refusal(cls, what: str) -> str:

@@ -29,7 +29,7 @@ bitblas), a quantized lm_head, per-module overrides (`dynamic`), pack dtypes oth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -166,19 +166,14 @@ def make_source(parts: dict[str, TensorSource], scheme: GptqScheme) -> Converted
     return ConvertedTensor(parts, lambda t: to_group_quantized(t, scheme), [num_out, num_in])
 
 
-class GptqConfig(PackedConfig):
+class GptqConfig(PackedConfig[GptqScheme]):
     """vLLM's GPTQConfig: the registry's `gptq` (and `gptq_marlin`); AutoGPTQ's
     quantize_config.json is read when config.json has no quantization_config."""
 
     layer_tensors = PARTS
     marker = "qweight"
 
-    def __init__(self, scheme: GptqScheme) -> None:
-        self.scheme = scheme
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Self:
-        return cls(check_config(config))
+    parse_scheme = staticmethod(check_config)
 
     @classmethod
     def get_config_filenames(cls) -> tuple[str, ...]:
