@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.worker import emit
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
+from splitserve_runtime.quantization_names import ONLINE_METHODS
 from worker_svc.layers.linear import LinearBase
 from worker_svc.model_load import LoadModelConfig
 from worker_svc.worker import Worker
@@ -157,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--quantization",
         nargs="+",
-        default=["none", "int8", "int4", "w8a8"],
-        choices=["none", "int8", "int4", "w8a8"],
+        default=["none", *ONLINE_METHODS],
+        choices=["none", *ONLINE_METHODS],
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="decode steps per round and batch")

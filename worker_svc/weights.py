@@ -1,8 +1,9 @@
 """Reading checkpoints: Hugging Face safetensors folders (single file or sharded via the index
 json) and GGUF files (splitserve_runtime.gguf_checkpoint: quantized weights kept quantized on CPU,
 worker_svc/quantization/gguf.py; others, and all with --dequantize-gguf, dequantized when read).
-`--quantization` is checked against the checkpoint here (worker_svc/quantization/plan.py), and
-a quantized one carries the planner of its layers' methods.
+`--quantization` is checked against the checkpoint here (worker_svc/quantization/plan.py), the
+format's config comes from the quantization registry (quantization/config.py) and is read by its
+kind, and a quantized checkpoint carries the planner of its layers' methods.
 
 Tensors are opened lazily (`safe_open(...).get_slice`), so each rank reads only its
 tensor-parallel slice of the tensors of its pipeline stage; the model decides which those are.
@@ -26,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from splitserve_runtime.model_source import ModelSource
-from splitserve_runtime.quantization_names import canonical_quantization
+from splitserve_runtime.quantization_names import canonical_quantization, quantization_format
 from worker_svc.layers.fp8 import (
     SCALE_SUFFIXES,
     Fp8Format,
@@ -37,13 +38,22 @@ from worker_svc.layers.fp8 import (
 from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.interfaces import CausalLM
-from worker_svc.models.model_config import parse_dtype, read_hf_config
+from worker_svc.models.model_config import (
+    parse_dtype,
+    quant_method,
+    read_hf_config,
+    refuse_quantization,
+)
 from worker_svc.models.registry import model_class
+from worker_svc.quantization.config import PackedConfig, get_quantization_config
+from worker_svc.quantization.fp8 import Fp8Config
+from worker_svc.quantization.online import OnlineConfig
 from worker_svc.quantization.plan import (
     Planner,
     check_device,
     compressed_tensors_planner,
     gguf_planner,
+    make_quantization_config,
     online_planner,
     resolve_quantization,
 )
@@ -105,22 +115,24 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         model_class(str(declared[0]))  # before transformers parses a model type it may not know
     files = checkpoint_files(source.path)
     hf_config = read_hf_config(source.path)
-    quantization = getattr(hf_config, "quantization_config", None) or quantize_config_json(
-        source.path, options.requested
+    refuse_quantization(hf_config)  # a quant_method no registry row reads from config.json
+    quantization = as_dict(getattr(hf_config, "quantization_config", None)) or (
+        quantize_config_json(source.path, options.requested)
     )
-    declared_method = _quant_method(quantization) if quantization else None
+    declared_method = quant_method(quantization) if quantization else None
     method = resolve_quantization(
         options.requested, declared_method, str(source.spec or "the model")
     )
-    if method == "fp8" and quantization:
-        return open_fp8_checkpoint(
-            hf_config, files, Fp8Format.from_quantization_config(quantization)
-        )
-    if method in ("compressed-tensors", "awq", "gptq") and quantization:
-        return open_packed_checkpoint(hf_config, files, quantization, method)
+    config = make_quantization_config(method, quantization)
+    if isinstance(config, Fp8Config):
+        return open_fp8_checkpoint(hf_config, files, config.scheme)
+    if isinstance(config, PackedConfig):
+        return open_packed_checkpoint(hf_config, files, config)
     planner = None
-    if method is not None and declared_method is None:  # online: int8, int4, w8a8
-        planner = online_planner(method, tensor_names(files))
+    if isinstance(config, OnlineConfig):
+        planner = online_planner(config, tensor_names(files))
+    elif config is not None:
+        raise ValueError(f"quantization method {method!r} is not read from a checkpoint folder")
     return Checkpoint(
         hf_config,
         stored_dtype(files),
@@ -129,51 +141,34 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
     )
 
 
+def as_dict(quantization: Any) -> dict[str, Any] | None:
+    """A `quantization_config` as a dict (transformers may have made it an object)."""
+    if not quantization or isinstance(quantization, dict):
+        return quantization or None
+    to_dict = getattr(quantization, "to_dict", None)
+    return dict(to_dict() if to_dict is not None else vars(quantization))
+
+
 def quantize_config_json(path: Path, requested: str) -> dict[str, Any] | None:
-    """AutoGPTQ's `quantize_config.json` beside a config.json without quantization_config,
-    read (as vLLM does) when `--quantization gptq` asks for it."""
-    file = path / "quantize_config.json"
-    if canonical_quantization(requested) != "gptq" or not file.is_file():
+    """A file beside a config.json without quantization_config that the format `--quantization`
+    names reads as one (as vLLM does: AutoGPTQ's `quantize_config.json` for gptq)."""
+    method = canonical_quantization(requested)
+    if not method or quantization_format(method).reads != "checkpoint":
         return None
-    return {"quant_method": "gptq", **json.loads(file.read_text())}
+    for name in get_quantization_config(method).get_config_filenames():
+        if (path / name).is_file():
+            return {"quant_method": method, **json.loads((path / name).read_text())}
+    return None
 
 
-PackedLayer = Callable[[dict[str, TensorSource]], Any]
-
-
-def packed_reader(
-    method: str, config: dict[str, Any]
-) -> tuple[tuple[str, ...], str, PackedLayer, bool]:
-    """(a layer's tensor names, the one that marks a quantized layer, the maker of its quantized
-    source, W8A8) for a compressed-tensors, AWQ or GPTQ configuration; ValueError if refused."""
-    from worker_svc.quantization import awq, gptq
+def open_packed_checkpoint(hf_config: Any, files: list[Path], config: PackedConfig) -> Checkpoint:
+    """A checkpoint in a packed format (compressed-tensors, AWQ, GPTQ): each quantized layer's
+    tensors read as one quantized weight (`config.make_source`)."""
     from worker_svc.quantization import compressed_tensors as ct
 
-    if method == "awq":
-        group_size = awq.check_config(config)
-        return awq.PARTS, "qweight", lambda layer: awq.make_source(layer, group_size), False
-    if method == "gptq":
-        gptq_scheme = gptq.check_config(config)
-        return gptq.PARTS, "qweight", lambda layer: gptq.make_source(layer, gptq_scheme), False
-    scheme = ct.parse_scheme(config)
-
-    def make(layer: dict[str, TensorSource]) -> Any:
-        return ct.CtQuantizedTensor(layer, scheme)
-
-    return (*ct.PARTS, "weight"), "weight_scale", make, scheme.is_w8a8
-
-
-def open_packed_checkpoint(
-    hf_config: Any, files: list[Path], quantization: Any, method: str
-) -> Checkpoint:
-    """A compressed-tensors, AWQ or GPTQ checkpoint: each quantized layer's tensors read as one
-    quantized weight (worker_svc/quantization/compressed_tensors.py, awq.py, gptq.py)."""
-    from worker_svc.quantization import compressed_tensors as ct
-
-    config = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = config.get_name()
     names = tensor_names(files)
-    local_names, marker, make, is_w8a8 = packed_reader(method, config)
-    parts = ct.layer_parts(names, local_names, marker)
+    parts = ct.layer_parts(names, config.layer_tensors, config.marker)
     layers = set(parts.values())
     if not layers:
         raise ValueError(
@@ -183,9 +178,9 @@ def open_packed_checkpoint(
     grouped = [n for n in names if n not in parts] + sorted(layers)
 
     def weights(show_progress: bool) -> Iterator[tuple[str, TensorSource]]:
-        return ct.group_layers(iter_checkpoint(files, show_progress), parts, make)
+        return ct.group_layers(iter_checkpoint(files, show_progress), parts, config.make_source)
 
-    planner = compressed_tensors_planner(grouped, layers, is_w8a8, method)
+    planner = compressed_tensors_planner(grouped, layers, config.is_w8a8, method)
     return Checkpoint(hf_config, stored_dtype(files), weights, planner=planner)
 
 
@@ -194,12 +189,12 @@ def open_gguf_checkpoint(path: Path, options: QuantizationOptions) -> Checkpoint
     everything else (and everything on CUDA, which has no int8/int4 kernels here) dequantized
     to float32 when read, exactly."""
     from splitserve_runtime.gguf_checkpoint import GgufCheckpoint
-    from worker_svc.quantization.gguf import GgufQuantizedTensor, is_quantized_gguf
+    from worker_svc.quantization.gguf import GgufConfig, GgufQuantizedTensor, is_quantized_gguf
 
     gguf = GgufCheckpoint(path)
     config = gguf.hf_config()
     model_class(config.architectures[0])
-    resolve_quantization(options.requested, "gguf", path.name)
+    resolve_quantization(options.requested, GgufConfig.get_name(), path.name)
     keep = not options.dequantize_gguf and options.device_type == "cpu"
     if not keep and not options.dequantize_gguf:
         logger.info("GGUF weights dequantized at load: no int8/int4 kernels on this device")
@@ -226,15 +221,6 @@ def tensor_names(files: list[Path]) -> list[str]:
         with safe_open(str(path), framework="pt", device="cpu") as shard:
             names.extend(shard.keys())
     return names
-
-
-def _quant_method(quantization: Any) -> str:
-    method = (
-        quantization.get("quant_method")
-        if isinstance(quantization, dict)
-        else getattr(quantization, "quant_method", None)
-    )
-    return str(getattr(method, "value", method))
 
 
 def open_fp8_checkpoint(hf_config: Any, files: list[Path], fmt: Fp8Format) -> Checkpoint:

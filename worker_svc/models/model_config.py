@@ -16,13 +16,10 @@ from typing import Any, ClassVar, Self
 
 import torch
 
+from splitserve_runtime.quantization_names import CONFIG_FORMATS, spoken
 from worker_svc.attention.backend import AttentionOptions
 from worker_svc.layers.rope_config import RopeConfig, layer_type_rope_configs
 
-# Checkpoints serve as stored (bfloat16/float16/float32); GGUF files are dequantized at load;
-# FP8 checkpoints (layers/fp8.py) are dequantized at load on CPU. Any other
-# `quantization_config` method is refused: its weights would be read as if unquantized.
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
 SLIDING_ATTENTION = "sliding_attention"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -154,21 +151,28 @@ def architecture_of(hf: Any) -> str:
 
 
 def refuse_quantization(hf: Any) -> None:
-    """A quantized checkpoint must never be served as if its weights were plain floats."""
+    """A quantized checkpoint must never be served as if its weights were plain floats: a
+    `quant_method` no registry row reads from config.json (splitserve_runtime/
+    quantization_names.py) is refused."""
     quantization = getattr(hf, "quantization_config", None)
     if not quantization:
         return
+    method = quant_method(quantization)
+    if method not in CONFIG_FORMATS:
+        raise ValueError(
+            f"quantization method {method!r} (config.json quantization_config) is not supported; "
+            "serve an unquantized (bfloat16/float16/float32) checkpoint, one quantized with "
+            f"{spoken(CONFIG_FORMATS, 'or')}, or a GGUF file"
+        )
+
+
+def quant_method(quantization: Any) -> str:
+    """The `quant_method` of a `quantization_config` (a dict, or transformers' object)."""
     if isinstance(quantization, dict):
         method = quantization.get("quant_method")
     else:
         method = getattr(quantization, "quant_method", None)
-    method = str(getattr(method, "value", method) or "unknown")
-    if method not in SUPPORTED_QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization method {method!r} (config.json quantization_config) is not supported; "
-            "serve an unquantized (bfloat16/float16/float32), fp8, compressed-tensors, AWQ or "
-            "GPTQ checkpoint, or a GGUF file"
-        )
+    return str(getattr(method, "value", method) or "unknown")
 
 
 def checkpoint_dtype_of(hf: Any) -> torch.dtype | None:

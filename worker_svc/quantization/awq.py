@@ -20,6 +20,7 @@ import torch
 from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.quantization.config import PackedConfig
 
 PARTS = ("qweight", "qzeros", "scales")
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -64,3 +65,15 @@ def make_source(parts: dict[str, TensorSource], group_size: int) -> ConvertedTen
     return ConvertedTensor(
         parts, lambda t: to_group_quantized(t, group_size), [num_words * 8, num_cols]
     )
+
+
+class AwqConfig(PackedConfig[int]):
+    """vLLM's AWQConfig: the registry's `awq` (and `awq_marlin`)."""
+
+    layer_tensors = PARTS
+    marker = "qweight"
+
+    parse_scheme = staticmethod(check_config)
+
+    def make_source(self, layer: dict[str, TensorSource]) -> TensorSource:
+        return make_source(layer, self.scheme)

@@ -29,6 +29,7 @@ import torch
 from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.quantization.config import PackedConfig
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
@@ -134,6 +135,22 @@ class CtQuantizedTensor(ConvertedTensor):
         if "weight_shape" in self.parts:
             return [int(v) for v in self.parts["weight_shape"][:].tolist()]
         return self.parts["weight"].get_shape()
+
+
+class CompressedTensorsConfig(PackedConfig[CtScheme]):
+    """vLLM's CompressedTensorsConfig: the registry's `compressed-tensors`."""
+
+    layer_tensors = (*PARTS, "weight")
+    marker = "weight_scale"
+
+    parse_scheme = staticmethod(parse_scheme)
+
+    @property
+    def is_w8a8(self) -> bool:
+        return self.scheme.is_w8a8
+
+    def make_source(self, layer: dict[str, TensorSource]) -> TensorSource:
+        return CtQuantizedTensor(layer, self.scheme)
 
 
 def layer_parts(names: list[str], local_names: tuple[str, ...], marker: str) -> dict[str, str]:

@@ -4,13 +4,29 @@ integers and scales (rows move whole, so nothing is rounded)."""
 
 from __future__ import annotations
 
+from typing import Any, Self
+
 import numpy as np
 import torch
 
 from splitserve_runtime.gguf_checkpoint import GgufTensor, unpermute_rows
 from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import Index, QuantizedTensor
+from worker_svc.quantization.config import QuantizationConfig
 from worker_svc.quantization.gguf_blocks import group_quantized, is_convertible
+
+
+class GgufConfig(QuantizationConfig):
+    """vLLM's GGUFConfig: the registry's `gguf`, a .gguf file (its tensors say their block
+    formats; there is no quantization_config to read)."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Self:
+        return cls()
+
+    @classmethod
+    def float_refusal(cls, what: str) -> str:
+        return f"--quantization gguf needs a .gguf file; {what} is not one"
 
 
 def type_name(tensor: GgufTensor) -> str:

@@ -36,6 +36,7 @@ import torch
 from worker_svc.layers.quant_pack import GroupQuantized, from_zero_points
 from worker_svc.layers.quant_source import ConvertedTensor
 from worker_svc.layers.tensor_source import TensorSource
+from worker_svc.quantization.config import PackedConfig
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 FORMATS = ("gptq", "gptq_v2")
@@ -163,3 +164,20 @@ def make_source(parts: dict[str, TensorSource], scheme: GptqScheme) -> Converted
     if "g_idx" in parts:
         num_in = parts["g_idx"].get_shape()[0]
     return ConvertedTensor(parts, lambda t: to_group_quantized(t, scheme), [num_out, num_in])
+
+
+class GptqConfig(PackedConfig[GptqScheme]):
+    """vLLM's GPTQConfig: the registry's `gptq` (and `gptq_marlin`); AutoGPTQ's
+    quantize_config.json is read when config.json has no quantization_config."""
+
+    layer_tensors = PARTS
+    marker = "qweight"
+
+    parse_scheme = staticmethod(check_config)
+
+    @classmethod
+    def get_config_filenames(cls) -> tuple[str, ...]:
+        return ("quantize_config.json",)
+
+    def make_source(self, layer: dict[str, TensorSource]) -> TensorSource:
+        return make_source(layer, self.scheme)

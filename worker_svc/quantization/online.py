@@ -17,12 +17,14 @@ most sensitive matmul). Quality against bfloat16: benchmarks/quant_quality.py, d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar, Self
 
 import torch
 
 from worker_svc.layers.quant_pack import GroupQuantized
 from worker_svc.layers.quant_source import Index, split_index
 from worker_svc.layers.tensor_source import RowRange, TensorSource
+from worker_svc.quantization.config import QuantizationConfig
 
 INT4_GROUP_SIZE = 32
 
@@ -42,6 +44,34 @@ class OnlineScheme:
 
 INT8_PER_ROW = OnlineScheme(8, 0)
 INT4_GROUPS = OnlineScheme(4, INT4_GROUP_SIZE)
+
+
+class OnlineConfig(QuantizationConfig):
+    """A float checkpoint's linear layers quantized at load with `scheme` (the LM head int8 per
+    row in all of them), weight-only or with `is_w8a8` activations too."""
+
+    scheme: ClassVar[OnlineScheme] = INT8_PER_ROW
+    is_w8a8: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Self:
+        return cls()  # a float checkpoint has no quantization_config
+
+
+class Int8Config(OnlineConfig):
+    """The registry's `int8`: W8A16, one scale per output row."""
+
+
+class Int4Config(OnlineConfig):
+    """The registry's `int4`: W4A16 in groups of 32."""
+
+    scheme = INT4_GROUPS
+
+
+class W8a8Config(OnlineConfig):
+    """The registry's `w8a8`: int8 weights, activations quantized per token at run time."""
+
+    is_w8a8 = True
 
 
 def _as_float16_where_exact(t: torch.Tensor) -> torch.Tensor:

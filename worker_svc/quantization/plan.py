@@ -26,29 +26,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from splitserve_runtime.quantization_names import ONLINE_METHODS, canonical_quantization
+from splitserve_runtime.quantization_names import (
+    canonical_quantization,
+    is_online,
+    quantization_format,
+)
 from worker_svc.layers.linear import LinearBase, LinearMethods
 from worker_svc.layers.quantized import CUDA_REFUSAL, QuantizedLinearMethods
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.interfaces import CausalLM
-from worker_svc.quantization.online import INT4_GROUPS, INT8_PER_ROW, OnlineQuantized, OnlineScheme
+from worker_svc.quantization.config import QuantizationConfig, get_quantization_config
+from worker_svc.quantization.online import INT8_PER_ROW, OnlineConfig, OnlineQuantized
 
 logger = logging.getLogger(__name__)
 
 Weights = Iterator[tuple[str, TensorSource]]
 VOCAB = ("embed_tokens", "lm_head")
-PACKED_FORMATS = ("compressed-tensors", "awq", "gptq")
-"""Checkpoint formats whose layers store packed integers (not quantized at load)."""
 
 
 def resolve_quantization(requested: str, checkpoint_method: str | None, what: str) -> str | None:
     """The quantization to serve `what` (a checkpoint quantized with `checkpoint_method`, None:
     float) with, when `--quantization` is `requested` ("": the checkpoint's); ValueError when
-    they do not go together."""
+    they do not go together (vLLM's checks: a name no registry row has, a mismatch)."""
     requested = canonical_quantization(requested)
     if checkpoint_method is not None and requested not in ("", checkpoint_method):
-        if requested in ONLINE_METHODS:
+        if quantization_format(requested).is_online:
             raise ValueError(
                 f"--quantization {requested} quantizes a float checkpoint, but {what} is "
                 f"already quantized ({checkpoint_method}); drop --quantization"
@@ -58,16 +62,19 @@ def resolve_quantization(requested: str, checkpoint_method: str | None, what: st
             f"{checkpoint_method}; drop --quantization or pass --quantization {checkpoint_method}"
         )
     method = requested or checkpoint_method
-    if checkpoint_method is None and method == "fp8":
-        raise ValueError(
-            f"--quantization fp8 needs an FP8 checkpoint; {what} is not quantized (online FP8 "
-            "quantization is not supported: use --quantization int8, int4 or w8a8)"
-        )
-    if checkpoint_method is None and method == "gguf":
-        raise ValueError(f"--quantization gguf needs a .gguf file; {what} is not one")
-    if checkpoint_method is None and method in PACKED_FORMATS:
-        raise ValueError(f"--quantization {method} reads {method} checkpoints; {what} is not one")
+    if checkpoint_method is None and method and not quantization_format(method).is_online:
+        raise ValueError(get_quantization_config(method).float_refusal(what))
     return method
+
+
+def make_quantization_config(
+    method: str | None, quantization: dict[str, Any] | None
+) -> QuantizationConfig | None:
+    """The registry's config for a resolved `method` (None: float), made from the checkpoint's
+    `quantization_config` (none for online quantization); ValueError when refused."""
+    if method is None:
+        return None
+    return get_quantization_config(method).from_config(quantization or {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +137,6 @@ def gguf_planner(names: list[str], quantized: set[str]) -> Planner:
     return plan
 
 
-ONLINE_SCHEMES: dict[str, OnlineScheme] = {"int8": INT8_PER_ROW, "int4": INT4_GROUPS}
-
-
 def compressed_tensors_planner(
     names: list[str], quantized: set[str], is_w8a8: bool, method: str
 ) -> Planner:
@@ -153,10 +157,11 @@ def compressed_tensors_planner(
     return plan
 
 
-def online_planner(method: str, names: list[str]) -> Planner:
-    """A float checkpoint quantized at load: every linear layer (`method`'s scheme), and the
+def online_planner(config: OnlineConfig, names: list[str]) -> Planner:
+    """A float checkpoint quantized at load: every linear layer (`config`'s scheme), and the
     LM head with the embedding it is tied to (int8 per row)."""
-    scheme = ONLINE_SCHEMES.get(method, INT8_PER_ROW)
+    scheme = config.scheme
+    method = config.get_name()
 
     def plan(model: CausalLM) -> QuantizationPlan:
         destinations = _destinations(model, names)
@@ -164,7 +169,7 @@ def online_planner(method: str, names: list[str]) -> Planner:
         vocab = frozenset(p for p in vocab if _feeds_lm_head(p, destinations))
         methods = (
             QuantizedLinearMethods(w8a8=linear, vocab=vocab)
-            if method == "w8a8"
+            if config.is_w8a8
             else QuantizedLinearMethods(weight_only=linear, vocab=vocab)
         )
 
@@ -198,5 +203,5 @@ def _feeds_lm_head(path: str, destinations: dict[str, set[str]]) -> bool:
 
 def check_device(method: str, device_type: str) -> None:
     """The int8/int4 kernels are CPU-only: refuse online quantization on CUDA."""
-    if method in ONLINE_METHODS and device_type == "cuda":
+    if device_type == "cuda" and is_online(method):
         raise ValueError(f"--quantization {method}: {CUDA_REFUSAL}")
