@@ -29,6 +29,7 @@ splitserve_runtime/engine_option_rules.py holds the rules their values follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 '''
 CONVERT_HEADER = f'''{GENERATED}"""Each record of engine_options_types.py to and from its protobuf message: `<record>_to_proto`
 fills `msg` (a new message when None) and returns it; `<record>_from_proto` reads one, a zero
@@ -116,7 +117,7 @@ def render_record(options: Options, index: int) -> list[str]:
 
 def render_tables(options: Options) -> list[str]:
     paths = options.group_fields()
-    out = ["", "", "GROUPS: dict[str, type] = {"]
+    out = ["", "", "GROUPS: dict[str, type[Any]] = {"]
     out += [f'    "{g.name}": {type_name(g)},' for g in options.groups]
     out += ["}", '"""EngineOptions\' fields: each group\'s record type."""', ""]
     out += ["FIELD_GROUP: dict[str, str] = {"]

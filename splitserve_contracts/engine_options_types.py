@@ -9,6 +9,7 @@ splitserve_runtime/engine_option_rules.py holds the rules their values follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +215,7 @@ class EngineOptions:
     """Grammar compilation (read by the engine core only)."""
 
 
-GROUPS: dict[str, type] = {
+GROUPS: dict[str, type[Any]] = {
     "model": ModelOptions,
     "cache": CacheOptions,
     "parallel": ParallelOptions,
