@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.output_types import (
     LogprobsTable,
     ModelRunnerOutput,
@@ -66,7 +67,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         max_num_seqs: int,
-        seed: int,
+        options: ModelOptions,
         async_scheduling: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         pooler: Pooler | None = None,
@@ -80,7 +81,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, options)
         self.cpu_kernels = CpuKernels.load() if backend.uses_cpu_kernels else None
         """The CPU kernels the backend runs (loaded once per process), for the grammar masks."""
         self.pooler = pooler

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from worker_svc.logprobs import compute_logprobs
 from worker_svc.penalties import apply_logit_edits
 from worker_svc.sampling_metadata import SamplingMetadata
@@ -59,8 +60,10 @@ def apply_top_k_top_p(
 class Sampler:
     """Samples one token per logits row; see the module docstring for the order of operations."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.generator = torch.Generator(device).manual_seed(seed)
+    def __init__(self, device: torch.device, options: ModelOptions) -> None:
+        self.options = options
+        """The engine's model options (--seed seeds the engine's generator)."""
+        self.generator = torch.Generator(device).manual_seed(options.seed)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` [N, V] float32 is edited in place."""

@@ -189,7 +189,7 @@ class Worker:
             device=self.device,
             max_model_len=max_model_len,
             max_num_seqs=opts.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            seed=opts.model.seed,
+            options=opts.model,
             async_scheduling=opts.scheduler.async_scheduling,
             pooler=Pooler(self.pooler_config, getattr(model, "pool_head", None))
             if self.pooler_config is not None
