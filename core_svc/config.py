@@ -146,7 +146,8 @@ def _options(parser: FlagParser, values: dict[str, Any]) -> EngineOptions:
         return validate(options)
     except ValueError as err:
         path = getattr(err, "field", "")
-        flag = next((row.names[0] for row in CORE_FLAGS if row.fills == path), "")
+        rows = [row for row in CORE_FLAGS if row.fills and f"{path}.".startswith(f"{row.fills}.")]
+        flag = rows[0].names[0] if rows else ""
         parser.error(f"{flag}: {err}" if flag else str(err))
 
 
