@@ -289,6 +289,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
         "(by default a chunk may end inside an image whose encoder output is cached)",
     ),
     flag("--attention-backend", fills="model.attention_backend", default="auto"),
+    flag("--logprobs-mode", fills="model.logprobs_mode", default="raw_logprobs"),
     flag("--distributed-init-method", fills="parallel.distributed_init_method", default=""),
     flag(
         "--host",

@@ -27,6 +27,7 @@ def model_options_to_proto(
     msg.convert = record.convert
     msg.enforce_eager = record.enforce_eager
     msg.attention_backend = record.attention_backend
+    msg.logprobs_mode = record.logprobs_mode
     return msg
 
 
@@ -43,6 +44,7 @@ def model_options_from_proto(msg: pb.ModelOptions) -> t.ModelOptions:
         convert=msg.convert or "auto",
         enforce_eager=msg.enforce_eager,
         attention_backend=msg.attention_backend or "auto",
+        logprobs_mode=msg.logprobs_mode or "raw_logprobs",
     )
 
 

@@ -74,6 +74,14 @@ class ModelOptions:
     "triton", "flash_attn" or "cpu".
     """
 
+    logprobs_mode: str = "raw_logprobs"
+    """What the logprobs of sampled tokens are (vLLM's --logprobs-mode): "raw_logprobs" (log-
+    softmax of the model's logits, before penalties, temperature and filters), "raw_logits"
+    (those logits themselves), "processed_logprobs" or "processed_logits" (after penalties,
+    logit bias, temperature, min_p, top-k and top-p: the distribution a token is drawn from,
+    -inf where filtered out). Prompt logprobs stay raw.
+    """
+
 
 @dataclass(frozen=True, slots=True)
 class CacheOptions:
@@ -238,6 +246,7 @@ FIELD_GROUP: dict[str, str] = {
     "convert": "model",
     "enforce_eager": "model",
     "attention_backend": "model",
+    "logprobs_mode": "model",
     "block_size": "cache",
     "kv_cache_dtype": "cache",
     "tensor_parallel_size": "parallel",
@@ -263,6 +272,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.runner": ("auto", "generate", "pooling"),
     "model.convert": ("auto", "none", "embed"),
     "model.attention_backend": ("auto", "torch", "triton", "flash_attn", "cpu"),
+    "model.logprobs_mode": ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
     "structured_outputs.backend": ("auto", "guidance"),
 }
 """The values a string option accepts (its `choices`), by "group.field"."""
@@ -279,6 +289,7 @@ HELP: dict[str, str] = {
     "model.convert": 'How a generative architecture is adapted (vLLM\'s --convert): "embed" serves it as an embedding model (implies runner "pooling"), "none" or "auto" as it is.',
     "model.enforce_eager": "Always run the model eagerly in the workers, never as compiled graphs (vLLM's --enforce-eager); false lets a rank compile where it can.",
     "model.attention_backend": 'The workers\' attention kernels: "auto" (the best the device and the model allow), "torch", "triton", "flash_attn" or "cpu".',
+    "model.logprobs_mode": 'What the logprobs of sampled tokens are (vLLM\'s --logprobs-mode): "raw_logprobs" (log-softmax of the model\'s logits, before penalties, temperature and filters), "raw_logits" (those logits themselves), "processed_logprobs" or "processed_logits" (after penalties, logit bias, temperature, min_p, top-k and top-p: the distribution a token is drawn from, -inf where filtered out). Prompt logprobs stay raw.',
     "cache.block_size": "Tokens per KV-cache block, >= 1. A rank chooses its attention backend for it at load, once.",
     "cache.kv_cache_dtype": 'How the ranks store their KV cache (vLLM\'s --kv-cache-dtype): "auto" (the compute dtype), "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2" (float8_e5m2): one byte per value, stored divided by the layer\'s per-tensor k_scale / v_scale (the checkpoint\'s, else 1.0) and saturated to the format\'s range. GetKvCapacity counts blocks at that size.',
     "parallel.tensor_parallel_size": "Tensor-parallel ranks per pipeline stage.",

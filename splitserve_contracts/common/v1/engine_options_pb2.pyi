@@ -45,6 +45,7 @@ class ModelOptions(_message.Message):
     CONVERT_FIELD_NUMBER: _builtins.int
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
+    LOGPROBS_MODE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -93,6 +94,14 @@ class ModelOptions(_message.Message):
     """The workers' attention kernels: "auto" (the best the device and the
     model allow), "torch", "triton", "flash_attn" or "cpu".
     """
+    logprobs_mode: _builtins.str
+    """What the logprobs of sampled tokens are (vLLM's --logprobs-mode):
+    "raw_logprobs" (log-softmax of the model's logits, before penalties,
+    temperature and filters), "raw_logits" (those logits themselves),
+    "processed_logprobs" or "processed_logits" (after penalties, logit bias,
+    temperature, min_p, top-k and top-p: the distribution a token is drawn
+    from, -inf where filtered out). Prompt logprobs stay raw.
+    """
     def __init__(
         self,
         *,
@@ -107,10 +116,11 @@ class ModelOptions(_message.Message):
         convert: _builtins.str = ...,
         enforce_eager: _builtins.bool = ...,
         attention_backend: _builtins.str = ...,
+        logprobs_mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "max_model_len", b"max_model_len", "model", b"model", "quantization", b"quantization", "revision", b"revision", "runner", b"runner", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "quantization", b"quantization", "revision", b"revision", "runner", b"runner", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

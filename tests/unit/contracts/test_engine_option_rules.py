@@ -10,7 +10,10 @@ import pytest
 
 from core_svc.config import parse_config as parse_core
 from core_svc.core_flags import CORE_FLAGS
+from splitserve.launcher import parse_args as parse_serve
+from splitserve_contracts import engine_options_convert
 from splitserve_contracts.engine_options_types import GROUPS, EngineOptions
+from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime.engine_option_rules import (
     InvalidEngineOptions,
     engine_options,
@@ -32,6 +35,10 @@ def test_the_defaults_pass() -> None:
     [
         ({"dtype": "float8"}, "model.dtype is 'float8'; choose one of auto"),
         ({"runner": "draft"}, "model.runner is 'draft'; choose one of auto, generate, pooling"),
+        (
+            {"logprobs_mode": "logits"},
+            "model.logprobs_mode is 'logits'; choose one of raw_logprobs",
+        ),
         ({"kv_cache_dtype": "int8"}, "cache.kv_cache_dtype is 'int8'"),
         ({"quantization": "bnb"}, "model.quantization is 'bnb'"),
         ({"max_loras": 300}, "lora.max_loras is 300, more than 256"),
@@ -72,6 +79,16 @@ def test_a_grammar_timeout_out_of_range_is_refused_by_its_rule(
         "--structured-outputs-config: structured_outputs.compile_timeout must be a number of "
         "seconds in (0, 600], got 0.0" in capsys.readouterr().err
     )
+
+
+def test_logprobs_mode_reaches_the_ranks_options() -> None:
+    config = parse_core([*WORKERS[:1], "h:1", "--logprobs-mode", "processed_logprobs"], {})
+    assert config.options.model.logprobs_mode == "processed_logprobs"
+    assert parse_core([*WORKERS[:1], "h:1"], {}).options.model.logprobs_mode == "raw_logprobs"
+    request = pb.LoadModelRequest(options=engine_options_convert.to_proto(config.options))
+    assert load_model_config_from_proto(request).options.model.logprobs_mode == "processed_logprobs"
+    serve = parse_serve(["tiny", "--logprobs-mode", "raw_logits"], {})
+    assert serve.service_flags["core"] == ["--logprobs-mode", "raw_logits"]
 
 
 def test_every_option_is_filled_by_a_core_flag() -> None:

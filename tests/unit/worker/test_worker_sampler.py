@@ -159,6 +159,31 @@ def test_seeded_generator_advances_between_steps() -> None:
     assert len(set(draws)) > 1  # a uniform distribution: draws differ across steps
 
 
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_logprobs_mode_picks_what_the_logprobs_are(mode: str) -> None:
+    """vLLM's --logprobs-mode: raw (before the bias and temperature) or processed (after them:
+    what the token was drawn from), as log-probabilities or as logits."""
+    params = SamplerParams(temperature=0.5, logprobs=2, logit_bias={3: 1.0}, seed=1)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    processed = logits.clone()
+    processed[0, 3] += 1.0
+    processed /= 0.5
+    expected = {
+        "raw_logprobs": torch.log_softmax(logits, -1),
+        "raw_logits": logits,
+        "processed_logprobs": torch.log_softmax(processed, -1),
+        "processed_logits": processed,
+    }[mode]
+    sampler = Sampler(CPU, ModelOptions(logprobs_mode=mode))
+    out = sampler(logits.clone(), build([params], [[1]], [[]]))
+    assert out.logprobs is not None
+    ids, values, _ = out.logprobs
+    assert values[0].tolist() == pytest.approx(expected[0, ids[0]].tolist())
+    assert ids[0, 1:].tolist() == [0, 1]  # the top two
+
+
 def test_logprobs_are_raw_with_ranks() -> None:
     raw = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), dim=-1)
     ids, values, ranks = compute_logprobs(raw, torch.tensor([2]), num_top=2)
