@@ -18,7 +18,7 @@ from core_svc.scheduler_config import (
 )
 from splitserve_contracts.engine_options_types import FIELD_GROUP, EngineOptions
 from splitserve_contracts.spec_decode import SpeculativeConfig
-from splitserve_runtime.engine_option_rules import engine_options, validate
+from splitserve_runtime.engine_option_rules import engine_options, validate, world_size
 from splitserve_runtime.flags import FlagParser, filled_options
 from splitserve_runtime.model_spec import canonical_dtype
 from splitserve_runtime.profiler_config import ProfilerConfig
@@ -83,8 +83,7 @@ class CoreConfig(TransportConfig):
 
     @property
     def world_size(self) -> int:
-        parallel = self.options.parallel
-        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        return world_size(self.options)
 
 
 def build_parser() -> FlagParser:

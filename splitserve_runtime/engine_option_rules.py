@@ -122,6 +122,11 @@ def validate(options: EngineOptions) -> EngineOptions:
     return options
 
 
+def world_size(options: EngineOptions) -> int:
+    """The engine's ranks: tensor_parallel_size x pipeline_parallel_size."""
+    return options.parallel.tensor_parallel_size * options.parallel.pipeline_parallel_size
+
+
 def speculative_config(spec: SpeculativeOptions | None) -> SpeculativeConfig | None:
     """The ranks' view of the speculative group (InvalidSpeculativeConfig, a ValueError that
     names the field, when it breaks its rules); None: no speculative decoding."""

@@ -49,11 +49,6 @@ class LoadModelConfig:
     def model_path(self) -> str:
         return self.options.model.model
 
-    @property
-    def world_size(self) -> int:
-        parallel = self.options.parallel
-        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.engine_option_rules import world_size
 from splitserve_runtime.profiler_config import ProfilerConfig
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
@@ -182,7 +183,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             ", enforce_eager" if options.model.enforce_eager else "",
         )
         if self._worker.device.type == "cpu":  # vLLM-CPU's variable: GPU ranks stay unbound
-            self._cpu_binding.apply(config.rank, config.world_size)
+            self._cpu_binding.apply(config.rank, world_size(options))
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)
         return loaded
