@@ -230,9 +230,7 @@ async def serve(config: CoreConfig) -> int:
     )
     try:
         try:
-            facts = await pool.bring_up_with_retries(
-                config, config.model, served_model_name(config)
-            )
+            facts = await pool.bring_up_with_retries(config, served_model_name(config))
         except WorkerBringUpError as err:
             report_fatal("core", str(err))
             return 1

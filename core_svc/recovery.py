@@ -158,7 +158,7 @@ class RankRecovery:
         config = self._config
         self._pool.next_epoch()
         facts = await self._pool.bring_up_with_retries(
-            config, config.model, served_model_name(config), self._deadline
+            config, served_model_name(config), self._deadline
         )
         expected = self._facts
         if (facts.vocab_size, facts.max_model_len) != (expected.vocab_size, expected.max_model_len):

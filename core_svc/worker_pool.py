@@ -163,7 +163,6 @@ class WorkerPool:
     async def bring_up_with_retries(
         self,
         config: CoreConfig,
-        model_path: str,
         served_model_name: str,
         deadline: float | None = None,
     ) -> ModelFacts:
@@ -179,7 +178,7 @@ class WorkerPool:
                 self.next_epoch()
             try:
                 ranks = await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
-                facts = await self.bring_up(config, model_path, served_model_name)
+                facts = await self.bring_up(config, served_model_name)
                 return replace(facts, device_type=ranks[0].device_type)
             except WorkerBringUpError as err:
                 if not err.is_retryable or time.monotonic() + RETRY_DELAY_SECONDS > deadline:
@@ -188,14 +187,11 @@ class WorkerPool:
             attempt += 1
             await asyncio.sleep(RETRY_DELAY_SECONDS)
 
-    async def bring_up(
-        self, config: CoreConfig, model_path: str, served_model_name: str
-    ) -> ModelFacts:
+    async def bring_up(self, config: CoreConfig, served_model_name: str) -> ModelFacts:
         """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
         world = config.world_size
         rendezvous_id = uuid.uuid4().hex
-        model = replace(config.options.model, model=model_path)
-        options = engine_options_convert.to_proto(replace(config.options, model=model))
+        options = engine_options_convert.to_proto(config.options)
         loads = [
             worker_pb2.LoadModelRequest(
                 options=options,

@@ -65,7 +65,7 @@ async def bring_up(ranks: list[FakeRank]) -> tuple[WorkerPool, ModelFacts]:
                         block_size=4, worker_connect_timeout=60)  # fmt: skip
     pool = WorkerPool(addrs, owner_epoch=100)
     try:
-        return pool, await asyncio.wait_for(pool.bring_up_with_retries(config, "fake", "f"), 30)
+        return pool, await asyncio.wait_for(pool.bring_up_with_retries(config, "f"), 30)
     finally:
         await pool.close()
         for server in servers:
