@@ -99,8 +99,9 @@ lint: setup-dev
 
 # Regenerate the committed Python code (messages, gRPC stubs, .pyi stubs) from protos/ into the
 # splitserve_contracts package (protos/python_package.py moves it there and fixes its imports),
-# plus the plain Python vocabulary (protos/python_domain.py): the sampling messages' dataclasses
-# and the enums and output records the services share, with their converters.
+# plus the plain Python vocabulary (protos/python_domain.py): the sampling messages' dataclasses,
+# the enums and output records the services share, and the engine options' records
+# (protos/python_options.py), with their converters.
 proto: setup-dev
 	mkdir -p $(PROTO_TMP)
 	$(PY) -m grpc_tools.protoc -I protos \

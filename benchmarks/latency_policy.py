@@ -254,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for budget, threshold, chunk in itertools.product(
         args.prefill_token_budgets, args.long_prefill_token_thresholds, args.adaptive_prefill_chunks
     ):
-        config = CoreConfig(
-            "bench",
+        config = CoreConfig.of(
+            model="bench",
             max_num_seqs=64,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=threshold,

@@ -203,8 +203,8 @@ def bench_engine(
 
 
 def run_case(case: Case, with_proto: bool, kv_events: bool = False) -> dict[str, object]:
-    config = CoreConfig(
-        "bench",
+    config = CoreConfig.of(
+        model="bench",
         max_num_seqs=2048,
         max_num_batched_tokens=case.max_num_batched_tokens,
         max_recovery_seconds=0.0,

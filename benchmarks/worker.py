@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
         )
         worker = Worker("cpu")
         loaded = worker.load_model(
-            LoadModelConfig(
+            LoadModelConfig.of(
                 str(folder),
                 dtype=dtype,
                 max_num_batched_tokens=2048,

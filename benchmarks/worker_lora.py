@@ -84,7 +84,7 @@ def bench_lora(model_dir: Path, dtype: str, context: int, steps: int) -> list[di
     ]
     worker = Worker("cpu")
     loaded = worker.load_model(
-        LoadModelConfig(
+        LoadModelConfig.of(
             str(model_dir),
             dtype=dtype,
             max_num_batched_tokens=2048,

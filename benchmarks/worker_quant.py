@@ -51,7 +51,7 @@ class Variant:
         self.name = quantization
         self.worker = Worker("cpu")
         self.worker.load_model(
-            LoadModelConfig(
+            LoadModelConfig.of(
                 str(folder),
                 dtype="bfloat16",
                 max_num_batched_tokens=2048,

@@ -22,9 +22,10 @@ def served_model_name(config: CoreConfig) -> str:
 
 def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
     """How many requests and tokens one step may carry, and what the model allows."""
+    options = config.options
     return SchedulerConfig(
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=options.scheduler.max_num_seqs,
+        max_num_batched_tokens=options.scheduler.max_num_batched_tokens,
         max_model_len=facts.max_model_len,
         policy=config.scheduling_policy,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
@@ -35,10 +36,10 @@ def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
         max_num_queued_tokens=config.max_num_queued_tokens,
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
         disable_chunked_mm_input=config.disable_chunked_mm_input,
-        async_scheduling=config.async_scheduling,
+        async_scheduling=options.scheduler.async_scheduling,
         is_pooling=facts.pooler_config is not None,
         is_encoder_only=is_encoder_only(facts),
-        max_loras=config.max_loras,
+        max_loras=options.lora.max_loras,
         speculative_config=config.speculative_config,
     )
 
@@ -53,7 +54,7 @@ def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
     attention does not use the cache), so nothing of them is cached for other requests."""
     return CacheConfig(
         num_blocks=facts.num_kv_blocks,
-        block_size=config.block_size,
+        block_size=config.options.cache.block_size,
         enable_prefix_caching=config.enable_prefix_caching and not is_encoder_only(facts),
         sliding_window=facts.sliding_window,
     )
@@ -70,7 +71,7 @@ def build_engine(
         executor,
         can_recover=config.max_recovery_seconds > 0,
         structured_outputs_config=StructuredOutputsConfig(
-            compile_timeout_s=config.structured_outputs_compile_timeout
+            compile_timeout_s=config.options.structured_outputs.compile_timeout
         ),
         wake=inbox.wake,
     )

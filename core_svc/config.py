@@ -6,19 +6,20 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from core_svc.core_flags import CORE_FLAGS, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from core_svc.lora import LoraModule
 from core_svc.scheduler_config import (
     DEFAULT_ADAPTIVE_PREFILL_CHUNK,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
-    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_TOKEN_BUDGET,
     SchedulingPolicy,
 )
+from splitserve_contracts.engine_options_types import FIELD_GROUP, EngineOptions
 from splitserve_contracts.spec_decode import SpeculativeConfig
-from splitserve_runtime.flags import FlagParser
+from splitserve_runtime.engine_option_rules import engine_options, validate, world_size
+from splitserve_runtime.flags import FlagParser, filled_options
 from splitserve_runtime.model_spec import canonical_dtype
 from splitserve_runtime.profiler_config import ProfilerConfig
 from splitserve_runtime.quantization_names import canonical_quantization
@@ -32,37 +33,22 @@ from splitserve_runtime.transport_flags import (
 
 @dataclass(frozen=True)
 class CoreConfig(TransportConfig):
-    """Everything core_svc needs, parsed once at start-up."""
+    """Everything core_svc needs, parsed once at start-up: the engine's options (the record the
+    ranks receive, common.v1.EngineOptions) and the core's own settings."""
 
-    model: str
+    options: EngineOptions = field(default_factory=EngineOptions)
     worker_addrs: list[str] = field(default_factory=list)
-    revision: str = ""
     served_model_name: str = ""
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    max_model_len: int = 0
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
-    long_prefill_token_threshold: int = 0
     prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
+    long_prefill_token_threshold: int = 0
     adaptive_prefill_chunk: int = DEFAULT_ADAPTIVE_PREFILL_CHUNK
-    block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 0
-    dtype: str = "auto"
-    quantization: str = ""
-    dequantize_gguf: bool = False
-    kv_cache_dtype: str = "auto"
-    """vLLM's --kv-cache-dtype: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2."""
-    seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
     disable_chunked_mm_input: bool = False
-    attention_backend: str = "auto"
-    distributed_init_method: str = ""
     host: str = LOOPBACK
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
@@ -73,19 +59,9 @@ class CoreConfig(TransportConfig):
     step_timeout_multiple: float = 10.0
     shutdown_timeout: float = 30.0
     max_recovery_seconds: float = 120.0
-    enforce_eager: bool = False
-    async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = None
-    runner: str = "auto"
-    """vLLM's --runner: "generate", "pooling" or "auto" (the checkpoint decides)."""
-    convert: str = "auto"
-    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
-    structured_outputs_compile_timeout: float = 10.0
-    max_loras: int = 0
-    """LoRA adapter slots: --max-loras with --enable-lora, else 0 (LoRA off)."""
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-    """Adapters a worker keeps in host memory (--max-cpu-loras, default --max-loras)."""
+    """--speculative-config with the core's own per-batch-size schedule (options.speculative is
+    what the ranks get of it)."""
     lora_modules: list[LoraModule] = field(default_factory=list)
     log_stats_interval: float = 10.0
     log_level: str = "info"
@@ -94,9 +70,20 @@ class CoreConfig(TransportConfig):
     otlp_traces_endpoint: str = ""
     collect_detailed_traces: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, **values: Any) -> Self:
+        """A config from flat names, engine options among them (`CoreConfig.of(model="m",
+        block_size=16, engine_id="1")`: tests, benchmarks)."""
+        named = {name: values.pop(name) for name in list(values) if name in FIELD_GROUP}
+        return cls(options=engine_options(named), **values)
+
+    @property
+    def model(self) -> str:
+        return self.options.model.model
+
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return world_size(self.options)
 
 
 def build_parser() -> FlagParser:
@@ -124,8 +111,6 @@ def parse_config(
         parser.error("--gpu-memory-utilization must be in (0, 1]")
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
-    if args.async_scheduling and args.pipeline_parallel_size > 1:
-        parser.error("--async-scheduling needs --pipeline-parallel-size 1 (every rank samples)")
     if args.async_scheduling is None:
         args.async_scheduling = args.pipeline_parallel_size == 1
     check_internal_tls(parser, args)
@@ -137,8 +122,6 @@ def parse_config(
     values["dtype"] = canonical_dtype(args.dtype)
     values["served_model_name"] = (args.served_model_name or [""])[0]
     values["quantization"] = canonical_quantization(args.quantization)
-    so_config = values.pop("structured_outputs_config")
-    values["structured_outputs_compile_timeout"] = so_config.get("compile_timeout", 10.0)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
     _lora_values(parser, values)
@@ -148,7 +131,23 @@ def parse_config(
     if not args.distributed_init_method:
         host = args.worker_addrs[0].rsplit(":", 1)[0]
         values["distributed_init_method"] = f"tcp://{host}:29500"
+    values["options"] = _options(parser, values)
     return CoreConfig(**values)
+
+
+def _options(parser: FlagParser, values: dict[str, Any]) -> EngineOptions:
+    """The engine options the flags filled (taken out of `values`), checked by the rules the
+    ranks apply to LoadModel; a refusal names the flag and the field."""
+    spec = values["speculative_config"]
+    options = engine_options(filled_options(CORE_FLAGS, values))
+    values["speculative_config"] = spec
+    try:
+        return validate(options)
+    except ValueError as err:
+        path = getattr(err, "field", "")
+        rows = [row for row in CORE_FLAGS if row.fills and f"{path}.".startswith(f"{row.fills}.")]
+        flag = rows[0].names[0] if rows else ""
+        parser.error(f"{flag}: {err}" if flag else str(err))
 
 
 def _lora_values(parser: FlagParser, values: dict[str, Any]) -> None:
@@ -158,12 +157,7 @@ def _lora_values(parser: FlagParser, values: dict[str, Any]) -> None:
             parser.error("--lora-modules needs --enable-lora")
         values["max_loras"], values["max_cpu_loras"] = 0, 0
         return
-    max_cpu_loras = values["max_cpu_loras"] or values["max_loras"]
-    if max_cpu_loras < values["max_loras"]:
-        parser.error(
-            f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({values['max_loras']})"
-        )
-    values["max_cpu_loras"] = max_cpu_loras
+    values["max_cpu_loras"] = values["max_cpu_loras"] or values["max_loras"]
     names = [m.name for m in values["lora_modules"]]
     if len(set(names)) != len(names):
         parser.error("--lora-modules names an adapter twice")

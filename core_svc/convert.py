@@ -273,19 +273,21 @@ def engine_info_to_proto(
     config: CoreConfig, facts: ModelFacts, served_model_name: str
 ) -> core_pb2.EngineInfo:
     """The engine's facts for the frontends' Handshake."""
-    usable_tokens = (facts.num_kv_blocks - 1) * config.block_size  # block 0 is the null block
+    options = config.options
+    block_size, lora = options.cache.block_size, options.lora
+    usable_tokens = (facts.num_kv_blocks - 1) * block_size  # block 0 is the null block
     return core_pb2.EngineInfo(
         served_model_name=served_model_name,
         model_path=config.model,
         max_model_len=facts.max_model_len,
         vocab_size=facts.vocab_size,
-        block_size=config.block_size,
+        block_size=block_size,
         num_kv_blocks=facts.num_kv_blocks,
-        tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size,
+        tensor_parallel_size=options.parallel.tensor_parallel_size,
+        pipeline_parallel_size=options.parallel.pipeline_parallel_size,
         dtype=facts.dtype,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=options.scheduler.max_num_seqs,
+        max_num_batched_tokens=options.scheduler.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
@@ -293,9 +295,9 @@ def engine_info_to_proto(
         pooler_config=output_convert.pooler_config_to_proto(facts.pooler_config)
         if facts.pooler_config is not None
         else None,
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank if config.max_loras else 0,
-        cache_dtype=config.kv_cache_dtype,
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank if lora.max_loras else 0,
+        cache_dtype=options.cache.kv_cache_dtype,
     )
 
 

@@ -1,9 +1,14 @@
-"""The flags of `splitserve core` (vLLM's names where vLLM has the flag) and their value parsers."""
+"""The flags of `splitserve core` (vLLM's names where vLLM has the flag) and their value parsers.
+
+A flag that sets an engine option names the field it fills (`fills="cache.block_size"`,
+common.v1.EngineOptions); without a `help` of its own it says what the contract says of the
+field. core_svc/config.py gathers those values into the options record the ranks receive."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from core_svc.lora import lora_module
@@ -13,6 +18,7 @@ from core_svc.scheduler_config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_TOKEN_BUDGET,
 )
+from splitserve_contracts.engine_options_types import CHOICES
 from splitserve_contracts.spec_decode import (
     InvalidSpeculativeConfig,
     SpeculativeConfig,
@@ -21,6 +27,7 @@ from splitserve_contracts.spec_decode import (
 from splitserve_runtime.flags import (
     Flag,
     address_list,
+    filling,
     flag,
     non_negative_int,
     positive_int,
@@ -38,9 +45,7 @@ DEFAULT_PORT = CORE.default_port
 DEFAULT_METRICS_PORT = CORE.default_metrics_port
 
 
-STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
-RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
+STRUCTURED_OUTPUTS_BACKENDS = CHOICES["structured_outputs.backend"]
 
 
 def structured_outputs_config(text: str) -> dict[str, Any]:
@@ -58,8 +63,8 @@ def structured_outputs_config(text: str) -> dict[str, Any]:
             '("guidance" or "auto"): xgrammar would load torch into the core'
         )
     timeout = value.get("compile_timeout", 10.0)
-    if not isinstance(timeout, int | float) or not 0 < timeout <= 600:
-        raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds in (0, 600]")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise argparse.ArgumentTypeError("compile_timeout must be a number of seconds")
     return {"backend": backend, "compile_timeout": float(timeout)}
 
 
@@ -85,12 +90,14 @@ LORA_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--max-loras",
+        fills="lora.max_loras",
         type=positive_int,
         default=1,
         help="most distinct LoRA adapters in one step (the workers' adapter slots)",
     ),
     flag(
         "--max-lora-rank",
+        fills="lora.max_lora_rank",
         type=int,
         default=16,
         choices=MAX_LORA_RANKS,
@@ -98,6 +105,7 @@ LORA_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--max-cpu-loras",
+        fills="lora.max_cpu_loras",
         type=positive_int,
         default=None,
         help="adapters each worker keeps in host memory beside its slots, least recently used "
@@ -114,8 +122,15 @@ def speculative_config(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _filling(rows: Sequence[Flag], fields: dict[str, str]) -> tuple[Flag, ...]:
+    """Rows declared elsewhere (shared with other services), some filling an engine option."""
+    return tuple(filling(r, fields[r.names[0]]) if r.names[0] in fields else r for r in rows)
+
+
 CORE_FLAGS: tuple[Flag, ...] = (
-    *model_flags(is_frontend=False),
+    *_filling(
+        model_flags(is_frontend=False), {"--model": "model.model", "--revision": "model.revision"}
+    ),
     flag(
         "--worker-addrs",
         type=address_list,
@@ -135,38 +150,29 @@ CORE_FLAGS: tuple[Flag, ...] = (
         "--tensor-parallel-size",
         "-tp",
         "--tp",
+        fills="parallel.tensor_parallel_size",
         type=positive_int,
         default=1,
-        help="tensor-parallel ranks per pipeline stage",
     ),
     flag(
         "--pipeline-parallel-size",
         "-pp",
         "--pp",
+        fills="parallel.pipeline_parallel_size",
         type=positive_int,
         default=1,
-        help="pipeline stages",
     ),
-    flag(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="mixture-of-experts layers split whole experts over the tensor-parallel ranks "
-        "(default: every rank holds a slice of every expert)",
-    ),
-    flag(
-        "--max-model-len",
-        type=non_negative_int,
-        default=0,
-        help="longest sequence in tokens (0: the model's max_position_embeddings)",
-    ),
+    flag("--enable-expert-parallel", fills="parallel.enable_expert_parallel", action="store_true"),
+    flag("--max-model-len", fills="model.max_model_len", type=non_negative_int, default=0),
     flag(
         "--max-num-seqs",
+        fills="scheduler.max_num_seqs",
         type=positive_int,
         default=DEFAULT_MAX_NUM_SEQS,
-        help="most requests running at once",
     ),
     flag(
         "--max-num-batched-tokens",
+        fills="scheduler.max_num_batched_tokens",
         type=positive_int,
         default=None,
         help="token budget of one engine step (default: vLLM's on CPU, "
@@ -199,6 +205,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--async-scheduling",
+        fills="scheduler.async_scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule the next step while the workers run the current one (vLLM's flag): the "
@@ -207,6 +214,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--speculative-config",
+        fills="speculative",
         type=speculative_config,
         default=None,
         help='speculative decoding, as JSON (vLLM\'s flag): {"method": "ngram", '
@@ -216,22 +224,9 @@ CORE_FLAGS: tuple[Flag, ...] = (
         "a per-batch-size schedule a step speculates while at most 8 requests run (an estimated "
         "crossover on CPU: docs/benchmarks.md). Works with --async-scheduling",
     ),
-    flag(
-        "--runner",
-        choices=RUNNERS,
-        default="auto",
-        help="what the model is served for (vLLM's flag): generate (tokens), pooling "
-        "(embeddings: /v1/embeddings) or auto (pooling for a checkpoint without a language-model "
-        "head, e.g. LlamaModel saved by sentence-transformers)",
-    ),
-    flag(
-        "--convert",
-        choices=CONVERTS,
-        default="auto",
-        help="adapt a generative architecture (vLLM's flag): embed serves it as an embedding "
-        "model (implies --runner pooling)",
-    ),
-    flag("--block-size", type=positive_int, default=16, help="tokens per KV-cache block"),
+    flag("--runner", fills="model.runner", default="auto"),
+    flag("--convert", fills="model.convert", default="auto"),
+    flag("--block-size", fills="cache.block_size", type=positive_int, default=16),
     flag(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -254,19 +249,19 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--dtype",
+        fills="model.dtype",
         default="auto",
         choices=DTYPE_CHOICES,
         help="compute dtype of the workers (auto: the checkpoint's; float16 runs as float32 on "
         "CPU); half = float16, float = float32",
     ),
-    *quantization_flags(),
-    kv_cache_dtype_flag(),
-    flag(
-        "--enforce-eager",
-        action="store_true",
-        help="always run the model eagerly in the workers: no compiled graphs",
+    *_filling(
+        quantization_flags(),
+        {"--quantization": "model.quantization", "--dequantize-gguf": "model.dequantize_gguf"},
     ),
-    flag("--seed", type=int, default=0, help="seed of the workers' default generator"),
+    filling(kv_cache_dtype_flag(), "cache.kv_cache_dtype"),
+    flag("--enforce-eager", fills="model.enforce_eager", action="store_true"),
+    flag("--seed", fills="model.seed", type=int, default=0),
     flag(
         "--scheduling-policy",
         default="fcfs",
@@ -293,18 +288,9 @@ CORE_FLAGS: tuple[Flag, ...] = (
         help="multimodal models: never split an image's placeholder tokens over two steps "
         "(by default a chunk may end inside an image whose encoder output is cached)",
     ),
-    flag(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton", "flash_attn", "cpu"],
-        help="workers' attention",
-    ),
-    flag(
-        "--distributed-init-method",
-        default="",
-        help="torch.distributed rendezvous for the workers, tcp://HOST:PORT "
-        "(default: rank 0's host, port 29500)",
-    ),
+    flag("--attention-backend", fills="model.attention_backend", default="auto"),
+    flag("--logprobs-mode", fills="model.logprobs_mode", default="raw_logprobs"),
+    flag("--distributed-init-method", fills="parallel.distributed_init_method", default=""),
     flag(
         "--host",
         default=LOOPBACK,
@@ -362,6 +348,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--structured-outputs-config",
+        fills="structured_outputs",
         type=structured_outputs_config,
         default={},
         help='structured outputs, as JSON (vLLM\'s flag): {"backend": "guidance" (llguidance, '

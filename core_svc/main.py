@@ -41,7 +41,8 @@ GIB = 1024**3
 
 
 def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInfo) -> None:
-    tokens = (facts.num_kv_blocks - 1) * config.block_size
+    block_size = config.options.cache.block_size
+    tokens = (facts.num_kv_blocks - 1) * block_size
     logger.info(
         "model %s (%s, %s, attention %s): max_model_len %d, vocab %d",
         info.served_model_name,
@@ -54,7 +55,7 @@ def log_kv_cache(config: CoreConfig, facts: ModelFacts, info: core_pb2.EngineInf
     logger.info(
         "KV cache: %d blocks x %d tokens, %.2f GiB per rank, sized by %s",
         facts.num_kv_blocks,
-        config.block_size,
+        block_size,
         facts.kv_cache_bytes_per_rank / GIB,
         kv_sizing_reason(config, facts),
     )
@@ -77,8 +78,8 @@ def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]
     """Labels of vllm:cache_config_info (vLLM's CacheConfig field names)."""
     return {
         "engine": config.engine_id,
-        "block_size": str(config.block_size),
-        "cache_dtype": config.kv_cache_dtype,
+        "block_size": str(config.options.cache.block_size),
+        "cache_dtype": config.options.cache.kv_cache_dtype,
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(facts.num_kv_blocks),
@@ -102,7 +103,7 @@ class CoreService:
         self.info = convert.engine_info_to_proto(config, facts, served_model_name(config))
         self.facts = facts
         log_kv_cache(config, facts, self.info)
-        if config.async_scheduling:  # vLLM's wording
+        if config.options.scheduler.async_scheduling:  # vLLM's wording
             logger.info("Asynchronous scheduling is enabled (--no-async-scheduling: lockstep)")
         if config.speculative_config is not None:
             spec = config.speculative_config
@@ -126,7 +127,7 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
-        loras = LoraRegistry(config.max_loras, self.info.served_model_name)
+        loras = LoraRegistry(config.options.lora.max_loras, self.info.served_model_name)
         self.loras = LoraAdmin(loras, pool, inbox)
         self.tracing = start_tracing(
             "core", config.otlp_traces_endpoint, config.collect_detailed_traces
@@ -229,9 +230,7 @@ async def serve(config: CoreConfig) -> int:
     )
     try:
         try:
-            facts = await pool.bring_up_with_retries(
-                config, config.model, served_model_name(config)
-            )
+            facts = await pool.bring_up_with_retries(config, served_model_name(config))
         except WorkerBringUpError as err:
             report_fatal("core", str(err))
             return 1

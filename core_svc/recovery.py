@@ -80,7 +80,7 @@ class RankRecovery:
             first_step = min(first_step, first_step_seconds)
         executor = GrpcExecutor(
             config.worker_addrs,
-            config.world_size - config.tensor_parallel_size,
+            config.world_size - config.options.parallel.tensor_parallel_size,
             StepTimeout(config.step_timeout_floor, config.step_timeout_multiple, first_step),
             self._inbox.executor_failed,
             self._metrics.observe_worker_step,
@@ -158,7 +158,7 @@ class RankRecovery:
         config = self._config
         self._pool.next_epoch()
         facts = await self._pool.bring_up_with_retries(
-            config, config.model, served_model_name(config), self._deadline
+            config, served_model_name(config), self._deadline
         )
         expected = self._facts
         if (facts.vocab_size, facts.max_model_len) != (expected.vocab_size, expected.max_model_len):

@@ -18,7 +18,7 @@ import grpc
 
 from core_svc.config import CoreConfig
 from core_svc.lora import LoraError, LoraErrorKind
-from splitserve_contracts import output_convert
+from splitserve_contracts import engine_options_convert, output_convert
 from splitserve_contracts.output_types import PoolerConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grpc
@@ -163,7 +163,6 @@ class WorkerPool:
     async def bring_up_with_retries(
         self,
         config: CoreConfig,
-        model_path: str,
         served_model_name: str,
         deadline: float | None = None,
     ) -> ModelFacts:
@@ -179,7 +178,7 @@ class WorkerPool:
                 self.next_epoch()
             try:
                 ranks = await self.wait_until_reachable(max(1.0, deadline - time.monotonic()))
-                facts = await self.bring_up(config, model_path, served_model_name)
+                facts = await self.bring_up(config, served_model_name)
                 return replace(facts, device_type=ranks[0].device_type)
             except WorkerBringUpError as err:
                 if not err.is_retryable or time.monotonic() + RETRY_DELAY_SECONDS > deadline:
@@ -188,43 +187,19 @@ class WorkerPool:
             attempt += 1
             await asyncio.sleep(RETRY_DELAY_SECONDS)
 
-    async def bring_up(
-        self, config: CoreConfig, model_path: str, served_model_name: str
-    ) -> ModelFacts:
+    async def bring_up(self, config: CoreConfig, served_model_name: str) -> ModelFacts:
         """LoadModel, GetKvCapacity and InitializeKvCache on every rank."""
         world = config.world_size
         rendezvous_id = uuid.uuid4().hex
+        options = engine_options_convert.to_proto(config.options)
         loads = [
             worker_pb2.LoadModelRequest(
-                model_path=model_path,
-                dtype=config.dtype,
+                options=options,
                 rank=rank,
-                tensor_parallel_size=config.tensor_parallel_size,
-                pipeline_parallel_size=config.pipeline_parallel_size,
-                distributed_init_method=config.distributed_init_method,
-                seed=config.seed,
-                max_model_len=config.max_model_len,
-                attention_backend=config.attention_backend,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
                 served_model_name=served_model_name,
                 engine_id=config.engine_id,
                 rendezvous_id=rendezvous_id,
-                block_size=config.block_size,
                 owner_epoch=self.owner_epoch,
-                revision=config.revision,
-                enable_expert_parallel=config.enable_expert_parallel,
-                enforce_eager=config.enforce_eager,
-                async_scheduling=config.async_scheduling,
-                runner=config.runner,
-                convert=config.convert,
-                quantization=config.quantization,
-                dequantize_gguf=config.dequantize_gguf,
-                kv_cache_dtype=config.kv_cache_dtype,
-                max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank,
-                max_cpu_loras=config.max_cpu_loras,
-                speculative_config=_speculative_config_to_proto(config),
             )
             for rank in range(world)
         ]
@@ -238,7 +213,7 @@ class WorkerPool:
         )
         capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
         num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
-        _check_fits(num_blocks, config.block_size, max_model_len)
+        _check_fits(num_blocks, config.options.cache.block_size, max_model_len)
         init = worker_pb2.InitializeKvCacheRequest(num_blocks=num_blocks)
         inited = await self._call_all("InitializeKvCache", [init] * world, 600.0)
         kv_bytes = max(r.kv_cache_bytes for r in inited)  # type: ignore[attr-defined]
@@ -315,23 +290,15 @@ def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
     figures: free memory, cgroup limit, VLLM_CPU_KVCACHE_SPACE)."""
     if config.kv_cache_memory_bytes > 0:
         return "--kv-cache-memory-bytes"
-    blocks_per_request = -(-facts.max_model_len // config.block_size)
-    usable = config.max_num_seqs * blocks_per_request + 1
+    block_size, max_num_seqs = (
+        config.options.cache.block_size,
+        config.options.scheduler.max_num_seqs,
+    )
+    blocks_per_request = -(-facts.max_model_len // block_size)
+    usable = max_num_seqs * blocks_per_request + 1
     if facts.num_kv_blocks >= usable:
         return (
-            f"room for max_num_seqs {config.max_num_seqs} x max_model_len "
+            f"room for max_num_seqs {max_num_seqs} x max_model_len "
             f"{facts.max_model_len} tokens, all the engine can use"
         )
     return "the memory the workers may use (their logs say how much)"
-
-
-def _speculative_config_to_proto(config: CoreConfig) -> worker_pb2.SpeculativeConfig | None:
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    return worker_pb2.SpeculativeConfig(
-        method=spec.method,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        prompt_lookup_min=spec.prompt_lookup_min,
-        prompt_lookup_max=spec.prompt_lookup_max,
-    )

@@ -1,7 +1,8 @@
 """Generate the plain Python vocabulary of the contracts: `splitserve_contracts/sampling_types.py`,
 plain dataclasses mirroring the sampling messages of `splitserve/common/v1/types.proto` (here),
 and the enums and output records the services share, `splitserve_contracts/output_types.py` with
-their converters `output_convert.py` (protos/python_records.py).
+their converters `output_convert.py` (protos/python_records.py), and the engine's options,
+`engine_options_types.py` and `engine_options_convert.py` (protos/python_options.py).
 
 The services keep protobuf at their edges, so each needs a plain view of SamplingParams (the
 frontend, the offline LLM API) or SamplerParams (the workers' sampler). Those views are generated
@@ -21,6 +22,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import python_options
 import python_records
 from google.protobuf import descriptor_pb2
 
@@ -101,7 +103,9 @@ def main(descriptor_set: Path, out_dir: Path) -> None:
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
     source = next(f for f in files if f.name == SOURCE)
     (out_dir / TARGET).write_text(render(source, options.unset_means))
-    for name, text in python_records.render(list(files)).items():
+    generated = python_records.render(list(files))
+    generated |= python_options.render(list(files), options.unset_means, options.choices)
+    for name, text in generated.items():
         (out_dir / TARGET.parent / name).write_text(text)
 
 

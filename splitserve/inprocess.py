@@ -38,8 +38,11 @@ from frontend_svc.assembly import Frontend, build_frontend
 from frontend_svc.core_client import CoreEvent
 from frontend_svc.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
+from splitserve_contracts import engine_options_types as options_types
+from splitserve_contracts.engine_options_types import FIELD_GROUP
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.spec_decode import SpeculativeConfig, speculative_config_from_dict
+from splitserve_runtime.engine_option_rules import engine_options
 from worker_svc import convert as worker_convert
 from worker_svc.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
@@ -219,25 +222,20 @@ class EngineOptions:
         """The in-process engine core's options: these, on one rank that nothing restarts
         (a failed step fails the engine at once)."""
         return CoreConfig(
-            model=self.model,
+            options=self.engine_options(),
             served_model_name=self.served_model_name,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            dtype=self.dtype,
-            quantization=self.quantization,
-            dequantize_gguf=self.dequantize_gguf,
-            kv_cache_dtype=self.kv_cache_dtype,
-            seed=self.seed,
-            enforce_eager=self.enforce_eager,
-            async_scheduling=self.is_async_scheduling,
             speculative_config=self.speculative,
             max_recovery_seconds=0.0,
         )
+
+    def engine_options(self) -> options_types.EngineOptions:
+        """These settings as the engine options record (those named alike, by name)."""
+        named = {name: getattr(self, name) for name in FIELD_GROUP if hasattr(self, name)}
+        named |= {"async_scheduling": self.is_async_scheduling, "speculative": self.speculative}
+        return engine_options(named)
 
     def core_flags(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
         """These options as `splitserve core` flags, for an engine core of that many ranks."""
@@ -291,23 +289,7 @@ def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
 
     def load() -> None:
         worker = Worker(options.device)
-        loaded = worker.load_model(
-            LoadModelConfig(
-                options.model,
-                dtype=options.dtype,
-                seed=options.seed,
-                max_model_len=options.max_model_len,
-                max_num_seqs=options.max_num_seqs,
-                max_num_batched_tokens=options.max_num_batched_tokens,
-                block_size=options.block_size,
-                enforce_eager=options.enforce_eager,
-                async_scheduling=options.is_async_scheduling,
-                quantization=options.quantization,
-                dequantize_gguf=options.dequantize_gguf,
-                kv_cache_dtype=options.kv_cache_dtype,
-                speculative_config=options.speculative,
-            )
-        )
+        loaded = worker.load_model(LoadModelConfig(options.engine_options()))
         capacity = worker.get_kv_capacity(
             options.gpu_memory_utilization, options.kv_cache_memory_bytes
         )

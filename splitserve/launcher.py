@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 import grpc
 
@@ -168,8 +169,12 @@ class _OldGrpcPortSpelling(argparse._StoreAction):
 def port_flags(prog: str) -> tuple[Flag, ...]:
     """`serve`: --port is the HTTP port (vLLM's), --http-port its older name; `up`: --port is
     still the gRPC port (deprecated, warned), --http-port the HTTP one; --grpc-port in both."""
-    grpc = {"type": non_negative_int, "default": FRONTEND.default_port, "dest": "grpc_port"}
-    http = {"type": int, "default": DEFAULT_HTTP_PORT, "dest": "http_port"}
+    grpc: dict[str, Any] = {
+        "type": non_negative_int,
+        "default": FRONTEND.default_port,
+        "dest": "grpc_port",
+    }
+    http: dict[str, Any] = {"type": int, "default": DEFAULT_HTTP_PORT, "dest": "http_port"}
     if prog.endswith(" up"):
         return (
             flag("--grpc-port", "--port", action=_OldGrpcPortSpelling, help=GRPC_PORT_HELP, **grpc),

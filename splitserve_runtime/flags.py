@@ -20,8 +20,10 @@ import json
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
+
+from splitserve_contracts.engine_options_types import CHOICES, HELP
 
 ENV_PREFIX = "SPLITSERVE_"
 CONFIG_FLAG = "--config"
@@ -155,16 +157,42 @@ class NoEffectFlag(argparse.Action):
 
 @dataclass(frozen=True)
 class Flag:
-    """One row of a flag table: the option strings (the first names the flag) and the keyword
-    arguments of argparse's `add_argument` (type, default, choices, action, help, ...)."""
+    """One row of a flag table: the option strings (the first names the flag), the keyword
+    arguments of argparse's `add_argument` (type, default, choices, action, help, ...) and, for
+    a flag that sets an engine option, the field it fills ("cache.block_size", or a whole group
+    such as "speculative"; common.v1.EngineOptions)."""
 
     names: tuple[str, ...]
     settings: Mapping[str, Any] = field(default_factory=dict)
+    fills: str = ""
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination (the parsed value's name)."""
+        return str(self.settings.get("dest") or self.names[0].lstrip("-").replace("-", "_"))
 
 
-def flag(*names: str, **settings: Any) -> Flag:
-    """A Flag row: `flag("--max-num-seqs", type=positive_int, default=256, help=...)`."""
-    return Flag(names, settings)
+def flag(*names: str, fills: str = "", **settings: Any) -> Flag:
+    """A Flag row: `flag("--max-num-seqs", type=positive_int, default=256, help=...)`. A row
+    that `fills` an engine option without a `help` takes the option's contract comment, and
+    its `choices` where the contract lists them."""
+    if fills in HELP:
+        settings.setdefault("help", HELP[fills])
+        if fills in CHOICES:
+            settings.setdefault("choices", CHOICES[fills])
+    return Flag(names, settings, fills)
+
+
+def filling(row: Flag, field_path: str) -> Flag:
+    """`row` (declared elsewhere, e.g. a flag shared by several services) filling `field_path`."""
+    return replace(row, fills=field_path)
+
+
+def filled_options(rows: Sequence[Flag], values: dict[str, Any]) -> dict[str, Any]:
+    """Take the values of the rows that fill an engine option out of `values` (parsed flags),
+    by option name (a group's fields by their own name; engine_option_rules.engine_options
+    builds the record from them)."""
+    return {row.fills.rsplit(".", 1)[-1]: values.pop(row.dest) for row in rows if row.fills}
 
 
 _NOT_SETTINGS = (argparse._HelpAction, argparse._VersionAction)

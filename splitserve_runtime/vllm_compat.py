@@ -11,6 +11,8 @@ too.
 
 from __future__ import annotations
 
+from typing import Any
+
 from splitserve_runtime.flags import Flag, NoEffectFlag, RefuseFlag, flag, only_values
 
 TRUST_REMOTE_CODE_NOTE = (
@@ -20,7 +22,7 @@ TRUST_REMOTE_CODE_NOTE = (
 )
 
 
-def _no_effect(*names: str, why: str, takes_value: bool = False, **settings: object) -> Flag:
+def _no_effect(*names: str, why: str, takes_value: bool = False, **settings: Any) -> Flag:
     if takes_value:
         settings.setdefault("nargs", None)
         settings.setdefault("metavar", "VALUE")

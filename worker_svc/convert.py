@@ -10,25 +10,17 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.internal.containers import RepeatedScalarFieldContainer
 
-from splitserve_contracts import output_convert, sampling_convert
+from splitserve_contracts import engine_options_convert, output_convert, sampling_convert
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.sampling_types import SamplerParams
-from splitserve_contracts.spec_decode import SpeculativeConfig
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
-from splitserve_runtime.quantization_names import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from splitserve_runtime import engine_option_rules
 from splitserve_runtime.tracing import TraceContext, trace_context
 from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes, grammar_bitmask_from_sparse
 from worker_svc.kv_cache import KvCapacity
 from worker_svc.lora.adapter import LoraAdapter
-from worker_svc.model_load import (
-    CONVERTS,
-    RUNNERS,
-    LoadedModel,
-    LoadModelConfig,
-    WorkerDescription,
-)
-from worker_svc.models.model_config import parse_dtype
+from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.scheduler_output import (
     CachedRequestData,
     GrammarBitmask,
@@ -39,8 +31,6 @@ from worker_svc.scheduler_output import (
     SchedulerOutput,
 )
 from worker_svc.step_checks import MalformedStep
-
-ATTENTION_BACKEND_CHOICES = ("", "auto", "torch", "triton", "flash_attn", "cpu")
 
 
 def _column(field: RepeatedScalarFieldContainer[int]) -> IntArray:
@@ -150,86 +140,10 @@ def grammar_bitmask_from_proto(msg: pb.GrammarBitmask) -> GrammarBitmask | None:
 
 
 def load_model_config_from_proto(req: pb.LoadModelRequest) -> LoadModelConfig:
-    """Decode and validate; ValueError names the offending field."""
-    if req.dtype not in ("", "auto"):
-        parse_dtype(req.dtype)
-    if req.attention_backend not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(
-            f"unknown attention_backend {req.attention_backend!r}; choose one of "
-            "auto, torch, triton, flash_attn, cpu"
-        )
-    if req.block_size < 1:
-        raise ValueError("block_size must be >= 1 (tokens per KV-cache block)")
-    if req.runner not in RUNNERS or req.convert not in CONVERTS:
-        raise ValueError(
-            f"unknown runner {req.runner!r} or convert {req.convert!r}; runner is one of "
-            f"{', '.join(RUNNERS[1:])}, convert one of {', '.join(CONVERTS[1:])}"
-        )
-    if req.async_scheduling and req.pipeline_parallel_size > 1:
-        raise ValueError("async_scheduling needs pipeline_parallel_size 1 (every rank samples)")
-    spec = None
-    if req.HasField("speculative_config"):
-        msg = req.speculative_config
-        spec = SpeculativeConfig(  # InvalidSpeculativeConfig (a ValueError) names the field
-            msg.method,
-            msg.num_speculative_tokens,
-            msg.prompt_lookup_min,
-            msg.prompt_lookup_max,
-        )
-    if req.quantization and req.quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(
-            f"unknown quantization {req.quantization!r}; choose one of "
-            + ", ".join(QUANTIZATION_CHOICES)
-        )
-    if req.kv_cache_dtype and req.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"unknown kv_cache_dtype {req.kv_cache_dtype!r}; choose one of "
-            + ", ".join(KV_CACHE_DTYPES)
-        )
-    _check_lora_limits(req)
-    return LoadModelConfig(
-        model_path=req.model_path,
-        dtype=req.dtype or "auto",
-        rank=req.rank,
-        tensor_parallel_size=req.tensor_parallel_size or 1,
-        pipeline_parallel_size=req.pipeline_parallel_size or 1,
-        distributed_init_method=req.distributed_init_method,
-        seed=req.seed,
-        max_model_len=req.max_model_len,
-        enforce_eager=req.enforce_eager,
-        async_scheduling=req.async_scheduling,
-        attention_backend=req.attention_backend or "auto",
-        max_num_batched_tokens=req.max_num_batched_tokens,
-        max_num_seqs=req.max_num_seqs,
-        rendezvous_id=req.rendezvous_id,
-        block_size=req.block_size,
-        revision=req.revision,
-        enable_expert_parallel=req.enable_expert_parallel,
-        speculative_config=spec,
-        runner=req.runner or "auto",
-        convert=req.convert or "auto",
-        quantization=req.quantization,
-        dequantize_gguf=req.dequantize_gguf,
-        kv_cache_dtype=req.kv_cache_dtype or "auto",
-        max_loras=req.max_loras,
-        max_lora_rank=req.max_lora_rank,
-        max_cpu_loras=req.max_cpu_loras,
-    )
-
-
-MAX_LORAS = 256
-MAX_LORA_RANK = 512
-
-
-def _check_lora_limits(req: pb.LoadModelRequest) -> None:
-    if req.max_loras > MAX_LORAS:
-        raise ValueError(f"max_loras {req.max_loras} is more than {MAX_LORAS}")
-    if req.max_loras and not 1 <= req.max_lora_rank <= MAX_LORA_RANK:
-        raise ValueError(f"max_lora_rank must be in 1..{MAX_LORA_RANK} when max_loras > 0")
-    if req.max_loras and not req.max_loras <= req.max_cpu_loras <= 64 * MAX_LORAS:
-        raise ValueError(
-            f"max_cpu_loras ({req.max_cpu_loras}) must be >= max_loras ({req.max_loras})"
-        )
+    """Decode and validate (splitserve_runtime/engine_option_rules.py, the rules the core's
+    flags follow too); ValueError names the offending field."""
+    options = engine_option_rules.validate(engine_options_convert.from_proto(req.options))
+    return LoadModelConfig(options, rank=req.rank, rendezvous_id=req.rendezvous_id)
 
 
 def lora_adapter_to_proto(adapter: LoraAdapter) -> pb.LoadLoraAdapterResponse:

@@ -41,7 +41,8 @@ Weights = Iterator[tuple[str, TensorSource]]
 def model_class_for(config: LoadModelConfig, checkpoint: Checkpoint) -> tuple[type[CausalLM], bool]:
     """The class the checkpoint is served with, and whether it pools (--runner, --convert)."""
     architecture = architecture_of(checkpoint.hf_config)
-    is_pooling = is_pooling_runner(config.runner, config.convert, has_lm_head(architecture))
+    model = config.options.model
+    is_pooling = is_pooling_runner(model.runner, model.convert, has_lm_head(architecture))
     num_labels = int(getattr(checkpoint.hf_config, "num_labels", 1))
     cls = pooling_model_class(architecture, num_labels) if is_pooling else model_class(architecture)
     return cls, is_pooling
@@ -135,9 +136,10 @@ def lora_parts(
 ) -> tuple[LoraBatch, LoraShape] | None:
     """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
     kernel call adds a layer's adapters."""
-    if config.max_loras <= 0:
+    lora = config.options.lora
+    if lora.max_loras <= 0:
         return None
-    return LoraBatch(device, kernels), LoraShape(config.max_loras, config.max_lora_rank)
+    return LoraBatch(device, kernels), LoraShape(lora.max_loras, lora.max_lora_rank)
 
 
 def log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:
@@ -174,9 +176,10 @@ def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
 
 
 def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+    tp, pp = (
+        config.options.parallel.tensor_parallel_size,
+        config.options.parallel.pipeline_parallel_size,
+    )
     heads, kv_heads = model.num_heads, model.num_kv_heads
     if heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the {heads} attention heads")

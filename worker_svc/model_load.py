@@ -3,13 +3,12 @@ contract by worker_svc/convert.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any, Self
 
+from splitserve_contracts.engine_options_types import EngineOptions
 from splitserve_contracts.output_types import PoolerConfig
-from splitserve_contracts.spec_decode import SpeculativeConfig
-
-RUNNERS = ("", "auto", "generate", "pooling")
-CONVERTS = ("", "auto", "none", "embed")
+from splitserve_runtime.engine_option_rules import engine_options, replace_options
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,46 +27,27 @@ class WorkerDescription:
 
 @dataclass(frozen=True, slots=True)
 class LoadModelConfig:
-    """What to load and where this rank sits (the LoadModelRequest, decoded)."""
+    """What to load and where this rank sits (the LoadModelRequest, decoded): the engine's
+    options, the same on every rank, and what is this rank's own."""
 
-    model_path: str
-    dtype: str = "auto"
+    options: EngineOptions = field(default_factory=EngineOptions)
     rank: int = 0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_init_method: str = ""
-    seed: int = 0
-    max_model_len: int = 0
-    attention_backend: str = "auto"
-    max_num_batched_tokens: int = 0
-    max_num_seqs: int = 0
+    """rank = pp_rank * tensor_parallel_size + tp_rank."""
     rendezvous_id: str = ""
-    block_size: int = 16
-    revision: str = ""
-    enforce_eager: bool = False
-    """Never compile the model into graphs (vLLM's --enforce-eager)."""
-    enable_expert_parallel: bool = False
-    async_scheduling: bool = False
-    """The core schedules ahead (vLLM's --async-scheduling): the rank appends what it samples
-    to its requests itself."""
-    runner: str = "auto"
-    """vLLM's --runner: "generate", "pooling" or "auto" (pooling for a checkpoint without an
-    LM head)."""
-    convert: str = "auto"
-    """vLLM's --convert: "embed" serves a generative architecture as an embedder."""
-    quantization: str = ""
-    """vLLM's --quantization ("": the checkpoint's own), checked against the checkpoint."""
-    dequantize_gguf: bool = False
-    """Serve a GGUF file's quantized weights dequantized to float (--dequantize-gguf)."""
-    kv_cache_dtype: str = "auto"
-    """vLLM's --kv-cache-dtype: auto (the compute dtype), fp8 / fp8_e4m3 or fp8_e5m2."""
-    max_loras: int = 0
-    """LoRA adapter slots (vLLM's --max-loras); 0: LoRA off."""
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-    """Adapters kept in host memory (at least max_loras)."""
-    speculative_config: SpeculativeConfig | None = None
-    """Speculative decoding: the rank proposes and verifies drafts (worker_svc/spec_decode.py)."""
+    """This bring-up's rendezvous (LoadModelRequest.rendezvous_id)."""
+
+    @classmethod
+    def of(cls, model: str, rank: int = 0, rendezvous_id: str = "", **options: Any) -> Self:
+        """A config from flat option names: `LoadModelConfig.of(path, block_size=4)`."""
+        return cls(engine_options(model=model, **options), rank, rendezvous_id)
+
+    def with_options(self, **fields: Any) -> Self:
+        """This config with the options named (flat: `max_model_len=128`) changed."""
+        return replace(self, options=replace_options(self.options, **fields))
+
+    @property
+    def model_path(self) -> str:
+        return self.options.model.model
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.output_types import LogprobsTable, ModelRunnerOutput, StepTimings
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
@@ -64,7 +65,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         max_num_seqs: int,
-        seed: int,
+        options: ModelOptions,
         async_scheduling: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         pooler: Pooler | None = None,
@@ -78,7 +79,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, options)
         self.cpu_kernels = CpuKernels.load() if backend.uses_cpu_kernels else None
         """The CPU kernels the backend runs (loaded once per process), for the grammar masks."""
         self.pooler = pooler

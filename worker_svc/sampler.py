@@ -1,8 +1,10 @@
 """The batched sampler: logit edits, greedy or random choice, log-probabilities.
 
-Order, after vLLM's: (1) logprobs from the raw logits when asked; (2) allowed ids, min_tokens,
-logit_bias, penalties (`penalties.py`); (3) greedy rows take the argmax; random rows divide by
-their temperature, apply min_p, then top-k / top-p, and draw with the exponential race
+Order, after vLLM's: (1) logprobs from the raw logits when asked (--logprobs-mode raw_*);
+(2) allowed ids, min_tokens, logit_bias, penalties (`penalties.py`); (3) greedy rows take the
+argmax; random rows divide by their temperature, apply min_p, then top-k / top-p (these edit the
+logits in place, so processed_* logprobs are taken from them afterwards), and draw with the
+exponential race
 `argmax(probs / q)`, q ~ Exp(1). A request with a seed draws its q from its own generator, so
 it samples the same tokens whatever else shares the batch; the others share the engine's
 generator, seeded identically on every tensor-parallel rank, so all ranks pick the same tokens.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from worker_svc.logprobs import compute_logprobs
 from worker_svc.penalties import apply_logit_edits
 from worker_svc.sampling_metadata import SamplingMetadata
@@ -59,22 +62,27 @@ def apply_top_k_top_p(
 class Sampler:
     """Samples one token per logits row; see the module docstring for the order of operations."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.generator = torch.Generator(device).manual_seed(seed)
+    def __init__(self, device: torch.device, options: ModelOptions) -> None:
+        self.options = options
+        """The engine's model options (--seed seeds the engine's generator)."""
+        self.generator = torch.Generator(device).manual_seed(options.seed)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """`logits` [N, V] float32 is edited in place."""
         if metadata.is_plain_greedy:
             return SamplerOutput(logits.argmax(dim=-1))
         max_num_logprobs = metadata.max_num_logprobs
-        raw_logprobs = None
-        if max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        mode = self.options.logprobs_mode
+        table = None
+        if max_num_logprobs is not None and mode.startswith("raw_"):
+            table = logits.clone() if mode == "raw_logits" else torch.log_softmax(logits, dim=-1)
         apply_logit_edits(logits, metadata)
         sampled = self._sample(logits, metadata)
-        if raw_logprobs is None or max_num_logprobs is None:
+        if max_num_logprobs is None:
             return SamplerOutput(sampled)
-        return SamplerOutput(sampled, compute_logprobs(raw_logprobs, sampled, max_num_logprobs))
+        if table is None:  # processed_*: the logits as edited in place
+            table = logits if mode == "processed_logits" else torch.log_softmax(logits, dim=-1)
+        return SamplerOutput(sampled, compute_logprobs(table, sampled, max_num_logprobs))
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None if metadata.all_random else logits.argmax(dim=-1)

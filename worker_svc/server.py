@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
+from splitserve_runtime.engine_option_rules import world_size
 from splitserve_runtime.profiler_config import ProfilerConfig
 from splitserve_runtime.termination import report_fatal
 from splitserve_runtime.tls import peer_identity
@@ -167,22 +168,22 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         is_loaded = self._worker.runner is not None
         self._ownership.check_load(claim, is_loaded)
         if is_loaded:
-            check_model_loadable(config.model_path, config.revision)
+            check_model_loadable(config.model_path, config.options.model.revision)
         # A (re)starting core's first step sets the count (a core that recovered from a rank
         # restart goes on counting where it was); later steps must follow one by one.
         self._last_step_id, self._failure = 0, None
+        options = config.options
         logger.info(
             "loading %s as rank %d (tp=%d, pp=%d, dtype=%s%s)",
             config.model_path or "the default model",
             config.rank,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.dtype,
-            ", enforce_eager" if config.enforce_eager else "",
+            options.parallel.tensor_parallel_size,
+            options.parallel.pipeline_parallel_size,
+            options.model.dtype,
+            ", enforce_eager" if options.model.enforce_eager else "",
         )
         if self._worker.device.type == "cpu":  # vLLM-CPU's variable: GPU ranks stay unbound
-            world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-            self._cpu_binding.apply(config.rank, world_size)
+            self._cpu_binding.apply(config.rank, world_size(options))
         loaded = self._worker.load_model(config)
         self._ownership.loaded_by(claim)
         return loaded

@@ -18,6 +18,7 @@ import time
 import torch
 
 from splitserve_contracts.output_types import ModelRunnerOutput, PoolerConfig
+from splitserve_runtime.engine_option_rules import speculative_config
 from splitserve_runtime.log_config import is_text_logging
 from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import AttentionBackend
@@ -136,22 +137,22 @@ class Worker:
             logger.warning("LoadModel on a loaded rank: dropping the old model and process group")
             self.shutdown()
         started = time.perf_counter()
-        source = resolve_model(config.model_path, config.revision)
-        options = QuantizationOptions(config.quantization, config.dequantize_gguf, self.device.type)
-        checkpoint = open_checkpoint(source, options)  # refuses unknown architectures first
-        cls, is_pooling = model_class_for(config, checkpoint)
+        opts = config.options
+        source = resolve_model(opts.model.model, opts.model.revision)
+        quantization = opts.model.quantization, opts.model.dequantize_gguf, self.device.type
+        checkpoint = open_checkpoint(source, QuantizationOptions(*quantization))
+        cls, is_pooling = model_class_for(config, checkpoint)  # refused unknown architectures
         model_config = cls.read_config(checkpoint.hf_config)
-        if is_encoder_only(cls) and config.max_loras:
+        if is_encoder_only(cls) and opts.lora.max_loras:
             raise ValueError("LoRA adapters are not served on encoder-only (BERT) models")
         dtype = resolve_compute_dtype(
-            config.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
+            opts.model.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
-        max_model_len = resolve_max_model_len(config.max_model_len, model_config)
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
-        backend_name = select_backend(
-            config.attention_backend, self.device, config.block_size, dtype, kv_dtype
-        )
-        backend_name = backend_for_model(backend_name, config.attention_backend, model_config)
+        max_model_len = resolve_max_model_len(opts.model.max_model_len, model_config)
+        kv_dtype = kv_cache_torch_dtype(opts.cache.kv_cache_dtype, dtype)
+        asked = opts.model.attention_backend
+        backend_name = select_backend(asked, self.device, opts.cache.block_size, dtype, kv_dtype)
+        backend_name = backend_for_model(backend_name, asked, model_config)
         check_parallel_shape(config, model_config)
         self._join(config)
         try:
@@ -187,29 +188,32 @@ class Worker:
             dtype=dtype,
             device=self.device,
             max_model_len=max_model_len,
-            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            seed=config.seed,
-            async_scheduling=config.async_scheduling,
+            max_num_seqs=opts.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            options=opts.model,
+            async_scheduling=opts.scheduler.async_scheduling,
             pooler=Pooler(self.pooler_config, getattr(model, "pool_head", None))
             if self.pooler_config is not None
             else None,
-            lora=None if lora is None else LoraManager(model, *lora, config.max_cpu_loras, dtype),
-            speculative_config=config.speculative_config,
+            lora=None
+            if lora is None
+            else LoraManager(model, *lora, opts.lora.max_cpu_loras, dtype),
+            speculative_config=speculative_config(opts.speculative),
         )
         self.config, self.model_config = config, model_config
         return self._loaded(model, backend, max_model_len, time.perf_counter() - started)
 
     def _join(self, config: LoadModelConfig) -> None:
+        parallel = config.options.parallel
         self.parallel = init_parallel_state(
             config.rank,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.distributed_init_method,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.distributed_init_method,
             self.device,
             rendezvous=self.rendezvous,
             rendezvous_id=config.rendezvous_id,
         )
-        self.parallel.enable_expert_parallel = config.enable_expert_parallel
+        self.parallel.enable_expert_parallel = parallel.enable_expert_parallel
 
     def _loaded(
         self, model: CausalLM, backend: AttentionBackend, max_model_len: int, seconds: float
@@ -242,9 +246,9 @@ class Worker:
     ) -> KvCapacity:
         runner = self._require_runner()
         assert self.config is not None
-        block_size = self.config.block_size
+        block_size = self.config.options.cache.block_size
         if runner.kv_cache_spec.num_layers == 0:  # encoder-only: blocks count a step's tokens
-            max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            max_num_seqs = self.config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
             shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
             return KvCapacity(0, 0, shape.num_blocks_usable())
         if self.device.type == "cpu":
@@ -263,9 +267,9 @@ class Worker:
         """vLLM-CPU's sizing, capped by what the engine can use (worker_svc/cpu_kv_budget)."""
         runner = self._require_runner()
         assert self.config is not None
-        block_size = self.config.block_size
+        block_size = self.config.options.cache.block_size
         spec = runner.kv_cache_spec
-        max_num_seqs = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        max_num_seqs = self.config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         shape = EngineShape(max_num_seqs, runner.max_model_len, block_size)
         budget = cpu_kv_budget(
             kv_cache_memory_bytes, spec.bytes_per_block(block_size), shape, os.environ
@@ -284,7 +288,9 @@ class Worker:
         torch.cuda.synchronize(self.device)
         if self.parallel.world_size == 1:
             torch.cuda.reset_peak_memory_stats(self.device)
-            num_tokens = self.config.max_num_batched_tokens or DEFAULT_PROFILE_TOKENS
+            num_tokens = (
+                self.config.options.scheduler.max_num_batched_tokens or DEFAULT_PROFILE_TOKENS
+            )
             scratch = runner.profile_run(min(num_tokens, runner.max_model_len), block_size)
             torch.cuda.synchronize(self.device)
             used = torch.cuda.max_memory_allocated(self.device) - scratch
@@ -303,7 +309,7 @@ class Worker:
         if self.is_kv_cache_ready:
             raise WorkerStateError("the KV cache is already initialized")
         assert self.config is not None
-        nbytes = runner.initialize_kv_cache(num_blocks, self.config.block_size)
+        nbytes = runner.initialize_kv_cache(num_blocks, self.config.options.cache.block_size)
         runner.warm_up()
         self.is_kv_cache_ready = True
         return nbytes
@@ -347,12 +353,14 @@ def _activation_estimate(
     config: LoadModelConfig, model: ModelConfig, parallel: ParallelState
 ) -> int:
     """Peak activation bytes of a step: a few [tokens, width] buffers plus float32 logits."""
-    tokens = config.max_num_batched_tokens or 8192
+    tokens = config.options.scheduler.max_num_batched_tokens or 8192
     tp = parallel.tp_size
     num_kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
     width = model.hidden_size * 4 + (model.num_heads // tp + 2 * num_kv_heads) * model.head_dim
     width += 3 * model.intermediate_size // tp
-    logits = (config.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
+    logits = (
+        (config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
+    )
     return tokens * width * 4 + logits
 
 

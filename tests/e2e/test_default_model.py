@@ -93,7 +93,7 @@ def quantized_rank(gguf_file: Path) -> Iterator[LocalRank]:
     """The file served quantized, as `splitserve up` serves it (dtype auto: the GGUF's float32,
     which REAL_TOLERANCE assumes); loaded once for both tests (each frees its requests)."""
     rank = LocalRank()
-    [loaded] = rank.load(LoadModelConfig(str(gguf_file), max_model_len=256))
+    [loaded] = rank.load(LoadModelConfig.of(str(gguf_file), max_model_len=256))
     assert loaded.dtype == "float32", loaded
     rank.init(num_blocks=64)
     yield rank
@@ -127,7 +127,7 @@ def test_make_run_answers_paris_and_the_gguf_file_agrees(
     max_tokens = len(gguf_tokenizer.encode(answer, add_special_tokens=False)) + 2
     assert greedy_answer(quantized_rank, gguf_tokenizer, prompt_ids, max_tokens) == answer
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(gguf_file), max_model_len=256, dequantize_gguf=True))
+    rank.load(LoadModelConfig.of(str(gguf_file), max_model_len=256, dequantize_gguf=True))
     rank.init(num_blocks=32)
     try:
         assert greedy_answer(rank, gguf_tokenizer, prompt_ids, max_tokens) == answer

@@ -52,7 +52,7 @@ def test_awq_matches_autoawq_dequantized(awq_case: tuple[Path, Any]) -> None:
     path, reference = awq_case
     rank = LocalRank()
     try:
-        rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE))
+        rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE))
         rank.init(num_blocks=64)
         runner = rank.worker.runner
         assert runner is not None
@@ -70,7 +70,7 @@ def test_awq_at_tp2(awq_case: tuple[Path, Any]) -> None:
     path, reference = awq_case
     group = SpawnedRanks(world_size=2)
     try:
-        group.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2))
+        group.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2))
         group.init(num_blocks=64)
         drive(group, reference)
     finally:

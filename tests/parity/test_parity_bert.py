@@ -30,7 +30,7 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def rank(embedder: Path) -> Iterator[LocalRank]:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(embedder), block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(str(embedder), block_size=BLOCK_SIZE))
     rank.init(num_blocks=64)
     yield rank
     rank.close()
@@ -81,5 +81,5 @@ def test_a_step_with_part_of_a_bert_prompt_fails_that_request_alone(rank: LocalR
 def test_lora_on_a_bert_model_is_refused_in_one_line(embedder: Path) -> None:
     rank = LocalRank()
     with pytest.raises(ValueError, match="not served on encoder-only") as refused:
-        rank.load(LoadModelConfig(str(embedder), block_size=BLOCK_SIZE, max_loras=1))
+        rank.load(LoadModelConfig.of(str(embedder), block_size=BLOCK_SIZE, max_loras=1))
     assert "\n" not in str(refused.value)

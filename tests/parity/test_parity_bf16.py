@@ -43,7 +43,7 @@ def top1_agreement(
     path = checkpoints.get(family)
     reference = reference_for(references, path)
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(path), dtype="bfloat16", block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(str(path), dtype="bfloat16", block_size=BLOCK_SIZE))
     rank.init(num_blocks=256)
     try:
         driver = StepDriver(BLOCK_SIZE, chunk_size=9)

@@ -50,7 +50,7 @@ def decompressed(path: Path) -> Any:
 
 def loaded(path: Path) -> LocalRank:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE))
     rank.init(num_blocks=64)
     return rank
 
@@ -98,7 +98,7 @@ def test_pack_quantized_with_zero_points_at_tp2(ct_dirs: dict[str, Path]) -> Non
     reference = decompressed(path)
     group = SpawnedRanks(world_size=2)
     try:
-        group.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2))
+        group.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2))
         group.init(num_blocks=64)
         driver = StepDriver(BLOCK_SIZE, chunk_size=5)
         handles = [driver.add(p, max_tokens=5) for p in PROMPTS]

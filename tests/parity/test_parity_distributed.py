@@ -45,7 +45,7 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[tuple[SpawnedRanks, tuple[
 
 
 def load_layout(group: SpawnedRanks, path: Path, tp: int, pp: int) -> list[Any]:
-    config = LoadModelConfig(
+    config = LoadModelConfig.of(
         str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, block_size=BLOCK_SIZE
     )
     return group.load(config)

@@ -55,7 +55,7 @@ MAX_MODEL_LEN = {"phi3": 32, "dynamic_rope": 32}
 
 def load_rank(path: Path, max_model_len: int = 0) -> LocalRank:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, max_model_len=max_model_len))
+    rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, max_model_len=max_model_len))
     rank.init(num_blocks=128)
     return rank
 

@@ -69,7 +69,7 @@ def group() -> Iterator[SpawnedRanks]:
 @contextmanager
 def serving(group: SpawnedRanks, path: Path, layout: str, max_model_len: int) -> Iterator[None]:
     tp, pp, enable_expert_parallel = LAYOUTS[layout]
-    config = LoadModelConfig(
+    config = LoadModelConfig.of(
         str(path),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,

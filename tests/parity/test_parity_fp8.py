@@ -70,7 +70,7 @@ def drive(ranks: Any, reference: Any) -> None:
 
 def load_local(path: Path, family: str) -> LocalRank:
     rank = LocalRank()
-    config = LoadModelConfig(
+    config = LoadModelConfig.of(
         str(path), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN.get(family, 0)
     )
     loaded = rank.load(config)[0]
@@ -158,7 +158,7 @@ def test_fp8_checkpoint_at_tp2(
     fp8_dir, dequantized_dir = fp8_pairs[case]
     max_model_len = MAX_MODEL_LEN.get(CASES[case][0], 0)
     group.load(
-        LoadModelConfig(
+        LoadModelConfig.of(
             str(fp8_dir),
             tensor_parallel_size=2,
             block_size=BLOCK_SIZE,
@@ -179,7 +179,7 @@ def test_fp8_serves_in_bfloat16_on_request(
     """Dequantized to bfloat16 (the default for bfloat16 checkpoints): close to float32."""
     fp8_dir, dequantized_dir = fp8_pairs["llama-block"]
     rank = LocalRank()
-    loaded = rank.load(LoadModelConfig(str(fp8_dir), dtype="bfloat16", block_size=BLOCK_SIZE))[0]
+    loaded = rank.load(LoadModelConfig.of(str(fp8_dir), dtype="bfloat16", block_size=BLOCK_SIZE))[0]
     try:
         assert loaded.dtype == "bfloat16"
         rank.init(num_blocks=64)

@@ -71,7 +71,7 @@ def transformers_gguf(path: Path) -> Any:
 
 def loaded_rank(model: str) -> LocalRank:
     rank = LocalRank()
-    rank.load(LoadModelConfig(model, block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(model, block_size=BLOCK_SIZE))
     rank.init(num_blocks=128)
     return rank
 
@@ -123,7 +123,7 @@ def test_quantized_file_serves_quantized_and_dequantized_on_request(
     results = []
     for dequantize in (False, True):
         rank = LocalRank()
-        rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, dequantize_gguf=dequantize))
+        rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, dequantize_gguf=dequantize))
         rank.init(num_blocks=128)
         assert (quantized_layers(rank) > 0) == (not dequantize)
         driver = StepDriver(BLOCK_SIZE)
@@ -168,7 +168,7 @@ def test_unsupported_gguf_architecture_is_refused_in_one_line(tmp_path: Path) ->
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError) as err:
-        Worker("cpu").load_model(LoadModelConfig(str(path)))
+        Worker("cpu").load_model(LoadModelConfig.of(str(path)))
     message = str(err.value)
     assert "GGUF architecture 'gemma2'" in message and "llama" in message
     assert "\n" not in message

@@ -106,7 +106,7 @@ def test_gptq_matches_gptqmodel_dequantized(
     assert (config["quant_method"], config["desc_act"]) == ("gptq", CASES[name][1])
     rank = LocalRank()
     try:
-        rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE))  # the checkpoint's own
+        rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE))  # the checkpoint's own
         rank.init(num_blocks=64)
         runner = rank.worker.runner
         assert runner is not None
@@ -122,7 +122,7 @@ def test_quantize_config_json_is_read_with_quantization_gptq(legacy_case: tuple[
     path, reference = legacy_case
     rank = LocalRank()
     try:
-        rank.load(LoadModelConfig(str(path), block_size=BLOCK_SIZE, quantization="gptq"))
+        rank.load(LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, quantization="gptq"))
         rank.init(num_blocks=64)
         drive(rank, reference)
     finally:

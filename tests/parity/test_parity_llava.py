@@ -53,7 +53,7 @@ def prompts(llava_dir: Path) -> dict[str, tuple[list[int], list[Any], Any]]:
 @pytest.fixture
 def rank(llava_dir: Path) -> Iterator[LocalRank]:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(llava_dir), block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(str(llava_dir), block_size=BLOCK_SIZE))
     rank.init(num_blocks=256)
     yield rank
     rank.close()
@@ -147,7 +147,7 @@ def test_tensor_parallel_two_ranks_match_transformers(
     group = SpawnedRanks(world_size=2)
     try:
         loaded = group.load(
-            LoadModelConfig(str(llava_dir), tensor_parallel_size=2, block_size=BLOCK_SIZE)
+            LoadModelConfig.of(str(llava_dir), tensor_parallel_size=2, block_size=BLOCK_SIZE)
         )
         assert [m.max_tokens_per_mm_item for m in loaded] == [16, 16]
         group.init(num_blocks=256)

@@ -62,7 +62,7 @@ def lora_setup(
 
 
 def _config(base: Path, tp: int) -> LoadModelConfig:
-    return LoadModelConfig(
+    return LoadModelConfig.of(
         str(base),
         tensor_parallel_size=tp,
         block_size=BLOCK_SIZE,

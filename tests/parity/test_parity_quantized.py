@@ -79,7 +79,7 @@ def serve(ranks: Any, config: LoadModelConfig, reference: Any, *args: Any) -> No
 def test_online_quantization_at_tp1(checkpoints: CheckpointCache, method: str) -> None:
     path = checkpoints.get("llama", **WIDE)
     reference = quantized_reference(path, SCHEMES[method])
-    config = LoadModelConfig(str(path), block_size=BLOCK_SIZE, quantization=method)
+    config = LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, quantization=method)
     serve(LocalRank(), config, reference)
     # one prefill step of DEQUANTIZE_ROWS tokens or more: oneDNN's matmul on the dequantized weight
     serve(LocalRank(), config, reference, [list(range(100, 100 + DEQUANTIZE_ROWS + 3))], 1 << 30)
@@ -92,7 +92,7 @@ def test_online_quantization_at_tp2(
 ) -> None:
     path = checkpoints.get("llama", **WIDE)
     reference = quantized_reference(path, SCHEMES[method])
-    config = LoadModelConfig(
+    config = LoadModelConfig.of(
         str(path), block_size=BLOCK_SIZE, quantization=method, tensor_parallel_size=2
     )
     serve(group, config, reference)
@@ -113,5 +113,5 @@ def test_gguf_q4_1_at_tp2(
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    config = LoadModelConfig(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2)
+    config = LoadModelConfig.of(str(path), block_size=BLOCK_SIZE, tensor_parallel_size=2)
     serve(group, config, reference)

@@ -48,7 +48,7 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def rank(checkpoints: CheckpointCache, family: str) -> Iterator[LocalRank]:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(checkpoints.get(family)), block_size=BLOCK_SIZE))
+    rank.load(LoadModelConfig.of(str(checkpoints.get(family)), block_size=BLOCK_SIZE))
     rank.init(num_blocks=256)
     yield rank
     rank.close()

@@ -40,7 +40,7 @@ def test_blocks_out_of_the_window_are_freed_and_outputs_stay_exact(
 ) -> None:
     path = checkpoints.get("mistral_window")
     worker = Worker("cpu")
-    config = LoadModelConfig(
+    config = LoadModelConfig.of(
         str(path), block_size=BLOCK_SIZE, max_model_len=64, async_scheduling=async_scheduling
     )
     loaded = worker.load_model(config)

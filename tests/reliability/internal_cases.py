@@ -13,6 +13,7 @@ import grpc
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
+from tests.fixtures.load_requests import load_request
 from tests.reliability.public_cases import GARBAGE, INT32_MAX, UINT32_MAX, VOCAB_SIZE
 
 CORE = "/splitserve.core.v1.EngineCoreService/"
@@ -41,7 +42,7 @@ class RpcCase:
 
 def load(epoch: int, **fields: Any) -> worker_pb2.LoadModelRequest:
     fields.setdefault("block_size", 16)
-    return worker_pb2.LoadModelRequest(owner_epoch=epoch, **fields)
+    return load_request(owner_epoch=epoch, **fields)
 
 
 def step(step_id: int) -> worker_pb2.ExecuteRequest:
@@ -108,11 +109,11 @@ RPC_CASES = [
         "attention_backend",
     ),
     RpcCase(
-        "worker-load-block-size-zero",
+        "worker-load-too-many-lora-slots",
         WORKER + "LoadModel",
-        load(LATER_EPOCH, block_size=0),
+        load(LATER_EPOCH, max_loras=1000),
         INVALID,
-        "block_size",
+        "lora.max_loras",
     ),
     RpcCase(
         "worker-kv-capacity-no-epoch",

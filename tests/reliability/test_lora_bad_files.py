@@ -106,7 +106,7 @@ def _assert_names_the_problem(message: str, case: str) -> None:
 @pytest.fixture(scope="module")
 def rank(tiny_model_dir: Path) -> Iterator[LocalRank]:
     rank = LocalRank()
-    rank.load(LoadModelConfig(str(tiny_model_dir), block_size=16, max_loras=1, max_lora_rank=8))
+    rank.load(LoadModelConfig.of(str(tiny_model_dir), block_size=16, max_loras=1, max_lora_rank=8))
     rank.init(num_blocks=16)
     yield rank
     rank.close()

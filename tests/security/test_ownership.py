@@ -19,6 +19,7 @@ from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from splitserve_runtime.tls import CORE_ROLE, FRONTEND_ROLE, WORKER_ROLE, TlsFiles
+from tests.fixtures.load_requests import load_request
 from tests.security.peers import EPOCH_KEY, channel, health_status, issue, rpc_error
 from worker_svc.ownership import Claim, NotOwner, Ownership, StaleClaim
 
@@ -70,7 +71,7 @@ def _epoch(epoch: int) -> tuple[tuple[str, str], ...]:
 
 
 def _load(model: str, epoch: int) -> pb.LoadModelRequest:
-    return pb.LoadModelRequest(model_path=model, block_size=BLOCK_SIZE, owner_epoch=epoch)
+    return load_request(model_path=model, block_size=BLOCK_SIZE, owner_epoch=epoch)
 
 
 def _first_step() -> pb.ExecuteRequest:

@@ -30,6 +30,7 @@ from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as worker_grp
 from splitserve_runtime.services import INTERNAL_SECRET_METADATA_KEY, OWNER_EPOCH_METADATA_KEY
 from tests.e2e.client import generate, join, text_request
 from tests.e2e.stack import UP_ANY_METRICS_PORTS
+from tests.fixtures.load_requests import load_request
 from tests.security.peers import rpc_error
 
 pytestmark = pytest.mark.slow
@@ -116,7 +117,7 @@ def _stranger_calls(up: Up, metadata: Metadata) -> dict[str, Callable[[], object
             ]
         )
     )
-    takeover = worker_pb2.LoadModelRequest(model_path="tiny", owner_epoch=2**63 - 1)
+    takeover = load_request(model_path="tiny", owner_epoch=2**63 - 1)
     step = worker_pb2.ExecuteRequest(scheduler_output=worker_pb2.SchedulerOutput(step_id=1))
     return {
         "core Handshake": _unary(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/common/v1/options.proto\x12\x14splitserve.common.v1\x1a google/protobuf/descriptor.proto:4\n\x0bunset_means\x12\x1d.google.protobuf.FieldOptions\x18\xd1\x86\x03 \x01(\tBy\n\x17io.splitserve.common.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\xaa\x02\x14Splitserve.Common.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/common/v1/options.proto\x12\x14splitserve.common.v1\x1a google/protobuf/descriptor.proto:4\n\x0bunset_means\x12\x1d.google.protobuf.FieldOptions\x18\xd1\x86\x03 \x01(\t:0\n\x07\x63hoices\x12\x1d.google.protobuf.FieldOptions\x18\xd2\x86\x03 \x01(\tBy\n\x17io.splitserve.common.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\xaa\x02\x14Splitserve.Common.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)

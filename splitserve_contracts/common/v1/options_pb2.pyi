@@ -13,9 +13,15 @@ import builtins as _builtins
 DESCRIPTOR: _descriptor.FileDescriptor
 
 UNSET_MEANS_FIELD_NUMBER: _builtins.int
+CHOICES_FIELD_NUMBER: _builtins.int
 unset_means: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.FieldOptions, _builtins.str]
 """The value a field stands for when it is unset (an `optional` field) or
 holds its zero value (any other scalar), written as a literal: "1.0",
 "true", "1". splitserve's generated domain types take it as the
 field's default, so the contract is the one place it is stated.
+"""
+choices: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.FieldOptions, _builtins.str]
+"""The values a string field accepts, comma-separated ("auto,generate"):
+splitserve's option rules refuse any other, and the flag that fills the
+field offers these as its choices.
 """

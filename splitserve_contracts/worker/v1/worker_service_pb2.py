@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from splitserve_contracts.common.v1 import engine_options_pb2 as splitserve_dot_common_dot_v1_dot_engine__options__pb2
 from splitserve_contracts.common.v1 import types_pb2 as splitserve_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/worker/v1/worker_service.proto\x12\x14splitserve.worker.v1\x1a splitserve/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc5\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x1a\n\x12\x61ttention_backends\x18\x08 \x03(\t\"\xd7\x05\n\x10LoadModelRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x05 \x01(\r\x12\x1f\n\x17\x64istributed_init_method\x18\x06 \x01(\t\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\rrendezvous_id\x18\x0e \x01(\t\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x13\n\x0bowner_epoch\x18\x10 \x01(\x04\x12\x10\n\x08revision\x18\x11 \x01(\t\x12\x15\n\renforce_eager\x18\x12 \x01(\x08\x12\x1e\n\x16\x65nable_expert_parallel\x18\x13 \x01(\x08\x12\x18\n\x10\x61sync_scheduling\x18\x14 \x01(\x08\x12\x11\n\tmax_loras\x18\x15 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x16 \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x17 \x01(\r\x12\x14\n\x0cquantization\x18\x18 \x01(\t\x12\x17\n\x0f\x64\x65quantize_gguf\x18\x19 \x01(\x08\x12\x43\n\x12speculative_config\x18\x1a \x01(\x0b\x32\'.splitserve.worker.v1.SpeculativeConfig\x12\x0e\n\x06runner\x18\x1b \x01(\t\x12\x0f\n\x07\x63onvert\x18\x1c \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1d \x01(\t\"y\n\x11SpeculativeConfig\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\r\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\r\"\xd9\x02\n\x11LoadModelResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x1e\n\x16max_tokens_per_mm_item\x18\x0b \x01(\r\x12\x16\n\x0esliding_window\x18\x0c \x01(\r\x12\x39\n\rpooler_config\x18\r \x01(\x0b\x32\".splitserve.common.v1.PoolerConfig\"g\n\x14GetKvCapacityRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x02 \x01(\x01\x12\x1d\n\x15kv_cache_memory_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\nblock_size\"]\n\x15GetKvCapacityResponse\x12\x17\n\x0f\x61vailable_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"@\n\x18InitializeKvCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\nblock_size\"3\n\x19InitializeKvCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\"<\n\x16LoadLoraAdapterRequest\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\x12\x11\n\tlora_path\x18\x02 \x01(\t\"o\n\x17LoadLoraAdapterResponse\x12\x10\n\x08max_rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\xc5\x01\n\x0e\x45xecuteRequest\x12?\n\x10scheduler_output\x18\x01 \x01(\x0b\x32%.splitserve.worker.v1.SchedulerOutput\x12;\n\x0egrammar_output\x18\x02 \x01(\x0b\x32#.splitserve.worker.v1.GrammarOutput\x12\x35\n\x07profile\x18\x03 \x01(\x0b\x32$.splitserve.common.v1.ProfileCommand\"_\n\rGrammarOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12=\n\x0fgrammar_bitmask\x18\x02 \x01(\x0b\x32$.splitserve.worker.v1.GrammarBitmask\"r\n\x0eGrammarBitmask\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x0f\n\x07\x62itmask\x18\x02 \x01(\x0c\x12:\n\x06sparse\x18\x03 \x01(\x0b\x32*.splitserve.worker.v1.SparseGrammarBitmask\"~\n\x14SparseGrammarBitmask\x12\x11\n\tnum_words\x18\x01 \x01(\r\x12\x14\n\x0crow_defaults\x18\x02 \x01(\x0c\x12\x18\n\x10num_listed_words\x18\x03 \x03(\r\x12\x14\n\x0cword_indices\x18\x04 \x01(\x0c\x12\r\n\x05words\x18\x05 \x01(\x0c\"W\n\x0f\x45xecuteResponse\x12\x44\n\x13model_runner_output\x18\x01 \x01(\x0b\x32\'.splitserve.worker.v1.ModelRunnerOutput\"\xbd\x04\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12@\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32$.splitserve.worker.v1.NewRequestData\x12\x46\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\'.splitserve.worker.v1.CachedRequestData\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x66inished_req_handles\x18\x06 \x03(\x04\x12N\n\x18scheduled_encoder_inputs\x18\x07 \x03(\x0b\x32,.splitserve.worker.v1.ScheduledEncoderInputs\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x08 \x03(\t\x12=\n\x0fgrammar_bitmask\x18\t \x01(\x0b\x32$.splitserve.worker.v1.GrammarBitmask\x12\x1b\n\x13has_pending_grammar\x18\n \x01(\x08\x12\x33\n\nlora_slots\x18\x0b \x01(\x0b\x32\x1f.splitserve.worker.v1.LoraSlots\x12\x15\n\rfree_lora_ids\x18\x0c \x03(\r\x12\x17\n\x0fnum_spec_tokens\x18\r \x03(\r\"@\n\tLoraSlots\x12\r\n\x05slots\x18\x01 \x03(\r\x12\x10\n\x08lora_ids\x18\x02 \x03(\r\x12\x12\n\nlora_paths\x18\x03 \x03(\t\"?\n\x16ScheduledEncoderInputs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\"\xe3\x03\n\x0eNewRequestData\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12;\n\x0esampler_params\x18\x08 \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12<\n\x0bmm_features\x18\n \x03(\x0b\x32\'.splitserve.common.v1.MultiModalFeature\x12\x18\n\x10output_token_ids\x18\x0b \x03(\r\x12\x39\n\rtrace_context\x18\x0c \x01(\x0b\x32\".splitserve.common.v1.TraceContext\x12\x0f\n\x07lora_id\x18\r \x01(\r\x12;\n\x0epooling_params\x18\x0e \x01(\x0b\x32#.splitserve.common.v1.PoolingParamsJ\x04\x08\x04\x10\x05R\x0fsampling_params\"\x84\x02\n\x11\x43\x61\x63hedRequestData\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x15\n\rnew_token_ids\x18\x06 \x03(\r\x12\x1b\n\x13resumed_req_handles\x18\x07 \x03(\x04\x12\x1d\n\x15num_resumed_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15resumed_all_token_ids\x18\t \x03(\r\"\x9d\x04\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .splitserve.worker.v1.StepStatus\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0breq_handles\x18\x05 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x06 \x03(\r\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.splitserve.worker.v1.StepTimings\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12\x66\x61iled_req_handles\x18\x0b \x03(\x04\x12\x16\n\x0e\x66\x61iled_reasons\x18\x0c \x03(\t\x12\x1d\n\x15num_sampled_token_ids\x18\r \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x0e \x03(\r\x12:\n\x0epooler_outputs\x18\x0f \x03(\x0b\x32\".splitserve.worker.v1.PoolerOutput\"0\n\x0cPoolerOutput\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Y\n\x0fRequestLogprobs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x32\n\x05table\x18\x02 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\"u\n\x0bStepTimings\x12\x1e\n\x16prepare_inputs_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01*T\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x15\n\x11STEP_STATUS_ERROR\x10\x02\x32\xf4\x04\n\rWorkerService\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12\\\n\tLoadModel\x12&.splitserve.worker.v1.LoadModelRequest\x1a\'.splitserve.worker.v1.LoadModelResponse\x12h\n\rGetKvCapacity\x12*.splitserve.worker.v1.GetKvCapacityRequest\x1a+.splitserve.worker.v1.GetKvCapacityResponse\x12t\n\x11InitializeKvCache\x12..splitserve.worker.v1.InitializeKvCacheRequest\x1a/.splitserve.worker.v1.InitializeKvCacheResponse\x12Z\n\x07\x45xecute\x12$.splitserve.worker.v1.ExecuteRequest\x1a%.splitserve.worker.v1.ExecuteResponse(\x01\x30\x01\x12n\n\x0fLoadLoraAdapter\x12,.splitserve.worker.v1.LoadLoraAdapterRequest\x1a-.splitserve.worker.v1.LoadLoraAdapterResponseBy\n\x17io.splitserve.worker.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\xaa\x02\x14Splitserve.Worker.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/worker/v1/worker_service.proto\x12\x14splitserve.worker.v1\x1a)splitserve/common/v1/engine_options.proto\x1a splitserve/common/v1/types.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc5\x01\n\x10\x44\x65scribeResponse\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x03 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x04 \x01(\x04\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x1a\n\x12\x61ttention_backends\x18\x08 \x03(\t\"\xc2\x04\n\x10LoadModelRequest\x12\x34\n\x07options\x18\x1e \x01(\x0b\x32#.splitserve.common.v1.EngineOptions\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\rrendezvous_id\x18\x0e \x01(\t\x12\x13\n\x0bowner_epoch\x18\x10 \x01(\x04J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x0cJ\x04\x08\x0f\x10\x10J\x04\x08\x11\x10\x1eR\nmodel_pathR\x05\x64typeR\x14tensor_parallel_sizeR\x16pipeline_parallel_sizeR\x17\x64istributed_init_methodR\x04seedR\rmax_model_lenR\x11\x61ttention_backendR\x16max_num_batched_tokensR\x0cmax_num_seqsR\nblock_sizeR\x08revisionR\renforce_eagerR\x16\x65nable_expert_parallelR\x10\x61sync_schedulingR\tmax_lorasR\rmax_lora_rankR\rmax_cpu_lorasR\x0cquantizationR\x0f\x64\x65quantize_ggufR\x12speculative_configR\x06runnerR\x07\x63onvertR\x0ekv_cache_dtype\"\xd9\x02\n\x11LoadModelResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x1e\n\x16max_tokens_per_mm_item\x18\x0b \x01(\r\x12\x16\n\x0esliding_window\x18\x0c \x01(\r\x12\x39\n\rpooler_config\x18\r \x01(\x0b\x32\".splitserve.common.v1.PoolerConfig\"g\n\x14GetKvCapacityRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x02 \x01(\x01\x12\x1d\n\x15kv_cache_memory_bytes\x18\x03 \x01(\x04J\x04\x08\x01\x10\x02R\nblock_size\"]\n\x15GetKvCapacityResponse\x12\x17\n\x0f\x61vailable_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"@\n\x18InitializeKvCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\rJ\x04\x08\x02\x10\x03R\nblock_size\"3\n\x19InitializeKvCacheResponse\x12\x16\n\x0ekv_cache_bytes\x18\x01 \x01(\x04\"<\n\x16LoadLoraAdapterRequest\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\x12\x11\n\tlora_path\x18\x02 \x01(\t\"o\n\x17LoadLoraAdapterResponse\x12\x10\n\x08max_rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"\xc5\x01\n\x0e\x45xecuteRequest\x12?\n\x10scheduler_output\x18\x01 \x01(\x0b\x32%.splitserve.worker.v1.SchedulerOutput\x12;\n\x0egrammar_output\x18\x02 \x01(\x0b\x32#.splitserve.worker.v1.GrammarOutput\x12\x35\n\x07profile\x18\x03 \x01(\x0b\x32$.splitserve.common.v1.ProfileCommand\"_\n\rGrammarOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12=\n\x0fgrammar_bitmask\x18\x02 \x01(\x0b\x32$.splitserve.worker.v1.GrammarBitmask\"r\n\x0eGrammarBitmask\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x0f\n\x07\x62itmask\x18\x02 \x01(\x0c\x12:\n\x06sparse\x18\x03 \x01(\x0b\x32*.splitserve.worker.v1.SparseGrammarBitmask\"~\n\x14SparseGrammarBitmask\x12\x11\n\tnum_words\x18\x01 \x01(\r\x12\x14\n\x0crow_defaults\x18\x02 \x01(\x0c\x12\x18\n\x10num_listed_words\x18\x03 \x03(\r\x12\x14\n\x0cword_indices\x18\x04 \x01(\x0c\x12\r\n\x05words\x18\x05 \x01(\x0c\"W\n\x0f\x45xecuteResponse\x12\x44\n\x13model_runner_output\x18\x01 \x01(\x0b\x32\'.splitserve.worker.v1.ModelRunnerOutput\"\xbd\x04\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12@\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32$.splitserve.worker.v1.NewRequestData\x12\x46\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\'.splitserve.worker.v1.CachedRequestData\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\"\n\x1atotal_num_scheduled_tokens\x18\x05 \x01(\r\x12\x1c\n\x14\x66inished_req_handles\x18\x06 \x03(\x04\x12N\n\x18scheduled_encoder_inputs\x18\x07 \x03(\x0b\x32,.splitserve.worker.v1.ScheduledEncoderInputs\x12\x1e\n\x16\x66ree_encoder_mm_hashes\x18\x08 \x03(\t\x12=\n\x0fgrammar_bitmask\x18\t \x01(\x0b\x32$.splitserve.worker.v1.GrammarBitmask\x12\x1b\n\x13has_pending_grammar\x18\n \x01(\x08\x12\x33\n\nlora_slots\x18\x0b \x01(\x0b\x32\x1f.splitserve.worker.v1.LoraSlots\x12\x15\n\rfree_lora_ids\x18\x0c \x03(\r\x12\x17\n\x0fnum_spec_tokens\x18\r \x03(\r\"@\n\tLoraSlots\x12\r\n\x05slots\x18\x01 \x03(\r\x12\x10\n\x08lora_ids\x18\x02 \x03(\r\x12\x12\n\nlora_paths\x18\x03 \x03(\t\"?\n\x16ScheduledEncoderInputs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\"\xe3\x03\n\x0eNewRequestData\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12;\n\x0esampler_params\x18\x08 \x01(\x0b\x32#.splitserve.common.v1.SamplerParams\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12<\n\x0bmm_features\x18\n \x03(\x0b\x32\'.splitserve.common.v1.MultiModalFeature\x12\x18\n\x10output_token_ids\x18\x0b \x03(\r\x12\x39\n\rtrace_context\x18\x0c \x01(\x0b\x32\".splitserve.common.v1.TraceContext\x12\x0f\n\x07lora_id\x18\r \x01(\r\x12;\n\x0epooling_params\x18\x0e \x01(\x0b\x32#.splitserve.common.v1.PoolingParamsJ\x04\x08\x04\x10\x05R\x0fsampling_params\"\x84\x02\n\x11\x43\x61\x63hedRequestData\x12\x13\n\x0breq_handles\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x05 \x03(\r\x12\x15\n\rnew_token_ids\x18\x06 \x03(\r\x12\x1b\n\x13resumed_req_handles\x18\x07 \x03(\x04\x12\x1d\n\x15num_resumed_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15resumed_all_token_ids\x18\t \x03(\r\"\x9d\x04\n\x11ModelRunnerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x06status\x18\x02 \x01(\x0e\x32 .splitserve.worker.v1.StepStatus\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x13\n\x0breq_handles\x18\x05 \x03(\x04\x12\x19\n\x11sampled_token_ids\x18\x06 \x03(\r\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12>\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32%.splitserve.worker.v1.RequestLogprobs\x12\x32\n\x07timings\x18\t \x01(\x0b\x32!.splitserve.worker.v1.StepTimings\x12\x1a\n\x12num_used_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12\x66\x61iled_req_handles\x18\x0b \x03(\x04\x12\x16\n\x0e\x66\x61iled_reasons\x18\x0c \x03(\t\x12\x1d\n\x15num_sampled_token_ids\x18\r \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x0e \x03(\r\x12:\n\x0epooler_outputs\x18\x0f \x03(\x0b\x32\".splitserve.worker.v1.PoolerOutput\"0\n\x0cPoolerOutput\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Y\n\x0fRequestLogprobs\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x32\n\x05table\x18\x02 \x01(\x0b\x32#.splitserve.common.v1.LogprobsTable\"u\n\x0bStepTimings\x12\x1e\n\x16prepare_inputs_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01*T\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_STATUS_OK\x10\x01\x12\x15\n\x11STEP_STATUS_ERROR\x10\x02\x32\xf4\x04\n\rWorkerService\x12Y\n\x08\x44\x65scribe\x12%.splitserve.worker.v1.DescribeRequest\x1a&.splitserve.worker.v1.DescribeResponse\x12\\\n\tLoadModel\x12&.splitserve.worker.v1.LoadModelRequest\x1a\'.splitserve.worker.v1.LoadModelResponse\x12h\n\rGetKvCapacity\x12*.splitserve.worker.v1.GetKvCapacityRequest\x1a+.splitserve.worker.v1.GetKvCapacityResponse\x12t\n\x11InitializeKvCache\x12..splitserve.worker.v1.InitializeKvCacheRequest\x1a/.splitserve.worker.v1.InitializeKvCacheResponse\x12Z\n\x07\x45xecute\x12$.splitserve.worker.v1.ExecuteRequest\x1a%.splitserve.worker.v1.ExecuteResponse(\x01\x30\x01\x12n\n\x0fLoadLoraAdapter\x12,.splitserve.worker.v1.LoadLoraAdapterRequest\x1a-.splitserve.worker.v1.LoadLoraAdapterResponseBy\n\x17io.splitserve.worker.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\xaa\x02\x14Splitserve.Worker.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,58 +34,56 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve_contracts.worker
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\027io.splitserve.worker.v1P\001ZEgithub.com/splitserve/splitserve/gen/go/splitserve/worker/v1;workerv1\252\002\024Splitserve.Worker.V1'
-  _globals['_STEPSTATUS']._serialized_start=4905
-  _globals['_STEPSTATUS']._serialized_end=4989
-  _globals['_DESCRIBEREQUEST']._serialized_start=101
-  _globals['_DESCRIBEREQUEST']._serialized_end=118
-  _globals['_DESCRIBERESPONSE']._serialized_start=121
-  _globals['_DESCRIBERESPONSE']._serialized_end=318
-  _globals['_LOADMODELREQUEST']._serialized_start=321
-  _globals['_LOADMODELREQUEST']._serialized_end=1048
-  _globals['_SPECULATIVECONFIG']._serialized_start=1050
-  _globals['_SPECULATIVECONFIG']._serialized_end=1171
-  _globals['_LOADMODELRESPONSE']._serialized_start=1174
-  _globals['_LOADMODELRESPONSE']._serialized_end=1519
-  _globals['_GETKVCAPACITYREQUEST']._serialized_start=1521
-  _globals['_GETKVCAPACITYREQUEST']._serialized_end=1624
-  _globals['_GETKVCAPACITYRESPONSE']._serialized_start=1626
-  _globals['_GETKVCAPACITYRESPONSE']._serialized_end=1719
-  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_start=1721
-  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_end=1785
-  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_start=1787
-  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_end=1838
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1840
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1900
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1902
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2013
-  _globals['_EXECUTEREQUEST']._serialized_start=2016
-  _globals['_EXECUTEREQUEST']._serialized_end=2213
-  _globals['_GRAMMAROUTPUT']._serialized_start=2215
-  _globals['_GRAMMAROUTPUT']._serialized_end=2310
-  _globals['_GRAMMARBITMASK']._serialized_start=2312
-  _globals['_GRAMMARBITMASK']._serialized_end=2426
-  _globals['_SPARSEGRAMMARBITMASK']._serialized_start=2428
-  _globals['_SPARSEGRAMMARBITMASK']._serialized_end=2554
-  _globals['_EXECUTERESPONSE']._serialized_start=2556
-  _globals['_EXECUTERESPONSE']._serialized_end=2643
-  _globals['_SCHEDULEROUTPUT']._serialized_start=2646
-  _globals['_SCHEDULEROUTPUT']._serialized_end=3219
-  _globals['_LORASLOTS']._serialized_start=3221
-  _globals['_LORASLOTS']._serialized_end=3285
-  _globals['_SCHEDULEDENCODERINPUTS']._serialized_start=3287
-  _globals['_SCHEDULEDENCODERINPUTS']._serialized_end=3350
-  _globals['_NEWREQUESTDATA']._serialized_start=3353
-  _globals['_NEWREQUESTDATA']._serialized_end=3836
-  _globals['_CACHEDREQUESTDATA']._serialized_start=3839
-  _globals['_CACHEDREQUESTDATA']._serialized_end=4099
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=4102
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=4643
-  _globals['_POOLEROUTPUT']._serialized_start=4645
-  _globals['_POOLEROUTPUT']._serialized_end=4693
-  _globals['_REQUESTLOGPROBS']._serialized_start=4695
-  _globals['_REQUESTLOGPROBS']._serialized_end=4784
-  _globals['_STEPTIMINGS']._serialized_start=4786
-  _globals['_STEPTIMINGS']._serialized_end=4903
-  _globals['_WORKERSERVICE']._serialized_start=4992
-  _globals['_WORKERSERVICE']._serialized_end=5620
+  _globals['_STEPSTATUS']._serialized_start=4676
+  _globals['_STEPSTATUS']._serialized_end=4760
+  _globals['_DESCRIBEREQUEST']._serialized_start=144
+  _globals['_DESCRIBEREQUEST']._serialized_end=161
+  _globals['_DESCRIBERESPONSE']._serialized_start=164
+  _globals['_DESCRIBERESPONSE']._serialized_end=361
+  _globals['_LOADMODELREQUEST']._serialized_start=364
+  _globals['_LOADMODELREQUEST']._serialized_end=942
+  _globals['_LOADMODELRESPONSE']._serialized_start=945
+  _globals['_LOADMODELRESPONSE']._serialized_end=1290
+  _globals['_GETKVCAPACITYREQUEST']._serialized_start=1292
+  _globals['_GETKVCAPACITYREQUEST']._serialized_end=1395
+  _globals['_GETKVCAPACITYRESPONSE']._serialized_start=1397
+  _globals['_GETKVCAPACITYRESPONSE']._serialized_end=1490
+  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_start=1492
+  _globals['_INITIALIZEKVCACHEREQUEST']._serialized_end=1556
+  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_start=1558
+  _globals['_INITIALIZEKVCACHERESPONSE']._serialized_end=1609
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1611
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1671
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1673
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1784
+  _globals['_EXECUTEREQUEST']._serialized_start=1787
+  _globals['_EXECUTEREQUEST']._serialized_end=1984
+  _globals['_GRAMMAROUTPUT']._serialized_start=1986
+  _globals['_GRAMMAROUTPUT']._serialized_end=2081
+  _globals['_GRAMMARBITMASK']._serialized_start=2083
+  _globals['_GRAMMARBITMASK']._serialized_end=2197
+  _globals['_SPARSEGRAMMARBITMASK']._serialized_start=2199
+  _globals['_SPARSEGRAMMARBITMASK']._serialized_end=2325
+  _globals['_EXECUTERESPONSE']._serialized_start=2327
+  _globals['_EXECUTERESPONSE']._serialized_end=2414
+  _globals['_SCHEDULEROUTPUT']._serialized_start=2417
+  _globals['_SCHEDULEROUTPUT']._serialized_end=2990
+  _globals['_LORASLOTS']._serialized_start=2992
+  _globals['_LORASLOTS']._serialized_end=3056
+  _globals['_SCHEDULEDENCODERINPUTS']._serialized_start=3058
+  _globals['_SCHEDULEDENCODERINPUTS']._serialized_end=3121
+  _globals['_NEWREQUESTDATA']._serialized_start=3124
+  _globals['_NEWREQUESTDATA']._serialized_end=3607
+  _globals['_CACHEDREQUESTDATA']._serialized_start=3610
+  _globals['_CACHEDREQUESTDATA']._serialized_end=3870
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=3873
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=4414
+  _globals['_POOLEROUTPUT']._serialized_start=4416
+  _globals['_POOLEROUTPUT']._serialized_end=4464
+  _globals['_REQUESTLOGPROBS']._serialized_start=4466
+  _globals['_REQUESTLOGPROBS']._serialized_end=4555
+  _globals['_STEPTIMINGS']._serialized_start=4557
+  _globals['_STEPTIMINGS']._serialized_end=4674
+  _globals['_WORKERSERVICE']._serialized_start=4763
+  _globals['_WORKERSERVICE']._serialized_end=5391
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from splitserve_contracts.common.v1 import engine_options_pb2 as _engine_options_pb2
 from splitserve_contracts.common.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -121,67 +122,16 @@ class LoadModelRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    MODEL_PATH_FIELD_NUMBER: _builtins.int
-    DTYPE_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
-    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
-    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
-    DISTRIBUTED_INIT_METHOD_FIELD_NUMBER: _builtins.int
-    SEED_FIELD_NUMBER: _builtins.int
-    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
-    ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
-    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
-    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     SERVED_MODEL_NAME_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_ID_FIELD_NUMBER: _builtins.int
-    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     OWNER_EPOCH_FIELD_NUMBER: _builtins.int
-    REVISION_FIELD_NUMBER: _builtins.int
-    ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
-    ENABLE_EXPERT_PARALLEL_FIELD_NUMBER: _builtins.int
-    ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
-    MAX_LORAS_FIELD_NUMBER: _builtins.int
-    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
-    MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
-    QUANTIZATION_FIELD_NUMBER: _builtins.int
-    DEQUANTIZE_GGUF_FIELD_NUMBER: _builtins.int
-    SPECULATIVE_CONFIG_FIELD_NUMBER: _builtins.int
-    RUNNER_FIELD_NUMBER: _builtins.int
-    CONVERT_FIELD_NUMBER: _builtins.int
-    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
-    model_path: _builtins.str
-    """The model as `--model` names it: a Hugging Face checkpoint folder
-    (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
-    ("org/name", fetched into the rank's Hugging Face cache), "tiny" (the tiny
-    test model) or "" (the default model). Every rank resolves it the same way.
-    """
-    dtype: _builtins.str
-    """Compute dtype: "auto" (the checkpoint's; float32 for float16 on CPU),
-    "bfloat16", "float16" or "float32".
-    """
     rank: _builtins.int
     """This rank's index, 0 .. tensor_parallel_size * pipeline_parallel_size - 1;
     rank = pp_rank * tensor_parallel_size + tp_rank.
     """
-    tensor_parallel_size: _builtins.int
-    """Tensor-parallel ranks per pipeline stage."""
-    pipeline_parallel_size: _builtins.int
-    """Pipeline stages."""
-    distributed_init_method: _builtins.str
-    """torch.distributed rendezvous address, e.g. "tcp://10.0.0.5:29500"; unused
-    when there is a single rank.
-    """
-    seed: _builtins.int
-    """Seed of the engine's default random generator."""
-    max_model_len: _builtins.int
-    """Longest sequence in tokens; 0 means the model's max_position_embeddings."""
-    attention_backend: _builtins.str
-    """Attention backend: "auto", "torch", "triton" or "flash_attn"."""
-    max_num_batched_tokens: _builtins.int
-    """Most tokens in one step; sizes the rank's step buffers."""
-    max_num_seqs: _builtins.int
-    """Most requests in one step; sizes the rank's step buffers."""
     served_model_name: _builtins.str
     """Model name for the rank's metrics label model_name."""
     engine_id: _builtins.str
@@ -191,10 +141,6 @@ class LoadModelRequest(_message.Message):
     ranks rendezvous under it, so a restarted core never meets the previous
     bring-up's rendezvous state. Empty means "default".
     """
-    block_size: _builtins.int
-    """Tokens per KV-cache block, >= 1. The attention backend is chosen for it
-    at load, once; GetKvCapacity and InitializeKvCache use it too.
-    """
     owner_epoch: _builtins.int
     """Ownership epoch of the calling engine core, chosen when the core starts
     (its start time in nanoseconds), so a restarted core presents a larger one.
@@ -203,152 +149,30 @@ class LoadModelRequest(_message.Message):
     epoch: a deliberate takeover. Later calls carry the epoch in the metadata
     key "x-splitserve-owner-epoch". 0 means "no epoch".
     """
-    revision: _builtins.str
-    """Hub revision (branch, tag or commit) of a Hub id model_path; "" means
-    "main". Ignored for local paths.
-    """
-    enforce_eager: _builtins.bool
-    """Run the model eagerly, never as compiled graphs (vLLM's --enforce-eager);
-    false lets the rank compile where it can.
-    """
-    enable_expert_parallel: _builtins.bool
-    """Mixture-of-experts layers split whole experts over the tensor-parallel
-    ranks (vLLM's --enable-expert-parallel) instead of every expert's
-    intermediate rows. Ignored by dense models.
-    """
-    async_scheduling: _builtins.bool
-    """The engine core schedules a step before the previous one's output came
-    back (vLLM's --async-scheduling): a rank that samples appends each token
-    it samples to the request at once, and the core sends no token ids for
-    them. Needs pipeline_parallel_size 1 (every rank samples).
-    """
-    max_loras: _builtins.int
-    """LoRA adapters (vLLM's --enable-lora): the most distinct adapters one step
-    may run (the rank's adapter slots, vLLM's --max-loras); 0 means LoRA is
-    off and requests must not name an adapter.
-    """
-    max_lora_rank: _builtins.int
-    """Largest adapter rank the slots hold (vLLM's --max-lora-rank); adapters
-    of a larger rank are refused. Used when max_loras > 0.
-    """
-    max_cpu_loras: _builtins.int
-    """Adapters the rank keeps in host memory besides the slots (vLLM's
-    --max-cpu-loras), least recently used dropped first; >= max_loras.
-    """
-    quantization: _builtins.str
-    """The weights' quantization (vLLM's --quantization): "" (the checkpoint's
-    own), a checkpoint format ("fp8", "gguf", "compressed-tensors", "awq",
-    "gptq") that must match the checkpoint, or "int8", "int4", "w8a8" to
-    quantize a float checkpoint at load. The rank refuses a name that does not
-    fit the checkpoint or that it cannot load.
-    """
-    dequantize_gguf: _builtins.bool
-    """Serve a GGUF file's quantized weights dequantized to float at load instead
-    of keeping them quantized. Ignored for other checkpoints.
-    """
-    runner: _builtins.str
-    """What the engine runs the model for (vLLM's --runner): "generate",
-    "pooling" (pooled hidden states instead of sampled tokens) or "auto"/""
-    (pooling for a checkpoint without a language-model head, e.g.
-    "LlamaModel", else generate).
-    """
-    convert: _builtins.str
-    """How a generative architecture is adapted (vLLM's --convert): "embed"
-    serves it as an embedding model (implies runner "pooling"), "none" or
-    "auto"/"" as it is.
-    """
-    kv_cache_dtype: _builtins.str
-    """How the rank stores its KV cache (vLLM's --kv-cache-dtype): "auto"/"" (the
-    compute dtype), "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2"
-    (float8_e5m2): one byte per value, stored divided by the layer's per-tensor
-    k_scale / v_scale (the checkpoint's, else 1.0) and saturated to the
-    format's range. GetKvCapacity counts blocks at that size. The rank refuses
-    any other value.
-    """
     @_builtins.property
-    def speculative_config(self) -> Global___SpeculativeConfig:
-        """Speculative decoding (vLLM's --speculative-config); unset: none. Every
-        rank proposes the drafts of its requests itself, from the token ids it
-        holds, so drafts never travel: the engine core only schedules slots for
-        them (SchedulerOutput.num_spec_tokens).
+    def options(self) -> _engine_options_pb2.EngineOptions:
+        """The engine's options, the same for every rank (the engine core's flags).
+        model.model names the model; a rank refuses options the rules refuse
+        (INVALID_ARGUMENT naming the field).
         """
 
     def __init__(
         self,
         *,
-        model_path: _builtins.str = ...,
-        dtype: _builtins.str = ...,
+        options: _engine_options_pb2.EngineOptions | None = ...,
         rank: _builtins.int = ...,
-        tensor_parallel_size: _builtins.int = ...,
-        pipeline_parallel_size: _builtins.int = ...,
-        distributed_init_method: _builtins.str = ...,
-        seed: _builtins.int = ...,
-        max_model_len: _builtins.int = ...,
-        attention_backend: _builtins.str = ...,
-        max_num_batched_tokens: _builtins.int = ...,
-        max_num_seqs: _builtins.int = ...,
         served_model_name: _builtins.str = ...,
         engine_id: _builtins.str = ...,
         rendezvous_id: _builtins.str = ...,
-        block_size: _builtins.int = ...,
         owner_epoch: _builtins.int = ...,
-        revision: _builtins.str = ...,
-        enforce_eager: _builtins.bool = ...,
-        enable_expert_parallel: _builtins.bool = ...,
-        async_scheduling: _builtins.bool = ...,
-        max_loras: _builtins.int = ...,
-        max_lora_rank: _builtins.int = ...,
-        max_cpu_loras: _builtins.int = ...,
-        quantization: _builtins.str = ...,
-        dequantize_gguf: _builtins.bool = ...,
-        speculative_config: Global___SpeculativeConfig | None = ...,
-        runner: _builtins.str = ...,
-        convert: _builtins.str = ...,
-        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["speculative_config", b"speculative_config"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "attention_backend", b"attention_backend", "block_size", b"block_size", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "distributed_init_method", b"distributed_init_method", "dtype", b"dtype", "enable_expert_parallel", b"enable_expert_parallel", "enforce_eager", b"enforce_eager", "engine_id", b"engine_id", "kv_cache_dtype", b"kv_cache_dtype", "max_cpu_loras", b"max_cpu_loras", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "owner_epoch", b"owner_epoch", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "revision", b"revision", "runner", b"runner", "seed", b"seed", "served_model_name", b"served_model_name", "speculative_config", b"speculative_config", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "options", b"options", "owner_epoch", b"owner_epoch", "rank", b"rank", "rendezvous_id", b"rendezvous_id", "served_model_name", b"served_model_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadModelRequest: _TypeAlias = LoadModelRequest  # noqa: Y015
-
-@_typing.final
-class SpeculativeConfig(_message.Message):
-    """SpeculativeConfig says how ranks propose draft tokens (vLLM's
-    SpeculativeConfig, method "ngram").
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    METHOD_FIELD_NUMBER: _builtins.int
-    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
-    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _builtins.int
-    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _builtins.int
-    method: _builtins.str
-    """Proposal method: "ngram" (prompt lookup)."""
-    num_speculative_tokens: _builtins.int
-    """Most draft tokens per request per step, >= 1."""
-    prompt_lookup_min: _builtins.int
-    """Shortest n-gram (suffix of the request's tokens) matched, >= 1."""
-    prompt_lookup_max: _builtins.int
-    """Longest n-gram matched, >= prompt_lookup_min."""
-    def __init__(
-        self,
-        *,
-        method: _builtins.str = ...,
-        num_speculative_tokens: _builtins.int = ...,
-        prompt_lookup_min: _builtins.int = ...,
-        prompt_lookup_max: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "num_speculative_tokens", b"num_speculative_tokens", "prompt_lookup_max", b"prompt_lookup_max", "prompt_lookup_min", b"prompt_lookup_min"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SpeculativeConfig: _TypeAlias = SpeculativeConfig  # noqa: Y015
 
 @_typing.final
 class LoadModelResponse(_message.Message):

@@ -18,8 +18,8 @@ COST = StepCost(fixed=0.01, prefill_token=0.001, decode=0.0, context_token=0.0)
 
 
 def config(is_async: bool, chunk: int = 0) -> CoreConfig:
-    return CoreConfig(
-        "bench",
+    return CoreConfig.of(
+        model="bench",
         max_num_seqs=8,
         max_num_batched_tokens=256,
         async_scheduling=is_async,

@@ -11,9 +11,9 @@ def facts(num_kv_blocks: int) -> ModelFacts:
 
 
 def test_reasons() -> None:
-    config = CoreConfig(model="m", worker_addrs=["127.0.0.1:1"], max_num_seqs=4, block_size=16)
+    config = CoreConfig.of(model="m", worker_addrs=["127.0.0.1:1"], max_num_seqs=4, block_size=16)
     # 4 requests x ceil(100 / 16) = 7 blocks, plus the null block: 29 blocks is all it can use.
     assert "max_num_seqs 4 x max_model_len 100" in kv_sizing_reason(config, facts(29))
     assert "the memory the workers may use" in kv_sizing_reason(config, facts(28))
-    flagged = CoreConfig(model="m", worker_addrs=["127.0.0.1:1"], kv_cache_memory_bytes=1 << 20)
+    flagged = CoreConfig.of(model="m", worker_addrs=["127.0.0.1:1"], kv_cache_memory_bytes=1 << 20)
     assert kv_sizing_reason(flagged, facts(28)) == "--kv-cache-memory-bytes"

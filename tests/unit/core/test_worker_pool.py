@@ -61,11 +61,11 @@ async def bring_up(ranks: list[FakeRank]) -> tuple[WorkerPool, ModelFacts]:
         addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
-    config = CoreConfig(model="fake", worker_addrs=addrs, tensor_parallel_size=len(ranks),
+    config = CoreConfig.of(model="fake", worker_addrs=addrs, tensor_parallel_size=len(ranks),
                         block_size=4, worker_connect_timeout=60)  # fmt: skip
     pool = WorkerPool(addrs, owner_epoch=100)
     try:
-        return pool, await asyncio.wait_for(pool.bring_up_with_retries(config, "fake", "f"), 30)
+        return pool, await asyncio.wait_for(pool.bring_up_with_retries(config, "f"), 30)
     finally:
         await pool.close()
         for server in servers:

@@ -67,7 +67,12 @@ def test_serve_refuses_two_different_models(capsys: pytest.CaptureFixture[str]) 
 def test_short_and_long_parallel_flags() -> None:
     for argv in (["-tp", "2", "-pp", "1"], ["--tp", "2"], ["--tensor-parallel-size=2"]):
         assert parse_core([*argv, "--worker-addrs", WORKERS], {}).world_size == 2
-    assert parse_core(["-pp", "2", "--worker-addrs", WORKERS], {}).pipeline_parallel_size == 2
+    assert (
+        parse_core(
+            ["-pp", "2", "--worker-addrs", WORKERS], {}
+        ).options.parallel.pipeline_parallel_size
+        == 2
+    )
 
 
 def test_underscore_spellings_are_the_same_flags() -> None:
@@ -76,7 +81,11 @@ def test_underscore_spellings_are_the_same_flags() -> None:
         + ["--no-enable_prefix_caching", "--gpu_memory_utilization", "0.5"],
         {},
     )
-    assert (config.max_model_len, config.world_size, config.enable_prefix_caching) == (99, 2, False)
+    assert (
+        config.options.model.max_model_len,
+        config.world_size,
+        config.enable_prefix_caching,
+    ) == (99, 2, False)
     assert config.gpu_memory_utilization == 0.5
     assert parse_frontend(["--max_logprobs", "3"], {}).max_logprobs == 3
     assert parse_worker(["--torch_threads", "2"], {}).torch_threads == 2
@@ -113,13 +122,13 @@ def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -
     )
     env = {"SPLITSERVE_MAX_NUM_SEQS": "12", "SPLITSERVE_SEED": "5", "SPLITSERVE_MAX_MODEL_LEN": "9"}
     config = parse_core(["--config", path, "--max-num-seqs", "3"], env)
-    assert config.max_num_seqs == 3  # the command line wins over the file
-    assert config.max_model_len == 77  # the file wins over the environment
-    assert config.seed == 5  # the environment fills what neither sets
+    assert config.options.scheduler.max_num_seqs == 3  # the command line wins over the file
+    assert config.options.model.max_model_len == 77  # the file wins over the environment
+    assert config.options.model.seed == 5  # the environment fills what neither sets
     assert config.enable_prefix_caching is False
     assert config.worker_addrs == WORKERS.split(",") and config.world_size == 2
     assert config.metrics_port is None
-    assert parse_core([], {"SPLITSERVE_CONFIG": path}).max_num_seqs == 8
+    assert parse_core([], {"SPLITSERVE_CONFIG": path}).options.scheduler.max_num_seqs == 8
 
 
 @pytest.mark.parametrize(
@@ -198,7 +207,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     + [("float32", "float32"), ("auto", "auto")],
 )
 def test_dtype_takes_vllms_aliases(given: str, served: str) -> None:
-    assert parse_core(["--worker-addrs", "h:1", "--dtype", given], {}).dtype == served
+    assert parse_core(["--worker-addrs", "h:1", "--dtype", given], {}).options.model.dtype == served
 
 
 def test_dtype_refuses_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,7 +218,7 @@ def test_dtype_refuses_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_enforce_eager_and_the_stats_interval_reach_the_core_config() -> None:
     config = parse_core(["--worker-addrs", "h:1", "--enforce-eager"], {})
-    assert config.enforce_eager is True and config.log_stats_interval == 10.0
+    assert config.options.model.enforce_eager is True and config.log_stats_interval == 10.0
     assert parse_core(["--worker-addrs", "h:1", "--disable-log-stats"], {}).log_stats_interval == 0
     quiet = parse_core(["--worker-addrs", "h:1", "--log-stats-interval", "0"], {})
     assert quiet.log_stats_interval == 0
@@ -238,12 +247,17 @@ def test_async_scheduling_reaches_the_scheduler_and_is_on_where_it_can_run() -> 
     config = parse_core(["--worker-addrs", "h:1", "--async-scheduling"], {})
     scheduler = build_engine(config, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
     assert isinstance(scheduler, AsyncScheduler)
-    assert parse_core(["--worker-addrs", "h:1"], {}).async_scheduling is True
+    assert parse_core(["--worker-addrs", "h:1"], {}).options.scheduler.async_scheduling is True
     off = parse_core(["--worker-addrs", "h:1", "--no-async-scheduling"], {})
-    assert off.async_scheduling is False
+    assert off.options.scheduler.async_scheduling is False
     scheduler = build_engine(off, facts, None, EngineInbox()).scheduler  # type: ignore[arg-type]
     assert not isinstance(scheduler, AsyncScheduler)
-    assert parse_core(["--worker-addrs", "h:1,h:2", "--pp", "2"], {}).async_scheduling is False
+    assert (
+        parse_core(
+            ["--worker-addrs", "h:1,h:2", "--pp", "2"], {}
+        ).options.scheduler.async_scheduling
+        is False
+    )
     serve = parse_serve(["/models/llama", "--async-scheduling"], {})
     assert serve.service_flags["core"] == ["--async-scheduling"]
 
@@ -254,7 +268,11 @@ def test_async_scheduling_refuses_pipeline_parallelism(
     argv = ["--worker-addrs", "h:1,h:2", "--pp", "2", "--async-scheduling"]
     with pytest.raises(SystemExit):
         parse_core(argv, {})
-    assert "--async-scheduling needs --pipeline-parallel-size 1" in capsys.readouterr().err
+    said = capsys.readouterr().err  # the rule's words, as a rank refusing LoadModel says them
+    assert (
+        "--async-scheduling: scheduler.async_scheduling needs parallel.pipeline_parallel_size 1"
+        in said
+    )
 
 
 @pytest.mark.parametrize(

@@ -19,24 +19,34 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
         "SPLITSERVE_TENSOR_PARALLEL_SIZE": "2",
     }
     config = parse_core(["--max-model-len", "99"], env)
-    assert (config.max_num_seqs, config.max_model_len) == (12, 99)
+    assert (config.options.scheduler.max_num_seqs, config.options.model.max_model_len) == (12, 99)
     assert config.enable_prefix_caching is False
     assert config.worker_addrs == WORKERS.split(",")
-    assert config.distributed_init_method == "tcp://127.0.0.1:29500"
+    assert config.options.parallel.distributed_init_method == "tcp://127.0.0.1:29500"
 
 
 def test_command_line_wins_over_environment() -> None:
     config = parse_core(
         ["--worker-addrs", "h:1", "--max-num-seqs", "3"], {"SPLITSERVE_MAX_NUM_SEQS": "12"}
     )
-    assert config.max_num_seqs == 3
+    assert config.options.scheduler.max_num_seqs == 3
 
 
 def test_vllm_short_forms_and_layout_check() -> None:
-    assert parse_core(["--tp", "2", "--worker-addrs", WORKERS], {}).tensor_parallel_size == 2
+    assert (
+        parse_core(
+            ["--tp", "2", "--worker-addrs", WORKERS], {}
+        ).options.parallel.tensor_parallel_size
+        == 2
+    )
     config = parse_core(["--tp", "2", "--enable-expert-parallel", "--worker-addrs", WORKERS], {})
-    assert config.enable_expert_parallel is True
-    assert parse_core(["--tp", "2", "--worker-addrs", WORKERS], {}).enable_expert_parallel is False
+    assert config.options.parallel.enable_expert_parallel is True
+    assert (
+        parse_core(
+            ["--tp", "2", "--worker-addrs", WORKERS], {}
+        ).options.parallel.enable_expert_parallel
+        is False
+    )
     with pytest.raises(SystemExit):
         parse_core(["--tp", "2", "--pp", "2", "--worker-addrs", WORKERS], {})
 

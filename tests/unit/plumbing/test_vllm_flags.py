@@ -109,7 +109,7 @@ def test_lora_flags_reach_the_core() -> None:
     args = parse_serve(["tiny", *lora], {})
     assert args.service_flags["core"] == lora
     config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
-    assert (config.max_loras, config.max_lora_rank) == (4, 32)
+    assert (config.options.lora.max_loras, config.options.lora.max_lora_rank) == (4, 32)
 
 
 def test_kv_cache_dtype_and_quantization_auto_are_accepted() -> None:
@@ -123,7 +123,7 @@ def test_fp8_kv_cache_dtypes_reach_the_core(value: str) -> None:
     """vLLM's fp8 cache dtypes go to the core, which sends them to the workers as they are."""
     args = parse_serve(["tiny", "--kv-cache-dtype", value], {})
     config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
-    assert config.kv_cache_dtype == value
+    assert config.options.cache.kv_cache_dtype == value
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_marlin_names_reach_the_workers_as_their_checkpoint_format(value: str, m
     checkpoints here."""
     args = parse_serve(["tiny", "-q", value], {})
     config = parse_core(["--worker-addrs", "h:1", *args.service_flags["core"]], {})
-    assert config.quantization == method
+    assert config.options.model.quantization == method
 
 
 def test_several_served_model_names_reach_the_core_and_the_frontend(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from splitserve.loopback_ports import free_ports
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.load_requests import load_request
 from worker_svc.config import parse_config
 from worker_svc.cpu_binding import OMP_THREADS_BIND_ENV, auto_cpus, check_bind, rank_cpus
 
@@ -117,7 +118,7 @@ def test_load_model_binds_every_thread_of_a_spawned_worker(
             wait_described(stub, process)
             assert len(thread_cpus(process.pid) - {str(cpu)}) > 0  # not bound before LoadModel
             model = worker_checkpoints.get("llama")
-            stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4), timeout=60)
+            stub.LoadModel(load_request(model_path=str(model), block_size=4), timeout=60)
             assert thread_cpus(process.pid) == {str(cpu)}
             stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=8), timeout=60)
             assert thread_cpus(process.pid) == {str(cpu)}  # threads started since inherit it

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.load_requests import load_request
 from worker_svc.attention.kv_quant import KvScales
 from worker_svc.convert import load_model_config_from_proto
 from worker_svc.model_load import LoadModelConfig
@@ -29,7 +29,7 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(
     counts = {}
     for name in ("auto", kv_cache_dtype):
         worker = Worker("cpu")
-        worker.load_model(LoadModelConfig(path, dtype="bfloat16", kv_cache_dtype=name))
+        worker.load_model(LoadModelConfig.of(path, dtype="bfloat16", kv_cache_dtype=name))
         capacity = worker.get_kv_capacity(0.9, budget)
         counts[name] = capacity.num_blocks
         worker.initialize_kv_cache(capacity.num_blocks)
@@ -57,7 +57,7 @@ def test_checkpoint_kv_scales_reach_each_layer(
     (tmp_path / "config.json").write_text((source / "config.json").read_text())
     for name, expected in (("fp8", KvScales(0.25, 2.0)), ("auto", None)):
         worker = Worker("cpu")
-        worker.load_model(LoadModelConfig(str(tmp_path), kv_cache_dtype=name))
+        worker.load_model(LoadModelConfig.of(str(tmp_path), kv_cache_dtype=name))
         assert worker.runner is not None
         layers = worker.runner.model.layers  # type: ignore[attr-defined]
         if expected is not None:
@@ -70,14 +70,14 @@ def test_checkpoint_kv_scales_reach_each_layer(
 
 def test_other_kv_cache_dtypes_are_refused(worker_checkpoints: CheckpointCache) -> None:
     path = str(worker_checkpoints.get("llama"))
-    request = pb.LoadModelRequest(model_path=path, block_size=16, kv_cache_dtype="fp8_inc")
-    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8_inc'; choose one of auto"):
+    request = load_request(model_path=path, block_size=16, kv_cache_dtype="fp8_inc")
+    with pytest.raises(ValueError, match="cache.kv_cache_dtype is 'fp8_inc'; choose one of auto"):
         load_model_config_from_proto(request)
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported"):
-        Worker("cpu").load_model(LoadModelConfig(path, kv_cache_dtype="int8"))
+        Worker("cpu").load_model(LoadModelConfig.of(path, kv_cache_dtype="int8"))
     with pytest.raises(ValueError, match="no fp8 KV cache"):
         Worker("cpu").load_model(
-            LoadModelConfig(path, kv_cache_dtype="fp8", attention_backend="triton")
+            LoadModelConfig.of(path, kv_cache_dtype="fp8", attention_backend="triton")
         )
     with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
         KvScales(k_scale=0.0)

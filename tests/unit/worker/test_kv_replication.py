@@ -3,8 +3,6 @@ rank r holds KV head r * num_kv_heads // tp) when there are fewer KV heads than 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -96,7 +94,7 @@ def model_config(num_heads: int, num_kv_heads: int) -> ModelConfig:
 def test_which_layouts_are_refused(
     num_heads: int, num_kv_heads: int, tp: int, needle: str | None
 ) -> None:
-    config = dataclasses.replace(LoadModelConfig("m"), tensor_parallel_size=tp)
+    config = LoadModelConfig.of("m", tensor_parallel_size=tp)
     model = model_config(num_heads, num_kv_heads)
     if needle is None:
         check_parallel_shape(config, model)

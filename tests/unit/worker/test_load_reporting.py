@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.load_requests import load_request
 from worker_svc import convert
 from worker_svc.weights import SHARDS_PROGRESS, checkpoint_files, iter_checkpoint
 
@@ -37,17 +37,19 @@ def test_without_the_bar_every_shard_is_a_log_line(
 
 
 def test_enforce_eager_travels_in_load_model() -> None:
-    request = pb.LoadModelRequest(model_path="/m", block_size=8, enforce_eager=True)
-    assert convert.load_model_config_from_proto(request).enforce_eager is True
-    plain = pb.LoadModelRequest(model_path="/m", block_size=8)
-    assert convert.load_model_config_from_proto(plain).enforce_eager is False
+    request = load_request(model_path="/m", block_size=8, enforce_eager=True)
+    assert convert.load_model_config_from_proto(request).options.model.enforce_eager is True
+    plain = load_request(model_path="/m", block_size=8)
+    assert convert.load_model_config_from_proto(plain).options.model.enforce_eager is False
 
 
 def test_async_scheduling_travels_in_load_model_and_refuses_pipeline_stages() -> None:
-    request = pb.LoadModelRequest(model_path="/m", block_size=8, async_scheduling=True)
-    assert convert.load_model_config_from_proto(request).async_scheduling is True
-    staged = pb.LoadModelRequest(
+    request = load_request(model_path="/m", block_size=8, async_scheduling=True)
+    assert convert.load_model_config_from_proto(request).options.scheduler.async_scheduling is True
+    staged = load_request(
         model_path="/m", block_size=8, async_scheduling=True, pipeline_parallel_size=2
     )
-    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+    with pytest.raises(
+        ValueError, match="scheduler.async_scheduling needs parallel.pipeline_parallel_size 1"
+    ):
         convert.load_model_config_from_proto(staged)

@@ -29,8 +29,8 @@ def base(worker_checkpoints: CheckpointCache) -> Path:
 @pytest.fixture(scope="module")
 def rank(base: Path) -> Iterator[LocalRank]:
     rank = LocalRank()
-    config = LoadModelConfig(str(base), block_size=4, max_loras=2, max_lora_rank=8)
-    rank.load(dataclasses.replace(config, max_cpu_loras=2))
+    config = LoadModelConfig.of(str(base), block_size=4, max_loras=2, max_lora_rank=8)
+    rank.load(config.with_options(max_cpu_loras=2))
     rank.init(num_blocks=64)
     yield rank
     rank.close()
@@ -115,7 +115,7 @@ def test_an_adapter_loads_fast_and_lora_off_ranks_refuse(
                                       "up_proj", "v_proj")  # fmt: skip
     plain = LocalRank()
     try:
-        plain.load(LoadModelConfig(str(base), block_size=4))
+        plain.load(LoadModelConfig.of(str(base), block_size=4))
         plain.init(num_blocks=16)
         with pytest.raises(WorkerStateError, match="LoRA is off"):
             plain.worker.read_lora_adapter(3, str(adapters / "good"))

@@ -139,7 +139,7 @@ def test_the_worker_builds_with_the_kernels_on_the_cpu_backend(
     worker = Worker("cpu")
     try:
         worker.load_model(
-            LoadModelConfig(str(worker_checkpoints.get("qwen3")), attention_backend=backend)
+            LoadModelConfig.of(str(worker_checkpoints.get("qwen3")), attention_backend=backend)
         )
         assert worker.runner is not None
         model = worker.runner.model
@@ -182,4 +182,4 @@ def test_a_llava_checkpoint_without_a_vision_tensor_is_refused(
     with pytest.raises(
         ValueError, match=r"lacks tensors for: multi_modal_projector\.linear_2\.bias"
     ):
-        worker.load_model(LoadModelConfig(str(tmp_path)))
+        worker.load_model(LoadModelConfig.of(str(tmp_path)))

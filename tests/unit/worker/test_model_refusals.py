@@ -26,7 +26,7 @@ def edited_checkpoint(source: Path, folder: Path, **changes: Any) -> Path:
 
 def refusal(path: Path) -> str:
     with pytest.raises(ValueError) as err:
-        Worker("cpu").load_model(LoadModelConfig(str(path)))
+        Worker("cpu").load_model(LoadModelConfig.of(str(path)))
     message = str(err.value)
     assert "\n" not in message
     return message

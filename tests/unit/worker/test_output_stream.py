@@ -20,6 +20,7 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from tests.fixtures.checkpoints import CheckpointCache
+from tests.fixtures.load_requests import load_request
 from tests.unit.worker.test_worker_server import open_stream, read_output, start_server
 from worker_svc.output_stream import StepOutputs, StreamClosed
 from worker_svc.server import WorkerServicer
@@ -161,7 +162,7 @@ def test_the_next_step_runs_while_the_previous_output_is_written(
         async def bring_up() -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
-                await stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4))
+                await stub.LoadModel(load_request(model_path=str(model), block_size=4))
                 await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
 
         asyncio.run(bring_up())
@@ -176,9 +177,7 @@ def test_the_next_step_runs_while_the_previous_output_is_written(
 async def taken_over_mid_stream(model: Path, port: int) -> tuple[list[int], grpc.StatusCode, str]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
-        await stub.LoadModel(
-            pb.LoadModelRequest(model_path=str(model), block_size=4, owner_epoch=1)
-        )
+        await stub.LoadModel(load_request(model_path=str(model), block_size=4, owner_epoch=1))
         await stub.InitializeKvCache(
             pb.InitializeKvCacheRequest(num_blocks=16), metadata=((OWNER_EPOCH_METADATA_KEY, "1"),)
         )
@@ -188,7 +187,7 @@ async def taken_over_mid_stream(model: Path, port: int) -> tuple[list[int], grpc
             await call.write(new_request_step(step_id, handle=step_id))
         step_ids = [(await read_output(call)).step_id, (await read_output(call)).step_id]
         await stub.LoadModel(  # a restarted core (a larger epoch) takes the rank over
-            pb.LoadModelRequest(model_path=str(model), block_size=4, owner_epoch=2)
+            load_request(model_path=str(model), block_size=4, owner_epoch=2)
         )
         await call.write(new_request_step(3, handle=3))
         with pytest.raises(grpc.aio.AioRpcError) as failed:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.spec_decode import (
     InvalidSpeculativeConfig,
@@ -122,7 +123,9 @@ def test_rejection_keeps_the_target_distribution_at_every_position() -> None:
     (vLLM's recovered token), so it is distributed as p; the next position's output, for the
     requests that accepted the first draft, as that position's p; and so on to the bonus."""
     num_reqs = 6000
-    verified, drafts = _speculative_step(num_reqs, Sampler(torch.device("cpu"), seed=7))
+    verified, drafts = _speculative_step(
+        num_reqs, Sampler(torch.device("cpu"), ModelOptions(seed=7))
+    )
     assert (drafts == DRAFTS).all()
     starts = np.concatenate([[0], np.cumsum(verified.num_sampled)[:-1]])
     first = verified.token_ids[starts]
@@ -146,7 +149,7 @@ def test_rejection_keeps_the_target_distribution_at_every_position() -> None:
 def test_greedy_rows_accept_exactly_the_argmax_run() -> None:
     """Temperature 0: the output is the argmax at every position up to the first draft that is
     not the argmax, inclusive, as decoding one token at a time would produce."""
-    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler = Sampler(torch.device("cpu"), ModelOptions(seed=0))
     assert _greedy_step(sampler, TARGET).token_ids.tolist() == [3, 4, 2]  # all, then the bonus
     target = TARGET.clone()
     target[1, 0] = 0.5  # position 1's argmax is 0, not the draft 4

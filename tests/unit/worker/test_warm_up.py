@@ -5,7 +5,6 @@ untouched, and the first real request's greedy tokens are those of a rank that s
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,8 @@ def first_answer(
     """(tokens per step the warm-up computed, its sampler calls, the first request's greedy
     tokens, the engine generator's state after both)."""
     rank = LocalRank()
-    config = LoadModelConfig(str(base), block_size=4, async_scheduling=is_async)
-    rank.load(dataclasses.replace(config, max_model_len=128))
+    config = LoadModelConfig.of(str(base), block_size=4, async_scheduling=is_async)
+    rank.load(config.with_options(max_model_len=128))
     runner = rank.worker.runner
     assert runner is not None
     computed: list[int] = []

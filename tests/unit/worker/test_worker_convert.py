@@ -14,6 +14,7 @@ from splitserve_contracts.output_types import (
     StepTimings,
 )
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
+from tests.fixtures.load_requests import load_request
 from worker_svc import convert
 
 
@@ -96,31 +97,22 @@ def test_output_to_proto_flattens_tables() -> None:
 
 
 def test_load_model_request_validation() -> None:
-    config = convert.load_model_config_from_proto(
-        pb.LoadModelRequest(model_path="/m", block_size=8)
-    )
-    assert (config.dtype, config.tensor_parallel_size, config.attention_backend) == (
-        "auto",
-        1,
-        "auto",
-    )
-    assert config.block_size == 8 and config.enable_expert_parallel is False
-    expert_parallel = pb.LoadModelRequest(
-        model_path="/m", block_size=8, enable_expert_parallel=True
-    )
-    assert convert.load_model_config_from_proto(expert_parallel).enable_expert_parallel is True
-    with pytest.raises(ValueError, match="dtype"):
-        convert.load_model_config_from_proto(
-            pb.LoadModelRequest(model_path="/m", dtype="int8", block_size=8)
-        )
-    with pytest.raises(ValueError, match="attention_backend"):
-        convert.load_model_config_from_proto(
-            pb.LoadModelRequest(model_path="/m", attention_backend="sdpa", block_size=8)
-        )
-    with pytest.raises(ValueError, match="block_size"):
-        convert.load_model_config_from_proto(pb.LoadModelRequest(model_path="/m"))
+    config = convert.load_model_config_from_proto(load_request("/m", block_size=8, rank=1))
+    options = config.options
+    assert (options.model.dtype, options.model.attention_backend) == ("auto", "auto")
+    assert options.parallel.tensor_parallel_size == 1 and config.rank == 1
+    assert options.cache.block_size == 8 and options.parallel.enable_expert_parallel is False
+    expert_parallel = load_request("/m", enable_expert_parallel=True)
+    config = convert.load_model_config_from_proto(expert_parallel)
+    assert config.options.parallel.enable_expert_parallel is True
+    with pytest.raises(ValueError, match="model.dtype is 'int8'"):
+        convert.load_model_config_from_proto(load_request("/m", dtype="int8"))
+    with pytest.raises(ValueError, match="model.attention_backend is 'sdpa'; choose one of auto"):
+        convert.load_model_config_from_proto(load_request("/m", attention_backend="sdpa"))
+    # Unset fields read as the contract's defaults (block_size 16).
+    assert convert.load_model_config_from_proto(load_request("/m")).options.cache.block_size == 16
     # No model path: the worker serves the embedded default model (built on first use).
-    assert convert.load_model_config_from_proto(pb.LoadModelRequest(block_size=8)).model_path == ""
+    assert convert.load_model_config_from_proto(load_request(block_size=8)).model_path == ""
 
 
 def test_loaded_model_carries_the_kv_sliding_window() -> None:

@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 def last_logits(path: Path, dtype: str = "auto") -> tuple[torch.Tensor, str]:
     rank = LocalRank()
-    loaded = rank.load(LoadModelConfig(str(path), dtype=dtype, block_size=4))[0]
+    loaded = rank.load(LoadModelConfig.of(str(path), dtype=dtype, block_size=4))[0]
     rank.init(num_blocks=16)
     driver = StepDriver(4)
     handle = driver.add(PROMPT, max_tokens=1)
@@ -71,7 +71,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         str(tmp_path)
     )
     with pytest.raises(UnsupportedArchitectureError) as info:
-        Worker("cpu").load_model(LoadModelConfig(str(tmp_path)))
+        Worker("cpu").load_model(LoadModelConfig.of(str(tmp_path)))
     message = str(info.value)
     assert "GPT2LMHeadModel" in message
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
@@ -97,18 +97,18 @@ def test_missing_tensor_is_reported(worker_checkpoints: CheckpointCache, tmp_pat
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((source / "config.json").read_text())
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.gate_up_proj\.weight"):
-        Worker("cpu").load_model(LoadModelConfig(str(tmp_path)))
+        Worker("cpu").load_model(LoadModelConfig.of(str(tmp_path)))
 
 
 def test_worker_refuses_out_of_order_calls(worker_checkpoints: CheckpointCache) -> None:
     worker = Worker("cpu")
     with pytest.raises(WorkerStateError):
         worker.get_kv_capacity(0.9, 0)
-    worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
+    worker.load_model(LoadModelConfig.of(str(worker_checkpoints.get("llama"))))
     worker.initialize_kv_cache(8)
     assert worker.is_kv_cache_ready
     # A restarted engine core loads again: the rank starts over (KV cache to be re-sized).
-    worker.load_model(LoadModelConfig(str(worker_checkpoints.get("llama"))))
+    worker.load_model(LoadModelConfig.of(str(worker_checkpoints.get("llama"))))
     assert not worker.is_kv_cache_ready
     capacity = worker.get_kv_capacity(0.9, 0)
     # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes

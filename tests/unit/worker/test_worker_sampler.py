@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.sampling_types import SamplerParams
 from worker_svc.logprobs import compute_logprobs
 from worker_svc.penalties import apply_penalties
@@ -86,7 +87,7 @@ def test_penalties_follow_vllm_definitions() -> None:
 
 
 def test_logit_bias_allowed_ids_and_min_tokens_edit_logits() -> None:
-    sampler = Sampler(CPU, seed=0)
+    sampler = Sampler(CPU, ModelOptions(seed=0))
     greedy = SamplerParams(temperature=0.0)
     meta = build(
         [
@@ -113,7 +114,10 @@ def test_greedy_fast_path_is_argmax() -> None:
     meta = build([SamplerParams(temperature=0.0)] * 3, [[1]] * 3, [[]] * 3)
     assert meta.is_plain_greedy
     logits = torch.randn(3, V)
-    assert torch.equal(Sampler(CPU, 0)(logits.clone(), meta).sampled_token_ids, logits.argmax(-1))
+    assert torch.equal(
+        Sampler(CPU, ModelOptions(seed=0))(logits.clone(), meta).sampled_token_ids,
+        logits.argmax(-1),
+    )
 
 
 def test_random_sampling_follows_temperature_distribution() -> None:
@@ -121,7 +125,7 @@ def test_random_sampling_follows_temperature_distribution() -> None:
     logits = torch.tensor(
         [0.0, math.log(2.0), NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF]
     )
-    sampled = Sampler(CPU, 0)(logits.repeat(4000, 1), meta).sampled_token_ids
+    sampled = Sampler(CPU, ModelOptions(seed=0))(logits.repeat(4000, 1), meta).sampled_token_ids
     # temperature 0.5 squares the odds: p(1) = 4 / 5
     assert abs(float((sampled == 1).float().mean()) - 0.8) < 0.03
     assert set(sampled.tolist()) <= {0, 1}
@@ -130,8 +134,11 @@ def test_random_sampling_follows_temperature_distribution() -> None:
 def test_seeded_rows_ignore_their_batch() -> None:
     seeded = SamplerParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, V).repeat(3, 1)
-    alone = [Sampler(CPU, 0)(logits[:1].clone(), build([seeded], [[1]], [[]])) for _ in range(2)]
-    mixed = Sampler(CPU, 99)(
+    alone = [
+        Sampler(CPU, ModelOptions(seed=0))(logits[:1].clone(), build([seeded], [[1]], [[]]))
+        for _ in range(2)
+    ]
+    mixed = Sampler(CPU, ModelOptions(seed=99))(
         logits.clone(),
         build(
             [SamplerParams(temperature=1.0), seeded, SamplerParams(temperature=0.0)],
@@ -146,10 +153,35 @@ def test_seeded_rows_ignore_their_batch() -> None:
 
 def test_seeded_generator_advances_between_steps() -> None:
     meta = build([SamplerParams(temperature=1.0, seed=7)], [[1]], [[]])
-    sampler = Sampler(CPU, 0)
+    sampler = Sampler(CPU, ModelOptions(seed=0))
     logits = torch.zeros(1, V)
     draws = [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(20)]
     assert len(set(draws)) > 1  # a uniform distribution: draws differ across steps
+
+
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_logprobs_mode_picks_what_the_logprobs_are(mode: str) -> None:
+    """vLLM's --logprobs-mode: raw (before the bias and temperature) or processed (after them:
+    what the token was drawn from), as log-probabilities or as logits."""
+    params = SamplerParams(temperature=0.5, logprobs=2, logit_bias={3: 1.0}, seed=1)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    processed = logits.clone()
+    processed[0, 3] += 1.0
+    processed /= 0.5
+    expected = {
+        "raw_logprobs": torch.log_softmax(logits, -1),
+        "raw_logits": logits,
+        "processed_logprobs": torch.log_softmax(processed, -1),
+        "processed_logits": processed,
+    }[mode]
+    sampler = Sampler(CPU, ModelOptions(logprobs_mode=mode))
+    out = sampler(logits.clone(), build([params], [[1]], [[]]))
+    assert out.logprobs is not None
+    ids, values, _ = out.logprobs
+    assert values[0].tolist() == pytest.approx(expected[0, ids[0]].tolist())
+    assert ids[0, 1:].tolist() == [0, 1]  # the top two
 
 
 def test_logprobs_are_raw_with_ranks() -> None:
@@ -164,7 +196,7 @@ def test_sampler_logprobs_come_from_logits_before_penalties() -> None:
     meta = build([SamplerParams(temperature=0.0, logprobs=1, logit_bias={3: 50.0})], [[1]], [[]])
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
     raw = torch.log_softmax(logits, -1)
-    out = Sampler(CPU, 0)(logits.clone(), meta)
+    out = Sampler(CPU, ModelOptions(seed=0))(logits.clone(), meta)
     assert out.sampled_token_ids.tolist() == [3]  # biased
     assert out.logprobs is not None
     ids, values, ranks = out.logprobs
@@ -184,7 +216,7 @@ def test_a_resumed_seeded_request_continues_its_random_stream() -> None:
         states.add(0, seeded, np.zeros(0, np.int64), 0, num_output_tokens)
         table = np.zeros((1, 4), np.int32)
         meta = states.build(np.arange(1), table, np.array([1]), np.array([1]))
-        sampler = Sampler(CPU, 0)
+        sampler = Sampler(CPU, ModelOptions(seed=0))
         return [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(count)]
 
     undisturbed = draws(0, 6)
@@ -208,7 +240,7 @@ def test_a_preempted_seeded_request_resumes_its_stream_at_its_outputs() -> None:
     states = SamplingStates(1, vocab, CPU)
     states.add(0, SamplerParams(temperature=1.0, seed=99), np.zeros(0, np.int64), 0)
     meta = states.build(np.arange(1), np.zeros((1, 4), np.int32), np.array([1]), np.array([1]))
-    sampler = Sampler(CPU, 0)
+    sampler = Sampler(CPU, ModelOptions(seed=0))
     undisturbed = [int(sampler(logits.clone(), meta).sampled_token_ids[0]) for _ in range(4)]
     states.resync_generator(0, 2)  # resumed with 2 outputs after 4 draws
     meta = states.build(np.arange(1), np.zeros((1, 4), np.int32), np.array([1]), np.array([1]))

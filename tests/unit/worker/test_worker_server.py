@@ -17,6 +17,7 @@ from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_contracts.worker.v1 import worker_service_pb2_grpc as pb_grpc
 from splitserve_runtime.sync_service_host import ThreadPerRpcExecutor
 from tests.fixtures.checkpoints import CheckpointCache, load_reference
+from tests.fixtures.load_requests import load_request
 from tests.fixtures.parity import reference_generate
 from worker_svc.server import WorkerServicer
 from worker_svc.stall_watch import StallWatch
@@ -107,14 +108,12 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
                 await early.write(first_step())
             await expect_code(early.read(), grpc.StatusCode.FAILED_PRECONDITION)
             details = await expect_code(
-                stub.LoadModel(
-                    pb.LoadModelRequest(model_path=str(model), dtype="float8", block_size=4)
-                ),
+                stub.LoadModel(load_request(model_path=str(model), dtype="float8", block_size=4)),
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
             assert "float8" in details
             loaded = await stub.LoadModel(
-                pb.LoadModelRequest(
+                load_request(
                     model_path=str(model), served_model_name="tiny", engine_id="e0", block_size=4
                 )
             )
@@ -126,9 +125,7 @@ async def scenario(model: Path, registry: CollectorRegistry) -> list[int]:
             # The same core (epoch) may not reload a loaded rank; a restarted core presents a
             # larger epoch and takes it over (tests/security/test_ownership.py).
             await expect_code(
-                stub.LoadModel(
-                    pb.LoadModelRequest(model_path=str(model), engine_id="e0", block_size=4)
-                ),
+                stub.LoadModel(load_request(model_path=str(model), engine_id="e0", block_size=4)),
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
             capacity = await stub.GetKvCapacity(
@@ -186,7 +183,7 @@ async def failing_steps(model: Path) -> list[pb.ModelRunnerOutput]:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
-            await stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4))
+            await stub.LoadModel(load_request(model_path=str(model), block_size=4))
             await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
             call = open_stream(stub)
             await call.write(decode_step(1, 3, 5))  # a request this rank never saw
@@ -231,7 +228,7 @@ async def constrained_steps(model: Path) -> tuple[int, list[pb.ModelRunnerOutput
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cast("pb_grpc.WorkerServiceAsyncStub", pb_grpc.WorkerServiceStub(channel))
-            loaded = await stub.LoadModel(pb.LoadModelRequest(model_path=str(model), block_size=4))
+            loaded = await stub.LoadModel(load_request(model_path=str(model), block_size=4))
             vocab = loaded.vocab_size
             await stub.InitializeKvCache(pb.InitializeKvCacheRequest(num_blocks=16))
             call = open_stream(stub)
