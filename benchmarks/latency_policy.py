@@ -44,7 +44,7 @@ from benchmarks.latency_breakdown import (
 from benchmarks.scheduler import VOCAB_SIZE, TrivialExecutor, bench_engine
 from core_svc.config import CoreConfig
 from core_svc.request import Request
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import ModelRunnerOutput
 
 MAX_MODEL_LEN = 1024

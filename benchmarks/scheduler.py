@@ -29,13 +29,13 @@ import numpy as np
 from core_svc import convert
 from core_svc.assembly import build_engine
 from core_svc.config import CoreConfig
-from core_svc.engine_core import EngineCore
-from core_svc.engine_inbox import EngineInbox
-from core_svc.executor import Executor
-from core_svc.grammar_state import StructuredOutputRequest
+from core_svc.engine.engine_core import EngineCore
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.executor.abstract import Executor
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
 from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus

@@ -8,7 +8,7 @@ tokenizer (32000 tokens) with benchmarks/structured_schemas.RECORDS, at batch 1 
 * worker, decode + apply: grammar_bitmask_from_bytes, then apply_grammar_bitmask on fp32 logits
   [batch, 32000], by numpy (a rank without the CPU kernels) and by sampling_ops.cpp;
 * the wire, end to end: the core's fill + encoding (dense, or sparse when smaller:
-  core_svc/structured_bitmask.py) + serialisation of the deferred-mask message, its bytes, and
+  core_svc/structured_output/structured_bitmask.py) + serialisation of the deferred-mask message, its bytes, and
   the rank's parse + decode + apply (CPU kernels).
 
 Matchers walk a random path through the grammar first (tokens drawn from their own masks), so
@@ -31,9 +31,9 @@ import torch
 from benchmarks.bench_model import VOCAB_SIZE, ensure_bench_model
 from benchmarks.structured_schemas import RECORDS, as_text
 from core_svc import convert as core_convert
-from core_svc.grammar_state import StructuredOutputRequest
-from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from core_svc.structured_output import StructuredOutputManager, StructuredOutputsConfig
+from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
+from core_svc.structured_output.manager import StructuredOutputManager, StructuredOutputsConfig
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert as worker_convert

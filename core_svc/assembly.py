@@ -6,11 +6,11 @@ options (CoreConfig: its flags) and what the ranks reported (ModelFacts)."""
 from __future__ import annotations
 
 from core_svc.config import CoreConfig
-from core_svc.engine_core import EngineCore
-from core_svc.engine_inbox import EngineInbox
-from core_svc.executor import Executor
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.structured_output import StructuredOutputsConfig
+from core_svc.engine.engine_core import EngineCore
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.executor.abstract import Executor
+from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.structured_output.manager import StructuredOutputsConfig
 from core_svc.worker_pool import ModelFacts
 from splitserve_runtime.model_spec import served_model_name as default_served_name
 

@@ -10,7 +10,7 @@ from typing import Any, Self
 
 from core_svc.core_flags import CORE_FLAGS, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from core_svc.lora import LoraModule
-from core_svc.scheduler_config import (
+from core_svc.sched.scheduler_config import (
     DEFAULT_ADAPTIVE_PREFILL_CHUNK,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_PREFILL_TOKEN_BUDGET,

@@ -11,15 +11,15 @@ from collections.abc import Iterable
 import numpy as np
 
 from core_svc.config import CoreConfig
-from core_svc.grammar_state import StructuredOutputRequest
-from core_svc.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from core_svc.kv_cache.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.lora import LoraAdapter, LoraRegistry, LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.request_trace import request_trace
-from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from core_svc.structured_bitmask import sparse_bitmask
+from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
+from core_svc.structured_output.structured_bitmask import sparse_bitmask
 from core_svc.worker_pool import ModelFacts
 from splitserve_contracts import output_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
@@ -38,7 +38,7 @@ def request_from_proto(
     """A new Request (no req_handle yet: EngineCore assigns it when the request is added). The
     sampler's settings stay serialized: the core only forwards them to the workers. A
     structured-outputs constraint is kept as given; the engine checks it when it adds the
-    request (core_svc/request_checks.py), and so is an adapter name `loras` does not know."""
+    request (core_svc/engine/request_checks.py), and so is an adapter name `loras` does not know."""
     structured = None
     pooling_task = msg.pooling_params.task if msg.HasField("pooling_params") else ""
     if msg.HasField("structured_outputs"):
@@ -209,7 +209,7 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
 
 
 def _grammar_bitmask_to_proto(bitmask: GrammarBitmask, msg: worker_pb2.GrammarBitmask) -> None:
-    """The masks, in the sparse form when that is smaller (core_svc/structured_bitmask.py)."""
+    """The masks, in the sparse form when that is smaller (core_svc/structured_output/structured_bitmask.py)."""
     msg.req_handles.extend(bitmask.req_handles)
     num_rows = len(bitmask.req_handles)
     sparse = None

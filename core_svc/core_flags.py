@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from core_svc.lora import lora_module
-from core_svc.scheduler_config import (
+from core_svc.sched.scheduler_config import (
     DEFAULT_ADAPTIVE_PREFILL_CHUNK,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,

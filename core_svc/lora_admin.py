@@ -5,7 +5,7 @@ A load reserves the name and a fresh id, has every worker rank read the files (e
 shard in its adapter cache; a rank's refusal is the client's one-line error), then names the
 adapter. An unload forgets the name at once (new requests naming it are refused) and tells the
 busy loop, which lets the requests already added finish with the adapter before the ranks drop
-it (core_svc/lora_slots.py): unloading never fails a request in flight.
+it (core_svc/sched/lora_slots.py): unloading never fails a request in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from core_svc.engine_inbox import EngineInbox
+from core_svc.engine.engine_inbox import EngineInbox
 from core_svc.lora import LoraAdapter, LoraError, LoraModule, LoraRegistry
 from core_svc.worker_pool import WorkerPool
 

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from core_svc import convert
 from core_svc.assembly import build_engine, served_model_name
 from core_svc.config import CoreConfig, parse_config
-from core_svc.engine_inbox import EngineInbox
-from core_svc.engine_loop import EngineCoreProc
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.lora import LoraError, LoraRegistry
 from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics

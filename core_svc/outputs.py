@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core_svc.kv_events import KVCacheEvent
+from core_svc.kv_cache.kv_events import KVCacheEvent
 from splitserve_contracts.output_types import (
     EngineCoreEvent,
     ErrorKind,

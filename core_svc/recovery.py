@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 
 from core_svc.assembly import served_model_name
 from core_svc.config import CoreConfig
-from core_svc.engine_inbox import EngineInbox
-from core_svc.executor import Fault
-from core_svc.grpc_executor import GrpcExecutor
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.executor.abstract import Fault
+from core_svc.executor.grpc_executor import GrpcExecutor
+from core_svc.executor.step_timeout import StepTimeout
 from core_svc.metrics import CoreMetrics
-from core_svc.step_timeout import StepTimeout
 from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from splitserve_contracts.output_types import (
 )
 
 if TYPE_CHECKING:
-    from core_svc.grammar_state import StructuredOutputRequest
+    from core_svc.structured_output.grammar_state import StructuredOutputRequest
 
 
 class RequestStatus(IntEnum):
@@ -195,7 +195,7 @@ class Request:
         num_output_placeholders); the workers feed each one to the next step themselves."""
         self.is_known_to_workers = False
         self.holds_lora_slot = False
-        """Whether it counts as a running request of its adapter (core_svc/lora_slots.py)."""
+        """Whether it counts as a running request of its adapter (core_svc/sched/lora_slots.py)."""
 
     @property
     def num_tokens(self) -> int:

@@ -21,8 +21,8 @@ from typing import cast
 import grpc
 
 from core_svc import convert
-from core_svc.engine_loop import EngineCoreProc
-from core_svc.kv_events import KVEventBatch
+from core_svc.engine.engine_loop import EngineCoreProc
+from core_svc.kv_cache.kv_events import KVEventBatch
 from core_svc.lora import LORA_OFF, LoraError, LoraErrorKind
 from core_svc.lora_admin import LoraAdmin
 from core_svc.metrics import CoreMetrics

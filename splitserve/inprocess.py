@@ -26,12 +26,15 @@ from prometheus_client import CollectorRegistry
 from core_svc import convert as core_convert
 from core_svc.assembly import build_engine, served_model_name
 from core_svc.config import CoreConfig
-from core_svc.engine_inbox import EngineInbox
-from core_svc.engine_loop import EngineCoreProc
-from core_svc.kv_events import KVEventBatch
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
+from core_svc.kv_cache.kv_events import KVEventBatch
 from core_svc.outputs import EngineCoreOutputs
-from core_svc.scheduler_config import DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK, DEFAULT_MAX_NUM_SEQS
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
+    DEFAULT_MAX_NUM_SEQS,
+)
+from core_svc.sched.scheduler_output import SchedulerOutput
 from core_svc.worker_pool import ModelFacts
 from frontend_svc import convert as frontend_convert
 from frontend_svc.assembly import Frontend, build_frontend

@@ -2,7 +2,7 @@
 
 Each layer's tensor has the attention backend's layout with (key, value) in dimension 0 and
 the block index in dimension 1. Block 0 is the null block: the engine core reserves it and never
-hands it to a request (core_svc.block_pool), so it is zeroed once and padded block-table
+hands it to a request (core_svc.kv_cache.block_pool), so it is zeroed once and padded block-table
 entries point at it. Blocks the engine core
 assigns afresh are zeroed before use too, so a backend that reads whole blocks (the torch
 reference) never meets uninitialised memory (which could hold NaN bit patterns); the rest of

@@ -55,9 +55,9 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("module", "line", "broken"),
     [
-        ("core_svc/scheduler.py", "import torch", "The engine core never imports torch"),
+        ("core_svc/sched/scheduler.py", "import torch", "The engine core never imports torch"),
         (
-            "core_svc/scheduler.py",
+            "core_svc/sched/scheduler.py",
             "from splitserve_contracts.core.v1 import core_service_pb2",
             "Protobuf stops at each service's edge",
         ),
@@ -102,12 +102,12 @@ def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broke
 def test_an_import_circle_is_found_and_named(copy: Path) -> None:
     """A circle the tree does not have (sched_state -> request_queue -> sched_state) is reported
     with its modules, whatever else the check reports."""
-    path = copy / "core_svc" / "request_queue.py"
+    path = copy / "core_svc" / "sched" / "request_queue.py"
     original = path.read_text()
     path.write_text(
         original.replace(
             "\nfrom core_svc.request import",
-            "\nimport core_svc.sched_state\nfrom core_svc.request import",
+            "\nimport core_svc.sched.scheduler_state\nfrom core_svc.request import",
             1,
         )
     )
@@ -118,7 +118,7 @@ def test_an_import_circle_is_found_and_named(copy: Path) -> None:
     assert result.returncode != 0
     text = " ".join(result.stdout.split())
     assert "No import circles between modules (tools/import_cycles.py) BROKEN" in text
-    assert "core_svc.request_queue, core_svc.sched_state" in text, result.stdout
+    assert "core_svc.sched.request_queue, core_svc.sched.scheduler_state" in text, result.stdout
 
 
 def test_a_circle_through_a_package_init_is_a_circle() -> None:

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core_svc.engine_inbox import EngineInbox
-from core_svc.engine_loop import EngineCoreProc
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.server import ClientStreams, EngineCoreServicer
 from frontend_svc.async_engine import AsyncEngine

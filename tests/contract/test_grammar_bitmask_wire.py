@@ -1,5 +1,5 @@
 """The grammar bitmask on the wire, core to rank: the core's encoding (dense, or sparse when
-smaller: core_svc/structured_bitmask.py) decodes on the rank to the same allowed tokens for every
+smaller: core_svc/structured_output/structured_bitmask.py) decodes on the rank to the same allowed tokens for every
 kind of row, the rank's masked logits equal those of the dense form, and a malformed sparse mask
 is refused with a reason."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from core_svc import convert as core_convert
-from core_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from core_svc.structured_bitmask import sparse_bitmask
+from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
+from core_svc.structured_output.structured_bitmask import sparse_bitmask
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert as worker_convert
 from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes

@@ -36,7 +36,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_servicer.kv_relay import decode_batch
 
-from core_svc.block_hash import hash_block_tokens
+from core_svc.kv_cache.block_hash import hash_block_tokens
 from splitserve.loopback_ports import free_ports
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc

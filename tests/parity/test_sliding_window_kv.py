@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from core_svc.engine_core import EngineCore
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.engine.engine_core import EngineCore
+from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
 from splitserve.inprocess import InProcessExecutor
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.parity import reference_generate

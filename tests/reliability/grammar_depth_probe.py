@@ -13,7 +13,7 @@ from pathlib import Path
 
 import llguidance
 
-from core_svc.structured_output import (
+from core_svc.structured_output.manager import (
     StructuredOutputManager,
     StructuredOutputRequest,
     StructuredOutputsConfig,
@@ -78,7 +78,7 @@ def compile_in_core(
     manager: StructuredOutputManager, handle: int, params: StructuredOutputsParams
 ) -> str:
     """What the core does with a request's constraint: the checks on its bounds (as
-    core_svc/request_checks.py), then the compile on its compile pool."""
+    core_svc/engine/request_checks.py), then the compile on its compile pool."""
     try:
         validate(params)
     except InvalidStructuredOutputs as err:

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core_svc.engine_core import EngineCore
-from core_svc.executor import ExecutorError
+from core_svc.engine.engine_core import EngineCore
+from core_svc.executor.abstract import ExecutorError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.output_types import (
     FinishReason,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core_svc.block_pool import FreeKVCacheBlockQueue
+from core_svc.kv_cache.block_pool import FreeKVCacheBlockQueue
 
 
 def free_block_ids(queue: FreeKVCacheBlockQueue) -> list[int]:

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core_svc.engine_core import EngineCore
-from core_svc.grammar_state import StructuredOutputRequest
-from core_svc.scheduler_config import CacheConfig, SchedulerConfig
-from core_svc.scheduler_output import SchedulerOutput
-from core_svc.structured_output import StructuredOutputManager, StructuredOutputsConfig
+from core_svc.engine.engine_core import EngineCore
+from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
+from core_svc.sched.scheduler_output import SchedulerOutput
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
+from core_svc.structured_output.manager import StructuredOutputManager, StructuredOutputsConfig
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from tests.unit.core.fake_executor import ClientView, FakeExecutor, ShadowRequest

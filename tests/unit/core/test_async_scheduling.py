@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from core_svc.engine_core import EngineCore
+from core_svc.engine.engine_core import EngineCore
 from splitserve_contracts.output_types import FinishReason
 from tests.unit.core.fake_executor import (
     ClientView,

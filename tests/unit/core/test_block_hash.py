@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from core_svc.block_hash import NONE_HASH, BlockHasher, hash_block_tokens
+from core_svc.kv_cache.block_hash import NONE_HASH, BlockHasher, hash_block_tokens
 
 
 def hashes_of(token_ids: list[int], block_size: int = 4, salt: str = "") -> list[bytes]:
@@ -54,7 +54,7 @@ def test_large_token_ids_are_encoded_without_truncation() -> None:
 
 def test_hashes_are_identical_in_another_python_process() -> None:
     code = (
-        "from core_svc.block_hash import BlockHasher\n"
+        "from core_svc.kv_cache.block_hash import BlockHasher\n"
         "h = []\n"
         "BlockHasher(4).extend(h, list(range(100, 112)), 'salt')\n"
         "print(','.join(x.hex() for x in h))\n"

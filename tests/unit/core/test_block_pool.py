@@ -7,10 +7,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from core_svc import kv_events
-from core_svc.block_hash import hash_block_tokens
-from core_svc.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from core_svc.kv_events import BlockExtraKeys, BlockRemoved, BlockStored, KVEventRecorder
+from core_svc.kv_cache import kv_events
+from core_svc.kv_cache.block_hash import hash_block_tokens
+from core_svc.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from core_svc.kv_cache.kv_events import BlockExtraKeys, BlockRemoved, BlockStored, KVEventRecorder
 from core_svc.lora import LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from tests.fixtures.kv_index import KvIndex

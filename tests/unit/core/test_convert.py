@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from core_svc import convert
-from core_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from core_svc.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from splitserve_contracts import output_convert
 from splitserve_contracts.common.v1 import types_pb2
@@ -54,8 +54,8 @@ def test_request_from_proto() -> None:
 
 
 def test_reasoning_end_token_id_reaches_the_grammar_state_and_is_checked() -> None:
-    from core_svc.request_checks import invalid_request_reason
-    from core_svc.scheduler_config import SchedulerConfig
+    from core_svc.engine.request_checks import invalid_request_reason
+    from core_svc.sched.scheduler_config import SchedulerConfig
 
     msg = core_pb2.EngineCoreRequest(
         request_id="r", request_handle=1, prompt_token_ids=[1, 2], max_tokens=4

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from core_svc import convert
-from core_svc.block_hash import BlockHasher
-from core_svc.encoder_scheduler import EncoderScheduler
-from core_svc.engine_core import EngineCore
+from core_svc.engine.engine_core import EngineCore
+from core_svc.kv_cache.block_hash import BlockHasher
 from core_svc.mm_inputs import MultiModalFeatureSpec
 from core_svc.request import Request
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.encoder_scheduler import EncoderScheduler
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.output_types import FinishReason

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from core_svc.engine_core import EngineCore
+from core_svc.engine.engine_core import EngineCore
 from core_svc.request import RequestStatus
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import (
     EngineCoreEventType,
     ErrorKind,

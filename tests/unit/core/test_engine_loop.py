@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from core_svc.engine_core import EngineCore
-from core_svc.engine_inbox import EngineCommand, EngineInbox
-from core_svc.engine_loop import EngineCoreProc
+from core_svc.engine.engine_core import EngineCore
+from core_svc.engine.engine_inbox import EngineCommand, EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.outputs import EngineCoreOutputs
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import FinishReason, ModelRunnerOutput
 from tests.unit.core.fake_executor import ClientView, FakeExecutor, make_engine, make_request
 

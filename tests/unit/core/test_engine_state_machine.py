@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core_svc.engine_core import EngineCore
+from core_svc.engine.engine_core import EngineCore
 from core_svc.request import Request
 from tests.unit.core.fake_executor import (
     ClientView,

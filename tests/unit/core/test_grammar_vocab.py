@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from core_svc.grammar_state import StructuredOutputRequest
-from core_svc.structured_output import StructuredOutputManager, StructuredOutputsConfig
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
+from core_svc.structured_output.manager import StructuredOutputManager, StructuredOutputsConfig
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from tests.fixtures.qwen2_vocab import (

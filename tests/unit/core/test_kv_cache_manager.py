@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from core_svc.block_hash import BlockHasher
-from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.kv_cache.block_hash import BlockHasher
+from core_svc.kv_cache.kv_cache_manager import KVCacheManager
 from core_svc.request import Request
 from tests.unit.core.fake_executor import make_request
 from tests.unit.core.kv_helpers import free_block_ids

@@ -15,10 +15,10 @@ import threading
 
 import pytest
 
-from core_svc.engine_core import EngineCore
-from core_svc.engine_inbox import EngineInbox
-from core_svc.engine_loop import EngineCoreProc
-from core_svc.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from core_svc.engine.engine_core import EngineCore
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
+from core_svc.kv_cache.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from core_svc.outputs import EngineCoreOutputs
 from tests.fixtures.kv_index import KvIndex
 from tests.unit.core.fake_executor import FakeExecutor, make_engine, make_request
@@ -37,7 +37,7 @@ def subscribe(engine: EngineCore, client_id: int) -> KvIndex:
 
 def check(index: KvIndex, engine: EngineCore) -> None:
     """The index holds exactly the cached hashes; each block's tokens hash to it."""
-    from core_svc.block_hash import hash_block_tokens
+    from core_svc.kv_cache.block_hash import hash_block_tokens
 
     cached = engine.kv_cache_manager.block_pool.cached_block_hash_to_block
     assert set(index.blocks) == set(cached)
@@ -103,7 +103,7 @@ def test_a_fresh_cache_after_recovery_is_announced() -> None:
 
 
 def engine_fault() -> object:
-    from core_svc.executor import Fault
+    from core_svc.executor.abstract import Fault
 
     return Fault("rank_died", "test")
 

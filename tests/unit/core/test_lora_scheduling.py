@@ -4,10 +4,10 @@ cannot join waits without blocking others, slots travel with the steps that chan
 
 from __future__ import annotations
 
-from core_svc.engine_core import EngineCore
+from core_svc.engine.engine_core import EngineCore
 from core_svc.lora import LoraRequest
 from core_svc.request import Request
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from tests.unit.core.fake_executor import (
     ClientView,

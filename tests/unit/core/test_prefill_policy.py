@@ -1,13 +1,13 @@
-"""The adaptive prefill chunk (core_svc/prefill_policy.py), driven through EngineCore with the
+"""The adaptive prefill chunk (core_svc/sched/prefill_policy.py), driven through EngineCore with the
 FakeExecutor: chunk sizes by what runs and waits, a new arrival admitted into the very next
 step under async scheduling, budgets respected, long prompts not starved, preemption intact."""
 
 from __future__ import annotations
 
-from core_svc.engine_core import EngineCore
-from core_svc.prefill_policy import MAX_PENDING_TO_CHUNK, MIN_DECODES_TO_CHUNK, PrefillPolicy
-from core_svc.scheduler_config import SchedulerConfig
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.engine.engine_core import EngineCore
+from core_svc.sched.prefill_policy import MAX_PENDING_TO_CHUNK, MIN_DECODES_TO_CHUNK, PrefillPolicy
+from core_svc.sched.scheduler_config import SchedulerConfig
+from core_svc.sched.scheduler_output import SchedulerOutput
 from tests.unit.core.fake_executor import (
     ClientView,
     FakeExecutor,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from core_svc.engine_core import EngineCore
-from core_svc.engine_inbox import EngineInbox
-from core_svc.engine_loop import EngineCoreProc
-from core_svc.executor import Fault
+from core_svc.engine.engine_core import EngineCore
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.engine.engine_loop import EngineCoreProc
+from core_svc.executor.abstract import Fault
 from core_svc.outputs import EngineCoreOutputs
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from tests.unit.core.fake_executor import (

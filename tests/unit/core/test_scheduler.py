@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from core_svc.engine_core import EngineCore
-from core_svc.scheduler_output import SchedulerOutput
+from core_svc.engine.engine_core import EngineCore
+from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.output_types import EngineCoreEventType, FinishReason
 from tests.unit.core.fake_executor import (
     ClientView,

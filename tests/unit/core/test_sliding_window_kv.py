@@ -3,7 +3,7 @@ become the null block in the request's table; freeing, caching and hits stay con
 
 from __future__ import annotations
 
-from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.kv_cache.kv_cache_manager import KVCacheManager
 from tests.unit.core.test_kv_cache_manager import BLOCK_SIZE, add, compute_prompt
 
 

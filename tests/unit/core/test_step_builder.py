@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from core_svc.block_pool import KVCacheBlock
+from core_svc.kv_cache.block_pool import KVCacheBlock
 from core_svc.request import Request
-from core_svc.step_builder import StepBuilder
+from core_svc.sched.step_builder import StepBuilder
 from tests.unit.core.fake_executor import make_request
 
 

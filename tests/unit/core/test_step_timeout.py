@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from core_svc.step_timeout import StepTimeout
+from core_svc.executor.step_timeout import StepTimeout
 
 
 def test_before_any_step_the_first_step_allowance_applies() -> None:

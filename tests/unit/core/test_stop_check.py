@@ -6,7 +6,7 @@ from typing import Any
 
 from core_svc.outputs import EngineCoreOutput
 from core_svc.request import RequestStatus
-from core_svc.stop_check import check_stop
+from core_svc.sched.stop_check import check_stop
 from splitserve_contracts.output_types import FinishReason
 from tests.unit.core.fake_executor import make_engine, make_request, run_to_completion
 

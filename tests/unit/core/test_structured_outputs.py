@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from core_svc.engine_core import EngineCore
-from core_svc.grammar_state import StructuredOutputRequest
+from core_svc.engine.engine_core import EngineCore
 from core_svc.request import Request
-from core_svc.scheduler_output import SchedulerOutput
-from core_svc.structured_output import StructuredOutputsConfig
+from core_svc.sched.scheduler_output import SchedulerOutput
+from core_svc.structured_output.grammar_state import StructuredOutputRequest
+from core_svc.structured_output.manager import StructuredOutputsConfig
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_runtime.tiny_model import ensure_tiny_model
@@ -236,7 +236,7 @@ def test_filled_rows_are_llguidances_with_the_padding_bits_set(tokenizer_json: s
     that allows every token is all -1 words (sent as nothing on the sparse wire form)."""
     from llguidance.numpy import fill_next_token_bitmask
 
-    from core_svc.structured_output import StructuredOutputManager
+    from core_svc.structured_output.manager import StructuredOutputManager
 
     vocab_size = VOCAB + 5  # the last word holds 5 tokens and 27 padding bits
     manager = StructuredOutputManager(vocab_size, StructuredOutputsConfig())
@@ -287,7 +287,7 @@ def test_a_failed_matcher_is_not_a_complete_grammar(tokenizer_json: str) -> None
     """llguidance stops a matcher that failed, as it stops a complete one, masks EOS only for
     it and lets it "consume" EOS: accept refuses that EOS, and the refusal names the failure
     (INVALID_REQUEST, the cached grammar spent), as for the token that failed it."""
-    from core_svc.structured_output import StructuredOutputManager
+    from core_svc.structured_output.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(VOCAB, StructuredOutputsConfig(num_compile_threads=1))
     manager.set_tokenizer(1, tokenizer_json, [1])

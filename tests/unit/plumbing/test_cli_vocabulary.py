@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from core_svc.assembly import build_engine
-from core_svc.async_scheduler import AsyncScheduler
 from core_svc.config import build_parser as core_parser
 from core_svc.config import parse_config as parse_core
-from core_svc.engine_inbox import EngineInbox
+from core_svc.engine.engine_inbox import EngineInbox
+from core_svc.sched.async_scheduler import AsyncScheduler
 from core_svc.worker_pool import ModelFacts
 from frontend_svc.config import build_parser as frontend_parser
 from frontend_svc.config import parse_config as parse_frontend

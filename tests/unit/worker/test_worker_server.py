@@ -213,7 +213,7 @@ def test_bad_requests_fail_alone_and_a_malformed_step_is_refused(
 
 
 def only_token(msg: pb.GrammarBitmask, handle: int, token: int, vocab_size: int) -> None:
-    """A sparse grammar mask (core_svc/structured_bitmask.py's form) allowing `token` alone."""
+    """A sparse grammar mask (core_svc/structured_output/structured_bitmask.py's form) allowing `token` alone."""
     msg.req_handles.append(handle)
     msg.sparse.num_words = (vocab_size + 31) // 32
     msg.sparse.row_defaults = b"\x00"

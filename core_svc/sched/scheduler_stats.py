@@ -1,0 +1,46 @@
+"""The SchedulerStats every EngineCoreOutputs carries (vLLM's): the scheduler's queues and
+counters, the KV cache's use and prefix-cache hits, and the grammar cache's."""
+
+from __future__ import annotations
+
+from core_svc.kv_cache.kv_cache_manager import KVCacheManager
+from core_svc.sched.scheduler import Scheduler
+from core_svc.sched.structured_requests import StructuredRequests
+from splitserve_contracts.output_types import SchedulerStats
+
+
+def make_scheduler_stats(
+    scheduler: Scheduler, kv_cache_manager: KVCacheManager, structured: StructuredRequests
+) -> SchedulerStats:
+    pool = kv_cache_manager.block_pool
+    prefix_cache_stats = kv_cache_manager.prefix_cache_stats
+    running_loras, waiting_loras = scheduler.lora.adapter_names()
+    spec = scheduler.spec_stats
+    grammars = structured.manager
+    return SchedulerStats(
+        num_running_reqs=len(scheduler.running),
+        num_waiting_reqs=len(scheduler.waiting),
+        kv_cache_usage=pool.get_usage(),
+        prefix_cache_queries=prefix_cache_stats.queries,
+        prefix_cache_hits=prefix_cache_stats.hits,
+        num_preemptions=scheduler.num_preemptions,
+        step_id=scheduler.step_id,
+        num_scheduled_tokens=scheduler.num_scheduled_tokens,
+        num_used_blocks=pool.get_num_used_blocks(),
+        num_total_blocks=pool.num_usable_blocks,
+        num_prompt_tokens=scheduler.num_prompt_tokens,
+        num_generation_tokens=scheduler.num_generation_tokens,
+        encoder_cache_queries=scheduler.encoder.stats.queries,
+        encoder_cache_hits=scheduler.encoder.stats.hits,
+        num_waiting_tokens=scheduler.num_waiting_tokens,
+        running_lora_adapters=running_loras,
+        waiting_lora_adapters=waiting_loras,
+        num_waiting_deferred=len(structured.compiling),
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+        # hits read first: a compile thread counts the query before its hit
+        structured_output_cache_hits=grammars.num_cache_hits,
+        structured_output_cache_queries=grammars.num_cache_queries,
+    )
