@@ -16,8 +16,8 @@ import statistics
 import time
 from typing import Any
 
-from frontend_svc.detokenizer import IncrementalDetokenizer, backend_decoder
-from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.engine.detokenizer import IncrementalDetokenizer, backend_decoder
+from frontend_svc.inputs.input_processor import load_tokenizer
 from splitserve_runtime.model_source import resolve_model, resolve_tokenizer
 
 PARAGRAPH = (

@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `kill PID` stops the stack under test too (SystemExit runs run_variant's `finally`).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from frontend_svc.input_processor import load_tokenizer
+    from frontend_svc.inputs.input_processor import load_tokenizer
     from splitserve_runtime.model_source import resolve_model
 
     source = resolve_model(args.model, "", os.environ)

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.core_client import CoreClient
-from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_types import EngineInfo
-from frontend_svc.input_processor import InputProcessor
-from frontend_svc.kv_events import KvEventHub
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.core_client import CoreClient
+from frontend_svc.engine.detokenizer import backend_decoder
+from frontend_svc.engine.engine_types import EngineInfo
+from frontend_svc.engine.output_processor import OutputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
+from frontend_svc.inputs.model_files import ModelFiles
+from frontend_svc.kv_events.hub import KvEventHub
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.model_files import ModelFiles
-from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.tracing import RequestTracer
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_runtime.tracing import Tracing

@@ -6,7 +6,6 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from frontend_svc.chat_template import read_chat_template
 from frontend_svc.feature_flags import (
     GATEWAY_FLAGS,
     MEDIA_FLAGS,
@@ -14,8 +13,9 @@ from frontend_svc.feature_flags import (
     TOOLS_AND_REASONING_FLAGS,
 )
 from frontend_svc.http_flags import DEFAULT_HTTP_LIMITS, HTTP_LIMIT_FLAGS, HTTP_LOG_FLAGS
-from frontend_svc.kv_events_config import KVEventsConfig
-from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from frontend_svc.inputs.chat_template import read_chat_template
+from frontend_svc.inputs.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from frontend_svc.kv_events.kv_events_config import KVEventsConfig
 from frontend_svc.openai.http_limits import HttpLimits
 from frontend_svc.openai.response_store import (
     DEFAULT_RESPONSES_STORE_SIZE,

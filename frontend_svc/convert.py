@@ -11,10 +11,10 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from frontend_svc.core_convert import core_outputs_from_proto as core_outputs_from_proto
-from frontend_svc.core_convert import engine_info_from_proto as engine_info_from_proto
-from frontend_svc.core_convert import engine_request_to_proto as engine_request_to_proto
-from frontend_svc.core_convert import kv_events_from_proto as kv_events_from_proto
+from frontend_svc.engine.core_convert import core_outputs_from_proto as core_outputs_from_proto
+from frontend_svc.engine.core_convert import engine_info_from_proto as engine_info_from_proto
+from frontend_svc.engine.core_convert import engine_request_to_proto as engine_request_to_proto
+from frontend_svc.engine.core_convert import kv_events_from_proto as kv_events_from_proto
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.requests import (
     ChatTurn,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from frontend_svc.http_flags import positive_seconds
-from frontend_svc.kv_events_config import KVEventsConfig, parse_kv_events_config
-from frontend_svc.media import DEFAULT_MEDIA_LIMITS, parse_limit_mm_per_prompt
+from frontend_svc.inputs.media import DEFAULT_MEDIA_LIMITS, parse_limit_mm_per_prompt
+from frontend_svc.kv_events.kv_events_config import KVEventsConfig, parse_kv_events_config
 from frontend_svc.openai.reasoning import REASONING_PARSERS
 from frontend_svc.openai.response_store import (
     DEFAULT_RESPONSES_STORE_SIZE,

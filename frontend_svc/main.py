@@ -13,17 +13,17 @@ from prometheus_client import CollectorRegistry
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from frontend_svc.assembly import Frontend, FrontendLimits, build_frontend
-from frontend_svc.classification import ClassifierHead
+from frontend_svc.auth.grpc_auth import api_key_interceptors
 from frontend_svc.config import FrontendConfig, parse_config
-from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_stats import EngineView
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.core_client import EngineCoreClient
+from frontend_svc.engine.engine_stats import EngineView
+from frontend_svc.engine.engine_types import EngineInfo
+from frontend_svc.engine.request_log import RequestLogger
 from frontend_svc.gateway import convert as gateway_convert
 from frontend_svc.gateway.servicer import VllmEngineServicer
-from frontend_svc.grpc_auth import api_key_interceptors
-from frontend_svc.kv_events import KvEventHub
-from frontend_svc.kv_publisher import ZmqEventPublisher
-from frontend_svc.model_files import ModelFiles, load_model_files
+from frontend_svc.inputs.model_files import ModelFiles, load_model_files
+from frontend_svc.kv_events.hub import KvEventHub
+from frontend_svc.kv_events.kv_publisher import ZmqEventPublisher
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext
@@ -31,10 +31,10 @@ from frontend_svc.openai.ops_routes import OpsOptions
 from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
-from frontend_svc.request_log import RequestLogger
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
-from frontend_svc.served_models import ServedModels, runtime_lora_updating
 from frontend_svc.server import AdminServicer, GenerationServicer
+from frontend_svc.serving.classification import ClassifierHead
+from frontend_svc.serving.served_models import ServedModels, runtime_lora_updating
 from frontend_svc.tracing import accept_caller_traces
 from splitserve_contracts.frontend.v1 import admin_service_pb2
 from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc

@@ -11,15 +11,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontend_svc import convert, grpc_errors, pooling
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
+from frontend_svc import convert, grpc_errors
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import AnswerReader, ChatFeatures, prepare_chat_call
 from frontend_svc.openai.tools import grpc_tools
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT, derived_request_id
-from frontend_svc.served_models import ServedModels, resolve_model
+from frontend_svc.serving import pooling
+from frontend_svc.serving.served_models import ServedModels, resolve_model
 from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.frontend.v1 import admin_service_pb2 as admin_pb2
 from splitserve_contracts.frontend.v1 import admin_service_pb2_grpc as admin_grpc

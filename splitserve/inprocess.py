@@ -38,8 +38,8 @@ from core_svc.sched.scheduler_output import SchedulerOutput
 from core_svc.worker_pool import ModelFacts
 from frontend_svc import convert as frontend_convert
 from frontend_svc.assembly import Frontend, build_frontend
-from frontend_svc.core_client import CoreEvent
-from frontend_svc.model_files import load_model_files
+from frontend_svc.engine.core_client import CoreEvent
+from frontend_svc.inputs.model_files import load_model_files
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts import engine_options_types as options_types
 from splitserve_contracts.engine_options_types import FIELD_GROUP

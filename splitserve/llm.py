@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.assembly import Frontend, build_frontend
-from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine.core_client import EngineCoreClient
 from frontend_svc.errors import FrontendError
-from frontend_svc.model_files import load_model_files
+from frontend_svc.inputs.model_files import load_model_files
 from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
 from splitserve.children import (
     Child,

@@ -34,7 +34,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir: Path) -> Any:
-    from frontend_svc.input_processor import load_tokenizer
+    from frontend_svc.inputs.input_processor import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 

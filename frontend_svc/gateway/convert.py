@@ -20,11 +20,11 @@ from typing import Any
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.gateway.generate_response import ResponseBuilder as ResponseBuilder
 from frontend_svc.gateway.loads import EngineLoad
-from frontend_svc.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
+from frontend_svc.kv_events.hub import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
 from frontend_svc.requests import Embedding, GenerateInput, PromptInput
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams

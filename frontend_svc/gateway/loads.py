@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo
 from splitserve_contracts.output_types import SchedulerStats
 
 RATE_WINDOW_S = 2.0

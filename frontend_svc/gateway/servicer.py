@@ -22,16 +22,17 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_servicer.load_record import LoadRecorder, engine_load_from
 from smg_grpc_servicer.tokenizer_bundle import tokenizer_chunks
 
-from frontend_svc import grpc_errors, pooling
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc import grpc_errors
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
 from frontend_svc.gateway import convert
 from frontend_svc.gateway.loads import LoadReporter
 from frontend_svc.gateway.tokenizer_files import TokenizerFiles
-from frontend_svc.input_processor import InputProcessor
-from frontend_svc.kv_events import KvEventHub, TooManySubscribers
-from frontend_svc.model_files import ModelFiles
+from frontend_svc.inputs.input_processor import InputProcessor
+from frontend_svc.inputs.model_files import ModelFiles
+from frontend_svc.kv_events.hub import KvEventHub, TooManySubscribers
+from frontend_svc.serving import pooling
 from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.output_types import FinishReason
 

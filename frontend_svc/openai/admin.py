@@ -22,7 +22,7 @@ from frontend_svc.openai.fields import read as read_field
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.protocol import chat_turns
 from frontend_svc.requests import PromptInput
-from frontend_svc.served_models import ServedModels
+from frontend_svc.serving.served_models import ServedModels
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from frontend_svc.auth import check_api_key
+from frontend_svc.auth.api_key import check_api_key
 from frontend_svc.errors import FrontendError, InvalidRequest, Overloaded
 from frontend_svc.openai import admin
 from frontend_svc.openai.fields import read_json
@@ -49,8 +49,8 @@ from frontend_svc.openai.serving_responses import (
 )
 from frontend_svc.openai.serving_score import create_rerank, create_scores
 from frontend_svc.openai.sse import error_body, guarded
-from frontend_svc.pooling import check_generative
 from frontend_svc.public_errors import unexpected_error_message
+from frontend_svc.serving.pooling import check_generative
 from frontend_svc.tracing import set_caller_trace
 
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -247,7 +247,7 @@ def build_app(
 ) -> Starlette:
     """The app: /v1/* and the tokenizer routes (behind `api_key` when set), health, version and
     metrics (open, as vLLM's). /metrics adds `engine_series` (the engine core's, for gateways
-    scraping the serving port: frontend_svc/engine_stats.py) to the frontend's own."""
+    scraping the serving port: frontend_svc/engine/engine_stats.py) to the frontend's own."""
 
     async def metrics(request: Request) -> Response:
         text = generate_latest(registry)

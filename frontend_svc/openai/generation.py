@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.classification import ClassifierHead
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import check_model, engine_error
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.openai.chat_output import ChatFeatures
 from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
 from frontend_svc.openai.protocol import RequestLimits
@@ -24,7 +23,8 @@ from frontend_svc.requests import (
     EngineRequest,
     GenerateInput,
 )
-from frontend_svc.served_models import ServedModels, resolve_model
+from frontend_svc.serving.classification import ClassifierHead
+from frontend_svc.serving.served_models import ServedModels, resolve_model
 from splitserve_contracts.output_types import FinishReason
 
 Event = tuple[int, CompletionDelta]

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend_svc import pooling
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai.fields import as_bool, as_int, as_str, read
 from frontend_svc.openai.generation import ServingContext
@@ -28,6 +27,7 @@ from frontend_svc.openai.serving_embedding import (
     refuse_unsupported,
 )
 from frontend_svc.requests import Embedding
+from frontend_svc.serving import pooling
 from splitserve_contracts.output_types import PoolerConfig
 
 POOLING_TASKS = (pooling.EMBED_TASK, pooling.CLASSIFY_TASK)

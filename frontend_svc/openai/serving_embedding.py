@@ -7,13 +7,13 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from frontend_svc import pooling
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai import generation
 from frontend_svc.openai.fields import as_bool, as_int, as_str, read
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.protocol import PRIORITY, as_client_id, prompt_inputs
 from frontend_svc.requests import EngineRequest, derived_request_id
+from frontend_svc.serving import pooling
 
 ENCODING_FORMATS = ("float", "base64")
 _UNSUPPORTED = ("truncate_prompt_tokens", "messages")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend_svc import pooling
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai import generation
 from frontend_svc.openai.fields import as_bool, as_int, as_list, as_str, read
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.protocol import PRIORITY, as_client_id
 from frontend_svc.requests import derived_request_id
+from frontend_svc.serving import pooling
 
 
 def _texts(value: Any, name: str, max_items: int) -> list[str]:

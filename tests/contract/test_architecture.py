@@ -65,7 +65,7 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("splitserve_runtime/flags.py", "import splitserve.cli", "Imports point down"),
         ("splitserve_client/generate.py", "import torch", "The light client"),
         (
-            "frontend_svc/async_engine.py",
+            "frontend_svc/engine/async_engine.py",
             "from smg_grpc_proto import vllm_engine_pb2",
             "The gateway contract (smg-grpc-proto) stops",
         ),

@@ -10,11 +10,11 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.kv_events import KvEventHub
-from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.core_client import EngineCoreClient
+from frontend_svc.engine.detokenizer import backend_decoder
+from frontend_svc.engine.output_processor import OutputProcessor
+from frontend_svc.kv_events.hub import KvEventHub
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.tls import CORE_ROLE
 from tests.contract.test_core_service import CoreHarness, collect, frontend_metrics, request, run

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.core_client import EngineCoreClient
+from frontend_svc.engine.detokenizer import backend_decoder
+from frontend_svc.engine.output_processor import OutputProcessor
 from frontend_svc.errors import EngineUnavailable
-from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta
 from splitserve_contracts.output_types import FinishReason
 from tests.contract.test_core_service import (

@@ -19,12 +19,12 @@ from core_svc.engine.engine_inbox import EngineInbox
 from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.metrics import CoreMetrics
 from core_svc.server import ClientStreams, EngineCoreServicer
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.core_client import EngineCoreClient, RoundTrip
-from frontend_svc.detokenizer import backend_decoder
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.core_client import EngineCoreClient, RoundTrip
+from frontend_svc.engine.detokenizer import backend_decoder
+from frontend_svc.engine.output_processor import OutputProcessor
 from frontend_svc.errors import EngineUnavailable
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc

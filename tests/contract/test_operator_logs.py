@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.request_log import RequestLogger
+from frontend_svc.engine.core_client import EngineCoreClient
+from frontend_svc.engine.request_log import RequestLogger
 from splitserve.loopback_ports import free_ports
 from tests.contract.test_core_service import (
     MAX_LEN,

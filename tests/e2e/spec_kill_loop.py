@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from frontend_svc.input_processor import load_tokenizer
+    from frontend_svc.inputs.input_processor import load_tokenizer
     from splitserve_runtime.tiny_model import ensure_tiny_model
     from tests.e2e.test_spec_decode import SMALL_KV_BYTES, SPEC_FLAGS
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_tp2_expert_parallel_stack_matches_transformers(tmp_path: Path) -> None:
     model = make_checkpoint(tmp_path / "mixtral", "mixtral", seed=3, intermediate_size=63)
     write_tokenizer(model, vocab_size=VOCAB_SIZE)
-    from frontend_svc.input_processor import load_tokenizer
+    from frontend_svc.inputs.input_processor import load_tokenizer
 
     prompt_ids = load_tokenizer(str(model)).encode(PROMPT)
     stack = Stack(model, tp=2, core_flags=["--enable-expert-parallel"]).start()

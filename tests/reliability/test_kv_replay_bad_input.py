@@ -9,10 +9,10 @@ import logging
 import pytest
 import zmq
 
-from frontend_svc import kv_publisher
-from frontend_svc.kv_events import AllBlocksCleared
-from frontend_svc.kv_events_config import KVEventsConfig
-from frontend_svc.kv_publisher import END_SEQ, ZmqEventPublisher
+from frontend_svc.kv_events import kv_publisher
+from frontend_svc.kv_events.hub import AllBlocksCleared
+from frontend_svc.kv_events.kv_events_config import KVEventsConfig
+from frontend_svc.kv_events.kv_publisher import END_SEQ, ZmqEventPublisher
 from splitserve_runtime.log_limits import RateLimitedLog
 
 MALFORMED = [

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from frontend_svc.classification import ClassifierHead
+from frontend_svc.serving.classification import ClassifierHead
 
 LOGITS = np.array([0.5, -1.25, 2.0], dtype=np.float32)
 

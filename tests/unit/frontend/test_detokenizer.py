@@ -11,8 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from frontend_svc import detokenizer
-from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, backend_decoder
+from frontend_svc.engine import detokenizer
+from frontend_svc.engine.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    backend_decoder,
+)
 from splitserve_contracts.sampling_types import SamplingParams
 from tests.unit.frontend.test_output_processor import run, text_of
 

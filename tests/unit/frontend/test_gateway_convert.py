@@ -10,11 +10,11 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_servicer.load_record import engine_load_from
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.gateway import convert
 from frontend_svc.gateway.loads import LoadReporter
-from frontend_svc.kv_events import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
+from frontend_svc.kv_events.hub import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
 from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
 from splitserve_contracts.output_types import FinishReason, SchedulerStats
 from splitserve_contracts.sampling_types import SamplingParams

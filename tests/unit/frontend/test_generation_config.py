@@ -11,7 +11,7 @@ import pytest
 
 from frontend_svc.config import parse_config
 from frontend_svc.convert import generate_input_from_proto
-from frontend_svc.generation_config import (
+from frontend_svc.inputs.generation_config import (
     SAMPLING_DEFAULT_FIELDS,
     eos_token_ids,
     generation_config_folder,

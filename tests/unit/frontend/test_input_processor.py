@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.requests import ChatTurn, GenerateInput, PromptInput
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_contracts.sampling_types import SamplingParams

@@ -9,15 +9,16 @@ import asyncio
 
 import pytest
 
-from frontend_svc import convert, kv_events
-from frontend_svc.kv_events import (
+from frontend_svc import convert
+from frontend_svc.kv_events import hub as kv_events
+from frontend_svc.kv_events.hub import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
     KvEvent,
     KvEventHub,
 )
-from frontend_svc.kv_events_config import offset_endpoint_port, parse_kv_events_config
+from frontend_svc.kv_events.kv_events_config import offset_endpoint_port, parse_kv_events_config
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from tests.fixtures.kv_index import KvIndex
 

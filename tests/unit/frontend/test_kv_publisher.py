@@ -13,9 +13,9 @@ import pytest
 import zmq
 from smg_grpc_servicer.kv_relay import decode_batch
 
-from frontend_svc.kv_events import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
-from frontend_svc.kv_events_config import KVEventsConfig
-from frontend_svc.kv_publisher import END_SEQ, ZmqEventPublisher
+from frontend_svc.kv_events.hub import AllBlocksCleared, BlockExtraKeys, BlocksRemoved, BlocksStored
+from frontend_svc.kv_events.kv_events_config import KVEventsConfig
+from frontend_svc.kv_events.kv_publisher import END_SEQ, ZmqEventPublisher
 
 STORED = BlocksStored(
     [2**64 - 5, 7], None, [1, 2, 3, 4], [BlockExtraKeys("salt", (("img", 1),)), BlockExtraKeys()]
@@ -98,7 +98,7 @@ def test_the_log_says_whether_the_publisher_binds_or_connects(
     consumer = context.socket(zmq.SUB)
     port = consumer.bind_to_random_port("tcp://127.0.0.1")
     try:
-        with caplog.at_level(logging.INFO, logger="frontend_svc.kv_publisher"):
+        with caplog.at_level(logging.INFO, logger="frontend_svc.kv_events.kv_publisher"):
             for endpoint in ("tcp://*:0", f"tcp://127.0.0.1:{port}"):
                 config = KVEventsConfig(True, "zmq", endpoint, None)
                 ZmqEventPublisher(config, data_parallel_rank=0, block_size=2).close()

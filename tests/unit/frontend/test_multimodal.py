@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.input_processor import InputProcessor, load_tokenizer
-from frontend_svc.media import ImageLoader, MediaLimits, parse_limit_mm_per_prompt
-from frontend_svc.model_files import ModelFiles
-from frontend_svc.multimodal import (
+from frontend_svc.inputs.input_processor import InputProcessor, load_tokenizer
+from frontend_svc.inputs.media import ImageLoader, MediaLimits, parse_limit_mm_per_prompt
+from frontend_svc.inputs.model_files import ModelFiles
+from frontend_svc.inputs.multimodal import (
     chat_messages,
     load_multimodal_processor,
     template_uses_content_parts,

@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, Overloaded, engine_error
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.server import HttpServer

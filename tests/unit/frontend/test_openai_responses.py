@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from frontend_svc.input_processor import load_tokenizer
+from frontend_svc.inputs.input_processor import load_tokenizer
 from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore

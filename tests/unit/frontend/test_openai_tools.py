@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from frontend_svc.input_processor import InputProcessor, load_tokenizer
+from frontend_svc.inputs.input_processor import InputProcessor, load_tokenizer
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext

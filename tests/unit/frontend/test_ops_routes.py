@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.generation import ServingContext
 from frontend_svc.openai.ops_routes import NO_OPS, OpsOptions

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from frontend_svc.detokenizer import backend_decoder
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs
+from frontend_svc.engine.detokenizer import backend_decoder
+from frontend_svc.engine.engine_types import CoreOutputDetail, CoreOutputs
+from frontend_svc.engine.output_processor import OutputProcessor
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.requests import CompletionDelta
 from splitserve_contracts.output_types import FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams
@@ -144,7 +144,7 @@ def test_unknown_handles_are_ignored_and_fail_all(tokenizer: Any) -> None:
 
 
 def test_a_client_that_never_reads_is_stopped_and_aborted(tokenizer: Any) -> None:
-    from frontend_svc.output_processor import MAX_UNREAD_DELTAS
+    from frontend_svc.engine.output_processor import MAX_UNREAD_DELTAS
 
     proc = OutputProcessor(backend_decoder(tokenizer), metrics())
     queue: asyncio.Queue[Any] = asyncio.Queue()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.remote_media import RemoteMediaFetcher, is_public_address
+from frontend_svc.inputs.remote_media import RemoteMediaFetcher, is_public_address
 
 BODY = b"\x89PNG fake image bytes" * 10
 

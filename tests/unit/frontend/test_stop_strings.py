@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from frontend_svc.stop_strings import find_stop_string
+from frontend_svc.engine.stop_strings import find_stop_string
 
 
 def test_match_in_new_text_excluded_and_included() -> None:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import grpc
 
-from frontend_svc.engine_types import EngineInfo, LoraAdapterInfo
+from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import (
     EngineUnavailable,
     FrontendError,

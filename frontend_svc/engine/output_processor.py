@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.detokenizer import Decoder, IncrementalDetokenizer
-from frontend_svc.engine_types import CoreOutputDetail, CoreOutputs
+from frontend_svc.engine.detokenizer import Decoder, IncrementalDetokenizer
+from frontend_svc.engine.engine_types import CoreOutputDetail, CoreOutputs
+from frontend_svc.engine.stop_strings import find_stop_string, stop_buffer_length
 from frontend_svc.errors import EngineUnavailable, Overloaded
 from frontend_svc.metrics import FrontendMetrics, RequestStats
 from frontend_svc.requests import CompletionDelta, EngineRequest, Logprob, TokenLogprobs
-from frontend_svc.stop_strings import find_stop_string, stop_buffer_length
 from frontend_svc.tracing import RequestTracer
 from splitserve_contracts.output_types import ErrorKind, FinishReason, LogprobsTable
 from splitserve_contracts.sampling_types import SamplingParams

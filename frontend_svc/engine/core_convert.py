@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.engine_types import (
     CoreOutputDetail,
     CoreOutputs,
     EngineInfo,
@@ -14,7 +14,7 @@ from frontend_svc.engine_types import (
     LoraAdapterInfo,
     TokenizerInfo,
 )
-from frontend_svc.kv_events import (
+from frontend_svc.kv_events.hub import (
     AllBlocksCleared,
     BlockExtraKeys,
     BlocksRemoved,

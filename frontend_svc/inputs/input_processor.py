@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.multimodal import (
+from frontend_svc.inputs.multimodal import (
     MultiModalProcessor,
     ProcessedImage,
     chat_messages,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.media import EncodedImage, ImageLoader, MediaLimits, release_freed_memory
+from frontend_svc.inputs.media import EncodedImage, ImageLoader, MediaLimits, release_freed_memory
 from frontend_svc.requests import ChatTurn, ImageInput, MultiModalFeature
 from splitserve_contracts.mm_features import IMAGE, feature_identifier
 

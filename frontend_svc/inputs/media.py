@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.remote_media import RemoteMediaFetcher
+from frontend_svc.inputs.remote_media import RemoteMediaFetcher
 from frontend_svc.requests import ImageInput
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from frontend_svc.engine_types import EngineInfo, EngineSnapshot
+from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot
 from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)

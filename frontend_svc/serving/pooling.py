@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from frontend_svc.async_engine import AsyncEngine
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.engine.async_engine import AsyncEngine
+from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import EngineUnavailable, InvalidRequest, engine_error
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.requests import Embedding, EngineRequest, PromptInput
 from splitserve_contracts.output_types import FinishReason, PoolerConfig
 from splitserve_contracts.sampling_types import SamplingParams

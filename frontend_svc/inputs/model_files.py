@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frontend_svc.engine_types import TokenizerInfo
-from frontend_svc.generation_config import (
+from frontend_svc.engine.engine_types import TokenizerInfo
+from frontend_svc.inputs.generation_config import (
     eos_token_ids,
     generation_config_folder,
     log_sampling_defaults,
     read_generation_config,
     sampling_defaults,
 )
-from frontend_svc.input_processor import load_tokenizer
-from frontend_svc.media import DEFAULT_MEDIA_LIMITS, MediaLimits
-from frontend_svc.multimodal import MultiModalProcessor, load_multimodal_processor
+from frontend_svc.inputs.input_processor import load_tokenizer
+from frontend_svc.inputs.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from frontend_svc.inputs.multimodal import MultiModalProcessor, load_multimodal_processor
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import Limits
 from splitserve_contracts.sampling_types import SamplingParams

@@ -1,6 +1,6 @@
 """The public gRPC API's key check: a grpc.aio server interceptor in front of every call of the
 public services (GenerationService, and the gateway contract's VllmEngine; health and reflection
-stay open, as in vLLM, so probes and tools work without the key). The check itself is frontend_svc/auth.py's, shared with the HTTP API."""
+stay open, as in vLLM, so probes and tools work without the key). The check itself is frontend_svc/auth/api_key.py's, shared with the HTTP API."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
-from frontend_svc.auth import check_api_key
+from frontend_svc.auth.api_key import check_api_key
 from frontend_svc.errors import Unauthenticated
 from splitserve_runtime.log_limits import RateLimitedLog
 from splitserve_runtime.rpc_guard import aio_refusal_handler

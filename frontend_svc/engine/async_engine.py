@@ -21,19 +21,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.core_client import (
+from frontend_svc.engine.core_client import (
     CoreClient,
     Disconnected,
     Reconnected,
     RoundTrip,
     StatsRefresh,
 )
-from frontend_svc.engine_types import CoreOutputs
+from frontend_svc.engine.engine_types import CoreOutputs
+from frontend_svc.engine.output_processor import OutputProcessor
+from frontend_svc.engine.request_log import RequestLogger
 from frontend_svc.errors import EngineUnavailable, InvalidRequest, Overloaded
-from frontend_svc.kv_events import KvEventHub, KvEvents
+from frontend_svc.kv_events.hub import KvEventHub, KvEvents
 from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.request_log import RequestLogger
 from frontend_svc.requests import CompletionDelta, EngineRequest, derived_request_id
 from frontend_svc.tracing import RequestTracer
 from splitserve_contracts import sampling_rules

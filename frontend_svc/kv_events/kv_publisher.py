@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from frontend_svc.kv_events import BlocksRemoved, BlocksStored, KvEvent
-from frontend_svc.kv_events_config import KVEventsConfig, offset_endpoint_port
+from frontend_svc.kv_events.hub import BlocksRemoved, BlocksStored, KvEvent
+from frontend_svc.kv_events.kv_events_config import KVEventsConfig, offset_endpoint_port
 from splitserve_runtime.log_limits import RateLimitedLog
 
 logger = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from frontend_svc.engine_types import CoreOutputs
-from frontend_svc.kv_events import KvEvents
+from frontend_svc.engine.engine_types import CoreOutputs
+from frontend_svc.kv_events.hub import KvEvents
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.output_types import SchedulerStats
 

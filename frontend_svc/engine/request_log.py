@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from frontend_svc.detokenizer import Decoder
+from frontend_svc.engine.detokenizer import Decoder
 from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.output_types import FinishReason
 

@@ -24,23 +24,23 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend_svc import core_convert
-from frontend_svc.core_events import CoreClient as CoreClient
-from frontend_svc.core_events import (
+from frontend_svc.engine import core_convert
+from frontend_svc.engine.core_events import CoreClient as CoreClient
+from frontend_svc.engine.core_events import (
     CoreEvent,
     Disconnected,
     Reconnected,
     RoundTrip,
     StatsRefresh,
 )
-from frontend_svc.engine_types import (
+from frontend_svc.engine.engine_types import (
     EngineInfo,
     EngineSnapshot,
     LoraAdapterInfo,
     TokenizerInfo,
 )
 from frontend_svc.errors import EngineUnavailable
-from frontend_svc.kv_events import AllBlocksCleared, KvEvents
+from frontend_svc.kv_events.hub import AllBlocksCleared, KvEvents
 from frontend_svc.requests import EngineRequest
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2

@@ -1,0 +1,1 @@
+"""The public API key: the check and the gRPC interceptor."""
