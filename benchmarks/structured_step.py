@@ -37,8 +37,8 @@ from core_svc.structured_output.manager import StructuredOutputManager, Structur
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert as worker_convert
-from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.sample.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 
 WALK_TOKENS = 40
 

@@ -37,7 +37,7 @@ from benchmarks.worker_lora import bench_lora
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
 from splitserve_contracts.output_types import StepTimings
 from worker_svc.layers.embedding import VocabParallelEmbedding
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
 

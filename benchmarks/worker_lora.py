@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from benchmarks.bench_model import BENCH_CONFIG, VOCAB_SIZE, ensure_bench_model
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.scheduler_output import LoraSlots, NewRequestData
 from worker_svc.worker import Worker
 

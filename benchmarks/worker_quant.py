@@ -31,7 +31,7 @@ from benchmarks.worker import emit
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
 from splitserve_runtime.quantization_names import ONLINE_METHODS
 from worker_svc.layers.linear import LinearBase
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

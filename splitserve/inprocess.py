@@ -47,7 +47,7 @@ from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.spec_decode import SpeculativeConfig, speculative_config_from_dict
 from splitserve_runtime.engine_option_rules import engine_options
 from worker_svc import convert as worker_convert
-from worker_svc.model_load import LoadedModel, LoadModelConfig
+from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
 from worker_svc.worker import Worker
 

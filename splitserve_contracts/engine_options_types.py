@@ -2,7 +2,7 @@
 # DO NOT EDIT: change the contract and run `make proto`.
 """The engine's options as plain, immutable records, one per concern (vLLM's EngineArgs ->
 VllmConfig split), with every field's default from the contract. The engine core's flags fill
-them (core_svc/core_flags.py), the ranks read them (worker_svc/model_load.py);
+them (core_svc/core_flags.py), the ranks read them (worker_svc/model_loader/model_load.py);
 splitserve_runtime/engine_option_rules.py holds the rules their values follow.
 """
 

@@ -91,7 +91,7 @@ def ensure_default_gguf(environ: Mapping[str, str] | None = None) -> Path:
 def write_model_folder(gguf_file: Path, folder: Path) -> None:
     """Write a folder for `gguf_file`: config.json, generation_config.json, the tokenizer (with
     its chat template) and the GGUF file itself (hard-linked, or copied across file systems),
-    whose weights the workers read (worker_svc/weights.py: a folder whose only weights file
+    whose weights the workers read (worker_svc/model_loader/weights.py: a folder whose only weights file
     is one .gguf)."""
     folder.mkdir(parents=True)
     config = GgufCheckpoint(gguf_file).hf_config_dict()

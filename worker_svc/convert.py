@@ -17,10 +17,13 @@ from splitserve_contracts.sampling_types import SamplerParams
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime import engine_option_rules
 from splitserve_runtime.tracing import TraceContext, trace_context
-from worker_svc.grammar_bitmask import grammar_bitmask_from_bytes, grammar_bitmask_from_sparse
-from worker_svc.kv_cache import KvCapacity
 from worker_svc.lora.adapter import LoraAdapter
-from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.runner.kv_cache import KvCapacity
+from worker_svc.sample.grammar_bitmask import (
+    grammar_bitmask_from_bytes,
+    grammar_bitmask_from_sparse,
+)
 from worker_svc.scheduler_output import (
     CachedRequestData,
     GrammarBitmask,

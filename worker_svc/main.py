@@ -23,7 +23,7 @@ def serve(config: WorkerConfig) -> int:
 
     from worker_svc.cpu_binding import CpuBinding
     from worker_svc.server import WorkerServicer
-    from worker_svc.stall_watch import StallWatch
+    from worker_svc.stream.stall_watch import StallWatch
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -29,8 +29,8 @@ import grpc
 
 from splitserve_runtime.model_source import resolve_model
 from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
+from worker_svc.model_loader.weights import open_checkpoint
 from worker_svc.models.registry import read_model_config
-from worker_svc.weights import open_checkpoint
 
 logger = logging.getLogger(__name__)
 

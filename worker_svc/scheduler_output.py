@@ -62,7 +62,7 @@ class NewRequestData:
     lora_id: int = 0
     """The LoRA adapter it runs with (0: the base model)."""
     trace: TraceContext | None = None
-    """The engine core's span of the request (worker_svc/step_tracing.py); None: untraced."""
+    """The engine core's span of the request (worker_svc/stream/step_tracing.py); None: untraced."""
     pooling_task: str = ""
     """A pooling request's task: pooled over its prompt, never sampled ("": a generation
     request)."""

@@ -5,8 +5,8 @@ ends with it. torch's OpenMP thread team belongs to the thread that starts it, a
 team roughly halves CPU throughput, so the model must only ever be driven from one live thread:
 unary calls (LoadModel, KV sizing and warm-up) run one at a time on their short-lived threads,
 and an Execute stream runs its steps in order on one step thread of its own, which takes the
-requests a reader thread received ahead of it (worker_svc/request_stream.py) and hands each
-output to the stream's RPC thread to write while the next step runs (worker_svc/output_stream.py):
+requests a reader thread received ahead of it (worker_svc/stream/request_stream.py) and hands each
+output to the stream's RPC thread to write while the next step runs (worker_svc/stream/output_stream.py):
 the step path never waits for the network. Execute is the
 bidirectional step stream: each ExecuteRequest runs in order; the output rank answers every step,
 other ranks answer only with errors. A failed step poisons the rank (its per-request state may be
@@ -38,8 +38,7 @@ from worker_svc import convert
 from worker_svc.cpu_binding import CpuBinding
 from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
-from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
-from worker_svc.output_stream import StepOutputs
+from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.ownership import (
     Claim,
     Ownership,
@@ -47,12 +46,13 @@ from worker_svc.ownership import (
     check_model_loadable,
     claim_from_metadata,
 )
-from worker_svc.profiler import RankProfiler
-from worker_svc.request_stream import StepRequests
 from worker_svc.scheduler_output import GrammarBitmask
-from worker_svc.stall_watch import StallWatch
 from worker_svc.step_checks import MalformedStep
-from worker_svc.step_tracing import StepTraces
+from worker_svc.stream.output_stream import StepOutputs
+from worker_svc.stream.profiler import RankProfiler
+from worker_svc.stream.request_stream import StepRequests
+from worker_svc.stream.stall_watch import StallWatch
+from worker_svc.stream.step_tracing import StepTraces
 from worker_svc.worker import Worker, WorkerStateError
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         outputs: StepOutputs[pb.ExecuteResponse],
     ) -> None:
         """Run the stream's steps in order on this (the step) thread; hand each response to
-        the RPC thread, which writes it while the next step runs (worker_svc/output_stream.py)."""
+        the RPC thread, which writes it while the next step runs (worker_svc/stream/output_stream.py)."""
         if self._worker.device.type == "cuda":
             torch.cuda.set_device(self._worker.device)  # the current device is per thread
         for request in request_iterator:

@@ -24,14 +24,11 @@ from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.kv_quant import kv_cache_torch_dtype
 from worker_svc.attention.selector import available_backends, select_backend
-from worker_svc.cpu_kv_budget import EngineShape, cpu_kv_budget
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
-from worker_svc.grammar_bitmask import GrammarSource
-from worker_svc.kv_cache import KvCapacity, kv_capacity
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.lora.manager import LoraManager
-from worker_svc.model_build import (
+from worker_svc.model_loader.model_build import (
     backend_for_model,
     build_context,
     build_model,
@@ -42,18 +39,21 @@ from worker_svc.model_build import (
     pooler_config,
     resolve_max_model_len,
 )
-from worker_svc.model_load import LoadedModel, LoadModelConfig, WorkerDescription
-from worker_svc.model_runner import ModelRunner
-from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
-from worker_svc.models.model_config import ModelConfig
-from worker_svc.pooler import Pooler
-from worker_svc.scheduler_output import SchedulerOutput
-from worker_svc.weights import (
+from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig, WorkerDescription
+from worker_svc.model_loader.weights import (
     QuantizationOptions,
     open_checkpoint,
     resolve_compute_dtype,
     weight_bytes,
 )
+from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
+from worker_svc.models.model_config import ModelConfig
+from worker_svc.runner.cpu_kv_budget import EngineShape, cpu_kv_budget
+from worker_svc.runner.kv_cache import KvCapacity, kv_capacity
+from worker_svc.runner.model_runner import ModelRunner
+from worker_svc.runner.pooler import Pooler
+from worker_svc.sample.grammar_bitmask import GrammarSource
+from worker_svc.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

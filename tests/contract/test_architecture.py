@@ -61,7 +61,7 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "from splitserve_contracts.core.v1 import core_service_pb2",
             "Protobuf stops at each service's edge",
         ),
-        ("worker_svc/model_runner.py", "import core_svc.request", "Imports point down"),
+        ("worker_svc/runner/model_runner.py", "import core_svc.request", "Imports point down"),
         ("splitserve_runtime/flags.py", "import splitserve.cli", "Imports point down"),
         ("splitserve_client/generate.py", "import torch", "The light client"),
         (
@@ -75,7 +75,7 @@ def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "Worker: models build on layers",
         ),
         (
-            "worker_svc/model_runner.py",
+            "worker_svc/runner/model_runner.py",
             "from worker_svc.models import llava",
             "The worker and its runners know models",
         ),

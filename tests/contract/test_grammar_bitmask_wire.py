@@ -14,8 +14,8 @@ from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_output.structured_bitmask import sparse_bitmask
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from worker_svc import convert as worker_convert
-from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.sample.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.scheduler_output import GrammarBitmask as RankGrammarBitmask
 from worker_svc.step_checks import MalformedStep
 

@@ -24,7 +24,7 @@ from tests.fixtures.kernel_cache import fresh_cache_with_kernels
 from tests.fixtures.parity import max_logit_diff, reference_generate, run_recording
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

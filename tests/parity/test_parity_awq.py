@@ -19,7 +19,7 @@ from tests.fixtures.parity import max_logit_diff, reference_generate, run_record
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
 from worker_svc.layers.quantized import WeightOnlyLinearMethod
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 PROMPTS = [[5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13], [40, 41, 42]]
 BLOCK_SIZE = 4

@@ -15,7 +15,7 @@ import pytest
 from splitserve_contracts.sampling_types import SamplerParams
 from tests.fixtures.embedder import load_embedder, make_bert_embedder
 from tests.fixtures.ranks import LocalRank
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
 
 BLOCK_SIZE = 4

@@ -18,7 +18,7 @@ from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
 from tests.parity.test_parity_single_rank import BLOCK_SIZE, FAMILIES, PROMPTS
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 MIN_AGREEMENT = 0.95
 NUM_CONTINUED = 8

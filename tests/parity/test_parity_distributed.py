@@ -20,7 +20,7 @@ from tests.fixtures.parity import max_logit_diff, reference_generate, run_record
 from tests.fixtures.ranks import SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 pytestmark = pytest.mark.slow
 

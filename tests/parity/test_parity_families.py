@@ -27,7 +27,7 @@ from tests.fixtures.parity import (
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 FAMILIES = [
     "mistral_window",

@@ -34,7 +34,7 @@ from tests.parity.test_parity_families import (
     PROMPTS,
     TOLERANCE,
 )
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 pytestmark = pytest.mark.slow
 

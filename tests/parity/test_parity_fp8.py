@@ -28,10 +28,10 @@ from tests.fixtures.parity import (
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
 from tests.parity.conftest import reference_for
-from worker_svc import model_build
 from worker_svc.layers.fp8 import Fp8LinearMethod
 from worker_svc.layers.linear import ColumnParallelLinear
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader import model_build
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

@@ -24,7 +24,7 @@ from tests.fixtures.llava_checkpoint import (
 from tests.fixtures.parity import reference_generate, reference_logits, run_recording
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

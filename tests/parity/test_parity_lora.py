@@ -21,7 +21,7 @@ from tests.fixtures.lora_adapters import load_peft_reference, make_adapter
 from tests.fixtures.parity import Ranks, reference_generate, reference_logits, run_recording
 from tests.fixtures.ranks import LocalRank, SpawnedRanks
 from tests.fixtures.step_driver import StepDriver
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

@@ -19,7 +19,7 @@ from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.parity import reference_generate
 from tests.parity.conftest import reference_for
 from tests.unit.core.fake_executor import ClientView, make_request
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
 BLOCK_SIZE = 4

@@ -21,7 +21,7 @@ from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.ranks import LocalRank
 from tests.reliability.probes import PYTHON_INTERNALS
 from worker_svc.lora.peft_config import WEIGHTS_FILE, AdapterError
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 
 pytestmark = pytest.mark.slow
 TiB = 1 << 40

@@ -1,6 +1,6 @@
 """A generative family served as a pooling model (vLLM's model_executor/models/adapters.py,
 `as_embedding_model`): the same decoder without its LM head; the runner pools the final hidden
-states (worker_svc/pooler.py) instead of computing logits.
+states (worker_svc/runner/pooler.py) instead of computing logits.
 
 It reads both a full causal-LM checkpoint (`--convert embed`: the LM head's tensors are skipped)
 and a bare decoder (what sentence-transformers saves: transformers' AutoModel, `LlamaModel`,

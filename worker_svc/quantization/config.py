@@ -13,7 +13,7 @@ in one line, what its readers cannot serve. How its weights are read follows fro
     GgufConfig      (quantization/gguf.py) a .gguf file's blocks
 
 A new format of an existing kind is its file and its row; a new kind also needs its reader in
-worker_svc/weights.py.
+worker_svc/model_loader/weights.py.
 """
 
 from __future__ import annotations

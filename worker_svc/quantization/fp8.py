@@ -1,6 +1,6 @@
 """FP8 checkpoints (`quantization_config.quant_method: fp8`): the registry's `fp8`. The layout
 (per-tensor or block scales) and the linear methods are in worker_svc/layers/fp8.py; the scan for
-the scales in worker_svc/weights.py (`open_fp8_checkpoint`)."""
+the scales in worker_svc/model_loader/weights.py (`open_fp8_checkpoint`)."""
 
 from __future__ import annotations
 

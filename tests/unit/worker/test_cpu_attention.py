@@ -13,7 +13,7 @@ from worker_svc.attention.cpu_backend import QUERY_BLOCK
 from worker_svc.attention.kv_quant import KvScales
 from worker_svc.attention.selector import backend_class
 from worker_svc.kernels.cpu_kernels import CpuKernels, using_cpu_kernels
-from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
+from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
 
 H, KVH, D, BLOCK_SIZE = 12, 4, 32, 16
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.cpu_kv_budget import GIB, EngineShape, available_memory, cpu_kv_budget
+from worker_svc.runner.cpu_kv_budget import GIB, EngineShape, available_memory, cpu_kv_budget
 
 MIB = 1 << 20
 BLOCK_BYTES = 64 * 1024  # e.g. 2 layers x (K, V) x 16 tokens x 8 heads x 64 dims x 4 bytes

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tests.fixtures.fp8_checkpoints import quantize
 from worker_svc.layers.fp8 import Fp8Format, Fp8Tensor
 from worker_svc.layers.tensor_source import InMemoryTensor, read_cols, read_rows, row_range
-from worker_svc.weights import checkpoint_files, open_fp8_checkpoint
+from worker_svc.model_loader.weights import checkpoint_files, open_fp8_checkpoint
 
 BLOCK = (4, 6)
 

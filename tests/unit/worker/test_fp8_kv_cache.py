@@ -14,7 +14,7 @@ from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.load_requests import load_request
 from worker_svc.attention.kv_quant import KvScales
 from worker_svc.convert import load_model_config_from_proto
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

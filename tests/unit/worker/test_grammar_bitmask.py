@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.sample.grammar_bitmask import apply_grammar_bitmask, grammar_bitmask_from_bytes
 from worker_svc.step_checks import MalformedStep
 
 

@@ -10,8 +10,8 @@ from tests.fixtures.checkpoints import hf_config
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.linear import QKVParallelLinear, kv_heads_per_rank
 from worker_svc.layers.tensor_source import InMemoryTensor
-from worker_svc.model_build import check_parallel_shape
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_build import check_parallel_shape
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.models.model_config import ModelConfig
 
 CPU = torch.device("cpu")

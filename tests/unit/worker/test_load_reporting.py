@@ -10,7 +10,7 @@ import pytest
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.load_requests import load_request
 from worker_svc import convert
-from worker_svc.weights import SHARDS_PROGRESS, checkpoint_files, iter_checkpoint
+from worker_svc.model_loader.weights import SHARDS_PROGRESS, checkpoint_files, iter_checkpoint
 
 
 def test_shards_show_vllms_progress_bar_when_asked(
@@ -28,9 +28,9 @@ def test_without_the_bar_every_shard_is_a_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     files = checkpoint_files(worker_checkpoints.get("llama", max_shard_size="100KB"))
-    with caplog.at_level(logging.INFO, logger="worker_svc.weights"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.model_loader.weights"):
         list(iter_checkpoint(files))
-    lines = [r.getMessage() for r in caplog.records if r.name == "worker_svc.weights"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker_svc.model_loader.weights"]
     assert len(lines) == len(files) > 1
     assert lines[-1].startswith(f"loaded shard {len(files)}/{len(files)}")
     assert SHARDS_PROGRESS not in capsys.readouterr().err

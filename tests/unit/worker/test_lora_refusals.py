@@ -17,7 +17,7 @@ from tests.fixtures.lora_adapters import make_adapter
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
 from worker_svc.lora.peft_config import AdapterError, AdapterNotFound
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import WorkerStateError
 
 

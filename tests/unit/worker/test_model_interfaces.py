@@ -27,7 +27,7 @@ from worker_svc.layers.linear import (
     UnquantizedLinearMethod,
     linear_layers,
 )
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM, supports_images
 from worker_svc.models.registry import SUPPORTED_ARCHITECTURES, model_class

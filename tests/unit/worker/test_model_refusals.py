@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures.checkpoints import CheckpointCache, hf_config
 from worker_svc.layers.rope_config import SUPPORTED_ROPE_TYPES
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.worker import Worker
 
 
@@ -111,7 +111,7 @@ def test_an_architecture_transformers_does_not_know_is_refused_by_name(
 def test_models_with_windows_or_soft_caps_leave_the_cpu_backend_for_torch() -> None:
     from dataclasses import replace
 
-    from worker_svc.model_build import backend_for_model
+    from worker_svc.model_loader.model_build import backend_for_model
     from worker_svc.models.gemma2 import GemmaConfig
     from worker_svc.models.model_config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""Outputs written beside the step loop (worker_svc/output_stream.py): in order, none lost,
+"""Outputs written beside the step loop (worker_svc/stream/output_stream.py): in order, none lost,
 bounded, the loop's end or failure behind its outputs; and over a real gRPC server, a rank runs
 its next queued step while the previous output still waits to be written."""
 
@@ -22,9 +22,9 @@ from splitserve_runtime.services import OWNER_EPOCH_METADATA_KEY
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.load_requests import load_request
 from tests.unit.worker.test_worker_server import open_stream, read_output, start_server
-from worker_svc.output_stream import StepOutputs, StreamClosed
 from worker_svc.server import WorkerServicer
-from worker_svc.stall_watch import StallWatch
+from worker_svc.stream.output_stream import StepOutputs, StreamClosed
+from worker_svc.stream.stall_watch import StallWatch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from splitserve_contracts.output_types import PoolerConfig
-from worker_svc.pooler import Pooler
-from worker_svc.pooling_config import is_pooling_runner, read_pooler_config
-from worker_svc.step_inputs import StepInputs
+from worker_svc.model_loader.pooling_config import is_pooling_runner, read_pooler_config
+from worker_svc.runner.pooler import Pooler
+from worker_svc.runner.step_inputs import StepInputs
 
 HIDDEN = 8
 
@@ -154,8 +154,8 @@ def test_a_rank_refuses_requests_of_the_other_kind() -> None:
     """A peer's data is checked too: a pooling rank takes pooling requests only, and the
     reverse (the core refuses them first; a rank must not run them if it did not)."""
     from splitserve_contracts.sampling_types import SamplerParams
-    from worker_svc.input_batch import InputBatch
-    from worker_svc.sampling_metadata import SamplingStates
+    from worker_svc.runner.input_batch import InputBatch
+    from worker_svc.sample.sampling_metadata import SamplingStates
     from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
 
     def step(task: str) -> SchedulerOutput:

@@ -19,6 +19,7 @@ from splitserve_runtime.quantization_names import (
     QuantizationFormat,
     canonical_quantization,
 )
+from worker_svc.model_loader.weights import quantize_config_json
 from worker_svc.quantization.config import (
     PackedConfig,
     QuantizationConfig,
@@ -27,7 +28,6 @@ from worker_svc.quantization.config import (
 from worker_svc.quantization.fp8 import Fp8Config
 from worker_svc.quantization.online import OnlineConfig
 from worker_svc.quantization.plan import resolve_quantization
-from worker_svc.weights import quantize_config_json
 
 ALIASES = {alias: row.name for row in FORMATS for alias in row.aliases}
 

@@ -1,4 +1,4 @@
-"""Requests read ahead of the step loop (worker_svc/request_stream.py): in order, the stream's
+"""Requests read ahead of the step loop (worker_svc/stream/request_stream.py): in order, the stream's
 end or error behind them, received before the loop asks, bounded, released on close."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker_svc.request_stream import StepRequests
+from worker_svc.stream.request_stream import StepRequests
 
 
 class Source:

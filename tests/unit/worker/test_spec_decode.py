@@ -17,11 +17,11 @@ from splitserve_contracts.spec_decode import (
     propose_ngram,
 )
 from tests.fixtures.step_driver import ids
-from worker_svc.input_batch import InputBatch
-from worker_svc.sampler import Sampler
-from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.spec_decode import SpecDecoder, Verified
+from worker_svc.sample.sampler import Sampler
+from worker_svc.sample.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import NewRequestData, SchedulerOutput
-from worker_svc.spec_decode import SpecDecoder, Verified
 
 V = 8
 BS = 4

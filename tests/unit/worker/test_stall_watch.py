@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from worker_svc.stall_watch import StallWatch
+from worker_svc.stream.stall_watch import StallWatch
 
 
 def test_a_step_past_its_limit_turns_readiness_off_until_it_ends() -> None:

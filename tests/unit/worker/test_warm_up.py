@@ -1,4 +1,4 @@
-"""The rank's start-up warm-up (worker_svc/warm_up.py; issue 37, item 4): InitializeKvCache runs
+"""The rank's start-up warm-up (worker_svc/runner/warm_up.py; issue 37, item 4): InitializeKvCache runs
 one dummy request through the whole step path (input batch, forward, sampler), lockstep or
 async-scheduled, and leaves nothing behind: the batch is empty, the engine's generator is
 untouched, and the first real request's greedy tokens are those of a rank that skipped it."""
@@ -14,10 +14,10 @@ import torch
 from tests.fixtures.checkpoints import CheckpointCache
 from tests.fixtures.ranks import LocalRank
 from tests.fixtures.step_driver import StepDriver
-from worker_svc.model_load import LoadModelConfig
-from worker_svc.model_runner import ModelRunner
-from worker_svc.sampler import Sampler
-from worker_svc.warm_up import WARM_UP_PROMPT_TOKENS, warm_up_steps
+from worker_svc.model_loader.model_load import LoadModelConfig
+from worker_svc.runner.model_runner import ModelRunner
+from worker_svc.runner.warm_up import WARM_UP_PROMPT_TOKENS, warm_up_steps
+from worker_svc.sample.sampler import Sampler
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from worker_svc.attention.backend import (
     is_importable,
 )
 from worker_svc.attention.selector import backend_class, select_backend
-from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
+from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
 
 H, KVH, D = 6, 2, 16
 CPU = torch.device("cpu")

@@ -116,7 +116,7 @@ def test_load_model_request_validation() -> None:
 
 
 def test_loaded_model_carries_the_kv_sliding_window() -> None:
-    from worker_svc.model_load import LoadedModel
+    from worker_svc.model_loader.model_load import LoadedModel
 
     loaded = LoadedModel("MistralForCausalLM", 512, 64, "float32", 1, 0.1, "torch", 2, 2, 16, 6)
     msg = convert.loaded_model_to_proto(loaded)

@@ -10,8 +10,8 @@ import torch
 
 from splitserve_contracts.sampling_types import SamplerParams
 from tests.fixtures.step_driver import GREEDY, ids
-from worker_svc.input_batch import InputBatch
-from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.sample.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import (
     CachedRequestData,
     NewRequestData,

@@ -17,7 +17,7 @@ from worker_svc.layers.embedding import VocabParallelEmbedding
 from worker_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.rotary import inverse_frequencies
 from worker_svc.layers.tensor_source import InMemoryTensor
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.registry import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from worker_svc.worker import Worker, WorkerStateError

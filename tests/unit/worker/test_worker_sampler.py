@@ -10,10 +10,10 @@ import torch
 
 from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.sampling_types import SamplerParams
-from worker_svc.logprobs import compute_logprobs
-from worker_svc.penalties import apply_penalties
-from worker_svc.sampler import Sampler, apply_min_p, apply_top_k_top_p
-from worker_svc.sampling_metadata import PenaltyInputs, SamplingMetadata, SamplingStates
+from worker_svc.sample.logprobs import compute_logprobs
+from worker_svc.sample.penalties import apply_penalties
+from worker_svc.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from worker_svc.sample.sampling_metadata import PenaltyInputs, SamplingMetadata, SamplingStates
 
 V = 8
 CPU = torch.device("cpu")

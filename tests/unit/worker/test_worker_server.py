@@ -20,7 +20,7 @@ from tests.fixtures.checkpoints import CheckpointCache, load_reference
 from tests.fixtures.load_requests import load_request
 from tests.fixtures.parity import reference_generate
 from worker_svc.server import WorkerServicer
-from worker_svc.stall_watch import StallWatch
+from worker_svc.stream.stall_watch import StallWatch
 
 pytestmark = pytest.mark.timeout(120)
 

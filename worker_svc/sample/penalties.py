@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.sampling_metadata import PenaltyInputs, SamplingMetadata
+from worker_svc.sample.sampling_metadata import PenaltyInputs, SamplingMetadata
 
 
 def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -20,11 +20,11 @@ from splitserve_contracts.output_types import (
     StepStatus,
     StepTimings,
 )
-from worker_svc.input_batch import InputBatch
-from worker_svc.logprobs import split_tables
-from worker_svc.sampler import SamplerOutput
-from worker_svc.spec_decode import Verified
-from worker_svc.step_inputs import StepInputs, ragged_cols
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.spec_decode import Verified
+from worker_svc.runner.step_inputs import StepInputs, ragged_cols
+from worker_svc.sample.logprobs import split_tables
+from worker_svc.sample.sampler import SamplerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from worker_svc.output_stream import StreamEnd, put_while
+from worker_svc.stream.output_stream import StreamEnd, put_while
 
 T = TypeVar("T")
 MAX_PENDING = 16

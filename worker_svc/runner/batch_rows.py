@@ -2,7 +2,7 @@
 
 A row holds the request's token ids (prompt, then outputs), its KV block ids, its counters and
 its LoRA adapter; its sampling state lives in `SamplingStates`, row for row. The tables grow
-by doubling when every row is taken. InputBatch (worker_svc/input_batch.py) applies each step's
+by doubling when every row is taken. InputBatch (worker_svc/runner/input_batch.py) applies each step's
 diffs to these rows and builds the step's inputs from them; this base only stores, frees and
 appends.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.runner.step_inputs import IntArray, append_runs, ragged_cols
+from worker_svc.sample.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import NewRequestData
-from worker_svc.step_inputs import IntArray, append_runs, ragged_cols
 
 
 class BatchRows:

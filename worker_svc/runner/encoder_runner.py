@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from splitserve_contracts.mm_features import feature_identifier, tensor_problem
-from worker_svc.encoder_cache import EncoderCache
 from worker_svc.models.interfaces import SupportsImages
+from worker_svc.runner.encoder_cache import EncoderCache
+from worker_svc.runner.step_inputs import StepInputs
 from worker_svc.scheduler_output import MultiModalInput, NewRequestData, SchedulerOutput
 from worker_svc.step_checks import check_step_shape
-from worker_svc.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The records of one step on a rank: what update_states made of it (StepPlan) and the model's
 host-side inputs (StepInputs), with the ragged-run helpers that build them without a Python loop
-per token (worker_svc/input_batch.py fills them from the rank's per-request tables)."""
+per token (worker_svc/runner/input_batch.py fills them from the rank's per-request tables)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class StepPlan:
     failed: dict[int, str]
     num_spec: IntArray | None = None
     """Draft slots per row (speculative decoding; None: none in this step). Once the drafts are
-    proposed (worker_svc/spec_decode.py), the drafts each row verifies: its
+    proposed (worker_svc/runner/spec_decode.py), the drafts each row verifies: its
     num_scheduled_tokens are then 1 + that."""
 
     def reordered(self, order: IntArray) -> StepPlan:

@@ -20,7 +20,13 @@ from worker_svc.layers.fp8 import can_keep_fp8
 from worker_svc.layers.linear import LinearMethods, kv_heads_per_rank
 from worker_svc.layers.lora import LoraBatch, LoraLinearMethods, LoraShape
 from worker_svc.layers.tensor_source import TensorSource
-from worker_svc.model_load import LoadModelConfig
+from worker_svc.model_loader.model_load import LoadModelConfig
+from worker_svc.model_loader.pooling_config import (
+    classifier_config,
+    is_pooling_runner,
+    read_pooler_config,
+)
+from worker_svc.model_loader.weights import Checkpoint, fp8_linear_methods, num_fp8_layers
 from worker_svc.models.decoder import BuildContext
 from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.model_config import ModelConfig, architecture_of
@@ -30,8 +36,6 @@ from worker_svc.models.registry import (
     model_class,
     pooling_model_class,
 )
-from worker_svc.pooling_config import classifier_config, is_pooling_runner, read_pooler_config
-from worker_svc.weights import Checkpoint, fp8_linear_methods, num_fp8_layers
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What the model runner makes of a step before its forward, beside the batch's own inputs
-(worker_svc/input_batch.py): the step's LoRA slots and its rows grouped by adapter, and the
+(worker_svc/runner/input_batch.py): the step's LoRA slots and its rows grouped by adapter, and the
 attention backend's inputs.
 
 Rows are grouped by LoRA slot, base-model rows first, so each slot's tokens are one contiguous
@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from worker_svc.attention.backend import AttentionInputs
-from worker_svc.input_batch import InputBatch
-from worker_svc.kv_cache import PagedKVCache
 from worker_svc.lora.manager import NO_SLOT, LoraManager
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.kv_cache import PagedKVCache
+from worker_svc.runner.step_inputs import IntArray, StepInputs, StepPlan
 from worker_svc.scheduler_output import SchedulerOutput
 from worker_svc.step_checks import MalformedStep
-from worker_svc.step_inputs import IntArray, StepInputs, StepPlan
 
 
 def apply_lora_slots(lora: LoraManager | None, step: SchedulerOutput) -> None:

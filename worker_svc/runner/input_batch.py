@@ -1,4 +1,4 @@
-"""A rank's live requests across steps (their rows: worker_svc/batch_rows.py) and each step's
+"""A rank's live requests across steps (their rows: worker_svc/runner/batch_rows.py) and each step's
 model inputs.
 
 A step's diffs update rows in bulk: ragged appends become one fancy-index assignment over the
@@ -13,11 +13,11 @@ import numpy as np
 
 from splitserve_contracts import sampling_rules
 from splitserve_contracts.sampling_rules import InvalidSamplingParams
-from worker_svc.batch_rows import BatchRows
-from worker_svc.kv_cache import NULL_BLOCK_ID
+from worker_svc.runner.batch_rows import BatchRows
+from worker_svc.runner.kv_cache import NULL_BLOCK_ID
+from worker_svc.runner.step_inputs import IntArray, StepInputs, StepPlan, append_runs, ragged_cols
 from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from worker_svc.step_checks import BoolArray, bad_runs, check_step_shape, select_cached
-from worker_svc.step_inputs import IntArray, StepInputs, StepPlan, append_runs, ragged_cols
 
 
 class InputBatch(BatchRows):

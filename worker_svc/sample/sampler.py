@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from splitserve_contracts.engine_options_types import ModelOptions
-from worker_svc.logprobs import compute_logprobs
-from worker_svc.penalties import apply_logit_edits
-from worker_svc.sampling_metadata import SamplingMetadata
+from worker_svc.sample.logprobs import compute_logprobs
+from worker_svc.sample.penalties import apply_logit_edits
+from worker_svc.sample.sampling_metadata import SamplingMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,23 +31,23 @@ from splitserve_contracts.output_types import LogprobsTable, ModelRunnerOutput, 
 from splitserve_contracts.spec_decode import SpeculativeConfig
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
-from worker_svc.encoder_runner import EncoderRunner, MmEmbeddings
-from worker_svc.grammar_bitmask import GrammarSource, apply_grammar_bitmask
-from worker_svc.input_batch import InputBatch
 from worker_svc.kernels.cpu_kernels import CpuKernels
-from worker_svc.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.lora.manager import LoraManager
 from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
-from worker_svc.pooler import Pooler
-from worker_svc.prompt_logprobs import PromptLogprobsCollector
-from worker_svc.runner_inputs import apply_lora_slots, attention_inputs, group_by_adapter
-from worker_svc.runner_output import Sampled, add_sampled, leave_sampled, step_output
-from worker_svc.sampler import Sampler
-from worker_svc.sampling_metadata import SamplingStates
+from worker_svc.runner.encoder_runner import EncoderRunner, MmEmbeddings
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
+from worker_svc.runner.pooler import Pooler
+from worker_svc.runner.prompt_logprobs import PromptLogprobsCollector
+from worker_svc.runner.runner_inputs import apply_lora_slots, attention_inputs, group_by_adapter
+from worker_svc.runner.runner_output import Sampled, add_sampled, leave_sampled, step_output
+from worker_svc.runner.spec_decode import SpecDecoder
+from worker_svc.runner.step_inputs import StepInputs
+from worker_svc.runner.warm_up import dummy_step_inputs, warm_up_steps
+from worker_svc.sample.grammar_bitmask import GrammarSource, apply_grammar_bitmask
+from worker_svc.sample.sampler import Sampler
+from worker_svc.sample.sampling_metadata import SamplingStates
 from worker_svc.scheduler_output import GrammarBitmask, SchedulerOutput
-from worker_svc.spec_decode import SpecDecoder
-from worker_svc.step_inputs import StepInputs
-from worker_svc.warm_up import dummy_step_inputs, warm_up_steps
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run a dummy prefill and decode once, so first-use costs (oneDNN primitives, allocator
         growth, the sampler's first call) are paid before serving: through the whole step path
-        (worker_svc/warm_up.py), or the forward only, in a scratch cache, for pooling models and
+        (worker_svc/runner/warm_up.py), or the forward only, in a scratch cache, for pooling models and
         speculative decoding. Single rank only: collectives would need every rank."""
         assert self.kv_cache is not None and self.batch is not None
         if self.parallel.world_size > 1:

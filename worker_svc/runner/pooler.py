@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve_contracts.output_types import PoolerConfig, PoolerOutput
-from worker_svc.step_inputs import StepInputs
+from worker_svc.runner.step_inputs import StepInputs
 
 _PART_OF_A_PROMPT = (
     "an encoder-only model computes a prompt whole, in one step; the step carried part of one"

@@ -35,9 +35,9 @@ import numpy.typing as npt
 import torch
 
 from splitserve_contracts.spec_decode import SpeculativeConfig, propose_ngram
-from worker_svc.input_batch import InputBatch
-from worker_svc.sampling_metadata import skip_draws
-from worker_svc.step_inputs import StepInputs, StepPlan, ragged_cols
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.step_inputs import StepInputs, StepPlan, ragged_cols
+from worker_svc.sample.sampling_metadata import skip_draws
 
 IntArray = npt.NDArray[np.int64]
 

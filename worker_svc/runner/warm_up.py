@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve_contracts.sampling_types import SamplerParams
+from worker_svc.runner.step_inputs import StepInputs
 from worker_svc.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from worker_svc.step_inputs import StepInputs
 
 WARM_UP_PROMPT_TOKENS = 8
 WARM_UP_HANDLE = -1

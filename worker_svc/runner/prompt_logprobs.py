@@ -15,9 +15,9 @@ import numpy.typing as npt
 import torch
 
 from splitserve_contracts.output_types import LogprobsTable
-from worker_svc.input_batch import InputBatch
-from worker_svc.logprobs import compute_logprobs, concat_tables, split_tables
-from worker_svc.step_inputs import StepInputs
+from worker_svc.runner.input_batch import InputBatch
+from worker_svc.runner.step_inputs import StepInputs
+from worker_svc.sample.logprobs import compute_logprobs, concat_tables, split_tables
 
 IntArray = npt.NDArray[np.int64]
 
