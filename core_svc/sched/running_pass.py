@@ -3,7 +3,7 @@ RUNNING loop in `Scheduler.schedule`).
 
 A decode gets one token (plus draft slots with speculative decoding), a prefill chunk the
 tokens the budgets leave; when a request's tokens find no free KV blocks, the last requests
-(by policy) are preempted until they do (`sched_preemption.py`).
+(by policy) are preempted until they do (`preemption.py`).
 """
 
 from __future__ import annotations

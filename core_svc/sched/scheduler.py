@@ -39,9 +39,9 @@ class Scheduler(RunningPass, WaitingPass):
     AsyncScheduler (core_svc/sched/async_scheduler.py) schedules ahead through the hooks
     `_after_schedule` and `_after_update`.
 
-    Its state is `SchedulerState` (sched_state.py) and its passes are their own modules:
-    running requests (sched_running.py), preemption (sched_preemption.py), waiting requests
-    (sched_waiting.py); this class builds the step from them and applies its output.
+    Its state is `SchedulerState` (scheduler_state.py) and its passes are their own modules:
+    running requests (running_pass.py), preemption (preemption.py), waiting requests
+    (waiting_pass.py); this class builds the step from them and applies its output.
     """
 
     max_steps_in_flight = 1

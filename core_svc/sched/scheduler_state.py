@@ -1,8 +1,8 @@
 """What the scheduler knows between steps: its configuration, collaborators, queues and counters.
 
 The scheduler is split along its passes (vLLM's v1/core/sched/ is the model for the room):
-this base holds the state every pass reads and writes; `sched_preemption.py`,
-`sched_running.py` and `sched_waiting.py` add the passes, and `scheduler.py` the step itself
+this base holds the state every pass reads and writes; `preemption.py`,
+`running_pass.py` and `waiting_pass.py` add the passes, and `scheduler.py` the step itself
 (schedule, apply the output, finish requests). The passes are methods on one object, not
 collaborators, because they share this state on the hot path: a decode-heavy step reads a
 dozen of these attributes per request.

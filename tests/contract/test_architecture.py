@@ -100,8 +100,8 @@ def test_each_rule_catches_a_violation(copy: Path, module: str, line: str, broke
 
 
 def test_an_import_circle_is_found_and_named(copy: Path) -> None:
-    """A circle the tree does not have (sched_state -> request_queue -> sched_state) is reported
-    with its modules, whatever else the check reports."""
+    """A circle the tree does not have (scheduler_state -> request_queue -> scheduler_state) is
+    reported with its modules, whatever else the check reports."""
     path = copy / "core_svc" / "sched" / "request_queue.py"
     original = path.read_text()
     path.write_text(
