@@ -81,8 +81,14 @@ def test_light_venv_has_no_torch(light_splitserve: Path) -> None:
         "splitserve_runtime.service_host",
     )
     probe = f"import importlib.util as u; print([m for m in {absent!r} if u.find_spec(m)])"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv alone
     result = subprocess.run(
-        [str(python), "-c", probe], cwd=python.parent, capture_output=True, text=True, timeout=60
+        [str(python), "-c", probe],
+        cwd=python.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
