@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
@@ -65,33 +66,6 @@ def check_request_fields(msg: pb.GenerateRequest, data_parallel_rank: int) -> No
         )
 
 
-def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """vLLM's servicer's reading of the gateway's sampling parameters (zero means "off" for
-    the fields that are not `optional`); InputProcessor validates the result."""
-    return SamplingParams(
-        n=msg.n or 1,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0.0 else 1.0,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        min_tokens=msg.min_tokens,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        skip_special_tokens=msg.skip_special_tokens,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        logit_bias=dict(msg.logit_bias),
-        spaces_between_special_tokens=msg.spaces_between_special_tokens,
-    )
-
-
 CONSTRAINT_KINDS = {
     "json_schema": "json",
     "regex": "regex",
@@ -100,6 +74,60 @@ CONSTRAINT_KINDS = {
 }
 """The gateway's string constraints -> vLLM's StructuredOutputsParams names (as vLLM's servicer
 maps them); `json_object` and `choice` have their own shapes."""
+
+
+VLLM_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "n": 1,
+}
+"""What vLLM's servicer reads for these when unset (temperature, `optional`) or zero (the rest:
+not `optional`, and zero means "off", or one completion). Any other `optional` field reads as
+the record's default when unset (None for seed, max_tokens, logprobs, prompt_logprobs)."""
+
+NOT_COPIED = {
+    **dict.fromkeys(
+        (*CONSTRAINT_KINDS, "json_object", "choice"),
+        "the `constraint` oneof, read by structured_outputs_from_proto",
+    ),
+    "truncate_prompt_tokens": "cuts the prompt (_truncated), not a sampling setting",
+    "grammar_from_first_token": "nothing to do: a gateway request's grammar starts at its first "
+    "token set or not (its GenerateInput carries no `reasoning` to hold the grammar back)",
+}
+"""smg's SamplingParams fields that are not copied by name, and why. The gateway's proto is
+upstream's: a field it gains that is neither one of our record's nor listed here fails
+test_gateway_convert, so an smg-grpc-proto upgrade cannot drop a knob unseen."""
+
+RECORD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+COPIED = tuple(
+    f
+    for f in pb.SamplingParams.DESCRIPTOR.fields
+    if f.name in RECORD_DEFAULTS and f.name not in NOT_COPIED
+)
+"""smg's SamplingParams fields that our SamplingParams record has too, copied by name."""
+
+
+def _copied_value(msg: pb.SamplingParams, field: FieldDescriptor) -> Any:
+    """One field as vLLM's servicer reads it: map -> dict, repeated -> tuple, unset `optional`
+    or zero -> VLLM_DEFAULTS' value or the record's default."""
+    name = field.name
+    value = getattr(msg, name)
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        return dict(value)
+    if field.is_repeated:
+        return tuple(value)
+    if field.has_presence and not msg.HasField(name):
+        return VLLM_DEFAULTS.get(name, RECORD_DEFAULTS[name])
+    if name in VLLM_DEFAULTS and not field.has_presence and not value:
+        return VLLM_DEFAULTS[name]
+    return value
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """vLLM's servicer's reading of the gateway's sampling parameters, field by field as the
+    descriptor lists them (COPIED); InputProcessor validates the result."""
+    return SamplingParams(**{f.name: _copied_value(msg, f) for f in COPIED})
 
 
 def structured_outputs_from_proto(msg: pb.SamplingParams) -> StructuredOutputsParams | None:

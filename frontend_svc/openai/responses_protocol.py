@@ -12,19 +12,27 @@ from typing import Any
 
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.openai.fields import as_bool, as_list, as_object, as_str, read
+from frontend_svc.openai.sampling_map import CHAT
 
-PASSED_THROUGH = (
-    "model", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logit_bias",
-    "chat_template_kwargs", "structured_outputs", "priority", "cache_salt", "include_reasoning",
-    "request_id", "min_tokens", "ignore_eos", "skip_special_tokens",
+CHAT_FIELDS = (
+    "model", "parallel_tool_calls", "chat_template_kwargs", "structured_outputs", "priority",
+    "cache_salt", "include_reasoning", "request_id",
 )  # fmt: skip
-"""Fields that mean the same in a chat request (vLLM's extra fields included)."""
+"""The chat request's fields besides sampling that mean the same here (vLLM's extras included)."""
+NOT_SAMPLED = ("n", "prompt_logprobs")
+"""Sampling fields that shape the chat answer rather than its tokens, which a response has no
+place for (one answer; no prompt logprobs): not passed."""
 REFUSED = {
     "conversation": "send previous_response_id, or the earlier items in `input`",
     "prompt": "prompt templates are not supported; send `input`",
 }
 RENAMED = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
+"""Chat fields that have a name of their own here (read from that name only)."""
+PASSED_THROUGH = CHAT_FIELDS + tuple(
+    name for name in CHAT.by_own_name() if name not in NOT_SAMPLED and name not in dict(RENAMED)
+)
+"""Fields passed to the chat request as sent: the sampling knobs the chat API reads by name (a
+knob added to the contract is accepted here too), and CHAT_FIELDS."""
 
 
 @dataclass

@@ -36,6 +36,11 @@ class FieldMap:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values for fields the request leaves out, where the endpoint's default differs."""
 
+    def by_own_name(self) -> tuple[str, ...]:
+        """The SamplingParams fields the endpoint reads from the request field of the same name
+        (all but `own`), in contract order: what another API built on it can pass through."""
+        return tuple(name for name in FIELD_COERCERS if name not in self.own)
+
     def request_names(self, name: str) -> list[str]:
         return [alias for alias, target in self.aliases.items() if target == name] + [name]
 

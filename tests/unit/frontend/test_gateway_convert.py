@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_servicer.load_record import engine_load_from
 
@@ -32,6 +33,50 @@ def test_unset_and_zero_fields_read_as_vllms_servicer_reads_them() -> None:
     )
     assert (explicit.temperature, explicit.top_p, explicit.max_tokens) == (0.0, 0.5, 7)
     assert (explicit.seed, explicit.logprobs, explicit.n) == (3, 0, 2)
+
+
+def test_every_field_of_smgs_sampling_params_is_copied_or_listed() -> None:
+    """An smg-grpc-proto upgrade whose SamplingParams gains a field fails here until the field
+    is one of our record's (copied by name) or listed, with why, in NOT_COPIED."""
+    names = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
+    copied = {f.name for f in convert.COPIED}
+    assert copied | set(convert.NOT_COPIED) == names
+    assert not copied & set(convert.NOT_COPIED)
+    assert set(convert.VLLM_DEFAULTS) <= copied
+    ours = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert copied == ours & names - set(convert.NOT_COPIED)
+
+
+F = FieldDescriptor
+SCALARS = {F.CPPTYPE_FLOAT: 0.25, F.CPPTYPE_DOUBLE: 0.25, F.CPPTYPE_BOOL: True, F.CPPTYPE_STRING: "x",
+           F.CPPTYPE_INT32: 3, F.CPPTYPE_INT64: 3, F.CPPTYPE_UINT32: 3, F.CPPTYPE_UINT64: 3}  # fmt: skip
+"""A non-default value per proto scalar type (0.25 is exact in float32)."""
+
+
+def _scalar(field: FieldDescriptor) -> object:
+    return SCALARS[field.cpp_type]
+
+
+def _non_default(field: FieldDescriptor) -> tuple[object, object]:
+    """(what to set on the message, what our record should read) for one copied field."""
+    entry = field.message_type
+    if entry is not None and entry.GetOptions().map_entry:
+        key, value = _scalar(entry.fields_by_name["key"]), _scalar(entry.fields_by_name["value"])
+        return {key: value}, {key: value}
+    if field.is_repeated:
+        return [_scalar(field)], (_scalar(field),)
+    return _scalar(field), _scalar(field)
+
+
+def test_every_shared_field_is_copied_with_its_value() -> None:
+    """A message with a non-default value in every field our record shares with smg's, built
+    from the descriptor: each reads back unchanged."""
+    values = {f.name: _non_default(f) for f in convert.COPIED}
+    msg = pb.SamplingParams(**{name: sent for name, (sent, _) in values.items()})  # type: ignore[arg-type]
+    params = convert.sampling_params_from_proto(msg)
+    assert {name: getattr(params, name) for name in values} == {
+        name: read for name, (_, read) in values.items()
+    }
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:

@@ -16,9 +16,11 @@ import openai
 import pytest
 
 from frontend_svc.inputs.input_processor import load_tokenizer
+from frontend_svc.openai import responses_protocol
 from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
+from frontend_svc.openai.sampling_map import CHAT, FIELD_COERCERS
 from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.output_types import FinishReason
 from tests.unit.frontend.test_openai_tools import ScriptedEngine, serving
@@ -162,6 +164,24 @@ def test_background_responses_can_be_retrieved_and_cancelled(tool_tokenizer: Any
         assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
         with pytest.raises(openai.BadRequestError, match="background"):
             sdk.responses.cancel(done.id)
+
+
+def test_the_chat_apis_sampling_knobs_pass_through(
+    client: openai.OpenAI, engine: ScriptedEngine
+) -> None:
+    """Every knob the chat API reads by name reaches the engine from /v1/responses too (the
+    list follows the contract), but for Responses' own names and the answer's shape."""
+    engine.script = "<think></think>ok"
+    knobs = {"top_k": 3, "stop_token_ids": [7], "min_tokens": 1, "n": 2, "max_tokens": 1}
+    client.responses.create(
+        model="m", input="hi", extra_body={**knobs, "spaces_between_special_tokens": False}
+    )
+    params = engine.requests[-1].params
+    assert (params.top_k, params.min_tokens, params.spaces_between_special_tokens) == (3, 1, False)
+    assert 7 in params.stop_token_ids and params.n == 1 and params.max_tokens != 1
+    elsewhere = {*responses_protocol.NOT_SAMPLED, *dict(responses_protocol.RENAMED), *CHAT.own}
+    sampled = set(responses_protocol.PASSED_THROUGH) - set(responses_protocol.CHAT_FIELDS)
+    assert sampled == set(FIELD_COERCERS) - elsewhere
 
 
 def test_the_store_is_bounded_by_size_and_age() -> None:
