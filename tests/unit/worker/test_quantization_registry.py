@@ -68,8 +68,8 @@ def test_the_name_lists_are_the_registrys() -> None:
 @pytest.mark.parametrize("value", ACCEPTED_FLAG_VALUES)
 def test_the_core_flag_takes_every_registry_name(value: str) -> None:
     config = parse_core(["--worker-addrs", "h:1", "--quantization", value], {})
-    assert config.quantization == canonical_quantization(value)
-    assert config.quantization in ("", *QUANTIZATION_CHOICES)
+    assert config.options.model.quantization == canonical_quantization(value)
+    assert config.options.model.quantization in ("", *QUANTIZATION_CHOICES)
 
 
 def test_the_core_flag_refuses_a_name_without_a_row() -> None:
