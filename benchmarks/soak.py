@@ -88,7 +88,8 @@ def kv_cache_tokens(core: str, pki: LocalPki) -> int:
     with open_channel(core, ChannelSecurity(pki.files[FRONTEND_ROLE], CORE_ROLE)) as channel:
         stub = core_grpc.EngineCoreServiceStub(channel)
         reply = stub.Handshake(core_pb2.HandshakeRequest(client_name="soak"), timeout=30)
-    return int(reply.engine_info.num_kv_blocks) * int(reply.engine_info.block_size)
+    info = reply.engine_info
+    return int(info.num_kv_blocks) * int(info.options.cache.block_size)
 
 
 async def fill_kv_cache(clients: SoakClients, num_tokens: int, concurrency: int = 4) -> int:

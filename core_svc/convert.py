@@ -21,7 +21,7 @@ from core_svc.sched.scheduler_output import GrammarBitmask, SchedulerOutput
 from core_svc.structured_output.grammar_state import StructuredOutputRequest
 from core_svc.structured_output.structured_bitmask import sparse_bitmask
 from core_svc.worker_pool import ModelFacts
-from splitserve_contracts import output_convert, structured_outputs
+from splitserve_contracts import engine_info, output_convert, structured_outputs
 from splitserve_contracts.common.v1 import types_pb2
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.output_types import ModelRunnerOutput, StepStatus
@@ -272,22 +272,15 @@ def _check_sampled_columns(msg: worker_pb2.ModelRunnerOutput) -> None:
 def engine_info_to_proto(
     config: CoreConfig, facts: ModelFacts, served_model_name: str
 ) -> core_pb2.EngineInfo:
-    """The engine's facts for the frontends' Handshake."""
-    options = config.options
-    block_size, lora = options.cache.block_size, options.lora
-    usable_tokens = (facts.num_kv_blocks - 1) * block_size  # block 0 is the null block
-    return core_pb2.EngineInfo(
+    """The engine's options and facts for the frontends' Handshake (the options' deprecated
+    copies filled too, for frontends older than EngineInfo.options)."""
+    usable_tokens = (facts.num_kv_blocks - 1) * config.options.cache.block_size  # 0: null block
+    info = core_pb2.EngineInfo(
         served_model_name=served_model_name,
-        model_path=config.model,
         max_model_len=facts.max_model_len,
         vocab_size=facts.vocab_size,
-        block_size=block_size,
         num_kv_blocks=facts.num_kv_blocks,
-        tensor_parallel_size=options.parallel.tensor_parallel_size,
-        pipeline_parallel_size=options.parallel.pipeline_parallel_size,
         dtype=facts.dtype,
-        max_num_seqs=options.scheduler.max_num_seqs,
-        max_num_batched_tokens=options.scheduler.max_num_batched_tokens,
         enable_prefix_caching=config.enable_prefix_caching,
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
@@ -295,10 +288,8 @@ def engine_info_to_proto(
         pooler_config=output_convert.pooler_config_to_proto(facts.pooler_config)
         if facts.pooler_config is not None
         else None,
-        max_loras=lora.max_loras,
-        max_lora_rank=lora.max_lora_rank if lora.max_loras else 0,
-        cache_dtype=options.cache.kv_cache_dtype,
     )
+    return engine_info.fill_options(info, config.options)
 
 
 def lora_adapter_to_proto(adapter: LoraAdapter) -> core_pb2.LoraAdapter:

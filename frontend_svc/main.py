@@ -97,7 +97,7 @@ async def serve(config: FrontendConfig) -> int:
         return 1
     host = public_host(config, registry)
     try:  # the ZMQ endpoints of --kv-events-config, then the OTLP exporter
-        hub, publisher = kv_event_hub(config, info.block_size)
+        hub, publisher = kv_event_hub(config, info.options.cache.block_size)
         tracing = start_tracing(
             "frontend", config.otlp_traces_endpoint, config.collect_detailed_traces
         )

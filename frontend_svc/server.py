@@ -156,7 +156,7 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
         self, request: gen_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gen_pb2.GetModelInfoResponse:
         inputs, info, served_model_name = self.inputs, self.info, self.served_model_name
-        tok = self.tokenizer
+        tok, options = self.tokenizer, self.info.options
         reply = gen_pb2.GetModelInfoResponse(
             served_model_name=served_model_name,
             model_path="",  # never disclosed: the server's file layout is not the client's
@@ -164,11 +164,11 @@ class GenerationServicer(gen_grpc.GenerationServiceServicer):
             vocab_size=info.vocab_size,
             has_chat_template=inputs.has_chat_template,
             dtype=info.dtype,
-            tensor_parallel_size=info.tensor_parallel_size,
-            pipeline_parallel_size=info.pipeline_parallel_size,
-            block_size=info.block_size,
+            tensor_parallel_size=options.parallel.tensor_parallel_size,
+            pipeline_parallel_size=options.parallel.pipeline_parallel_size,
+            block_size=options.cache.block_size,
             num_kv_blocks=info.num_kv_blocks,
-            max_num_seqs=info.max_num_seqs,
+            max_num_seqs=options.scheduler.max_num_seqs,
             embedding_size=info.pooler_config.hidden_size if info.pooler_config else 0,
         )
         if inputs.multimodal is not None:

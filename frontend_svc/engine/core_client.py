@@ -226,7 +226,7 @@ class EngineCoreClient:
     def _kv_events(self, msg: core_pb2.KvCacheEvents) -> KvEvents:
         assert self.info is not None
         try:
-            return core_convert.kv_events_from_proto(msg, self.info.block_size)
+            return core_convert.kv_events_from_proto(msg, self.info.options.cache.block_size)
         except ValueError as err:
             # The mirror can no longer be trusted: start over empty (it converges as the
             # engine caches blocks again) rather than serve a wrong view.

@@ -23,7 +23,7 @@ from frontend_svc.kv_events.hub import (
     KvEvents,
 )
 from frontend_svc.requests import EngineRequest
-from splitserve_contracts import sampling_convert, structured_outputs
+from splitserve_contracts import engine_info, sampling_convert, structured_outputs
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.output_convert import (
     engine_core_event_from_proto,
@@ -192,26 +192,18 @@ def core_outputs_from_proto(msg: core_pb2.EngineCoreOutputs) -> CoreOutputs:
 def engine_info_from_proto(msg: core_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(
         served_model_name=msg.served_model_name,
-        model_path=msg.model_path,
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size,
-        block_size=msg.block_size,
         num_kv_blocks=msg.num_kv_blocks,
-        tensor_parallel_size=msg.tensor_parallel_size,
-        pipeline_parallel_size=msg.pipeline_parallel_size,
         dtype=msg.dtype,
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
         enable_prefix_caching=msg.enable_prefix_caching,
         engine_id=msg.engine_id,
         max_concurrency=msg.max_concurrency,
+        options=engine_info.options_of(msg),
         max_tokens_per_mm_item=msg.max_tokens_per_mm_item,
         pooler_config=pooler_config_from_proto(msg.pooler_config)
         if msg.HasField("pooler_config")
         else None,
-        max_loras=msg.max_loras,
-        max_lora_rank=msg.max_lora_rank,
-        cache_dtype=msg.cache_dtype or "auto",
     )
 
 

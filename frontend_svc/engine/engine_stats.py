@@ -48,10 +48,10 @@ def cache_config_labels(info: EngineInfo) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's CacheConfig names) from the engine's facts."""
     return {
         "engine": info.engine_id,
-        "block_size": str(info.block_size),
+        "block_size": str(info.options.cache.block_size),
         "num_gpu_blocks": str(info.num_kv_blocks),
         "enable_prefix_caching": str(info.enable_prefix_caching),
-        "cache_dtype": info.cache_dtype,
+        "cache_dtype": info.options.cache.kv_cache_dtype,
     }
 
 
@@ -62,7 +62,7 @@ class EngineSeries:
         self.snapshot = snapshot
         self.values = [model_name, info.engine_id]
         self.cache_config = cache_config_labels(info)
-        self.max_loras = info.max_loras
+        self.max_loras = info.options.lora.max_loras
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)

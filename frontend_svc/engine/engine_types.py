@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve_contracts.engine_options_types import EngineOptions
 from splitserve_contracts.output_types import (
     EngineCoreEvent,
     ErrorKind,
@@ -16,32 +17,25 @@ from splitserve_contracts.output_types import (
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """The engine's facts from the core's Handshake."""
+    """The engine's facts from the core's Handshake: what it measured or resolved at start-up,
+    and its options (the generated record: `info.options.cache.block_size`, ...)."""
 
     served_model_name: str
-    model_path: str
     max_model_len: int
+    """The resolved options.model.max_model_len (the model's own when that is 0)."""
     vocab_size: int
-    block_size: int
     num_kv_blocks: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
     dtype: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    """The workers' compute dtype, resolved ("bfloat16", never "auto")."""
     enable_prefix_caching: bool
     engine_id: str
     max_concurrency: float
+    options: EngineOptions = field(default_factory=EngineOptions)
     max_tokens_per_mm_item: int = 0
     """Placeholder tokens one image takes in the workers' model; 0: the model takes text only."""
     pooler_config: PoolerConfig | None = None
     """How the model pools when the engine serves a pooling model (--runner pooling): it then
     takes embedding requests only; None: a generative model."""
-    max_loras: int = 0
-    """Most distinct LoRA adapters in one step (vLLM's --max-loras); 0: LoRA is off."""
-    max_lora_rank: int = 0
-    cache_dtype: str = "auto"
-    """How the workers store the KV cache (vLLM's --kv-cache-dtype: auto, fp8, ...)."""
 
 
 @dataclass(frozen=True, slots=True)

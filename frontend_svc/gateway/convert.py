@@ -239,10 +239,10 @@ def server_info_to_proto(
         uptime_seconds=uptime_seconds,
         server_type="vllm-grpc",
         data_parallel_size=data_parallel_size,
-        kv_cache_dtype=info.cache_dtype,
-        block_size=info.block_size,
+        kv_cache_dtype=info.options.cache.kv_cache_dtype,
+        block_size=info.options.cache.block_size,
         model_dtype=f"torch.{info.dtype}" if info.dtype else "",
-        max_num_seqs=info.max_num_seqs,
+        max_num_seqs=info.options.scheduler.max_num_seqs,
     )
 
 

@@ -73,7 +73,7 @@ class LoadReporter:
         gen_throughput = (last.generated - first.generated) / elapsed if elapsed > 0 else 0.0
         queries = last.queries - first.queries
         hit_rate = (last.hits - first.hits) / queries if queries > 0 else 0.0
-        capacity = max(0, self.info.num_kv_blocks - 1) * self.info.block_size
+        capacity = max(0, self.info.num_kv_blocks - 1) * self.info.options.cache.block_size
         usage = min(1.0, max(0.0, stats.kv_cache_usage))
         return EngineLoad(
             num_running=stats.num_running_reqs,
@@ -81,10 +81,10 @@ class LoadReporter:
             token_usage=usage,
             num_used_tokens=round(usage * capacity),
             max_total_num_tokens=capacity,
-            max_running_requests=self.info.max_num_seqs,
+            max_running_requests=self.info.options.scheduler.max_num_seqs,
             gen_throughput=max(0.0, gen_throughput),
             cache_hit_rate=min(1.0, max(0.0, hit_rate)),
             num_waiting_uncached_tokens=round(stats.num_waiting_tokens * (1.0 - hit_rate)),
             num_running_adapters=len(stats.running_lora_adapters),
-            max_loras=self.info.max_loras,
+            max_loras=self.info.options.lora.max_loras,
         )

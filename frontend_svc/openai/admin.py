@@ -46,7 +46,7 @@ def models_route(ctx: ServingContext) -> Handler:
         """One card per --served-model-name (as vLLM lists its base model's names), then every
         LoRA adapter with its parent (vLLM's /v1/models)."""
         cards = [
-            _card(ctx, name, ctx.info.model_path, None)
+            _card(ctx, name, ctx.info.options.model.model, None)
             for name in (ctx.served_model_name, *ctx.model_aliases)
         ]
         if ctx.models is not None:

@@ -18,7 +18,7 @@ import os
 import platform
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -127,8 +127,10 @@ def _server_info(ctx: ServingContext, settings: Mapping[str, Any]) -> Handler:
 
 
 def _engine_facts(ctx: ServingContext) -> dict[str, Any]:
-    info = ctx.info
-    return {name: getattr(info, name) for name in info.__dataclass_fields__ if name != "model_path"}
+    """The engine's facts and options, less where its files and ranks are (never disclosed)."""
+    facts = asdict(ctx.info)
+    del facts["options"]["model"]["model"], facts["options"]["parallel"]["distributed_init_method"]
+    return facts
 
 
 def _tokenizer_info(ctx: ServingContext) -> Handler:

@@ -110,7 +110,7 @@ class ServedModels:
 
     @property
     def has_lora(self) -> bool:
-        return self.info.max_loras > 0
+        return self.info.options.lora.max_loras > 0
 
     async def resolve(self, model: str | None) -> str:
         """The LoRA adapter a request's `model` names ("": the served model); ModelNotFound

@@ -273,7 +273,7 @@ def test_handshake_reports_the_engine_facts_and_pings_are_answered(tokenizer: An
         async with CoreHarness() as core:
             client = EngineCoreClient(core.addr, ping_interval=0.05)
             info = await client.connect(timeout=10)
-            assert (info.max_model_len, info.block_size, info.num_kv_blocks) == (
+            assert (info.max_model_len, info.options.cache.block_size, info.num_kv_blocks) == (
                 MAX_LEN,
                 BLOCK_SIZE,
                 NUM_BLOCKS,

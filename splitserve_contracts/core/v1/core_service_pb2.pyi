@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from splitserve_contracts.common.v1 import engine_options_pb2 as _engine_options_pb2
 from splitserve_contracts.common.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -17,6 +18,11 @@ if sys.version_info >= (3, 11):
     from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -404,7 +410,12 @@ Global___HandshakeResponse: _TypeAlias = HandshakeResponse  # noqa: Y015
 
 @_typing.final
 class EngineInfo(_message.Message):
-    """EngineInfo describes the engine a frontend talks to."""
+    """EngineInfo describes the engine a frontend talks to: its options (the
+    record the engine core was started with) and what it measured or resolved
+    at start-up (KV blocks, vocabulary, the resolved length and dtype). The
+    fields marked deprecated are copies of options fields, still filled for
+    clients older than `options`; read `options` instead.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -427,30 +438,83 @@ class EngineInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     POOLER_CONFIG_FIELD_NUMBER: _builtins.int
     CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     served_model_name: _builtins.str
     """Model name reported to clients and used as the metrics label model_name."""
-    model_path: _builtins.str
-    """Path of the checkpoint folder the workers loaded."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def model_path(self) -> _builtins.str:
+        """Deprecated copy of options.model.model."""
+
+    @model_path.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def model_path(self, value: _builtins.str) -> None:
+        """Deprecated copy of options.model.model."""
+
     max_model_len: _builtins.int
-    """Longest sequence (prompt + output) the engine accepts, in tokens."""
+    """Longest sequence (prompt + output) the engine accepts, in tokens: the
+    resolved options.model.max_model_len (the model's own when that is 0).
+    """
     vocab_size: _builtins.int
     """Number of token ids in the model's vocabulary (embedding rows)."""
-    block_size: _builtins.int
-    """Tokens per KV-cache block."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def block_size(self) -> _builtins.int:
+        """Deprecated copy of options.cache.block_size."""
+
+    @block_size.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def block_size(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.cache.block_size."""
+
     num_kv_blocks: _builtins.int
     """Number of KV-cache blocks on every worker rank, including block 0, the
     null block no request ever holds.
     """
-    tensor_parallel_size: _builtins.int
-    """Tensor-parallel ranks per pipeline stage."""
-    pipeline_parallel_size: _builtins.int
-    """Pipeline stages."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def tensor_parallel_size(self) -> _builtins.int:
+        """Deprecated copy of options.parallel.tensor_parallel_size."""
+
+    @tensor_parallel_size.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def tensor_parallel_size(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.parallel.tensor_parallel_size."""
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def pipeline_parallel_size(self) -> _builtins.int:
+        """Deprecated copy of options.parallel.pipeline_parallel_size."""
+
+    @pipeline_parallel_size.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def pipeline_parallel_size(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.parallel.pipeline_parallel_size."""
+
     dtype: _builtins.str
-    """Compute dtype of the workers, e.g. "bfloat16"."""
-    max_num_seqs: _builtins.int
-    """Most requests running at once."""
-    max_num_batched_tokens: _builtins.int
-    """Token budget of one engine step."""
+    """Compute dtype of the workers, e.g. "bfloat16": the resolved
+    options.model.dtype (never "auto").
+    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_num_seqs(self) -> _builtins.int:
+        """Deprecated copy of options.scheduler.max_num_seqs."""
+
+    @max_num_seqs.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_num_seqs(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.scheduler.max_num_seqs."""
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_num_batched_tokens(self) -> _builtins.int:
+        """Deprecated copy of options.scheduler.max_num_batched_tokens."""
+
+    @max_num_batched_tokens.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_num_batched_tokens(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.scheduler.max_num_batched_tokens."""
+
     enable_prefix_caching: _builtins.bool
     """Whether full KV blocks are shared between requests with the same prefix."""
     engine_id: _builtins.str
@@ -463,22 +527,47 @@ class EngineInfo(_message.Message):
     """Most placeholder tokens one multimodal item (image) takes; 0 when the
     model takes text only.
     """
-    max_loras: _builtins.int
-    """Most distinct LoRA adapters one step runs (vLLM's --max-loras); 0: LoRA
-    is off (no --enable-lora) and requests may not name an adapter.
-    """
-    max_lora_rank: _builtins.int
-    """Largest LoRA rank an adapter may have (vLLM's --max-lora-rank)."""
-    cache_dtype: _builtins.str
-    """How the workers store the KV cache (vLLM's cache_dtype, --kv-cache-dtype):
-    "auto" (the compute dtype), "fp8", "fp8_e4m3" or "fp8_e5m2"; "" means
-    "auto".
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_loras(self) -> _builtins.int:
+        """Deprecated copy of options.lora.max_loras (0: LoRA is off)."""
+
+    @max_loras.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_loras(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.lora.max_loras (0: LoRA is off)."""
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_lora_rank(self) -> _builtins.int:
+        """Deprecated copy of options.lora.max_lora_rank."""
+
+    @max_lora_rank.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def max_lora_rank(self, value: _builtins.int) -> None:
+        """Deprecated copy of options.lora.max_lora_rank."""
+
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def cache_dtype(self) -> _builtins.str:
+        """Deprecated copy of options.cache.kv_cache_dtype."""
+
+    @cache_dtype.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def cache_dtype(self, value: _builtins.str) -> None:
+        """Deprecated copy of options.cache.kv_cache_dtype."""
+
     @_builtins.property
     def pooler_config(self) -> _types_pb2.PoolerConfig:
         """How the model pools when the engine serves a pooling model (vLLM's
         --runner pooling): the engine then takes only pooling requests. Unset
         for a generative model, which takes no pooling requests.
+        """
+
+    @_builtins.property
+    def options(self) -> _engine_options_pb2.EngineOptions:
+        """The engine's options, every group filled. Unset from an engine core
+        older than this field: its deprecated copies above are all there is.
         """
 
     def __init__(
@@ -503,10 +592,11 @@ class EngineInfo(_message.Message):
         max_lora_rank: _builtins.int = ...,
         pooler_config: _types_pb2.PoolerConfig | None = ...,
         cache_dtype: _builtins.str = ...,
+        options: _engine_options_pb2.EngineOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pooler_config", b"pooler_config"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "pooler_config", b"pooler_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_dtype", b"cache_dtype", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_dtype", b"cache_dtype", "dtype", b"dtype", "enable_prefix_caching", b"enable_prefix_caching", "engine_id", b"engine_id", "max_concurrency", b"max_concurrency", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "max_tokens_per_mm_item", b"max_tokens_per_mm_item", "model_path", b"model_path", "num_kv_blocks", b"num_kv_blocks", "options", b"options", "pipeline_parallel_size", b"pipeline_parallel_size", "pooler_config", b"pooler_config", "served_model_name", b"served_model_name", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

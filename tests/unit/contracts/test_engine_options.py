@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from splitserve_contracts import engine_info
 from splitserve_contracts import engine_options_convert as convert
 from splitserve_contracts.common.v1 import engine_options_pb2 as pb
+from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.engine_options_types import (
     CHOICES,
     FIELD_GROUP,
@@ -27,13 +29,16 @@ def test_an_empty_message_reads_as_the_contract_defaults() -> None:
     assert options.speculative is None
 
 
+OPTIONS = EngineOptions(
+    model=ModelOptions(model="/m", dtype="bfloat16", seed=7, runner="pooling"),
+    cache=CacheOptions(block_size=32, kv_cache_dtype="fp8"),
+    lora=LoRAOptions(max_loras=2, max_lora_rank=8, max_cpu_loras=4),
+    speculative=SpeculativeOptions("ngram", 3, 2, 4),
+)
+
+
 def test_every_field_survives_the_round_trip() -> None:
-    options = EngineOptions(
-        model=ModelOptions(model="/m", dtype="bfloat16", seed=7, runner="pooling"),
-        cache=CacheOptions(block_size=32, kv_cache_dtype="fp8"),
-        lora=LoRAOptions(max_loras=2, max_lora_rank=8, max_cpu_loras=4),
-        speculative=SpeculativeOptions("ngram", 3, 2, 4),
-    )
+    options = OPTIONS
     msg = convert.to_proto(options)
     assert msg.HasField("speculative") and msg.lora.max_cpu_loras == 4
     assert convert.from_proto(pb.EngineOptions.FromString(msg.SerializeToString())) == options
@@ -47,3 +52,28 @@ def test_the_tables_cover_every_field_once() -> None:
     assert {f"{g}.{name}" for name, g in FIELD_GROUP.items()} == paths
     assert set(CHOICES) <= paths
     assert [f.name for f in dataclasses.fields(EngineOptions)] == list(GROUPS)
+
+
+def test_engine_info_carries_the_options_and_their_deprecated_copies() -> None:
+    """A new frontend reads `options`; an old one the flat copies, which name the same values;
+    from an old core (no `options`) the copies rebuild the options they copied."""
+    options = dataclasses.replace(OPTIONS, speculative=None)
+    info = engine_info.fill_options(core_pb2.EngineInfo(served_model_name="m"), options)
+    wire = core_pb2.EngineInfo.FromString(info.SerializeToString())
+    assert engine_info.options_of(wire) == options
+    assert (wire.model_path, wire.block_size, wire.cache_dtype) == ("/m", 32, "fp8")
+    assert (wire.max_loras, wire.max_lora_rank) == (2, 8)
+    wire.ClearField("options")
+    old = engine_info.options_of(wire)
+    assert (old.model.model, old.cache, old.parallel) == ("/m", options.cache, options.parallel)
+    assert (old.scheduler.max_num_seqs, old.lora.max_lora_rank) == (0, 8)
+    assert old.lora.max_cpu_loras == 0 and old.model.seed == 0  # no copy: the default
+
+
+def test_every_deprecated_field_of_engine_info_copies_an_option() -> None:
+    deprecated = {
+        f.name for f in core_pb2.EngineInfo.DESCRIPTOR.fields if f.GetOptions().deprecated
+    }
+    assert set(engine_info.DEPRECATED_COPIES) == deprecated
+    for group, name in engine_info.DEPRECATED_COPIES.values():
+        assert FIELD_GROUP[name] == group

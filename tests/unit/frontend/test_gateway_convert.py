@@ -20,8 +20,19 @@ from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
 from splitserve_contracts.output_types import FinishReason, SchedulerStats
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_contracts.structured_outputs import StructuredOutputsParams
+from splitserve_runtime.engine_option_rules import engine_options, replace_options
 
-INFO = EngineInfo("m", "", 512, 2048, 16, 101, 1, 1, "float32", 64, 2048, True, "0", 3.0)
+INFO = EngineInfo(
+    "m",
+    512,
+    2048,
+    101,
+    "float32",
+    True,
+    "0",
+    3.0,
+    engine_options(max_num_seqs=64, max_num_batched_tokens=2048),
+)
 
 
 def test_unset_and_zero_fields_read_as_vllms_servicer_reads_them() -> None:
@@ -197,7 +208,7 @@ def test_load_rates_come_from_the_cores_cumulative_counters() -> None:
 def test_the_load_record_carries_the_lora_slots_in_use() -> None:
     """smg's EngineLoad.lora: the running adapters' slots of --max-loras (unset: LoRA off)."""
     stats = SchedulerStats(num_running_reqs=3, running_lora_adapters=["a", "b"])
-    lora_info = dataclasses.replace(INFO, max_loras=4)
+    lora_info = dataclasses.replace(INFO, options=replace_options(INFO.options, max_loras=4))
     for info, expected in ((lora_info, (2, 4, 0.5)), (INFO, None)):
         load = LoadReporter(info, lambda: stats).load()
         record = engine_load_from(convert.scheduler_load_to_proto(load, 0), queued_token_work=True)

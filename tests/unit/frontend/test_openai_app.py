@@ -29,8 +29,19 @@ from frontend_svc.openai.server import HttpServer
 from frontend_svc.requests import CompletionDelta, EngineRequest
 from splitserve_contracts.output_types import ErrorKind, FinishReason
 from splitserve_contracts.sampling_rules import Limits
+from splitserve_runtime.engine_option_rules import engine_options
 
-INFO = EngineInfo("m", "/m", 2048, 2048, 16, 64, 1, 1, "float32", 8, 64, True, "0", 1.0)
+INFO = EngineInfo(
+    "m",
+    2048,
+    2048,
+    64,
+    "float32",
+    True,
+    "0",
+    1.0,
+    engine_options(max_num_seqs=8, max_num_batched_tokens=64),
+)
 
 
 class RefusingEngine:

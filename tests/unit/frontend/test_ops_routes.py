@@ -126,7 +126,10 @@ def test_tokenizer_info_server_info_and_profiling_only_when_enabled(tokenizer: A
         assert "vocab_file" not in info
         status, info = call(f"{base}/server_info?config_format=json")
         assert status == 200 and info["splitserve_config"]["frontend"] == {"port": 1}
-        assert info["splitserve_config"]["engine"]["max_model_len"] == INFO.max_model_len
+        engine = info["splitserve_config"]["engine"]
+        assert engine["max_model_len"] == INFO.max_model_len
+        assert engine["options"]["scheduler"]["max_num_seqs"] == INFO.options.scheduler.max_num_seqs
+        assert "model" not in engine["options"]["model"]
         assert call(f"{base}/start_profile", {"profile_prefix": "run1"}) == (200, None)
         assert call(f"{base}/stop_profile", {}) == (200, None)
         assert call(f"{base}/start_profile", {"max_iterations": 3})[0] == 400
