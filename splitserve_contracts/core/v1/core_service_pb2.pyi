@@ -521,7 +521,7 @@ class EngineInfo(_message.Message):
     """Identifier of this engine, used as the metrics label engine."""
     max_concurrency: _builtins.float
     """Requests the KV cache can hold at once when each uses max_model_len
-    tokens ((num_kv_blocks - 1) * block_size / max_model_len).
+    tokens ((num_kv_blocks - 1) * options.cache.block_size / max_model_len).
     """
     max_tokens_per_mm_item: _builtins.int
     """Most placeholder tokens one multimodal item (image) takes; 0 when the
