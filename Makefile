@@ -78,7 +78,7 @@ run: setup $(VENV)/.gateway-installed
 test: setup-dev lint proto-check
 	$(PY) tools/lock.py verify locks/dev.txt locks/gptq-tools.txt
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
-	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extended" --durations=30 $(PYTEST_ARGS)
 
 # The launch tests make test leaves out to stay within 30 minutes on 2 cores: the chart's other
 # CI layouts (PP=2 on a hostPath, a TP group from a fake Hub) and a TP group's restart, and two
