@@ -142,28 +142,33 @@ def engine_options(values: Mapping[str, Any] | None = None, /, **more: Any) -> E
     whole group by its name (`speculative=...`: a record or anything with the group's fields
     as attributes or keys, or None; `model` names the field model.model); fields not named
     keep their defaults. Not validated."""
-    by_group: dict[str, dict[str, Any]] = {}
-    whole: dict[str, Any] = {}
-    for name, value in {**(values or {}), **more}.items():
-        if name in FIELD_GROUP:  # `model` is model.model, not the group
-            by_group.setdefault(FIELD_GROUP[name], {})[name] = value
-        elif name in GROUPS:
-            whole[name] = _group(GROUPS[name], value)
-        else:
-            raise TypeError(f"{name!r} is not an engine option")
-    groups = {group: GROUPS[group](**fields) for group, fields in by_group.items()}
+    named = {**(values or {}), **more}
+    # `model` is model.model, not the group
+    whole = {
+        n: _group(GROUPS[n], v) for n, v in named.items() if n in GROUPS and n not in FIELD_GROUP
+    }
+    flat = {n: v for n, v in named.items() if n not in whole}
+    groups = {group: GROUPS[group](**fields) for group, fields in _by_group(flat).items()}
     return EngineOptions(**(groups | whole))
 
 
 def replace_options(options: EngineOptions, **fields: Any) -> EngineOptions:
     """`options` with the fields named (flat, as `engine_options` takes them) changed."""
+    groups = {
+        g: dataclasses.replace(getattr(options, g), **v) for g, v in _by_group(fields).items()
+    }
+    return dataclasses.replace(options, **groups)
+
+
+def _by_group(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat field names and values, grouped by the group each field is in; TypeError for a name
+    that is no engine option."""
     by_group: dict[str, dict[str, Any]] = {}
     for name, value in fields.items():
         if name not in FIELD_GROUP:
             raise TypeError(f"{name!r} is not an engine option")
         by_group.setdefault(FIELD_GROUP[name], {})[name] = value
-    groups = {g: dataclasses.replace(getattr(options, g), **v) for g, v in by_group.items()}
-    return dataclasses.replace(options, **groups)
+    return by_group
 
 
 def _group(record: type, value: Any) -> Any:
