@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from splitserve.inprocess import EngineOptions, start_in_process
+from splitserve.inprocess import EngineSettings, start_in_process
 
 
 async def serve(
@@ -23,7 +23,7 @@ async def serve(
     from frontend_svc.server import GenerationServicer
     from splitserve_contracts.frontend.v1 import generation_service_pb2_grpc as gen_grpc
 
-    options = EngineOptions(
+    options = EngineSettings.of(
         model,
         dtype=dtype,
         max_num_seqs=max_num_seqs,

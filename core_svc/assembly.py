@@ -5,6 +5,8 @@ options (CoreConfig: its flags) and what the ranks reported (ModelFacts)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from core_svc.config import CoreConfig
 from core_svc.engine.engine_core import EngineCore
 from core_svc.engine.engine_inbox import EngineInbox
@@ -22,24 +24,14 @@ def served_model_name(config: CoreConfig) -> str:
 
 def scheduler_config(config: CoreConfig, facts: ModelFacts) -> SchedulerConfig:
     """How many requests and tokens one step may carry, and what the model allows."""
-    options = config.options
     return SchedulerConfig(
-        max_num_seqs=options.scheduler.max_num_seqs,
-        max_num_batched_tokens=options.scheduler.max_num_batched_tokens,
+        scheduler=config.options.scheduler,
+        lora=config.options.lora,
         max_model_len=facts.max_model_len,
-        policy=config.scheduling_policy,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        prefill_token_budget=config.prefill_token_budget,
-        adaptive_prefill_chunk=config.adaptive_prefill_chunk,
         vocab_size=facts.vocab_size,
-        max_num_queued_reqs=config.max_num_queued_reqs,
-        max_num_queued_tokens=config.max_num_queued_tokens,
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,
-        disable_chunked_mm_input=config.disable_chunked_mm_input,
-        async_scheduling=options.scheduler.async_scheduling,
         is_pooling=facts.pooler_config is not None,
         is_encoder_only=is_encoder_only(facts),
-        max_loras=options.lora.max_loras,
         speculative_config=config.speculative_config,
     )
 
@@ -52,12 +44,10 @@ def is_encoder_only(facts: ModelFacts) -> bool:
 def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
     """The paged KV cache the ranks allocated; an encoder-only model's blocks hold no KV (its
     attention does not use the cache), so nothing of them is cached for other requests."""
-    return CacheConfig(
-        num_blocks=facts.num_kv_blocks,
-        block_size=config.options.cache.block_size,
-        enable_prefix_caching=config.enable_prefix_caching and not is_encoder_only(facts),
-        sliding_window=facts.sliding_window,
-    )
+    cache = config.options.cache
+    if is_encoder_only(facts):
+        cache = replace(cache, enable_prefix_caching=False)
+    return CacheConfig(facts.num_kv_blocks, cache, facts.sliding_window)
 
 
 def build_engine(

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 from core_svc.core_flags import CORE_FLAGS, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from core_svc.lora import LoraModule
-from core_svc.sched.scheduler_config import (
-    DEFAULT_ADAPTIVE_PREFILL_CHUNK,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
-    DEFAULT_PREFILL_TOKEN_BUDGET,
-    SchedulingPolicy,
-)
+from core_svc.sched.scheduler_config import DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
 from splitserve_contracts.engine_options_types import FIELD_GROUP, EngineOptions
 from splitserve_contracts.spec_decode import SpeculativeConfig
-from splitserve_runtime.engine_option_rules import engine_options, validate, world_size
+from splitserve_runtime.engine_option_rules import (
+    engine_options,
+    lora_options,
+    validate,
+    world_size,
+)
 from splitserve_runtime.flags import FlagParser, filled_options
 from splitserve_runtime.model_spec import canonical_dtype
 from splitserve_runtime.profiler_config import ProfilerConfig
@@ -39,16 +39,6 @@ class CoreConfig(TransportConfig):
     options: EngineOptions = field(default_factory=EngineOptions)
     worker_addrs: list[str] = field(default_factory=list)
     served_model_name: str = ""
-    prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET
-    long_prefill_token_threshold: int = 0
-    adaptive_prefill_chunk: int = DEFAULT_ADAPTIVE_PREFILL_CHUNK
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int = 0
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    max_num_queued_reqs: int = 0
-    max_num_queued_tokens: int = 0
-    disable_chunked_mm_input: bool = False
     host: str = LOOPBACK
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
@@ -107,8 +97,6 @@ def parse_config(
         )
     if not args.worker_addrs:
         parser.error("--worker-addrs is required (HOST:PORT of every worker rank)")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        parser.error("--gpu-memory-utilization must be in (0, 1]")
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
     if args.async_scheduling is None:
@@ -124,22 +112,23 @@ def parse_config(
     values["quantization"] = canonical_quantization(args.quantization)
     if values.pop("disable_log_stats"):
         values["log_stats_interval"] = 0.0
-    _lora_values(parser, values)
+    lora_on = _lora_values(parser, values)
     if args.max_num_batched_tokens is None:
         values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK * world
     values["metrics_port"] = None if args.metrics_port < 0 else args.metrics_port
     if not args.distributed_init_method:
         host = args.worker_addrs[0].rsplit(":", 1)[0]
         values["distributed_init_method"] = f"tcp://{host}:29500"
-    values["options"] = _options(parser, values)
+    values["options"] = _options(parser, values, lora_on)
     return CoreConfig(**values)
 
 
-def _options(parser: FlagParser, values: dict[str, Any]) -> EngineOptions:
+def _options(parser: FlagParser, values: dict[str, Any], lora_on: bool) -> EngineOptions:
     """The engine options the flags filled (taken out of `values`), checked by the rules the
     ranks apply to LoadModel; a refusal names the flag and the field."""
     spec = values["speculative_config"]
     options = engine_options(filled_options(CORE_FLAGS, values))
+    options = replace(options, lora=lora_options(lora_on, options.lora))
     values["speculative_config"] = spec
     try:
         return validate(options)
@@ -150,14 +139,14 @@ def _options(parser: FlagParser, values: dict[str, Any]) -> EngineOptions:
         parser.error(f"{flag}: {err}" if flag else str(err))
 
 
-def _lora_values(parser: FlagParser, values: dict[str, Any]) -> None:
-    """--enable-lora and its flags as the config's LoRA fields (max_loras 0: off)."""
+def _lora_values(parser: FlagParser, values: dict[str, Any]) -> bool:
+    """Whether --enable-lora was given (taken out of `values`; the rules' lora_options fills
+    the LoRA group from it), once the adapters to load at start-up fit it."""
     if not values.pop("enable_lora"):
         if values["lora_modules"]:
             parser.error("--lora-modules needs --enable-lora")
-        values["max_loras"], values["max_cpu_loras"] = 0, 0
-        return
-    values["max_cpu_loras"] = values["max_cpu_loras"] or values["max_loras"]
+        return False
     names = [m.name for m in values["lora_modules"]]
     if len(set(names)) != len(names):
         parser.error("--lora-modules names an adapter twice")
+    return True

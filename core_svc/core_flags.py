@@ -13,12 +13,15 @@ from typing import Any
 
 from core_svc.lora import lora_module
 from core_svc.sched.scheduler_config import (
-    DEFAULT_ADAPTIVE_PREFILL_CHUNK,
     DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_PREFILL_TOKEN_BUDGET,
 )
-from splitserve_contracts.engine_options_types import CHOICES
+from splitserve_contracts.engine_options_types import (
+    CHOICES,
+    CacheOptions,
+    KVTransferOptions,
+    SchedulerOptions,
+)
 from splitserve_contracts.spec_decode import (
     InvalidSpeculativeConfig,
     SpeculativeConfig,
@@ -31,6 +34,10 @@ from splitserve_runtime.flags import (
     flag,
     non_negative_int,
     positive_int,
+)
+from splitserve_runtime.kv_connector_names import (
+    InvalidKVTransferConfig,
+    parse_kv_transfer_config,
 )
 from splitserve_runtime.log_config import LOGGING_FLAGS
 from splitserve_runtime.model_spec import DTYPE_CHOICES, model_flags
@@ -122,6 +129,18 @@ def speculative_config(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def kv_transfer_config(text: str) -> KVTransferOptions | None:
+    """--kv-transfer-config: vLLM's JSON object (splitserve_runtime/kv_connector_names.py)."""
+    try:
+        return parse_kv_transfer_config(text)
+    except InvalidKVTransferConfig as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+_SCHEDULER, _CACHE = SchedulerOptions(), CacheOptions()
+"""The contract's defaults of the flags that fill those groups."""
+
+
 def _filling(rows: Sequence[Flag], fields: dict[str, str]) -> tuple[Flag, ...]:
     """Rows declared elsewhere (shared with other services), some filling an engine option."""
     return tuple(filling(r, fields[r.names[0]]) if r.names[0] in fields else r for r in rows)
@@ -180,28 +199,21 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     flag(
         "--long-prefill-token-threshold",
+        fills="scheduler.long_prefill_token_threshold",
         type=non_negative_int,
-        default=0,
-        help="most prompt tokens one request computes per step (0: no cap)",
+        default=_SCHEDULER.long_prefill_token_threshold,
     ),
     flag(
         "--prefill-token-budget",
+        fills="scheduler.prefill_token_budget",
         type=non_negative_int,
-        default=DEFAULT_PREFILL_TOKEN_BUDGET,
-        help="while some request decodes, the most prompt tokens one step computes (bounds the "
-        "decoders' inter-token latency under a burst of prompts; 0: up to "
-        "--max-num-batched-tokens)",
+        default=_SCHEDULER.prefill_token_budget,
     ),
     flag(
         "--adaptive-prefill-chunk",
+        fills="scheduler.adaptive_prefill_chunk",
         type=non_negative_int,
-        default=DEFAULT_ADAPTIVE_PREFILL_CHUNK,
-        help="while at least 3 requests decode and at most 3 have prompt tokens to compute (a "
-        "light load), one step computes at most N prompt tokens (a prompt's chunk included); "
-        "with --async-scheduling no step is scheduled ahead of one that computes prompt "
-        "tokens, so a request arriving meanwhile joins the next step. Shortens the "
-        "inter-token and first-token tails of a light load; a burst keeps the whole budget "
-        f"(default {DEFAULT_ADAPTIVE_PREFILL_CHUNK}; 0: off, vLLM's behaviour)",
+        default=_SCHEDULER.adaptive_prefill_chunk,
     ),
     flag(
         "--async-scheduling",
@@ -229,23 +241,31 @@ CORE_FLAGS: tuple[Flag, ...] = (
     flag("--block-size", fills="cache.block_size", type=positive_int, default=16),
     flag(
         "--enable-prefix-caching",
+        fills="cache.enable_prefix_caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share full KV blocks between requests with the same prefix",
+        default=_CACHE.enable_prefix_caching,
     ),
     flag(
         "--gpu-memory-utilization",
+        fills="cache.gpu_memory_utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory a worker may use (weights + activations + KV)",
+        default=_CACHE.gpu_memory_utilization,
     ),
     flag(
         "--kv-cache-memory-bytes",
+        fills="cache.kv_cache_memory_bytes",
         type=non_negative_int,
         default=0,
-        help="KV-cache bytes per worker; 0 derives it: on CUDA from --gpu-memory-utilization, "
-        "on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the workers' environment, else "
-        "half their free memory) but no more than max_num_seqs x max_model_len tokens use",
+    ),
+    flag(
+        "--kv-transfer-config",
+        fills="kv_transfer",
+        type=kv_transfer_config,
+        default=None,
+        help='KV-cache transfer between engines, as JSON (vLLM\'s flag): {"kv_connector": '
+        'NAME, "kv_role": "kv_producer" | "kv_consumer" | "kv_both", '
+        '"kv_connector_extra_config": {...}, "engine_id": ID}; this build has no KV '
+        "connectors yet, so any connector named is refused",
     ),
     flag(
         "--dtype",
@@ -262,31 +282,23 @@ CORE_FLAGS: tuple[Flag, ...] = (
     filling(kv_cache_dtype_flag(), "cache.kv_cache_dtype"),
     flag("--enforce-eager", fills="model.enforce_eager", action="store_true"),
     flag("--seed", fills="model.seed", type=int, default=0),
-    flag(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="order of waiting requests",
-    ),
+    flag("--scheduling-policy", fills="scheduler.policy", default=_SCHEDULER.policy),
     flag(
         "--max-num-queued-reqs",
+        fills="scheduler.max_num_queued_reqs",
         type=non_negative_int,
         default=0,
-        help="most requests waiting to be scheduled; more are refused at once with "
-        "RESOURCE_EXHAUSTED (HTTP 429) and a retry hint (0: unlimited)",
     ),
     flag(
         "--max-num-queued-tokens",
+        fills="scheduler.max_num_queued_tokens",
         type=non_negative_int,
         default=0,
-        help="most prompt tokens waiting to be scheduled; more are refused like "
-        "--max-num-queued-reqs (0: unlimited)",
     ),
     flag(
         "--disable-chunked-mm-input",
+        fills="scheduler.disable_chunked_mm_input",
         action="store_true",
-        help="multimodal models: never split an image's placeholder tokens over two steps "
-        "(by default a chunk may end inside an image whose encoder output is cached)",
     ),
     flag("--attention-backend", fills="model.attention_backend", default="auto"),
     flag("--logprobs-mode", fills="model.logprobs_mode", default="raw_logprobs"),

@@ -142,16 +142,13 @@ def check_lora_fields(name: str, path: str) -> None:
 class LoraRegistry:
     """Loaded adapters by name; see the module docstring."""
 
-    def __init__(self, max_loras: int, served_model_name: str) -> None:
-        self.max_loras = max_loras
+    def __init__(self, is_enabled: bool, served_model_name: str) -> None:
+        self.is_enabled = is_enabled
+        """The engine serves adapters (--enable-lora); else every load is refused."""
         self.served_model_name = served_model_name
         self.adapters: dict[str, LoraAdapter] = {}
         self._loading: set[str] = set()
         self._next_id = 1
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.max_loras > 0
 
     def lookup(self, name: str) -> LoraRequest | None:
         """The adapter a request names (None: the base model; lora_id 0: not loaded)."""

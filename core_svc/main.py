@@ -27,6 +27,7 @@ from core_svc.worker_pool import ModelFacts, WorkerBringUpError, WorkerPool, kv_
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.core.v1 import core_service_pb2_grpc as core_grpc
 from splitserve_runtime.channels import ChannelSecurity
+from splitserve_runtime.engine_option_rules import lora_enabled
 from splitserve_runtime.grpc_client_metrics import GrpcClientMetrics
 from splitserve_runtime.listener import internal_listener
 from splitserve_runtime.log_config import configure_logging
@@ -80,8 +81,8 @@ def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]
         "engine": config.engine_id,
         "block_size": str(config.options.cache.block_size),
         "cache_dtype": config.options.cache.kv_cache_dtype,
-        "enable_prefix_caching": str(config.enable_prefix_caching),
-        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "enable_prefix_caching": str(config.options.cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.options.cache.gpu_memory_utilization),
         "num_gpu_blocks": str(facts.num_kv_blocks),
         "kv_cache_memory_bytes": str(facts.kv_cache_bytes_per_rank),
     }
@@ -127,7 +128,7 @@ class CoreService:
         inbox = EngineInbox()
         self.recovery = RankRecovery(config, pool, inbox, self.metrics, facts, self.host.set_ready)
         streams = ClientStreams(self._loop)
-        loras = LoraRegistry(config.options.lora.max_loras, self.info.served_model_name)
+        loras = LoraRegistry(lora_enabled(config.options.lora), self.info.served_model_name)
         self.loras = LoraAdmin(loras, pool, inbox)
         self.tracing = start_tracing(
             "core", config.otlp_traces_endpoint, config.collect_detailed_traces

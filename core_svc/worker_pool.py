@@ -208,8 +208,8 @@ class WorkerPool:
         assert isinstance(first, worker_pb2.LoadModelResponse)
         max_model_len = min(r.max_model_len for r in loaded)  # type: ignore[attr-defined]
         capacity_req = worker_pb2.GetKvCapacityRequest(
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.options.cache.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.options.cache.kv_cache_memory_bytes,
         )
         capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
         num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
@@ -288,7 +288,7 @@ def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
 def kv_sizing_reason(config: CoreConfig, facts: ModelFacts) -> str:
     """Why the KV cache has the size it has, for the start-up log (each rank logs its own
     figures: free memory, cgroup limit, VLLM_CPU_KVCACHE_SPACE)."""
-    if config.kv_cache_memory_bytes > 0:
+    if config.options.cache.kv_cache_memory_bytes > 0:
         return "--kv-cache-memory-bytes"
     block_size, max_num_seqs = (
         config.options.cache.block_size,

@@ -5,7 +5,9 @@
 
 Run by protos/python_domain.py (`make proto`). A scalar field's default is its
 `(splitserve.common.v1.unset_means)` literal, else the proto zero; reading a message, a zero
-scalar takes that default (so an older peer's unset field reads as the contract says). A group
+scalar takes that default (so an older peer's unset field reads as the contract says), except
+in an `optional` scalar, whose zero is a value of its own: only an unset one takes the default
+(a bool whose unset_means is true must be `optional`, or false could never travel). A group
 field of EngineOptions defaults to the group's defaults; an `optional` one (speculative) to None.
 Adding a field to the contract adds it to the record, both converters and the tables on the next
 `make proto`: the core's flag that fills it and the code that reads it are all that is left.
@@ -70,6 +72,10 @@ class Options:
         if not text:
             return records.ZEROS[python_type]
         if python_type == "bool":
+            if text not in ("true", "false"):
+                raise ValueError(f"{f.name}: a bool's unset_means is true or false, not {text!r}")
+            if text == "true" and not f.proto3_optional:
+                raise ValueError(f"{f.name}: unset_means true needs `optional` (false must travel)")
             return "True" if text == "true" else "False"
         if python_type == "str":
             return quoted(text)
@@ -168,7 +174,14 @@ def from_proto_value(options: Options, f: F) -> str:
         return convert
     default = options.default(f)
     zero = records.ZEROS[records.SCALARS[f.type]]
-    return f"msg.{f.name}" if default == zero else f"msg.{f.name} or {default}"
+    if default == zero:
+        return f"msg.{f.name}"
+    if f.proto3_optional:  # the zero is a value of its own: only an unset field is the default
+        value = f'msg.{f.name} if msg.HasField("{f.name}") else {default}'
+        if len(f"        {f.name}={value},") <= 100:
+            return value
+        return f'msg.{f.name}\n        if msg.HasField("{f.name}")\n        else {default}'
+    return f"msg.{f.name} or {default}"
 
 
 def signature(name: str, params: str, returns: str) -> list[str]:

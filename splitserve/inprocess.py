@@ -11,8 +11,8 @@ is what the frontend<->core and core<->worker hops cost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
-import json
 import logging
 import threading
 import time
@@ -29,11 +29,8 @@ from core_svc.config import CoreConfig
 from core_svc.engine.engine_inbox import EngineInbox
 from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.kv_cache.kv_events import KVEventBatch
+from core_svc.option_flags import option_flags
 from core_svc.outputs import EngineCoreOutputs
-from core_svc.sched.scheduler_config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK,
-    DEFAULT_MAX_NUM_SEQS,
-)
 from core_svc.sched.scheduler_output import SchedulerOutput
 from core_svc.worker_pool import ModelFacts
 from frontend_svc import convert as frontend_convert
@@ -45,7 +42,8 @@ from splitserve_contracts import engine_options_types as options_types
 from splitserve_contracts.engine_options_types import FIELD_GROUP
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.spec_decode import SpeculativeConfig, speculative_config_from_dict
-from splitserve_runtime.engine_option_rules import engine_options
+from splitserve_runtime.engine_option_rules import engine_options, validate
+from splitserve_runtime.kv_connector_names import kv_transfer_options
 from worker_svc import convert as worker_convert
 from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig
 from worker_svc.scheduler_output import SchedulerOutput as WorkerSchedulerOutput
@@ -180,33 +178,68 @@ class InProcessCoreClient:
         return None
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """The engine's settings, named as `splitserve core`'s flags (vLLM's engine arguments)."""
+IN_PROCESS_SETTINGS = (
+    "served_model_name",
+    "device",
+    "async_scheduling",
+    "speculative_config",
+    "kv_transfer_config",
+)
+"""`LLM`'s keyword arguments that are no engine option of their own (vLLM's names)."""
+VLLM_NAMES = {"scheduling_policy": "policy"}
+"""vLLM's engine arguments whose option is named otherwise (vLLM's SchedulerConfig.policy)."""
+ENGINE_ARGS = frozenset(
+    name
+    for name, group in FIELD_GROUP.items()
+    if group not in ("speculative", "kv_transfer", "lora")
+) - {"model", "tensor_parallel_size", "pipeline_parallel_size"}
+"""The engine options `LLM` takes by name (vLLM's engine arguments): every field of the
+contract's groups but the model (its first argument), the parallel sizes (its own arguments),
+the groups vLLM takes as a dict (speculative_config, kv_transfer_config) and LoRA (no adapter
+can be loaded through `LLM`)."""
 
-    model: str
-    dtype: str = "auto"
-    max_model_len: int = 0
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int = 0
-    seed: int = 0
-    device: str = "auto"
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `LLM(model, **kwargs)` configures: the engine options record (common.v1.EngineOptions,
+    filled from vLLM's engine-argument names and checked by its rules) and the settings of the
+    engine this process starts that no option holds."""
+
+    options: options_types.EngineOptions
     served_model_name: str = ""
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on where it can run (the core's default)
-    enable_expert_parallel: bool = False
-    """With tensor_parallel_size > 1 (LLM's spawned engine): split whole experts over the ranks."""
-    quantization: str = ""
-    """vLLM's quantization ("": the checkpoint's own; int8, int4, w8a8: quantize at load)."""
-    dequantize_gguf: bool = False
-    kv_cache_dtype: str = "auto"
-    """vLLM's kv_cache_dtype: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2."""
+    device: str = "auto"
+    """The in-process worker's device ("auto": the best there is)."""
+    async_scheduling: bool | None = None
+    """As given; None: on where it can run (the core's default). options holds what it means
+    in-process (one pipeline stage: on unless switched off)."""
     speculative_config: dict[str, Any] | None = None
-    """vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+    """vLLM's speculative_config as given, e.g. {"method": "ngram", "num_speculative_tokens":
+    4}; options.speculative is what the ranks get of it."""
+
+    @classmethod
+    def of(cls, model: str, **engine_args: Any) -> EngineSettings:
+        """The settings of vLLM's engine arguments; TypeError naming an argument that is none
+        (vLLM's behaviour), InvalidEngineOptions (a ValueError naming the field) for a value
+        the rules refuse."""
+        local = {name: engine_args.pop(name) for name in IN_PROCESS_SETTINGS if name in engine_args}
+        engine_args = {VLLM_NAMES.get(name, name): value for name, value in engine_args.items()}
+        for name in engine_args:
+            if name not in ENGINE_ARGS:
+                raise TypeError(f"LLM got an unexpected keyword argument {name!r}")
+        kv_transfer = local.pop("kv_transfer_config", None)
+        settings = cls(options_types.EngineOptions(), **local)
+        options = engine_options(
+            engine_args,
+            model=model,
+            async_scheduling=settings.async_scheduling is not False,
+            speculative=settings.speculative,
+            kv_transfer=kv_transfer_options(kv_transfer) if kv_transfer else None,
+        )
+        return dataclasses.replace(settings, options=validate(options))
+
+    @property
+    def model(self) -> str:
+        return self.options.model.model
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -215,60 +248,32 @@ class EngineOptions:
             return None
         return speculative_config_from_dict(self.speculative_config)
 
-    @property
-    def is_async_scheduling(self) -> bool:
-        """The in-process engine has one pipeline stage, so async scheduling runs unless
-        switched off."""
-        return self.async_scheduling is not False
-
     def core_config(self) -> CoreConfig:
         """The in-process engine core's options: these, on one rank that nothing restarts
         (a failed step fails the engine at once)."""
         return CoreConfig(
-            options=self.engine_options(),
+            options=self.options,
             served_model_name=self.served_model_name,
-            enable_prefix_caching=self.enable_prefix_caching,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             speculative_config=self.speculative,
             max_recovery_seconds=0.0,
         )
 
-    def engine_options(self) -> options_types.EngineOptions:
-        """These settings as the engine options record (those named alike, by name)."""
-        named = {name: getattr(self, name) for name in FIELD_GROUP if hasattr(self, name)}
-        named |= {"async_scheduling": self.is_async_scheduling, "speculative": self.speculative}
-        return engine_options(named)
-
     def core_flags(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> list[str]:
-        """These options as `splitserve core` flags, for an engine core of that many ranks."""
+        """These settings as `splitserve core` flags, for an engine core of that many ranks
+        (the model and the parallel sizes are the launcher's)."""
         world = tensor_parallel_size * pipeline_parallel_size
-        values = {
-            "--dtype": self.dtype,
-            "--max-model-len": self.max_model_len,
-            "--max-num-seqs": self.max_num_seqs,
-            "--max-num-batched-tokens": self.max_num_batched_tokens * world,
-            "--block-size": self.block_size,
-            "--gpu-memory-utilization": self.gpu_memory_utilization,
-            "--kv-cache-memory-bytes": self.kv_cache_memory_bytes,
-            "--seed": self.seed,
-            "--served-model-name": self.served_model_name,
-            "--quantization": self.quantization,
-            "--kv-cache-dtype": self.kv_cache_dtype,
-        }
-        flags = [str(x) for k, v in values.items() if v not in ("", None) for x in (k, v)]
-        if not self.enable_prefix_caching:
-            flags.append("--no-enable-prefix-caching")
-        if self.enforce_eager:
-            flags.append("--enforce-eager")
-        if self.dequantize_gguf:
-            flags.append("--dequantize-gguf")
-        if self.enable_expert_parallel:
-            flags.append("--enable-expert-parallel")
-        if self.async_scheduling is not None:  # else the core's default (on where it can run)
-            flags.append("--async-scheduling" if self.async_scheduling else "--no-async-scheduling")
-        if self.speculative_config:
-            flags += ["--speculative-config", json.dumps(self.speculative_config)]
+        scheduler = self.options.scheduler
+        flags = option_flags(
+            self.options,
+            {
+                "model.model": None,
+                "scheduler.max_num_batched_tokens": scheduler.max_num_batched_tokens * world,
+                "scheduler.async_scheduling": self.async_scheduling,
+                "speculative": self.speculative_config or None,
+            },
+        )
+        if self.served_model_name:
+            flags += ["--served-model-name", self.served_model_name]
         return flags
 
 
@@ -284,7 +289,7 @@ class InProcessEngine:
         self.proc.stop(timeout)
 
 
-def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
+def _load(options: EngineSettings) -> tuple[Worker, ModelFacts]:
     """Load the model and allocate the KV cache on a thread that exits before the busy loop
     starts: torch's OpenMP thread teams belong to the thread that starts them, and a second
     live team runs about 2x slower (the worker service keeps all model work on one thread)."""
@@ -292,10 +297,9 @@ def _load(options: EngineOptions) -> tuple[Worker, ModelFacts]:
 
     def load() -> None:
         worker = Worker(options.device)
-        loaded = worker.load_model(LoadModelConfig(options.engine_options()))
-        capacity = worker.get_kv_capacity(
-            options.gpu_memory_utilization, options.kv_cache_memory_bytes
-        )
+        loaded = worker.load_model(LoadModelConfig(options.options))
+        cache = options.options.cache
+        capacity = worker.get_kv_capacity(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes)
         kv_bytes = worker.initialize_kv_cache(capacity.num_blocks)
         box.append((worker, _facts(loaded, capacity.num_blocks, kv_bytes, worker.device.type)))
 
@@ -324,7 +328,7 @@ def _facts(loaded: LoadedModel, num_blocks: int, kv_bytes: int, device_type: str
 
 
 async def start_in_process(
-    options: EngineOptions, registry: CollectorRegistry | None = None
+    options: EngineSettings, registry: CollectorRegistry | None = None
 ) -> InProcessEngine:
     """Load the model and start the core loop and the frontend's engine on the running loop,
     as `splitserve up` would, in this process."""

@@ -32,7 +32,7 @@ from splitserve.children import (
     stop_children,
     wait_ready,
 )
-from splitserve.inprocess import EngineOptions, InProcessEngine, start_in_process
+from splitserve.inprocess import EngineSettings, InProcessEngine, start_in_process
 from splitserve_contracts.sampling_types import SamplingParams
 from splitserve_runtime.channels import ChannelSecurity
 from splitserve_runtime.tls import CORE_ROLE
@@ -81,17 +81,19 @@ class LLM:
         startup_timeout: float = 900.0,
         **engine_args: Any,
     ) -> None:
-        """`engine_args` are EngineOptions' fields (dtype, max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
-        kv_cache_memory_bytes, seed, device, served_model_name, enforce_eager,
-        enable_expert_parallel, async_scheduling, quantization, dequantize_gguf, kv_cache_dtype
-        (auto, fp8, fp8_e4m3, fp8_e5m2), speculative_config: vLLM's dict, e.g.
-        {"method": "ngram", "num_speculative_tokens": 4})."""
+        """`engine_args` are vLLM's engine arguments, the engine options by their field names
+        (common.v1.EngineOptions: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+        block_size, enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, seed,
+        enforce_eager, enable_expert_parallel, quantization, dequantize_gguf, kv_cache_dtype,
+        scheduling options, ...; splitserve/inprocess.py ENGINE_ARGS), checked by their rules,
+        and device, served_model_name, async_scheduling (None: on where it can run),
+        speculative_config and kv_transfer_config (vLLM's dicts, e.g. {"method": "ngram",
+        "num_speculative_tokens": 4}). An unknown name is a TypeError naming it, as in vLLM."""
         if not model:
             from splitserve_runtime.default_model import ensure_default_model
 
             model = str(ensure_default_model())
-        self.options = EngineOptions(model, **engine_args)
+        self.options = EngineSettings.of(model, **engine_args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="llm")
         self._thread.start()
@@ -253,7 +255,7 @@ async def _generate_batch(frontend: Frontend, calls: list[GenerateInput]) -> lis
 
 
 def _spawn_engine(
-    options: EngineOptions, tp: int, pp: int, timeout: float, secret: str
+    options: EngineSettings, tp: int, pp: int, timeout: float, secret: str
 ) -> list[Child]:
     stack = StackOptions(
         options.model,
@@ -273,7 +275,7 @@ def _spawn_engine(
     return children
 
 
-async def _connect(options: EngineOptions, core_addr: str, secret: str) -> Frontend:
+async def _connect(options: EngineSettings, core_addr: str, secret: str) -> Frontend:
     files = load_model_files(options.model)
     security = ChannelSecurity(None, CORE_ROLE, secret)
     client = EngineCoreClient(core_addr, security=security, tokenizer=files.tokenizer_info)

@@ -55,6 +55,9 @@ def cache_options_to_proto(
         msg = pb.CacheOptions()
     msg.block_size = record.block_size
     msg.kv_cache_dtype = record.kv_cache_dtype
+    msg.enable_prefix_caching = record.enable_prefix_caching
+    msg.gpu_memory_utilization = record.gpu_memory_utilization
+    msg.kv_cache_memory_bytes = record.kv_cache_memory_bytes
     return msg
 
 
@@ -62,6 +65,11 @@ def cache_options_from_proto(msg: pb.CacheOptions) -> t.CacheOptions:
     return t.CacheOptions(
         block_size=msg.block_size or 16,
         kv_cache_dtype=msg.kv_cache_dtype or "auto",
+        enable_prefix_caching=msg.enable_prefix_caching
+        if msg.HasField("enable_prefix_caching")
+        else True,
+        gpu_memory_utilization=msg.gpu_memory_utilization or 0.9,
+        kv_cache_memory_bytes=msg.kv_cache_memory_bytes,
     )
 
 
@@ -94,14 +102,30 @@ def scheduler_options_to_proto(
     msg.max_num_seqs = record.max_num_seqs
     msg.max_num_batched_tokens = record.max_num_batched_tokens
     msg.async_scheduling = record.async_scheduling
+    msg.policy = record.policy
+    msg.long_prefill_token_threshold = record.long_prefill_token_threshold
+    msg.prefill_token_budget = record.prefill_token_budget
+    msg.adaptive_prefill_chunk = record.adaptive_prefill_chunk
+    msg.max_num_queued_reqs = record.max_num_queued_reqs
+    msg.max_num_queued_tokens = record.max_num_queued_tokens
+    msg.disable_chunked_mm_input = record.disable_chunked_mm_input
     return msg
 
 
 def scheduler_options_from_proto(msg: pb.SchedulerOptions) -> t.SchedulerOptions:
     return t.SchedulerOptions(
-        max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens,
+        max_num_seqs=msg.max_num_seqs or 256,
+        max_num_batched_tokens=msg.max_num_batched_tokens or 2048,
         async_scheduling=msg.async_scheduling,
+        policy=msg.policy or "fcfs",
+        long_prefill_token_threshold=msg.long_prefill_token_threshold,
+        prefill_token_budget=msg.prefill_token_budget,
+        adaptive_prefill_chunk=msg.adaptive_prefill_chunk
+        if msg.HasField("adaptive_prefill_chunk")
+        else 192,
+        max_num_queued_reqs=msg.max_num_queued_reqs,
+        max_num_queued_tokens=msg.max_num_queued_tokens,
+        disable_chunked_mm_input=msg.disable_chunked_mm_input,
     )
 
 
@@ -164,6 +188,27 @@ def structured_outputs_options_from_proto(
     )
 
 
+def kv_transfer_options_to_proto(
+    record: t.KVTransferOptions, msg: pb.KVTransferOptions | None = None
+) -> pb.KVTransferOptions:
+    if msg is None:
+        msg = pb.KVTransferOptions()
+    msg.kv_connector = record.kv_connector
+    msg.kv_role = record.kv_role
+    msg.kv_connector_extra_config = record.kv_connector_extra_config
+    msg.kv_engine_id = record.kv_engine_id
+    return msg
+
+
+def kv_transfer_options_from_proto(msg: pb.KVTransferOptions) -> t.KVTransferOptions:
+    return t.KVTransferOptions(
+        kv_connector=msg.kv_connector,
+        kv_role=msg.kv_role,
+        kv_connector_extra_config=msg.kv_connector_extra_config,
+        kv_engine_id=msg.kv_engine_id,
+    )
+
+
 def engine_options_to_proto(
     record: t.EngineOptions, msg: pb.EngineOptions | None = None
 ) -> pb.EngineOptions:
@@ -177,6 +222,8 @@ def engine_options_to_proto(
     if record.speculative is not None:
         speculative_options_to_proto(record.speculative, msg.speculative)
     structured_outputs_options_to_proto(record.structured_outputs, msg.structured_outputs)
+    if record.kv_transfer is not None:
+        kv_transfer_options_to_proto(record.kv_transfer, msg.kv_transfer)
     return msg
 
 
@@ -191,6 +238,9 @@ def engine_options_from_proto(msg: pb.EngineOptions) -> t.EngineOptions:
         if msg.HasField("speculative")
         else None,
         structured_outputs=structured_outputs_options_from_proto(msg.structured_outputs),
+        kv_transfer=kv_transfer_options_from_proto(msg.kv_transfer)
+        if msg.HasField("kv_transfer")
+        else None,
     )
 
 

@@ -98,6 +98,23 @@ class CacheOptions:
     saturated to the format's range. GetKvCapacity counts blocks at that size.
     """
 
+    enable_prefix_caching: bool = True
+    """Share full KV blocks between requests with the same prefix (vLLM's --enable-prefix-caching);
+    an encoder-only model never does (its blocks hold no KV). Unset: true.
+    """
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory a rank may use (weights + activations + KV), in (0, 1] (vLLM's --gpu-
+    memory-utilization).
+    """
+
+    kv_cache_memory_bytes: int = 0
+    """KV-cache bytes per rank (vLLM's --kv-cache-memory-bytes); 0 derives it: on CUDA from
+    gpu_memory_utilization, on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the rank's
+    environment, else half its free memory) but no more than max_num_seqs x max_model_len tokens
+    use.
+    """
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelOptions:
@@ -127,16 +144,58 @@ class SchedulerOptions:
     their step buffers from it.
     """
 
-    max_num_seqs: int = 0
-    """Most requests running at once (in one step)."""
+    max_num_seqs: int = 256
+    """Most requests running at once (in one step), >= 1."""
 
-    max_num_batched_tokens: int = 0
-    """Token budget of one engine step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step, >= 1; the engine core's default is vLLM's on CPU, 2048 x
+    tensor_parallel_size x pipeline_parallel_size.
+    """
 
     async_scheduling: bool = False
     """The engine core schedules a step before the previous one's output came back (vLLM's --async-
     scheduling): a rank that samples appends each token it samples to the request at once, and
     the core sends no token ids for them. Needs pipeline_parallel_size 1 (every rank samples).
+    """
+
+    policy: str = "fcfs"
+    """Order of waiting requests (vLLM's --scheduling-policy): "fcfs" (arrival order) or "priority"
+    (lower `priority` first, ties by arrival).
+    """
+
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request computes per step (vLLM's --long-prefill-token-threshold); 0:
+    no cap.
+    """
+
+    prefill_token_budget: int = 0
+    """While some running request decodes, the most prompt tokens (running prefill chunks and new
+    admissions together) one step computes, so a burst of prompts cannot stretch the decoders'
+    inter-token gap; decodes keep their own tokens. 0: prefills share max_num_batched_tokens
+    with decodes freely (vLLM's behaviour).
+    """
+
+    adaptive_prefill_chunk: int = 192
+    """The adaptive chunk (core_svc/sched/prefill_policy.py): while at least 3 requests decode and
+    at most 3 have prompt tokens to compute (a light load), one step computes at most this many
+    prompt tokens (a prompt's chunk included), and no step is scheduled ahead of one that
+    computes prompt tokens. 0: off, the static limits only (vLLM's behaviour). Unset: 192.
+    """
+
+    max_num_queued_reqs: int = 0
+    """Most requests waiting to be scheduled (vLLM's --max-num-queued-reqs); more are refused at
+    once as overloaded (RESOURCE_EXHAUSTED, HTTP 429) with a retry hint. 0: unlimited.
+    """
+
+    max_num_queued_tokens: int = 0
+    """Most prompt tokens waiting to be scheduled; more are refused like max_num_queued_reqs. 0:
+    unlimited.
+    """
+
+    disable_chunked_mm_input: bool = False
+    """Multimodal models: never split an image's placeholder tokens over two steps (vLLM's
+    --disable-chunked-mm-input); by default a chunk may end inside an image whose encoder output
+    is cached.
     """
 
 
@@ -198,6 +257,34 @@ class StructuredOutputOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferOptions:
+    """KVTransferOptions says how the engine sends or receives KV cache to or from other engines
+    (vLLM's KVTransferConfig, --kv-transfer-config): which connector moves it and in which
+    direction. The connectors are rows of splitserve_runtime/kv_connector_names.py.
+    """
+
+    kv_connector: str = ""
+    """The connector's name (vLLM's kv_connector, e.g. "NixlConnector"); it must be one this build
+    registers.
+    """
+
+    kv_role: str = ""
+    """This engine's part (vLLM's kv_role): "kv_producer" (sends its KV), "kv_consumer" (receives
+    KV) or "kv_both".
+    """
+
+    kv_connector_extra_config: str = ""
+    """The connector's own settings (vLLM's kv_connector_extra_config), as a JSON object; "" means
+    {}.
+    """
+
+    kv_engine_id: str = ""
+    """This engine's id among the engines that exchange KV (vLLM's engine_id); "" lets the
+    connector choose.
+    """
+
+
+@dataclass(frozen=True, slots=True)
 class EngineOptions:
     """EngineOptions is every option of one engine, by concern (vLLM's VllmConfig)."""
 
@@ -222,6 +309,9 @@ class EngineOptions:
     structured_outputs: StructuredOutputOptions = field(default_factory=StructuredOutputOptions)
     """Grammar compilation (read by the engine core only)."""
 
+    kv_transfer: KVTransferOptions | None = None
+    """KV-cache transfer between engines; unset: no connector."""
+
 
 GROUPS: dict[str, type[Any]] = {
     "model": ModelOptions,
@@ -231,6 +321,7 @@ GROUPS: dict[str, type[Any]] = {
     "lora": LoRAOptions,
     "speculative": SpeculativeOptions,
     "structured_outputs": StructuredOutputOptions,
+    "kv_transfer": KVTransferOptions,
 }
 """EngineOptions' fields: each group's record type."""
 
@@ -249,6 +340,9 @@ FIELD_GROUP: dict[str, str] = {
     "logprobs_mode": "model",
     "block_size": "cache",
     "kv_cache_dtype": "cache",
+    "enable_prefix_caching": "cache",
+    "gpu_memory_utilization": "cache",
+    "kv_cache_memory_bytes": "cache",
     "tensor_parallel_size": "parallel",
     "pipeline_parallel_size": "parallel",
     "enable_expert_parallel": "parallel",
@@ -256,6 +350,13 @@ FIELD_GROUP: dict[str, str] = {
     "max_num_seqs": "scheduler",
     "max_num_batched_tokens": "scheduler",
     "async_scheduling": "scheduler",
+    "policy": "scheduler",
+    "long_prefill_token_threshold": "scheduler",
+    "prefill_token_budget": "scheduler",
+    "adaptive_prefill_chunk": "scheduler",
+    "max_num_queued_reqs": "scheduler",
+    "max_num_queued_tokens": "scheduler",
+    "disable_chunked_mm_input": "scheduler",
     "max_loras": "lora",
     "max_lora_rank": "lora",
     "max_cpu_loras": "lora",
@@ -265,6 +366,10 @@ FIELD_GROUP: dict[str, str] = {
     "prompt_lookup_max": "speculative",
     "backend": "structured_outputs",
     "compile_timeout": "structured_outputs",
+    "kv_connector": "kv_transfer",
+    "kv_role": "kv_transfer",
+    "kv_connector_extra_config": "kv_transfer",
+    "kv_engine_id": "kv_transfer",
 }
 """Each option's group (no two groups name a field alike)."""
 
@@ -273,7 +378,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.convert": ("auto", "none", "embed"),
     "model.attention_backend": ("auto", "torch", "triton", "flash_attn", "cpu"),
     "model.logprobs_mode": ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+    "scheduler.policy": ("fcfs", "priority"),
     "structured_outputs.backend": ("auto", "guidance"),
+    "kv_transfer.kv_role": ("kv_producer", "kv_consumer", "kv_both"),
 }
 """The values a string option accepts (its `choices`), by "group.field"."""
 
@@ -292,13 +399,23 @@ HELP: dict[str, str] = {
     "model.logprobs_mode": 'What the logprobs of sampled tokens are (vLLM\'s --logprobs-mode): "raw_logprobs" (log-softmax of the model\'s logits, before penalties, temperature and filters), "raw_logits" (those logits themselves), "processed_logprobs" or "processed_logits" (after penalties, logit bias, temperature, min_p, top-k and top-p: the distribution a token is drawn from, -inf where filtered out). Prompt logprobs stay raw.',
     "cache.block_size": "Tokens per KV-cache block, >= 1. A rank chooses its attention backend for it at load, once.",
     "cache.kv_cache_dtype": 'How the ranks store their KV cache (vLLM\'s --kv-cache-dtype): "auto" (the compute dtype), "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2" (float8_e5m2): one byte per value, stored divided by the layer\'s per-tensor k_scale / v_scale (the checkpoint\'s, else 1.0) and saturated to the format\'s range. GetKvCapacity counts blocks at that size.',
+    "cache.enable_prefix_caching": "Share full KV blocks between requests with the same prefix (vLLM's --enable-prefix-caching); an encoder-only model never does (its blocks hold no KV). Unset: true.",
+    "cache.gpu_memory_utilization": "Fraction of GPU memory a rank may use (weights + activations + KV), in (0, 1] (vLLM's --gpu-memory-utilization).",
+    "cache.kv_cache_memory_bytes": "KV-cache bytes per rank (vLLM's --kv-cache-memory-bytes); 0 derives it: on CUDA from gpu_memory_utilization, on CPU as vLLM-CPU does (VLLM_CPU_KVCACHE_SPACE GiB in the rank's environment, else half its free memory) but no more than max_num_seqs x max_model_len tokens use.",
     "parallel.tensor_parallel_size": "Tensor-parallel ranks per pipeline stage.",
     "parallel.pipeline_parallel_size": "Pipeline stages.",
     "parallel.enable_expert_parallel": "Mixture-of-experts layers split whole experts over the tensor-parallel ranks (vLLM's --enable-expert-parallel) instead of every expert's intermediate rows. Ignored by dense models.",
     "parallel.distributed_init_method": 'torch.distributed rendezvous of the worker ranks, "tcp://HOST:PORT" (default: rank 0\'s host, port 29500); unused with a single rank.',
-    "scheduler.max_num_seqs": "Most requests running at once (in one step).",
-    "scheduler.max_num_batched_tokens": "Token budget of one engine step.",
+    "scheduler.max_num_seqs": "Most requests running at once (in one step), >= 1.",
+    "scheduler.max_num_batched_tokens": "Token budget of one engine step, >= 1; the engine core's default is vLLM's on CPU, 2048 x tensor_parallel_size x pipeline_parallel_size.",
     "scheduler.async_scheduling": "The engine core schedules a step before the previous one's output came back (vLLM's --async-scheduling): a rank that samples appends each token it samples to the request at once, and the core sends no token ids for them. Needs pipeline_parallel_size 1 (every rank samples).",
+    "scheduler.policy": 'Order of waiting requests (vLLM\'s --scheduling-policy): "fcfs" (arrival order) or "priority" (lower `priority` first, ties by arrival).',
+    "scheduler.long_prefill_token_threshold": "Most prompt tokens one request computes per step (vLLM's --long-prefill-token-threshold); 0: no cap.",
+    "scheduler.prefill_token_budget": "While some running request decodes, the most prompt tokens (running prefill chunks and new admissions together) one step computes, so a burst of prompts cannot stretch the decoders' inter-token gap; decodes keep their own tokens. 0: prefills share max_num_batched_tokens with decodes freely (vLLM's behaviour).",
+    "scheduler.adaptive_prefill_chunk": "The adaptive chunk (core_svc/sched/prefill_policy.py): while at least 3 requests decode and at most 3 have prompt tokens to compute (a light load), one step computes at most this many prompt tokens (a prompt's chunk included), and no step is scheduled ahead of one that computes prompt tokens. 0: off, the static limits only (vLLM's behaviour). Unset: 192.",
+    "scheduler.max_num_queued_reqs": "Most requests waiting to be scheduled (vLLM's --max-num-queued-reqs); more are refused at once as overloaded (RESOURCE_EXHAUSTED, HTTP 429) with a retry hint. 0: unlimited.",
+    "scheduler.max_num_queued_tokens": "Most prompt tokens waiting to be scheduled; more are refused like max_num_queued_reqs. 0: unlimited.",
+    "scheduler.disable_chunked_mm_input": "Multimodal models: never split an image's placeholder tokens over two steps (vLLM's --disable-chunked-mm-input); by default a chunk may end inside an image whose encoder output is cached.",
     "lora.max_loras": "The most distinct adapters one step may run (the ranks' adapter slots, vLLM's --max-loras); 0 means LoRA is off (--enable-lora not given) and requests must not name an adapter.",
     "lora.max_lora_rank": "Largest rank an adapter may have (the slots' size, vLLM's --max-lora-rank); adapters of a larger rank are refused. Used when max_loras > 0.",
     "lora.max_cpu_loras": "Adapters each rank keeps in host memory beside its slots (vLLM's --max-cpu-loras), least recently used dropped first; >= max_loras.",
@@ -308,5 +425,9 @@ HELP: dict[str, str] = {
     "speculative.prompt_lookup_max": "Longest n-gram matched, >= prompt_lookup_min.",
     "structured_outputs.backend": 'Grammar backend: "guidance" (llguidance) or "auto" (the same); xgrammar is not offered: it needs torch, which the core never loads.',
     "structured_outputs.compile_timeout": "Seconds a grammar may take to compile before its request fails.",
+    "kv_transfer.kv_connector": "The connector's name (vLLM's kv_connector, e.g. \"NixlConnector\"); it must be one this build registers.",
+    "kv_transfer.kv_role": 'This engine\'s part (vLLM\'s kv_role): "kv_producer" (sends its KV), "kv_consumer" (receives KV) or "kv_both".',
+    "kv_transfer.kv_connector_extra_config": "The connector's own settings (vLLM's kv_connector_extra_config), as a JSON object; \"\" means {}.",
+    "kv_transfer.kv_engine_id": "This engine's id among the engines that exchange KV (vLLM's engine_id); \"\" lets the connector choose.",
 }
 """What each option means (its contract comment), by "group.field"."""

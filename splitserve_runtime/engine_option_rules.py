@@ -12,6 +12,7 @@ Both trust boundaries call `validate`: the engine core on the options its flags 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,9 +21,11 @@ from splitserve_contracts.engine_options_types import (
     FIELD_GROUP,
     GROUPS,
     EngineOptions,
+    LoRAOptions,
     SpeculativeOptions,
 )
 from splitserve_contracts.spec_decode import SpeculativeConfig
+from splitserve_runtime.kv_connector_names import kv_connector_problem
 from splitserve_runtime.model_spec import DTYPE_CHOICES
 from splitserve_runtime.quantization_names import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 
@@ -83,6 +86,18 @@ def _max_cpu_loras(value: int, options: EngineOptions) -> str | None:
     return None
 
 
+def _fraction(value: float, options: EngineOptions) -> str | None:
+    return None if 0.0 < value <= 1.0 else f"must be in (0, 1], got {value}"
+
+
+def _json_object(value: str, options: EngineOptions) -> str | None:
+    try:
+        parsed = json.loads(value) if value else {}
+    except ValueError:
+        parsed = None
+    return None if isinstance(parsed, dict) else f"must be a JSON object, got {value!r}"
+
+
 def _compile_timeout(value: float, options: EngineOptions) -> str | None:
     if 0 < value <= MAX_COMPILE_TIMEOUT:
         return None
@@ -94,13 +109,24 @@ RULES: dict[str, Check] = {
     "model.quantization": _one_of(QUANTIZATION_CHOICES, blank=True),
     "cache.block_size": _at_least(1),
     "cache.kv_cache_dtype": _one_of(KV_CACHE_DTYPES),
+    "cache.gpu_memory_utilization": _fraction,
+    "cache.kv_cache_memory_bytes": _at_least(0),
     "parallel.tensor_parallel_size": _at_least(1),
     "parallel.pipeline_parallel_size": _at_least(1),
+    "scheduler.max_num_seqs": _at_least(1),
+    "scheduler.max_num_batched_tokens": _at_least(1),
     "scheduler.async_scheduling": _async_scheduling,
+    "scheduler.long_prefill_token_threshold": _at_least(0),
+    "scheduler.prefill_token_budget": _at_least(0),
+    "scheduler.adaptive_prefill_chunk": _at_least(0),
+    "scheduler.max_num_queued_reqs": _at_least(0),
+    "scheduler.max_num_queued_tokens": _at_least(0),
     "lora.max_loras": _max_loras,
     "lora.max_lora_rank": _max_lora_rank,
     "lora.max_cpu_loras": _max_cpu_loras,
     "structured_outputs.compile_timeout": _compile_timeout,
+    "kv_transfer.kv_connector": lambda value, options: kv_connector_problem(value),
+    "kv_transfer.kv_connector_extra_config": _json_object,
 } | {path: _one_of(choices) for path, choices in CHOICES.items()}
 """One row per field with a rule, by "group.field"; the speculative group's rules are
 SpeculativeConfig's (splitserve_contracts/spec_decode.py), shared with --speculative-config."""
@@ -120,6 +146,20 @@ def validate(options: EngineOptions) -> EngineOptions:
                 raise InvalidEngineOptions(f"{group}.{f.name}", problem)
     speculative_config(options.speculative)
     return options
+
+
+def lora_enabled(lora: LoRAOptions) -> bool:
+    """Whether the engine serves LoRA adapters (--enable-lora: it has adapter slots); requests
+    must not name an adapter otherwise."""
+    return lora.max_loras > 0
+
+
+def lora_options(enabled: bool, lora: LoRAOptions) -> LoRAOptions:
+    """The LoRA group as --enable-lora and its flags fill it: no slots and no host copies when
+    LoRA is off, else max_cpu_loras unset (None or 0) as many as the slots."""
+    if not enabled:
+        return dataclasses.replace(lora, max_loras=0, max_cpu_loras=0)
+    return dataclasses.replace(lora, max_cpu_loras=lora.max_cpu_loras or lora.max_loras)
 
 
 def world_size(options: EngineOptions) -> int:

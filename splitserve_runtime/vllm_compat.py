@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_runtime.flags import Flag, NoEffectFlag, RefuseFlag, flag, only_values
+from splitserve_runtime.flags import Flag, NoEffectFlag, flag, only_values
 
 TRUST_REMOTE_CODE_NOTE = (
     "splitserve never runs code from a model repository; it serves the architectures it "
@@ -109,11 +109,5 @@ NO_EFFECT_FLAGS: tuple[Flag, ...] = (
         why="no metric is hidden",
         takes_value=True,
     ),
-    flag(
-        "--kv-transfer-config",
-        action=RefuseFlag,
-        help="refused: disaggregated prefill (KV-cache transfer between engines) is not "
-        "implemented",
-    ),
 )
-"""vLLM 0.32 flags accepted with no effect (warned once each), and one refused by name."""
+"""vLLM 0.32 flags accepted with no effect (warned once each)."""

@@ -81,7 +81,7 @@ class EngineCore(EngineCoreSteps):
     def _overload_reason(self, request: Request) -> tuple[ErrorKind, str] | None:
         scheduler = self.scheduler
         num_kv_cache_tokens = (
-            self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.block_size
+            self.kv_cache_manager.block_pool.num_usable_blocks * self.cache_config.cache.block_size
         )
         return overload_reason(
             request,

@@ -46,12 +46,14 @@ class EngineCoreState:
         self.executor = executor
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
-            block_size=cache_config.block_size,
+            block_size=cache_config.cache.block_size,
             max_model_len=scheduler_config.max_model_len,
-            enable_caching=cache_config.enable_prefix_caching,
+            enable_caching=cache_config.cache.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
         )
-        scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+        scheduler_class = (
+            AsyncScheduler if scheduler_config.scheduler.async_scheduling else Scheduler
+        )
         self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
         self.structured = StructuredRequests(
             scheduler_config.vocab_size,
@@ -87,7 +89,7 @@ class EngineCoreState:
     def _kv_capacity_problem(self, request: Request) -> str | None:
         max_model_len, block_size = (
             self.scheduler_config.max_model_len,
-            self.cache_config.block_size,
+            self.cache_config.cache.block_size,
         )
         num_usable_blocks = self.kv_cache_manager.block_pool.num_usable_blocks
         return kv_capacity_problem(request, max_model_len, block_size, num_usable_blocks)

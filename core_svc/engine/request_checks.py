@@ -7,6 +7,7 @@ from core_svc.mm_inputs import mm_features_problem
 from core_svc.request import Request
 from core_svc.sched.scheduler_config import SchedulerConfig
 from splitserve_contracts.structured_outputs import InvalidStructuredOutputs, validate
+from splitserve_runtime.engine_option_rules import lora_enabled
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
@@ -30,7 +31,7 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         problem = _pooling_problem(request, scheduler_config.is_pooling)
         if problem is not None:
             return problem
-    budget = scheduler_config.max_num_batched_tokens
+    budget = scheduler_config.scheduler.max_num_batched_tokens
     if scheduler_config.is_encoder_only and num_prompt_tokens > budget:
         return (
             f"the prompt ({num_prompt_tokens} tokens) is longer than one step's token budget "
@@ -55,7 +56,9 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
         return f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters"
     if len(request.sampler_params) > MAX_SAMPLER_PARAMS_BYTES:
         return f"sampler_params is larger than {MAX_SAMPLER_PARAMS_BYTES} bytes"
-    if request.lora is not None and (request.lora.lora_id == 0 or not scheduler_config.max_loras):
+    if request.lora is not None and (
+        request.lora.lora_id == 0 or not lora_enabled(scheduler_config.lora)
+    ):
         return _lora_problem(request.lora.name, scheduler_config)
     if request.structured_output is not None:
         try:
@@ -71,7 +74,7 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
 
 
 def _lora_problem(name: str, scheduler_config: SchedulerConfig) -> str:
-    if not scheduler_config.max_loras:
+    if not lora_enabled(scheduler_config.lora):
         return (
             f"the request names the LoRA adapter '{name[:MAX_CACHE_SALT_CHARS]}', but LoRA is "
             "off (the engine runs without --enable-lora)"

@@ -33,21 +33,22 @@ def overload_reason(
     engine core admitted before) was admitted once: a core holds at most max_num_seqs
     running requests, with their tokens in its KV cache, besides its queue, so resumed
     requests get that much room beyond the limits - no more, whoever marks them."""
-    max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+    options = config.scheduler
+    max_reqs, max_tokens = options.max_num_queued_reqs, options.max_num_queued_tokens
     room = ""
     if request.is_resumed:
-        max_reqs += config.max_num_seqs if max_reqs else 0
+        max_reqs += options.max_num_seqs if max_reqs else 0
         max_tokens += num_kv_cache_tokens if max_tokens else 0
         room = " even for a resumed request"
     if max_reqs and num_waiting_reqs >= max_reqs:
         return ErrorKind.OVERLOADED, (
             f"the engine's queue is full{room} ({num_waiting_reqs} requests waiting, "
-            f"--max-num-queued-reqs {config.max_num_queued_reqs}); retry later"
+            f"--max-num-queued-reqs {options.max_num_queued_reqs}); retry later"
         )
     if max_tokens and num_waiting_tokens + request.num_tokens > max_tokens:
         return ErrorKind.OVERLOADED, (
             f"the engine's queue is full{room} ({num_waiting_tokens} prompt "
-            f"tokens waiting, --max-num-queued-tokens {config.max_num_queued_tokens}); "
+            f"tokens waiting, --max-num-queued-tokens {options.max_num_queued_tokens}); "
             "retry later"
         )
     return None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from core_svc.lora import LoraRequest
 from core_svc.request import Request
 from core_svc.sched.scheduler_output import LoraSlots
+from splitserve_contracts.engine_options_types import LoRAOptions
 
 
 @dataclass(slots=True)
@@ -31,9 +32,10 @@ class LoraSlotTable:
     """The adapters of the scheduler's requests and the workers' slots; see the module
     docstring."""
 
-    def __init__(self, max_loras: int) -> None:
-        self.max_loras = max_loras
-        self.slot_ids = [0] * max_loras
+    def __init__(self, lora: LoRAOptions) -> None:
+        self.num_slots = lora.max_loras
+        """The workers' adapter slots (0: LoRA is off)."""
+        self.slot_ids = [0] * self.num_slots
         """The adapter in each slot, as the workers will have it after the steps sent."""
         self._adapters: dict[int, _Adapter] = {}
         self._num_running_adapters = 0
@@ -66,7 +68,7 @@ class LoraSlotTable:
         """Whether a request of `lora` may start running now."""
         adapter = self._adapters.get(lora.lora_id)
         is_running = adapter is not None and adapter.num_running > 0
-        return is_running or self._num_running_adapters < self.max_loras
+        return is_running or self._num_running_adapters < self.num_slots
 
     def acquire(self, request: Request) -> None:
         """The request starts running (can_run said it may): its adapter holds a slot."""
@@ -137,7 +139,7 @@ class LoraSlotTable:
     def reset(self) -> None:
         """The workers were brought up again with empty slots and caches (recovery); every
         request is waiting again (released)."""
-        self.slot_ids = [0] * self.max_loras
+        self.slot_ids = [0] * self.num_slots
         self._changes.clear()
         self._free_ids.clear()
 

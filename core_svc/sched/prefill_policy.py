@@ -42,11 +42,12 @@ class PrefillPolicy:
     the engine may build the next step before this one's output is back."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.long_prefill_token_threshold = config.long_prefill_token_threshold
-        self.prefill_token_budget = config.prefill_token_budget
-        chunk = config.adaptive_prefill_chunk
-        if chunk and config.disable_chunked_mm_input:
+        options = config.scheduler
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        self.long_prefill_token_threshold = options.long_prefill_token_threshold
+        self.prefill_token_budget = options.prefill_token_budget
+        chunk = options.adaptive_prefill_chunk
+        if chunk and options.disable_chunked_mm_input:
             chunk = max(chunk, config.max_tokens_per_mm_item)  # a whole image fits a step
         self.adaptive_chunk = chunk
         self.holds_steps_ahead = bool(chunk) and not config.is_pooling

@@ -8,7 +8,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from core_svc.request import Request
-from core_svc.sched.scheduler_config import SchedulingPolicy
 
 
 class RequestQueue(ABC):
@@ -103,5 +102,6 @@ class PriorityRequestQueue(RequestQueue):
         return (entry[2] for entry in sorted(self._heap, key=lambda e: e[:2]))
 
 
-def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
+def create_request_queue(policy: str) -> RequestQueue:
+    """The queue of scheduler.policy (its rule admits "fcfs" and "priority" only)."""
     return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()

@@ -32,21 +32,22 @@ class SchedulerState:
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
     ) -> None:
-        self.max_num_seqs = scheduler_config.max_num_seqs
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        options = scheduler_config.scheduler
+        self.max_num_seqs = options.max_num_seqs
+        self.max_num_batched_tokens = options.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.prefill_policy = PrefillPolicy(scheduler_config)
         """The caps on prompt tokens per step, static or adaptive."""
         self.is_encoder_only = scheduler_config.is_encoder_only
         """Prompts are computed whole, in one step (no chunked prefill)."""
-        self.policy = scheduler_config.policy
-        self.enable_caching = cache_config.enable_prefix_caching
+        self.policy = options.policy
+        self.enable_caching = cache_config.cache.enable_prefix_caching
         self.kv_cache_manager = kv_cache_manager
-        self.block_hasher = BlockHasher(cache_config.block_size)
+        self.block_hasher = BlockHasher(cache_config.cache.block_size)
         budget = scheduler_config.encoder_compute_budget
-        self.encoder = EncoderScheduler(budget, budget, scheduler_config.disable_chunked_mm_input)
+        self.encoder = EncoderScheduler(budget, budget, options.disable_chunked_mm_input)
         """Encoder inputs of multimodal requests (idle for text-only ones)."""
-        self.lora = LoraSlotTable(scheduler_config.max_loras)
+        self.lora = LoraSlotTable(scheduler_config.lora)
         """The LoRA adapters of the requests and the workers' slots (idle without LoRA)."""
         self._updater = StepUpdater(
             kv_cache_manager,
@@ -61,7 +62,7 @@ class SchedulerState:
         decoding; empty: off)."""
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[int, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.policy)
+        self.waiting = create_request_queue(options.policy)
         self.running: list[Request] = []
         self.finished_req_handles: list[int] = []
         """Handles the workers know and must drop, sent with the next SchedulerOutput."""

@@ -27,7 +27,7 @@ class WaitingPass(SchedulerState):
     ) -> int:
         """Pass 2: admit waiting requests while budgets and sequence slots last; the first
         that does not fit (its whole sequence must fit) stops it. A request whose LoRA adapter
-        cannot join the step's (`max_loras`) is passed over: it keeps its place and waits,
+        cannot join the step's (no adapter slot is free) is passed over: it keeps its place and waits,
         the requests behind it are tried (vLLM's rule). Returns the prefill budget left."""
         kv = self.kv_cache_manager
         num_admitted = 0

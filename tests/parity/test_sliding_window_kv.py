@@ -47,13 +47,13 @@ def test_blocks_out_of_the_window_are_freed_and_outputs_stay_exact(
     assert loaded.sliding_window == 6
     worker.initialize_kv_cache(NUM_BLOCKS)
     engine = EngineCore(
-        SchedulerConfig(
+        SchedulerConfig.of(
             max_num_seqs=4,
             max_num_batched_tokens=12,
             max_model_len=64,
             async_scheduling=async_scheduling,
         ),
-        CacheConfig(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, sliding_window=6),
+        CacheConfig.of(NUM_BLOCKS, 6, block_size=BLOCK_SIZE, enable_prefix_caching=True),
         InProcessExecutor(worker),
     )
     for handle, prompt in enumerate(PROMPTS):

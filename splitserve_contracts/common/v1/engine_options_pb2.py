@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve_contracts.common.v1 import options_pb2 as splitserve_dot_common_dot_v1_dot_options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/common/v1/engine_options.proto\x12\x14splitserve.common.v1\x1a\"splitserve/common/v1/options.proto\"\xc5\x03\n\x0cModelOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x17\n\x05\x64type\x18\x03 \x01(\tB\x08\x8a\xb5\x18\x04\x61uto\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65quantize_gguf\x18\x05 \x01(\x08\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x31\n\x06runner\x18\x08 \x01(\tB!\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\x15\x61uto,generate,pooling\x12,\n\x07\x63onvert\x18\t \x01(\tB\x1b\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\x0f\x61uto,none,embed\x12\x15\n\renforce_eager\x18\n \x01(\x08\x12G\n\x11\x61ttention_backend\x18\x0b \x01(\tB,\x8a\xb5\x18\x04\x61uto\x92\xb5\x18 auto,torch,triton,flash_attn,cpu\x12\x66\n\rlogprobs_mode\x18\x0c \x01(\tBO\x8a\xb5\x18\x0craw_logprobs\x92\xb5\x18;raw_logprobs,raw_logits,processed_logprobs,processed_logits\"L\n\x0c\x43\x61\x63heOptions\x12\x1a\n\nblock_size\x18\x01 \x01(\rB\x06\x8a\xb5\x18\x02\x31\x36\x12 \n\x0ekv_cache_dtype\x18\x02 \x01(\tB\x08\x8a\xb5\x18\x04\x61uto\"\x9e\x01\n\x0fParallelOptions\x12#\n\x14tensor_parallel_size\x18\x01 \x01(\rB\x05\x8a\xb5\x18\x01\x31\x12%\n\x16pipeline_parallel_size\x18\x02 \x01(\rB\x05\x8a\xb5\x18\x01\x31\x12\x1e\n\x16\x65nable_expert_parallel\x18\x03 \x01(\x08\x12\x1f\n\x17\x64istributed_init_method\x18\x04 \x01(\t\"b\n\x10SchedulerOptions\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x61sync_scheduling\x18\x03 \x01(\x08\"V\n\x0bLoRAOptions\x12\x11\n\tmax_loras\x18\x01 \x01(\r\x12\x1d\n\rmax_lora_rank\x18\x02 \x01(\rB\x06\x8a\xb5\x18\x02\x31\x36\x12\x15\n\rmax_cpu_loras\x18\x03 \x01(\r\"z\n\x12SpeculativeOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\r\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\r\"h\n\x17StructuredOutputOptions\x12*\n\x07\x62\x61\x63kend\x18\x01 \x01(\tB\x19\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\rauto,guidance\x12!\n\x0f\x63ompile_timeout\x18\x02 \x01(\x01\x42\x08\x8a\xb5\x18\x04\x31\x30.0\"\xb9\x03\n\rEngineOptions\x12\x31\n\x05model\x18\x01 \x01(\x0b\x32\".splitserve.common.v1.ModelOptions\x12\x31\n\x05\x63\x61\x63he\x18\x02 \x01(\x0b\x32\".splitserve.common.v1.CacheOptions\x12\x37\n\x08parallel\x18\x03 \x01(\x0b\x32%.splitserve.common.v1.ParallelOptions\x12\x39\n\tscheduler\x18\x04 \x01(\x0b\x32&.splitserve.common.v1.SchedulerOptions\x12/\n\x04lora\x18\x05 \x01(\x0b\x32!.splitserve.common.v1.LoRAOptions\x12\x42\n\x0bspeculative\x18\x06 \x01(\x0b\x32(.splitserve.common.v1.SpeculativeOptionsH\x00\x88\x01\x01\x12I\n\x12structured_outputs\x18\x07 \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputOptionsB\x0e\n\x0c_speculativeBy\n\x17io.splitserve.common.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\xaa\x02\x14Splitserve.Common.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)splitserve/common/v1/engine_options.proto\x12\x14splitserve.common.v1\x1a\"splitserve/common/v1/options.proto\"\xc5\x03\n\x0cModelOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x17\n\x05\x64type\x18\x03 \x01(\tB\x08\x8a\xb5\x18\x04\x61uto\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65quantize_gguf\x18\x05 \x01(\x08\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x31\n\x06runner\x18\x08 \x01(\tB!\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\x15\x61uto,generate,pooling\x12,\n\x07\x63onvert\x18\t \x01(\tB\x1b\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\x0f\x61uto,none,embed\x12\x15\n\renforce_eager\x18\n \x01(\x08\x12G\n\x11\x61ttention_backend\x18\x0b \x01(\tB,\x8a\xb5\x18\x04\x61uto\x92\xb5\x18 auto,torch,triton,flash_attn,cpu\x12\x66\n\rlogprobs_mode\x18\x0c \x01(\tBO\x8a\xb5\x18\x0craw_logprobs\x92\xb5\x18;raw_logprobs,raw_logits,processed_logprobs,processed_logits\"\xdc\x01\n\x0c\x43\x61\x63heOptions\x12\x1a\n\nblock_size\x18\x01 \x01(\rB\x06\x8a\xb5\x18\x02\x31\x36\x12 \n\x0ekv_cache_dtype\x18\x02 \x01(\tB\x08\x8a\xb5\x18\x04\x61uto\x12,\n\x15\x65nable_prefix_caching\x18\x03 \x01(\x08\x42\x08\x8a\xb5\x18\x04trueH\x00\x88\x01\x01\x12\'\n\x16gpu_memory_utilization\x18\x04 \x01(\x01\x42\x07\x8a\xb5\x18\x03\x30.9\x12\x1d\n\x15kv_cache_memory_bytes\x18\x05 \x01(\x04\x42\x18\n\x16_enable_prefix_caching\"\x9e\x01\n\x0fParallelOptions\x12#\n\x14tensor_parallel_size\x18\x01 \x01(\rB\x05\x8a\xb5\x18\x01\x31\x12%\n\x16pipeline_parallel_size\x18\x02 \x01(\rB\x05\x8a\xb5\x18\x01\x31\x12\x1e\n\x16\x65nable_expert_parallel\x18\x03 \x01(\x08\x12\x1f\n\x17\x64istributed_init_method\x18\x04 \x01(\t\"\x8b\x03\n\x10SchedulerOptions\x12\x1d\n\x0cmax_num_seqs\x18\x01 \x01(\rB\x07\x8a\xb5\x18\x03\x32\x35\x36\x12(\n\x16max_num_batched_tokens\x18\x02 \x01(\rB\x08\x8a\xb5\x18\x04\x32\x30\x34\x38\x12\x18\n\x10\x61sync_scheduling\x18\x03 \x01(\x08\x12)\n\x06policy\x18\x04 \x01(\tB\x19\x8a\xb5\x18\x04\x66\x63\x66s\x92\xb5\x18\rfcfs,priority\x12$\n\x1clong_prefill_token_threshold\x18\x05 \x01(\r\x12\x1c\n\x14prefill_token_budget\x18\x06 \x01(\r\x12,\n\x16\x61\x64\x61ptive_prefill_chunk\x18\x07 \x01(\rB\x07\x8a\xb5\x18\x03\x31\x39\x32H\x00\x88\x01\x01\x12\x1b\n\x13max_num_queued_reqs\x18\x08 \x01(\r\x12\x1d\n\x15max_num_queued_tokens\x18\t \x01(\r\x12 \n\x18\x64isable_chunked_mm_input\x18\n \x01(\x08\x42\x19\n\x17_adaptive_prefill_chunk\"V\n\x0bLoRAOptions\x12\x11\n\tmax_loras\x18\x01 \x01(\r\x12\x1d\n\rmax_lora_rank\x18\x02 \x01(\rB\x06\x8a\xb5\x18\x02\x31\x36\x12\x15\n\rmax_cpu_loras\x18\x03 \x01(\r\"z\n\x12SpeculativeOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x19\n\x11prompt_lookup_min\x18\x03 \x01(\r\x12\x19\n\x11prompt_lookup_max\x18\x04 \x01(\r\"h\n\x17StructuredOutputOptions\x12*\n\x07\x62\x61\x63kend\x18\x01 \x01(\tB\x19\x8a\xb5\x18\x04\x61uto\x92\xb5\x18\rauto,guidance\x12!\n\x0f\x63ompile_timeout\x18\x02 \x01(\x01\x42\x08\x8a\xb5\x18\x04\x31\x30.0\"\x98\x01\n\x11KVTransferOptions\x12\x14\n\x0ckv_connector\x18\x01 \x01(\t\x12\x34\n\x07kv_role\x18\x02 \x01(\tB#\x92\xb5\x18\x1fkv_producer,kv_consumer,kv_both\x12!\n\x19kv_connector_extra_config\x18\x03 \x01(\t\x12\x14\n\x0ckv_engine_id\x18\x04 \x01(\t\"\x8c\x04\n\rEngineOptions\x12\x31\n\x05model\x18\x01 \x01(\x0b\x32\".splitserve.common.v1.ModelOptions\x12\x31\n\x05\x63\x61\x63he\x18\x02 \x01(\x0b\x32\".splitserve.common.v1.CacheOptions\x12\x37\n\x08parallel\x18\x03 \x01(\x0b\x32%.splitserve.common.v1.ParallelOptions\x12\x39\n\tscheduler\x18\x04 \x01(\x0b\x32&.splitserve.common.v1.SchedulerOptions\x12/\n\x04lora\x18\x05 \x01(\x0b\x32!.splitserve.common.v1.LoRAOptions\x12\x42\n\x0bspeculative\x18\x06 \x01(\x0b\x32(.splitserve.common.v1.SpeculativeOptionsH\x00\x88\x01\x01\x12I\n\x12structured_outputs\x18\x07 \x01(\x0b\x32-.splitserve.common.v1.StructuredOutputOptions\x12\x41\n\x0bkv_transfer\x18\x08 \x01(\x0b\x32\'.splitserve.common.v1.KVTransferOptionsH\x01\x88\x01\x01\x42\x0e\n\x0c_speculativeB\x0e\n\x0c_kv_transferBy\n\x17io.splitserve.common.v1P\x01ZEgithub.com/splitserve/splitserve/gen/go/splitserve/common/v1;commonv1\xaa\x02\x14Splitserve.Common.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,30 +47,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHEOPTIONS'].fields_by_name['block_size']._serialized_options = b'\212\265\030\00216'
   _globals['_CACHEOPTIONS'].fields_by_name['kv_cache_dtype']._loaded_options = None
   _globals['_CACHEOPTIONS'].fields_by_name['kv_cache_dtype']._serialized_options = b'\212\265\030\004auto'
+  _globals['_CACHEOPTIONS'].fields_by_name['enable_prefix_caching']._loaded_options = None
+  _globals['_CACHEOPTIONS'].fields_by_name['enable_prefix_caching']._serialized_options = b'\212\265\030\004true'
+  _globals['_CACHEOPTIONS'].fields_by_name['gpu_memory_utilization']._loaded_options = None
+  _globals['_CACHEOPTIONS'].fields_by_name['gpu_memory_utilization']._serialized_options = b'\212\265\030\0030.9'
   _globals['_PARALLELOPTIONS'].fields_by_name['tensor_parallel_size']._loaded_options = None
   _globals['_PARALLELOPTIONS'].fields_by_name['tensor_parallel_size']._serialized_options = b'\212\265\030\0011'
   _globals['_PARALLELOPTIONS'].fields_by_name['pipeline_parallel_size']._loaded_options = None
   _globals['_PARALLELOPTIONS'].fields_by_name['pipeline_parallel_size']._serialized_options = b'\212\265\030\0011'
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['max_num_seqs']._loaded_options = None
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['max_num_seqs']._serialized_options = b'\212\265\030\003256'
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['max_num_batched_tokens']._loaded_options = None
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['max_num_batched_tokens']._serialized_options = b'\212\265\030\0042048'
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['policy']._loaded_options = None
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['policy']._serialized_options = b'\212\265\030\004fcfs\222\265\030\rfcfs,priority'
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['adaptive_prefill_chunk']._loaded_options = None
+  _globals['_SCHEDULEROPTIONS'].fields_by_name['adaptive_prefill_chunk']._serialized_options = b'\212\265\030\003192'
   _globals['_LORAOPTIONS'].fields_by_name['max_lora_rank']._loaded_options = None
   _globals['_LORAOPTIONS'].fields_by_name['max_lora_rank']._serialized_options = b'\212\265\030\00216'
   _globals['_STRUCTUREDOUTPUTOPTIONS'].fields_by_name['backend']._loaded_options = None
   _globals['_STRUCTUREDOUTPUTOPTIONS'].fields_by_name['backend']._serialized_options = b'\212\265\030\004auto\222\265\030\rauto,guidance'
   _globals['_STRUCTUREDOUTPUTOPTIONS'].fields_by_name['compile_timeout']._loaded_options = None
   _globals['_STRUCTUREDOUTPUTOPTIONS'].fields_by_name['compile_timeout']._serialized_options = b'\212\265\030\00410.0'
+  _globals['_KVTRANSFEROPTIONS'].fields_by_name['kv_role']._loaded_options = None
+  _globals['_KVTRANSFEROPTIONS'].fields_by_name['kv_role']._serialized_options = b'\222\265\030\037kv_producer,kv_consumer,kv_both'
   _globals['_MODELOPTIONS']._serialized_start=104
   _globals['_MODELOPTIONS']._serialized_end=557
-  _globals['_CACHEOPTIONS']._serialized_start=559
-  _globals['_CACHEOPTIONS']._serialized_end=635
-  _globals['_PARALLELOPTIONS']._serialized_start=638
-  _globals['_PARALLELOPTIONS']._serialized_end=796
-  _globals['_SCHEDULEROPTIONS']._serialized_start=798
-  _globals['_SCHEDULEROPTIONS']._serialized_end=896
-  _globals['_LORAOPTIONS']._serialized_start=898
-  _globals['_LORAOPTIONS']._serialized_end=984
-  _globals['_SPECULATIVEOPTIONS']._serialized_start=986
-  _globals['_SPECULATIVEOPTIONS']._serialized_end=1108
-  _globals['_STRUCTUREDOUTPUTOPTIONS']._serialized_start=1110
-  _globals['_STRUCTUREDOUTPUTOPTIONS']._serialized_end=1214
-  _globals['_ENGINEOPTIONS']._serialized_start=1217
-  _globals['_ENGINEOPTIONS']._serialized_end=1658
+  _globals['_CACHEOPTIONS']._serialized_start=560
+  _globals['_CACHEOPTIONS']._serialized_end=780
+  _globals['_PARALLELOPTIONS']._serialized_start=783
+  _globals['_PARALLELOPTIONS']._serialized_end=941
+  _globals['_SCHEDULEROPTIONS']._serialized_start=944
+  _globals['_SCHEDULEROPTIONS']._serialized_end=1339
+  _globals['_LORAOPTIONS']._serialized_start=1341
+  _globals['_LORAOPTIONS']._serialized_end=1427
+  _globals['_SPECULATIVEOPTIONS']._serialized_start=1429
+  _globals['_SPECULATIVEOPTIONS']._serialized_end=1551
+  _globals['_STRUCTUREDOUTPUTOPTIONS']._serialized_start=1553
+  _globals['_STRUCTUREDOUTPUTOPTIONS']._serialized_end=1657
+  _globals['_KVTRANSFEROPTIONS']._serialized_start=1660
+  _globals['_KVTRANSFEROPTIONS']._serialized_end=1812
+  _globals['_ENGINEOPTIONS']._serialized_start=1815
+  _globals['_ENGINEOPTIONS']._serialized_end=2339
 # @@protoc_insertion_point(module_scope)

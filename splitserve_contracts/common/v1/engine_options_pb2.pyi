@@ -136,6 +136,9 @@ class CacheOptions(_message.Message):
 
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     """Tokens per KV-cache block, >= 1. A rank chooses its attention backend for
     it at load, once.
@@ -147,17 +150,37 @@ class CacheOptions(_message.Message):
     per-tensor k_scale / v_scale (the checkpoint's, else 1.0) and saturated to
     the format's range. GetKvCapacity counts blocks at that size.
     """
+    enable_prefix_caching: _builtins.bool
+    """Share full KV blocks between requests with the same prefix (vLLM's
+    --enable-prefix-caching); an encoder-only model never does (its blocks
+    hold no KV). Unset: true.
+    """
+    gpu_memory_utilization: _builtins.float
+    """Fraction of GPU memory a rank may use (weights + activations + KV), in
+    (0, 1] (vLLM's --gpu-memory-utilization).
+    """
+    kv_cache_memory_bytes: _builtins.int
+    """KV-cache bytes per rank (vLLM's --kv-cache-memory-bytes); 0 derives it:
+    on CUDA from gpu_memory_utilization, on CPU as vLLM-CPU does
+    (VLLM_CPU_KVCACHE_SPACE GiB in the rank's environment, else half its free
+    memory) but no more than max_num_seqs x max_model_len tokens use.
+    """
     def __init__(
         self,
         *,
         block_size: _builtins.int = ...,
         kv_cache_dtype: _builtins.str = ...,
+        enable_prefix_caching: _builtins.bool | None = ...,
+        gpu_memory_utilization: _builtins.float = ...,
+        kv_cache_memory_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching", "enable_prefix_caching", b"enable_prefix_caching"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_cache_dtype", b"kv_cache_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching", "block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_dtype", b"kv_cache_dtype", "kv_cache_memory_bytes", b"kv_cache_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__enable_prefix_caching: _TypeAlias = _typing.Literal["enable_prefix_caching"]  # noqa: Y015
+    _WhichOneofArgType__enable_prefix_caching: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_prefix_caching) -> _WhichOneofReturnType__enable_prefix_caching | None: ...
 
 Global___CacheOptions: _TypeAlias = CacheOptions  # noqa: Y015
 
@@ -213,15 +236,60 @@ class SchedulerOptions(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     ASYNC_SCHEDULING_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    ADAPTIVE_PREFILL_CHUNK_FIELD_NUMBER: _builtins.int
+    MAX_NUM_QUEUED_REQS_FIELD_NUMBER: _builtins.int
+    MAX_NUM_QUEUED_TOKENS_FIELD_NUMBER: _builtins.int
+    DISABLE_CHUNKED_MM_INPUT_FIELD_NUMBER: _builtins.int
     max_num_seqs: _builtins.int
-    """Most requests running at once (in one step)."""
+    """Most requests running at once (in one step), >= 1."""
     max_num_batched_tokens: _builtins.int
-    """Token budget of one engine step."""
+    """Token budget of one engine step, >= 1; the engine core's default is
+    vLLM's on CPU, 2048 x tensor_parallel_size x pipeline_parallel_size.
+    """
     async_scheduling: _builtins.bool
     """The engine core schedules a step before the previous one's output came
     back (vLLM's --async-scheduling): a rank that samples appends each token
     it samples to the request at once, and the core sends no token ids for
     them. Needs pipeline_parallel_size 1 (every rank samples).
+    """
+    policy: _builtins.str
+    """Order of waiting requests (vLLM's --scheduling-policy): "fcfs" (arrival
+    order) or "priority" (lower `priority` first, ties by arrival).
+    """
+    long_prefill_token_threshold: _builtins.int
+    """Most prompt tokens one request computes per step (vLLM's
+    --long-prefill-token-threshold); 0: no cap.
+    """
+    prefill_token_budget: _builtins.int
+    """While some running request decodes, the most prompt tokens (running
+    prefill chunks and new admissions together) one step computes, so a burst
+    of prompts cannot stretch the decoders' inter-token gap; decodes keep
+    their own tokens. 0: prefills share max_num_batched_tokens with decodes
+    freely (vLLM's behaviour).
+    """
+    adaptive_prefill_chunk: _builtins.int
+    """The adaptive chunk (core_svc/sched/prefill_policy.py): while at least 3
+    requests decode and at most 3 have prompt tokens to compute (a light
+    load), one step computes at most this many prompt tokens (a prompt's chunk
+    included), and no step is scheduled ahead of one that computes prompt
+    tokens. 0: off, the static limits only (vLLM's behaviour). Unset: 192.
+    """
+    max_num_queued_reqs: _builtins.int
+    """Most requests waiting to be scheduled (vLLM's --max-num-queued-reqs);
+    more are refused at once as overloaded (RESOURCE_EXHAUSTED, HTTP 429)
+    with a retry hint. 0: unlimited.
+    """
+    max_num_queued_tokens: _builtins.int
+    """Most prompt tokens waiting to be scheduled; more are refused like
+    max_num_queued_reqs. 0: unlimited.
+    """
+    disable_chunked_mm_input: _builtins.bool
+    """Multimodal models: never split an image's placeholder tokens over two
+    steps (vLLM's --disable-chunked-mm-input); by default a chunk may end
+    inside an image whose encoder output is cached.
     """
     def __init__(
         self,
@@ -229,12 +297,21 @@ class SchedulerOptions(_message.Message):
         max_num_seqs: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
         async_scheduling: _builtins.bool = ...,
+        policy: _builtins.str = ...,
+        long_prefill_token_threshold: _builtins.int = ...,
+        prefill_token_budget: _builtins.int = ...,
+        adaptive_prefill_chunk: _builtins.int | None = ...,
+        max_num_queued_reqs: _builtins.int = ...,
+        max_num_queued_tokens: _builtins.int = ...,
+        disable_chunked_mm_input: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive_prefill_chunk", b"_adaptive_prefill_chunk", "adaptive_prefill_chunk", b"adaptive_prefill_chunk"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["async_scheduling", b"async_scheduling", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive_prefill_chunk", b"_adaptive_prefill_chunk", "adaptive_prefill_chunk", b"adaptive_prefill_chunk", "async_scheduling", b"async_scheduling", "disable_chunked_mm_input", b"disable_chunked_mm_input", "long_prefill_token_threshold", b"long_prefill_token_threshold", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_queued_reqs", b"max_num_queued_reqs", "max_num_queued_tokens", b"max_num_queued_tokens", "max_num_seqs", b"max_num_seqs", "policy", b"policy", "prefill_token_budget", b"prefill_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__adaptive_prefill_chunk: _TypeAlias = _typing.Literal["adaptive_prefill_chunk"]  # noqa: Y015
+    _WhichOneofArgType__adaptive_prefill_chunk: _TypeAlias = _typing.Literal["_adaptive_prefill_chunk", b"_adaptive_prefill_chunk"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adaptive_prefill_chunk) -> _WhichOneofReturnType__adaptive_prefill_chunk | None: ...
 
 Global___SchedulerOptions: _TypeAlias = SchedulerOptions  # noqa: Y015
 
@@ -347,6 +424,52 @@ class StructuredOutputOptions(_message.Message):
 Global___StructuredOutputOptions: _TypeAlias = StructuredOutputOptions  # noqa: Y015
 
 @_typing.final
+class KVTransferOptions(_message.Message):
+    """KVTransferOptions says how the engine sends or receives KV cache to or from
+    other engines (vLLM's KVTransferConfig, --kv-transfer-config): which
+    connector moves it and in which direction. The connectors are rows of
+    splitserve_runtime/kv_connector_names.py.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KV_CONNECTOR_FIELD_NUMBER: _builtins.int
+    KV_ROLE_FIELD_NUMBER: _builtins.int
+    KV_CONNECTOR_EXTRA_CONFIG_FIELD_NUMBER: _builtins.int
+    KV_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    kv_connector: _builtins.str
+    """The connector's name (vLLM's kv_connector, e.g. "NixlConnector"); it must
+    be one this build registers.
+    """
+    kv_role: _builtins.str
+    """This engine's part (vLLM's kv_role): "kv_producer" (sends its KV),
+    "kv_consumer" (receives KV) or "kv_both".
+    """
+    kv_connector_extra_config: _builtins.str
+    """The connector's own settings (vLLM's kv_connector_extra_config), as a JSON
+    object; "" means {}.
+    """
+    kv_engine_id: _builtins.str
+    """This engine's id among the engines that exchange KV (vLLM's engine_id);
+    "" lets the connector choose.
+    """
+    def __init__(
+        self,
+        *,
+        kv_connector: _builtins.str = ...,
+        kv_role: _builtins.str = ...,
+        kv_connector_extra_config: _builtins.str = ...,
+        kv_engine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_connector", b"kv_connector", "kv_connector_extra_config", b"kv_connector_extra_config", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVTransferOptions: _TypeAlias = KVTransferOptions  # noqa: Y015
+
+@_typing.final
 class EngineOptions(_message.Message):
     """EngineOptions is every option of one engine, by concern (vLLM's
     VllmConfig).
@@ -361,6 +484,7 @@ class EngineOptions(_message.Message):
     LORA_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> Global___ModelOptions:
         """Which model and how it computes."""
@@ -389,6 +513,10 @@ class EngineOptions(_message.Message):
     def structured_outputs(self) -> Global___StructuredOutputOptions:
         """Grammar compilation (read by the engine core only)."""
 
+    @_builtins.property
+    def kv_transfer(self) -> Global___KVTransferOptions:
+        """KV-cache transfer between engines; unset: no connector."""
+
     def __init__(
         self,
         *,
@@ -399,13 +527,19 @@ class EngineOptions(_message.Message):
         lora: Global___LoRAOptions | None = ...,
         speculative: Global___SpeculativeOptions | None = ...,
         structured_outputs: Global___StructuredOutputOptions | None = ...,
+        kv_transfer: Global___KVTransferOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculative", b"_speculative", "cache", b"cache", "lora", b"lora", "model", b"model", "parallel", b"parallel", "scheduler", b"scheduler", "speculative", b"speculative", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer", b"_kv_transfer", "_speculative", b"_speculative", "cache", b"cache", "kv_transfer", b"kv_transfer", "lora", b"lora", "model", b"model", "parallel", b"parallel", "scheduler", b"scheduler", "speculative", b"speculative", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculative", b"_speculative", "cache", b"cache", "lora", b"lora", "model", b"model", "parallel", b"parallel", "scheduler", b"scheduler", "speculative", b"speculative", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kv_transfer", b"_kv_transfer", "_speculative", b"_speculative", "cache", b"cache", "kv_transfer", b"kv_transfer", "lora", b"lora", "model", b"model", "parallel", b"parallel", "scheduler", b"scheduler", "speculative", b"speculative", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__kv_transfer: _TypeAlias = _typing.Literal["kv_transfer"]  # noqa: Y015
+    _WhichOneofArgType__kv_transfer: _TypeAlias = _typing.Literal["_kv_transfer", b"_kv_transfer"]  # noqa: Y015
     _WhichOneofReturnType__speculative: _TypeAlias = _typing.Literal["speculative"]  # noqa: Y015
     _WhichOneofArgType__speculative: _TypeAlias = _typing.Literal["_speculative", b"_speculative"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_transfer) -> _WhichOneofReturnType__kv_transfer | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative) -> _WhichOneofReturnType__speculative | None: ...
 
 Global___EngineOptions: _TypeAlias = EngineOptions  # noqa: Y015

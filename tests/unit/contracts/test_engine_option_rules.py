@@ -12,11 +12,13 @@ from core_svc.config import parse_config as parse_core
 from core_svc.core_flags import CORE_FLAGS
 from splitserve.launcher import parse_args as parse_serve
 from splitserve_contracts import engine_options_convert
-from splitserve_contracts.engine_options_types import GROUPS, EngineOptions
+from splitserve_contracts.engine_options_types import GROUPS, EngineOptions, LoRAOptions
 from splitserve_contracts.worker.v1 import worker_service_pb2 as pb
 from splitserve_runtime.engine_option_rules import (
     InvalidEngineOptions,
     engine_options,
+    lora_enabled,
+    lora_options,
     replace_options,
     validate,
 )
@@ -48,6 +50,11 @@ def test_the_defaults_pass() -> None:
             {"async_scheduling": True, "pipeline_parallel_size": 2},
             "scheduler.async_scheduling needs parallel.pipeline_parallel_size 1",
         ),
+        (
+            {"gpu_memory_utilization": 1.5},
+            "cache.gpu_memory_utilization must be in (0, 1], got 1.5",
+        ),
+        ({"policy": "lifo"}, "scheduler.policy is 'lifo'; choose one of fcfs, priority"),
     ],
 )
 def test_a_rank_refuses_what_the_rules_refuse_naming_the_field(
@@ -68,6 +75,46 @@ def test_the_core_refuses_its_flags_with_the_ranks_words(
     with pytest.raises(InvalidEngineOptions) as refused:
         load_model_config_from_proto(load_request("/m", max_loras=4, max_cpu_loras=2))
     assert f"--max-cpu-loras: {refused.value}" in said
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--gpu-memory-utilization", "0"],
+            "--gpu-memory-utilization: cache.gpu_memory_utilization must be in (0, 1], got 0.0",
+        ),
+        (
+            ["--scheduling-policy", "lifo"],
+            "--scheduling-policy: invalid choice: 'lifo' (choose from 'fcfs', 'priority')",
+        ),
+    ],
+)
+def test_the_core_refuses_a_moved_option_naming_flag_and_field(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_core([*WORKERS, "--tp", "2", *argv], {})
+    assert says in capsys.readouterr().err
+
+
+def test_the_scheduler_rows_name_the_field() -> None:
+    for name, says in [
+        ("max_num_seqs", "scheduler.max_num_seqs must be >= 1, got 0"),
+        ("max_num_batched_tokens", "scheduler.max_num_batched_tokens must be >= 1, got 0"),
+        ("adaptive_prefill_chunk", "scheduler.adaptive_prefill_chunk must be >= 0, got -1"),
+        ("max_num_queued_reqs", "scheduler.max_num_queued_reqs must be >= 0, got -1"),
+    ]:
+        value = -1 if ">= 0" in says else 0
+        with pytest.raises(InvalidEngineOptions, match=re.escape(says)):
+            validate(engine_options({name: value}))
+
+
+def test_lora_options_follow_enable_lora() -> None:
+    on = lora_options(True, LoRAOptions(max_loras=3))
+    assert (lora_enabled(on), on.max_cpu_loras) == (True, 3)
+    off = lora_options(False, LoRAOptions(max_loras=3, max_cpu_loras=5))
+    assert (lora_enabled(off), off.max_loras, off.max_cpu_loras) == (False, 0, 0)
 
 
 def test_a_grammar_timeout_out_of_range_is_refused_by_its_rule(

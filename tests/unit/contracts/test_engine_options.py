@@ -17,6 +17,7 @@ from splitserve_contracts.engine_options_types import (
     EngineOptions,
     LoRAOptions,
     ModelOptions,
+    SchedulerOptions,
     SpeculativeOptions,
 )
 
@@ -44,6 +45,21 @@ def test_every_field_survives_the_round_trip() -> None:
     assert convert.from_proto(pb.EngineOptions.FromString(msg.SerializeToString())) == options
 
 
+def test_an_optional_scalar_carries_its_zero_and_reads_unset_as_its_default() -> None:
+    """enable_prefix_caching (unset: true) and adaptive_prefill_chunk (unset: 192) are
+    `optional`: false and 0 travel as themselves; an older peer's unset field is the default."""
+    defaults = convert.from_proto(pb.EngineOptions())
+    assert defaults.cache.enable_prefix_caching is True
+    assert defaults.scheduler.adaptive_prefill_chunk == 192
+    assert (defaults.scheduler.policy, defaults.cache.gpu_memory_utilization) == ("fcfs", 0.9)
+    off = EngineOptions(
+        cache=CacheOptions(enable_prefix_caching=False, kv_cache_memory_bytes=1 << 33),
+        scheduler=SchedulerOptions(adaptive_prefill_chunk=0, policy="priority"),
+    )
+    wire = pb.EngineOptions.FromString(convert.to_proto(off).SerializeToString())
+    assert convert.from_proto(wire) == off
+
+
 def test_the_tables_cover_every_field_once() -> None:
     paths = {
         f"{group}.{f.name}" for group, record in GROUPS.items() for f in dataclasses.fields(record)
@@ -66,7 +82,7 @@ def test_engine_info_carries_the_options_and_their_deprecated_copies() -> None:
     wire.ClearField("options")
     old = engine_info.options_of(wire)
     assert (old.model.model, old.cache, old.parallel) == ("/m", options.cache, options.parallel)
-    assert (old.scheduler.max_num_seqs, old.lora.max_lora_rank) == (0, 8)
+    assert (old.scheduler.max_num_seqs, old.lora.max_lora_rank) == (256, 8)  # no copy: default
     assert old.lora.max_cpu_loras == 0 and old.model.seed == 0  # no copy: the default
 
 

@@ -256,19 +256,19 @@ def make_engine(
 ) -> tuple[EngineCore, FakeExecutor]:
     """An engine on the FakeExecutor; the adaptive prefill chunk is off unless asked for, so
     the tests of the static limits and of async scheduling see vLLM's behaviour."""
-    scheduler_config = SchedulerConfig(
+    scheduler_config = SchedulerConfig.of(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        policy=policy,  # type: ignore[arg-type]
+        policy=policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
         prefill_token_budget=prefill_token_budget,
         async_scheduling=async_scheduling,
         adaptive_prefill_chunk=adaptive_prefill_chunk,
         **limits,
     )
-    cache_config = CacheConfig(
-        num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
+    cache_config = CacheConfig.of(
+        num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
     )
     executor = FakeExecutor(block_size, num_blocks, feeds_sampled=async_scheduling)
     return EngineCore(scheduler_config, cache_config, executor, can_recover), executor

@@ -64,7 +64,7 @@ def masked_engine(
     timeout: float = 10.0,
 ) -> tuple[EngineCore, MaskedExecutor]:
     """An engine core for a model of `vocab_size` ids, client 1's tokenizer set."""
-    scheduler_config = SchedulerConfig(
+    scheduler_config = SchedulerConfig.of(
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=256,
@@ -74,7 +74,7 @@ def masked_engine(
     executor = MaskedExecutor(vocab_size, 4, 128, feeds_sampled=async_scheduling)
     engine = EngineCore(
         scheduler_config,
-        CacheConfig(num_blocks=128, block_size=4),
+        CacheConfig.of(128, block_size=4),
         executor,
         structured_outputs_config=StructuredOutputsConfig(
             compile_timeout_s=timeout, num_compile_threads=1

@@ -156,18 +156,18 @@ def test_preemption_under_the_adaptive_chunk_keeps_every_output() -> None:
 def test_a_pooling_model_keeps_scheduling_ahead() -> None:
     """Every step of a pooling model computes prompts: holding each would lose every overlap."""
     for is_pooling, may_schedule_ahead in ((False, False), (True, True)):
-        policy = PrefillPolicy(SchedulerConfig(adaptive_prefill_chunk=64, is_pooling=is_pooling))
+        policy = PrefillPolicy(SchedulerConfig.of(adaptive_prefill_chunk=64, is_pooling=is_pooling))
         policy.num_prefill_tokens = 100
         assert policy.may_schedule_ahead() is may_schedule_ahead
-    decode_step = PrefillPolicy(SchedulerConfig(adaptive_prefill_chunk=64))
+    decode_step = PrefillPolicy(SchedulerConfig.of(adaptive_prefill_chunk=64))
     decode_step.num_prefill_tokens = 0
     assert decode_step.may_schedule_ahead()
 
 
 def test_the_adaptive_chunk_fits_a_whole_image_when_images_are_not_split() -> None:
-    split = SchedulerConfig(adaptive_prefill_chunk=64, max_tokens_per_mm_item=100)
+    split = SchedulerConfig.of(adaptive_prefill_chunk=64, max_tokens_per_mm_item=100)
     assert PrefillPolicy(split).adaptive_chunk == 64
-    whole = SchedulerConfig(
+    whole = SchedulerConfig.of(
         adaptive_prefill_chunk=64, max_tokens_per_mm_item=100, disable_chunked_mm_input=True
     )
     assert PrefillPolicy(whole).adaptive_chunk == 100

@@ -84,9 +84,9 @@ def test_underscore_spellings_are_the_same_flags() -> None:
     assert (
         config.options.model.max_model_len,
         config.world_size,
-        config.enable_prefix_caching,
+        config.options.cache.enable_prefix_caching,
     ) == (99, 2, False)
-    assert config.gpu_memory_utilization == 0.5
+    assert config.options.cache.gpu_memory_utilization == 0.5
     assert parse_frontend(["--max_logprobs", "3"], {}).max_logprobs == 3
     assert parse_worker(["--torch_threads", "2"], {}).torch_threads == 2
     # A value is a value: underscores in it stay.
@@ -125,7 +125,7 @@ def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -
     assert config.options.scheduler.max_num_seqs == 3  # the command line wins over the file
     assert config.options.model.max_model_len == 77  # the file wins over the environment
     assert config.options.model.seed == 5  # the environment fills what neither sets
-    assert config.enable_prefix_caching is False
+    assert config.options.cache.enable_prefix_caching is False
     assert config.worker_addrs == WORKERS.split(",") and config.world_size == 2
     assert config.metrics_port is None
     assert parse_core([], {"SPLITSERVE_CONFIG": path}).options.scheduler.max_num_seqs == 8
@@ -139,7 +139,7 @@ def test_config_file_sits_between_command_line_and_environment(tmp_path: Path) -
         ("enable_prefix_caching: maybe\n", "not a boolean"),
         ("max_num_seqs: [\n", "--config"),
         ("max_num_seqs: 0\n", "must be >= 1"),
-        ("kv_transfer_config: true\n", "disaggregated prefill"),
+        ("kv_transfer_config: true\n", "--kv-transfer-config: expected a JSON object"),
         ("help: true\n", "'help' is not a flag"),
     ],
 )
@@ -235,10 +235,10 @@ def test_the_latency_policy_flags_reach_the_scheduler() -> None:
     assert policy.long_prefill_token_threshold == 64
     assert policy.adaptive_chunk == 96
     defaults = parse_core(["--worker-addrs", "h:1"], {})
-    assert defaults.prefill_token_budget == 0, "off by default"
-    assert defaults.adaptive_prefill_chunk == 192, "on by default"
+    assert defaults.options.scheduler.prefill_token_budget == 0, "off by default"
+    assert defaults.options.scheduler.adaptive_prefill_chunk == 192, "on by default"
     off = parse_core(["--worker-addrs", "h:1", "--adaptive-prefill-chunk", "0"], {})
-    assert off.adaptive_prefill_chunk == 0
+    assert off.options.scheduler.adaptive_prefill_chunk == 0
 
 
 def test_async_scheduling_reaches_the_scheduler_and_is_on_where_it_can_run() -> None:

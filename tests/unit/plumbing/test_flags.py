@@ -20,7 +20,7 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
     }
     config = parse_core(["--max-model-len", "99"], env)
     assert (config.options.scheduler.max_num_seqs, config.options.model.max_model_len) == (12, 99)
-    assert config.enable_prefix_caching is False
+    assert config.options.cache.enable_prefix_caching is False
     assert config.worker_addrs == WORKERS.split(",")
     assert config.options.parallel.distributed_init_method == "tcp://127.0.0.1:29500"
 

@@ -91,7 +91,6 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
         (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
         (["-q", "bitsandbytes"], "splitserve loads fp8, compressed-tensors, awq, gptq and gguf"),
         (["--load-format", "dummy"], "'dummy' is not available here"),
-        (["--kv-transfer-config"], "disaggregated prefill"),
         (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
         (["--swap-space", "4"], "unrecognized arguments"),  # gone from vLLM V1
     ],
