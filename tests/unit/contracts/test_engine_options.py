@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from splitserve_contracts import engine_info
 from splitserve_contracts import engine_options_convert as convert
@@ -42,6 +43,43 @@ def test_every_field_survives_the_round_trip() -> None:
     msg = convert.to_proto(options)
     assert msg.HasField("speculative") and msg.lora.max_cpu_loras == 4
     assert convert.from_proto(pb.EngineOptions.FromString(msg.SerializeToString())) == options
+
+
+def _other_than_default(f: dataclasses.Field[Any]) -> object:
+    """A value for scalar field `f` that is neither its default nor a zero."""
+    default = f.default
+    if isinstance(default, bool):
+        return True  # no bool option defaults to True: a False on the wire reads as the default
+    if isinstance(default, int | float):
+        return default + 3 if isinstance(default, int) else default + 0.5
+    return f"x{default}"
+
+
+def test_every_field_at_a_non_default_value_survives_the_round_trip() -> None:
+    """Every field of every group, read from the records (a new field is covered unasked)."""
+    groups = {
+        name: record(**{f.name: _other_than_default(f) for f in dataclasses.fields(record)})
+        for name, record in GROUPS.items()
+    }
+    options = EngineOptions(**groups)
+    assert all(getattr(options, g) != record() for g, record in GROUPS.items())
+    wire = pb.EngineOptions.FromString(convert.to_proto(options).SerializeToString())
+    assert convert.from_proto(wire) == options
+
+
+def test_an_unset_optional_group_stays_unset() -> None:
+    msg = convert.to_proto(dataclasses.replace(OPTIONS, speculative=None))
+    assert not msg.HasField("speculative")
+    assert convert.from_proto(msg).speculative is None
+    into = pb.EngineOptions()
+    assert convert.to_proto(OPTIONS, into) is into and into.speculative.method == "ngram"
+
+
+def test_the_records_mirror_their_messages_field_for_field() -> None:
+    """The generic converter walks the records: each must name its message's fields."""
+    for name, record in GROUPS.items():
+        message = pb.EngineOptions.DESCRIPTOR.fields_by_name[name].message_type
+        assert [f.name for f in dataclasses.fields(record)] == [f.name for f in message.fields]
 
 
 def test_the_tables_cover_every_field_once() -> None:
