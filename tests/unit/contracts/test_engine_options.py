@@ -49,7 +49,7 @@ def _other_than_default(f: dataclasses.Field[Any]) -> object:
     """A value for scalar field `f` that is neither its default nor a zero."""
     default = f.default
     if isinstance(default, bool):
-        return True  # no bool option defaults to True: a False on the wire reads as the default
+        return not default  # a bool that defaults to true is `optional`: its false travels
     if isinstance(default, int | float):
         return default + 3 if isinstance(default, int) else default + 0.5
     return f"x{default}"

@@ -1,12 +1,13 @@
 """The generic record <-> message converter (splitserve_contracts/record_convert.py) on a contract
 it has never seen: a group, an `optional` group and bool / float / int / string scalars, the way
-a field added to engine_options.proto reaches it."""
+a field added to engine_options.proto reaches it, and an `optional` scalar whose zero is a value."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from splitserve_contracts import record_convert
@@ -40,7 +41,9 @@ def _messages() -> tuple[Any, Any]:
         oneof_index=0,
     )
     root.field.add(name="depth", number=3, type=F.TYPE_INT32)
+    root.field.add(name="cached", number=4, type=F.TYPE_BOOL, proto3_optional=True, oneof_index=1)
     root.oneof_decl.add(name="_extra")
+    root.oneof_decl.add(name="_cached")
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     classes = message_factory.GetMessageClassesForFiles(["unseen.proto"], pool)
@@ -63,10 +66,12 @@ class RootRecord:
     knobs: KnobsRecord = field(default_factory=KnobsRecord)
     extra: KnobsRecord | None = None
     depth: int = 0
+    cached: bool = True
+    """An `optional` scalar: false is a value, unset means true."""
 
 
 def test_unseen_fields_round_trip() -> None:
-    record = RootRecord(KnobsRecord(True, 1.5, 9, "x"), KnobsRecord(label="y"), depth=2)
+    record = RootRecord(KnobsRecord(True, 1.5, 9, "x"), KnobsRecord(label="y"), 2, cached=False)
     msg = record_convert.to_proto(record, Root())
     assert msg.HasField("extra") and msg.knobs.ratio == 1.5 and msg.extra.label == "y"
     assert record_convert.from_proto(Root.FromString(msg.SerializeToString()), RootRecord) == record
@@ -78,3 +83,19 @@ def test_zeros_read_as_the_record_defaults_and_an_unset_optional_group_as_none()
     assert not msg.HasField("extra")
     assert record_convert.from_proto(msg, RootRecord).extra is None
     assert record_convert.from_proto(Root(extra=Knobs()), RootRecord).extra == KnobsRecord()
+
+
+def test_an_optional_scalar_reads_its_zero_and_defaults_only_when_unset() -> None:
+    assert record_convert.from_proto(Root(cached=False), RootRecord).cached is False
+    assert record_convert.from_proto(Root(), RootRecord).cached is True
+    assert record_convert.to_proto(RootRecord(cached=False), Root()).HasField("cached")
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatched:
+    knobs: KnobsRecord = field(default_factory=KnobsRecord)
+
+
+def test_a_record_that_does_not_mirror_its_message_is_refused() -> None:
+    with pytest.raises(TypeError, match="does not mirror unseen.Root"):
+        record_convert.from_proto(Root(), Mismatched)
