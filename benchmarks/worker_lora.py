@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from benchmarks.bench_model import BENCH_CONFIG, VOCAB_SIZE, ensure_bench_model
 from benchmarks.worker_steps import BLOCK_SIZE, Session, decode_cached
+from worker_svc.layers.lora import LoraShape
 from worker_svc.model_loader.model_load import LoadModelConfig
 from worker_svc.scheduler_output import LoraSlots, NewRequestData
 from worker_svc.worker import Worker
@@ -90,9 +91,7 @@ def bench_lora(model_dir: Path, dtype: str, context: int, steps: int) -> list[di
             max_num_batched_tokens=2048,
             max_num_seqs=256,
             block_size=BLOCK_SIZE,
-            max_loras=NUM_ADAPTERS,
-            max_lora_rank=RANK,
-            max_cpu_loras=NUM_ADAPTERS,
+            lora=LoraShape(NUM_ADAPTERS, RANK).options(),
         )
     )
     num_blocks = 2 * BATCH * (context + 2 * steps + 8) // BLOCK_SIZE + 64

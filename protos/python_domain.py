@@ -2,7 +2,8 @@
 plain dataclasses mirroring the sampling messages of `splitserve/common/v1/types.proto` (here),
 and the enums and output records the services share, `splitserve_contracts/output_types.py` with
 their converters `output_convert.py` (protos/python_records.py), and the engine's options,
-`engine_options_types.py` and `engine_options_convert.py` (protos/python_options.py).
+`engine_options_types.py` (protos/python_options.py; engine_options_convert.py converts them by
+hand, through the generic record_convert.py).
 
 The services keep protobuf at their edges, so each needs a plain view of SamplingParams (the
 frontend, the offline LLM API) or SamplerParams (the workers' sampler). Those views are generated

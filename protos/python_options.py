@@ -1,7 +1,8 @@
 """Generate the engine options' Python vocabulary from `splitserve/common/v1/engine_options.proto`:
 `splitserve_contracts/engine_options_types.py` (one frozen dataclass per option group and
-`EngineOptions` holding them, with the tables the flags and the rules read) and
-`splitserve_contracts/engine_options_convert.py` (each record to and from its message).
+`EngineOptions` holding them, with the tables the flags and the rules read). No converter is
+generated: splitserve_contracts/engine_options_convert.py (by hand) converts through the generic
+record_convert.py, which walks these records and names no field.
 
 Run by protos/python_domain.py (`make proto`). A scalar field's default is its
 `(splitserve.common.v1.unset_means)` literal, else the proto zero; reading a message, a zero
@@ -9,8 +10,9 @@ scalar takes that default (so an older peer's unset field reads as the contract 
 in an `optional` scalar, whose zero is a value of its own: only an unset one takes the default
 (a bool whose unset_means is true must be `optional`, or false could never travel). A group
 field of EngineOptions defaults to the group's defaults; an `optional` one (speculative) to None.
-Adding a field to the contract adds it to the record, both converters and the tables on the next
-`make proto`: the core's flag that fills it and the code that reads it are all that is left.
+Adding a field to the contract adds it to the record and the tables on the next `make proto`
+(the converter reads the records, so it needs no change): the core's flag that fills it and the
+code that reads it are all that is left.
 """
 
 from __future__ import annotations
@@ -32,16 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-'''
-CONVERT_HEADER = f'''{GENERATED}"""Each record of engine_options_types.py to and from its protobuf message: `<record>_to_proto`
-fills `msg` (a new message when None) and returns it; `<record>_from_proto` reads one, a zero
-scalar as the field's contract default. `to_proto` / `from_proto` convert a whole EngineOptions.
-"""
-
-from __future__ import annotations
-
-from splitserve_contracts import engine_options_types as t
-from splitserve_contracts.common.v1 import engine_options_pb2 as pb
 '''
 
 
@@ -84,11 +76,6 @@ class Options:
     def group_fields(self) -> list[tuple[str, F]]:
         """(group, field) for every scalar field of every group, in contract order."""
         return [(g.name, f) for g in self.groups for f in self.by_name[type_name(g)].field]
-
-    def function(self, message_name: str) -> str:
-        """The converters' stem: the group's field name (`lora_options`), `engine_options`."""
-        group = next((g.name for g in self.groups if type_name(g) == message_name), "engine")
-        return f"{group}_options"
 
 
 def quoted(text: str) -> str:
@@ -156,71 +143,6 @@ def render_types(options: Options) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_proto_lines(options: Options, f: F) -> list[str]:
-    value, target = f"record.{f.name}", f"msg.{f.name}"
-    if f.type != F.TYPE_MESSAGE:
-        return [f"    {target} = {value}"]
-    convert = f"{options.function(type_name(f))}_to_proto"
-    if f.proto3_optional:
-        return [f"    if {value} is not None:", f"        {convert}({value}, {target})"]
-    return [f"    {convert}({value}, {target})"]
-
-
-def from_proto_value(options: Options, f: F) -> str:
-    if f.type == F.TYPE_MESSAGE:
-        convert = f"{options.function(type_name(f))}_from_proto(msg.{f.name})"
-        if f.proto3_optional:
-            return f'{convert}\n        if msg.HasField("{f.name}")\n        else None'
-        return convert
-    default = options.default(f)
-    zero = records.ZEROS[records.SCALARS[f.type]]
-    if default == zero:
-        return f"msg.{f.name}"
-    if f.proto3_optional:  # the zero is a value of its own: only an unset field is the default
-        value = f'msg.{f.name} if msg.HasField("{f.name}") else {default}'
-        if len(f"        {f.name}={value},") <= 100:
-            return value
-        return f'msg.{f.name}\n        if msg.HasField("{f.name}")\n        else {default}'
-    return f"msg.{f.name} or {default}"
-
-
-def signature(name: str, params: str, returns: str) -> list[str]:
-    """python_records.signature, with the trailing comma ruff adds after a lone parameter."""
-    lines = records.signature(name, params, returns)
-    if len(lines) > 1 and "," not in params:
-        lines[1] += ","
-    return lines
-
-
-def render_converters(options: Options, message: descriptor_pb2.DescriptorProto) -> list[str]:
-    name, snake = message.name, options.function(message.name)
-    params = f"record: t.{name}, msg: pb.{name} | None = None"
-    out = ["", "", *signature(f"{snake}_to_proto", params, f"pb.{name}")]
-    out += ["    if msg is None:", f"        msg = pb.{name}()"]
-    for f in message.field:
-        out += to_proto_lines(options, f)
-    out += ["    return msg", "", ""]
-    out += signature(f"{snake}_from_proto", f"msg: pb.{name}", f"t.{name}")
-    out += [f"    return t.{name}("]
-    out += [f"        {f.name}={from_proto_value(options, f)}," for f in message.field]
-    out += ["    )"]
-    return out
-
-
-def render_convert(options: Options) -> str:
-    out = [CONVERT_HEADER.rstrip("\n")]
-    for message in options.messages:
-        out += render_converters(options, message)
-    snake = options.function(ROOT)
-    out += [
-        "",
-        "",
-        f"to_proto = {snake}_to_proto",
-        f"from_proto = {snake}_from_proto",
-    ]
-    return "\n".join(out) + "\n"
-
-
 def render(files: list[descriptor_pb2.FileDescriptorProto], unset_means: object, choices: object) -> dict[str, str]:  # fmt: skip
     """File name (under splitserve_contracts/) -> generated text."""
     source = next(f for f in files if f.name == SOURCE)
@@ -230,5 +152,4 @@ def render(files: list[descriptor_pb2.FileDescriptorProto], unset_means: object,
         raise ValueError("two option groups name a field alike; FIELD_GROUP needs them distinct")
     return {
         "engine_options_types.py": render_types(options),
-        "engine_options_convert.py": render_convert(options),
     }

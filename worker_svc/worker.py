@@ -26,6 +26,7 @@ from worker_svc.attention.kv_quant import kv_cache_torch_dtype
 from worker_svc.attention.selector import available_backends, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.layers.lora import LoraShape
 from worker_svc.lora.adapter import LoraAdapter
 from worker_svc.lora.manager import LoraManager
 from worker_svc.model_loader.model_build import (
@@ -143,7 +144,7 @@ class Worker:
         checkpoint = open_checkpoint(source, QuantizationOptions(*quantization))
         cls, is_pooling = model_class_for(config, checkpoint)  # refused unknown architectures
         model_config = cls.read_config(checkpoint.hf_config)
-        if is_encoder_only(cls) and opts.lora.max_loras:
+        if is_encoder_only(cls) and LoraShape.of(opts.lora) is not None:
             raise ValueError("LoRA adapters are not served on encoder-only (BERT) models")
         dtype = resolve_compute_dtype(
             opts.model.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device

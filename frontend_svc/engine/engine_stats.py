@@ -34,7 +34,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot
+from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot, lora_enabled, lora_slots
 from splitserve_contracts.output_types import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class EngineSeries:
         self.snapshot = snapshot
         self.values = [model_name, info.engine_id]
         self.cache_config = cache_config_labels(info)
-        self.max_loras = info.options.lora.max_loras
+        self.lora = info.options.lora
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -112,8 +112,8 @@ class EngineSeries:
         )
         info.add_metric([self.cache_config[k] for k in sorted(self.cache_config)], 1.0)
         yield info
-        if self.max_loras:
-            yield lora_requests_info(stats, self.max_loras)
+        if lora_enabled(self.lora):
+            yield lora_requests_info(stats, lora_slots(self.lora))
 
     def _scheduler_gauges(self, stats: SchedulerStats) -> Iterator[Metric]:
         yield self._gauge(
@@ -202,15 +202,16 @@ class EngineSeries:
 LORA_INFO_LABELS = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
 
 
-def lora_requests_info(stats: SchedulerStats, max_loras: int) -> GaugeMetricFamily:
-    """vLLM's vllm:lora_requests_info (only with --enable-lora): the adapters of the running
-    and of the waiting requests, comma-separated, as labels, and the time as the value (a
-    consumer such as llm-d's LoRA-affinity scorer takes the newest series)."""
+def lora_requests_info(stats: SchedulerStats, num_slots: int) -> GaugeMetricFamily:
+    """vLLM's vllm:lora_requests_info (only with --enable-lora): the engine's adapter slots
+    (label `max_lora`, vLLM's name) and the adapters of the running and of the waiting requests,
+    comma-separated, as labels, and the time as the value (a consumer such as llm-d's
+    LoRA-affinity scorer takes the newest series)."""
     family = GaugeMetricFamily(
         "vllm:lora_requests_info", "Running stats on lora requests.", labels=LORA_INFO_LABELS
     )
     labels = [
-        str(max_loras),
+        str(num_slots),
         ",".join(stats.waiting_lora_adapters),
         ",".join(stats.running_lora_adapters),
     ]

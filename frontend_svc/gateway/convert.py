@@ -266,12 +266,12 @@ def scheduler_load_to_proto(load: EngineLoad, dp_rank: int) -> pb.SchedulerLoad:
 def add_lora_load(load: EngineLoad, record: common_pb2.EngineLoad) -> None:
     """The load record's LoRA section (slots the running adapters hold, of --max-loras), for
     smg's LoRA-aware policies; left unset when the engine serves no LoRA."""
-    if load.max_loras <= 0:
+    if load.lora_slots <= 0:
         return
-    used = min(load.num_running_adapters, load.max_loras)
+    used = min(load.num_running_adapters, load.lora_slots)
     record.lora.slots_used = used
-    record.lora.slots_total = load.max_loras
-    record.lora.utilization = used / load.max_loras
+    record.lora.slots_total = load.lora_slots
+    record.lora.utilization = used / load.lora_slots
 
 
 def _to_int64(value: int) -> int:

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frontend_svc.engine.engine_types import EngineInfo
+from frontend_svc.engine.engine_types import EngineInfo, lora_slots
 from splitserve_contracts.output_types import SchedulerStats
 
 RATE_WINDOW_S = 2.0
@@ -30,7 +30,7 @@ class EngineLoad:
     num_waiting_uncached_tokens: int
     num_running_adapters: int = 0
     """Distinct LoRA adapters among the running requests (each holds a worker slot)."""
-    max_loras: int = 0
+    lora_slots: int = 0
     """The engine's LoRA slots (vLLM's --max-loras); 0: LoRA is off."""
 
 
@@ -86,5 +86,5 @@ class LoadReporter:
             cache_hit_rate=min(1.0, max(0.0, hit_rate)),
             num_waiting_uncached_tokens=round(stats.num_waiting_tokens * (1.0 - hit_rate)),
             num_running_adapters=len(stats.running_lora_adapters),
-            max_loras=self.info.options.lora.max_loras,
+            lora_slots=lora_slots(self.info.options.lora),
         )

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import grpc
 
-from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo
+from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo, lora_enabled
 from frontend_svc.errors import (
     EngineUnavailable,
     FrontendError,
@@ -110,7 +110,7 @@ class ServedModels:
 
     @property
     def has_lora(self) -> bool:
-        return self.info.options.lora.max_loras > 0
+        return lora_enabled(self.info.options.lora)
 
     async def resolve(self, model: str | None) -> str:
         """The LoRA adapter a request's `model` names ("": the served model); ModelNotFound

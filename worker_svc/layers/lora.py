@@ -3,8 +3,8 @@ LoRA layers wrap base layers), adapter weights in slots, one batched computation
 
     y = base(x) + (x A_s^T) B_s        for the rows of the step that run the adapter in slot s
 
-Every wrapped layer keeps `max_loras` slots of stacked weights, `lora_a` [slots, R, in] and
-`lora_b` [slots, R, out] (R = fused parts x max_lora_rank; an adapter of a smaller rank is
+Every wrapped layer keeps `num_slots` slots of stacked weights, `lora_a` [slots, R, in] and
+`lora_b` [slots, R, out] (R = fused parts x max_rank; an adapter of a smaller rank is
 zero-padded, its scaling folded into B, and a fused layer's parts (q/k/v, gate/up) sit in their
 own R rows: B is block-diagonal). Sharded like the base weight (vLLM's punica layers):
 column-parallel layers hold all of A and this rank's columns of B, row-parallel layers this
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitserve_contracts.engine_options_types import LoRAOptions
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.layers.linear import (
     ColumnParallelLinear,
@@ -46,10 +47,24 @@ LayerWeights = tuple[torch.Tensor, torch.Tensor, int]
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """What every LoRA slot holds: `max_loras` slots of adapters of rank <= `max_rank`."""
+    """What every LoRA slot holds: `num_slots` slots of adapters of rank <= `max_rank`."""
 
-    max_loras: int
+    num_slots: int
     max_rank: int
+
+    @classmethod
+    def of(cls, lora: LoRAOptions) -> LoraShape | None:
+        """The slots the engine's LoRA options give every rank; None: LoRA is off (no slots).
+        The worker's one reader of the slot count."""
+        return cls(lora.max_loras, lora.max_lora_rank) if lora.max_loras > 0 else None
+
+    def options(self, num_cpu_adapters: int = 0) -> LoRAOptions:
+        """The LoRA options that give this shape, with `num_cpu_adapters` adapters cached on
+        the host (0: as many as the slots), for a rank built without the engine core."""
+        num_cpu = num_cpu_adapters or self.num_slots
+        return LoRAOptions(
+            max_loras=self.num_slots, max_lora_rank=self.max_rank, max_cpu_loras=num_cpu
+        )
 
 
 class LoraBatch:
@@ -71,7 +86,7 @@ class LoraBatch:
         """The next forward runs the base model on every row."""
         self.runs, self.is_active, self._grid = [], False, None
 
-    def set_rows(self, row_slots: np.ndarray, max_loras: int) -> None:
+    def set_rows(self, row_slots: np.ndarray, num_slots: int) -> None:
         """`row_slots[t]`: the slot of token row t (-1: base model), non-decreasing."""
         self.clear()
         if not len(row_slots) or row_slots[-1] < 0:
@@ -85,10 +100,10 @@ class LoraBatch:
         if self.kernels is not None:
             self._runs = torch.tensor(self.runs, dtype=torch.long)
         elif len(self.runs) > 1 and max(b - a for _, a, b in self.runs) <= GRID_MAX_RUN:
-            self._grid = self._make_grid(max_loras)
+            self._grid = self._make_grid(num_slots)
 
     def _make_grid(
-        self, max_loras: int
+        self, num_slots: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Row indices [runs, longest] (padding repeats a run's first row), the padding mask
         [runs, longest, 1], the flat row indices, and the slots to gather (None: every slot
@@ -100,7 +115,7 @@ class LoraBatch:
         is_row = offsets[None, :] < lengths[:, None]
         rows = np.where(is_row, starts[:, None] + offsets[None, :], starts[:, None])
         slots = [s for s, _, _ in self.runs]
-        gather = None if slots == list(range(max_loras)) else torch.tensor(slots)
+        gather = None if slots == list(range(num_slots)) else torch.tensor(slots)
         to = self.device
         return (
             torch.from_numpy(rows).to(to),
@@ -151,14 +166,14 @@ class LoraLinearMethod(LinearMethodBase):
         self.shape = shape
         self.lora_a = torch.empty(0)
         self.lora_b = torch.empty(0)
-        self.slot_ranks = torch.zeros(shape.max_loras, dtype=torch.long)
+        self.slot_ranks = torch.zeros(shape.num_slots, dtype=torch.long)
         """The largest rank of each slot's adapter in this layer (0: it leaves it alone)."""
         self.col_offsets = torch.zeros(2, dtype=torch.long)
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
         self.base.create_weights(layer, dtype, device)
         width = num_lora_parts(layer) * self.shape.max_rank
-        slots = self.shape.max_loras
+        slots = self.shape.num_slots
         self.lora_a = torch.zeros(
             (slots, width, layer.input_size_per_rank), dtype=dtype, device=device
         )

@@ -45,7 +45,7 @@ class LoraManager:
         self.model = model
         self.batch = batch
         self.shape = shape
-        self.max_cpu_loras = max(max_cpu_loras, shape.max_loras)
+        self.max_cpu_loras = max(max_cpu_loras, shape.num_slots)
         self.dtype = dtype
         self.layers = [
             layer.method
@@ -53,7 +53,7 @@ class LoraManager:
             if isinstance(layer, LinearBase) and isinstance(layer.method, LoraLinearMethod)
         ]
         self.cache: OrderedDict[int, LoraAdapter] = OrderedDict()
-        self.slot_ids = [0] * shape.max_loras
+        self.slot_ids = [0] * shape.num_slots
         """The adapter in each slot (0: none)."""
         self.broken: dict[int, str] = {}
         """Adapters whose files could not be read at their slot, and why."""
@@ -78,13 +78,13 @@ class LoraManager:
 
     def set_step_rows(self, row_slots: np.ndarray) -> None:
         """The slot of every token row of the next forward (rows grouped by slot)."""
-        self.batch.set_rows(row_slots, self.shape.max_loras)
+        self.batch.set_rows(row_slots, self.shape.num_slots)
 
     def apply_slots(self, update: LoraSlots | None, free_ids: Sequence[int]) -> None:
         """A step's slot changes and freed adapters, before it runs (MalformedStep, before any
         change, for a slot outside the rank's)."""
-        if update is not None and any(not 0 <= s < self.shape.max_loras for s in update.slots):
-            raise MalformedStep(f"a LoRA slot is outside 0..{self.shape.max_loras - 1}")
+        if update is not None and any(not 0 <= s < self.shape.num_slots for s in update.slots):
+            raise MalformedStep(f"a LoRA slot is outside 0..{self.shape.num_slots - 1}")
         for lora_id in free_ids:
             self.cache.pop(lora_id, None)
             self.broken.pop(lora_id, None)

@@ -140,10 +140,8 @@ def lora_parts(
 ) -> tuple[LoraBatch, LoraShape] | None:
     """What every LoRA layer of the model shares (None: LoRA off); with the CPU kernels, one
     kernel call adds a layer's adapters."""
-    lora = config.options.lora
-    if lora.max_loras <= 0:
-        return None
-    return LoraBatch(device, kernels), LoraShape(lora.max_loras, lora.max_lora_rank)
+    shape = LoraShape.of(config.options.lora)
+    return None if shape is None else (LoraBatch(device, kernels), shape)
 
 
 def log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:

@@ -757,7 +757,7 @@ class LoraSlots(_message.Message):
     LORA_PATHS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Slot indices, each below LoadModelRequest.max_loras."""
+        """Slot indices, each below the slot count of LoadModelRequest.options.lora."""
 
     @_builtins.property
     def lora_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -121,7 +121,7 @@ class WorkerServiceServicer:
         shard of every weight, so that the first step using it does not read the
         disk; it is refused (INVALID_ARGUMENT, one line) when the files are
         missing or unsupported (rank, target module, format). Needs a model loaded
-        with max_loras > 0. The engine core calls every rank.
+        with LoRA adapter slots (options.lora). The engine core calls every rank.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

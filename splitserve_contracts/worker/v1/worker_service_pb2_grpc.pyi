@@ -60,7 +60,7 @@ class WorkerServiceStub:
     shard of every weight, so that the first step using it does not read the
     disk; it is refused (INVALID_ARGUMENT, one line) when the files are
     missing or unsupported (rank, target module, format). Needs a model loaded
-    with max_loras > 0. The engine core calls every rank.
+    with LoRA adapter slots (options.lora). The engine core calls every rank.
     """
 
 @_typing.type_check_only
@@ -93,7 +93,7 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     shard of every weight, so that the first step using it does not read the
     disk; it is refused (INVALID_ARGUMENT, one line) when the files are
     missing or unsupported (rank, target module, format). Needs a model loaded
-    with max_loras > 0. The engine core calls every rank.
+    with LoRA adapter slots (options.lora). The engine core calls every rank.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -159,7 +159,7 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         shard of every weight, so that the first step using it does not read the
         disk; it is refused (INVALID_ARGUMENT, one line) when the files are
         missing or unsupported (rank, target module, format). Needs a model loaded
-        with max_loras > 0. The engine core calls every rank.
+        with LoRA adapter slots (options.lora). The engine core calls every rank.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitserve_contracts.engine_options_types import LoRAOptions
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.layers.lora import LoraBatch, LoraLinearMethod, LoraShape
 
@@ -74,3 +75,11 @@ def test_runs_get_their_adapter_and_base_rows_nothing(
     got = (y.double() - base.double()) / max(1.0, float(expected.abs().max()))
     assert float((got - expected / max(1.0, float(expected.abs().max()))).abs().max()) < tolerance
     assert torch.equal(y[slots < 0], base[slots < 0]), "the base model's rows get no adapter"
+
+
+def test_the_lora_shape_is_the_slots_the_options_give() -> None:
+    assert LoraShape.of(LoRAOptions()) is None  # no slots: LoRA is off
+    options = LoRAOptions(max_loras=3, max_lora_rank=8, max_cpu_loras=5)
+    assert LoraShape.of(options) == LoraShape(num_slots=3, max_rank=8)
+    assert LoraShape(3, 8).options(5) == options
+    assert LoraShape.of(LoraShape(3, 8).options()) == LoraShape(3, 8)
