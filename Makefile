@@ -127,7 +127,7 @@ proto: setup-dev
 # Fail when the committed generated code differs from what `make proto` would write.
 proto-check: setup-dev
 	@tmp=$$(mktemp -d) && \
-	$(MAKE) --no-print-directory proto PROTO_OUT=$$tmp >/dev/null && \
+	$(MAKE) --no-print-directory -o setup-dev proto PROTO_OUT=$$tmp >/dev/null && \
 	diff -r -x __init__.py -x __pycache__ $$tmp/splitserve_contracts splitserve_contracts \
 		| grep -v '^Only in splitserve_contracts' | (! grep .) && rm -rf $$tmp && \
 	echo "proto-check: generated code is up to date" || \
