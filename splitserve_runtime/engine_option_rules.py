@@ -148,10 +148,23 @@ def validate(options: EngineOptions) -> EngineOptions:
     return options
 
 
+def lora_slots(lora: LoRAOptions) -> int:
+    """The engine's LoRA adapter slots (vLLM's --max-loras: distinct adapters one step may
+    run); 0: LoRA is off. Every service reads the slot count through this."""
+    return lora.max_loras
+
+
 def lora_enabled(lora: LoRAOptions) -> bool:
     """Whether the engine serves LoRA adapters (--enable-lora: it has adapter slots); requests
     must not name an adapter otherwise."""
-    return lora.max_loras > 0
+    return lora_slots(lora) > 0
+
+
+def lora_group(num_slots: int, max_rank: int, num_cpu_adapters: int = 0) -> LoRAOptions:
+    """The LoRA group of `num_slots` slots of adapters of rank <= `max_rank`, with
+    `num_cpu_adapters` cached on the host (0: as many as the slots): for a rank built without
+    the engine core (tests, benchmarks)."""
+    return lora_options(True, LoRAOptions(num_slots, max_rank, num_cpu_adapters))
 
 
 def lora_options(enabled: bool, lora: LoRAOptions) -> LoRAOptions:

@@ -1,5 +1,5 @@
 """Which LoRA adapters a step may run, and in which of the workers' slots (vLLM's scheduler
-rule: at most `max_loras` distinct adapters among the running requests).
+rule: at most --max-loras distinct adapters among the running requests).
 
 A request with an adapter may start running only when its adapter already runs or a slot can
 take one more; otherwise it waits and the scheduler tries the requests behind it (it blocks
@@ -18,6 +18,7 @@ from core_svc.lora import LoraRequest
 from core_svc.request import Request
 from core_svc.sched.scheduler_output import LoraSlots
 from splitserve_contracts.engine_options_types import LoRAOptions
+from splitserve_runtime.engine_option_rules import lora_slots
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class LoraSlotTable:
     docstring."""
 
     def __init__(self, lora: LoRAOptions) -> None:
-        self.num_slots = lora.max_loras
+        self.num_slots = lora_slots(lora)
         """The workers' adapter slots (0: LoRA is off)."""
         self.slot_ids = [0] * self.num_slots
         """The adapter in each slot, as the workers will have it after the steps sent."""

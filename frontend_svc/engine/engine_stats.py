@@ -34,8 +34,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot, lora_enabled, lora_slots
+from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot
 from splitserve_contracts.output_types import SchedulerStats
+from splitserve_runtime.engine_option_rules import lora_enabled, lora_slots
 
 logger = logging.getLogger(__name__)
 LABELS = ["model_name", "engine"]

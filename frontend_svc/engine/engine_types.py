@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve_contracts.engine_options_types import EngineOptions, LoRAOptions
+from splitserve_contracts.engine_options_types import EngineOptions
 from splitserve_contracts.output_types import (
     EngineCoreEvent,
     ErrorKind,
@@ -36,18 +36,6 @@ class EngineInfo:
     pooler_config: PoolerConfig | None = None
     """How the model pools when the engine serves a pooling model (--runner pooling): it then
     takes embedding requests only; None: a generative model."""
-
-
-def lora_slots(lora: LoRAOptions) -> int:
-    """The engine's LoRA adapter slots (vLLM's --max-loras: adapters one step may run); 0: LoRA
-    is off. The frontend's one reader of the slot count."""
-    return lora.max_loras
-
-
-def lora_enabled(lora: LoRAOptions) -> bool:
-    """Whether the engine serves LoRA adapters (--enable-lora: it has slots); requests must not
-    name an adapter otherwise. (splitserve_runtime.engine_option_rules gains the same helper.)"""
-    return lora_slots(lora) > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frontend_svc.engine.engine_types import EngineInfo, lora_slots
+from frontend_svc.engine.engine_types import EngineInfo
 from splitserve_contracts.output_types import SchedulerStats
+from splitserve_runtime.engine_option_rules import lora_slots
 
 RATE_WINDOW_S = 2.0
 """Rates are measured over the last this many seconds of samples (smg's THROUGHPUT_WINDOW)."""

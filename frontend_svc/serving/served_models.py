@@ -18,7 +18,7 @@ from typing import Protocol
 
 import grpc
 
-from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo, lora_enabled
+from frontend_svc.engine.engine_types import EngineInfo, LoraAdapterInfo
 from frontend_svc.errors import (
     EngineUnavailable,
     FrontendError,
@@ -28,6 +28,7 @@ from frontend_svc.errors import (
     check_model,
     shorten,
 )
+from splitserve_runtime.engine_option_rules import lora_enabled
 
 logger = logging.getLogger(__name__)
 RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from splitserve_contracts.engine_options_types import LoRAOptions
+from splitserve_runtime.engine_option_rules import lora_enabled, lora_group, lora_slots
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.layers.linear import (
     ColumnParallelLinear,
@@ -56,15 +57,12 @@ class LoraShape:
     def of(cls, lora: LoRAOptions) -> LoraShape | None:
         """The slots the engine's LoRA options give every rank; None: LoRA is off (no slots).
         The worker's one reader of the slot count."""
-        return cls(lora.max_loras, lora.max_lora_rank) if lora.max_loras > 0 else None
+        return cls(lora_slots(lora), lora.max_lora_rank) if lora_enabled(lora) else None
 
     def options(self, num_cpu_adapters: int = 0) -> LoRAOptions:
         """The LoRA options that give this shape, with `num_cpu_adapters` adapters cached on
         the host (0: as many as the slots), for a rank built without the engine core."""
-        num_cpu = num_cpu_adapters or self.num_slots
-        return LoRAOptions(
-            max_loras=self.num_slots, max_lora_rank=self.max_rank, max_cpu_loras=num_cpu
-        )
+        return lora_group(self.num_slots, self.max_rank, num_cpu_adapters)
 
 
 class LoraBatch:
