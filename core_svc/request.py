@@ -232,6 +232,18 @@ class Request:
         max_tokens` is the one length check the hot path needs."""
         self.max_tokens = min(self.max_tokens, max_model_len - self.num_prompt_tokens)
 
+    def drop_unsampleable_stop_ids(self, vocab_size: int) -> None:
+        """Forget the EOS and stop token ids at or past `vocab_size`: the model never samples
+        them, so they can never end the request (in vLLM such an id never matches), and the
+        workers index logits by these ids (min_tokens masks them). A tokenizer's added tokens
+        can lie past the embedding rows (Qwen2Tokenizer's `<|endoftext|>`); a client's own
+        stop_token_ids past the vocabulary are refused by the frontend, as vLLM's are."""
+        if self.eos_token_id is not None and self.eos_token_id >= vocab_size:
+            self.eos_token_id = None
+        if any(token_id >= vocab_size for token_id in self.stop_token_ids):
+            self.stop_token_ids = tuple(i for i in self.stop_token_ids if i < vocab_size)
+        self.all_stop_token_ids = frozenset(i for i in self.all_stop_token_ids if i < vocab_size)
+
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         now = time.monotonic() if timestamp is None else timestamp
         self.events.append(EngineCoreEvent(event_type, now))

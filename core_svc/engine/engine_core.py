@@ -38,6 +38,7 @@ class EngineCore(EngineCoreSteps):
         request.req_handle = self._next_req_handle
         self._next_req_handle += 1
         request.resolve_max_tokens(self.scheduler_config.max_model_len)
+        request.drop_unsampleable_stop_ids(self.scheduler_config.vocab_size)
         refusal = self._refusal(request)
         if refusal is not None:
             self._reject(request, *refusal)

@@ -16,7 +16,9 @@ MAX_STOP_TOKEN_IDS = 4096
 
 
 def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) -> str | None:
-    """Why the request cannot run as sent, or None. Called once per request, at add."""
+    """Why the request cannot run as sent, or None. Called once per request, at add, after
+    its stop and EOS ids past the vocabulary are dropped (Request.drop_unsampleable_stop_ids:
+    a tokenizer's added EOS may lie past the embedding rows; it can never end the request)."""
     max_model_len = scheduler_config.max_model_len
     vocab_size = scheduler_config.vocab_size
     num_prompt_tokens = request.num_prompt_tokens
@@ -48,8 +50,6 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
             return problem
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return f"{len(request.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}"
-    if any(token_id >= vocab_size for token_id in request.all_stop_token_ids):
-        return "a stop or EOS token id is outside the vocabulary"
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         return f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:

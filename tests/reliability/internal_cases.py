@@ -203,8 +203,14 @@ ADD_CASES = [
     AddCase("prompt-empty", {"prompt_token_ids": []}, "the prompt is empty"),
     AddCase("prompt-fills-max-model-len", {"prompt_token_ids": [5] * 2048}, "leaves no room"),
     AddCase("max-tokens-zero", {"max_tokens": 0}, "max_tokens must be >= 1"),
-    AddCase("eos-at-vocab", {"eos_token_id": VOCAB_SIZE}, "stop or EOS token id"),
-    AddCase("stop-id-at-vocab", {"stop_token_ids": [VOCAB_SIZE]}, "stop or EOS token id"),
+    # Stop and EOS ids past the vocabulary can never be sampled (a tokenizer's added EOS past
+    # the model's rows, a generation config's extra EOS): dropped, and the request served.
+    AddCase("eos-at-vocab", {"eos_token_id": VOCAB_SIZE}),
+    AddCase("stop-id-at-vocab", {"stop_token_ids": [VOCAB_SIZE]}),
+    AddCase(
+        "eos-and-stop-ids-past-vocab-min-tokens",
+        {"eos_token_id": UINT32_MAX, "stop_token_ids": [VOCAB_SIZE, UINT32_MAX], "min_tokens": 2},
+    ),
     AddCase("stop-ids-5000", {"stop_token_ids": [5] * 5000}, "at most 4096"),
     AddCase("request-id-257", {"request_id": "r" * 257}, "request_id is longer"),
     AddCase("cache-salt-257", {"cache_salt": "s" * 257}, "cache_salt is longer"),

@@ -130,8 +130,6 @@ def test_abort_client_stops_only_that_client() -> None:
         ([1, 2], {"max_tokens": 0}, "max_tokens"),
         ([1, 2], {"max_tokens": 14}, "KV cache"),
         ([1, 5000], {}, "prompt token id is outside the vocabulary"),
-        ([1, 2], {"stop_token_ids": (4096,)}, "stop or EOS token id is outside"),
-        ([1, 2], {"eos_token_id": 9999}, "stop or EOS token id is outside"),
         ([1, 2], {"request_id": "x" * 300}, "request_id is longer"),
         ([1, 2], {"cache_salt": "s" * 300}, "cache_salt is longer"),
     ],
@@ -151,6 +149,28 @@ def test_invalid_requests_finish_with_error(
     assert message in detail.error_message
     assert executor.seen == []
     assert not engine.has_work()
+
+
+def test_stop_and_eos_ids_past_the_vocabulary_are_dropped_and_the_request_served() -> None:
+    """A tokenizer's added EOS can lie past the model's rows (Qwen2Tokenizer's <|endoftext|>
+    at id == config.vocab_size), as can a generation config's extra EOS the frontend adds to
+    stop_token_ids: the model never samples them, so they never end a request (vLLM serves it).
+    They are dropped, min_tokens included: the ranks, which index logits by the stop ids, see
+    only those in the vocabulary. (A client's own out-of-vocabulary stop_token_ids are refused
+    by the frontend: tests/unit/frontend/test_input_processor.py.)"""
+    engine, executor = make_engine(vocab_size=4096)
+    executor.scripts["req-1-1"] = [9, 7, 9]
+    engine.add_request(
+        make_request(1, [1, 2], eos_token_id=4096, stop_token_ids=(4096, 7, 9999), min_tokens=1)
+    )
+    engine.add_request(make_request(2, [1, 2], eos_token_id=9999, min_tokens=3, max_tokens=5))
+    view = run_to_completion(engine)
+    assert view.finished == {(1, 1): FinishReason.STOP, (1, 2): FinishReason.LENGTH}
+    assert view.details[(1, 1)][-1].stop_token_id == 7
+    assert view.tokens[(1, 1)] == [9, 7] and len(view.tokens[(1, 2)]) == 5
+    sent = {new.req_handle: new for so in executor.seen for new in so.scheduled_new_reqs}
+    assert sorted(new.stop_token_ids for new in sent.values()) == [(), (7,)]
+    assert_idle(engine)
 
 
 def test_duplicate_live_handle_is_refused_without_touching_the_original() -> None:

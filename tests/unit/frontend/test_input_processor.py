@@ -40,6 +40,23 @@ def test_ignore_eos_keeps_generation_config_eos_out(inputs: InputProcessor) -> N
     assert 5 not in req.params.stop_token_ids
 
 
+def test_model_eos_ids_past_the_vocabulary_go_on_a_clients_are_refused(tokenizer: Any) -> None:
+    """The generation config's EOS ids are the model's: one past the embedding rows (an added
+    token, as Qwen2Tokenizer's <|endoftext|>) is not the client's fault and goes on, for the
+    engine core to drop (it can never be sampled); a client's own stop_token_ids past the
+    vocabulary are refused naming the field, as vLLM's SamplingParams.verify does."""
+    vocab_size = len(tokenizer)
+    inputs = InputProcessor(
+        tokenizer, MAX_LEN, Limits(vocab_size=vocab_size), extra_eos_ids=(vocab_size,)
+    )
+    req = inputs.process(call(PromptInput(text="hi"), min_tokens=2))
+    assert vocab_size in req.params.stop_token_ids
+    with pytest.raises(InvalidRequest) as err:
+        inputs.process(call(PromptInput(text="hi"), stop_token_ids=(vocab_size,)))
+    assert err.value.param == "sampling_params.stop_token_ids"
+    assert f"stop_token_ids[0] = {vocab_size} is outside the vocabulary" in str(err.value)
+
+
 def test_chat_is_rendered_with_the_template(inputs: InputProcessor, tokenizer: Any) -> None:
     chat = (ChatTurn("user", "hi there"),)
     req = inputs.process(call(PromptInput(chat=chat)))
