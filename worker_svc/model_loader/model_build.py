@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.output_types import PoolerConfig
 from splitserve_runtime.model_source import ModelSource
 from worker_svc.attention.backend import AttentionBackend
@@ -194,8 +195,11 @@ def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
         raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
 
 
-def resolve_max_model_len(requested: int, model: ModelConfig) -> int:
-    limit = model.max_context_len
+def served_model(model: ModelConfig, options: ModelOptions) -> tuple[ModelConfig, int]:
+    """The model as the engine's model options serve it, and its max_model_len: the options'
+    (0: the model's limit), refused past that limit. The one place where a model option
+    shapes the model config the rank builds with."""
+    limit, requested = model.max_context_len, options.max_model_len
     if requested > limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
-    return requested or limit
+    return model, requested or limit
