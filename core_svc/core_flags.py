@@ -281,6 +281,7 @@ CORE_FLAGS: tuple[Flag, ...] = (
     ),
     filling(kv_cache_dtype_flag(), "cache.kv_cache_dtype"),
     flag("--enforce-eager", fills="model.enforce_eager", action="store_true"),
+    flag("--disable-sliding-window", fills="model.disable_sliding_window", action="store_true"),
     flag("--seed", fills="model.seed", type=int, default=0),
     flag("--scheduling-policy", fills="scheduler.policy", default=_SCHEDULER.policy),
     flag(

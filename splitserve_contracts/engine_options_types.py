@@ -82,6 +82,13 @@ class ModelOptions:
     -inf where filtered out). Prompt logprobs stay raw.
     """
 
+    disable_sliding_window: bool = False
+    """Attend to the whole sequence on every layer of a sliding-window model and cap its length to
+    the window (vLLM's --disable-sliding-window): the model's max_model_len becomes the smaller
+    of its own and its window, a longer max_model_len is refused, and the engine core keeps
+    every KV block (none falls out of a window). Ignored for a model without a window.
+    """
+
 
 @dataclass(frozen=True, slots=True)
 class CacheOptions:
@@ -338,6 +345,7 @@ FIELD_GROUP: dict[str, str] = {
     "enforce_eager": "model",
     "attention_backend": "model",
     "logprobs_mode": "model",
+    "disable_sliding_window": "model",
     "block_size": "cache",
     "kv_cache_dtype": "cache",
     "enable_prefix_caching": "cache",
@@ -397,6 +405,7 @@ HELP: dict[str, str] = {
     "model.enforce_eager": "Always run the model eagerly in the workers, never as compiled graphs (vLLM's --enforce-eager); false lets a rank compile where it can.",
     "model.attention_backend": 'The workers\' attention kernels: "auto" (the best the device and the model allow), "torch", "triton", "flash_attn" or "cpu".',
     "model.logprobs_mode": 'What the logprobs of sampled tokens are (vLLM\'s --logprobs-mode): "raw_logprobs" (log-softmax of the model\'s logits, before penalties, temperature and filters), "raw_logits" (those logits themselves), "processed_logprobs" or "processed_logits" (after penalties, logit bias, temperature, min_p, top-k and top-p: the distribution a token is drawn from, -inf where filtered out). Prompt logprobs stay raw.',
+    "model.disable_sliding_window": "Attend to the whole sequence on every layer of a sliding-window model and cap its length to the window (vLLM's --disable-sliding-window): the model's max_model_len becomes the smaller of its own and its window, a longer max_model_len is refused, and the engine core keeps every KV block (none falls out of a window). Ignored for a model without a window.",
     "cache.block_size": "Tokens per KV-cache block, >= 1. A rank chooses its attention backend for it at load, once.",
     "cache.kv_cache_dtype": 'How the ranks store their KV cache (vLLM\'s --kv-cache-dtype): "auto" (the compute dtype), "fp8" or "fp8_e4m3" (float8_e4m3fn), "fp8_e5m2" (float8_e5m2): one byte per value, stored divided by the layer\'s per-tensor k_scale / v_scale (the checkpoint\'s, else 1.0) and saturated to the format\'s range. GetKvCapacity counts blocks at that size.',
     "cache.enable_prefix_caching": "Share full KV blocks between requests with the same prefix (vLLM's --enable-prefix-caching); an encoder-only model never does (its blocks hold no KV). Unset: true.",

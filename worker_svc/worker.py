@@ -38,7 +38,7 @@ from worker_svc.model_loader.model_build import (
     lora_parts,
     model_class_for,
     pooler_config,
-    resolve_max_model_len,
+    served_model,
 )
 from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig, WorkerDescription
 from worker_svc.model_loader.weights import (
@@ -149,7 +149,7 @@ class Worker:
         dtype = resolve_compute_dtype(
             opts.model.dtype, model_config.checkpoint_dtype or checkpoint.stored_dtype, self.device
         )
-        max_model_len = resolve_max_model_len(opts.model.max_model_len, model_config)
+        model_config, max_model_len = served_model(model_config, opts.model)
         kv_dtype = kv_cache_torch_dtype(opts.cache.kv_cache_dtype, dtype)
         asked = opts.model.attention_backend
         backend_name = select_backend(asked, self.device, opts.cache.block_size, dtype, kv_dtype)

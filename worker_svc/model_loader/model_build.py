@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
+from splitserve_contracts.engine_options_types import ModelOptions
 from splitserve_contracts.output_types import PoolerConfig
 from splitserve_runtime.model_source import ModelSource
 from worker_svc.attention.backend import AttentionBackend
@@ -194,8 +196,17 @@ def check_parallel_shape(config: LoadModelConfig, model: ModelConfig) -> None:
         raise ValueError(f"{model.num_layers} layers cannot fill {pp} pipeline stages")
 
 
-def resolve_max_model_len(requested: int, model: ModelConfig) -> int:
-    limit = model.max_context_len
+def served_model(model: ModelConfig, options: ModelOptions) -> tuple[ModelConfig, int]:
+    """The model as the engine's model options serve it, and its max_model_len: the options'
+    (0: the model's limit), refused past that limit. The one place where a model option
+    shapes the model config the rank builds with.
+
+    disable_sliding_window (vLLM's): every layer attends fully and the limit is capped to the
+    window (a Gemma 3 local layer keeps its local rope)."""
+    limit, requested, why = model.max_context_len, options.max_model_len, ""
+    if options.disable_sliding_window and model.sliding_window is not None:
+        limit, why = min(limit, model.sliding_window), " (its sliding window, which is disabled)"
+        model = replace(model, sliding_window=None)
     if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
-    return requested or limit
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}{why}")
+    return model, requested or limit

@@ -40,8 +40,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         local_rope = self.config.local_rope
         self.local_rotary = None if local_rope is None else build.rotary(local_rope)
         start, end = self.layer_range
-        self.is_local = [self.config.layer_window(i) is not None for i in range(start, end)]
-        """Per layer of this stage: whether it attends within a window (with the local rope)."""
+        self.is_local = [self.config.is_sliding_layer(i) for i in range(start, end)]
+        """Per layer of this stage: whether it is a local layer (with the local rope)."""
 
     @classmethod
     def read_config(cls, hf: Any) -> ModelConfig:

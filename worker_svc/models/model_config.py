@@ -74,11 +74,14 @@ class ModelConfig:
     """Per layer "full_attention" or "sliding_attention" (empty: every layer full)."""
     hidden_act: str = "silu"
 
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a sliding-window (local) layer by the checkpoint's
+        design, its window in force or not (Gemma 3's local layers keep their own rope)."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
+
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (None: full attention)."""
-        if self.sliding_window is None or not self.layer_types:
-            return None
-        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+        return self.sliding_window if self.is_sliding_layer(layer) else None
 
     def layer_attention(self, layer: int) -> AttentionOptions:
         """How decoder layer `layer` attends (a family may add a scale or a soft cap)."""

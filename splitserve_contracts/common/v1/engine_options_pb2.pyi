@@ -46,6 +46,7 @@ class ModelOptions(_message.Message):
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
     LOGPROBS_MODE_FIELD_NUMBER: _builtins.int
+    DISABLE_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model as `--model` names it: a Hugging Face checkpoint folder
     (config.json, *.safetensors), a .gguf file, a Hugging Face Hub id
@@ -102,6 +103,13 @@ class ModelOptions(_message.Message):
     temperature, min_p, top-k and top-p: the distribution a token is drawn
     from, -inf where filtered out). Prompt logprobs stay raw.
     """
+    disable_sliding_window: _builtins.bool
+    """Attend to the whole sequence on every layer of a sliding-window model and
+    cap its length to the window (vLLM's --disable-sliding-window): the
+    model's max_model_len becomes the smaller of its own and its window, a
+    longer max_model_len is refused, and the engine core keeps every KV block
+    (none falls out of a window). Ignored for a model without a window.
+    """
     def __init__(
         self,
         *,
@@ -117,10 +125,11 @@ class ModelOptions(_message.Message):
         enforce_eager: _builtins.bool = ...,
         attention_backend: _builtins.str = ...,
         logprobs_mode: _builtins.str = ...,
+        disable_sliding_window: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "quantization", b"quantization", "revision", b"revision", "runner", b"runner", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "convert", b"convert", "dequantize_gguf", b"dequantize_gguf", "disable_sliding_window", b"disable_sliding_window", "dtype", b"dtype", "enforce_eager", b"enforce_eager", "logprobs_mode", b"logprobs_mode", "max_model_len", b"max_model_len", "model", b"model", "quantization", b"quantization", "revision", b"revision", "runner", b"runner", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -138,6 +138,16 @@ def test_logprobs_mode_reaches_the_ranks_options() -> None:
     assert serve.service_flags["core"] == ["--logprobs-mode", "raw_logits"]
 
 
+def test_disable_sliding_window_reaches_the_ranks_options() -> None:
+    config = parse_core([*WORKERS[:1], "h:1", "--disable-sliding-window"], {})
+    assert config.options.model.disable_sliding_window is True
+    assert parse_core([*WORKERS[:1], "h:1"], {}).options.model.disable_sliding_window is False
+    request = pb.LoadModelRequest(options=engine_options_convert.to_proto(config.options))
+    assert load_model_config_from_proto(request).options.model.disable_sliding_window is True
+    serve = parse_serve(["tiny", "--disable-sliding-window"], {})
+    assert serve.service_flags["core"] == ["--disable-sliding-window"]
+
+
 def test_every_option_is_filled_by_a_core_flag() -> None:
     filled = {row.fills for row in CORE_FLAGS if row.fills}
     for group, record in GROUPS.items():

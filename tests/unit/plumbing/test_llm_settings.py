@@ -20,6 +20,7 @@ SETTINGS = {
     "scheduling_policy": "priority",
     "adaptive_prefill_chunk": 0,
     "enforce_eager": True,
+    "disable_sliding_window": True,
     "quantization": "int8",
 }
 
