@@ -38,6 +38,9 @@ replay_log = RateLimitedLog(logger)
 MEDIUM_GPU = "GPU"
 """vLLM's name of the device tier, whatever the device."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_MAX_MESSAGE_BYTES = 1024
+"""Largest message the replay socket reads (a request is an empty frame and 8 bytes): ZMQ
+disconnects a peer that sends more before it is read into memory (zmq.MAXMSGSIZE)."""
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -174,6 +177,7 @@ class ZmqEventPublisher:
             self._pub.connect(self.endpoint)
         if self.replay_endpoint is not None:
             self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE_BYTES)
             self._replay.bind(self.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
 

@@ -22,7 +22,7 @@ MALFORMED = [
     [b"", b""],
     [b"", b"\x00" * 8, b"extra"],
     [b"a", b"b", b"c", b"d", b"e"],
-    [b"", b"\xff" * 4096],
+    [b"", b"\xff" * 1000],  # under REPLAY_MAX_MESSAGE_BYTES (a larger one: the next test)
     [b"\x00" * 8],  # a start sequence without the delimiter
 ]
 
@@ -64,6 +64,35 @@ def test_malformed_replay_requests_are_dropped_and_logged_once(
         lines = [r for r in caplog.records if "invalid KV-event replay request" in r.message]
         assert len(lines) == 1, [r.message for r in lines]
         assert not dealer.poll(100)  # nothing was answered to a malformed request
+    finally:
+        context.destroy(linger=0)
+        publisher.close()
+
+
+def test_an_oversized_replay_message_is_dropped_by_the_socket_unread(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16 MiB frame never reaches the publisher (main read it whole, then logged it as
+    malformed): ZMQ disconnects its sender, and another peer is still served."""
+    fresh = RateLimitedLog(kv_publisher.logger, 3600)
+    monkeypatch.setattr(kv_publisher, "replay_log", fresh, raising=False)
+    config = KVEventsConfig(True, "zmq", "tcp://*:0", "tcp://*:0")
+    publisher = ZmqEventPublisher(config, data_parallel_rank=0, block_size=2)
+    context = zmq.Context()
+    endpoint = (publisher.replay_endpoint or "").replace("0.0.0.0", "127.0.0.1")
+    hostile, dealer = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    hostile.connect(endpoint)
+    dealer.connect(endpoint)
+    try:
+        publisher.offer([AllBlocksCleared()])
+        while not replayed(dealer, 0):  # the batch is published
+            pass
+        with caplog.at_level(logging.WARNING, logger=kv_publisher.logger.name):
+            hostile.send_multipart([b"", b"\x00" * (16 << 20)])
+            assert replayed(dealer, 0) == [0]
+            assert replayed(dealer, 0) == [0]
+        assert not any("invalid KV-event replay" in r.message for r in caplog.records)
+        assert not hostile.poll(100)
     finally:
         context.destroy(linger=0)
         publisher.close()
