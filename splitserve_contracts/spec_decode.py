@@ -10,13 +10,14 @@ them (a constrained request's grammar masks one row per draft position). Both si
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from splitserve_contracts.json_object import parse_json_object
 
 SPECULATIVE_METHODS = ("ngram",)
 """Methods this engine runs (vLLM's `method`); suffix decoding, draft models and EAGLE heads are
@@ -102,17 +103,8 @@ class SpeculativeConfig:
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     """--speculative-config: vLLM's JSON object (method, num_speculative_tokens,
     prompt_lookup_min/max, num_speculative_tokens_per_batch_size); "" or "{}" or "null": none."""
-    if not text.strip():
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise InvalidSpeculativeConfig(f"not JSON: {err}") from None
-    if value is None or value == {}:
-        return None
-    if not isinstance(value, dict):
-        raise InvalidSpeculativeConfig("expected a JSON object")
-    return speculative_config_from_dict(value)
+    value = parse_json_object(text, InvalidSpeculativeConfig)
+    return None if value is None else speculative_config_from_dict(value)
 
 
 def speculative_config_from_dict(value: dict[str, Any]) -> SpeculativeConfig:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve_contracts.engine_options_types import KVTransferOptions
+from splitserve_contracts.json_object import parse_json_object
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +57,8 @@ def kv_connector_problem(name: str) -> str | None:
 
 def parse_kv_transfer_config(text: str) -> KVTransferOptions | None:
     """--kv-transfer-config: vLLM's JSON object; "", "{}" or "null": no connector."""
-    if not text.strip():
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise InvalidKVTransferConfig(f"not JSON: {err}") from None
-    if value is None or value == {}:
-        return None
-    if not isinstance(value, dict):
-        raise InvalidKVTransferConfig("expected a JSON object")
-    return kv_transfer_options(value)
+    value = parse_json_object(text, InvalidKVTransferConfig)
+    return None if value is None else kv_transfer_options(value)
 
 
 def kv_transfer_options(value: Mapping[str, Any]) -> KVTransferOptions:
