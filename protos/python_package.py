@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = "splitserve_contracts"
-AREAS = ("common", "core", "frontend", "worker")
+AREAS = ("common", "core", "frontend", "kv", "worker")
 _AREA = "|".join(AREAS)
 # Import statements in .py and .pyi files, and the module name protobuf registers classes under.
 _IMPORT = re.compile(rf"^(from|import) splitserve\.({_AREA})\.v1\b", re.MULTILINE)

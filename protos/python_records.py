@@ -26,7 +26,7 @@ ENUMS = {
 RECORDS = {
     "splitserve/common/v1/types.proto": ("LogprobsTable", "PoolerConfig"),
     "splitserve/core/v1/core_service.proto": ("EngineCoreEvent", "SchedulerStats"),
-    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "PoolerOutput", "ModelRunnerOutput"),
+    "splitserve/worker/v1/worker_service.proto": ("StepTimings", "RequestLogprobs", "PoolerOutput", "KVConnectorOutput", "ModelRunnerOutput"),
 }  # fmt: skip
 SOURCES = tuple(ENUMS)
 SCALARS = {

@@ -122,6 +122,10 @@ def scheduler_stats_to_proto(
     )
     msg.structured_output_cache_queries = record.structured_output_cache_queries
     msg.structured_output_cache_hits = record.structured_output_cache_hits
+    msg.external_prefix_cache_queries = record.external_prefix_cache_queries
+    msg.external_prefix_cache_hits = record.external_prefix_cache_hits
+    msg.num_waiting_for_remote_kvs = record.num_waiting_for_remote_kvs
+    msg.num_sending_reqs = record.num_sending_reqs
     return msg
 
 
@@ -151,6 +155,10 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         spec_decode_num_accepted_tokens_per_pos=list(msg.spec_decode_num_accepted_tokens_per_pos),
         structured_output_cache_queries=msg.structured_output_cache_queries,
         structured_output_cache_hits=msg.structured_output_cache_hits,
+        external_prefix_cache_queries=msg.external_prefix_cache_queries,
+        external_prefix_cache_hits=msg.external_prefix_cache_hits,
+        num_waiting_for_remote_kvs=msg.num_waiting_for_remote_kvs,
+        num_sending_reqs=msg.num_sending_reqs,
     )
 
 
@@ -210,6 +218,31 @@ def pooler_output_from_proto(msg: worker_pb2.PoolerOutput) -> t.PoolerOutput:
     )
 
 
+def k_v_connector_output_to_proto(
+    record: t.KVConnectorOutput, msg: worker_pb2.KVConnectorOutput | None = None
+) -> worker_pb2.KVConnectorOutput:
+    if msg is None:
+        msg = worker_pb2.KVConnectorOutput()
+    msg.finished_sending.extend(record.finished_sending)
+    msg.finished_recving.extend(record.finished_recving)
+    msg.failed_recving.extend(record.failed_recving)
+    msg.failed_reasons.extend(record.failed_reasons)
+    msg.num_bytes_received = record.num_bytes_received
+    msg.recv_seconds = record.recv_seconds
+    return msg
+
+
+def k_v_connector_output_from_proto(msg: worker_pb2.KVConnectorOutput) -> t.KVConnectorOutput:
+    return t.KVConnectorOutput(
+        finished_sending=list(msg.finished_sending),
+        finished_recving=list(msg.finished_recving),
+        failed_recving=list(msg.failed_recving),
+        failed_reasons=list(msg.failed_reasons),
+        num_bytes_received=msg.num_bytes_received,
+        recv_seconds=msg.recv_seconds,
+    )
+
+
 def model_runner_output_to_proto(
     record: t.ModelRunnerOutput, msg: worker_pb2.ModelRunnerOutput | None = None
 ) -> worker_pb2.ModelRunnerOutput:
@@ -234,6 +267,8 @@ def model_runner_output_to_proto(
     msg.num_draft_tokens.extend(record.num_draft_tokens)
     for pooler_output_item in record.pooler_outputs:
         pooler_output_to_proto(pooler_output_item, msg.pooler_outputs.add())
+    if record.kv_connector_output is not None:
+        k_v_connector_output_to_proto(record.kv_connector_output, msg.kv_connector_output)
     return msg
 
 
@@ -254,4 +289,5 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         num_sampled_token_ids=list(msg.num_sampled_token_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
         pooler_outputs=[pooler_output_from_proto(item) for item in msg.pooler_outputs],
+        kv_connector_output=k_v_connector_output_from_proto(msg.kv_connector_output) if msg.HasField("kv_connector_output") else None,
     )

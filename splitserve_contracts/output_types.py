@@ -256,6 +256,26 @@ class SchedulerStats:
     structured_output_cache_hits); never more than the queries.
     """
 
+    external_prefix_cache_queries: int = 0
+    """Prompt tokens a KV connector was asked for, cumulative (vLLM's
+    vllm:external_prefix_cache_queries).
+    """
+
+    external_prefix_cache_hits: int = 0
+    """Of those, tokens whose KV the connector loaded from a peer instead of the engine computing
+    them, cumulative (vLLM's vllm:external_prefix_cache_hits).
+    """
+
+    num_waiting_for_remote_kvs: int = 0
+    """Requests waiting for their KV to arrive from a peer (vLLM's WAITING_FOR_REMOTE_KVS), not
+    counted in num_waiting_reqs.
+    """
+
+    num_sending_reqs: int = 0
+    """Finished requests whose blocks stay allocated until a peer pulled them (or their lease
+    ended).
+    """
+
 
 @dataclass(slots=True)
 class StepTimings:
@@ -294,6 +314,34 @@ class PoolerOutput:
 
     data: bytes = b""
     """The vector, float32 little-endian (PoolerConfig.hidden_size values)."""
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """KVConnectorOutput reports the KV transfers a rank finished, by request handle (vLLM's
+    get_finished). The engine core frees a producer's blocks once their sending finished and
+    admits a consumer's request once its blocks are loaded.
+    """
+
+    finished_sending: list[int] = field(default_factory=list)
+    """Requests whose blocks this rank no longer needs to serve (pulled, or the lease ended)."""
+
+    finished_recving: list[int] = field(default_factory=list)
+    """Requests whose KV is loaded into their blocks on this rank."""
+
+    failed_recving: list[int] = field(default_factory=list)
+    """Requests whose load failed on this rank (the engine core computes their prompt itself); the
+    blocks they were loading into are not written any more.
+    """
+
+    failed_reasons: list[str] = field(default_factory=list)
+    """Why, one entry per failed_recving entry."""
+
+    num_bytes_received: int = 0
+    """Bytes of KV this rank received for the requests in finished_recving."""
+
+    recv_seconds: float = 0.0
+    """Seconds their loads took, summed."""
 
 
 @dataclass(slots=True)
@@ -359,3 +407,8 @@ class ModelRunnerOutput:
 
     pooler_outputs: list[PoolerOutput] = field(default_factory=list)
     """Pooled outputs of the pooling requests whose prompt finished this step."""
+
+    kv_connector_output: KVConnectorOutput | None = None
+    """What the rank's KV connector finished since its previous output (vLLM's KVConnectorOutput);
+    unset without a connector or when nothing finished.
+    """

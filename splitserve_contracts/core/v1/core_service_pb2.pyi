@@ -626,6 +626,7 @@ class EngineCoreRequest(_message.Message):
     REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     POOLING_PARAMS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The frontend's request id, for logs only; outputs refer to request_handle."""
     request_handle: _builtins.int
@@ -675,6 +676,13 @@ class EngineCoreRequest(_message.Message):
     under (LoadLoraAdapter, --lora-modules); empty: the base model. An
     unknown name finishes the request with ERROR / INVALID_REQUEST. Requests
     of different adapters (and of the base model) never share cached KV.
+    """
+    kv_transfer_params_json: _builtins.str
+    """vLLM's kv_transfer_params, a JSON object, for an engine with a KV
+    connector (--kv-transfer-config): on a producer it asks for the handoff
+    (returned with the finish), on a consumer it is a producer's handoff
+    whose KV the engine loads instead of computing the prompt. Empty: none.
+    The connector validates it; an engine without one refuses it.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -758,10 +766,11 @@ class EngineCoreRequest(_message.Message):
         reasoning_end_token_id: _builtins.int | None = ...,
         lora_name: _builtins.str = ...,
         pooling_params: _types_pb2.PoolingParams | None = ...,
+        kv_transfer_params_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "eos_token_id", b"eos_token_id", "pooling_params", b"pooling_params", "reasoning_end_token_id", b"reasoning_end_token_id", "sampler_params", b"sampler_params", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "lora_name", b"lora_name", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_reasoning_end_token_id", b"_reasoning_end_token_id", "cache_salt", b"cache_salt", "eos_token_id", b"eos_token_id", "kv_transfer_params_json", b"kv_transfer_params_json", "lora_name", b"lora_name", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "reasoning_end_token_id", b"reasoning_end_token_id", "request_handle", b"request_handle", "request_id", b"request_id", "resumed", b"resumed", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
@@ -1322,6 +1331,7 @@ class EngineCoreOutput(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     ERROR_KIND_FIELD_NUMBER: _builtins.int
     POOLING_OUTPUT_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     request_handle: _builtins.int
     """The request these details belong to."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -1341,6 +1351,11 @@ class EngineCoreOutput(_message.Message):
     pooling_output: _builtins.bytes
     """The pooled vector of a pooling request, with its finish: float32
     little-endian, PoolerConfig.hidden_size values.
+    """
+    kv_transfer_params_json: _builtins.str
+    """vLLM's kv_transfer_params of a finished request on a KV producer: the
+    handoff a consumer engine pulls the prompt's KV with (a JSON object).
+    Empty otherwise.
     """
     @_builtins.property
     def new_logprobs(self) -> _types_pb2.LogprobsTable:
@@ -1369,10 +1384,11 @@ class EngineCoreOutput(_message.Message):
         error_message: _builtins.str = ...,
         error_kind: Global___ErrorKind.ValueType = ...,
         pooling_output: _builtins.bytes = ...,
+        kv_transfer_params_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_kind", b"error_kind", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "pooling_output", b"pooling_output", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens", "_stop_token_id", b"_stop_token_id", "error_kind", b"error_kind", "error_message", b"error_message", "events", b"events", "finish_reason", b"finish_reason", "kv_transfer_params_json", b"kv_transfer_params_json", "new_logprobs", b"new_logprobs", "num_cached_tokens", b"num_cached_tokens", "pooling_output", b"pooling_output", "prompt_logprobs", b"prompt_logprobs", "request_handle", b"request_handle", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_cached_tokens: _TypeAlias = _typing.Literal["num_cached_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_cached_tokens: _TypeAlias = _typing.Literal["_num_cached_tokens", b"_num_cached_tokens"]  # noqa: Y015
@@ -1447,6 +1463,10 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    EXTERNAL_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FOR_REMOTE_KVS_FIELD_NUMBER: _builtins.int
+    NUM_SENDING_REQS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1509,6 +1529,23 @@ class SchedulerStats(_message.Message):
     """Of those, requests whose grammar was already compiled, cumulative (vLLM's
     structured_output_cache_hits); never more than the queries.
     """
+    external_prefix_cache_queries: _builtins.int
+    """Prompt tokens a KV connector was asked for, cumulative (vLLM's
+    vllm:external_prefix_cache_queries).
+    """
+    external_prefix_cache_hits: _builtins.int
+    """Of those, tokens whose KV the connector loaded from a peer instead of
+    the engine computing them, cumulative (vLLM's
+    vllm:external_prefix_cache_hits).
+    """
+    num_waiting_for_remote_kvs: _builtins.int
+    """Requests waiting for their KV to arrive from a peer (vLLM's
+    WAITING_FOR_REMOTE_KVS), not counted in num_waiting_reqs.
+    """
+    num_sending_reqs: _builtins.int
+    """Finished requests whose blocks stay allocated until a peer pulled them
+    (or their lease ended).
+    """
     @_builtins.property
     def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the LoRA adapters of the running requests, sorted (vLLM's
@@ -1554,10 +1591,14 @@ class SchedulerStats(_message.Message):
         spec_decode_num_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
         structured_output_cache_queries: _builtins.int = ...,
         structured_output_cache_hits: _builtins.int = ...,
+        external_prefix_cache_queries: _builtins.int = ...,
+        external_prefix_cache_hits: _builtins.int = ...,
+        num_waiting_for_remote_kvs: _builtins.int = ...,
+        num_sending_reqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "structured_output_cache_hits", b"structured_output_cache_hits", "structured_output_cache_queries", b"structured_output_cache_queries", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "external_prefix_cache_hits", b"external_prefix_cache_hits", "external_prefix_cache_queries", b"external_prefix_cache_queries", "kv_cache_usage", b"kv_cache_usage", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_sending_reqs", b"num_sending_reqs", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_for_remote_kvs", b"num_waiting_for_remote_kvs", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "structured_output_cache_hits", b"structured_output_cache_hits", "structured_output_cache_queries", b"structured_output_cache_queries", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

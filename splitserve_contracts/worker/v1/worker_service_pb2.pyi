@@ -648,6 +648,7 @@ class SchedulerOutput(_message.Message):
     LORA_SLOTS_FIELD_NUMBER: _builtins.int
     FREE_LORA_IDS_FIELD_NUMBER: _builtins.int
     NUM_SPEC_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_CONNECTOR_METADATA_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step sequence number, 1, 2, 3, ...; a rank rejects a gap."""
     total_num_scheduled_tokens: _builtins.int
@@ -656,6 +657,14 @@ class SchedulerOutput(_message.Message):
     """The step's grammar bitmask follows in an ExecuteRequest of its own
     (vLLM's pending_structured_output_tokens): a rank runs the forward, then
     waits for it before sampling.
+    """
+    kv_connector_metadata: _builtins.bytes
+    """The KV connector's metadata for this step (vLLM's
+    KVConnectorBase_V1.build_connector_meta): what each rank's connector must
+    start loading, serve or release, in the configured connector's own
+    encoding (GrpcConnector: splitserve_contracts.kv.v1.GrpcConnectorMetadata). Empty
+    without a connector, or when it has nothing to say this step. A step may
+    schedule no tokens and carry only this.
     """
     @_builtins.property
     def scheduled_new_reqs(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequestData]:
@@ -735,10 +744,11 @@ class SchedulerOutput(_message.Message):
         lora_slots: Global___LoraSlots | None = ...,
         free_lora_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_spec_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        kv_connector_metadata: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar_bitmask", b"grammar_bitmask", "lora_slots", b"lora_slots", "scheduled_cached_reqs", b"scheduled_cached_reqs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "free_lora_ids", b"free_lora_ids", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "lora_slots", b"lora_slots", "num_scheduled_tokens", b"num_scheduled_tokens", "num_spec_tokens", b"num_spec_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_req_handles", b"finished_req_handles", "free_encoder_mm_hashes", b"free_encoder_mm_hashes", "free_lora_ids", b"free_lora_ids", "grammar_bitmask", b"grammar_bitmask", "has_pending_grammar", b"has_pending_grammar", "kv_connector_metadata", b"kv_connector_metadata", "lora_slots", b"lora_slots", "num_scheduled_tokens", b"num_scheduled_tokens", "num_spec_tokens", b"num_spec_tokens", "scheduled_cached_reqs", b"scheduled_cached_reqs", "scheduled_encoder_inputs", b"scheduled_encoder_inputs", "scheduled_new_reqs", b"scheduled_new_reqs", "step_id", b"step_id", "total_num_scheduled_tokens", b"total_num_scheduled_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1027,6 +1037,7 @@ class ModelRunnerOutput(_message.Message):
     NUM_SAMPLED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     POOLER_OUTPUTS_FIELD_NUMBER: _builtins.int
+    KV_CONNECTOR_OUTPUT_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The step this answers."""
     status: Global___StepStatus.ValueType
@@ -1092,6 +1103,12 @@ class ModelRunnerOutput(_message.Message):
     def pooler_outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolerOutput]:
         """Pooled outputs of the pooling requests whose prompt finished this step."""
 
+    @_builtins.property
+    def kv_connector_output(self) -> Global___KVConnectorOutput:
+        """What the rank's KV connector finished since its previous output (vLLM's
+        KVConnectorOutput); unset without a connector or when nothing finished.
+        """
+
     def __init__(
         self,
         *,
@@ -1110,14 +1127,74 @@ class ModelRunnerOutput(_message.Message):
         num_sampled_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         pooler_outputs: _abc.Iterable[Global___PoolerOutput] | None = ...,
+        kv_connector_output: Global___KVConnectorOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_connector_output", b"kv_connector_output", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "num_sampled_token_ids", b"num_sampled_token_ids", "num_used_kv_blocks", b"num_used_kv_blocks", "pooler_outputs", b"pooler_outputs", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "failed_reasons", b"failed_reasons", "failed_req_handles", b"failed_req_handles", "kv_connector_output", b"kv_connector_output", "logprobs", b"logprobs", "num_draft_tokens", b"num_draft_tokens", "num_sampled_token_ids", b"num_sampled_token_ids", "num_used_kv_blocks", b"num_used_kv_blocks", "pooler_outputs", b"pooler_outputs", "prompt_logprobs", b"prompt_logprobs", "rank", b"rank", "req_handles", b"req_handles", "sampled_token_ids", b"sampled_token_ids", "status", b"status", "step_id", b"step_id", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelRunnerOutput: _TypeAlias = ModelRunnerOutput  # noqa: Y015
+
+@_typing.final
+class KVConnectorOutput(_message.Message):
+    """KVConnectorOutput reports the KV transfers a rank finished, by request
+    handle (vLLM's get_finished). The engine core frees a producer's blocks once
+    their sending finished and admits a consumer's request once its blocks are
+    loaded.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINISHED_SENDING_FIELD_NUMBER: _builtins.int
+    FINISHED_RECVING_FIELD_NUMBER: _builtins.int
+    FAILED_RECVING_FIELD_NUMBER: _builtins.int
+    FAILED_REASONS_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    RECV_SECONDS_FIELD_NUMBER: _builtins.int
+    num_bytes_received: _builtins.int
+    """Bytes of KV this rank received for the requests in finished_recving."""
+    recv_seconds: _builtins.float
+    """Seconds their loads took, summed."""
+    @_builtins.property
+    def finished_sending(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests whose blocks this rank no longer needs to serve (pulled, or the
+        lease ended).
+        """
+
+    @_builtins.property
+    def finished_recving(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests whose KV is loaded into their blocks on this rank."""
+
+    @_builtins.property
+    def failed_recving(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests whose load failed on this rank (the engine core computes their
+        prompt itself); the blocks they were loading into are not written any
+        more.
+        """
+
+    @_builtins.property
+    def failed_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Why, one entry per failed_recving entry."""
+
+    def __init__(
+        self,
+        *,
+        finished_sending: _abc.Iterable[_builtins.int] | None = ...,
+        finished_recving: _abc.Iterable[_builtins.int] | None = ...,
+        failed_recving: _abc.Iterable[_builtins.int] | None = ...,
+        failed_reasons: _abc.Iterable[_builtins.str] | None = ...,
+        num_bytes_received: _builtins.int = ...,
+        recv_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed_reasons", b"failed_reasons", "failed_recving", b"failed_recving", "finished_recving", b"finished_recving", "finished_sending", b"finished_sending", "num_bytes_received", b"num_bytes_received", "recv_seconds", b"recv_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVConnectorOutput: _TypeAlias = KVConnectorOutput  # noqa: Y015
 
 @_typing.final
 class PoolerOutput(_message.Message):
