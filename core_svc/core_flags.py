@@ -264,8 +264,8 @@ CORE_FLAGS: tuple[Flag, ...] = (
         default=None,
         help='KV-cache transfer between engines, as JSON (vLLM\'s flag): {"kv_connector": '
         'NAME, "kv_role": "kv_producer" | "kv_consumer" | "kv_both", '
-        '"kv_connector_extra_config": {...}, "engine_id": ID}; this build has no KV '
-        "connectors yet, so any connector named is refused",
+        '"kv_connector_extra_config": {...}, "engine_id": ID, "kv_connector_module_path": '
+        "MODULE}; connectors: GrpcConnector (prefill/decode disaggregation, docs/deploy.md)",
     ),
     flag(
         "--dtype",

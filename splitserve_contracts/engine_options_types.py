@@ -290,6 +290,13 @@ class KVTransferOptions:
     connector choose.
     """
 
+    kv_connector_module_path: str = ""
+    """A Python module that defines a connector outside this build (vLLM's
+    kv_connector_module_path): its KV_CONNECTOR row (a
+    splitserve_runtime.kv_connector_names.KVConnector) must be named kv_connector. "": the
+    registered connectors only.
+    """
+
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
@@ -378,6 +385,7 @@ FIELD_GROUP: dict[str, str] = {
     "kv_role": "kv_transfer",
     "kv_connector_extra_config": "kv_transfer",
     "kv_engine_id": "kv_transfer",
+    "kv_connector_module_path": "kv_transfer",
 }
 """Each option's group (no two groups name a field alike)."""
 
@@ -438,5 +446,6 @@ HELP: dict[str, str] = {
     "kv_transfer.kv_role": 'This engine\'s part (vLLM\'s kv_role): "kv_producer" (sends its KV), "kv_consumer" (receives KV) or "kv_both".',
     "kv_transfer.kv_connector_extra_config": "The connector's own settings (vLLM's kv_connector_extra_config), as a JSON object; \"\" means {}.",
     "kv_transfer.kv_engine_id": "This engine's id among the engines that exchange KV (vLLM's engine_id); \"\" lets the connector choose.",
+    "kv_transfer.kv_connector_module_path": 'A Python module that defines a connector outside this build (vLLM\'s kv_connector_module_path): its KV_CONNECTOR row (a splitserve_runtime.kv_connector_names.KVConnector) must be named kv_connector. "": the registered connectors only.',
 }
 """What each option means (its contract comment), by "group.field"."""

@@ -125,11 +125,28 @@ RULES: dict[str, Check] = {
     "lora.max_lora_rank": _max_lora_rank,
     "lora.max_cpu_loras": _max_cpu_loras,
     "structured_outputs.compile_timeout": _compile_timeout,
-    "kv_transfer.kv_connector": lambda value, options: kv_connector_problem(value),
+    "kv_transfer.kv_connector": lambda value, options: _kv_connector(value, options),
     "kv_transfer.kv_connector_extra_config": _json_object,
 } | {path: _one_of(choices) for path, choices in CHOICES.items()}
 """One row per field with a rule, by "group.field"; the speculative group's rules are
 SpeculativeConfig's (splitserve_contracts/spec_decode.py), shared with --speculative-config."""
+
+
+def _kv_connector(value: str, options: EngineOptions) -> str | None:
+    """A registered connector (or the one kv_connector_module_path defines), on an engine of one
+    rank: the connectors of this build move KV between single-rank engines."""
+    assert options.kv_transfer is not None
+    problem = kv_connector_problem(value, options.kv_transfer.kv_connector_module_path)
+    if problem is not None:
+        return problem
+    parallel = options.parallel
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (
+            f"is {value!r} with tensor_parallel_size {parallel.tensor_parallel_size} and "
+            f"pipeline_parallel_size {parallel.pipeline_parallel_size}; this build moves KV "
+            "between engines of one rank each (both sizes 1)"
+        )
+    return None
 
 
 def validate(options: EngineOptions) -> EngineOptions:

@@ -1,14 +1,16 @@
 """The KV connectors' registry, and vLLM's `--kv-transfer-config` read into the options' group.
 
 One row per connector a `kv_transfer.kv_connector` may name (vLLM's KVConnectorFactory names):
-the worker's class for it ("module:Class", imported only by the worker) and what it moves. This
-module imports no torch, so the engine core (the flag, the rules) and the ranks read the same
-table. This build registers none yet, so every `--kv-transfer-config` is refused by the rules
-(splitserve_runtime/engine_option_rules.py); a connector is its module plus one row here.
+its two sides as "module:Class" paths, the engine core's (KVConnectorScheduler, imported only by
+the core: no torch) and the ranks' (KVConnectorWorker, imported only by the workers). This module
+imports neither, so the engine core (the flag, the rules) and the ranks read the same table. A
+connector is its modules plus one row here; a connector outside this build is a module that
+defines a `KV_CONNECTOR` row, named by `kv_connector_module_path` (vLLM's key).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,14 +22,25 @@ from splitserve_contracts.json_object import parse_json_object
 
 @dataclass(frozen=True, slots=True)
 class KVConnector:
-    """One registry row: vLLM's name, the worker's connector class and what `--help` says."""
+    """One registry row: vLLM's name, the connector's two sides and what `--help` says."""
 
     name: str
-    connector_class: str
+    scheduler_class: str
+    """The engine core's side ("module:Class", a core_svc.kv_connector.base.KVConnectorScheduler)."""
+    worker_class: str
+    """The ranks' side ("module:Class", a worker_svc.kv_connector.base.KVConnectorWorker)."""
     help: str
 
 
-CONNECTORS: tuple[KVConnector, ...] = ()
+CONNECTORS: tuple[KVConnector, ...] = (
+    KVConnector(
+        "GrpcConnector",
+        "core_svc.kv_connector.grpc_connector:GrpcConnectorScheduler",
+        "worker_svc.kv_connector.grpc_connector:GrpcConnectorWorker",
+        "a producer's ranks serve a finished prefill's KV blocks to the consumer's same ranks over "
+        "the workers' gRPC port (mutual TLS as every internal hop); prefill/decode disaggregation",
+    ),
+)
 """The registry (vLLM's names)."""
 
 KV_CONNECTOR_NAMES = tuple(c.name for c in CONNECTORS)
@@ -38,6 +51,7 @@ _KEYS = {
     "kv_role": "kv_role",
     "kv_connector_extra_config": "kv_connector_extra_config",
     "engine_id": "kv_engine_id",
+    "kv_connector_module_path": "kv_connector_module_path",
 }
 """vLLM's KVTransferConfig keys this engine reads -> the KVTransferOptions field each fills."""
 
@@ -46,13 +60,44 @@ class InvalidKVTransferConfig(ValueError):
     """A --kv-transfer-config that is no JSON object of the keys this engine reads."""
 
 
-def kv_connector_problem(name: str) -> str | None:
-    """None when `name` is a registered connector, else what is wrong with it."""
-    if name in KV_CONNECTOR_NAMES:
-        return None
-    if not KV_CONNECTOR_NAMES:
-        return f"is {name!r}; this build has no KV connectors (choose one of: none)"
-    return f"is {name!r}; choose one of {', '.join(KV_CONNECTOR_NAMES)}"
+def kv_connector_problem(name: str, module_path: str = "") -> str | None:
+    """None when `name` is a registered connector (or the one `module_path` defines), else what
+    is wrong with it."""
+    try:
+        find_connector(name, module_path)
+    except LookupError as e:
+        return str(e)
+    return None
+
+
+def find_connector(name: str, module_path: str = "") -> KVConnector:
+    """The row of connector `name`: the registry's, or the KV_CONNECTOR row of `module_path`
+    (vLLM's kv_connector_module_path). LookupError says what is wrong."""
+    if module_path:
+        try:
+            row = getattr(importlib.import_module(module_path), "KV_CONNECTOR", None)
+        except ImportError as e:
+            raise LookupError(
+                f"kv_connector_module_path {module_path!r} cannot be imported: {e}"
+            ) from e
+        if not isinstance(row, KVConnector) or row.name != name:
+            raise LookupError(
+                f"kv_connector_module_path {module_path!r} defines no KV_CONNECTOR row named {name!r}"
+            )
+        return row
+    for row in CONNECTORS:
+        if row.name == name:
+            return row
+    raise LookupError(f"is {name!r}; choose one of {', '.join(KV_CONNECTOR_NAMES)}")
+
+
+def load_class(path: str) -> type:
+    """The class a row's "module:Class" path names (imported now)."""
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not isinstance(cls, type):
+        raise TypeError(f"{path} is no class")
+    return cls
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferOptions | None:

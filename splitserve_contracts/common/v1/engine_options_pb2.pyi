@@ -446,6 +446,7 @@ class KVTransferOptions(_message.Message):
     KV_ROLE_FIELD_NUMBER: _builtins.int
     KV_CONNECTOR_EXTRA_CONFIG_FIELD_NUMBER: _builtins.int
     KV_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    KV_CONNECTOR_MODULE_PATH_FIELD_NUMBER: _builtins.int
     kv_connector: _builtins.str
     """The connector's name (vLLM's kv_connector, e.g. "NixlConnector"); it must
     be one this build registers.
@@ -462,6 +463,12 @@ class KVTransferOptions(_message.Message):
     """This engine's id among the engines that exchange KV (vLLM's engine_id);
     "" lets the connector choose.
     """
+    kv_connector_module_path: _builtins.str
+    """A Python module that defines a connector outside this build (vLLM's
+    kv_connector_module_path): its KV_CONNECTOR row (a
+    splitserve_runtime.kv_connector_names.KVConnector) must be named
+    kv_connector. "": the registered connectors only.
+    """
     def __init__(
         self,
         *,
@@ -469,10 +476,11 @@ class KVTransferOptions(_message.Message):
         kv_role: _builtins.str = ...,
         kv_connector_extra_config: _builtins.str = ...,
         kv_engine_id: _builtins.str = ...,
+        kv_connector_module_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_connector", b"kv_connector", "kv_connector_extra_config", b"kv_connector_extra_config", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_connector", b"kv_connector", "kv_connector_extra_config", b"kv_connector_extra_config", "kv_connector_module_path", b"kv_connector_module_path", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

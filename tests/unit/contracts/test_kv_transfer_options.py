@@ -5,6 +5,8 @@ the contract's choices), and carried to the ranks as it is."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 
@@ -14,20 +16,15 @@ from splitserve_contracts import engine_options_convert as convert
 from splitserve_contracts.engine_options_types import KVTransferOptions
 from splitserve_runtime import kv_connector_names
 from splitserve_runtime.engine_option_rules import InvalidEngineOptions, engine_options, validate
+from splitserve_runtime.kv_connector_names import KVConnector
 
 WORKERS = ["--worker-addrs", "h:1"]
 CONFIG = {
-    "kv_connector": "NixlConnector",
+    "kv_connector": "GrpcConnector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"backends": ["UCX"]},
     "engine_id": "e-1",
 }
-
-
-@pytest.fixture
-def a_connector(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build with one connector registered (this one has none yet)."""
-    monkeypatch.setattr(kv_connector_names, "KV_CONNECTOR_NAMES", ("NixlConnector",))
 
 
 def refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -41,15 +38,14 @@ def test_no_flag_and_an_empty_object_mean_no_connector() -> None:
     assert parse_config([*WORKERS, "--kv-transfer-config", "{}"], {}).options.kv_transfer is None
 
 
-@pytest.mark.usefixtures("a_connector")
 def test_the_flag_fills_the_group_and_round_trips_to_flags() -> None:
     config = parse_config([*WORKERS, "--kv-transfer-config", json.dumps(CONFIG)], {})
     assert config.options.kv_transfer == KVTransferOptions(
-        "NixlConnector", "kv_both", '{"backends": ["UCX"]}', "e-1"
+        "GrpcConnector", "kv_both", '{"backends": ["UCX"]}', "e-1"
     )
     flags = option_flags(config.options)
     value = json.loads(flags[flags.index("--kv-transfer-config") + 1])
-    assert value == CONFIG
+    assert value == CONFIG | {"kv_connector_module_path": ""}
 
 
 @pytest.mark.parametrize(
@@ -68,17 +64,42 @@ def test_a_malformed_config_is_refused_naming_the_flag(
     assert says in refusal(capsys, ["--kv-transfer-config", value])
 
 
-def test_this_build_refuses_every_connector_naming_the_field(
+def test_an_unregistered_connector_is_refused_naming_the_registered_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    said = refusal(capsys, ["--kv-transfer-config", json.dumps(CONFIG)])
+    said = refusal(capsys, ["--kv-transfer-config", json.dumps(CONFIG | {"kv_connector": "Nixl"})])
     assert (
-        "--kv-transfer-config: kv_transfer.kv_connector is 'NixlConnector'; this build has no "
-        "KV connectors (choose one of: none)" in said
+        "--kv-transfer-config: kv_transfer.kv_connector is 'Nixl'; choose one of GrpcConnector"
+        in said
     )
 
 
-@pytest.mark.usefixtures("a_connector")
+def test_a_connector_needs_an_engine_of_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--kv-transfer-config", json.dumps(CONFIG), "--tensor-parallel-size", "2"]
+    with pytest.raises(SystemExit):
+        parse_config(["--worker-addrs", "h:1,h:2", *argv], {})
+    said = capsys.readouterr().err
+    assert "kv_transfer.kv_connector is 'GrpcConnector' with tensor_parallel_size 2" in said
+    assert "between engines of one rank each" in said
+
+
+def test_a_module_path_names_a_connector_outside_the_build() -> None:
+    row = KVConnector("Mine", "a:B", "c:D", "mine")
+    module = types.ModuleType("my_connector_row")
+    module.KV_CONNECTOR = row  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        assert kv_connector_names.find_connector("Mine", module.__name__) is row
+        transfer = KVTransferOptions("Mine", "kv_both", kv_connector_module_path=module.__name__)
+        validate(engine_options(kv_transfer=transfer))
+        with pytest.raises(LookupError, match="defines no KV_CONNECTOR row named 'Other'"):
+            kv_connector_names.find_connector("Other", module.__name__)
+    finally:
+        del sys.modules[module.__name__]
+    with pytest.raises(LookupError, match="'no_such_module_x' cannot be imported"):
+        kv_connector_names.find_connector("Mine", "no_such_module_x")
+
+
 def test_a_role_outside_the_choices_is_refused_naming_the_field(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -87,18 +108,17 @@ def test_a_role_outside_the_choices_is_refused_naming_the_field(
         "--kv-transfer-config: kv_transfer.kv_role is 'kv_x'; choose one of kv_producer, "
         "kv_consumer, kv_both" in said
     )
-    unnamed = {"kv_connector": "NixlConnector"}
+    unnamed = {"kv_connector": "GrpcConnector"}
     assert "kv_transfer.kv_role is ''" in refusal(
         capsys, ["--kv-transfer-config", json.dumps(unnamed)]
     )
 
 
-@pytest.mark.usefixtures("a_connector")
 def test_the_rules_name_the_field_and_another_connector_is_refused() -> None:
     options = engine_options(kv_transfer=KVTransferOptions("Other", "kv_both"))
     with pytest.raises(InvalidEngineOptions, match="kv_transfer.kv_connector is 'Other'; choose"):
         validate(options)
-    bad_extra = engine_options(kv_transfer=KVTransferOptions("NixlConnector", "kv_both", "[1]"))
+    bad_extra = engine_options(kv_transfer=KVTransferOptions("GrpcConnector", "kv_both", "[1]"))
     with pytest.raises(InvalidEngineOptions, match="kv_connector_extra_config must be a JSON"):
         validate(bad_extra)
 
