@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev bytecode lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
+.PHONY: setup setup-dev bytecode lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-pd bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Every venv is installed from the lock (locks/*.txt: hashed pins that `uv pip compile` resolved,
 # `make lock` writes them; tools/lock.py says which lock serves which set-up path), so a release
@@ -208,6 +208,11 @@ bench-peer: setup-dev bytecode $(VLLM_VENV)/.installed
 # BENCH_SCALEOUT_ARGS="--rounds 1 --engines 2 --groups 2 --sessions-per-group 2 --rates 1"
 bench-scaleout: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
+
+# Prefill/decode disaggregation (1 prefill + 1 decode engine, GrpcConnector) against 2 aggregated
+# engines behind the same smg gateway, SmolLM2, 3 alternating rounds (benchmarks/pd.py; <= 40 min).
+bench-pd: setup-dev bytecode
+	$(PY) -m benchmarks.pd $(BENCH_PD_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -106,16 +106,31 @@ def smg_binary() -> str:
 
 
 class Gateway:
-    """`smg launch` on a free loopback port, routing to `worker_addrs` over gRPC."""
+    """`smg launch` on a free loopback port, routing to `worker_addrs` over gRPC; with `prefill`
+    and `decode` addresses instead, in its prefill/decode mode (--pd-disaggregation)."""
 
-    def __init__(self, worker_addrs: list[str], log_path: Path, policy: str = "cache_aware"):
+    def __init__(
+        self,
+        worker_addrs: list[str],
+        log_path: Path,
+        policy: str = "cache_aware",
+        prefill: list[str] | None = None,
+        decode: list[str] | None = None,
+    ):
         (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-            "--worker-urls", *(f"grpc://{addr}" for addr in worker_addrs),
             "--policy", policy, "--log-level", "info",
         ]  # fmt: skip
+        if prefill or decode:
+            command.append("--pd-disaggregation")
+            for addr in prefill or []:
+                command += ["--prefill", f"grpc://{addr}"]
+            for addr in decode or []:
+                command += ["--decode", f"grpc://{addr}"]
+        else:
+            command += ["--worker-urls", *(f"grpc://{addr}" for addr in worker_addrs)]
         self.log_path = log_path
         self.process = subprocess.Popen(  # its own group: `smg` runs the router as a child
             command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True

@@ -1,0 +1,246 @@
+"""Prefill/decode disaggregation through the real gateway: `smg launch --pd-disaggregation` in
+front of a splitserve prefill engine (GrpcConnector, kv_producer) and a decode engine
+(kv_consumer). The gateway sends the prefill leg (max_tokens=1), relays the handoff its
+GenerateComplete carries, and the decode engine pulls the prompt's KV from the prefill engine's
+worker instead of computing it: greedy output equal to one engine's, streaming, the counters that
+show who computed what, an abort that frees KV on both sides, a prefill engine killed before the
+pull (the decode side computes the prompt itself) and forged handoffs (refused, or recomputed)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
+
+from benchmarks.dp_serve import engine_metric
+from tests.e2e.gateway_stack import Gateway
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.slow
+FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
+PROMPT = list(range(40, 140))
+"""100 tokens: 6 full blocks and a partial one (block size 16)."""
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+
+
+def connector(role: str, engine_id: str) -> list[str]:
+    config = {"kv_connector": "GrpcConnector", "kv_role": role, "engine_id": engine_id}
+    return [*FLAGS, "--kv-transfer-config", json.dumps(config)]
+
+
+def start_stacks(model: Path, *roles: tuple[str, str]) -> list[Stack]:
+    stacks = [Stack(model, core_flags=connector(role, name)) for role, name in roles]
+    started: list[Stack] = []
+    try:
+        for stack in stacks:
+            started.append(stack.start())
+    except Exception:
+        for stack in started:
+            stack.stop()
+        raise
+    return stacks
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path) -> Iterator[tuple[Stack, Stack]]:
+    prefill, decode = start_stacks(
+        tiny_model_dir, ("kv_producer", "prefill-0"), ("kv_consumer", "decode-0")
+    )
+    try:
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    engines: tuple[Stack, Stack], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    prefill, decode = engines
+    log = tmp_path_factory.mktemp("smg") / "smg.log"
+    gateway = Gateway([], log, prefill=[prefill.frontend], decode=[decode.frontend])
+    try:
+        gateway.wait_ready("tiny-llama-v1")
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+
+
+def stub(stack: Stack) -> pb_grpc.VllmEngineStub:
+    return pb_grpc.VllmEngineStub(grpc.insecure_channel(stack.frontend))
+
+
+def tokenized(request_id: str, max_tokens: int, **fields: Any) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=params,
+        stream=False,
+        **fields,
+    )
+
+
+def complete(engine: Stack, request: pb.GenerateRequest) -> pb.GenerateComplete:
+    (reply,) = stub(engine).Generate(request, timeout=60)
+    return reply.complete
+
+
+def wait_kv_free(*stacks: Stack, within: float) -> float:
+    """Seconds until no block is used (nor leased) on any of the stacks; fails after `within`."""
+    started = time.monotonic()
+    while True:
+        stats = [s.scheduler_stats() for s in stacks]
+        if all(s.num_used_blocks == 0 and s.num_sending_reqs == 0 for s in stats):
+            return time.monotonic() - started
+        assert time.monotonic() - started < within, [str(s) for s in stats]
+        time.sleep(0.02)
+
+
+def test_the_engines_advertise_their_connector_to_the_gateway(engines: tuple[Stack, Stack]) -> None:
+    for engine, role, engine_id in zip(
+        engines, ("kv_producer", "kv_consumer"), ("prefill-0", "decode-0"), strict=True
+    ):
+        info = stub(engine).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert (info.kv_connector, info.kv_role, info.kv_engine_id) == (
+            "GrpcConnector",
+            role,
+            engine_id,
+        )
+
+
+def test_chat_and_completions_through_pd_equal_one_engine(
+    engines: tuple[Stack, Stack], gateway: str
+) -> None:
+    """The decode engine computed (almost) none of the prompt: its external hits grew by the
+    prompt, the prefill engine's prompt tokens by the prompt; the text equals the decode engine
+    serving the same request alone (no handoff: it computes the prompt itself)."""
+    prefill, decode = engines
+    alone = client(decode.http)
+    through = client(gateway)
+    model = through.models.list().data[0].id
+    messages = [{"role": "user", "content": "a quiet river runs under the old stone bridge"}]
+    hits, computed = (
+        engine_metric(decode.http[7:], EXTERNAL_HITS),
+        engine_metric(prefill.http[7:], PROMPT_TOKENS),
+    )
+    reply = through.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )  # type: ignore[arg-type]
+    assert reply.usage is not None
+    prompt_len = reply.usage.prompt_tokens
+    assert engine_metric(decode.http[7:], EXTERNAL_HITS) - hits == prompt_len
+    assert engine_metric(prefill.http[7:], PROMPT_TOKENS) - computed == prompt_len
+    reference = alone.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )  # type: ignore[arg-type]
+    assert reply.choices[0].message.content == reference.choices[0].message.content
+    text = "the old stone bridge over a quiet river"
+    done = through.completions.create(model=model, prompt=text, max_tokens=16, temperature=0)
+    assert (
+        done.choices[0].text
+        == alone.completions.create(model=model, prompt=text, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    streamed = through.completions.create(
+        model=model, prompt=text, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    wait_kv_free(prefill, decode, within=2.0)
+
+
+def test_an_abort_through_the_gateway_frees_kv_on_both_sides(
+    engines: tuple[Stack, Stack], gateway: str
+) -> None:
+    prefill, decode = engines
+    through = client(gateway)
+    model = through.models.list().data[0].id
+    stream = through.completions.create(
+        model=model,
+        prompt="count slowly",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert wait_kv_free(prefill, decode, within=1.5) <= 1.5
+
+
+def test_a_handoff_from_the_prefill_engine_is_pulled_by_the_decode_engine(
+    engines: tuple[Stack, Stack],
+) -> None:
+    """The gRPC legs by hand, as the gateway sends them: the producer's GenerateComplete carries
+    NixlConnector's handoff keys; the consumer given it generates what it generates alone."""
+    prefill, decode = engines
+    expected = list(complete(decode, tokenized("alone", 12)).output_ids)
+    handoff = complete(prefill, tokenized("pd-1", 1)).kv_transfer_params_json
+    params = json.loads(handoff)
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "prefill-0"
+    assert len(params["remote_block_ids"]) == -(-len(PROMPT) // 16)
+    hits = engine_metric(decode.http[7:], EXTERNAL_HITS)
+    got = complete(decode, tokenized("pd-1", 12, kv_transfer_params_json=handoff))
+    assert list(got.output_ids) == expected
+    assert engine_metric(decode.http[7:], EXTERNAL_HITS) - hits == len(PROMPT)
+    wait_kv_free(prefill, decode, within=2.0)
+
+
+def test_forged_handoffs_are_refused_or_recomputed_and_serving_continues(
+    engines: tuple[Stack, Stack],
+) -> None:
+    prefill, decode = engines
+    expected = list(complete(decode, tokenized("alone-2", 8)).output_ids)
+    real = json.loads(complete(prefill, tokenized("pd-2", 1)).kv_transfer_params_json)
+    malformed = real | {"remote_block_ids": "1,2,3"}
+    with pytest.raises(grpc.RpcError) as refused:
+        complete(decode, tokenized("bad", 8, kv_transfer_params_json=json.dumps(malformed)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "remote_block_ids" in str(refused.value.details())
+    # Well-formed but not what the producer leased: it refuses the pull, the consumer computes.
+    for forged in (
+        real | {"transfer_id": "0" * 32},
+        real | {"remote_block_ids": real["remote_block_ids"][::-1]},
+    ):
+        got = complete(decode, tokenized("forged", 8, kv_transfer_params_json=json.dumps(forged)))
+        assert list(got.output_ids) == expected
+    got = complete(decode, tokenized("pd-2", 8, kv_transfer_params_json=json.dumps(real)))
+    assert list(got.output_ids) == expected
+    wait_kv_free(prefill, decode, within=2.0)
+
+
+def test_a_prefill_engine_killed_before_the_pull_leaves_the_decode_side_to_compute(
+    tiny_model_dir: Path,
+) -> None:
+    """Its worker is gone when the consumer pulls: the load fails and the consumer computes the
+    prompt itself (vLLM's kv_load_failure_policy "recompute"); the client sees no error."""
+    prefill, decode = start_stacks(
+        tiny_model_dir, ("kv_producer", "prefill-k"), ("kv_consumer", "decode-k")
+    )
+    try:
+        expected = list(complete(decode, tokenized("alone-k", 8)).output_ids)
+        handoff = complete(prefill, tokenized("pd-k", 1)).kv_transfer_params_json
+        prefill.stop()
+        got = complete(decode, tokenized("pd-k", 8, kv_transfer_params_json=handoff))
+        assert list(got.output_ids) == expected
+        wait_kv_free(decode, within=2.0)
+    finally:
+        prefill.stop()
+        decode.stop()
