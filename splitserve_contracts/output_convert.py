@@ -126,6 +126,10 @@ def scheduler_stats_to_proto(
     msg.external_prefix_cache_hits = record.external_prefix_cache_hits
     msg.num_waiting_for_remote_kvs = record.num_waiting_for_remote_kvs
     msg.num_sending_reqs = record.num_sending_reqs
+    msg.kv_transfer_received_bytes = record.kv_transfer_received_bytes
+    msg.kv_transfer_seconds = record.kv_transfer_seconds
+    msg.kv_transfer_num_loads = record.kv_transfer_num_loads
+    msg.kv_transfer_num_failed_loads = record.kv_transfer_num_failed_loads
     return msg
 
 
@@ -159,6 +163,10 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         external_prefix_cache_hits=msg.external_prefix_cache_hits,
         num_waiting_for_remote_kvs=msg.num_waiting_for_remote_kvs,
         num_sending_reqs=msg.num_sending_reqs,
+        kv_transfer_received_bytes=msg.kv_transfer_received_bytes,
+        kv_transfer_seconds=msg.kv_transfer_seconds,
+        kv_transfer_num_loads=msg.kv_transfer_num_loads,
+        kv_transfer_num_failed_loads=msg.kv_transfer_num_failed_loads,
     )
 
 
@@ -289,7 +297,5 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         num_sampled_token_ids=list(msg.num_sampled_token_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
         pooler_outputs=[pooler_output_from_proto(item) for item in msg.pooler_outputs],
-        kv_connector_output=k_v_connector_output_from_proto(msg.kv_connector_output)
-        if msg.HasField("kv_connector_output")
-        else None,
+        kv_connector_output=k_v_connector_output_from_proto(msg.kv_connector_output) if msg.HasField("kv_connector_output") else None,
     )

@@ -276,6 +276,20 @@ class SchedulerStats:
     ended).
     """
 
+    kv_transfer_received_bytes: int = 0
+    """Bytes of KV the connector loaded from peers, cumulative."""
+
+    kv_transfer_seconds: float = 0.0
+    """Seconds those loads took (from start to the last byte written, summed over the loads),
+    cumulative.
+    """
+
+    kv_transfer_num_loads: int = 0
+    """Loads that finished, cumulative."""
+
+    kv_transfer_num_failed_loads: int = 0
+    """Loads that failed (the engine computed those prompts itself), cumulative."""
+
 
 @dataclass(slots=True)
 class StepTimings:
