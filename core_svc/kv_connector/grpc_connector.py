@@ -132,7 +132,11 @@ class GrpcConnectorScheduler(KVConnectorScheduler):
             self._loading.discard(handle)
             self._cancelled.append(handle)
             return True, None  # freed once the ranks report they stopped writing
-        if request.status not in _HANDED_OFF or not self._hands_off(request):
+        if (
+            request.status not in _HANDED_OFF
+            or request.pooling_task
+            or not self._hands_off(request)
+        ):
             return False, None
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
         prompt_blocks = block_ids[:num_blocks]

@@ -96,6 +96,7 @@ class KVTransfers(SchedulerState):
         request, num_external = entry
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.num_tokens - 1
+        request.kv_transfer_params = None  # used: a preemption later computes it all here
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         self.waiting.prepend_request(request)
         self.num_waiting_tokens += request.num_tokens

@@ -131,9 +131,10 @@ def test_the_handoff_and_the_metadata_travel() -> None:
     assert not convert.scheduler_output_to_proto(plain_executor.seen[-1]).kv_connector_metadata
 
 
-def test_the_loop_polls_the_ranks_while_a_lease_runs_then_blocks() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_loop_polls_the_ranks_while_a_lease_runs_then_blocks(async_scheduling: bool) -> None:
     """No busy spin: the empty steps come every poll interval (10 ms), not back to back."""
-    engine, executor, connector = kv_engine("kv_producer")
+    engine, executor, connector = kv_engine("kv_producer", async_scheduling=async_scheduling)
     done = threading.Event()
 
     def sink(client_id: int, outputs: object) -> None:
