@@ -11,6 +11,7 @@ from core_svc.config import CoreConfig
 from core_svc.engine.engine_core import EngineCore
 from core_svc.engine.engine_inbox import EngineInbox
 from core_svc.executor.abstract import Executor
+from core_svc.kv_connector.factory import create_kv_connector
 from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.structured_output.manager import StructuredOutputsConfig
 from core_svc.worker_pool import ModelFacts
@@ -54,7 +55,8 @@ def build_engine(
     config: CoreConfig, facts: ModelFacts, executor: Executor, inbox: EngineInbox
 ) -> EngineCore:
     """The engine core stepping `executor`; it suspends on a lost rank when recovery is on;
-    a grammar compiled off its loop wakes the loop through `inbox`."""
+    a grammar compiled off its loop wakes the loop through `inbox`; its KV connector is the one
+    the options' kv_transfer names (core_svc/kv_connector/factory.py)."""
     return EngineCore(
         scheduler_config(config, facts),
         cache_config(config, facts),
@@ -64,4 +66,7 @@ def build_engine(
             compile_timeout_s=config.options.structured_outputs.compile_timeout
         ),
         wake=inbox.wake,
+        kv_connector=create_kv_connector(
+            config.options.kv_transfer, config.options.cache.block_size, config.worker_addrs
+        ),
     )

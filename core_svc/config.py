@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 from core_svc.core_flags import CORE_FLAGS, DEFAULT_METRICS_PORT, DEFAULT_PORT
+from core_svc.kv_connector.factory import kv_connector_settings_problem, with_kv_engine_id
 from core_svc.lora import LoraModule
 from core_svc.sched.scheduler_config import DEFAULT_MAX_NUM_BATCHED_TOKENS_PER_RANK
 from splitserve_contracts.engine_options_types import FIELD_GROUP, EngineOptions
@@ -120,18 +121,22 @@ def parse_config(
         host = args.worker_addrs[0].rsplit(":", 1)[0]
         values["distributed_init_method"] = f"tcp://{host}:29500"
     values["options"] = _options(parser, values, lora_on)
+    problem = kv_connector_settings_problem(values["options"], args.worker_addrs)
+    if problem is not None:
+        parser.error(f"--kv-transfer-config: {problem}")
     return CoreConfig(**values)
 
 
 def _options(parser: FlagParser, values: dict[str, Any], lora_on: bool) -> EngineOptions:
     """The engine options the flags filled (taken out of `values`), checked by the rules the
-    ranks apply to LoadModel; a refusal names the flag and the field."""
+    ranks apply to LoadModel; a refusal names the flag and the field. A KV connector's engine
+    id is chosen here when the flags leave it "", so the ranks get the core's."""
     spec = values["speculative_config"]
     options = engine_options(filled_options(CORE_FLAGS, values))
     options = replace(options, lora=lora_options(lora_on, options.lora))
     values["speculative_config"] = spec
     try:
-        return validate(options)
+        return with_kv_engine_id(validate(options))
     except ValueError as err:
         path = getattr(err, "field", "")
         rows = [row for row in CORE_FLAGS if row.fills and f"{path}.".startswith(f"{row.fills}.")]

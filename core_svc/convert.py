@@ -6,7 +6,9 @@ call per column) so a step with a thousand requests costs a handful of calls.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +48,7 @@ def request_from_proto(
         if params is not None:
             end_id = msg.reasoning_end_token_id if msg.HasField("reasoning_end_token_id") else None
             structured = StructuredOutputRequest(params, end_id)
+    kv_params, kv_problem = _kv_transfer_params(msg.kv_transfer_params_json)
     return Request(
         client_id=client_id,
         client_handle=msg.request_handle,
@@ -72,7 +75,25 @@ def request_from_proto(
         trace=request_trace(msg.trace_context.traceparent, msg.trace_context.tracestate)
         if is_tracing
         else None,
+        kv_transfer_params=kv_params,
+        kv_transfer_params_problem=kv_problem,
     )
+
+
+def _kv_transfer_params(text: str) -> tuple[dict[str, Any] | None, str]:
+    """The request's kv_transfer_params ("", "{}" and "null": none) and why they are no JSON
+    object ("" when they are; the engine refuses the request then)."""
+    if not text:
+        return None, ""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        return None, f"kv_transfer_params: not JSON ({err})"
+    if value is None or value == {}:
+        return None, ""
+    if not isinstance(value, dict):
+        return None, "kv_transfer_params: expected a JSON object"
+    return value, ""
 
 
 def _lora_request(name: str, loras: LoraRegistry | None) -> LoraRequest | None:
@@ -100,6 +121,8 @@ def _detail_to_proto(detail: EngineCoreOutput, msg: core_pb2.EngineCoreOutput) -
     msg.error_kind = core_pb2.ErrorKind.ValueType(detail.error_kind)
     if detail.pooling_output:
         msg.pooling_output = detail.pooling_output
+    if detail.kv_transfer_params_json:
+        msg.kv_transfer_params_json = detail.kv_transfer_params_json
 
 
 def engine_core_outputs_to_proto(
@@ -205,6 +228,8 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         msg.lora_slots.lora_ids.extend(slots.lora_ids)
         msg.lora_slots.lora_paths.extend(slots.lora_paths)
     msg.free_lora_ids.extend(output.free_lora_ids)
+    if output.kv_connector_metadata:
+        msg.kv_connector_metadata = output.kv_connector_metadata
     return msg
 
 

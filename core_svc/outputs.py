@@ -32,6 +32,8 @@ class EngineCoreOutput:
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     pooling_output: bytes = b""
     """A pooling request's pooled vector, with its finish."""
+    kv_transfer_params_json: str = ""
+    """A KV producer's handoff (vLLM's kv_transfer_params, a JSON object), with its finish."""
 
 
 @dataclass(slots=True)

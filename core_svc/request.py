@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core_svc.lora import LoraRequest
 from core_svc.mm_inputs import MultiModalFeatureSpec
@@ -30,6 +30,9 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KVS = 7
+    """Its blocks are allocated and a KV connector loads its prompt from a peer; it is in
+    neither the waiting queue nor the running set (core_svc/sched/kv_transfers.py)."""
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -97,6 +100,8 @@ class Request:
         "trace",
         "pooling_task",
         "pooling_output",
+        "kv_transfer_params",
+        "kv_transfer_params_problem",
     )
 
     def __init__(
@@ -122,8 +127,18 @@ class Request:
         lora: LoraRequest | None = None,
         trace: RequestTrace | None = None,
         pooling_task: str = "",
+        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params_problem: str = "",
     ) -> None:
         self._init_engine_state()
+        self.kv_transfer_params = kv_transfer_params
+        """vLLM's kv_transfer_params (a KV connector's, None: none): as the client sent them
+        (a consumer's handoff, a producer's do_remote_decode); once the request finished on an
+        engine with a connector, what the connector returned for its final output (a producer's
+        handoff)."""
+        self.kv_transfer_params_problem = kv_transfer_params_problem
+        """Why the client's kv_transfer_params_json is no JSON object ("" when it is); the
+        request is refused."""
         self.pooling_task = pooling_task
         """A pooling request's task ("embed"); "" for a generation request. A pooling
         request computes its prompt (never read from the prefix cache: every position is

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from core_svc.engine.engine_core_steps import EngineCoreSteps
-from core_svc.engine.request_checks import invalid_request_reason
+from core_svc.engine.request_checks import invalid_request_reason, kv_transfer_params_problem
 from core_svc.kv_cache.kv_events import KVEventBatch, KVEventRecorder
 from core_svc.request import Request, RequestStatus
 from core_svc.sched.admission import overload_reason
@@ -71,6 +71,8 @@ class EngineCore(EngineCoreSteps):
         if self.is_draining:
             return ErrorKind.ENGINE_FAILURE, "the engine is shutting down; retry elsewhere"
         problem = invalid_request_reason(request, self.scheduler_config)
+        if problem is None:
+            problem = kv_transfer_params_problem(request, self.kv_connector is not None)
         if problem is None and self.clients.is_handle_in_use(request):
             problem = f"request handle {request.client_handle} is already in use by this client"
         if problem is None:

@@ -16,6 +16,7 @@ from core_svc.engine.batch_queue import BatchQueue
 from core_svc.engine.client_requests import ClientRequests
 from core_svc.executor.abstract import Executor, Fault
 from core_svc.kv_cache.kv_cache_manager import KVCacheManager
+from core_svc.kv_connector.base import KVConnectorScheduler
 from core_svc.request import Request
 from core_svc.sched.admission import kv_capacity_problem
 from core_svc.sched.async_scheduler import AsyncScheduler
@@ -40,6 +41,7 @@ class EngineCoreState:
         can_recover: bool = False,
         structured_outputs_config: StructuredOutputsConfig = DEFAULT_STRUCTURED_OUTPUTS,
         wake: Callable[[], None] = lambda: None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -54,7 +56,11 @@ class EngineCoreState:
         scheduler_class = (
             AsyncScheduler if scheduler_config.scheduler.async_scheduling else Scheduler
         )
-        self.scheduler = scheduler_class(scheduler_config, cache_config, self.kv_cache_manager)
+        self.scheduler = scheduler_class(
+            scheduler_config, cache_config, self.kv_cache_manager, kv_connector
+        )
+        self.kv_connector = kv_connector
+        """Moves KV to and from other engines (--kv-transfer-config; None: none)."""
         self.structured = StructuredRequests(
             scheduler_config.vocab_size,
             structured_outputs_config,

@@ -36,7 +36,8 @@ class EngineCoreSteps(EngineCoreFaults):
 
     def has_work(self) -> bool:
         """Whether step() has anything to do: requests to run, finished handles to tell
-        the workers about, a step in flight, or outputs of refused requests to return."""
+        the workers about, a step in flight, or outputs of refused requests to return (a KV
+        connector's transfers alone are not: `polls_kv_connector`)."""
         return (
             bool(self.clients.pending)
             or self.structured.has_news
@@ -45,7 +46,14 @@ class EngineCoreSteps(EngineCoreFaults):
 
     def _has_step_to_schedule(self) -> bool:
         scheduler = self.scheduler
-        return scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
+        return scheduler.has_requests_to_step() or scheduler.has_finished_requests()
+
+    def polls_kv_connector(self) -> bool:
+        """Whether the KV connector has transfers in progress (or metadata to send): with
+        nothing else to do, the loop sends an empty step every `kv_connector.poll_interval`
+        so the ranks can report them."""
+        connector = self.kv_connector
+        return connector is not None and self.can_step and connector.has_pending()
 
     def step(self, before_update: Callable[[], None] | None = None) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute and apply one step; returns the outputs per client_id.
@@ -62,7 +70,7 @@ class EngineCoreSteps(EngineCoreFaults):
         if self.can_step:
             if self._batch_queue is not None:
                 step_outputs = self._step_ahead(self._batch_queue, before_update)
-            elif self._has_step_to_schedule():
+            elif self._has_step_to_schedule() or self.polls_kv_connector():
                 step_outputs = self._step_in_lockstep(before_update)
             else:
                 step_outputs = {}
@@ -88,7 +96,9 @@ class EngineCoreSteps(EngineCoreFaults):
         deferred = None
         if queue and not self.scheduler.prefill_policy.may_schedule_ahead():
             pass  # the step in flight computes prompt tokens: the next one waits for it
-        elif not queue.is_full and self._has_step_to_schedule():
+        elif not queue.is_full and (
+            self._has_step_to_schedule() or (not queue and self.polls_kv_connector())
+        ):  # an empty step for the KV connector only when none is in flight
             step = self.scheduler.schedule()
             if self.scheduler.num_structured and not self._fill_grammar(step):
                 deferred = step  # its bitmask needs the older step's tokens

@@ -15,6 +15,7 @@ no-op.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterable
@@ -169,10 +170,13 @@ class EngineInbox:
         """Stop the loop after the current iteration."""
         self._queue.put(EngineCommand(CommandKind.SHUTDOWN))
 
-    def take(self, wait: bool) -> list[EngineCommand]:
-        """The loop: every command waiting (blocking for the first when `wait`); the side list
-        of aborts starts over."""
-        commands = [self._queue.get()] if wait else []
+    def take(self, wait: bool, timeout: float | None = None) -> list[EngineCommand]:
+        """The loop: every command waiting (blocking for the first when `wait`, for at most
+        `timeout` seconds when given); the side list of aborts starts over."""
+        commands = []
+        if wait:
+            with contextlib.suppress(queue.Empty):
+                commands.append(self._queue.get(timeout=timeout))
         with self._lock:
             while True:
                 try:

@@ -2,8 +2,9 @@
 
 Everyone else only puts commands in the loop's EngineInbox (core_svc/engine/engine_inbox.py); the loop
 thread owns the EngineCore. Each iteration (1) takes every pending command, blocking on the
-inbox when there is nothing to step, then (2) runs one step and hands each client's outputs to
-`output_sink`. A rank restart (core_svc/recovery.py) talks to the loop the same way: the
+inbox when there is nothing to step (for at most the KV connector's poll interval while it has
+transfers in progress: then the step is an empty one, for the ranks to report them), then (2)
+runs one step and hands each client's outputs to `output_sink`. A rank restart (core_svc/recovery.py) talks to the loop the same way: the
 executor's failure, the new executor once the ranks are back, or giving up, are commands in the
 same order as the clients' adds and aborts.
 """
@@ -78,9 +79,13 @@ class EngineCoreProc:
 
     @property
     def is_idle(self) -> bool:
-        """No request runs or waits (as of the loop's latest iteration)."""
+        """No request runs or waits, for its KV too (as of the loop's latest iteration)."""
         stats = self._stats
-        return stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+        return (
+            stats.num_running_reqs == 0
+            and stats.num_waiting_reqs == 0
+            and stats.num_waiting_for_remote_kvs == 0
+        )
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish the current iteration, stop the loop and shut the executor down."""
@@ -105,13 +110,16 @@ class EngineCoreProc:
 
     def _run_once(self) -> bool:
         """One iteration; False once a shutdown command was met."""
-        engine_core = self.engine_core
-        for command in self.inbox.take(wait=not engine_core.has_work()):
+        engine_core, connector = self.engine_core, self.engine_core.kv_connector
+        is_busy = engine_core.has_work()
+        polls = not is_busy and engine_core.polls_kv_connector()  # an empty step, after a while
+        timeout = connector.poll_interval if polls and connector is not None else None
+        for command in self.inbox.take(wait=not is_busy, timeout=timeout):
             if command.kind is CommandKind.SHUTDOWN:
                 return False
             self._apply(command)
         step_seconds, stats = None, None
-        if engine_core.has_work():
+        if engine_core.has_work() or (polls and engine_core.polls_kv_connector()):
             started, num_applied = time.perf_counter(), engine_core.num_steps_applied
             outputs = engine_core.step(self._apply_step_aborts)
             if engine_core.num_steps_applied > num_applied:  # not a call that only sent a step

@@ -73,6 +73,16 @@ def invalid_request_reason(request: Request, scheduler_config: SchedulerConfig) 
     )
 
 
+def kv_transfer_params_problem(request: Request, has_connector: bool) -> str | None:
+    """The request's kv_transfer_params are no JSON object, or the engine has no KV connector to
+    give them to (the connector checks what they say when it admits the request)."""
+    if request.kv_transfer_params_problem:
+        return request.kv_transfer_params_problem
+    if request.kv_transfer_params is not None and not has_connector:
+        return "kv_transfer_params: this engine has no KV connector (--kv-transfer-config)"
+    return None
+
+
 def _lora_problem(name: str, scheduler_config: SchedulerConfig) -> str:
     if not lora_enabled(scheduler_config.lora):
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 
@@ -21,6 +22,7 @@ def make_detail(
     """A request's details beyond its new tokens: finish, logprobs, pending events, and
     the prefix-cache hit with its first token."""
     is_first_token = len(request.output_token_ids) == 1
+    kv_params = request.kv_transfer_params
     return EngineCoreOutput(
         request_handle=request.client_handle,
         finish_reason=request.status.finish_reason,
@@ -32,6 +34,9 @@ def make_detail(
         error_message=request.error_message,
         error_kind=request.error_kind,
         pooling_output=request.pooling_output,
+        kv_transfer_params_json=json.dumps(kv_params)
+        if kv_params is not None and request.is_finished
+        else "",
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
-from core_svc.sched.engine_outputs import make_final_outputs, make_update_outputs
+from core_svc.sched.engine_outputs import make_final_outputs, make_update_outputs, merge_outputs
 from core_svc.sched.running_pass import RunningPass
 from core_svc.sched.scheduler_output import SchedulerOutput
 from core_svc.sched.step_builder import StepBuilder
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 _RUNNING = RequestStatus.RUNNING
+_LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class Scheduler(RunningPass, WaitingPass):
@@ -33,7 +34,9 @@ class Scheduler(RunningPass, WaitingPass):
     left, unless something was preempted this step.
 
     Invariants: every request in `requests` is in exactly one of `running` (status
-    RUNNING) or `waiting` (WAITING or PREEMPTED, 0 computed tokens, no blocks).
+    RUNNING), `waiting` (WAITING or PREEMPTED, 0 computed tokens, no blocks; but for a request
+    whose KV a connector loaded: its blocks, all but its last prompt token computed) or
+    `loading` (WAITING_FOR_REMOTE_KVS, with a KV connector only: kv_transfers.py).
 
     This scheduler runs in lockstep: one step in flight, applied before the next is built.
     AsyncScheduler (core_svc/sched/async_scheduler.py) schedules ahead through the hooks
@@ -68,6 +71,10 @@ class Scheduler(RunningPass, WaitingPass):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_requests_to_step(self) -> bool:
+        """Requests a step may schedule (those waiting for their KV to arrive are not)."""
+        return len(self.requests) > len(self.loading)
+
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_handles)
 
@@ -89,6 +96,8 @@ class Scheduler(RunningPass, WaitingPass):
         output, scheduled = step.build()
         output.free_encoder_mm_hashes = self.encoder.take_freed()
         output.lora_slots, output.free_lora_ids = self.lora.take_changes()
+        if self.kv_connector is not None:
+            self._add_connector_meta(self.kv_connector, output)
         self.num_scheduled_tokens = output.total_num_scheduled_tokens
         num_computed = [request.num_computed_tokens for request in scheduled]
         in_flight = ScheduledStep(self.step_id, scheduled, num_computed)
@@ -148,13 +157,21 @@ class Scheduler(RunningPass, WaitingPass):
         self.num_generation_tokens += len(update.sampled_token_ids)
         if update.spec_reqs:
             self._roll_back_rejected(update)
-        outputs = make_update_outputs(update, model_runner_output, scheduled.step_id)
+        if self.kv_connector is not None:
+            self._apply_connector_output(self.kv_connector, model_runner_output.kv_connector_output)
         finished = update.finished + update.failed
-        if finished:
+        if finished:  # freed before their outputs are made: a KV connector's handoff joins them
             for request in finished:
                 self._free_request(request)
             self.running = [r for r in self.running if not r.is_finished]
+        outputs = make_update_outputs(update, model_runner_output, scheduled.step_id)
+        if self.refused:
+            merge_outputs(outputs, self._take_refused())
         return outputs
+
+    def _take_refused(self) -> dict[int, EngineCoreOutputs]:
+        refused, self.refused = self.refused, []
+        return make_final_outputs(refused)
 
     @staticmethod
     def _roll_back_rejected(update: StepUpdate) -> None:
@@ -165,7 +182,9 @@ class Scheduler(RunningPass, WaitingPass):
             request.num_computed_tokens -= num_spec - (num_sampled - 1)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        connector = self.kv_connector
+        if connector is None or not self._keeps_blocks(connector, request):
+            self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder.free(request)
         if self.requests.pop(request.req_handle, None) is not None:
@@ -187,7 +206,7 @@ class Scheduler(RunningPass, WaitingPass):
                 continue
             if request.status == _RUNNING:
                 removed_running = True
-            else:
+            elif request.status != _LOADING:
                 removed_waiting.append(request)
             request.finish(status)
             self._free_request(request)
@@ -196,6 +215,11 @@ class Scheduler(RunningPass, WaitingPass):
         if removed_waiting:
             self.waiting.remove_requests(removed_waiting)
             self.num_waiting_tokens -= sum(r.num_tokens for r in removed_waiting)
+
+    def requeue_all(self) -> None:
+        if self.kv_connector is not None:
+            self._drop_kv_transfers(self.kv_connector)
+        super().requeue_all()
 
     def drop_steps_in_flight(self) -> None:
         """The steps in flight will never be applied (the executor is gone)."""
@@ -208,4 +232,5 @@ class Scheduler(RunningPass, WaitingPass):
         for request in requests:
             request.error_kind, request.error_message = kind, message
         self.finish_requests(requests, RequestStatus.FINISHED_ERROR)
-        return make_final_outputs(requests)
+        outputs = make_final_outputs(requests)
+        return merge_outputs(outputs, self._take_refused()) if self.refused else outputs

@@ -129,3 +129,5 @@ class SchedulerOutput:
     num_spec_tokens: list[int] = field(default_factory=list)
     """Speculative decoding: draft slots per scheduled request, in num_scheduled_tokens order
     (each included in its num_scheduled_tokens); empty when the step has none."""
+    kv_connector_metadata: bytes = b""
+    """The KV connector's metadata for the ranks (its own serialized message; b"": none)."""

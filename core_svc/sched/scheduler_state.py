@@ -14,6 +14,7 @@ from collections import deque
 
 from core_svc.kv_cache.block_hash import BlockHasher
 from core_svc.kv_cache.kv_cache_manager import KVCacheManager
+from core_svc.kv_connector.base import KVConnectorScheduler
 from core_svc.request import Request
 from core_svc.sched.encoder_scheduler import EncoderScheduler
 from core_svc.sched.lora_slots import LoraSlotTable
@@ -31,6 +32,7 @@ class SchedulerState:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         options = scheduler_config.scheduler
         self.max_num_seqs = options.max_num_seqs
@@ -81,6 +83,22 @@ class SchedulerState:
         """Tokens sampled since the engine started."""
         self.num_structured = 0
         """Requests with a grammar among `requests` (0: steps skip the grammar work)."""
+        self.kv_connector = kv_connector
+        """Moves KV to and from other engines (None: no --kv-transfer-config; every step then
+        skips the transfers' bookkeeping, kv_transfers.py)."""
+        self.loading: dict[int, tuple[Request, int]] = {}
+        """WAITING_FOR_REMOTE_KVS requests by req_handle, each with the prompt tokens it loads."""
+        self.sending: dict[int, Request] = {}
+        """Finished requests whose blocks are kept for a peer to pull, by req_handle."""
+        self.cancelling: dict[int, Request] = {}
+        """Aborted requests whose load the ranks have not reported stopped yet (blocks kept)."""
+        self.refused: list[Request] = []
+        """Requests the waiting pass failed (their kv_transfer_params); the next applied
+        step's outputs tell their clients."""
+        self.num_external_queries = 0
+        """Prompt tokens of the requests that asked the connector for a load."""
+        self.num_external_hits = 0
+        """Prompt tokens the connector loaded."""
         self._in_flight: deque[ScheduledStep] = deque()
         """Scheduled steps whose outputs are not applied yet, oldest first (at most
         `max_steps_in_flight`)."""

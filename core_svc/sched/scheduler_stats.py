@@ -43,4 +43,8 @@ def make_scheduler_stats(
         # hits read first: a compile thread counts the query before its hit
         structured_output_cache_hits=grammars.num_cache_hits,
         structured_output_cache_queries=grammars.num_cache_queries,
+        external_prefix_cache_queries=scheduler.num_external_queries,
+        external_prefix_cache_hits=scheduler.num_external_hits,
+        num_waiting_for_remote_kvs=len(scheduler.loading),
+        num_sending_reqs=len(scheduler.sending),
     )

@@ -3,18 +3,22 @@ in `Scheduler.schedule`).
 
 A request is admitted whole or not at all: its prefix-cache hit is looked up, its whole
 sequence must fit the free KV blocks, and its first chunk joins the step (new, or resumed
-after a preemption). The scheduler skips this pass in a step that preempted.
+after a preemption). The scheduler skips this pass in a step that preempted. With a KV
+connector a request may load its prompt from a peer instead (kv_transfers.py): it leaves the
+queue to wait for its KV, and comes back with it (its blocks held, all but one prompt token
+computed).
 """
 
 from __future__ import annotations
 
+from core_svc.kv_cache.block_pool import KVCacheBlock
 from core_svc.request import Request, RequestStatus
-from core_svc.sched.scheduler_state import SchedulerState
+from core_svc.sched.kv_transfers import KVTransfers
 from core_svc.sched.step_builder import StepBuilder
 from splitserve_contracts.output_types import EngineCoreEventType
 
 
-class WaitingPass(SchedulerState):
+class WaitingPass(KVTransfers):
     """The scheduler's pass over its waiting queue."""
 
     def _schedule_waiting(
@@ -30,15 +34,27 @@ class WaitingPass(SchedulerState):
         cannot join the step's (no adapter slot is free) is passed over: it keeps its place and waits,
         the requests behind it are tried (vLLM's rule). Returns the prefill budget left."""
         kv = self.kv_cache_manager
+        connector = self.kv_connector
         num_admitted = 0
         token_budget = min(token_budget, prefill_budget)
         passed_over: list[Request] = []
+        hit_blocks: list[KVCacheBlock]
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
             if request.lora is not None and not self.lora.can_run(request.lora):
                 passed_over.append(self.waiting.pop_request())
                 continue
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens
+            if num_computed:  # its KV was loaded from a peer into the blocks it holds
+                hit_blocks, num_hit_tokens = [], num_computed
+            else:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                if connector is not None:
+                    left = self._admit_remote(connector, request, hit_blocks, num_hit_tokens)
+                    if left is None:
+                        break
+                    if left:
+                        continue
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             if self.is_encoder_only:
                 if num_new_tokens < request.num_tokens:
@@ -53,7 +69,11 @@ class WaitingPass(SchedulerState):
                 if num_new_tokens <= 0:
                     break
             blocks = kv.allocate_slots(
-                request, num_new_tokens, num_hit_tokens, hit_blocks, full_sequence_must_fit=True
+                request,
+                num_new_tokens,
+                num_hit_tokens - num_computed,
+                hit_blocks,
+                full_sequence_must_fit=True,
             )
             if blocks is None:
                 break
@@ -76,7 +96,8 @@ class WaitingPass(SchedulerState):
         step (new, or resumed after a preemption)."""
         kv = self.kv_cache_manager
         self.num_waiting_tokens -= request.num_tokens
-        kv.record_prefix_cache_stats(request, num_hit_tokens)
+        if not request.num_computed_tokens:  # a loaded request counted its hit when it parked
+            kv.record_prefix_cache_stats(request, num_hit_tokens)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING

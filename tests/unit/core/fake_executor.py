@@ -23,6 +23,7 @@ from typing import Any
 
 from core_svc.engine.engine_core import EngineCore
 from core_svc.executor.abstract import ExecutorError
+from core_svc.kv_connector.base import KVConnectorScheduler
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import Request
 from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
@@ -252,10 +253,13 @@ def make_engine(
     prefill_token_budget: int = 0,
     async_scheduling: bool = False,
     adaptive_prefill_chunk: int = 0,
+    kv_connector: KVConnectorScheduler | None = None,
+    executor_class: type[FakeExecutor] | None = None,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
-    """An engine on the FakeExecutor; the adaptive prefill chunk is off unless asked for, so
-    the tests of the static limits and of async scheduling see vLLM's behaviour."""
+    """An engine on the FakeExecutor (or `executor_class`, one of its kind); the adaptive
+    prefill chunk is off unless asked for, so the tests of the static limits and of async
+    scheduling see vLLM's behaviour."""
     scheduler_config = SchedulerConfig.of(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -270,8 +274,13 @@ def make_engine(
     cache_config = CacheConfig.of(
         num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
     )
-    executor = FakeExecutor(block_size, num_blocks, feeds_sampled=async_scheduling)
-    return EngineCore(scheduler_config, cache_config, executor, can_recover), executor
+    executor = (executor_class or FakeExecutor)(
+        block_size, num_blocks, feeds_sampled=async_scheduling
+    )
+    engine = EngineCore(
+        scheduler_config, cache_config, executor, can_recover, kv_connector=kv_connector
+    )
+    return engine, executor
 
 
 def make_request(
