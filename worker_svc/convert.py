@@ -111,6 +111,7 @@ def scheduler_output_from_proto(msg: pb.SchedulerOutput) -> SchedulerOutput:
         num_spec_tokens=_column(msg.num_spec_tokens),
         lora_slots=lora_slots_from_proto(msg.lora_slots) if msg.HasField("lora_slots") else None,
         free_lora_ids=tuple(msg.free_lora_ids),
+        kv_connector_metadata=msg.kv_connector_metadata,
     )
 
 

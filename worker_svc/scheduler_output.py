@@ -143,6 +143,9 @@ class SchedulerOutput:
     """LoRA adapters no request uses any more: ranks drop them."""
     num_spec_tokens: IntArray = field(default_factory=_empty)
     """Draft slots per scheduled request, in num_scheduled_tokens order (empty: none)."""
+    kv_connector_metadata: bytes = b""
+    """The KV connector's metadata for the step, in its own encoding (b"": none); a step may
+    schedule no tokens and carry only this."""
 
     @property
     def num_reqs(self) -> int:

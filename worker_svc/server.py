@@ -36,6 +36,7 @@ from splitserve_runtime.tls import peer_identity
 from splitserve_runtime.tracing import Tracing
 from worker_svc import convert
 from worker_svc.cpu_binding import CpuBinding
+from worker_svc.kv_connector.rank_connector import RankKvConnector
 from worker_svc.lora.peft_config import AdapterNotFound
 from worker_svc.metrics import WorkerMetrics
 from worker_svc.model_loader.model_load import LoadedModel, LoadModelConfig, WorkerDescription
@@ -69,7 +70,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     `device` is "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N";
     `rank_hint` picks the CUDA device under "auto" (rank % device count) before LoadModel
-    says the real rank. Step metrics (worker_svc.metrics) are labelled by what LoadModel says.
+    says the real rank; `kv` is the rank's KV connector seam (worker_svc/kv_connector). Step metrics (worker_svc.metrics) are labelled by what LoadModel says.
     """
 
     def __init__(
@@ -81,13 +82,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         profiler_config: ProfilerConfig | None = None,
         tracing: Tracing | None = None,
         cpu_binding: CpuBinding | None = None,
+        kv: RankKvConnector | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._cpu_binding = cpu_binding or CpuBinding()
         self._traces = StepTraces(tracing)
         self._profiler_config = profiler_config or ProfilerConfig()
         self._profiler: RankProfiler | None = None
-        self._worker = Worker(device, rank_hint)
+        self._worker = Worker(device, rank_hint, kv)
         self._metrics = WorkerMetrics(registry)
         self._stall_watch = stall_watch
         self._last_step_id = 0

@@ -25,6 +25,8 @@ from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.kv_quant import kv_cache_torch_dtype
 from worker_svc.attention.selector import available_backends, select_backend
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
+from worker_svc.kv_connector.rank_connector import RankKvConnector
+from worker_svc.kv_connector.step_hooks import run_step_with_connector
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.layers.lora import LoraShape
 from worker_svc.lora.adapter import LoraAdapter
@@ -93,9 +95,12 @@ def keep_freed_host_memory() -> None:
 
 
 class Worker:
-    """One rank. Thread-compatible, not thread-safe: call it from one thread."""
+    """One rank. Thread-compatible, not thread-safe: call it from one thread. `kv` is its KV
+    connector seam (the port's slot for the connector's services)."""
 
-    def __init__(self, device: str = "auto", rank_hint: int = 0) -> None:
+    def __init__(
+        self, device: str = "auto", rank_hint: int = 0, kv: RankKvConnector | None = None
+    ) -> None:
         self.device = resolve_device(device, rank_hint)
         if self.device.type == "cpu":
             keep_freed_host_memory()
@@ -107,6 +112,7 @@ class Worker:
         self.pooler_config: PoolerConfig | None = None
         self.weight_bytes = 0
         self.is_kv_cache_ready = False
+        self.kv = kv or RankKvConnector()
 
     @property
     def is_output_rank(self) -> bool:
@@ -312,6 +318,7 @@ class Worker:
         assert self.config is not None
         nbytes = runner.initialize_kv_cache(num_blocks, self.config.options.cache.block_size)
         runner.warm_up()
+        self.kv.start(self.config.options, runner)
         self.is_kv_cache_ready = True
         return nbytes
 
@@ -322,7 +329,11 @@ class Worker:
         runner = self._require_runner()
         if not self.is_kv_cache_ready:
             raise WorkerStateError("InitializeKvCache must be called before Execute")
-        return runner.execute(step, grammar_source)
+        if (connector := self.kv.connector) is None:
+            return runner.execute(step, grammar_source)
+        return run_step_with_connector(
+            connector, step, lambda: runner.execute(step, grammar_source)
+        )
 
     def read_lora_adapter(self, lora_id: int, lora_path: str) -> LoraAdapter:
         """Read a LoRA adapter for this rank (ValueError: why it cannot be served); changes
@@ -343,6 +354,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Drop the model and cache and leave the process group; a new LoadModel may follow."""
+        self.kv.stop()
         self.runner = None
         self.config = self.model_config = None
         self.is_kv_cache_ready = False

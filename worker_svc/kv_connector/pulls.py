@@ -1,0 +1,173 @@
+"""The consumer's loads: each KvLoad pulls its blocks from the producer's same rank on a small
+thread pool (never on the step thread), writing every chunk into its layer at the local blocks
+after checking it; a cancelled load stops between chunks. Each load reports exactly once:
+finished_recving, or failed_recving with a reason ("cancelled" for a cancelled one)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from splitserve_contracts.kv.v1 import kv_transfer_pb2 as kv_pb
+from splitserve_contracts.kv.v1 import kv_transfer_pb2_grpc as kv_grpc
+from splitserve_runtime.channels import ChannelSecurity, open_channel
+from worker_svc.kv_connector.block_io import BlockIO
+from worker_svc.kv_connector.chunk_writer import ChunkWriter, LoadFailed
+from worker_svc.kv_connector.kv_convert import KvLoad, layout_to_proto
+from worker_svc.kv_connector.layout import KvLayout
+from worker_svc.kv_connector.reports import Reports
+
+logger = logging.getLogger(__name__)
+
+PULL_THREADS = 2
+PULL_TIMEOUT_SECONDS = 120.0
+HANDSHAKE_TIMEOUT_SECONDS = 10.0
+CHUNK_BYTES = 4 << 20
+REMEMBERED_LOADS = 4096
+"""Ended loads kept so that cancelling one after it reported adds no second report."""
+
+
+@dataclass(slots=True)
+class _Load:
+    load: KvLoad
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    call: Any = None
+    """The PullKv call once started (cancelled from the step thread)."""
+
+
+class Pulls:
+    """The rank's loads in progress. start/cancel from the step thread; reports to `reports`."""
+
+    def __init__(
+        self, blocks: BlockIO, layout: KvLayout, security: ChannelSecurity, reports: Reports
+    ) -> None:
+        self.blocks, self.layout, self.security, self.reports = blocks, layout, security, reports
+        self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
+        self._lock = threading.Lock()
+        self._active: dict[int, _Load] = {}
+        self._ended: OrderedDict[int, None] = OrderedDict()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._shaken: set[str] = set()
+
+    def start(self, load: KvLoad) -> None:
+        state = _Load(load)
+        with self._lock:
+            self._active[load.req_handle] = state
+        self._pool.submit(self._run, state)
+
+    def cancel(self, req_handles: Iterable[int]) -> None:
+        """Cancel these loads (their failed_recving "cancelled" follows once they stopped
+        writing); a handle this rank never loaded is reported at once."""
+        for handle in req_handles:
+            with self._lock:
+                state = self._active.get(handle)
+                is_ended = handle in self._ended
+            if state is not None:
+                state.cancelled.set()
+                if state.call is not None:
+                    state.call.cancel()
+            elif not is_ended:
+                self.reports.failed(handle, "cancelled")
+
+    def _run(self, state: _Load) -> None:
+        handle, started = state.load.req_handle, time.perf_counter()
+        try:
+            num_bytes = self._pull(state)
+            if state.cancelled.is_set():
+                raise LoadFailed("cancelled")
+        except LoadFailed as e:
+            self._end(handle, str(e))
+        except grpc.RpcError as e:
+            reason = "cancelled" if state.cancelled.is_set() else _rpc_reason("PullKv", e)
+            self._end(handle, reason)
+        except Exception as e:  # noqa: BLE001 (the load fails; the engine core recomputes)
+            logger.exception("KV load of request %d failed", handle)
+            self._end(handle, f"{type(e).__name__}: {e}")
+        else:
+            self._end(handle, None)
+            self.reports.received(handle, num_bytes, time.perf_counter() - started)
+
+    def _end(self, handle: int, failure: str | None) -> None:
+        with self._lock:
+            self._active.pop(handle, None)
+            self._ended[handle] = None
+            while len(self._ended) > REMEMBERED_LOADS:
+                self._ended.popitem(last=False)
+        if failure is not None:
+            logger.warning("KV load of request %d failed: %s", handle, failure)
+            self.reports.failed(handle, failure)
+
+    def _pull(self, state: _Load) -> int:
+        """Pull and write the load's blocks; returns the bytes written."""
+        load, rank = state.load, self.layout.rank
+        if rank >= len(load.remote_addresses):
+            raise LoadFailed(f"remote_addresses has no address for rank {rank}")
+        problem = self.blocks.id_problem(load.local_block_ids)
+        if problem is not None:
+            raise LoadFailed(f"local_block_ids: {problem}")
+        address = load.remote_addresses[rank]
+        channel = self._handshake(address)
+        request = kv_pb.PullKvRequest(
+            transfer_id=load.transfer_id,
+            engine_id=load.remote_engine_id,
+            block_ids=load.remote_block_ids,
+            max_chunk_bytes=CHUNK_BYTES,
+        )
+        call = kv_grpc.KvTransferServiceStub(channel).PullKv(
+            request, timeout=PULL_TIMEOUT_SECONDS, metadata=self.security.call_metadata()
+        )
+        state.call = call
+        writer = ChunkWriter(self.blocks, load.local_block_ids)
+        if state.cancelled.is_set():
+            call.cancel()
+        for chunk in call:
+            if state.cancelled.is_set():
+                call.cancel()
+                raise LoadFailed("cancelled")
+            writer.write(chunk.layer, chunk.first_block, chunk.num_blocks, chunk.data)
+        writer.check_complete()
+        self.blocks.synchronize()
+        return writer.num_bytes
+
+    def _handshake(self, address: str) -> grpc.Channel:
+        """The channel to `address`, after one KvHandshake per address (cached once it
+        matched); LoadFailed when the layouts differ or the peer does not answer."""
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = open_channel(address, self.security)
+            if address in self._shaken:
+                return channel
+        stub = kv_grpc.KvTransferServiceStub(channel)
+        try:
+            stub.KvHandshake(
+                kv_pb.KvHandshakeRequest(layout=layout_to_proto(self.layout)),
+                timeout=HANDSHAKE_TIMEOUT_SECONDS,
+                metadata=self.security.call_metadata(),
+            )
+        except grpc.RpcError as e:
+            raise LoadFailed(_rpc_reason(f"KvHandshake with {address}", e)) from None
+        with self._lock:
+            self._shaken.add(address)
+        return channel
+
+    def shutdown(self) -> None:
+        """Cancel every load, wait for the threads, close the channels."""
+        self.cancel(list(self._active))
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        for channel in self._channels.values():
+            channel.close()
+
+
+def _rpc_reason(what: str, error: grpc.RpcError) -> str:
+    code = error.code() if isinstance(error, grpc.Call) else None
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return f"{what}: {code.name if code is not None else 'error'}: {details}"
