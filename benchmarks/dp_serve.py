@@ -38,11 +38,14 @@ def start_serve(
     timeout: float,
     env: dict[str, str] | None = None,
     num_engines: int = 2,
+    pd: str = "",
 ) -> Serve:
-    """`splitserve serve MODEL -dp N` on free ports (its own session; output to `log`)."""
+    """`splitserve serve MODEL -dp N` (or `--pd P:D`: prefill/decode engines, the prefill ones
+    first in `engines`) on free ports (its own session; output to `log`)."""
     script = Path(sys.executable).with_name("splitserve")
     command = [str(script), "serve", *([model] if model else [])]  # "": the default model
-    command += ["-dp", str(num_engines), "--router", router]
+    command += ["--pd", pd] if pd else ["-dp", str(num_engines)]
+    command += ["--router", router]
     command += ["--grpc-port", "0", "--http-port", "0", "--frontend-metrics-port", "0"]
     command += ["--core-metrics-port", "0", "--worker-metrics-port", "0", *extra]
     server = start("splitserve-dp", command, log, env)

@@ -177,6 +177,8 @@ class GenerateInput:
     reasoning: ReasoningTokens | None = None
     """The served reasoning parser's tokens (a chat request of a thinking model): with a
     constraint, its grammar starts after the reasoning unless the prompt ended it."""
+    kv_transfer_params_json: str = ""
+    """vLLM's kv_transfer_params (a JSON object, frontend_svc/kv_transfer.py); "": none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +217,8 @@ class EngineRequest:
     pooling_task: str = ""
     """A pooling request's task ("embed"): the engine pools the prompt and generates nothing;
     "": a generation request."""
+    kv_transfer_params_json: str = ""
+    """vLLM's kv_transfer_params for the engine's KV connector (a JSON object); "": none."""
 
 
 @dataclass(slots=True)
@@ -250,6 +254,8 @@ class CompletionDelta:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     pooling_output: bytes = b""
     """A pooling request's vector, on its final delta."""
+    kv_transfer_params_json: str = ""
+    """A KV producer's handoff (vLLM's kv_transfer_params, a JSON object), on its final delta."""
 
     @property
     def is_finished(self) -> bool:

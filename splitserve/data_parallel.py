@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from splitserve import pd
 from splitserve.children import (
     LOOPBACK,
     Child,
@@ -120,6 +121,11 @@ def engine_options(
 
     flags = {kind: list(tokens) for kind, tokens in base.service_flags.items()}
     flags["frontend"] = [*flags.get("frontend", ()), "--data-parallel-rank", str(index)]
+    if args.pd is not None:  # prefill/decode engines (splitserve/pd.py)
+        flags["core"] = [
+            *flags.get("core", ()),
+            *pd.core_flags(args.pd, index, args.kv_transfer_config),
+        ]
     events_given = "--kv-events-config" in flags["frontend"] or KV_EVENTS_ENV in environ
     if args.router == "cache_aware" and not events_given:
         flags["frontend"] += ["--kv-events-config", EVENTS_FOR_ROUTER]
@@ -198,14 +204,18 @@ def wait_gateway(
         time.sleep(0.25)
 
 
-def ready_line(children: Sequence[Child], router: str) -> str:
+def ready_line(children: Sequence[Child], router: str, counts: pd.PdCounts | None = None) -> str:
+    """One line: the gateway and its policy, the engines' addresses, the metrics, and with
+    --pd `pd=P:D` last (the first P engines prefill)."""
     frontends = [c for c in children if c.kind == "frontend"]
     gateways = [c for c in children if c.kind == "gateway"]
     head = f"READY http={gateways[0].http_address} router={router} " if gateways else "READY "
     metrics = ",".join(c.metrics_url for c in children if c.metrics_url) or "off"
+    mode = f" pd={counts}" if counts is not None else ""
     return (
         f"{head}engines={','.join(f.address for f in frontends)} "
-        f"engine_http={','.join(f.http_address for f in frontends) or 'off'} metrics={metrics}"
+        f"engine_http={','.join(f.http_address for f in frontends) or 'off'} "
+        f"metrics={metrics}{mode}"
     )
 
 
@@ -217,27 +227,33 @@ def serve(
     sample: Callable[[str, str, str], None],
 ) -> int:
     """Start the engines and the gateway into `children`, print READY, stream the sample
-    answer (`sample(address, prompt, api_key)`, from engine 0), keep them running."""
+    answer (`sample(address, prompt, api_key)`, from engine 0, or with --pd the first decode
+    engine: a prefill engine would hold the prompt's KV for a decode leg that never comes),
+    keep them running."""
     start_engines(args, pki, children)
     wait_ready(children, args.startup_timeout)
     frontends = [c for c in children if c.kind == "frontend"]
+    first = frontends[args.pd.num_prefill if args.pd is not None else 0]
     if has_gateway(args):
         gateway_port = args.http_port or free_ports(1)[0]
         flags = gateway_flags(
             args.host, gateway_port, free_ports(1)[0], [f.address for f in frontends],
             args.router, args.log_level, args.log_format, args.shutdown_timeout,
         )  # fmt: skip
+        if args.pd is not None:
+            flags = pd.gateway_pd_flags(flags, args.pd, [f.address for f in frontends])
         children.append(start_gateway(flags, args.api_key))
         wait_gateway(children[-1], children, len(frontends), args.startup_timeout)
     http = children[-1].http_address
     try:
-        record_serve(frontends[0].address, http)
+        record_serve(first.address, http)
     except OSError as err:
         logger.warning("could not record the address for the clients: %s", err)
-    sys.stdout.write(ready_line(children, args.router) + "\n")  # one write, as the launcher's
+    line = ready_line(children, args.router, args.pd)
+    sys.stdout.write(line + "\n")  # one write, as the launcher's
     sys.stdout.flush()
     if args.sample_prompt:
-        sample(frontends[0].address, args.sample_prompt, "" if has_gateway(args) else args.api_key)
+        sample(first.address, args.sample_prompt, "" if has_gateway(args) else args.api_key)
     supervisor = Supervisor(children, report=report)
     while True:
         supervisor.poll()

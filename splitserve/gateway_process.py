@@ -84,11 +84,7 @@ def gateway_flags(
     flags = [
         *("--host", host, "--port", str(port)),
         *("--prometheus-host", connect_host(host), "--prometheus-port", str(metrics_port)),
-        "--worker-urls",
-        *(
-            f"grpc://{connect_host(a.rsplit(':', 1)[0])}:{a.rsplit(':', 1)[1]}"
-            for a in engine_addrs
-        ),
+        *("--worker-urls", *(grpc_url(a) for a in engine_addrs)),
         *("--policy", policy),
         *("--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)),
         *("--cb-timeout-duration-secs", str(CIRCUIT_OPEN_S)),
@@ -96,6 +92,12 @@ def gateway_flags(
         *("--log-level", SMG_LOG_LEVELS.get(log_level, "warn")),
     ]
     return [*flags, "--log-json"] if log_format == "json" else flags
+
+
+def grpc_url(address: str) -> str:
+    """An engine's public gRPC address as smg's worker URL (a wildcard host as loopback)."""
+    host, port = address.rsplit(":", 1)
+    return f"grpc://{connect_host(host)}:{port}"
 
 
 def start_gateway(flags: Sequence[str], api_key: str = "") -> Child:

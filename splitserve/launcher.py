@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 
 from frontend_svc.config import DEFAULT_HTTP_PORT
-from splitserve import data_parallel
+from splitserve import data_parallel, pd
 from splitserve.children import (
     LOOPBACK,
     Child,
@@ -121,6 +121,7 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
         "the model has a chat template) to stdout",
     ),
     *data_parallel.DATA_PARALLEL_FLAGS,
+    *pd.PD_FLAGS,
     flag("--startup-timeout", type=float, default=900.0, help="seconds to wait for READY"),
     flag(
         "--shutdown-timeout",
@@ -292,6 +293,7 @@ def parse_args(
     args.model = args.model_tag or args.model
     if args.max_recovery_seconds < 0:
         parser.error("--max-recovery-seconds must be >= 0")
+    pd.check_args(args, parser)  # --pd P:D is P + D data-parallel engines, in roles
     data_parallel.check_args(args, parser)
     args.service_flags = split_service_flags(tokens, parser, owners)
     args.internal_secret = internal_secret(args, environ)

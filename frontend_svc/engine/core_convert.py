@@ -81,6 +81,7 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         msg.output_token_ids.extend(req.output_token_ids)
     msg.resumed = req.is_resumed
     msg.lora_name = req.lora_name
+    msg.kv_transfer_params_json = req.kv_transfer_params_json
     if req.trace is not None:
         msg.trace_context.traceparent = req.trace.traceparent
         msg.trace_context.tracestate = req.trace.tracestate
@@ -117,6 +118,7 @@ def _detail_from_proto(d: core_pb2.EngineCoreOutput) -> CoreOutputDetail:
         error_message=d.error_message,
         error_kind=enum_member(ErrorKind, d.error_kind),
         pooling_output=d.pooling_output,
+        kv_transfer_params_json=d.kv_transfer_params_json,
     )
 
 

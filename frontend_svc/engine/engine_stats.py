@@ -3,7 +3,8 @@
 A router or autoscaler scraping a pod's serving port (the production-stack router, the llm-d
 endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
 vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
-vllm:prefix_cache_queries/hits, vllm:num_preemptions, vllm:mm_cache_queries/hits,
+vllm:prefix_cache_queries/hits, vllm:external_prefix_cache_queries/hits (a KV connector's),
+vllm:num_preemptions, vllm:mm_cache_queries/hits,
 vllm:structured_output_cache_queries/hits, vllm:iteration_tokens_total and
 vllm:cache_config_info, labelled with model_name and the engine's id, with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input) and with
 --speculative-config vllm:spec_decode_num_drafts/_num_draft_tokens/_num_accepted_tokens/
@@ -103,6 +104,7 @@ class EngineSeries:
             "Multi-modal cache hits, in terms of number of cached items.",
             stats.encoder_cache_hits,
         )
+        yield from self._external_prefix_cache(stats)
         yield from self._grammar_cache(stats)
         yield from self._iteration_tokens()
         yield from self._spec_decode(stats)
@@ -117,6 +119,10 @@ class EngineSeries:
             yield lora_requests_info(stats, lora_slots(self.lora))
 
     def _scheduler_gauges(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Running and waiting requests; waiting for a grammar or for KV from a peer engine
+        (vLLM's WAITING_FOR_FSM, WAITING_FOR_REMOTE_KVS: still in its waiting queue) counts
+        as waiting, deferred."""
+        deferred = stats.num_waiting_deferred + stats.num_waiting_for_remote_kvs
         yield self._gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
@@ -125,7 +131,7 @@ class EngineSeries:
         yield self._gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            stats.num_waiting_reqs + stats.num_waiting_deferred,
+            stats.num_waiting_reqs + deferred,
         )
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason",
@@ -133,12 +139,29 @@ class EngineSeries:
             labels=[*LABELS, "reason"],
         )
         by_reason.add_metric([*self.values, "capacity"], stats.num_waiting_reqs)
-        by_reason.add_metric([*self.values, "deferred"], stats.num_waiting_deferred)
+        by_reason.add_metric([*self.values, "deferred"], deferred)
         yield by_reason
         yield self._gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
             stats.kv_cache_usage,
+        )
+
+    def _external_prefix_cache(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """vLLM's KV-connector counters (tokens asked of a peer engine, tokens loaded from it
+        instead of computed: a P/D decode engine's prompts), checked as _grammar_cache's."""
+        queries = min(stats.external_prefix_cache_queries, MAX_COUNT)
+        yield self._counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+            queries,
+        )
+        yield self._counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+            min(stats.external_prefix_cache_hits, queries),
         )
 
     def _grammar_cache(self, stats: SchedulerStats) -> Iterator[Metric]:

@@ -81,6 +81,8 @@ class CoreOutputDetail:
     error_kind: ErrorKind = ErrorKind.UNSPECIFIED
     pooling_output: bytes = b""
     """A pooling request's vector (float32 little-endian), with its finish."""
+    kv_transfer_params_json: str = ""
+    """A KV producer's handoff (a JSON object), with its finish."""
 
 
 @dataclass(slots=True)

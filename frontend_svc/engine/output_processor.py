@@ -252,6 +252,7 @@ class OutputProcessor:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             pooling_output=detail.pooling_output if detail else b"",
+            kv_transfer_params_json=detail.kv_transfer_params_json if detail else "",
         )
 
     def _logprobs(self, table: LogprobsTable) -> list[TokenLogprobs]:

@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import InvalidRequest
+from frontend_svc.gateway import kv_params
 from frontend_svc.gateway.generate_response import ResponseBuilder as ResponseBuilder
 from frontend_svc.gateway.loads import EngineLoad
 from frontend_svc.kv_events.hub import AllBlocksCleared, BlocksRemoved, BlocksStored, KvEvent
@@ -34,8 +35,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256
 UNSUPPORTED_REQUEST_FIELDS = {
-    "kv_transfer_params": "prefill/decode disaggregation (KV transfer) is not supported",
-    "kv_transfer_params_json": "prefill/decode disaggregation (KV transfer) is not supported",
     "mm_inputs": "preprocessed multimodal inputs are not supported over this contract",
     "media_refs": "media references are not supported over this contract",
 }
@@ -166,9 +165,10 @@ def _truncated(ids: list[int], msg: pb.SamplingParams, max_model_len: int) -> li
 
 
 def generate_input_from_proto(
-    msg: pb.GenerateRequest, request_id: str, max_model_len: int
+    msg: pb.GenerateRequest, request_id: str, max_model_len: int, kv_params_json: str = ""
 ) -> GenerateInput:
-    """The request as the public API's InputProcessor takes it (tokenized, or text)."""
+    """The request as the public API's InputProcessor takes it (tokenized, or text), with its
+    checked kv_transfer_params_json (kv_params.kv_transfer_params_json)."""
     kind = msg.WhichOneof("input")
     if kind == "tokenized":
         ids = _truncated(list(msg.tokenized.input_ids), msg.sampling_params, max_model_len)
@@ -178,7 +178,12 @@ def generate_input_from_proto(
     else:
         raise InvalidRequest("no prompt: set `tokenized` (input_ids) or `text`", "input")
     params = msg.sampling_params
-    call = GenerateInput(request_id, prompt, sampling_params_from_proto(params))
+    call = GenerateInput(
+        request_id,
+        prompt,
+        sampling_params_from_proto(params),
+        kv_transfer_params_json=kv_params_json,
+    )
     kind = params.WhichOneof("constraint")
     if kind is None:
         return call
@@ -243,6 +248,7 @@ def server_info_to_proto(
         block_size=info.options.cache.block_size,
         model_dtype=f"torch.{info.dtype}" if info.dtype else "",
         max_num_seqs=info.options.scheduler.max_num_seqs,
+        **kv_params.kv_connector_facts(info),
     )
 
 

@@ -112,6 +112,8 @@ class ResponseBuilder:
             input_logprobs=self._prompt_rows(index),
             index=index,
         )
+        if delta.kv_transfer_params_json:
+            msg.kv_transfer_params_json = delta.kv_transfer_params_json  # the producer's handoff
         if delta.stop_str is not None:
             msg.matched_stop_str = delta.stop_str
         elif delta.stop_token_id is not None:

@@ -26,12 +26,13 @@ from frontend_svc import grpc_errors
 from frontend_svc.engine.async_engine import AsyncEngine
 from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import FrontendError, InvalidRequest, engine_error
-from frontend_svc.gateway import convert
+from frontend_svc.gateway import convert, kv_params
 from frontend_svc.gateway.loads import LoadReporter
 from frontend_svc.gateway.tokenizer_files import TokenizerFiles
 from frontend_svc.inputs.input_processor import InputProcessor
 from frontend_svc.inputs.model_files import ModelFiles
 from frontend_svc.kv_events.hub import KvEventHub, TooManySubscribers
+from frontend_svc.kv_transfer import has_kv_connector
 from frontend_svc.serving import pooling
 from frontend_svc.tracing import set_caller_trace
 from splitserve_contracts.output_types import FinishReason
@@ -84,6 +85,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self.kv_events = kv_events
         self.prefix_cache = prefix_cache
         self.data_parallel_rank = data_parallel_rank
+        self.has_kv_connector = has_kv_connector(info)
+        """--kv-transfer-config named a connector: kv_transfer_params_json is taken."""
         self.loads = LoadReporter(info, lambda: engine.scheduler_stats)
         self.tokenizer_files = TokenizerFiles(files.tokenizer, files.tokenizer_folder)
         self.started_at = time.monotonic()
@@ -99,8 +102,11 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         set_caller_trace(dict(context.invocation_metadata() or ()))  # the gateway's traceparent
         try:
             convert.check_request_fields(request, self.data_parallel_rank)
+            kv_json = kv_params.kv_transfer_params_json(request, self.has_kv_connector)
             pooling.check_generative(self.info, "Generate RPC")
-            call = convert.generate_input_from_proto(request, request_id, self.info.max_model_len)
+            call = convert.generate_input_from_proto(
+                request, request_id, self.info.max_model_len, kv_json
+            )
             engine_request = await inputs.run(inputs.process, call)
             builder = convert.ResponseBuilder(
                 engine_request.params, engine_request.prompt_token_ids, request.stream

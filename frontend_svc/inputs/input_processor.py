@@ -313,6 +313,7 @@ class InputProcessor:
             lora_name=call.lora_name,
             reasoning_end_token_id=None if is_ended else _reasoning_end(call),
             prompt_ends_reasoning=is_ended,
+            kv_transfer_params_json=call.kv_transfer_params_json,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_svc.kv_transfer import params_from_json
 from frontend_svc.requests import CompletionDelta, Logprob, TokenLogprobs
 from splitserve_contracts.output_types import FinishReason
 
@@ -25,6 +26,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A KV producer's handoff (vLLM's response field `kv_transfer_params`), with the finish."""
 
     def add(self, delta: CompletionDelta) -> None:
         self.text += delta.text
@@ -36,6 +39,7 @@ class ChoiceState:
         if delta.is_finished:
             self.finish_reason = finish_reason(delta.finish_reason)
             self.stop_reason = stop_reason(delta)
+            self.kv_transfer_params = params_from_json(delta.kv_transfer_params_json)
 
 
 def envelope(

@@ -14,6 +14,7 @@ from frontend_svc.engine.async_engine import AsyncEngine
 from frontend_svc.engine.engine_types import EngineInfo
 from frontend_svc.errors import check_model, engine_error
 from frontend_svc.inputs.input_processor import InputProcessor
+from frontend_svc.kv_transfer import has_kv_connector
 from frontend_svc.openai.chat_output import ChatFeatures
 from frontend_svc.openai.fields import DEFAULT_MAX_BODY_BYTES
 from frontend_svc.openai.protocol import RequestLimits
@@ -60,7 +61,7 @@ class ServingContext:
 
     @property
     def request_limits(self) -> RequestLimits:
-        return RequestLimits(self.inputs.limits, self.max_fan_out)
+        return RequestLimits(self.inputs.limits, self.max_fan_out, has_kv_connector(self.info))
 
     async def resolve_model(self, requested: str | None) -> str:
         """The LoRA adapter `requested` names ("": the served model); ModelNotFound (404)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc import kv_transfer
 from frontend_svc.errors import InvalidRequest, shorten
 from frontend_svc.openai.fields import (
     as_bool,
@@ -61,7 +62,20 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "return_tokens_as_token_ids": _set,
     "kv_transfer_params": _set,
 }
-"""Fields splitserve refuses (when set to anything but their neutral value) rather than ignore."""
+"""Fields splitserve refuses (when set to anything but their neutral value) rather than ignore;
+`kv_transfer_params` only when the engine has no KV connector."""
+KV_PARAMS = "kv_transfer_params"
+
+
+def _kv_params(body: dict[str, Any], limits: RequestLimits, num_requests: int) -> str:
+    """The body's `kv_transfer_params` as JSON text (an engine with a KV connector; else
+    _refuse_unsupported refused it); one engine request only."""
+    value = body.get(KV_PARAMS)
+    if value is None or not limits.has_kv_connector:
+        return ""
+    text = kv_transfer.params_json_from_object(value, KV_PARAMS)
+    kv_transfer.check_one_request(num_requests, KV_PARAMS)
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +87,8 @@ class RequestLimits:
     sampling: Limits
     max_fan_out: int = DEFAULT_MAX_FAN_OUT
     """--max-fan-out."""
+    has_kv_connector: bool = False
+    """The engine has a KV connector (--kv-transfer-config): `kv_transfer_params` is taken."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +111,8 @@ class CompletionRequest:
     structured_outputs: StructuredOutputsParams | None = None
     structured_outputs_field: str = ""
     """The request field the constraint came from (for errors)."""
+    kv_transfer_params_json: str = ""
+    """vLLM's `kv_transfer_params` as JSON text (frontend_svc/kv_transfer.py); "": none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +129,15 @@ class ChatRequest:
     tools: ToolsRequest | None = None
     include_reasoning: bool = True
     """vLLM's `include_reasoning`: false leaves the thinking out of the answer."""
+    kv_transfer_params_json: str = ""
 
 
-def _refuse_unsupported(body: dict[str, Any], also: tuple[str, ...] = ()) -> None:
+def _refuse_unsupported(
+    body: dict[str, Any], limits: RequestLimits, also: tuple[str, ...] = ()
+) -> None:
     for name, is_set in UNSUPPORTED.items():
+        if name == KV_PARAMS and limits.has_kv_connector:
+            continue
         if is_set(body.get(name)):
             raise InvalidRequest(f"`{name}` is not supported by splitserve; leave it out", name)
     for name in also:
@@ -218,7 +241,7 @@ def parse_completion(
 ) -> CompletionRequest:
     """A /v1/completions body, checked against `limits`; `defaults` are the model's sampling
     defaults."""
-    _refuse_unsupported(body, also=("tools", "tool_choice"))
+    _refuse_unsupported(body, limits, also=("tools", "tool_choice"))
     if body.get("prompt") is None:
         raise InvalidRequest("`prompt` is required", "prompt")
     add_special = read(body, "add_special_tokens", as_bool, True)
@@ -229,7 +252,10 @@ def parse_completion(
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     params = _checked(params, body, COMPLETIONS, limits)
     _check_fan_out(len(prompts), params.n, limits.max_fan_out)
-    return CompletionRequest(prompts=prompts, params=params, echo=echo, **_common(body))
+    kv_json = _kv_params(body, limits, len(prompts) * params.n)
+    return CompletionRequest(
+        prompts=prompts, params=params, echo=echo, kv_transfer_params_json=kv_json, **_common(body)
+    )
 
 
 def _image_part(part: dict[str, Any], where: str) -> ContentPart:
@@ -292,7 +318,7 @@ def parse_chat(
 ) -> ChatRequest:
     """A /v1/chat/completions body, checked against `limits`; `defaults` are the model's
     sampling defaults; `can_choose_tools`: the server parses tool calls (tools.parse_tools)."""
-    _refuse_unsupported(body, also=("echo",))
+    _refuse_unsupported(body, limits, also=("echo",))
     if body.get("messages") is None:
         raise InvalidRequest("`messages` is required", "messages")
     tools = parse_tools(body, can_choose_tools)
@@ -312,5 +338,10 @@ def parse_chat(
     common = _common(body)
     include_reasoning = read(body, "include_reasoning", as_bool, True)
     return ChatRequest(
-        prompt=prompt, params=params, tools=tools, include_reasoning=include_reasoning, **common
+        prompt=prompt,
+        params=params,
+        tools=tools,
+        include_reasoning=include_reasoning,
+        kv_transfer_params_json=_kv_params(body, limits, params.n),
+        **common,
     )

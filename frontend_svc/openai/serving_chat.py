@@ -33,6 +33,7 @@ def generate_input(
         req.structured_outputs,
         req.structured_outputs_field,
         lora_name=lora_name,
+        kv_transfer_params_json=req.kv_transfer_params_json,
     )
     return prepare_chat_call(call, req.tools, ctx.chat, req.include_reasoning)
 
@@ -87,7 +88,9 @@ class ChatRun:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return self._envelope("chat.completion", bodies, self.usage())
+        body = self._envelope("chat.completion", bodies, self.usage())
+        body["kv_transfer_params"] = self.choices[0].kv_transfer_params  # vLLM's field
+        return body
 
     def _chunk(self, index: int, delta: dict[str, Any], extra: dict[str, Any]) -> str:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **extra}

@@ -25,6 +25,7 @@ def _calls(req: CompletionRequest, rid: str, lora_name: str) -> list[GenerateInp
             req.structured_outputs,
             req.structured_outputs_field,
             lora_name=lora_name,
+            kv_transfer_params_json=req.kv_transfer_params_json,
         )
         for i, prompt in enumerate(req.prompts)
     ]
@@ -119,7 +120,9 @@ class CompletionRun:
         for c in self.choices:
             text, logprobs = self._piece(c, c.index // self.n, c.text, c.logprobs)
             bodies.append(self._choice_body(c, text, logprobs))
-        return self._envelope(bodies, self.usage())
+        body = self._envelope(bodies, self.usage())
+        body["kv_transfer_params"] = self.choices[0].kv_transfer_params  # vLLM's field
+        return body
 
     async def stream(self, first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[str]:
         """SSE: a chunk per delta (one token each), then the usage chunk if asked, then

@@ -18,9 +18,8 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from benchmarks.dp_failover import kill_engine_process, run_load, wait_serving
-from benchmarks.dp_serve import Serve, children_of, engine_metric, start_serve
-from benchmarks.peer_servers import stop
-from tests.fixtures.kernel_cache import fresh_cache_with_kernels
+from benchmarks.dp_serve import Serve, children_of, engine_metric
+from tests.fixtures.tiny_serve import tiny_serve
 
 pytestmark = pytest.mark.slow
 SUCCESSES = "vllm:request_success_total"
@@ -28,14 +27,8 @@ SUCCESSES = "vllm:request_success_total"
 
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    tmp = tmp_path_factory.mktemp("dp")
-    env = {"SPLITSERVE_CACHE_DIR": str(fresh_cache_with_kernels(tmp / "cache"))}
-    flags = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
-    running = start_serve(str(tiny_model_dir), "cache_aware", flags, tmp / "serve.log", 600, env)
-    try:
+    with tiny_serve(tiny_model_dir, tmp_path_factory.mktemp("dp"), "cache_aware") as running:
         yield running
-    finally:
-        stop(running.server)
 
 
 @pytest.fixture(scope="module")

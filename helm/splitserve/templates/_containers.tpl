@@ -56,6 +56,9 @@ The engine core container: (dict "root" $ "workerAddrs" "h:p,..." "distInit" "tc
     # Mutual TLS: serves frontends and calls the workers with splitserve-core's certificate.
     {{- include "splitserve.internalTlsArgs" $root | nindent 4 }}
     {{- end }}
+    {{- range .args }}
+    - {{ . | quote }}
+    {{- end }}
     {{- range $core.extraArgs }}
     - {{ . | quote }}
     {{- end }}

@@ -10,7 +10,35 @@ label of its metrics).
 
 {{- define "splitserve.isEngineGroups" -}}
 {{- $e := .Values.engines }}
-{{- if or (gt (int $e.replicas) 1) $e.autoscaling.enabled $e.keda.enabled }}true{{ end }}
+{{- if or (gt (int $e.replicas) 1) $e.autoscaling.enabled $e.keda.enabled $e.pd.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The engine groups: one (role "") of engines.replicas, or with engines.pd the prefill and the decode
+group. Each is rendered with the root context plus PdRole (merge): engineName, the worker hosts
+and the engine ids then name the group's own LeaderWorkerSet.
+*/}}
+{{- define "splitserve.engineGroups" -}}
+{{- $e := .Values.engines }}
+{{- if $e.pd.enabled }}
+- {role: prefill, replicas: {{ int $e.pd.prefillReplicas }}, kvRole: kv_producer}
+- {role: decode, replicas: {{ int $e.pd.decodeReplicas }}, kvRole: kv_consumer}
+{{- else }}
+- {role: "", replicas: {{ int $e.replicas }}, kvRole: ""}
+{{- end }}
+{{- end }}
+
+{{/* The pod label that tells a P/D group's leader pods apart (the gateway's PD selectors). */}}
+{{- define "splitserve.pdRoleLabel" -}}splitserve.dev/pd-role{{- end }}
+
+{{/* A P/D engine core's --kv-transfer-config (vLLM's JSON; its id prefill-<g> / decode-<g>). */}}
+{{- define "splitserve.engineKvTransferArgs" -}}
+{{- if .PdRole }}
+{{- $pd := .Values.engines.pd }}
+{{- $config := dict "kv_connector" $pd.connector "kv_role" .KvRole "engine_id" (printf "%s-%s" .PdRole (include "splitserve.engineIndexVar" .)) "kv_connector_extra_config" $pd.extraConfig -}}
+- --kv-transfer-config
+- {{ toJson $config | quote }}
+{{- end }}
 {{- end }}
 
 {{- define "splitserve.hasGateway" -}}
@@ -22,7 +50,7 @@ label of its metrics).
 {{- ternary "engine" "frontend" (not (empty (include "splitserve.isEngineGroups" .))) }}
 {{- end }}
 
-{{- define "splitserve.engineName" -}}{{ include "splitserve.fullname" . }}-engine{{- end }}
+{{- define "splitserve.engineName" -}}{{ include "splitserve.fullname" . }}-engine{{ with .PdRole }}-{{ . }}{{ end }}{{- end }}
 {{- define "splitserve.gatewayName" -}}{{ include "splitserve.fullname" . }}-gateway{{- end }}
 
 {{- define "splitserve.engineIndexVar" -}}$(ENGINE_INDEX){{- end }}
@@ -68,6 +96,8 @@ period is the longer of the two. */}}
 {{- $fe := .Values.frontend }}
 {{- $core := .Values.core }}
 {{- $index := include "splitserve.engineIndexVar" . }}
+{{- $engineId := ternary (printf "%s-%s" (.PdRole | default "") $index) $index (not (empty .PdRole)) }}
+{{- $labels := ternary (merge (dict (include "splitserve.pdRoleLabel" .) .PdRole) ($fe.routerLabels | default dict)) $fe.routerLabels (not (empty .PdRole)) }}
 {{- $indexEnv := fromYamlArray (include "splitserve.engineIndexEnv" .) }}
 {{- $podIp := dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP")) }}
 {{- /* No --data-parallel-rank: each engine has a pod (and IP) of its own, so its ZMQ KV-event
@@ -77,7 +107,7 @@ period is the longer of the two. */}}
 {{- $grace := max (int (include "splitserve.terminationGrace" (dict "root" . "component" "core"))) (int (include "splitserve.terminationGrace" (dict "root" . "component" "frontend"))) -}}
 metadata:
   labels:
-    {{- include "splitserve.podLabels" (dict "root" . "component" "engine" "values" $fe "extra" $fe.routerLabels) | nindent 4 }}
+    {{- include "splitserve.podLabels" (dict "root" . "component" "engine" "values" $fe "extra" $labels) | nindent 4 }}
   annotations:
     {{- include "splitserve.podAnnotations" (dict "root" . "values" $fe) | nindent 4 }}
 spec:
@@ -87,7 +117,7 @@ spec:
     {{- . | nindent 4 }}
   {{- end }}
   containers:
-    {{- include "splitserve.coreContainer" (dict "root" . "workerAddrs" (include "splitserve.engineWorkerAddrs" .) "distInit" (printf "tcp://%s:%d" (include "splitserve.engineWorkerHost" (dict "root" . "index" 0)) (int .Values.worker.distributedPort)) "engineId" $index "portPrefix" "core-" "env" $indexEnv "tlsVolume" "internal-tls-core") | nindent 4 }}
+    {{- include "splitserve.coreContainer" (dict "root" . "workerAddrs" (include "splitserve.engineWorkerAddrs" .) "distInit" (printf "tcp://%s:%d" (include "splitserve.engineWorkerHost" (dict "root" . "index" 0)) (int .Values.worker.distributedPort)) "engineId" $engineId "args" (fromYamlArray (include "splitserve.engineKvTransferArgs" .)) "portPrefix" "core-" "env" $indexEnv "tlsVolume" "internal-tls-core") | nindent 4 }}
     {{- include "splitserve.frontendContainer" (dict "root" . "coreAddr" $coreAddr "args" $feArgs "env" (prepend $indexEnv $podIp) "tlsVolume" "internal-tls-frontend" "noApiKey" true) | nindent 4 }}
   volumes:
     {{- include "splitserve.scratchVolumes" . | nindent 4 }}
@@ -108,4 +138,41 @@ spec:
     {{- with concat $core.extraVolumes $fe.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end }}
+
+{{/* The gateway's selectors of the engine leader pods (kubernetes discovery): one, or with
+engines.pd a prefill and a decode selector (the pd-role label). */}}
+{{- define "splitserve.gatewaySelectors" -}}
+{{- $selector := fromYaml (include "splitserve.selectorLabels" (dict "root" . "component" "engine")) }}
+{{- range $group := fromYamlArray (include "splitserve.engineGroups" .) }}
+{{- if $group.role }}
+- --{{ $group.role }}-selector
+{{- else }}
+- --selector
+{{- end }}
+{{- range $k, $v := $selector }}
+- {{ printf "%s=%s" $k $v | quote }}
+{{- end }}
+{{- if $group.role }}
+- {{ printf "%s=%s" (include "splitserve.pdRoleLabel" $) $group.role | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's engines by DNS name (static discovery): --worker-urls, or with engines.pd
+--prefill and --decode per engine. */}}
+{{- define "splitserve.gatewayStaticWorkers" -}}
+{{- $root := . }}
+{{- range $group := fromYamlArray (include "splitserve.engineGroups" .) }}
+{{- $engine := include "splitserve.engineName" (merge (dict "PdRole" $group.role) $root) }}
+{{- if not $group.role }}
+- --worker-urls
+{{- end }}
+{{- range $g := until (int $group.replicas) }}
+{{- if $group.role }}
+- --{{ $group.role }}
+{{- end }}
+- {{ printf "grpc://%s-%d.%s.%s.svc.%s:%d" $engine $g $engine $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.frontend.port) | quote }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -159,6 +159,17 @@ Values the schema cannot check on its own; rendering stops with a message that s
 {{- if and $e.autoscaling.enabled $e.keda.enabled }}
 {{- fail "engines.autoscaling.enabled (HPA) and engines.keda.enabled (KEDA ScaledObject, which owns an HPA of its own) are mutually exclusive: enable one" }}
 {{- end }}
+{{- if $e.pd.enabled }}
+{{- if or $e.autoscaling.enabled $e.keda.enabled }}
+{{- fail "engines.pd: the prefill and decode groups have fixed counts (engines.pd.prefillReplicas, decodeReplicas); engine autoscaling is not supported with them" }}
+{{- end }}
+{{- if gt (int (include "splitserve.worldSize" .)) 1 }}
+{{- fail (printf "engines.pd: the KV connector moves KV between engines of one rank; parallelism is %d ranks" (int (include "splitserve.worldSize" .))) }}
+{{- end }}
+{{- if not .Values.gateway.enabled }}
+{{- fail "engines.pd needs the gateway (gateway.enabled): it sends each request's prefill and decode legs" }}
+{{- end }}
+{{- end }}
 {{- if include "splitserve.isEngineGroups" . }}
 {{- if or .Values.frontend.autoscaling.enabled .Values.frontend.keda.enabled }}
 {{- fail "frontend.autoscaling / frontend.keda scale the frontend Deployment of a single engine; with engine groups (engines.replicas > 1 or engine autoscaling) each engine has its own frontend: scale engines with engines.autoscaling or engines.keda" }}
