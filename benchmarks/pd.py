@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_variant(name: str, model: str, log: Path, timeout: float) -> Serve:
     if name == "pd":
-        return start_serve(model, "round_robin", [*FLAGS, "--pd", "1:1"], log, timeout)
+        return start_serve(
+            model, "round_robin", [*FLAGS, "--pd", "1:1"], log, timeout, num_engines=1
+        )
     return start_serve(model, "round_robin", FLAGS, log, timeout, num_engines=2)
 
 

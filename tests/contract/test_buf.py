@@ -40,7 +40,7 @@ def test_breaking_catches_a_renumbered_field(tmp_path: Path) -> None:
     proto = copy / "splitserve/core/v1/core_service.proto"
     text = proto.read_text()
     assert "uint64 request_handle = 2;" in text
-    proto.write_text(text.replace("uint64 request_handle = 2;", "uint64 request_handle = 20;", 1))
+    proto.write_text(text.replace("uint64 request_handle = 2;", "uint64 request_handle = 99;", 1))
     result = buf("breaking", "--against", str(PROTOS / "baseline.binpb"), cwd=copy)
     assert result.returncode != 0
     assert "request_handle" in result.stdout + result.stderr
