@@ -227,6 +227,17 @@ def from_proto_value(f: F) -> str:
     return f"msg.{f.name}"
 
 
+def keyword_lines(name: str, value: str) -> list[str]:
+    """One `name=value,` argument line as ruff formats it: a conditional expression that does
+    not fit on one line is split before `if` and `else`."""
+    line = f"        {name}={value},"
+    if len(line) <= 100 or " if " not in value:
+        return [line]
+    head, rest = value.split(" if ", 1)
+    test, orelse = rest.split(" else ", 1)
+    return [f"        {name}={head}", f"        if {test}", f"        else {orelse},"]
+
+
 def signature(name: str, params: str, returns: str) -> list[str]:
     """A `def` line as ruff formats it: on one line when it fits, else its parameters on the
     next line."""
@@ -252,7 +263,7 @@ def render_converters(contracts: Contracts, source: str, name: str) -> list[str]
         *signature(f"{snake(name)}_from_proto", f"msg: {proto}", f"t.{name}"),
     ]
     out += [f"    return t.{name}("]
-    out += [f"        {f.name}={from_proto_value(f)}," for f in message.field]
+    out += [line for f in message.field for line in keyword_lines(f.name, from_proto_value(f))]
     out += ["    )"]
     return out
 

@@ -297,5 +297,7 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> t.Model
         num_sampled_token_ids=list(msg.num_sampled_token_ids),
         num_draft_tokens=list(msg.num_draft_tokens),
         pooler_outputs=[pooler_output_from_proto(item) for item in msg.pooler_outputs],
-        kv_connector_output=k_v_connector_output_from_proto(msg.kv_connector_output) if msg.HasField("kv_connector_output") else None,
+        kv_connector_output=k_v_connector_output_from_proto(msg.kv_connector_output)
+        if msg.HasField("kv_connector_output")
+        else None,
     )
