@@ -25,6 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import openai
+
 from benchmarks.dp_serve import Serve, engine_metric, start_serve
 from benchmarks.pd_client import PdResult, run_requests
 from benchmarks.pd_workload import build_workload
@@ -115,10 +117,8 @@ def run_variant(name: str, args: argparse.Namespace, words: list[str], seed: int
 
 
 def _model_id(serve: Serve) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{serve.http}/v1/models", timeout=10) as reply:
-        return str(json.loads(reply.read())["data"][0]["id"])
+    client = openai.OpenAI(base_url=f"http://{serve.http}/v1", api_key="-", max_retries=0)
+    return client.models.list().data[0].id
 
 
 def report(rows: list[dict[str, Any]]) -> str:

@@ -4,9 +4,10 @@ Everyone else only puts commands in the loop's EngineInbox (core_svc/engine/engi
 thread owns the EngineCore. Each iteration (1) takes every pending command, blocking on the
 inbox when there is nothing to step (for at most the KV connector's poll interval while it has
 transfers in progress: then the step is an empty one, for the ranks to report them), then (2)
-runs one step and hands each client's outputs to `output_sink`. A rank restart (core_svc/recovery.py) talks to the loop the same way: the
-executor's failure, the new executor once the ranks are back, or giving up, are commands in the
-same order as the clients' adds and aborts.
+runs one step and hands each client's outputs to `output_sink`. A rank restart
+(core_svc/recovery.py) talks to the loop the same way: the executor's failure, the new executor
+once the ranks are back, or giving up, are commands in the same order as the clients' adds and
+aborts.
 """
 
 from __future__ import annotations
