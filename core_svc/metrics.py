@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from core_svc.executor.abstract import FAULT_CAUSES
+from core_svc.kv_connector.metrics import KvConnectorMetrics
 from splitserve_contracts.output_types import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -75,6 +76,7 @@ class CoreMetrics:
         self._registry = registry
         self._values = (model_name, engine)
         self._add_scheduler_metrics()
+        self.kv_connector = KvConnectorMetrics(registry, LABELS, self._values)
         self.spec_decode = (
             SpecDecodeMetrics(registry, self._values, num_speculative_tokens)
             if num_speculative_tokens
@@ -228,6 +230,7 @@ class CoreMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         if self.spec_decode is not None:
             self.spec_decode.observe(stats, last)
+        self.kv_connector.observe(stats, last)
         self._last = stats
 
     def iteration_tokens_state(self) -> tuple[list[float], list[int], float]:

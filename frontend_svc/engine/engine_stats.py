@@ -3,7 +3,7 @@
 A router or autoscaler scraping a pod's serving port (the production-stack router, the llm-d
 endpoint picker) reads vLLM's engine series there, as from `vllm serve`:
 vllm:num_requests_running, vllm:num_requests_waiting (and _by_reason), vllm:kv_cache_usage_perc,
-vllm:prefix_cache_queries/hits, vllm:external_prefix_cache_queries/hits (a KV connector's),
+vllm:prefix_cache_queries/hits, vllm:external_prefix_cache_queries/hits and splitserve:kv_transfer_* (a KV connector's),
 vllm:num_preemptions, vllm:mm_cache_queries/hits,
 vllm:structured_output_cache_queries/hits, vllm:iteration_tokens_total and
 vllm:cache_config_info, labelled with model_name and the engine's id, with --enable-lora vllm:lora_requests_info (llm-d's LoRA-affinity scorer's input) and with
@@ -38,6 +38,7 @@ from prometheus_client.core import (
 from frontend_svc.engine.engine_types import EngineInfo, EngineSnapshot
 from splitserve_contracts.output_types import SchedulerStats
 from splitserve_runtime.engine_option_rules import lora_enabled, lora_slots
+from splitserve_runtime.kv_metric_names import KV_COUNTERS
 
 logger = logging.getLogger(__name__)
 LABELS = ["model_name", "engine"]
@@ -149,20 +150,14 @@ class EngineSeries:
 
     def _external_prefix_cache(self, stats: SchedulerStats) -> Iterator[Metric]:
         """vLLM's KV-connector counters (tokens asked of a peer engine, tokens loaded from it
-        instead of computed: a P/D decode engine's prompts), checked as _grammar_cache's."""
-        queries = min(stats.external_prefix_cache_queries, MAX_COUNT)
-        yield self._counter(
-            "vllm:external_prefix_cache_queries",
-            "External prefix cache queries from KV connector cross-instance cache sharing, "
-            "in terms of number of queried tokens.",
-            queries,
-        )
-        yield self._counter(
-            "vllm:external_prefix_cache_hits",
-            "External prefix cache hits from KV connector cross-instance cache sharing, "
-            "in terms of number of cached tokens.",
-            min(stats.external_prefix_cache_hits, queries),
-        )
+        instead of computed: a P/D decode engine's prompts) and the transfers' bytes, seconds,
+        loads and failures (splitserve_runtime/kv_metric_names.py), checked as
+        _grammar_cache's: at most MAX_COUNT, hits at most the queries."""
+        values = {field: min(getattr(stats, field), MAX_COUNT) for _, _, field in KV_COUNTERS}
+        hits = "external_prefix_cache_hits"
+        values[hits] = min(values[hits], values["external_prefix_cache_queries"])
+        for name, doc, field in KV_COUNTERS:
+            yield self._counter(name, doc, values[field])
 
     def _grammar_cache(self, stats: SchedulerStats) -> Iterator[Metric]:
         """vLLM's structured-output grammar cache counters, as the core counts them; what a

@@ -253,7 +253,13 @@ def test_the_completion_response_carries_the_handoff(tokenizer: Any) -> None:
 def test_the_engine_series_count_external_hits_and_remote_kv_waits() -> None:
     waits = {"num_waiting_reqs": 1, "num_waiting_deferred": 1, "num_waiting_for_remote_kvs": 2}
     stats = SchedulerStats(
-        **waits, external_prefix_cache_queries=2000, external_prefix_cache_hits=1999
+        **waits,
+        external_prefix_cache_queries=2000,
+        external_prefix_cache_hits=2001,  # a peer's hits beyond its queries: capped
+        kv_transfer_received_bytes=46_000_000,
+        kv_transfer_seconds=0.25,
+        kv_transfer_num_loads=3,
+        kv_transfer_num_failed_loads=1,
     )
     registry = CollectorRegistry()
     registry.register(EngineSeries(EngineSnapshot(stats), "m", PRODUCER))
@@ -263,7 +269,11 @@ def test_the_engine_series_count_external_hits_and_remote_kv_waits() -> None:
         for s in family.samples
     }
     assert values[("vllm:external_prefix_cache_queries_total", "")] == 2000
-    assert values[("vllm:external_prefix_cache_hits_total", "")] == 1999
+    assert values[("vllm:external_prefix_cache_hits_total", "")] == 2000
+    assert values[("splitserve:kv_transfer_received_bytes_total", "")] == 46_000_000
+    assert values[("splitserve:kv_transfer_seconds_total", "")] == 0.25
+    assert values[("splitserve:kv_transfer_loads_total", "")] == 3
+    assert values[("splitserve:kv_transfer_failed_loads_total", "")] == 1
     assert values[("vllm:num_requests_waiting", "")] == 4  # vLLM: all in its waiting queue
     assert values[("vllm:num_requests_waiting_by_reason", "deferred")] == 3
     assert values[("vllm:num_requests_waiting_by_reason", "capacity")] == 1
