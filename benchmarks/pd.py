@@ -48,17 +48,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pd", description=__doc__)
     parser.add_argument("--model", default="", help="checkpoint (default: the default model)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="pd,aggregated")
+    parser.add_argument("--variants", default="pd,aggregated,pd-stream")
     parser.add_argument("--timeout", type=float, default=600.0, help="start-up seconds")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "pd-results.json")
     return parser
 
 
+STREAM_ONLY = json.dumps(
+    {"kv_connector": "GrpcConnector", "kv_connector_extra_config": {"shared_memory": False}}
+)
+"""pd-stream: the blocks in the PullKv stream, no same-host shared-memory segment."""
+
+
 def start_variant(name: str, model: str, log: Path, timeout: float) -> Serve:
-    if name == "pd":
-        return start_serve(
-            model, "round_robin", [*FLAGS, "--pd", "1:1"], log, timeout, num_engines=1
-        )
+    if name in ("pd", "pd-stream"):
+        flags = [*FLAGS, "--pd", "1:1"]
+        if name == "pd-stream":
+            flags += ["--kv-transfer-config", STREAM_ONLY]
+        return start_serve(model, "round_robin", flags, log, timeout, num_engines=1)
     return start_serve(model, "round_robin", FLAGS, log, timeout, num_engines=2)
 
 
@@ -68,12 +75,19 @@ def read_counters(serve: Serve) -> list[dict[str, float]]:
 
 def summarize(results: list[PdResult], wall_s: float) -> dict[str, float]:
     ok = [r for r in results if not r.timing.error]
+    for failed in [r for r in results if r.timing.error][:3]:
+        print(f"failed request: {failed.timing.error}", file=sys.stderr)
+    if not ok:
+        raise RuntimeError(f"all {len(results)} requests failed (the log is in {BENCH_DIR})")
     decode_gaps = [g for r in ok if not r.request.is_long for g in itls(r.timing)]
     return {
         "failed": len(results) - len(ok),
         "itl_p99_ms": percentile(decode_gaps, 99) * 1e3,
         "itl_p50_ms": percentile(decode_gaps, 50) * 1e3,
         "ttft_p50_ms": percentile([r.timing.ttft * 1e3 for r in ok], 50),
+        "ttft_short_p50_ms": percentile(
+            [r.timing.ttft * 1e3 for r in ok if not r.request.is_long], 50
+        ),
         "ttft_long_p50_ms": percentile([r.timing.ttft * 1e3 for r in ok if r.request.is_long], 50),
         "output_tok_s": sum(r.timing.num_tokens for r in ok) / wall_s,
     }
@@ -110,7 +124,7 @@ def run_variant(name: str, args: argparse.Namespace, words: list[str], seed: int
     finally:
         stop(serve.server)
     row: dict[str, Any] = {"variant": name, "seed": seed, **summarize(results, wall)}
-    if name == "pd":
+    if name.startswith("pd"):
         row |= transfer_stats(before, after)
     row["texts"] = ["".join(r.text) for r in results]
     return row
@@ -121,21 +135,40 @@ def _model_id(serve: Serve) -> str:
     return client.models.list().data[0].id
 
 
+TARGETS = {"itl_p99_ms": "<= 0.6x", "output_tok_s": ">= 0.9x", "ttft_p50_ms": "<= 1.3x"}
+TIMED = ("itl_p99_ms", "itl_p50_ms", "ttft_p50_ms", "ttft_short_p50_ms", "ttft_long_p50_ms")
+MOVED = ("kv_gb_s", "kv_share_of_prefill", "decode_external_hits", "decode_prompt_tokens")
+
+
 def report(rows: list[dict[str, Any]]) -> str:
-    by = {v: [r for r in rows if r["variant"] == v] for v in ("pd", "aggregated")}
-    lines = ["| metric | pd | aggregated | pd / aggregated | target |", "|---|---|---|---|---|"]
-    targets = {"itl_p99_ms": "<= 0.6x", "output_tok_s": ">= 0.9x", "ttft_p50_ms": "<= 1.3x"}
-    for key in ("itl_p99_ms", "itl_p50_ms", "ttft_p50_ms", "ttft_long_p50_ms", "output_tok_s"):
-        pd, agg = (statistics.median(r[key] for r in by[v]) for v in ("pd", "aggregated"))
-        lines.append(f"| {key} | {pd:.1f} | {agg:.1f} | {pd / agg:.2f}x | {targets.get(key, '')} |")
-    same = [
-        sum(a == b for a, b in zip(p["texts"], g["texts"], strict=True)) / len(p["texts"])
-        for p, g in zip(by["pd"], by["aggregated"], strict=True)
-    ]
-    lines.append(f"| greedy text equal | {min(same):.0%} of requests (worst round) | | | 100 % |")
-    for key in ("kv_gb_s", "kv_share_of_prefill", "decode_external_hits", "decode_prompt_tokens"):
-        lines.append(f"| {key} | {statistics.median(r[key] for r in by['pd']):.3f} | | | |")
+    """Medians over rounds; each P/D variant against the aggregated engines."""
+    names = [v for v in ("pd", "pd-stream", "aggregated") if any(r["variant"] == v for r in rows)]
+    by = {v: [r for r in rows if r["variant"] == v] for v in names}
+    pds = [v for v in names if v != "aggregated"]
+    head = " | ".join([*names, *(f"{v} / aggregated" for v in pds)])
+    lines = [f"| metric | {head} | target |", "|---" * (len(names) + len(pds) + 2) + "|"]
+    for key in (*TIMED, "output_tok_s"):
+        med = {v: statistics.median(r[key] for r in by[v]) for v in names}
+        ratios = [f"{med[v] / med['aggregated']:.2f}x" for v in pds]
+        values = [f"{med[v]:.1f}" for v in names]
+        lines.append(f"| {key} | {' | '.join([*values, *ratios])} | {TARGETS.get(key, '')} |")
+    equal = [f"{_worst_equal(by[v], by['aggregated']):.0%}" for v in pds]
+    blank = [""] * (len(names) - len(pds))
+    lines.append(
+        f"| greedy text equal (worst round) | {' | '.join([*equal, *blank, *([''] * len(pds))])} | 100 % |"
+    )
+    for key in MOVED:
+        values = [f"{statistics.median(r[key] for r in by[v]):.3f}" for v in pds]
+        lines.append(f"| {key} | {' | '.join([*values, *blank, *([''] * len(pds))])} | |")
     return "\n".join(lines)
+
+
+def _worst_equal(pd_rows: list[dict[str, Any]], agg_rows: list[dict[str, Any]]) -> float:
+    """The lowest share, over rounds, of requests whose text equals the aggregated run's."""
+    return min(
+        sum(a == b for a, b in zip(p["texts"], g["texts"], strict=True)) / len(p["texts"])
+        for p, g in zip(pd_rows, agg_rows, strict=True)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,7 @@ class Request:
         "pooling_output",
         "kv_transfer_params",
         "kv_transfer_params_problem",
+        "kv_load_failed",
     )
 
     def __init__(
@@ -188,6 +189,8 @@ class Request:
         """What the engine tracks of the request, as it starts (nothing the client sent):
         its handle, status and progress, its errors, what the workers have."""
         self.req_handle = -1
+        self.kv_load_failed = False
+        """A KV connector's load failed: computed here, never offered to the connector again."""
         self.pooling_output = b""
         """The pooled vector the output rank sent (float32 little-endian), once it ran."""
         self.status = RequestStatus.WAITING

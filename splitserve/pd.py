@@ -45,6 +45,13 @@ class PdCounts:
         return self.num_prefill + self.num_decode
 
 
+PREFILL_SILENCE_S = 60
+"""smg's --worker-wedge-secs in PD mode (its default: 3). A prefill leg (max_tokens=1) streams
+nothing until its prompt is computed, and smg gives up on a leg silent for that bound before it
+has measured the engine's prefill rate: on CPU a 2,000-token prompt queued behind others takes
+tens of seconds (benchmarks/pd.py), so the first long prompts would fail with 504."""
+
+
 def pd_counts(text: str) -> PdCounts:
     """`P:D`, both positive (argparse's type)."""
     parts = text.split(":")
@@ -110,11 +117,12 @@ def core_flags(counts: PdCounts, index: int, given: KVTransferOptions | None) ->
 
 def gateway_pd_flags(flags: Sequence[str], counts: PdCounts, addrs: Sequence[str]) -> list[str]:
     """The gateway's command line (gateway_flags') in smg's PD mode: the engines as --prefill
-    and --decode workers instead of --worker-urls."""
+    and --decode workers instead of --worker-urls, and PREFILL_SILENCE_S as the wedge bound."""
     start, end = flags.index("--worker-urls"), flags.index("--policy")
     workers = ["--pd-disaggregation"]
     for addr in addrs[: counts.num_prefill]:
         workers += ["--prefill", grpc_url(addr)]
     for addr in addrs[counts.num_prefill :]:
         workers += ["--decode", grpc_url(addr)]
-    return [*flags[:start], *workers, *flags[end:]]
+    wedge = ["--worker-wedge-secs", str(PREFILL_SILENCE_S)]
+    return [*flags[:start], *workers, *flags[end:], *wedge]

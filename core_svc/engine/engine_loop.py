@@ -114,7 +114,7 @@ class EngineCoreProc:
         engine_core, connector = self.engine_core, self.engine_core.kv_connector
         is_busy = engine_core.has_work()
         polls = not is_busy and engine_core.polls_kv_connector()  # an empty step, after a while
-        timeout = connector.poll_interval if polls and connector is not None else None
+        timeout = connector.poll_seconds() if polls and connector is not None else None
         for command in self.inbox.take(wait=not is_busy, timeout=timeout):
             if command.kind is CommandKind.SHUTDOWN:
                 return False

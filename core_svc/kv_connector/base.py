@@ -32,7 +32,7 @@ class KVConnectorScheduler(ABC):
 
     poll_interval: float = 0.01
     """Seconds between the empty steps the engine sends while `has_pending` and nothing else
-    runs, so the ranks can report finished transfers."""
+    runs, so the ranks can report finished transfers (see `poll_seconds`)."""
 
     def __init__(
         self,
@@ -98,6 +98,12 @@ class KVConnectorScheduler(ABC):
     def take_expired(self, now: float) -> list[int]:
         """The req handles whose blocks were kept for a peer and whose lease ended at `now`
         (unix time); the core frees their blocks (vLLM's NIXL abort timeout)."""
+
+    def poll_seconds(self) -> float:
+        """The wait before the next empty step while only transfers are pending:
+        `poll_interval`; a connector may wait longer when nothing a request waits on is in
+        flight (blocks leased to a peer)."""
+        return self.poll_interval
 
     @abstractmethod
     def has_pending(self) -> bool:

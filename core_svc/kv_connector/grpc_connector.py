@@ -11,7 +11,9 @@ released (released_transfer_ids) and the core frees the blocks.
 Consumer (kv_consumer, kv_both): a request whose params are a handoff (do_remote_prefill) loads
 the prompt beyond its local prefix hit from the producer's ranks (KvLoad) while it waits out of
 the running set; the ranks report finished_recving or failed_recving. An aborted load is
-cancelled (cancelled_loads) and its blocks are kept until the ranks report it.
+cancelled (cancelled_loads) and its blocks are kept until the ranks report it. A producer on the
+same host writes the blocks into a shared-memory segment the pull offers instead of the stream
+(kv_connector_extra_config.shared_memory, default true; worker_svc/kv_connector/shared_segment.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from splitserve_contracts.output_types import KVConnectorOutput
 DEFAULT_LEASE_SECONDS = 30.0
 """How long a producer keeps a finished prompt's blocks for its consumer (vLLM's NIXL abort
 timeout is 480 s)."""
+LEASE_POLL_SECONDS = 0.1
+"""The empty steps' interval while only leases are held: a pull's end frees blocks, nobody
+waits on it (a load in flight, a handoff to register, polls every `poll_interval`)."""
 _HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -53,6 +58,8 @@ class GrpcConnectorScheduler(KVConnectorScheduler):
         extra = self.extra_config
         self.worker_addresses = _advertised(extra, self.worker_addresses)
         self.lease_seconds = _lease_seconds(extra)
+        if not isinstance(extra.get("shared_memory", True), bool):
+            raise ValueError("kv_connector_extra_config.shared_memory must be true or false")
         self.role = self.options.kv_role
         if self.role != "kv_consumer" and not self.worker_addresses:
             raise ValueError(
@@ -187,13 +194,19 @@ class GrpcConnectorScheduler(KVConnectorScheduler):
         return expired
 
     def has_pending(self) -> bool:
+        return bool(self._leases or self._has_urgent())
+
+    def poll_seconds(self) -> float:
+        return self.poll_interval if self._has_urgent() else LEASE_POLL_SECONDS
+
+    def _has_urgent(self) -> bool:
+        """Loads a request waits on, or metadata the ranks need (a handoff to serve)."""
         return bool(
             self._pending_loads
             or self._loading
             or self._cancelled
             or self._cancelling
             or self._pending_sends
-            or self._leases
             or self._released
         )
 

@@ -44,6 +44,8 @@ class KVTransfers(SchedulerState):
         """Waiting pass, for the waiting request at the queue's head: True when it left the
         queue (parked for its load, or refused for its params), False when it is computed here,
         None when its prompt's blocks do not fit (the pass stops)."""
+        if request.kv_load_failed:
+            return False
         try:
             num_external, load_async = connector.get_num_new_matched_tokens(request, num_hit_tokens)
         except InvalidKVTransferParams as err:
@@ -80,6 +82,11 @@ class KVTransfers(SchedulerState):
         if output is None:
             return
         connector.update_connector_output(output)
+        loads = self.kv_loads
+        loads.num_bytes += output.num_bytes_received
+        loads.seconds += output.recv_seconds
+        loads.num_loads += len(output.finished_recving)
+        loads.num_failed += len(output.failed_recving)
         for handle in output.finished_recving:
             self._loaded(handle)
         reasons = output.failed_reasons
@@ -113,6 +120,7 @@ class KVTransfers(SchedulerState):
             request.request_id[:64],
             reason or "no reason given",
         )
+        request.kv_load_failed = True
         self._recompute(request)
 
     def _recompute(self, request: Request) -> None:

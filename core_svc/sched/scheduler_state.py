@@ -11,6 +11,7 @@ dozen of these attributes per request.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from core_svc.kv_cache.block_hash import BlockHasher
 from core_svc.kv_cache.kv_cache_manager import KVCacheManager
@@ -22,6 +23,16 @@ from core_svc.sched.prefill_policy import PrefillPolicy
 from core_svc.sched.request_queue import create_request_queue
 from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.sched.step_update import ScheduledStep, SpecDecodingStats, StepUpdater
+
+
+@dataclass(slots=True)
+class KVLoadTotals:
+    """A KV connector's loads as the ranks reported them (KVConnectorOutput), cumulative."""
+
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_loads: int = 0
+    num_failed: int = 0
 
 
 class SchedulerState:
@@ -99,6 +110,8 @@ class SchedulerState:
         """Prompt tokens of the requests that asked the connector for a load."""
         self.num_external_hits = 0
         """Prompt tokens the connector loaded."""
+        self.kv_loads = KVLoadTotals()
+        """What the ranks reported loading from peers."""
         self._in_flight: deque[ScheduledStep] = deque()
         """Scheduled steps whose outputs are not applied yet, oldest first (at most
         `max_steps_in_flight`)."""

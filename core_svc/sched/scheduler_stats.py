@@ -17,6 +17,7 @@ def make_scheduler_stats(
     running_loras, waiting_loras = scheduler.lora.adapter_names()
     spec = scheduler.spec_stats
     grammars = structured.manager
+    loads = scheduler.kv_loads
     return SchedulerStats(
         num_running_reqs=len(scheduler.running),
         num_waiting_reqs=len(scheduler.waiting),
@@ -47,4 +48,8 @@ def make_scheduler_stats(
         external_prefix_cache_hits=scheduler.num_external_hits,
         num_waiting_for_remote_kvs=len(scheduler.loading),
         num_sending_reqs=len(scheduler.sending),
+        kv_transfer_received_bytes=loads.num_bytes,
+        kv_transfer_seconds=loads.seconds,
+        kv_transfer_num_loads=loads.num_loads,
+        kv_transfer_num_failed_loads=loads.num_failed,
     )

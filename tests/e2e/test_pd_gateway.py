@@ -9,27 +9,30 @@ pull (the decode side computes the prompt itself) and forged handoffs (refused, 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import openai
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
-from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from benchmarks.dp_serve import engine_metric
 from tests.e2e.gateway_stack import Gateway
+from tests.e2e.kv_engines import (
+    EXTERNAL_HITS,
+    PROMPT,
+    PROMPT_TOKENS,
+    complete,
+    metric_grows_by,
+    stub,
+    tokenized,
+    wait_kv_free,
+)
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
-PROMPT = list(range(40, 140))
-"""100 tokens: 6 full blocks and a partial one (block size 16)."""
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
 
 def connector(role: str, engine_id: str) -> list[str]:
@@ -78,46 +81,6 @@ def gateway(
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
-
-
-def stub(stack: Stack) -> pb_grpc.VllmEngineStub:
-    return pb_grpc.VllmEngineStub(grpc.insecure_channel(stack.frontend))
-
-
-def tokenized(request_id: str, max_tokens: int, **fields: Any) -> pb.GenerateRequest:
-    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return pb.GenerateRequest(
-        request_id=request_id,
-        tokenized=pb.TokenizedInput(input_ids=PROMPT),
-        sampling_params=params,
-        stream=False,
-        **fields,
-    )
-
-
-def complete(engine: Stack, request: pb.GenerateRequest) -> pb.GenerateComplete:
-    (reply,) = stub(engine).Generate(request, timeout=60)
-    return reply.complete
-
-
-def metric_grows_by(http: str, name: str, before: float, amount: float) -> None:
-    """The engine's counter reaches `before + amount` within 3 s (its stats arrive periodically)."""
-    deadline = time.monotonic() + 3.0
-    while (value := engine_metric(http[7:], name)) - before < amount:
-        assert time.monotonic() < deadline, f"{name} grew by {value - before}, not {amount}"
-        time.sleep(0.05)
-    assert value - before == amount
-
-
-def wait_kv_free(*stacks: Stack, within: float) -> float:
-    """Seconds until no block is used (nor leased) on any of the stacks; fails after `within`."""
-    started = time.monotonic()
-    while True:
-        stats = [s.scheduler_stats() for s in stacks]
-        if all(s.num_used_blocks == 0 and s.num_sending_reqs == 0 for s in stats):
-            return time.monotonic() - started
-        assert time.monotonic() - started < within, [str(s) for s in stats]
-        time.sleep(0.02)
 
 
 def test_the_engines_advertise_their_connector_to_the_gateway(engines: tuple[Stack, Stack]) -> None:

@@ -51,26 +51,46 @@ class BlockIO:
             return f"block ids {bad[:4]} outside 1..{self.num_blocks - 1}"
         return None
 
-    def chunks(self, block_ids: Sequence[int], blocks_per_chunk: int) -> Iterator[Chunk]:
-        """The blocks' bytes, layer by layer, `blocks_per_chunk` blocks a chunk, read lazily."""
+    def chunk_ranges(
+        self, block_ids: Sequence[int], blocks_per_chunk: int
+    ) -> Iterator[tuple[int, int, Sequence[int]]]:
+        """(layer, first block's index, block ids) per chunk, layer by layer, `blocks_per_chunk`
+        blocks a chunk."""
         for layer in range(self.num_layers):
             for first in range(0, len(block_ids), blocks_per_chunk):
-                ids = block_ids[first : first + blocks_per_chunk]
-                yield Chunk(layer, first, len(ids), self.read(layer, ids))
+                yield layer, first, block_ids[first : first + blocks_per_chunk]
+
+    def chunks(self, block_ids: Sequence[int], blocks_per_chunk: int) -> Iterator[Chunk]:
+        """The blocks' bytes, chunk by chunk (chunk_ranges), read lazily."""
+        for layer, first, ids in self.chunk_ranges(block_ids, blocks_per_chunk):
+            yield Chunk(layer, first, len(ids), self.read(layer, ids))
 
     def read(self, layer: int, block_ids: Sequence[int]) -> bytes:
         if self.is_cpu:
-            return self._arrays[layer][:, list(block_ids)].tobytes()
+            run = _as_run(block_ids)  # a fresh prompt's blocks are mostly one run: one copy
+            return self._arrays[layer][:, run if run is not None else list(block_ids)].tobytes()
         raw = self.layers[layer]
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=raw.device)
         return raw.index_select(1, index).cpu().numpy().tobytes()
 
-    def write(self, layer: int, block_ids: Sequence[int], data: bytes) -> None:
+    def read_into(self, layer: int, block_ids: Sequence[int], out: memoryview) -> None:
+        """Copy the blocks' bytes (as `read` gives them) into `out`, exactly their size."""
+        target = np.frombuffer(out, dtype=np.uint8).reshape(2, len(block_ids), *self.block_shape)
+        if self.is_cpu:
+            run = _as_run(block_ids)
+            target[...] = self._arrays[layer][:, run if run is not None else list(block_ids)]
+            return
+        target[...] = np.frombuffer(self.read(layer, block_ids), dtype=np.uint8).reshape(
+            target.shape
+        )
+
+    def write(self, layer: int, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         """Write `data` (len(block_ids) blocks of `layer`, as `read` gives them) at `block_ids`;
         the caller checked the ids and the size."""
         source = np.frombuffer(data, dtype=np.uint8).reshape(2, len(block_ids), *self.block_shape)
         if self.is_cpu:
-            self._arrays[layer][:, list(block_ids)] = source
+            run = _as_run(block_ids)
+            self._arrays[layer][:, run if run is not None else list(block_ids)] = source
             return
         raw = self.layers[layer]
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=raw.device)
@@ -80,3 +100,13 @@ class BlockIO:
         """Wait until the writes issued so far landed (CUDA copies run on the device's stream)."""
         if not self.is_cpu and self.layers:
             torch.cuda.synchronize(self.layers[0].device)
+
+
+def _as_run(block_ids: Sequence[int]) -> slice | None:
+    """`block_ids` as a slice when they are consecutive ascending ids (a view, not a gather)."""
+    if not block_ids:
+        return None
+    first, last = block_ids[0], block_ids[-1]
+    if last - first + 1 != len(block_ids) or any(b != first + i for i, b in enumerate(block_ids)):
+        return None
+    return slice(first, last + 1)

@@ -22,7 +22,9 @@ class ChunkWriter:
         self.next_block = 0
         self.num_bytes = 0
 
-    def write(self, layer: int, first_block: int, num_blocks: int, data: bytes) -> None:
+    def write(
+        self, layer: int, first_block: int, num_blocks: int, data: bytes | memoryview
+    ) -> None:
         """Write one chunk; LoadFailed (nothing written) when it is not the expected next one."""
         total = len(self.local_block_ids)
         if self.next_block == total and first_block == 0 and layer == self.layer + 1:

@@ -15,6 +15,7 @@ finished, so the per-layer hooks (wait_for_layer_load, save_kv_layer) have nothi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import grpc
@@ -38,7 +39,9 @@ class GrpcConnectorWorker(KVConnectorWorker):
         self.blocks = BlockIO(kv_cache)
         self.reports = Reports()
         self.sends = SendRegistry(self.reports)
-        self.pulls = Pulls(self.blocks, layout, security, self.reports)
+        extra = json.loads(context.options.kv_connector_extra_config or "{}")
+        shared_memory = extra.get("shared_memory", True) is not False  # checked by the core
+        self.pulls = Pulls(self.blocks, layout, security, self.reports, shared_memory)
         self.servicer = KvTransferServicer(context.engine_id, layout, self.sends, self.blocks)
         self._meta = NO_META
 

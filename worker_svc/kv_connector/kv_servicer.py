@@ -1,7 +1,8 @@
 """KvTransferService on a producer rank's gRPC port: the layout handshake, and PullKv streaming
 a leased transfer's blocks layer by layer (read lazily, one chunk at a time: the sync server
 sends each chunk before it asks for the next, so memory stays one chunk per pull and gRPC's
-flow control paces the stream)."""
+flow control paces the stream). A caller on this host may offer a shared-memory segment
+(shared_segment.py): the chunks' bytes go there and the stream carries their headers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from worker_svc.kv_connector.block_io import BlockIO
 from worker_svc.kv_connector.kv_convert import layout_from_proto, layout_to_proto
 from worker_svc.kv_connector.layout import KvLayout, layout_differences
 from worker_svc.kv_connector.sends import PullRefused, SendRegistry
+from worker_svc.kv_connector.shared_segment import (
+    MappedSegment,
+    host_identity,
+    open_segment,
+    segment_offset,
+)
 
 REGISTRATION_WAIT_SECONDS = 2.0
 """How long PullKv waits for a transfer whose KvSend is still on its way (the handoff reaches
@@ -59,22 +66,50 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         except PullRefused as e:
             _abort(context, e.code, str(e))
         context.add_callback(lambda: self.sends.done(transfer))  # also on cancel
+        segment = self._segment(request, len(block_ids))
         try:
-            for chunk in self.blocks.chunks(block_ids, blocks_per_chunk):
-                if transfer.released.is_set():
+            for layer, first, ids in self.blocks.chunk_ranges(block_ids, blocks_per_chunk):
+                data = self._chunk_bytes(segment, layer, first, ids, len(block_ids))
+                if transfer.released.is_set():  # after the read: a read the freeing overlapped
                     _abort(
                         context,
                         grpc.StatusCode.NOT_FOUND,
                         f"transfer {request.transfer_id}: its lease ended during the pull",
                     )
                 yield kv_pb.PullKvResponse(
-                    layer=chunk.layer,
-                    first_block=chunk.first_block,
-                    num_blocks=chunk.num_blocks,
-                    data=chunk.data,
+                    layer=layer,
+                    first_block=first,
+                    num_blocks=len(ids),
+                    data=data,
+                    in_shared_memory=segment is not None,
                 )
         finally:
             self.sends.done(transfer)
+            if segment is not None:
+                segment.close()
+
+    def _segment(self, request: kv_pb.PullKvRequest, num_blocks: int) -> MappedSegment | None:
+        """The caller's shared-memory segment, when it offers one this rank can write."""
+        if not request.shared_memory_name or request.host_identity != host_identity():
+            return None
+        size = self.blocks.num_layers * num_blocks * self.blocks.block_bytes
+        return open_segment(request.shared_memory_name, size)
+
+    def _chunk_bytes(
+        self,
+        segment: MappedSegment | None,
+        layer: int,
+        first: int,
+        ids: Sequence[int],
+        num_blocks: int,
+    ) -> bytes:
+        """The chunk's bytes for the stream, or b"" once written into `segment`."""
+        if segment is None:
+            return self.blocks.read(layer, ids)
+        block_bytes, buffer = self.blocks.block_bytes, segment.buf
+        start = segment_offset(layer, first, num_blocks, block_bytes)
+        self.blocks.read_into(layer, ids, buffer[start : start + len(ids) * block_bytes])
+        return b""
 
     def _check_pull(self, request: kv_pb.PullKvRequest, block_ids: Sequence[int]) -> int:
         """Blocks per chunk of a valid request; PullRefused names what is wrong."""

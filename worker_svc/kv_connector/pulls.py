@@ -1,7 +1,9 @@
 """The consumer's loads: each KvLoad pulls its blocks from the producer's same rank on a small
 thread pool (never on the step thread), writing every chunk into its layer at the local blocks
-after checking it; a cancelled load stops between chunks. Each load reports exactly once:
-finished_recving, or failed_recving with a reason ("cancelled" for a cancelled one)."""
+after checking it (its bytes come in the stream, or in a shared-memory segment the pull offered
+a producer on this host: shared_segment.py); a cancelled load stops between chunks. Each load
+reports exactly once: finished_recving, or failed_recving with a reason ("cancelled" for a
+cancelled one)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import grpc
@@ -24,6 +27,7 @@ from worker_svc.kv_connector.chunk_writer import ChunkWriter, LoadFailed
 from worker_svc.kv_connector.kv_convert import KvLoad, layout_to_proto
 from worker_svc.kv_connector.layout import KvLayout
 from worker_svc.kv_connector.reports import Reports
+from worker_svc.kv_connector.shared_segment import SegmentPool, host_identity, segment_offset
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +51,17 @@ class Pulls:
     """The rank's loads in progress. start/cancel from the step thread; reports to `reports`."""
 
     def __init__(
-        self, blocks: BlockIO, layout: KvLayout, security: ChannelSecurity, reports: Reports
+        self,
+        blocks: BlockIO,
+        layout: KvLayout,
+        security: ChannelSecurity,
+        reports: Reports,
+        shared_memory: bool = True,
     ) -> None:
         self.blocks, self.layout, self.security, self.reports = blocks, layout, security, reports
+        self.shared_memory = shared_memory
+        """Offer producers on this host a shared-memory segment (shared_segment.py)."""
+        self.segments = SegmentPool()
         self._pool = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
         self._lock = threading.Lock()
         self._active: dict[int, _Load] = {}
@@ -113,29 +125,60 @@ class Pulls:
         problem = self.blocks.id_problem(load.local_block_ids)
         if problem is not None:
             raise LoadFailed(f"local_block_ids: {problem}")
-        address = load.remote_addresses[rank]
-        channel = self._handshake(address)
+        channel = self._handshake(load.remote_addresses[rank])
+        num_blocks = len(load.local_block_ids)
+        segment = self._offer_segment(num_blocks)
+        is_clean = False
         request = kv_pb.PullKvRequest(
             transfer_id=load.transfer_id,
             engine_id=load.remote_engine_id,
             block_ids=load.remote_block_ids,
             max_chunk_bytes=CHUNK_BYTES,
+            shared_memory_name=segment.name if segment is not None else "",
+            host_identity=host_identity() if segment is not None else "",
         )
         call = kv_grpc.KvTransferServiceStub(channel).PullKv(
             request, timeout=PULL_TIMEOUT_SECONDS, metadata=self.security.call_metadata()
         )
         state.call = call
         writer = ChunkWriter(self.blocks, load.local_block_ids)
-        if state.cancelled.is_set():
-            call.cancel()
-        for chunk in call:
+        try:
             if state.cancelled.is_set():
                 call.cancel()
-                raise LoadFailed("cancelled")
-            writer.write(chunk.layer, chunk.first_block, chunk.num_blocks, chunk.data)
-        writer.check_complete()
+            for chunk in call:
+                if state.cancelled.is_set():
+                    call.cancel()
+                    raise LoadFailed("cancelled")
+                data = self._chunk_data(chunk, segment, num_blocks)
+                writer.write(chunk.layer, chunk.first_block, chunk.num_blocks, data)
+                del data  # a view of the segment: released before it closes
+            writer.check_complete()
+            is_clean = True
+        finally:
+            if segment is not None:  # a pull that did not end may still be written: retired
+                self.segments.give_back(segment, is_clean)
         self.blocks.synchronize()
         return writer.num_bytes
+
+    def _offer_segment(self, num_blocks: int) -> SharedMemory | None:
+        """A segment for the producer to write this pull into, when same-host delivery is on
+        (kv_connector_extra_config.shared_memory, default on) and /dev/shm can hold it."""
+        if not self.shared_memory or not host_identity():
+            return None
+        return self.segments.take(self.blocks.num_layers * num_blocks * self.blocks.block_bytes)
+
+    def _chunk_data(
+        self, chunk: kv_pb.PullKvResponse, segment: SharedMemory | None, num_blocks: int
+    ) -> bytes | memoryview:
+        """The chunk's bytes: in the stream, or where the producer wrote them in `segment`
+        (ChunkWriter checks their length and place)."""
+        if not chunk.in_shared_memory:
+            return chunk.data
+        if segment is None or segment.buf is None or chunk.data:
+            raise LoadFailed("a chunk in shared memory this pull did not offer, or in both")
+        block_bytes = self.blocks.block_bytes
+        start = segment_offset(chunk.layer, chunk.first_block, num_blocks, block_bytes)
+        return segment.buf[start : start + chunk.num_blocks * block_bytes]
 
     def _handshake(self, address: str) -> grpc.Channel:
         """The channel to `address`, after one KvHandshake per address (cached once it
@@ -165,6 +208,7 @@ class Pulls:
         self._pool.shutdown(wait=True, cancel_futures=False)
         for channel in self._channels.values():
             channel.close()
+        self.segments.close()
 
 
 def _rpc_reason(what: str, error: grpc.RpcError) -> str:

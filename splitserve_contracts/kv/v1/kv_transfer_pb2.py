@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/kv/v1/kv_transfer.proto\x12\x10splitserve.kv.v1\"\xd2\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_layout\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x0c\n\x04rank\x18\n \x01(\r\"@\n\x12KvHandshakeRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.kv.v1.KvLayout\"T\n\x13KvHandshakeResponse\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.kv.v1.KvLayout\x12\x11\n\tengine_id\x18\x02 \x01(\t\"c\n\rPullKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x04\"V\n\x0ePullKvResponse\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa1\x01\n\x15GrpcConnectorMetadata\x12\'\n\x05loads\x18\x01 \x03(\x0b\x32\x18.splitserve.kv.v1.KvLoad\x12\'\n\x05sends\x18\x02 \x03(\x0b\x32\x18.splitserve.kv.v1.KvSend\x12\x1d\n\x15released_transfer_ids\x18\x03 \x03(\t\x12\x17\n\x0f\x63\x61ncelled_loads\x18\x04 \x03(\x04\"\x98\x01\n\x06KvLoad\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12\x18\n\x10remote_block_ids\x18\x03 \x03(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x05 \x01(\t\x12\x18\n\x10remote_addresses\x18\x06 \x03(\t\"D\n\x06KvSend\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r2\xbe\x01\n\x11KvTransferService\x12Z\n\x0bKvHandshake\x12$.splitserve.kv.v1.KvHandshakeRequest\x1a%.splitserve.kv.v1.KvHandshakeResponse\x12M\n\x06PullKv\x12\x1f.splitserve.kv.v1.PullKvRequest\x1a .splitserve.kv.v1.PullKvResponse0\x01\x42i\n\x13io.splitserve.kv.v1P\x01Z=github.com/splitserve/splitserve/gen/go/splitserve/kv/v1;kvv1\xaa\x02\x10Splitserve.Kv.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/kv/v1/kv_transfer.proto\x12\x10splitserve.kv.v1\"\xd2\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_layout\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x0c\n\x04rank\x18\n \x01(\r\"@\n\x12KvHandshakeRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.kv.v1.KvLayout\"T\n\x13KvHandshakeResponse\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.kv.v1.KvLayout\x12\x11\n\tengine_id\x18\x02 \x01(\t\"\x96\x01\n\rPullKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12shared_memory_name\x18\x05 \x01(\t\x12\x15\n\rhost_identity\x18\x06 \x01(\t\"p\n\x0ePullKvResponse\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x18\n\x10in_shared_memory\x18\x05 \x01(\x08\"\xa1\x01\n\x15GrpcConnectorMetadata\x12\'\n\x05loads\x18\x01 \x03(\x0b\x32\x18.splitserve.kv.v1.KvLoad\x12\'\n\x05sends\x18\x02 \x03(\x0b\x32\x18.splitserve.kv.v1.KvSend\x12\x1d\n\x15released_transfer_ids\x18\x03 \x03(\t\x12\x17\n\x0f\x63\x61ncelled_loads\x18\x04 \x03(\x04\"\x98\x01\n\x06KvLoad\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12\x18\n\x10remote_block_ids\x18\x03 \x03(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x05 \x01(\t\x12\x18\n\x10remote_addresses\x18\x06 \x03(\t\"D\n\x06KvSend\x12\x12\n\nreq_handle\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r2\xbe\x01\n\x11KvTransferService\x12Z\n\x0bKvHandshake\x12$.splitserve.kv.v1.KvHandshakeRequest\x1a%.splitserve.kv.v1.KvHandshakeResponse\x12M\n\x06PullKv\x12\x1f.splitserve.kv.v1.PullKvRequest\x1a .splitserve.kv.v1.PullKvResponse0\x01\x42i\n\x13io.splitserve.kv.v1P\x01Z=github.com/splitserve/splitserve/gen/go/splitserve/kv/v1;kvv1\xaa\x02\x10Splitserve.Kv.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,16 +38,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDSHAKEREQUEST']._serialized_end=333
   _globals['_KVHANDSHAKERESPONSE']._serialized_start=335
   _globals['_KVHANDSHAKERESPONSE']._serialized_end=419
-  _globals['_PULLKVREQUEST']._serialized_start=421
-  _globals['_PULLKVREQUEST']._serialized_end=520
-  _globals['_PULLKVRESPONSE']._serialized_start=522
-  _globals['_PULLKVRESPONSE']._serialized_end=608
-  _globals['_GRPCCONNECTORMETADATA']._serialized_start=611
-  _globals['_GRPCCONNECTORMETADATA']._serialized_end=772
-  _globals['_KVLOAD']._serialized_start=775
-  _globals['_KVLOAD']._serialized_end=927
-  _globals['_KVSEND']._serialized_start=929
-  _globals['_KVSEND']._serialized_end=997
-  _globals['_KVTRANSFERSERVICE']._serialized_start=1000
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1190
+  _globals['_PULLKVREQUEST']._serialized_start=422
+  _globals['_PULLKVREQUEST']._serialized_end=572
+  _globals['_PULLKVRESPONSE']._serialized_start=574
+  _globals['_PULLKVRESPONSE']._serialized_end=686
+  _globals['_GRPCCONNECTORMETADATA']._serialized_start=689
+  _globals['_GRPCCONNECTORMETADATA']._serialized_end=850
+  _globals['_KVLOAD']._serialized_start=853
+  _globals['_KVLOAD']._serialized_end=1005
+  _globals['_KVSEND']._serialized_start=1007
+  _globals['_KVSEND']._serialized_end=1075
+  _globals['_KVTRANSFERSERVICE']._serialized_start=1078
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

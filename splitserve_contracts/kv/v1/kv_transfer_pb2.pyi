@@ -146,12 +146,26 @@ class PullKvRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_NAME_FIELD_NUMBER: _builtins.int
+    HOST_IDENTITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer the producer's handoff named (its transfer_id)."""
     engine_id: _builtins.str
     """The producer engine the caller expects (the handoff's remote_engine_id)."""
     max_chunk_bytes: _builtins.int
     """Largest chunk the caller accepts, in bytes (0: 4 MiB)."""
+    shared_memory_name: _builtins.str
+    """Same-host delivery (optional): a POSIX shared-memory segment the caller
+    offers for this pull, named "splitserve-kv-" and 32 lowercase hex digits,
+    of at least the transfer's size (every layer's blocks, layer after layer).
+    A producer whose host_identity is the same and that can open the segment
+    writes each chunk's bytes there and sends the chunk without data;
+    otherwise it sends data as usual. The caller owns the segment.
+    """
+    host_identity: _builtins.str
+    """The caller's host and IPC namespace (boot id and namespace inode), as the
+    producer computes its own; compared only, never parsed.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The producer's block ids to send, in order: the handoff's
@@ -166,10 +180,12 @@ class PullKvRequest(_message.Message):
         engine_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         max_chunk_bytes: _builtins.int = ...,
+        shared_memory_name: _builtins.str = ...,
+        host_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "max_chunk_bytes", b"max_chunk_bytes", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "host_identity", b"host_identity", "max_chunk_bytes", b"max_chunk_bytes", "shared_memory_name", b"shared_memory_name", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -187,6 +203,7 @@ class PullKvResponse(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    IN_SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     """Layer index on the rank."""
     first_block: _builtins.int
@@ -197,6 +214,11 @@ class PullKvResponse(_message.Message):
     """The blocks' bytes: the layer's cache sliced at those blocks (the K and V
     planes of block_layout), contiguous.
     """
+    in_shared_memory: _builtins.bool
+    """The bytes are in the caller's segment (PullKvRequest.shared_memory_name)
+    at (layer * len(block_ids) + first_block) * the bytes of one block of one
+    layer, instead of in data (which is empty).
+    """
     def __init__(
         self,
         *,
@@ -204,10 +226,11 @@ class PullKvResponse(_message.Message):
         first_block: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        in_shared_memory: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "first_block", b"first_block", "layer", b"layer", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "first_block", b"first_block", "in_shared_memory", b"in_shared_memory", "layer", b"layer", "num_blocks", b"num_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

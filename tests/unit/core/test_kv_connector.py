@@ -15,7 +15,7 @@ from core_svc.config import parse_config
 from core_svc.engine.engine_inbox import EngineInbox
 from core_svc.engine.engine_loop import EngineCoreProc
 from core_svc.kv_connector.factory import create_kv_connector, with_kv_engine_id
-from core_svc.kv_connector.grpc_connector import GrpcConnectorScheduler
+from core_svc.kv_connector.grpc_connector import LEASE_POLL_SECONDS, GrpcConnectorScheduler
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from splitserve_contracts.core.v1 import core_service_pb2 as core_pb2
 from splitserve_contracts.engine_options_types import EngineOptions, KVTransferOptions
@@ -53,6 +53,7 @@ def test_the_core_chooses_the_engine_id_the_ranks_get() -> None:
     [
         ({"lease_seconds": 0}, "kv_connector_extra_config.lease_seconds must be a number > 0"),
         ({"lease_seconds": "1"}, "kv_connector_extra_config.lease_seconds must be a number > 0"),
+        ({"shared_memory": "yes"}, "kv_connector_extra_config.shared_memory must be true or false"),
         (
             {"advertise_addresses": ["nohost"]},
             "kv_connector_extra_config.advertise_addresses must be a list of",
@@ -133,7 +134,8 @@ def test_the_handoff_and_the_metadata_travel() -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_loop_polls_the_ranks_while_a_lease_runs_then_blocks(async_scheduling: bool) -> None:
-    """No busy spin: the empty steps come every poll interval (10 ms), not back to back."""
+    """No busy spin: the empty steps come every poll interval (10 ms) while a handoff is to be
+    registered, every LEASE_POLL_SECONDS (100 ms) while only its lease is held."""
     engine, executor, connector = kv_engine("kv_producer", async_scheduling=async_scheduling)
     done = threading.Event()
 
@@ -149,7 +151,8 @@ def test_the_loop_polls_the_ranks_while_a_lease_runs_then_blocks(async_schedulin
         first = len(executor.seen)
         time.sleep(0.3)
         num_polls = len(executor.seen) - first
-        assert 3 <= num_polls <= 60, num_polls  # ~30 at 10 ms; a spin would do thousands
+        assert 1 <= num_polls <= 8, num_polls  # ~3 at 100 ms; a spin would do thousands
+        assert connector.poll_seconds() == LEASE_POLL_SECONDS
         assert all(so.total_num_scheduled_tokens == 0 for so in executor.seen[first:])
         [send] = [s for meta in executor.metas for s in meta.sends]
         executor.report = KVConnectorOutput(finished_sending=[send.req_handle])

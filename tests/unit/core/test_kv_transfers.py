@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -142,7 +143,9 @@ def test_a_consumer_parks_while_loading_and_resumes_at_the_last_prompt_token(
     view.absorb(engine.step())
     assert len(view.tokens.get((1, 2), [])) >= 1, "the others keep stepping"
     executor.pull(load, PROMPT)
-    executor.report = KVConnectorOutput(finished_recving=[load.req_handle])
+    executor.report = KVConnectorOutput(
+        finished_recving=[load.req_handle], num_bytes_received=3 * 4096, recv_seconds=0.002
+    )
     for _ in range(4):
         view.absorb(engine.step())
         admitted = [n for n in executor.seen[-1].scheduled_new_reqs if n.req_handle == 1]
@@ -158,6 +161,8 @@ def test_a_consumer_parks_while_loading_and_resumes_at_the_last_prompt_token(
     assert len(view.tokens[(1, 1)]) == 3 and view.finished[(1, 1)] == FinishReason.LENGTH
     stats = engine.make_stats()
     assert (stats.external_prefix_cache_queries, stats.external_prefix_cache_hits) == (10, 10)
+    assert (stats.kv_transfer_received_bytes, stats.kv_transfer_seconds) == (3 * 4096, 0.002)
+    assert (stats.kv_transfer_num_loads, stats.kv_transfer_num_failed_loads) == (1, 0)
     assert view.details[(1, 1)][0].num_cached_tokens == len(PROMPT) - 1
     assert view.details[(1, 1)][-1].kv_transfer_params_json == ""
     assert_idle(engine)
@@ -206,7 +211,32 @@ def test_a_failed_load_computes_the_prompt_here() -> None:
         view.absorb(engine.step())
     [new] = [n for so in executor.seen for n in so.scheduled_new_reqs]
     assert new.num_computed_tokens == 0 and len(view.tokens[(1, 1)]) == 3
-    assert engine.make_stats().external_prefix_cache_hits == 0
+    stats = engine.make_stats()
+    assert stats.external_prefix_cache_hits == 0
+    assert (stats.kv_transfer_num_loads, stats.kv_transfer_num_failed_loads) == (0, 1)
+    assert_idle(engine)
+
+
+def test_a_failed_load_is_never_asked_of_the_connector_again() -> None:
+    """A connector whose source stays broken (it offers the same load again) does not loop."""
+    engine, executor, connector = kv_engine("kv_consumer")
+    engine.add_request(consumer_request(1))
+    engine.step()
+    [load] = executor.loads()
+    asked = []
+
+    def offers_again(request: Any, num_computed: int) -> tuple[int, bool]:
+        asked.append(request.req_handle)
+        return request.num_prompt_tokens - num_computed, True
+
+    connector.get_num_new_matched_tokens = offers_again  # type: ignore[method-assign]
+    executor.report = KVConnectorOutput(failed_recving=[load.req_handle], failed_reasons=["x"])
+    view = ClientView()
+    for _ in range(20):
+        view.absorb(engine.step())
+        if not engine.has_work():
+            break
+    assert asked == [] and len(view.tokens[(1, 1)]) == 3
     assert_idle(engine)
 
 

@@ -78,6 +78,7 @@ def test_the_real_smg_reads_the_pd_command_line() -> None:
     assert parsed.pd_disaggregation and parsed.worker_urls == []
     assert parsed.prefill_urls == [("grpc://127.0.0.1:1", None)]  # no bootstrap port
     assert parsed.decode_urls == ["grpc://127.0.0.1:2"]
+    assert parsed.worker_wedge_secs == pd.PREFILL_SILENCE_S  # a long prefill is no wedge
 
 
 def test_ready_names_the_pd_counts() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -46,8 +47,37 @@ def peers() -> Iterator[tuple[KvPeer, KvPeer]]:
     consumer.stop()
 
 
-def test_a_pull_copies_the_blocks_byte_for_byte(peers: tuple[KvPeer, KvPeer]) -> None:
-    producer, consumer = peers
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("splitserve-kv-*")}
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_pull_copies_the_blocks_byte_for_byte(
+    shared_memory: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a shared-memory segment (both peers on this host) or in the stream: the same
+    bytes, and no segment is left behind."""
+    opened: list[object] = []
+    real_open = kv_servicer.open_segment
+
+    def open_segment(name: str, size: int) -> object:
+        opened.append(segment := real_open(name, size))
+        return segment
+
+    monkeypatch.setattr(kv_servicer, "open_segment", open_segment)
+    before = segments()
+    producer = start_peer("producer", SHAPE)
+    consumer = start_peer("consumer", SHAPE, shared_memory=shared_memory)
+    try:
+        _pull_three_blocks(producer, consumer)
+    finally:
+        producer.stop()
+        consumer.stop()
+    assert segments() == before
+    assert [s is not None for s in opened] == ([True] if shared_memory else [])
+
+
+def _pull_three_blocks(producer: KvPeer, consumer: KvPeer) -> None:
     fill_blocks(producer.cache, [3, 4, 5])
     producer.step(send_meta(7, TRANSFER, [3, 4, 5]))
     consumer.step(load_meta(9, producer, TRANSFER, [10, 11], [4, 5]))  # the first block is local
@@ -173,6 +203,39 @@ def test_a_cancelled_load_stops_writing_and_both_sides_report(
     consumer.step(kv_pb.GrpcConnectorMetadata(cancelled_loads=[3]))  # again: no second report
     consumer.step(kv_pb.GrpcConnectorMetadata(cancelled_loads=[44]))  # never loaded: at once
     assert failures(consumer.reports) == {3: "cancelled", 44: "cancelled"}
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_producer_gone_mid_pull_fails_the_load_and_leaves_no_segment(
+    shared_memory: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill engine's rank dies during the transfer: the load fails with the transport's
+    reason (the engine core then computes the prompt), nothing more is written."""
+    before = segments()
+    producer = start_peer("producer", SHAPE)
+    consumer = start_peer("consumer", SHAPE, shared_memory=shared_memory)
+    monkeypatch.setattr(pulls, "CHUNK_BYTES", BlockIO(producer.cache).block_bytes)  # 1 block
+    first_write = threading.Event()
+    real_write = BlockIO.write
+
+    def slow_write(self: BlockIO, layer: int, ids: object, data: bytes) -> None:
+        first_write.set()
+        time.sleep(0.05)
+        real_write(self, layer, ids, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BlockIO, "write", slow_write)
+    try:
+        blocks = list(range(1, 21))
+        producer.step(send_meta(7, TRANSFER, blocks))
+        consumer.step(load_meta(3, producer, TRANSFER, list(range(11, 31)), blocks))
+        assert first_write.wait(5)
+        producer.stop()  # the rank is gone mid-stream
+        consumer.wait_for(lambda r: bool(failures(r)), timeout=10.0)
+        assert "PullKv" in failures(consumer.reports)[3]
+        assert not finished(consumer.reports, "finished_recving")
+    finally:
+        consumer.stop()
+    assert segments() == before
 
 
 def test_a_peers_chunks_are_checked_before_they_are_written() -> None:
