@@ -209,8 +209,9 @@ bench-peer: setup-dev bytecode $(VLLM_VENV)/.installed
 bench-scaleout: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
 
-# Prefill/decode disaggregation (1 prefill + 1 decode engine, GrpcConnector) against 2 aggregated
-# engines behind the same smg gateway, SmolLM2, 3 alternating rounds (benchmarks/pd.py; <= 40 min).
+# Prefill/decode disaggregation (1 prefill + 1 decode engine, GrpcConnector, with and without the
+# same-host shared-memory path) against 2 aggregated engines behind the same smg gateway, SmolLM2,
+# 3 alternating rounds (benchmarks/pd.py; 16 minutes on 2 cores).
 bench-pd: setup-dev bytecode
 	$(PY) -m benchmarks.pd $(BENCH_PD_ARGS)
 
