@@ -66,7 +66,7 @@ class KVTransfers(SchedulerState):
         connector.update_state_after_alloc(request, kv.get_block_ids(request), num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.req_handle] = (request, num_external)
-        self.num_external_queries += request.num_tokens
+        self.num_external_queries += request.num_tokens - num_hit_tokens
         return True
 
     def _add_connector_meta(self, connector: KVConnectorScheduler, output: SchedulerOutput) -> None:

@@ -107,7 +107,8 @@ class SchedulerState:
         """Requests the waiting pass failed (their kv_transfer_params); the next applied
         step's outputs tell their clients."""
         self.num_external_queries = 0
-        """Prompt tokens of the requests that asked the connector for a load."""
+        """vLLM's connector prefix-cache queries: with a connector, the tokens beyond the local
+        prefix hit of every request admitted (not resumed after a preemption)."""
         self.num_external_hits = 0
         """Prompt tokens the connector loaded."""
         self.kv_loads = KVLoadTotals()

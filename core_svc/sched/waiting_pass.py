@@ -98,6 +98,8 @@ class WaitingPass(KVTransfers):
         self.num_waiting_tokens -= request.num_tokens
         if not request.num_computed_tokens:  # a loaded request counted its hit when it parked
             kv.record_prefix_cache_stats(request, num_hit_tokens)
+            if self.kv_connector is not None and not request.num_preemptions:
+                self.num_external_queries += request.num_tokens - num_hit_tokens  # no hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
