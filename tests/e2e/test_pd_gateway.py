@@ -9,6 +9,8 @@ pull (the decode side computes the prompt itself) and forged handoffs (refused, 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,6 +194,34 @@ def test_forged_handoffs_are_refused_or_recomputed_and_serving_continues(
         assert list(got.output_ids) == expected
     got = complete(decode, tokenized("pd-2", 8, kv_transfer_params_json=json.dumps(real)))
     assert list(got.output_ids) == expected
+    wait_kv_free(prefill, decode, within=2.0)
+
+
+def test_an_abort_while_the_load_is_stuck_frees_the_decode_side_within_a_second(
+    engines: tuple[Stack, Stack],
+) -> None:
+    """The handoff's rank address accepts connections and never answers (a wedged or
+    half-open peer): the request waits for its KV; the client goes away; every block the decode
+    engine held for it is free within 1 s, long before the handshake's own timeout."""
+    prefill, decode = engines
+    real = json.loads(complete(prefill, tokenized("pd-h", 1)).kv_transfer_params_json)
+    with socket.create_server(("127.0.0.1", 0)) as hole:
+        host, port = hole.getsockname()[:2]
+        stuck = real | {
+            "remote_addresses": [f"{host}:{port}"],
+            "remote_host": host,
+            "remote_port": port,
+        }
+        request = tokenized("pd-h", 8, kv_transfer_params_json=json.dumps(stuck))
+        call = stub(decode).Generate(request, timeout=60)
+        deadline = time.monotonic() + 10
+        while decode.scheduler_stats().num_waiting_for_remote_kvs != 1:
+            assert time.monotonic() < deadline, "the request never waited for its KV"
+            time.sleep(0.02)
+        call.cancel()
+        assert wait_kv_free(decode, within=1.0) <= 1.0
+    got = complete(decode, tokenized("pd-h", 8, kv_transfer_params_json=json.dumps(real)))
+    assert len(got.output_ids) == 8  # the real handoff is still good: pulled, the lease freed
     wait_kv_free(prefill, decode, within=2.0)
 
 

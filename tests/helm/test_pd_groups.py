@@ -1,19 +1,31 @@
 """engines.pd (docs/deploy.md, "Prefill/decode disaggregation"): a prefill and a decode engine
 group (LeaderWorkerSets), each engine core started with --kv-transfer-config in its role and its
 own engine id, and the smg gateway in PD mode (static --prefill/--decode, or kubernetes discovery
-by the pd-role label); what cannot work is refused at render time."""
+by the pd-role label); what cannot work is refused at render time. Launched too: the CPU ci
+values' two groups run as local processes (local_cluster.py) and a chat goes through both."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.helm import chart_render as cr
+from tests.helm.local_cluster import LocalCluster
+from tests.helm.local_pods import LocalPod
 from tests.helm.test_engine_groups import flag_values_after, gateway_args
+from tests.helm.worker_caches import seed_worker_pods
 
 PD = cr.load_values(cr.CI_DIR / "cpu-pd-values.yaml")
+ENGINES_VALUES = cr.CI_DIR / "cpu-engines-values.yaml"
+BIN_DIR = Path(sys.executable).parent
 
 
 def _leader(m: cr.Manifests, role: str) -> Any:
@@ -72,3 +84,65 @@ def test_kubernetes_discovery_selects_each_groups_leaders() -> None:
 def test_values_that_cannot_work_are_refused(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(Exception, match=message):
         cr.render(cr.deep_merge(PD, extra))
+
+
+def test_the_gateway_allows_a_long_prefill_its_silence() -> None:
+    args = gateway_args(cr.render(PD))
+    assert flag_values_after(args, "--worker-wedge-secs") == ["60"]
+    assert "--worker-wedge-secs" not in gateway_args(cr.render(cr.load_values(ENGINES_VALUES)))
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(
+    tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path | None
+) -> Iterator[tuple[cr.Manifests, LocalCluster]]:
+    manifests = cr.render(PD)
+    local = LocalCluster(manifests, tmp_path_factory.mktemp("pd"), BIN_DIR)
+    seed_worker_pods(local, cpu_kernels_dir)
+    try:
+        local.start()
+        local.wait_ready(420)
+        yield manifests, local
+    finally:
+        local.stop()
+
+
+def counter(pod: LocalPod, name: str, port: str = "core-metrics") -> float:
+    """A counter's value on a pod's metrics port (default: an engine core's)."""
+    url = f"http://127.0.0.1:{pod.loopback_port(port)}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.extended
+def test_a_chat_goes_through_the_prefill_and_the_decode_group(
+    pd_cluster: tuple[cr.Manifests, LocalCluster],
+) -> None:
+    """Launched from the rendered chart: the gateway sends the prefill leg to the prefill group,
+    the decode group's rank pulls the prompt's KV from the prefill group's rank (their pods'
+    DNS names, mutual TLS) instead of computing it."""
+    manifests, local = pd_cluster
+    host = f"{manifests.release}-gateway.{cr.NAMESPACE}.svc.{cr.CLUSTER_DOMAIN}"
+    client = openai.OpenAI(
+        base_url=f"http://{local.address(host, 8000)}/v1", api_key="-", max_retries=0, timeout=60
+    )
+    cores = {flag_values_after(p.argv, "--engine-id")[0]: p for p in local.pods_of("core")}
+    assert sorted(cores) == ["decode-0", "prefill-0"]
+    before = counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "river stone light window garden"}],
+        max_tokens=4,
+    )
+    assert reply.choices[0].finish_reason == "length" and reply.usage is not None
+    deadline = time.monotonic() + 10
+    while (hits := counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")) == (before):
+        assert time.monotonic() < deadline, "the decode engine loaded nothing from the prefill one"
+        time.sleep(0.2)
+    assert hits - before == reply.usage.prompt_tokens
+    (frontend,) = [p for p in local.pods_of("frontend") if "-engine-prefill-" in p.name]
+    computed = counter(frontend, "vllm:prompt_tokens_total", "metrics")
+    assert computed >= reply.usage.prompt_tokens  # the prefill engine computed the prompt

@@ -44,7 +44,7 @@ class _Load:
     load: KvLoad
     cancelled: threading.Event = field(default_factory=threading.Event)
     call: Any = None
-    """The PullKv call once started (cancelled from the step thread)."""
+    """The call in progress (KvHandshake, then PullKv), cancelled from the step thread."""
 
 
 class Pulls:
@@ -125,7 +125,7 @@ class Pulls:
         problem = self.blocks.id_problem(load.local_block_ids)
         if problem is not None:
             raise LoadFailed(f"local_block_ids: {problem}")
-        channel = self._handshake(load.remote_addresses[rank])
+        channel = self._handshake(load.remote_addresses[rank], state)
         num_blocks = len(load.local_block_ids)
         segment = self._offer_segment(num_blocks)
         is_clean = False
@@ -180,22 +180,28 @@ class Pulls:
         start = segment_offset(chunk.layer, chunk.first_block, num_blocks, block_bytes)
         return segment.buf[start : start + chunk.num_blocks * block_bytes]
 
-    def _handshake(self, address: str) -> grpc.Channel:
+    def _handshake(self, address: str, state: _Load) -> grpc.Channel:
         """The channel to `address`, after one KvHandshake per address (cached once it
-        matched); LoadFailed when the layouts differ or the peer does not answer."""
+        matched); LoadFailed when the layouts differ, the peer does not answer, or the load is
+        cancelled meanwhile (the call is `state.call` until then: a cancel ends it at once)."""
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._channels[address] = open_channel(address, self.security)
             if address in self._shaken:
                 return channel
-        stub = kv_grpc.KvTransferServiceStub(channel)
+        call = kv_grpc.KvTransferServiceStub(channel).KvHandshake.future(
+            kv_pb.KvHandshakeRequest(layout=layout_to_proto(self.layout)),
+            timeout=HANDSHAKE_TIMEOUT_SECONDS,
+            metadata=self.security.call_metadata(),
+        )
+        state.call = call
+        if state.cancelled.is_set():
+            call.cancel()
         try:
-            stub.KvHandshake(
-                kv_pb.KvHandshakeRequest(layout=layout_to_proto(self.layout)),
-                timeout=HANDSHAKE_TIMEOUT_SECONDS,
-                metadata=self.security.call_metadata(),
-            )
+            call.result()
+        except grpc.FutureCancelledError:
+            raise LoadFailed("cancelled") from None
         except grpc.RpcError as e:
             raise LoadFailed(_rpc_reason(f"KvHandshake with {address}", e)) from None
         with self._lock:
