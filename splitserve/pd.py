@@ -13,8 +13,9 @@ cores' --engine-id, the metrics label `engine`); the
 connector is GrpcConnector unless the operator's own `--kv-transfer-config` names another (its
 kv_connector_extra_config is kept; role and engine id are the launcher's).
 
-Refused: `--pd` with `--data-parallel-size`, with tensor or pipeline parallelism (the connector
-moves KV between single-rank engines), and with `--router none` (P/D needs the gateway).
+Refused: `--pd` with `--data-parallel-size`, with tensor or pipeline parallelism (the launcher
+starts engines of one rank each; the connector itself moves KV rank to rank), and with
+`--router none` (P/D needs the gateway).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     if world > 1:
         parser.error(
-            f"--pd: the KV connector moves KV between engines of one rank; "
-            f"--tensor-parallel-size {args.tensor_parallel_size} x --pipeline-parallel-size "
-            f"{args.pipeline_parallel_size} is {world} ranks"
+            f"--pd starts engines of one rank each; --tensor-parallel-size "
+            f"{args.tensor_parallel_size} x --pipeline-parallel-size "
+            f"{args.pipeline_parallel_size} is {world} ranks (start such engines with "
+            "--kv-transfer-config behind your own gateway: docs/deploy.md)"
         )
     if args.router == NO_ROUTER:
         parser.error("--pd needs the gateway (it sends the prefill and the decode legs); "

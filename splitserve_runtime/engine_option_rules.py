@@ -133,20 +133,11 @@ SpeculativeConfig's (splitserve_contracts/spec_decode.py), shared with --specula
 
 
 def _kv_connector(value: str, options: EngineOptions) -> str | None:
-    """A registered connector (or the one kv_connector_module_path defines), on an engine of one
-    rank: the connectors of this build move KV between single-rank engines."""
+    """A registered connector (or the one kv_connector_module_path defines). Any tensor and
+    pipeline sizes: rank i moves its part of the KV with the other engine's rank i, and the
+    handshake refuses peers whose layouts (sizes included) differ."""
     assert options.kv_transfer is not None
-    problem = kv_connector_problem(value, options.kv_transfer.kv_connector_module_path)
-    if problem is not None:
-        return problem
-    parallel = options.parallel
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        return (
-            f"is {value!r} with tensor_parallel_size {parallel.tensor_parallel_size} and "
-            f"pipeline_parallel_size {parallel.pipeline_parallel_size}; this build moves KV "
-            "between engines of one rank each (both sizes 1)"
-        )
-    return None
+    return kv_connector_problem(value, options.kv_transfer.kv_connector_module_path)
 
 
 def validate(options: EngineOptions) -> EngineOptions:

@@ -336,9 +336,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
         if output is None:
             return None
-        if output.timings is not None:
+        if output.timings is not None:  # not a non-output rank's transfers report
             output.timings.total_seconds = total_seconds
-        self._traces.observe(step, rank, started, time.monotonic(), output.timings)
+            self._traces.observe(step, rank, started, time.monotonic(), output.timings)
         return pb.ExecuteResponse(model_runner_output=convert.model_runner_output_to_proto(output))
 
     def close(self) -> None:

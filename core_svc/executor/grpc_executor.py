@@ -30,9 +30,11 @@ import grpc
 
 from core_svc import convert
 from core_svc.executor.abstract import ExecutorError, FaultCause
+from core_svc.executor.kv_reports import KvReports
 from core_svc.executor.step_timeout import StepTimeout
 from core_svc.sched.scheduler_output import SchedulerOutput
 from splitserve_contracts.common.v1 import types_pb2 as common_pb2
+from splitserve_contracts.output_convert import k_v_connector_output_from_proto
 from splitserve_contracts.output_types import ModelRunnerOutput
 from splitserve_contracts.worker.v1 import worker_service_pb2 as worker_pb2
 from splitserve_runtime.channels import ChannelSecurity, open_channel
@@ -136,6 +138,8 @@ class GrpcExecutor:
         self._stopped = threading.Event()
         self.failure: str | None = None
         self.failure_cause: FaultCause = "rank_died"
+        self._kv_reports = KvReports(len(addrs)) if len(addrs) > 1 else None
+        """Every rank's KV-transfer reports, merged (a KV connector with more than one rank)."""
 
     @property
     def has_stepped(self) -> bool:
@@ -231,10 +235,13 @@ class GrpcExecutor:
             )
             raise ExecutorError(self.failure or "step out of order", self.failure_cause)
         try:
-            return convert.model_runner_output_from_proto(reply)
+            output = convert.model_runner_output_from_proto(reply)
         except ValueError as err:
             self._fail(f"worker rank {reply.rank} sent a malformed output: {err}")
             raise ExecutorError(self.failure or str(err), self.failure_cause) from None
+        if self._kv_reports is not None:
+            output.kv_connector_output = self._kv_reports.merge(output.kv_connector_output)
+        return output
 
     def _read_output_rank(self) -> worker_pb2.ModelRunnerOutput:
         stream = self._streams[self.output_rank]
@@ -250,7 +257,8 @@ class GrpcExecutor:
         raise ExecutorError(self.failure or "executor failed", self.failure_cause)
 
     def _watch(self, stream: _RankStream) -> None:
-        """Read a non-output rank: it only ever answers to report an error."""
+        """Read a non-output rank: it answers only to report an error, or (with a KV connector)
+        its transfers."""
         try:
             for reply in stream.replies:
                 out = reply.model_runner_output
@@ -260,6 +268,8 @@ class GrpcExecutor:
                         f"{out.step_id}: {out.error_message}"
                     )
                     return
+                if out.HasField("kv_connector_output") and self._kv_reports is not None:
+                    self._kv_reports.add(k_v_connector_output_from_proto(out.kv_connector_output))
             self._fail(f"worker rank {stream.rank} ({stream.addr}) closed its stream")
         except grpc.RpcError as err:
             self._fail(

@@ -213,8 +213,14 @@ class GrpcConnectorScheduler(KVConnectorScheduler):
     def _handoff(self, request: Request) -> Handoff:
         params = request.kv_transfer_params
         assert params is not None
+        num_ranks = max(1, len(self.worker_addresses))
         return parse_handoff(
-            params, request.num_prompt_tokens, self.block_size, self.engine_id, time.time()
+            params,
+            request.num_prompt_tokens,
+            self.block_size,
+            self.engine_id,
+            time.time(),
+            num_ranks,
         )
 
 

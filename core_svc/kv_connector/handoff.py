@@ -76,10 +76,16 @@ def check_flags(params: Mapping[str, Any]) -> None:
 
 
 def parse_handoff(
-    params: Mapping[str, Any], num_tokens: int, block_size: int, engine_id: str, now: float
+    params: Mapping[str, Any],
+    num_tokens: int,
+    block_size: int,
+    engine_id: str,
+    now: float,
+    num_ranks: int = 1,
 ) -> Handoff:
     """The handoff of a request whose prompt has `num_tokens` tokens, checked for this engine
-    (`engine_id`, `block_size`) at unix time `now`; InvalidKVTransferParams names the key."""
+    (`engine_id`, `block_size`, `num_ranks`: rank i pulls from the producer's rank i) at unix
+    time `now`; InvalidKVTransferParams names the key."""
     check_flags(params)
     if _integer(params, "remote_num_tokens") != num_tokens:
         raise _invalid("remote_num_tokens", f"is not the prompt's length ({num_tokens} tokens)")
@@ -97,7 +103,7 @@ def parse_handoff(
         raise _invalid("remote_engine_id", "must be the producer's engine id (a string)")
     if remote_engine_id == engine_id:
         raise _invalid("remote_engine_id", "is this engine's own id")
-    return Handoff(remote_engine_id, block_ids, _addresses(params), transfer_id)
+    return Handoff(remote_engine_id, block_ids, _addresses(params, num_ranks), transfer_id)
 
 
 def _block_ids(params: Mapping[str, Any], num_blocks: int) -> list[int]:
@@ -115,10 +121,14 @@ def _block_ids(params: Mapping[str, Any], num_blocks: int) -> list[int]:
     return block_ids
 
 
-def _addresses(params: Mapping[str, Any]) -> list[str]:
+def _addresses(params: Mapping[str, Any], num_ranks: int) -> list[str]:
     tp_size = _integer(params, "tp_size")
-    if tp_size != 1:
-        raise _invalid("tp_size", f"is {tp_size}; KV moves between single-rank engines only")
+    if tp_size != num_ranks:
+        raise _invalid(
+            "tp_size",
+            f"the producer has {tp_size} ranks, this engine {num_ranks}; KV moves rank to rank "
+            "between engines of equal tensor x pipeline sizes",
+        )
     addresses = params.get("remote_addresses")
     if not isinstance(addresses, list) or not addresses:
         raise _invalid("remote_addresses", 'must be a non-empty list of "host:port"')
