@@ -4,6 +4,7 @@ grow, KV that is freed."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 from benchmarks.dp_serve import engine_metric
 from tests.e2e.stack import Stack
 
+FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
 PROMPT = list(range(40, 140))
 """100 tokens: 6 full blocks and a partial one (block size 16)."""
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -60,3 +62,9 @@ def wait_kv_free(*stacks: Stack, within: float) -> float:
             return time.monotonic() - started
         assert time.monotonic() - started < within, [str(s) for s in stats]
         time.sleep(0.02)
+
+
+def connector(role: str, engine_id: str) -> list[str]:
+    """An engine core's flags for the GrpcConnector in `role` as `engine_id`."""
+    config = {"kv_connector": "GrpcConnector", "kv_role": role, "engine_id": engine_id}
+    return [*FLAGS, "--kv-transfer-config", json.dumps(config)]

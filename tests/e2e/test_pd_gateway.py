@@ -26,6 +26,7 @@ from tests.e2e.kv_engines import (
     PROMPT,
     PROMPT_TOKENS,
     complete,
+    connector,
     metric_grows_by,
     stub,
     tokenized,
@@ -34,12 +35,6 @@ from tests.e2e.kv_engines import (
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
-FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
-
-
-def connector(role: str, engine_id: str) -> list[str]:
-    config = {"kv_connector": "GrpcConnector", "kv_role": role, "engine_id": engine_id}
-    return [*FLAGS, "--kv-transfer-config", json.dumps(config)]
 
 
 def start_stacks(model: Path, *roles: tuple[str, str]) -> list[Stack]:

@@ -17,6 +17,7 @@ from tests.e2e.kv_engines import (
     EXTERNAL_HITS,
     PROMPT,
     complete,
+    connector,
     metric_grows_by,
     stub,
     tokenized,
@@ -25,12 +26,6 @@ from tests.e2e.kv_engines import (
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
-FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(8 << 20)]
-
-
-def connector(role: str, engine_id: str) -> list[str]:
-    config = {"kv_connector": "GrpcConnector", "kv_role": role, "engine_id": engine_id}
-    return [*FLAGS, "--kv-transfer-config", json.dumps(config)]
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ from tests.helm.chart_render import (
     load_values,
     render,
 )
+from tests.helm.launched import launched
 from tests.helm.local_cluster import LocalCluster
 from tests.helm.security_values import user_secrets
-from tests.helm.worker_caches import seed_worker_pods
 
 ENGINES = load_values(CI_DIR / "cpu-engines-values.yaml")
 AUTOSCALED = deep_merge(
@@ -42,7 +42,6 @@ AUTOSCALED = deep_merge(
         "frontend": {"apiKey": {"secretName": "api-key", "key": "key"}},
     },
 )
-BIN_DIR = Path(__import__("sys").executable).parent
 
 
 def leader(m: Manifests) -> Doc:
@@ -156,15 +155,9 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path | None
 ) -> Iterator[tuple[Manifests, LocalCluster]]:
     manifests = render(ENGINES)
-    local = LocalCluster(manifests, tmp_path_factory.mktemp("engines"), BIN_DIR,
-                         secrets=user_secrets())  # fmt: skip
-    seed_worker_pods(local, cpu_kernels_dir)
-    try:
-        local.start()
-        local.wait_ready(420)
+    folder = tmp_path_factory.mktemp("engines")
+    with launched(manifests, folder, cpu_kernels_dir, user_secrets()) as local:
         yield manifests, local
-    finally:
-        local.stop()
 
 
 def successes(cluster: LocalCluster) -> list[float]:

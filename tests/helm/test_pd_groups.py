@@ -7,7 +7,6 @@ values' two groups run as local processes (local_cluster.py) and a chat goes thr
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,14 +17,13 @@ import openai
 import pytest
 
 from tests.helm import chart_render as cr
+from tests.helm.launched import launched
 from tests.helm.local_cluster import LocalCluster
 from tests.helm.local_pods import LocalPod
 from tests.helm.test_engine_groups import flag_values_after, gateway_args
-from tests.helm.worker_caches import seed_worker_pods
 
 PD = cr.load_values(cr.CI_DIR / "cpu-pd-values.yaml")
 ENGINES_VALUES = cr.CI_DIR / "cpu-engines-values.yaml"
-BIN_DIR = Path(sys.executable).parent
 
 
 def _leader(m: cr.Manifests, role: str) -> Any:
@@ -97,14 +95,8 @@ def pd_cluster(
     tmp_path_factory: pytest.TempPathFactory, cpu_kernels_dir: Path | None
 ) -> Iterator[tuple[cr.Manifests, LocalCluster]]:
     manifests = cr.render(PD)
-    local = LocalCluster(manifests, tmp_path_factory.mktemp("pd"), BIN_DIR)
-    seed_worker_pods(local, cpu_kernels_dir)
-    try:
-        local.start()
-        local.wait_ready(420)
+    with launched(manifests, tmp_path_factory.mktemp("pd"), cpu_kernels_dir) as local:
         yield manifests, local
-    finally:
-        local.stop()
 
 
 def counter(pod: LocalPod, name: str, port: str = "core-metrics") -> float:
