@@ -82,11 +82,8 @@ class KVTransfers(SchedulerState):
         if output is None:
             return
         connector.update_connector_output(output)
-        loads = self.kv_loads
-        loads.num_bytes += output.num_bytes_received
-        loads.seconds += output.recv_seconds
-        loads.num_loads += len(output.finished_recving)
-        loads.num_failed += len(output.failed_recving)
+        self.kv_loads.num_bytes += output.num_bytes_received
+        self.kv_loads.seconds += output.recv_seconds
         for handle in output.finished_recving:
             self._loaded(handle)
         reasons = output.failed_reasons
@@ -101,6 +98,7 @@ class KVTransfers(SchedulerState):
             self._release(handle)  # aborted while loading: its blocks are free to go
             return
         request, num_external = entry
+        self.kv_loads.num_loads += 1
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.num_tokens - 1
         request.kv_transfer_params = None  # used: a preemption later computes it all here
@@ -121,6 +119,7 @@ class KVTransfers(SchedulerState):
             reason or "no reason given",
         )
         request.kv_load_failed = True
+        self.kv_loads.num_failed += 1  # not an aborted one's cancel: it is computed here
         self._recompute(request)
 
     def _recompute(self, request: Request) -> None:

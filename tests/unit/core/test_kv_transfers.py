@@ -258,6 +258,8 @@ def test_an_abort_mid_load_keeps_the_blocks_until_the_ranks_stop_writing() -> No
     engine.step()
     assert_idle(engine)
     assert not engine.has_work()
+    stats = engine.make_stats()  # a cancel is neither a load nor a failed one
+    assert (stats.kv_transfer_num_loads, stats.kv_transfer_num_failed_loads) == (0, 0)
 
 
 def test_the_ranks_lost_while_loading_recompute_and_free_everything() -> None:
