@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from splitserve_contracts.engine_options_types import KVTransferOptions
 from splitserve_contracts.json_object import parse_json_object
@@ -45,6 +47,8 @@ CONNECTORS: tuple[KVConnector, ...] = (
 
 KV_CONNECTOR_NAMES = tuple(c.name for c in CONNECTORS)
 """The names `kv_transfer.kv_connector` accepts."""
+
+logger = logging.getLogger(__name__)
 
 _KEYS = {
     "kv_connector": "kv_connector",
@@ -98,6 +102,29 @@ def load_class(path: str) -> type:
     if not isinstance(cls, type):
         raise TypeError(f"{path} is no class")
     return cls
+
+
+def connector_class(
+    transfer: KVTransferOptions, side: Literal["scheduler", "worker"], base: type
+) -> tuple[KVConnector, type]:
+    """The registry row `transfer` names and its `side`'s class, checked to be a `base`
+    (TypeError otherwise); each side imports only its own."""
+    row = find_connector(transfer.kv_connector, transfer.kv_connector_module_path)
+    path = row.scheduler_class if side == "scheduler" else row.worker_class
+    cls = load_class(path)
+    if not issubclass(cls, base):
+        raise TypeError(f"{path} is no {base.__name__}")
+    return row, cls
+
+
+def kv_engine_id(transfer: KVTransferOptions, chooser: str) -> str:
+    """kv_transfer.kv_engine_id, or, when it is "", a uuid4 hex `chooser` (who reads it) picks,
+    with a warning: vLLM's default."""
+    if transfer.kv_engine_id:
+        return transfer.kv_engine_id
+    engine_id = uuid.uuid4().hex
+    logger.warning("kv_transfer.kv_engine_id is empty: %s chose %s", chooser, engine_id)
+    return engine_id
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferOptions | None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from core_svc.kv_connector.base import KVConnectorScheduler
 from splitserve_contracts.engine_options_types import EngineOptions, KVTransferOptions
-from splitserve_runtime.kv_connector_names import find_connector, load_class
+from splitserve_runtime.kv_connector_names import connector_class, kv_engine_id
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +44,9 @@ def create_kv_connector(
     refused its settings."""
     if transfer is None:
         return None
-    row = find_connector(transfer.kv_connector, transfer.kv_connector_module_path)
-    cls = load_class(row.scheduler_class)
-    if not issubclass(cls, KVConnectorScheduler):
-        raise TypeError(f"{row.scheduler_class} is no KVConnectorScheduler")
-    engine_id = transfer.kv_engine_id
-    if not engine_id:
-        engine_id = uuid.uuid4().hex
-        logger.warning("kv_transfer.kv_engine_id is empty: the engine core chose %s", engine_id)
-    connector = cls(transfer, engine_id, block_size, list(worker_addresses))
+    row, cls = connector_class(transfer, "scheduler", KVConnectorScheduler)
+    engine_id = kv_engine_id(transfer, "the engine core")
+    connector: KVConnectorScheduler = cls(transfer, engine_id, block_size, list(worker_addresses))
     logger.info(
         "KV connector %s (%s), engine id %s", row.name, transfer.kv_role, connector.engine_id
     )

@@ -4,11 +4,10 @@ cache exists; None without the group: no connector object, today's step path."""
 from __future__ import annotations
 
 import logging
-import uuid
 
 from splitserve_contracts.engine_options_types import EngineOptions
 from splitserve_runtime.channels import ChannelSecurity
-from splitserve_runtime.kv_connector_names import find_connector, load_class
+from splitserve_runtime.kv_connector_names import connector_class, kv_engine_id
 from worker_svc.kv_connector.base import ConnectorContext, KVConnectorWorker
 from worker_svc.kv_connector.layout import runner_layout
 from worker_svc.runner.model_runner import ModelRunner
@@ -27,16 +26,12 @@ def build_kv_connector(
     kv_cache = runner.kv_cache
     if kv_cache is None:
         raise RuntimeError("the KV connector needs the rank's KV cache")
-    row = find_connector(transfer.kv_connector, transfer.kv_connector_module_path)
-    cls = load_class(row.worker_class)
-    if not issubclass(cls, KVConnectorWorker):
-        raise TypeError(f"{row.worker_class} is no KVConnectorWorker")
-    engine_id = transfer.kv_engine_id
-    if not engine_id:
-        engine_id = uuid.uuid4().hex
-        logger.warning("kv_transfer.kv_engine_id is empty: this rank chose %s", engine_id)
+    row, cls = connector_class(transfer, "worker", KVConnectorWorker)
+    engine_id = kv_engine_id(transfer, "this rank")
     layout = runner_layout(runner, options, kv_cache.block_size)
-    connector = cls(ConnectorContext(transfer, engine_id, layout.rank, layout, kv_cache, security))
+    connector: KVConnectorWorker = cls(
+        ConnectorContext(transfer, engine_id, layout.rank, layout, kv_cache, security)
+    )
     logger.info(
         "KV connector %s (%s) on rank %d, engine id %s, layout %s",
         row.name,
