@@ -31,6 +31,9 @@ class KvReports:
     def merge(self, report: KVConnectorOutput | None) -> KVConnectorOutput | None:
         """The output rank's `report` with the others' so far: the transfers every rank has now
         reported (failed when any rank failed it), the bytes and seconds of all; None: none."""
+        if report is None and not self._others:
+            return None  # every step of an engine without a connector: no lock taken (a
+            # report a watcher adds meanwhile waits for the next step)
         with self._lock:
             reports, self._others = self._others, []
         if report is not None:
