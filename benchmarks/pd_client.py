@@ -8,13 +8,12 @@ does not end with `max_tokens` tokens (the usage chunk's count) is failed.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from benchmarks.pd_workload import PdRequest
-from benchmarks.peer_http import DONE, post_sse
+from benchmarks.peer_http import post_sse_json
 from splitserve_client.bench_serve import RequestResult
 
 
@@ -40,12 +39,7 @@ async def _stream(host: str, port: int, model: str, request: PdRequest) -> PdRes
     result = PdResult(request, RequestResult(sent=time.perf_counter()))
     timing = result.timing
     try:
-        async for data in post_sse(host, port, "/v1/completions", body):
-            if data == DONE:
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
+        async for chunk in post_sse_json(host, port, "/v1/completions", body):
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
                     result.text.append(choice["text"])

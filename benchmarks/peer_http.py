@@ -136,6 +136,20 @@ async def post_sse(host: str, port: int, path: str, body: Mapping[str, Any]) -> 
             await writer.wait_closed()
 
 
+async def post_sse_json(
+    host: str, port: int, path: str, body: Mapping[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """post_sse's events as JSON objects, up to the closing [DONE]; an error event raises
+    RuntimeError ("error event: ...")."""
+    async for data in post_sse(host, port, path, body):
+        if data == DONE:
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"error event: {chunk['error']}")
+        yield chunk
+
+
 def http_get_ok(url: str, timeout: float = 2.0) -> bool:
     """True when GET `url` answers 200 (a readiness probe)."""
     try:

@@ -10,13 +10,12 @@ chunk's count) is failed.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from benchmarks.peer_http import DONE, post_sse
+from benchmarks.peer_http import post_sse_json
 from benchmarks.peer_stats import percentile
 from benchmarks.scaleout_workload import OUTPUT_TOKENS, Session, Turn, Workload
 from splitserve_client.bench_serve import RequestResult
@@ -41,12 +40,7 @@ async def chat_turn(
     result = RequestResult(sent=time.perf_counter())
     answer, finish = [], None
     try:
-        async for data in post_sse(host, port, "/v1/chat/completions", body):
-            if data == DONE:
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
+        async for chunk in post_sse_json(host, port, "/v1/chat/completions", body):
             for choice in chunk.get("choices") or []:
                 content = (choice.get("delta") or {}).get("content") or ""
                 if content:
