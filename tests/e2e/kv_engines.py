@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -68,3 +70,17 @@ def connector(role: str, engine_id: str) -> list[str]:
     """An engine core's flags for the GrpcConnector in `role` as `engine_id`."""
     config = {"kv_connector": "GrpcConnector", "kv_role": role, "engine_id": engine_id}
     return [*FLAGS, "--kv-transfer-config", json.dumps(config)]
+
+
+@contextmanager
+def running(*stacks: Stack) -> Iterator[tuple[Stack, ...]]:
+    """Start `stacks` in order; every one that started is stopped when the block ends, or
+    when a later one fails to start."""
+    started: list[Stack] = []
+    try:
+        for stack in stacks:
+            started.append(stack.start())
+        yield tuple(started)
+    finally:
+        for stack in started:
+            stack.stop()

@@ -20,6 +20,7 @@ from tests.e2e.kv_engines import (
     PROMPT,
     complete,
     metric_grows_by,
+    running,
     tokenized,
     wait_kv_free,
 )
@@ -50,17 +51,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path, folder: Path) -> Iterator[tuple[Stack, Stack]]:
-    first = Stack(tiny_model_dir, core_flags=shared_storage(folder)).start()
-    try:
-        second = Stack(tiny_model_dir, core_flags=shared_storage(folder)).start()
-    except Exception:
-        first.stop()
-        raise
-    try:
+    first = Stack(tiny_model_dir, core_flags=shared_storage(folder))
+    second = Stack(tiny_model_dir, core_flags=shared_storage(folder))
+    with running(first, second):
         yield first, second
-    finally:
-        first.stop()
-        second.stop()
 
 
 def saved(folder: Path, prompt: list[int], within: float = 5.0) -> None:

@@ -28,6 +28,7 @@ from tests.e2e.kv_engines import (
     complete,
     connector,
     metric_grows_by,
+    running,
     stub,
     tokenized,
     wait_kv_free,
@@ -37,29 +38,18 @@ from tests.e2e.stack import Stack
 pytestmark = pytest.mark.slow
 
 
-def start_stacks(model: Path, *roles: tuple[str, str]) -> list[Stack]:
-    stacks = [Stack(model, core_flags=connector(role, name)) for role, name in roles]
-    started: list[Stack] = []
-    try:
-        for stack in stacks:
-            started.append(stack.start())
-    except Exception:
-        for stack in started:
-            stack.stop()
-        raise
-    return stacks
+def pd_stacks(model: Path, prefill_id: str, decode_id: str) -> tuple[Stack, Stack]:
+    """A producer and a consumer engine (not started)."""
+    return (
+        Stack(model, core_flags=connector("kv_producer", prefill_id)),
+        Stack(model, core_flags=connector("kv_consumer", decode_id)),
+    )
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path) -> Iterator[tuple[Stack, Stack]]:
-    prefill, decode = start_stacks(
-        tiny_model_dir, ("kv_producer", "prefill-0"), ("kv_consumer", "decode-0")
-    )
-    try:
+    with running(*pd_stacks(tiny_model_dir, "prefill-0", "decode-0")) as (prefill, decode):
         yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
 
 
 @pytest.fixture(scope="module")
@@ -225,16 +215,10 @@ def test_a_prefill_engine_killed_before_the_pull_leaves_the_decode_side_to_compu
 ) -> None:
     """Its worker is gone when the consumer pulls: the load fails and the consumer computes the
     prompt itself (vLLM's kv_load_failure_policy "recompute"); the client sees no error."""
-    prefill, decode = start_stacks(
-        tiny_model_dir, ("kv_producer", "prefill-k"), ("kv_consumer", "decode-k")
-    )
-    try:
+    with running(*pd_stacks(tiny_model_dir, "prefill-k", "decode-k")) as (prefill, decode):
         expected = list(complete(decode, tokenized("alone-k", 8)).output_ids)
         handoff = complete(prefill, tokenized("pd-k", 1)).kv_transfer_params_json
         prefill.stop()
         got = complete(decode, tokenized("pd-k", 8, kv_transfer_params_json=handoff))
         assert list(got.output_ids) == expected
         wait_kv_free(decode, within=2.0)
-    finally:
-        prefill.stop()
-        decode.stop()

@@ -19,6 +19,7 @@ from tests.e2e.kv_engines import (
     complete,
     connector,
     metric_grows_by,
+    running,
     stub,
     tokenized,
     wait_kv_free,
@@ -32,17 +33,8 @@ pytestmark = pytest.mark.slow
 def engines(tiny_model_dir: Path) -> Iterator[tuple[Stack, Stack]]:
     prefill = Stack(tiny_model_dir, tp=2, core_flags=connector("kv_producer", "prefill-tp"))
     decode = Stack(tiny_model_dir, tp=2, core_flags=connector("kv_consumer", "decode-tp"))
-    prefill.start()
-    try:
-        decode.start()
-    except Exception:
-        prefill.stop()
-        raise
-    try:
+    with running(prefill, decode):
         yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
 
 
 def test_each_rank_pulls_its_part_and_the_answer_is_the_same(

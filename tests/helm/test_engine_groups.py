@@ -7,7 +7,6 @@ Service to both."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from tests.helm.chart_render import (
     load_values,
     render,
 )
-from tests.helm.launched import launched
+from tests.helm.launched import launched, pod_counter
 from tests.helm.local_cluster import LocalCluster
 from tests.helm.security_values import user_secrets
 
@@ -162,14 +161,10 @@ def cluster(
 
 def successes(cluster: LocalCluster) -> list[float]:
     """Requests each engine's frontend finished (its /metrics)."""
-    counts = []
-    for pod in cluster.pods_of("frontend"):
-        url = f"http://127.0.0.1:{pod.loopback_port('metrics')}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            lines = reply.read().decode().splitlines()
-        counts.append(sum(float(x.rsplit(" ", 1)[1]) for x in lines
-                          if x.startswith("vllm:request_success_total{")))  # fmt: skip
-    return counts
+    return [
+        pod_counter(pod, "vllm:request_success_total", "metrics")
+        for pod in cluster.pods_of("frontend")
+    ]
 
 
 @pytest.mark.slow

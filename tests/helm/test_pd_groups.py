@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,8 @@ import openai
 import pytest
 
 from tests.helm import chart_render as cr
-from tests.helm.launched import launched
+from tests.helm.launched import launched, pod_counter
 from tests.helm.local_cluster import LocalCluster
-from tests.helm.local_pods import LocalPod
 from tests.helm.test_engine_groups import flag_values_after, gateway_args
 
 PD = cr.load_values(cr.CI_DIR / "cpu-pd-values.yaml")
@@ -99,14 +97,6 @@ def pd_cluster(
         yield manifests, local
 
 
-def counter(pod: LocalPod, name: str, port: str = "core-metrics") -> float:
-    """A counter's value on a pod's metrics port (default: an engine core's)."""
-    url = f"http://127.0.0.1:{pod.loopback_port(port)}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.extended
@@ -123,7 +113,7 @@ def test_a_chat_goes_through_the_prefill_and_the_decode_group(
     )
     cores = {flag_values_after(p.argv, "--engine-id")[0]: p for p in local.pods_of("core")}
     assert sorted(cores) == ["decode-0", "prefill-0"]
-    before = counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")
+    before = pod_counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")
     reply = client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=[{"role": "user", "content": "river stone light window garden"}],
@@ -131,10 +121,12 @@ def test_a_chat_goes_through_the_prefill_and_the_decode_group(
     )
     assert reply.choices[0].finish_reason == "length" and reply.usage is not None
     deadline = time.monotonic() + 10
-    while (hits := counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")) == (before):
+    while (hits := pod_counter(cores["decode-0"], "vllm:external_prefix_cache_hits_total")) == (
+        before
+    ):
         assert time.monotonic() < deadline, "the decode engine loaded nothing from the prefill one"
         time.sleep(0.2)
     assert hits - before == reply.usage.prompt_tokens
     (frontend,) = [p for p in local.pods_of("frontend") if "-engine-prefill-" in p.name]
-    computed = counter(frontend, "vllm:prompt_tokens_total", "metrics")
+    computed = pod_counter(frontend, "vllm:prompt_tokens_total", "metrics")
     assert computed >= reply.usage.prompt_tokens  # the prefill engine computed the prompt
