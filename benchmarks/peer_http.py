@@ -150,6 +150,15 @@ async def post_sse_json(
         yield chunk
 
 
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> bytes:
+    """POST `body` as JSON to `url`; the reply's body (an error status raises HTTPError)."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return bytes(reply.read())
+
+
 def http_get_ok(url: str, timeout: float = 2.0) -> bool:
     """True when GET `url` answers 200 (a readiness probe)."""
     try:

@@ -3,8 +3,10 @@ turn sent at its arrival time once its session's previous answer is in (benchmar
 scaleout_workload.py), and the engines' own prefix-cache counters read around a run.
 
 TTFT = the first chunk carrying content (or the end) - the request sent, on this client's
-clock; a request that does not end with `max_tokens` tokens (finish_reason "length", the usage
-chunk's count) is failed.
+clock. Every request ends in one of `OUTCOMES`: complete (all `max_tokens` tokens, finish_reason
+"length", the usage chunk's count), error (an HTTP error status, an error event or a broken
+stream: the client knows and may retry), truncated (a normal end with fewer tokens: a silent
+loss) or hung (no end within `HANG_S`); all but complete are failed.
 """
 
 from __future__ import annotations
@@ -17,57 +19,84 @@ from dataclasses import dataclass
 
 from benchmarks.peer_http import post_sse_json
 from benchmarks.peer_stats import percentile
-from benchmarks.scaleout_workload import OUTPUT_TOKENS, Session, Turn, Workload
+from benchmarks.scaleout_workload import Session, Turn, Workload
 from splitserve_client.bench_serve import RequestResult
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 TTFT_BOUND_S = 2.0
+HANG_S = 300.0
+"""A request not ended after this long is hung (a loaded run's longest lasts well under it)."""
+OUTCOMES = ("complete", "error", "truncated", "hung")
+
+
+class Truncated(Exception):
+    """A stream that ended normally with fewer tokens than asked for."""
 
 
 async def chat_turn(
-    host: str, port: int, model: str, session: Session, turn: Turn
+    host: str, port: int, model: str, session: Session, turn: Turn, max_tokens: int
 ) -> RequestResult:
-    body = {
+    """One streamed chat turn; its result's `error` starts with its outcome when not complete."""
+    result = RequestResult(sent=time.perf_counter())
+    answer: list[str] = []
+    try:
+        body = _body(model, session.messages(turn.index), max_tokens)
+        await asyncio.wait_for(_stream(host, port, body, result, answer), HANG_S)
+    except TimeoutError:
+        result.error = f"hung: no end after {HANG_S:g} s"
+    except Truncated as exc:
+        result.error = f"truncated: {exc}"
+    except Exception as exc:  # reported per request, the run goes on
+        result.error = f"error: {exc!r}"
+    if not result.token_times:
+        result.token_times.append(time.perf_counter())
+    session.answers.append("".join(answer))
+    return result
+
+
+def outcome(result: RequestResult) -> str:
+    return result.error.split(":", 1)[0] if result.error else "complete"
+
+
+def _body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, object]:
+    return {
         "model": model,
-        "messages": session.messages(turn.index),
-        "max_tokens": OUTPUT_TOKENS,
+        "messages": messages,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result = RequestResult(sent=time.perf_counter())
-    answer, finish = [], None
-    try:
-        async for chunk in post_sse_json(host, port, "/v1/chat/completions", body):
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content") or ""
-                if content:
-                    answer.append(content)
-                    result.token_times.append(time.perf_counter())
-                finish = choice.get("finish_reason") or finish
-            if chunk.get("usage"):
-                result.num_tokens = int(chunk["usage"]["completion_tokens"])
-        if not result.token_times:
-            result.token_times.append(time.perf_counter())
-        if finish != "length" or result.num_tokens != OUTPUT_TOKENS:
-            result.error = f"finish {finish}, {result.num_tokens} of {OUTPUT_TOKENS} tokens"
-    except Exception as exc:  # reported per request, the run goes on
-        result.error = repr(exc)
-    session.answers.append("".join(answer))
-    return result
+
+
+async def _stream(
+    host: str, port: int, body: dict[str, object], result: RequestResult, answer: list[str]
+) -> None:
+    finish = None
+    async for chunk in post_sse_json(host, port, "/v1/chat/completions", body):
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content") or ""
+            if content:
+                answer.append(content)
+                result.token_times.append(time.perf_counter())
+            finish = choice.get("finish_reason") or finish
+        if chunk.get("usage"):
+            result.num_tokens = int(chunk["usage"]["completion_tokens"])
+    if finish != "length" or result.num_tokens != body["max_tokens"]:
+        raise Truncated(f"finish {finish}, {result.num_tokens} of {body['max_tokens']} tokens")
 
 
 async def _session(
-    host: str, port: int, model: str, session: Session, start: float
+    host: str, port: int, model: str, session: Session, start: float, max_tokens: int
 ) -> list[RequestResult]:
     results = []
     for turn in session.turns:
         delay = start + turn.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        results.append(await chat_turn(host, port, model, session, turn))
+        results.append(await chat_turn(host, port, model, session, turn, max_tokens))
     return results
 
 
@@ -78,7 +107,10 @@ async def run_sessions(
     host, port = url.removeprefix("http://").rsplit(":", 1)
     start = time.perf_counter()
     per_session = await asyncio.gather(
-        *(_session(host, int(port), model, s, start) for s in workload.sessions)
+        *(
+            _session(host, int(port), model, s, start, workload.output_tokens)
+            for s in workload.sessions
+        )  # fmt: skip
     )
     return [r for rs in per_session for r in rs], time.perf_counter() - start
 

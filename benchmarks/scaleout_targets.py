@@ -23,7 +23,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from benchmarks.dp_serve import children_of, start_serve
+from benchmarks.dp_serve import Serve, children_of, engine_pids, start_serve
 from benchmarks.peer_servers import VLLM_ENV, ServerProcess, start, stop, vllm_command, wait_ready
 from splitserve.children import Child, check_alive
 from splitserve.gateway_process import gateway_flags, num_ready_engines, start_gateway
@@ -33,21 +33,32 @@ from splitserve.loopback_ports import free_ports
 @dataclass
 class Target:
     """Engines behind a gateway: the gateway's HTTP address, the engines' gRPC addresses, where
-    their prefix-cache counters are, and how to stop it all."""
+    their prefix-cache counters are, and how to stop it all; for splitserve's, the launcher
+    (whose children are the engines' processes) and the engines' own HTTP addresses."""
 
     http: str
     engines: list[str]
     metrics_urls: list[str]
     stop: Callable[[], None]
+    serve: Serve | None = None
 
 
 def splitserve_target(
     model: str, router: str, flags: list[str], num_engines: int, log: Path, timeout: float
 ) -> Target:
-    serve = start_serve(model, router, flags, log, timeout, num_engines=num_engines)
-    cores = [argv for _, argv in children_of(serve.server.process.pid) if "core_svc" in argv]
-    metrics = [f"http://127.0.0.1:{a[a.index('--metrics-port') + 1]}/metrics" for a in cores]
-    return Target(serve.http, serve.engines, metrics, lambda: stop(serve.server))
+    return target_of(start_serve(model, router, flags, log, timeout, num_engines=num_engines))
+
+
+def target_of(serve: Serve) -> Target:
+    """A running `splitserve serve -dp N` as a Target: its engine cores' metrics found from
+    their frontends (the engines' order)."""
+    children = list(children_of(serve.server.process.pid))
+    metrics = []
+    for engine in serve.engines:
+        core = engine_pids(serve.server.process.pid, engine)["core"]
+        argv = next(a for pid, a in children if pid == core)
+        metrics.append(f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics")
+    return Target(serve.http, serve.engines, metrics, lambda: stop(serve.server), serve)
 
 
 def is_healthy(addr: str) -> bool:

@@ -2,7 +2,10 @@
 (each worker, core and frontend processes) and the real Shepherd Model Gateway (`smg`) in front,
 started by the launcher; chat through the gateway; one engine's core killed under load (the other
 keeps serving, the killed one's requests resume on its restarted core, nothing is cut short);
-the killed engine takes requests through the gateway again; SIGTERM stops everything."""
+the killed engine takes requests through the gateway again; the scale-out benchmark's lost-engine
+case, shorter (benchmarks/scaleout_faults.py: a core or a worker rank killed in the middle of a
+run, no request hung or cut short, the engine serving again, its KV usage back to 0); SIGTERM
+stops everything."""
 
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from benchmarks.dp_failover import kill_engine_process, run_load, wait_serving
 from benchmarks.dp_serve import Serve, children_of, engine_metric
+from benchmarks.scaleout_faults import run_with_fault
+from benchmarks.scaleout_targets import target_of
+from benchmarks.scaleout_workload import Shape, no_sharing
 from tests.fixtures.tiny_serve import tiny_serve
 
 pytestmark = pytest.mark.slow
@@ -76,6 +82,26 @@ def test_a_killed_core_loses_no_request_and_its_engine_serves_again(
     assert "engine[1] core exited with code -9; restarting it" in log
     wait_serving(serve, 1, client, model, timeout=120)  # the gateway routes to it again
     assert "engine[1] core is ready again" in serve.server.log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("fault", ["core", "worker"])
+def test_an_engine_lost_under_load_hangs_and_cuts_short_no_request(
+    serve: Serve, client: openai.OpenAI, fault: str
+) -> None:
+    model = client.models.list().data[0].id
+    wait_serving(serve, 1, client, model)
+    shape = Shape("lost-engine", 4, 1, 3, 24, 8, 24)  # prompts of 32-56 words, 24 tokens each
+    words = "river stone light window garden music paper water bright quiet".split()
+    workload = no_sharing(words, 6.0, 3, shape, 18)
+    results, _, stats = run_with_fault(target_of(serve), model, workload, 1, fault, 1.0)
+    assert len(results) == 18
+    assert stats.outcomes["hung"] == stats.outcomes["truncated"] == 0, stats
+    assert stats.outcomes["complete"] + stats.outcomes["error"] == 18, stats
+    assert stats.serving_again_s < 120, stats  # probes to its own server are answered again
+    assert stats.kv_usage_after == 0.0, stats  # the restarted engine freed every block
+    log = serve.server.log_path.read_text(errors="replace")
+    assert f"engine[1] {fault}" in log and "exited with code -9" in log
+    wait_serving(serve, 1, client, model, timeout=120)  # the gateway routes to it again
 
 
 def test_sigterm_stops_the_gateway_and_every_engine(serve: Serve) -> None:
