@@ -24,7 +24,8 @@ own (a new seed):
    output tok/s;
 2. `sweep` (round_robin, cache_aware+events): the sweep's higher rates while TTFT p90 stays
    within 2 s and no request fails (or, where the reference rate is not sustained, its lower
-   rates until one is): the highest sustained rate;
+   rates until one is, each with fewer sessions per group: `below_reference`): the highest
+   sustained rate;
 3. `control` (round_robin, cache_aware+events): the no-sharing control, its arrivals at a rate
    above what the engines sustain: output tok/s at capacity;
 4. `divergence` (both cache_aware variants), right after step 1, whose sessions the caches hold:
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -189,9 +191,20 @@ def step_sweep(b: Bench, reference: RunStats) -> list[dict[str, Any]]:
     def at(rate: float) -> RunStats:
         if rate == b.args.rate:
             return reference
-        return b.measure(sp_mt(b.words, rate, b.seed(rates.index(rate)), b.shape), rate)
+        shape = below_reference(b.shape, rate / b.args.rate)
+        return b.measure(sp_mt(b.words, rate, b.seed(rates.index(rate)), shape), rate)
 
     return [asdict(s) for s in run_sweep(rates, b.args.rate, at)]
+
+
+def below_reference(shape: Shape, share: float) -> Shape:
+    """A sweep point below the reference rate (`share` of it) with that share of the sessions
+    per group (at least 2; every group kept): its arrivals span as long as the reference run's
+    instead of 1 / share times as long."""
+    if share >= 1:
+        return shape
+    sessions = max(2, round(shape.sessions_per_group * share))
+    return dataclasses.replace(shape, sessions_per_group=sessions)
 
 
 def run_sweep(

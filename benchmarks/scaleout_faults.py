@@ -34,6 +34,8 @@ RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 SERVING_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 60.0
+RUNNING_WAIT_S = 10.0
+"""After the delay, how long the kill waits for the engine to be running a request."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,18 @@ async def _serving_again(engine_http: str, killed: float) -> float:
 async def _kill_after(
     target: Target, engine: int, fault: str, delay_s: float
 ) -> tuple[float, float]:
-    """SIGKILL `fault` of `engine` after `delay_s`; (requests it was running, serving again s)."""
+    """SIGKILL `fault` of `engine` `delay_s` into the run, once it runs a request (or 10 s
+    later); (the requests it was running, seconds until it serves again)."""
     assert target.serve is not None, "faults are injected into splitserve's own engines"
     await asyncio.sleep(delay_s)
     serve = target.serve
     http = serve.engine_http[engine]
-    running = await _metric(http, RUNNING) or 0.0
+    running = 0.0
+    for _ in range(int(RUNNING_WAIT_S / 0.1)):  # killed while it is running a request
+        running = await _metric(http, RUNNING) or 0.0
+        if running:
+            break
+        await asyncio.sleep(0.1)
     pid = engine_pids(serve.server.process.pid, serve.engines[engine])[fault]
     os.kill(pid, signal.SIGKILL)
     return running, await _serving_again(http, time.monotonic())

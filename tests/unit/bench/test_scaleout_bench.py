@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from benchmarks.scaleout import run_sweep, schedule
+from benchmarks.scaleout import below_reference, run_sweep, schedule
 from benchmarks.scaleout_client import RunStats
 from benchmarks.scaleout_oracle import oracle_hit_rate
 from benchmarks.scaleout_report import headline, render
@@ -52,6 +52,13 @@ def test_rounds_alternate_so_a_rounds_last_variant_runs_first_in_the_next() -> N
     order = schedule(["a", "b", "c"], 3)
     assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
                      (2, "a"), (2, "b"), (2, "c")]  # fmt: skip
+
+
+def test_points_below_the_reference_rate_keep_every_group_with_fewer_sessions() -> None:
+    assert below_reference(SCALED, 1.4 / 1.4) == SCALED
+    assert below_reference(SCALED, 1.0 / 1.4).sessions_per_group == 3
+    low = below_reference(SCALED, 0.5 / 1.4)
+    assert low.sessions_per_group == 2 and low.num_groups == SCALED.num_groups
 
 
 def test_the_scaled_workload_keeps_the_full_ones_ideal_hit_rate() -> None:
