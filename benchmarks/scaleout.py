@@ -4,7 +4,7 @@ do clients see when an engine is lost under load? (issues 24 and 40; docs/benchm
 "Scale-out").
 
 Each variant is one command, `splitserve serve MODEL --data-parallel-size N --router POLICY`: N
-engines (2 by default, one torch thread each, each with a KV cache of 0.35x the workload's
+engines (4 by default, one torch thread each, each with a KV cache of 0.35x the workload's
 working set, so that the cache must be used well) and the real smg gateway in front:
 
 - round_robin;
@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scaleout", description=__doc__)
     p.add_argument("--model", default="", help="default: the default model (SmolLM2-135M)")
     p.add_argument("--shape", default="scaled", choices=sorted(SHAPES),
-                   help="scaled: SP-MT-8 (2 cores); full: SP-MT-16 (with --engines 4 "
-                        "--rate 1 --rates 0.25,0.5,1,2,4,8, for a bigger machine)")  # fmt: skip
+                   help="scaled: SP-MT-8 (2 cores); full: SP-MT-16 (with --rate 1 "
+                        "--rates 0.25,0.5,1,2,4,8, for a bigger machine)")  # fmt: skip
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
@@ -272,8 +272,7 @@ def start_target(
     args: argparse.Namespace, variant: str, model_dir: Path, kv_bytes: int, round_index: int
 ) -> Target:
     router, extra = VARIANTS[variant]
-    max_model_len = 2 * args.shape_.prompt_tokens(args.shape_.num_turns)
-    flags = ["--dtype", args.dtype, "--max-model-len", str(max_model_len)]
+    flags = ["--dtype", args.dtype, "--max-model-len", str(args.shape_.max_model_len)]
     flags += ["--kv-cache-memory-bytes", str(kv_bytes)]
     logs = BENCH_DIR / "scaleout-logs" / f"round{round_index}-{variant.replace(':', '-')}"
     if variant.startswith("vllm:"):

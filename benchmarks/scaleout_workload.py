@@ -126,6 +126,12 @@ class Shape:
         """Turn `turn`'s prompt: the prefix, turn + 1 user messages, turn answers (no template)."""
         return self.prefix_tokens + (turn + 1) * self.user_tokens + turn * self.output_tokens
 
+    @property
+    def max_model_len(self) -> int:
+        """What every request fits in: twice one more turn's prompt than the last, which covers
+        the chat template's tokens and the answer."""
+        return 2 * self.prompt_tokens(self.num_turns)
+
     def working_set_tokens(self) -> int:
         """Distinct prompt tokens (the KV capacity is sized against it)."""
         history = self.num_turns * self.user_tokens + (self.num_turns - 1) * self.output_tokens

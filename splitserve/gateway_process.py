@@ -126,8 +126,14 @@ def _flag(flags: Sequence[str], name: str) -> str:
 
 def num_ready_engines(gateway: Child) -> int:
     """How many engines the gateway routes to now (0 while it is not ready)."""
+    return ready_engines_at(gateway.readiness_url)
+
+
+def ready_engines_at(readiness_url: str) -> int:
+    """How many engines the gateway whose /readiness is `readiness_url` routes to now (0 while
+    it is not ready or does not answer)."""
     try:
-        with urllib.request.urlopen(gateway.readiness_url, timeout=2.0) as reply:
+        with urllib.request.urlopen(readiness_url, timeout=2.0) as reply:
             return int(json.load(reply).get("healthy_workers", 0))
     except (OSError, ValueError, urllib.error.URLError):
         return 0

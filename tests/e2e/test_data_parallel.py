@@ -20,7 +20,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
-from benchmarks.dp_failover import kill_engine_process, run_load, wait_serving
+from benchmarks.dp_failover import WORDS, kill_engine_process, run_load, wait_serving
 from benchmarks.dp_serve import Serve, children_of, engine_metric
 from benchmarks.scaleout_faults import run_with_fault
 from benchmarks.scaleout_targets import target_of
@@ -91,8 +91,7 @@ def test_an_engine_lost_under_load_hangs_and_cuts_short_no_request(
     model = client.models.list().data[0].id
     wait_serving(serve, 1, client, model)
     shape = Shape("lost-engine", 4, 1, 3, 24, 8, 24)  # prompts of 32-56 words, 24 tokens each
-    words = "river stone light window garden music paper water bright quiet".split()
-    workload = no_sharing(words, 6.0, 3, shape, 18)
+    workload = no_sharing(WORDS, 6.0, 3, shape, 18)
     results, _, stats = run_with_fault(target_of(serve), model, workload, 1, fault, 1.0)
     assert len(results) == 18
     assert stats.outcomes["hung"] == stats.outcomes["truncated"] == 0, stats
