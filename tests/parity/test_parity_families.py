@@ -3,7 +3,9 @@
 Sliding windows (Mistral; Gemma's alternating local/global layers), Gemma 2 and 3 (soft caps,
 (1 + w) norms, scaled embeddings, query_pre_attn_scalar, Gemma 3's local rope), Phi-3 (fused
 checkpoint tensors, longrope, partial rotary), Mixtral and Qwen3-MoE, yarn and dynamic NTK rope;
-Granite (issue 23: embedding, attention, residual and logits multipliers).
+Granite (issue 23: embedding, attention, residual and logits multipliers); issue 41's small
+dense families: SmolLM3 (NoPE layers, the window on them), OLMo 2 (post-norms, q/k norms over
+the whole projection), GLM-4 (sandwich norms, a GPT-J-style partial rotary, fused gate/up).
 Every computed position's logits must match within 1e-4 and greedy tokens must equal
 `generate`, over a chunked prefill (chunks straddling blocks and windows) with decodes and a
 prefix-cache hit.
@@ -39,6 +41,9 @@ FAMILIES = [
     "yarn_rope",
     "dynamic_rope",
     "granite",
+    "smollm3",
+    "olmo2",
+    "glm4",
 ]
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

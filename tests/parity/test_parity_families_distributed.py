@@ -6,6 +6,7 @@ Phi-3's longrope long factors and dynamic NTK's rescaled base at TP=2 as well.
 At TP=2 each rank holds half the attention heads, half of every expert's intermediate
 dimension (Mixtral, Qwen3-MoE) and half of Phi-3's fused q/k/v and gate/up rows. With expert
 parallelism ("ep2": TP=2 and enable_expert_parallel) each rank holds half of the experts, whole.
+OLMo 2's q/k norms span every head: each rank holds its heads' rows of their weights.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ CASES = [
     ("pp2", "gemma3"),
     ("pp2", "mixtral"),
     ("pp2", "granite"),  # the embedding multiplier on one stage, the logits scaling on the other
+    ("tp2", "smollm3"),
+    ("tp2", "olmo2"),  # the q/k norms' squares summed over the ranks
+    ("tp2", "olmo2_mqa"),  # ... with the one KV head on both ranks counted once
+    ("tp2", "glm4"),
+    ("pp2", "glm4"),
 ]
 # (tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
 LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}

@@ -37,6 +37,9 @@ class RopeConfig:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    is_neox_style: bool = True
+    """Which dimensions rotate together: the two halves of the rotated part (neox, Llama) or
+    adjacent pairs (GPT-J style, GLM-4: vLLM's is_neox_style=False); a family sets it."""
 
     def context_limit(self) -> int:
         """Longest context the scaling is meant for (vLLM's rule): max_position_embeddings

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox layout: the two halves of each head rotate together).
+"""Rotary position embedding: the neox layout (the two halves of the rotated part rotate
+together) or the GPT-J one (adjacent pairs; `RopeConfig.is_neox_style` False, GLM-4).
 
 The inverse frequencies follow transformers' `default`, `linear`, `llama3`, `yarn`, `dynamic`
 and `longrope` rope types bit for bit; yarn and longrope also scale cos and sin by their
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from worker_svc.layers.custom_op import CustomOp
 from worker_svc.layers.rope_config import RopeConfig
@@ -137,6 +139,7 @@ class RotaryEmbedding(CustomOp):
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
         self.is_partial = self.rotary_dim < head_dim
         self.half_dim = self.rotary_dim // 2
+        self.is_neox_style = rope.is_neox_style
         inv_freq = inverse_frequencies(self.rotary_dim, rope, context_len or max_positions)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -152,6 +155,9 @@ class RotaryEmbedding(CustomOp):
         enforces on the host).
         """
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        if not self.is_neox_style:  # (c0 c0 c1 c1 ..) and (-s0 s0 -s1 s1 ..)
+            signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+            return cos.repeat_interleave(2, dim=-1).unsqueeze(1), signed.unsqueeze(1)
         return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
             1
         )
@@ -185,11 +191,35 @@ class RotaryEmbedding(CustomOp):
     ) -> torch.Tensor:
         """Rotates in place where `positions` are given and x [tokens, heads, head_dim] has
         contiguous heads (e.g. a slice of the fused qkv output); returns the rotated tensor."""
-        if positions is None or x.stride(2) != 1:
+        if positions is None or x.stride(2) != 1 or not self.is_neox_style:
             return self.rotate(x, cos, sin)
         self.kernels.rotary_neox_(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim)
         return x
 
     def _rotate_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
+        if self.is_neox_style:
+            swapped = torch.cat((x[..., self.half_dim :], x[..., : self.half_dim]), dim=-1)
+        else:  # each adjacent pair swapped: (x1 x0 x3 x2 ..)
+            swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return torch.addcmul(x * cos, swapped, sin)
+
+
+class NoPositionEmbedding(nn.Module):
+    """NoPE: a layer whose queries and keys are not rotated (SmolLM3's every fourth layer);
+    it stands where a `RotaryEmbedding` would."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        return x
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+Rotation = RotaryEmbedding | NoPositionEmbedding
+"""What a layer's attention positions its queries and keys with."""

@@ -25,7 +25,7 @@ from worker_svc.layers.linear import (
     kv_heads_per_rank,
 )
 from worker_svc.layers.rmsnorm import RMSNorm
-from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.rotary import Rotation
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.decoder import BuildContext, DecoderForCausalLM, StepContext, join_prefix
 from worker_svc.models.model_config import ModelConfig, architecture_of
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         self,
         build: BuildContext,
         backend: AttentionBackend,
-        rotary: RotaryEmbedding,
+        rotary: Rotation,
         prefix: str,
         qk_norm: NormFactory = RMSNorm,
     ) -> None:
@@ -146,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         build: BuildContext,
         backend: AttentionBackend,
-        rotary: RotaryEmbedding,
+        rotary: Rotation,
         prefix: str,
         mlp: nn.Module | None = None,
     ) -> None:

@@ -8,7 +8,7 @@ Phi-3's `longrope` and Phi-4-mini's partial rotary are the rotary embedding's bu
 from __future__ import annotations
 
 from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.models.weight_names import WeightTarget, resolve_weight_name
+from worker_svc.models.weight_names import WeightTarget, fused_targets, resolve_weight_name
 
 _QKV = "self_attn.qkv_proj.weight"
 _GATE_UP = "mlp.gate_up_proj.weight"
@@ -31,8 +31,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             module, sizes = "self_attn.qkv_proj", [q_rows, kv_rows, kv_rows]
         else:
             module, sizes = "mlp.gate_up_proj", [config.intermediate_size] * 2
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [
-            WeightTarget(layer, module, "weight", part, (start, size))
-            for part, (start, size) in enumerate(zip(starts, sizes, strict=True))
-        ]
+        return fused_targets(layer, module, sizes)

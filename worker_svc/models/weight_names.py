@@ -76,3 +76,14 @@ def resolve_weight_name(name: str, tie_word_embeddings: bool) -> list[WeightTarg
         module, part = _LAYER_MODULES[match.group(2)]
         return [WeightTarget(int(match.group(1)), module, match.group(3), part)]
     raise ValueError(f"checkpoint tensor {name!r} has no place in a Llama-family model")
+
+
+def fused_targets(layer: int, module: str, sizes: list[int]) -> list[WeightTarget]:
+    """The targets of a checkpoint tensor that stores `module`'s parts fused (rows of `sizes`,
+    in order), each part loaded from its own rows (Phi-3's qkv_proj, Phi-3's and GLM-4's
+    gate_up_proj)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        WeightTarget(layer, module, "weight", part, (start, size))
+        for part, (start, size) in enumerate(zip(starts, sizes, strict=True))
+    ]

@@ -38,14 +38,17 @@ ROOT = Path(__file__).resolve().parents[3]
 FAMILY_OF = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Glm4ForCausalLM": "glm4",
     "GraniteForCausalLM": "granite",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
+    "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 

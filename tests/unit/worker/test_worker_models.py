@@ -87,6 +87,9 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "Qwen3ForCausalLM",
         "LlavaForConditionalGeneration",
         "Qwen3MoeForCausalLM",
+        "SmolLM3ForCausalLM",
+        "Olmo2ForCausalLM",
+        "Glm4ForCausalLM",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
