@@ -122,8 +122,8 @@ TOOLS_AND_REASONING_FLAGS: tuple[Flag, ...] = (
         default=None,
         choices=sorted(TOOL_PARSERS),
         help="the served model's tool-call format, by vLLM's names: hermes (Hermes, Qwen2.5, "
-        "Qwen3), llama3_json / llama4_json (Llama 3.1+, 4), mistral, pythonic (Llama 3.2, "
-        "ToolACE), qwen3_xml / qwen3_coder (Qwen3-Coder, Qwen3.5)",
+        "Qwen3), llama3_json / llama4_json (Llama 3.1+, 4), mistral, openai (gpt-oss's harmony "
+        "format), pythonic (Llama 3.2, ToolACE), qwen3_xml / qwen3_coder (Qwen3-Coder, Qwen3.5)",
     ),
     flag(
         "--reasoning-parser",
@@ -131,7 +131,8 @@ TOOLS_AND_REASONING_FLAGS: tuple[Flag, ...] = (
         choices=sorted(REASONING_PARSERS),
         help="split the model's thinking (<think>...</think>) into the answer's `reasoning` "
         "field: deepseek_r1 (DeepSeek-R1 and distills), qwen3 (Qwen3, QwQ; honours "
-        "chat_template_kwargs.enable_thinking)",
+        "chat_template_kwargs.enable_thinking), openai_gptoss (gpt-oss: its harmony `analysis` "
+        "channel)",
     ),
     flag(
         "--responses-store-size",

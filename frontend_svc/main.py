@@ -27,10 +27,12 @@ from frontend_svc.kv_events.kv_publisher import ZmqEventPublisher
 from frontend_svc.openai.app import build_app
 from frontend_svc.openai.chat_output import ChatFeatures, tool_markers_are_special
 from frontend_svc.openai.generation import ServingContext
+from frontend_svc.openai.harmony import require_harmony_encoding
 from frontend_svc.openai.ops_routes import OpsOptions
 from frontend_svc.openai.reasoning import ReasoningParser
 from frontend_svc.openai.response_store import ResponseStore
 from frontend_svc.openai.server import HttpServer
+from frontend_svc.openai.tool_parsers import TOOL_PARSERS
 from frontend_svc.requests import DEFAULT_MAX_FAN_OUT
 from frontend_svc.server import AdminServicer, GenerationServicer
 from frontend_svc.serving.classification import ClassifierHead
@@ -344,6 +346,9 @@ def chat_features(config: FrontendConfig, tokenizer: object) -> ChatFeatures:
     reasoning = None
     if config.reasoning_parser is not None:
         reasoning = ReasoningParser(config.reasoning_parser, tokenizer)
+    parser = config.tool_call_parser
+    if parser is not None and TOOL_PARSERS[parser].reads_whole_text:
+        require_harmony_encoding(f"--tool-call-parser {parser}")
     return ChatFeatures(
         config.tool_call_parser,
         config.enable_auto_tool_choice,

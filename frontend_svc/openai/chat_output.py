@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import InvalidRequest
-from frontend_svc.openai.reasoning import ReasoningParser, ReasoningStream
+from frontend_svc.openai.reasoning import AnswerSplitter, ReasoningParser
 from frontend_svc.openai.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
 from frontend_svc.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from frontend_svc.openai.tool_parsers.stream import ToolCallStream
@@ -121,7 +121,7 @@ class ChoiceOutput:
 
     rules: OutputRules
     prompt_ends_reasoning: bool = False
-    reasoning_stream: ReasoningStream | None = None
+    reasoning_stream: AnswerSplitter | None = None
     tool_stream: ToolCallStream | None = None
     has_calls: bool = False
     streamed_calls: list[ToolCall] = field(default_factory=list)
@@ -149,7 +149,8 @@ class ChoiceOutput:
         if reasoning and self.rules.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if self.tool_stream is not None:
-            content, calls = self.tool_stream.update(content, is_final)
+            whole = self.tool_stream.parser.reads_whole_text
+            content, calls = self.tool_stream.update(new_text if whole else content, is_final)
             if calls:
                 delta["tool_calls"] = calls
                 self.has_calls = True
@@ -180,7 +181,7 @@ class ChoiceOutput:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         parser = self.rules.tool_parser()
         if parser is not None and self.tool_stream is not None:
-            content, drafts = parser.extract(content)
+            content, drafts = parser.extract(text if parser.reads_whole_text else content)
             calls = self.tool_stream.finished_calls(drafts[: self.tool_stream.max_calls])
             if calls:
                 self.has_calls = True

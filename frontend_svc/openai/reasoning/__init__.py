@@ -8,16 +8,22 @@
 - `qwen3`: Qwen3, QwQ. The same, and `chat_template_kwargs.enable_thinking: false` makes the
   whole answer content (Qwen3's template then closes the thinking in the prompt).
 
-Either way, a prompt that already ends the reasoning (its last think token is `</think>`,
-as Qwen3's template writes it with thinking off) makes the whole answer content, and a
-structured-output grammar starts after `</think>` (the engine core's reasoning hook).
+- `openai_gptoss`: gpt-oss's harmony format (reasoning/harmony.py): the `analysis` channel is
+  the reasoning, the `final` channel the answer, read by openai-harmony's parser. Its end is no
+  single token, so a structured-output grammar applies from the answer's first token.
+
+With the think tokens, a prompt that already ends the reasoning (its last think token is
+`</think>`, as Qwen3's template writes it with thinking off) makes the whole answer content,
+and a structured-output grammar starts after `</think>` (the engine core's reasoning hook).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from frontend_svc.openai.harmony import require_harmony_encoding
+from frontend_svc.openai.reasoning.harmony import HarmonyReasoningStream
 from frontend_svc.openai.tool_parsers.base import held_back
 from frontend_svc.requests import ReasoningTokens
 
@@ -27,11 +33,14 @@ class ReasoningFormat:
     start: str = "<think>"
     end: str = "</think>"
     honours_enable_thinking: bool = False
+    is_harmony: bool = False
+    """gpt-oss's channels; `start` and `end` are then only the markers it needs."""
 
 
 REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "deepseek_r1": ReasoningFormat(),
     "qwen3": ReasoningFormat(honours_enable_thinking=True),
+    "openai_gptoss": ReasoningFormat("<|channel|>", "<|message|>", is_harmony=True),
 }
 """--reasoning-parser NAME -> its format."""
 
@@ -50,9 +59,14 @@ class ReasoningParser:
                 f"--reasoning-parser {name} needs the tokens {self.format.start} and "
                 f"{self.format.end} in the tokenizer's vocabulary; it has no {', '.join(missing)}"
             )
-        self.tokens = ReasoningTokens(
-            vocab[self.format.start], vocab[self.format.end], self.format.start, self.format.end
-        )
+        self.tokens: ReasoningTokens | None = None
+        """The think tokens the engine core starts a grammar after (None: harmony)."""
+        if self.format.is_harmony:
+            require_harmony_encoding(f"--reasoning-parser {name}")
+        else:
+            self.tokens = ReasoningTokens(
+                vocab[self.format.start], vocab[self.format.end], self.format.start, self.format.end
+            )
         special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
         self.has_special_markers = bool(special & {self.format.start, self.format.end})
         """Whether the think tokens are special (then requests keep special tokens in their
@@ -64,11 +78,19 @@ class ReasoningParser:
             return True
         return (chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
-    def stream(self, prompt_ends_reasoning: bool, is_thinking: bool) -> ReasoningStream:
+    def stream(self, prompt_ends_reasoning: bool, is_thinking: bool) -> AnswerSplitter:
         """The splitter of one answer: a prompt that ended the reasoning (InputProcessor
         says), or thinking off, makes it all content."""
+        if self.format.is_harmony:
+            return HarmonyReasoningStream()
         is_content = not is_thinking or prompt_ends_reasoning
         return ReasoningStream(self.format, "content" if is_content else "start")
+
+
+class AnswerSplitter(Protocol):
+    def update(self, new_text: str, is_final: bool) -> tuple[str, str]:
+        """The new reasoning and the new content, given the answer's new text."""
+        ...
 
 
 class ReasoningStream:

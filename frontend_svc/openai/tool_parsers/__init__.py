@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from frontend_svc.openai.tool_parsers.base import CallDraft, Parsed, ToolCall, ToolParser
+from frontend_svc.openai.tool_parsers.harmony import HarmonyToolParser
 from frontend_svc.openai.tool_parsers.hermes import HermesToolParser
 from frontend_svc.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from frontend_svc.openai.tool_parsers.mistral import MistralToolParser
@@ -14,6 +15,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": HarmonyToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3XmlToolParser,
     "qwen3_xml": Qwen3XmlToolParser,

@@ -67,6 +67,9 @@ class ToolParser(ABC):
     starts_anywhere: ClassVar[bool] = True
     """Calls may follow content (they start at a marker); False: the whole answer is either
     content or calls, decided by how it starts."""
+    reads_whole_text: ClassVar[bool] = False
+    """The format frames the whole answer (harmony): the parser reads the answer's own text,
+    not what a reasoning parser left of it, and the stream keeps all of it."""
 
     def __init__(self, tools: ToolSchemas | None = None) -> None:
         self.tools: ToolSchemas = tools or {}

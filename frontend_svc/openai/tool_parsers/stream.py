@@ -56,7 +56,8 @@ class ToolCallStream:
         parsed = self.parser.parse(self.text, is_final)
         content = parsed.content[self.num_content_chars :]
         self.num_content_chars = max(self.num_content_chars, len(parsed.content))
-        if not parsed.calls and not self.sent and parsed.content:
+        only_content = not parsed.calls and not self.sent and bool(parsed.content)
+        if only_content and not self.parser.reads_whole_text:  # harmony keeps all its text
             if self.parser.starts_anywhere:  # committed: no call starts in it
                 self.text = self.text[self.num_content_chars :]
                 self.num_content_chars = 0
