@@ -9,7 +9,7 @@ PROTO_OUT ?= .
 PROTO_TMP := $(shell mktemp -d -u)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-dev bytecode lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-pd bench-lora bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
+.PHONY: setup setup-dev bytecode lock run test test-extended lint proto proto-check proto-baseline bench bench-peer bench-scaleout bench-pd bench-lora bench-families bench-gpu bench-tracing bench-http bench-spec dashboard soak clean
 
 # Every venv is installed from the lock (locks/*.txt: hashed pins that `uv pip compile` resolved,
 # `make lock` writes them; tools/lock.py says which lock serves which set-up path), so a release
@@ -156,6 +156,11 @@ bench: setup-dev bytecode
 # several-fold.
 bench-spec: setup-dev bytecode
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
+
+# A decode step of each of issue 41's families (SmolLM3, OLMo 2, GLM-4, gpt-oss) against a
+# same-size Llama's on one worker rank, 3 rounds, about 3 minutes (benchmarks/worker_families.py).
+bench-families: setup-dev bytecode
+	$(PY) -m benchmarks.worker_families $(BENCH_FAMILIES_ARGS)
 
 # LoRA's cost on one worker rank of the ~100M bench model: a rank-16 adapter's load time and a
 # batch-32 decode step mixing 8 adapters against the base model's, interleaved

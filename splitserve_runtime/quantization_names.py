@@ -56,6 +56,9 @@ FORMATS: tuple[QuantizationFormat, ...] = (
     ),
     QuantizationFormat("gguf", "gguf-file", f"{_Q}.gguf:GgufConfig", "gguf"),
     QuantizationFormat(
+        "mxfp4", "checkpoint", f"{_Q}.mxfp4:Mxfp4Config", "mxfp4 (gpt-oss experts, dequantized)"
+    ),
+    QuantizationFormat(
         "int8", "float", f"{_Q}.online:Int8Config", "int8 (int8 weights, per-row scales)"
     ),
     QuantizationFormat(

@@ -1,5 +1,5 @@
-"""Issue 41's small dense families served end to end: a random-weight checkpoint of each
-(SmolLM3, OLMo 2, GLM-4, built by transformers) with a tokenizer, served by the launcher's
+"""Issue 41's families served end to end: a random-weight checkpoint of each (SmolLM3, OLMo 2,
+GLM-4, gpt-oss, built by transformers) with a tokenizer, served by the launcher's
 processes, answers the official `openai` SDK with transformers' greedy tokens. The KV cache
 holds fewer blocks than the concurrent requests need, so some are preempted and recomputed;
 the prompts share a prefix, so later ones hit the prefix cache; async scheduling is on (the
@@ -27,7 +27,7 @@ from tests.fixtures.parity import reference_generate
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["smollm3", "olmo2", "glm4"]
+FAMILIES = ["smollm3", "olmo2", "glm4", "gpt_oss"]
 PREFIX = [(11 * i + 5) % 400 + 3 for i in range(20)]
 PROMPTS = [[*PREFIX, 410 + i, 420 + 3 * i] for i in range(6)]
 MAX_TOKENS = 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import CheckpointCache, load_reference
+from tests.fixtures.ranks import SpawnedRanks
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +29,13 @@ def reference_for(references: dict[Path, Any], path: Path) -> Any:
     if path not in references:
         references[path] = load_reference(path)
     return references[path]
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[SpawnedRanks]:
+    """Two spawned ranks (gloo) for a module's TP=2 / PP=2 cases (a module may have its own)."""
+    ranks = SpawnedRanks(world_size=2)
+    try:
+        yield ranks
+    finally:
+        ranks.close()

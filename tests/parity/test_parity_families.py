@@ -44,6 +44,7 @@ FAMILIES = [
     "smollm3",
     "olmo2",
     "glm4",
+    "gpt_oss",
 ]
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],

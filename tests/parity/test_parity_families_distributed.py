@@ -58,6 +58,9 @@ CASES = [
     ("tp2", "olmo2_mqa"),  # ... with the one KV head on both ranks counted once
     ("tp2", "glm4"),
     ("pp2", "glm4"),
+    ("tp2", "gpt_oss"),  # half of every expert, the down bias once; half the sinks
+    ("ep2", "gpt_oss"),  # whole experts, each rank's biases
+    ("pp2", "gpt_oss"),
 ]
 # (tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
 LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}

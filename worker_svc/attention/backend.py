@@ -71,11 +71,14 @@ class AttentionOptions:
     `sliding_window` w: query position p sees keys at p - w < k <= p (w keys, itself included;
     transformers' and Mistral's convention). `logits_soft_cap` c: scores become
     c * tanh(scores / c) before the mask and softmax (Gemma 2). `scale` replaces head_dim ** -0.5
-    (Gemma's query_pre_attn_scalar ** -0.5)."""
+    (Gemma's query_pre_attn_scalar ** -0.5). `has_sinks`: a learned logit per query head joins
+    every softmax's denominator and attends to nothing (gpt-oss's attention sinks; the layer's
+    values come with `with_sinks`)."""
 
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     scale: float | None = None
+    has_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -93,7 +96,11 @@ class AttentionBackend(ABC):
     where they load: such a backend is built inside `using_cpu_kernels`."""
     supports_fp8_kv_cache: ClassVar[bool] = False
     """Whether the backend stores an fp8 KV cache (--kv-cache-dtype fp8/fp8_e5m2)."""
+    supports_sinks: ClassVar[bool] = False
+    """Whether the backend attends with attention sinks (`AttentionOptions.has_sinks`)."""
     options: AttentionOptions = AttentionOptions()
+    sinks: torch.Tensor | None = None
+    """This layer's sink logits [num_heads] (this rank's heads), when it has them."""
     kv_scales: KvScales = KvScales()
     """This layer's per-tensor KV scales (fp8 caches only; 1.0 unless the checkpoint has them)."""
 
@@ -125,9 +132,19 @@ class AttentionBackend(ABC):
 
     def with_options(self, options: AttentionOptions) -> AttentionBackend:
         """This backend for a layer that attends with `options` (shares the step's metadata)."""
+        if options.has_sinks and not self.supports_sinks:
+            raise ValueError(f"the {self.name} attention backend has no attention sinks")
         layer = copy.copy(self)
         layer.options = options
         layer.scale = self.head_dim**-0.5 if options.scale is None else options.scale
+        return layer
+
+    def with_sinks(self, sinks: torch.Tensor) -> AttentionBackend:
+        """This layer's view with its sink logits [num_heads], as float32."""
+        if not self.options.has_sinks or sinks.shape != (self.num_heads,):
+            raise ValueError(f"sinks {tuple(sinks.shape)} for a layer of {self.num_heads} heads")
+        layer = copy.copy(self)
+        layer.sinks = sinks.float()
         return layer
 
     def with_kv_scales(self, scales: KvScales) -> AttentionBackend:

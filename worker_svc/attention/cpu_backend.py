@@ -95,6 +95,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     uses_cpu_kernels = True
     supports_fp8_kv_cache = True
+    supports_sinks = False
     _scratch: torch.Tensor | None = None
     kernels: CpuKernels
     """Set when built with the CPU kernels (then the decodes run through them)."""

@@ -20,7 +20,9 @@ is any.
 
 A layer with a sliding window masks the keys that fell out of its window too; its masks are
 built on the first such layer of a step and shared by the others (`windowed`). With a soft cap
-the scores are capped before the mask, so prefills then take the explicit matmul path.
+the scores are capped before the mask, so prefills then take the explicit matmul path; so they
+do with attention sinks (a per-head logit appended to every row of scores before the softmax,
+its probability then dropped: transformers' gpt-oss eager attention).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_fp8_kv_cache = True
+    supports_sinks = True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
@@ -217,7 +220,11 @@ class TorchAttentionBackend(AttentionBackend):
             scores = torch.baddbmm(bias, q, key.transpose(1, 2), alpha=self.scale)
         else:
             scores = soft_cap(torch.bmm(q, key.transpose(1, 2)).mul_(self.scale), cap).add_(bias)
-        probs = torch.softmax(scores, dim=-1)
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sinks = self.sinks.view(1, kvh, g, 1).expand(n, kvh, g, 1).reshape(n * kvh, g, 1)
+            probs = self._softmax_with_sinks(scores, sinks.to(scores.dtype))
         return torch.bmm(probs, value).view(n, kvh * g, d)
 
     def _gather(
@@ -249,8 +256,8 @@ class TorchAttentionBackend(AttentionBackend):
             k, v = self._gather(kv_cache, span.gather_index, self.num_kv_heads)
         mask = self._span_mask(span)
         cap = self.options.logits_soft_cap
-        if cap is not None:
-            return self._capped_attention(q, k, v, mask, cap).transpose(0, 1)
+        if cap is not None or self.sinks is not None:
+            return self._explicit_attention(q, k, v, mask, cap).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             k.unsqueeze(0),
@@ -262,26 +269,39 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)
 
-    def _capped_attention(
+    def _explicit_attention(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | None,
-        cap: float,
+        cap: float | None,
     ) -> torch.Tensor:
-        """softmax(cap * tanh(q k^T * scale / cap) + mask) v for q [H, Tq, D], k/v [KVH, S, D];
-        the query heads sharing a KV head form one matmul's rows."""
+        """softmax(cap * tanh(q k^T * scale / cap) + mask) v for q [H, Tq, D], k/v [KVH, S, D]
+        (uncapped without a cap; with the layer's sinks in the softmax); the query heads
+        sharing a KV head form one matmul's rows."""
         kvh, g = self.num_kv_heads, self.num_queries_per_kv
         num_queries, num_keys = q.shape[1], k.shape[1]
         grouped = q.reshape(kvh, g * num_queries, self.head_dim)
-        scores = soft_cap(torch.bmm(grouped, k.transpose(1, 2)).mul_(self.scale), cap)
+        scores = torch.bmm(grouped, k.transpose(1, 2)).mul_(self.scale)
+        scores = scores if cap is None else soft_cap(scores, cap)
         scores = scores.view(kvh, g, num_queries, num_keys)
         if mask is None:
             mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril_()
         scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(kvh, g * num_queries, num_keys)
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sinks = self.sinks.view(kvh, g, 1, 1).expand(kvh, g, num_queries, 1)
+            probs = self._softmax_with_sinks(scores, sinks.to(scores.dtype))
+        probs = probs.reshape(kvh, g * num_queries, num_keys)
         return torch.bmm(probs, v).view(kvh * g, num_queries, self.head_dim)
+
+    @staticmethod
+    def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """softmax over each row of `scores` with its sink logit as one more column, that
+        column dropped (the rows then sum to less than 1)."""
+        return torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
 
 
 def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:

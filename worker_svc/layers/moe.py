@@ -55,21 +55,34 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class MoeRouter(nn.Module):
-    """Router logits [T, num_experts] = x W^T, with W [num_experts, hidden] on every rank."""
+    """Router logits [T, num_experts] = x W^T (+ b), with W [num_experts, hidden] (and the bias,
+    gpt-oss's) on every rank."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        num_experts: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def load(self, param_name: str, source: TensorSource, part: int = 0) -> None:
-        copy_checked(self.weight, source[:], param_name)
+        target = self.bias if param_name == "bias" else self.weight
+        if target is None:
+            raise ValueError(f"the router has no {param_name!r}")
+        copy_checked(target, source[:], param_name)
 
 
 class FusedExperts(nn.Module):
@@ -137,11 +150,18 @@ class FusedExperts(nn.Module):
         token_index = pair_tokens[order]
         ends = torch.cumsum(torch.bincount(local_ids, minlength=self.num_local_experts), 0)
         rows = x.index_select(0, token_index)
-        hidden = silu_and_mul(grouped_linear(rows, self.w13_weight, ends))
-        out_rows = grouped_linear(hidden, self.w2_weight, ends)
+        out_rows = self.expert_mlp(rows, local_ids[order], ends)
         out_rows.mul_(pair_weights[order].unsqueeze(-1).to(out_rows.dtype))
         out = torch.zeros(ids.shape[0], x.shape[-1], dtype=out_rows.dtype, device=x.device)
         return out.index_add_(0, token_index, out_rows)
+
+    def expert_mlp(
+        self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' MLPs over `rows`, sorted by (local) expert: `expert_ids` per row, expert
+        e's rows ending at `ends[e]`; SiLU-gated here (gpt-oss's experts have their own)."""
+        hidden = silu_and_mul(grouped_linear(rows, self.w13_weight, ends))
+        return grouped_linear(hidden, self.w2_weight, ends)
 
     def _local_pairs(
         self, weights: torch.Tensor, ids: torch.Tensor

@@ -164,17 +164,23 @@ def log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
-    """The cpu backend has no sliding windows or soft caps: "auto" takes the torch backend for
-    models that need them; asking for cpu by name is refused."""
-    has_soft_caps = any(
-        model.layer_attention(i).logits_soft_cap is not None for i in range(model.num_layers)
-    )
-    if name != "cpu" or (model.sliding_window is None and not has_soft_caps):
+    """The cpu backend has no sliding windows, soft caps or sinks, and only the torch backend
+    has sinks: "auto" takes the torch backend for models that need what the chosen one lacks;
+    asking for such a backend by name is refused."""
+    layers = [model.layer_attention(i) for i in range(model.num_layers)]
+    has_soft_caps = any(options.logits_soft_cap is not None for options in layers)
+    has_sinks = any(options.has_sinks for options in layers)
+    lacks = []
+    if name == "cpu" and (model.sliding_window is not None or has_soft_caps):
+        lacks.append("sliding windows or soft caps")
+    if has_sinks and not backend_class(name).supports_sinks:
+        lacks.append("attention sinks")
+    if not lacks:
         return name
     if requested in ("", "auto"):
         return "torch"
     raise ValueError(
-        "attention backend 'cpu' has no sliding windows or soft caps, which this model uses; "
+        f"attention backend {name!r} has no {' and no '.join(lacks)}, which this model uses; "
         "use --attention-backend torch (or auto)"
     )
 

@@ -39,6 +39,7 @@ from worker_svc.layers.linear import LinearBase
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.interfaces import CausalLM
 from worker_svc.models.model_config import (
+    architecture_of,
     parse_dtype,
     quant_method,
     read_hf_config,
@@ -47,6 +48,7 @@ from worker_svc.models.model_config import (
 from worker_svc.models.registry import model_class
 from worker_svc.quantization.config import PackedConfig, get_quantization_config
 from worker_svc.quantization.fp8 import Fp8Config
+from worker_svc.quantization.mxfp4 import Mxfp4Config
 from worker_svc.quantization.online import OnlineConfig
 from worker_svc.quantization.plan import (
     Planner,
@@ -128,6 +130,9 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         return open_fp8_checkpoint(hf_config, files, config.scheme)
     if isinstance(config, PackedConfig):
         return open_packed_checkpoint(hf_config, files, config)
+    if isinstance(config, Mxfp4Config):
+        refuse_unless_reads_mxfp4(hf_config)
+        return Checkpoint(hf_config, stored_dtype(files), lambda show: iter_checkpoint(files, show))
     planner = None
     if isinstance(config, OnlineConfig):
         planner = online_planner(config, tensor_names(files))
@@ -139,6 +144,16 @@ def open_checkpoint(source: ModelSource, options: QuantizationOptions | None = N
         lambda show_progress: iter_checkpoint(files, show_progress),
         planner=planner,
     )
+
+
+def refuse_unless_reads_mxfp4(hf_config: Any) -> None:
+    """MXFP4 experts are read by the model that declares it (`reads_mxfp4`: gpt-oss)."""
+    architecture = architecture_of(hf_config)
+    if not getattr(model_class(architecture), "reads_mxfp4", False):
+        raise ValueError(
+            f"an mxfp4 checkpoint of {architecture} is not supported: mxfp4 is read for "
+            "gpt-oss's experts (GptOssForCausalLM) only"
+        )
 
 
 def as_dict(quantization: Any) -> dict[str, Any] | None:

@@ -140,7 +140,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. A family
+    may bring its own MLP or attention (gpt-oss: sparse experts, attention with sinks)."""
 
     def __init__(
         self,
@@ -149,11 +150,14 @@ class LlamaDecoderLayer(nn.Module):
         rotary: Rotation,
         prefix: str,
         mlp: nn.Module | None = None,
+        attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
         config, dtype, device = build.config, build.dtype, build.device
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(build, backend, rotary, join_prefix(prefix, "self_attn"))
+        if attention is None:
+            attention = LlamaAttention(build, backend, rotary, join_prefix(prefix, "self_attn"))
+        self.self_attn = attention
         self.mlp = LlamaMLP(build, join_prefix(prefix, "mlp")) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)

@@ -89,7 +89,10 @@ def test_flags_with_no_effect_are_accepted_and_warned_about_once() -> None:
         ),
         (["--kv-cache-dtype", "bfloat16"], "fp8 / fp8_e4m3 or fp8_e5m2"),
         (["--quantization", "bitsandbytes"], "'bitsandbytes' is not available here"),
-        (["-q", "bitsandbytes"], "splitserve loads fp8, compressed-tensors, awq, gptq and gguf"),
+        (
+            ["-q", "bitsandbytes"],
+            "splitserve loads fp8, compressed-tensors, awq, gptq, gguf and mxfp4",
+        ),
         (["--load-format", "dummy"], "'dummy' is not available here"),
         (["--disable-log-requests"], "unrecognized arguments"),  # gone from vLLM 0.32
         (["--swap-space", "4"], "unrecognized arguments"),  # gone from vLLM V1

@@ -39,6 +39,7 @@ FAMILY_OF = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Glm4ForCausalLM": "glm4",
+    "GptOssForCausalLM": "gpt_oss",
     "GraniteForCausalLM": "granite",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

@@ -26,6 +26,7 @@ from worker_svc.quantization.config import (
     get_quantization_config,
 )
 from worker_svc.quantization.fp8 import Fp8Config
+from worker_svc.quantization.mxfp4 import Mxfp4Config
 from worker_svc.quantization.online import OnlineConfig
 from worker_svc.quantization.plan import resolve_quantization
 
@@ -39,7 +40,7 @@ def test_every_row_names_a_config_class_of_a_kind_the_loader_reads(
     config = get_quantization_config(row.name)
     assert issubclass(config, QuantizationConfig)
     assert config.get_name() == row.name
-    kinds = {"checkpoint": (Fp8Config, PackedConfig), "float": (OnlineConfig,)}
+    kinds = {"checkpoint": (Fp8Config, PackedConfig, Mxfp4Config), "float": (OnlineConfig,)}
     if row.reads in kinds:  # open_checkpoint serves these kinds; a gguf file has its reader
         assert issubclass(config, kinds[row.reads])
 

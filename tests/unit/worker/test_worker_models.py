@@ -90,6 +90,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "SmolLM3ForCausalLM",
         "Olmo2ForCausalLM",
         "Glm4ForCausalLM",
+        "GptOssForCausalLM",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
