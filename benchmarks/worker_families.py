@@ -6,7 +6,9 @@ heads, 4 KV heads of 64, vocab 32000) with its family's own parts, built by tran
 its config class with random weights (bf16) under the splitserve cache folder: SmolLM3 (every
 fourth layer NoPE), OLMo 2 (post-norms, whole-projection q/k norms), GLM-4 (sandwich norms,
 GPT-J rotary on half of each head, intermediate 2048), gpt-oss (attention sinks, sliding 128 on
-every other layer, 8 experts of 1024 with top-2: the same active MLP width as Llama's 2048).
+every other layer, 8 experts of 1024 with top-2: the same active MLP width as Llama's 2048),
+DeepSeek-V3 (MLA: a 256 + 16 latent per token, heads of 48 + 16; a dense first layer, then 8
+experts of 768 with top-2 and one shared: an active width of 2304).
 Reports, as JSON lines, the median decode step (`benchmarks.worker`'s `bench_decode`: batch B
 with 256 cached tokens each) and its ratio to Llama's in the same run; the target is 1.3x.
 `llama_torch_attention` is the same Llama on the torch attention backend, which models with
@@ -54,6 +56,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": (
         "GptOssConfig",
         {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 1024},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 12,
+            "q_lora_rank": 384,
+            "kv_lora_rank": 256,
+            "qk_nope_head_dim": 48,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 768,
+            "first_k_dense_replace": 1,
+            "n_group": 4,
+            "topk_group": 2,
+        },
     ),
 }
 

@@ -1,9 +1,11 @@
 """Issue 41's families served end to end: a random-weight checkpoint of each (SmolLM3, OLMo 2,
-GLM-4, gpt-oss, built by transformers) with a tokenizer, served by the launcher's
+GLM-4, gpt-oss, DeepSeek-V2 and -V3, built by transformers) with a tokenizer, served by the launcher's
 processes, answers the official `openai` SDK with transformers' greedy tokens. The KV cache
 holds fewer blocks than the concurrent requests need, so some are preempted and recomputed;
 the prompts share a prefix, so later ones hit the prefix cache; async scheduling is on (the
-default). A streamed answer equals the whole one.
+default). The engine reports as many blocks as its KV bytes hold at each family's block size
+(DeepSeek's latent cache: one latent and rope key per token). A streamed answer equals the
+whole one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tests.fixtures.parity import reference_generate
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["smollm3", "olmo2", "glm4", "gpt_oss"]
+FAMILIES = ["smollm3", "olmo2", "glm4", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 PREFIX = [(11 * i + 5) % 400 + 3 for i in range(20)]
 PROMPTS = [[*PREFIX, 410 + i, 420 + 3 * i] for i in range(6)]
 MAX_TOKENS = 16
@@ -36,7 +38,15 @@ NUM_BLOCKS = 8
 
 
 def block_bytes(config: dict[str, Any]) -> int:
-    """A 16-token float32 KV block of every layer (K and V)."""
+    """A 16-token float32 KV block of every layer: K and V per KV head, or multi-head latent
+    attention's one latent and rope key per token."""
+    if "kv_lora_rank" in config:
+        return (
+            config["num_hidden_layers"]
+            * 16
+            * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+            * 4
+        )
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads") or heads
@@ -84,7 +94,10 @@ def test_the_sdk_gets_transformers_greedy_tokens_through_preemptions(
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     assert texts == [tokenizer.decode(ids, skip_special_tokens=False) for ids in expected]
     _, metrics = get(stack.http, "/metrics")
-    values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    families = list(text_string_to_metric_families(metrics))
+    info = next(f for f in families if f.name == "vllm:cache_config_info").samples[0].labels
+    assert int(info["num_gpu_blocks"]) == NUM_BLOCKS  # the engine sized its blocks as above
+    values = {s.name: s.value for f in families for s in f.samples}
     assert values["vllm:prefix_cache_hits_total"] > 0
     assert values["vllm:num_preemptions_total"] > 0, values
 

@@ -45,6 +45,9 @@ FAMILIES = [
     "olmo2",
     "glm4",
     "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v2_groups",
+    "deepseek_v3",
 ]
 PROMPTS = [
     [5, 9, 33, 7, 100, 200, 3, 8, 9, 10, 11, 12, 13],
@@ -134,5 +137,38 @@ def test_dynamic_ntk_scales_for_the_served_length(
         ours = run_recording(driver, rank)[handle]
         theirs = reference_logits(reference, LONG_PROMPT)  # the prompt alone: 40 tokens
         assert float((ours - theirs).abs().max()) < TOLERANCE
+    finally:
+        rank.close()
+
+
+def test_deepseek_v3_multi_token_prediction_weights_are_skipped(
+    checkpoints: CheckpointCache, references: dict[Path, Any], tmp_path: Path
+) -> None:
+    """DeepSeek-V3 checkpoints carry their MTP layer as `model.layers.<num_hidden_layers>.*`
+    (enorm, hnorm, eh_proj and a whole decoder layer): loaded past, the model unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints.get("deepseek_v3")
+    path = tmp_path / "with-mtp"
+    shutil.copytree(source, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    last = {k: v for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in last.items()}
+    hidden = tensors["model.norm.weight"].shape[0]
+    for norm in ("enorm", "hnorm"):
+        mtp[f"model.layers.3.{norm}.weight"] = tensors["model.norm.weight"].clone()
+    mtp["model.layers.3.eh_proj.weight"] = tensors["model.norm.weight"].new_zeros(
+        hidden, 2 * hidden
+    )
+    save_file(tensors | mtp, str(path / "model.safetensors"), metadata={"format": "pt"})
+    rank = load_rank(path)
+    try:
+        driver = StepDriver(BLOCK_SIZE, chunk_size=5)
+        handle = driver.add(PROMPTS[0], max_tokens=4)
+        reference = reference_for(references, source)
+        assert max_logit_diff(driver, run_recording(driver, rank), reference) < TOLERANCE
+        assert driver.requests[handle].outputs == reference_generate(reference, PROMPTS[0], 4)
     finally:
         rank.close()

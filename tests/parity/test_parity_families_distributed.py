@@ -61,6 +61,10 @@ CASES = [
     ("tp2", "gpt_oss"),  # half of every expert, the down bias once; half the sinks
     ("ep2", "gpt_oss"),  # whole experts, each rank's biases
     ("pp2", "gpt_oss"),
+    ("tp2", "deepseek_v2"),  # half the heads over the latent cache every rank holds
+    ("tp2", "deepseek_v3"),
+    ("ep2", "deepseek_v3"),
+    ("pp2", "deepseek_v2_groups"),  # the dense layer on one stage, experts on both
 ]
 # (tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
 LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}

@@ -103,6 +103,10 @@ class AttentionBackend(ABC):
     """This layer's sink logits [num_heads] (this rank's heads), when it has them."""
     kv_scales: KvScales = KvScales()
     """This layer's per-tensor KV scales (fp8 caches only; 1.0 unless the checkpoint has them)."""
+    caches_latent_values: ClassVar[bool] = False
+    """Whether the cache holds keys only, each value being the first `value_dim` of its key
+    (multi-head latent attention: the latent and its rope part are the key, the latent alone
+    the value)."""
 
     def __init__(
         self,
@@ -113,8 +117,13 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: torch.dtype | None = None,
+        value_dim: int | None = None,
     ) -> None:
-        """`kv_cache_dtype`: how the cache stores keys and values (None: `dtype`; or fp8)."""
+        """`kv_cache_dtype`: how the cache stores keys and values (None: `dtype`; or fp8);
+        `value_dim`: the values' width where it is not `head_dim` (latent values only)."""
+        if value_dim not in (None, head_dim) and not self.caches_latent_values:
+            raise ValueError(f"the {self.name} attention backend has no latent (MLA) cache")
+        self.value_dim = head_dim if value_dim is None else value_dim
         kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         if is_fp8(kv_cache_dtype) and not self.supports_fp8_kv_cache:
             raise ValueError(f"the {self.name} attention backend has no fp8 KV cache")

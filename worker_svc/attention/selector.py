@@ -18,9 +18,11 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "triton": ("triton_backend", "TritonAttentionBackend"),
     "flash_attn": ("flash_attn_backend", "FlashAttnBackend"),
     "cpu": ("cpu_backend", "CpuAttentionBackend"),
+    "torch_mla": ("mla_backend", "MlaAttentionBackend"),
 }
 BACKEND_NAMES = tuple(_BACKENDS)
-"""In the order "auto" tries them on CUDA (the cpu backend never qualifies there)."""
+"""In the order "auto" tries them on CUDA (the cpu backend never qualifies there; torch, before
+it, always does: torch_mla, for latent caches only, is what the model's needs pick)."""
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

@@ -199,7 +199,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode = metadata.decode
         if decode is not None and decode.token_index is None and not metadata.prefills:
             return self._decode(query, kv_cache, decode)
-        out = torch.empty_like(query)
+        out = query.new_empty(*query.shape[:2], self.value_dim)
         if metadata.decode is not None:
             index = metadata.decode.token_index
             assert index is not None
@@ -225,7 +225,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             sinks = self.sinks.view(1, kvh, g, 1).expand(n, kvh, g, 1).reshape(n * kvh, g, 1)
             probs = self._softmax_with_sinks(scores, sinks.to(scores.dtype))
-        return torch.bmm(probs, value).view(n, kvh * g, d)
+        return torch.bmm(probs, value).view(n, kvh * g, self.value_dim)
 
     def _gather(
         self, kv_cache: torch.Tensor, gather_index: torch.Tensor, num_rows: int
@@ -295,7 +295,7 @@ class TorchAttentionBackend(AttentionBackend):
             sinks = self.sinks.view(kvh, g, 1, 1).expand(kvh, g, num_queries, 1)
             probs = self._softmax_with_sinks(scores, sinks.to(scores.dtype))
         probs = probs.reshape(kvh, g * num_queries, num_keys)
-        return torch.bmm(probs, v).view(kvh * g, num_queries, self.head_dim)
+        return torch.bmm(probs, v).view(kvh * g, num_queries, self.value_dim)
 
     @staticmethod
     def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,10 @@ class BlockIO:
         self.is_cpu = all(layer.device.type == "cpu" for layer in self.layers)
         self._arrays = [layer.numpy() for layer in self.layers] if self.is_cpu else []
         self.block_shape: tuple[int, ...] = tuple(self.layers[0].shape[2:]) if self.layers else ()
-        self.block_bytes = 2 * int(np.prod(self.block_shape)) if self.layers else 0
-        """Bytes of one block of one layer (K and V)."""
+        self.num_halves = int(self.layers[0].shape[0]) if self.layers else 2
+        """Keys and values (2), or a latent cache's keys only (1)."""
+        self.block_bytes = self.num_halves * int(np.prod(self.block_shape)) if self.layers else 0
+        """Bytes of one block of one layer (K and V, or the latent)."""
 
     @property
     def num_layers(self) -> int:
@@ -75,7 +77,9 @@ class BlockIO:
 
     def read_into(self, layer: int, block_ids: Sequence[int], out: memoryview) -> None:
         """Copy the blocks' bytes (as `read` gives them) into `out`, exactly their size."""
-        target = np.frombuffer(out, dtype=np.uint8).reshape(2, len(block_ids), *self.block_shape)
+        target = np.frombuffer(out, dtype=np.uint8).reshape(
+            self.num_halves, len(block_ids), *self.block_shape
+        )
         if self.is_cpu:
             run = _as_run(block_ids)
             target[...] = self._arrays[layer][:, run if run is not None else list(block_ids)]
@@ -87,7 +91,9 @@ class BlockIO:
     def write(self, layer: int, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         """Write `data` (len(block_ids) blocks of `layer`, as `read` gives them) at `block_ids`;
         the caller checked the ids and the size."""
-        source = np.frombuffer(data, dtype=np.uint8).reshape(2, len(block_ids), *self.block_shape)
+        source = np.frombuffer(data, dtype=np.uint8).reshape(
+            self.num_halves, len(block_ids), *self.block_shape
+        )
         if self.is_cpu:
             run = _as_run(block_ids)
             self._arrays[layer][:, run if run is not None else list(block_ids)] = source

@@ -77,6 +77,7 @@ def build_context(
             dtype=dtype,
             device=device,
             kv_cache_dtype=kv_dtype,
+            value_dim=model.kv_value_dim,
         )
     build = BuildContext(
         model,
@@ -164,9 +165,12 @@ def log_kv_cache(model: CausalLM, backend: AttentionBackend) -> None:
 
 
 def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
-    """The cpu backend has no sliding windows, soft caps or sinks, and only the torch backend
-    has sinks: "auto" takes the torch backend for models that need what the chosen one lacks;
-    asking for such a backend by name is refused."""
+    """The backend the model's attention needs: a latent cache (MLA) takes torch_mla; the cpu
+    backend has no sliding windows, soft caps or sinks, and only the torch backend has sinks,
+    so "auto" takes the torch backend for models that need what the chosen one lacks; asking
+    for such a backend by name is refused."""
+    if model.kv_value_dim is not None or name == "torch_mla":
+        return _latent_backend(name, requested, model)
     layers = [model.layer_attention(i) for i in range(model.num_layers)]
     has_soft_caps = any(options.logits_soft_cap is not None for options in layers)
     has_sinks = any(options.has_sinks for options in layers)
@@ -182,6 +186,22 @@ def backend_for_model(name: str, requested: str, model: ModelConfig) -> str:
     raise ValueError(
         f"attention backend {name!r} has no {' and no '.join(lacks)}, which this model uses; "
         "use --attention-backend torch (or auto)"
+    )
+
+
+def _latent_backend(name: str, requested: str, model: ModelConfig) -> str:
+    """torch_mla for a latent-cache model (MLA); refused by name for any other model, and
+    another backend named for an MLA model."""
+    if model.kv_value_dim is None:
+        raise ValueError(
+            f"attention backend 'torch_mla' is for multi-head latent attention models "
+            f"(DeepSeek-V2/V3); {model.architecture} has none"
+        )
+    if name == "torch_mla" or requested in ("", "auto"):
+        return "torch_mla"
+    raise ValueError(
+        f"{model.architecture} caches latent keys and values (multi-head latent attention), "
+        f"which attention backend {name!r} does not read; use --attention-backend auto"
     )
 
 

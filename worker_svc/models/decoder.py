@@ -94,7 +94,7 @@ class BuildContext:
 
     def rotary(self, rope: RopeConfig) -> RotaryEmbedding:
         return RotaryEmbedding(
-            self.config.head_dim,
+            self.config.rope_head_dim or self.config.head_dim,
             self.max_positions,
             rope,
             dtype=self.dtype,

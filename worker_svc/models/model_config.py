@@ -73,6 +73,12 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer "full_attention" or "sliding_attention" (empty: every layer full)."""
     hidden_act: str = "silu"
+    rope_head_dim: int | None = None
+    """The rotated width of a head where the rope does not span `head_dim` times the rope's
+    partial factor (multi-head latent attention rotates its qk_rope_head_dim part alone)."""
+    kv_value_dim: int | None = None
+    """A latent cache (multi-head latent attention): the KV cache holds `head_dim` values per
+    token and one KV head, keys only, each value being the first `kv_value_dim` of its key."""
 
     def is_sliding_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a sliding-window (local) layer by the checkpoint's

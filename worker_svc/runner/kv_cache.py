@@ -24,16 +24,20 @@ from worker_svc.attention.kv_quant import is_fp8
 @dataclass(frozen=True, slots=True)
 class KvCacheSpec:
     """Per-rank shape of the cache: this stage's layers and this TP rank's KV heads; `dtype`
-    is the cache's (the compute dtype, or fp8: one byte per value, so twice the blocks fit)."""
+    is the cache's (the compute dtype, or fp8: one byte per value, so twice the blocks fit);
+    `num_halves` 2 for keys and values, 1 for a latent cache (MLA: keys only, the latent and
+    its rope part per token, not per head)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_halves: int = 2
 
     def bytes_per_block(self, block_size: int) -> int:
         element_size = torch.empty(0, dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element_size
+        per_layer = self.num_halves * block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * element_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,7 @@ NULL_BLOCK_ID = 0
 
 class PagedKVCache:
     """Per-layer KV tensors of `num_blocks` blocks of `block_size` tokens; block 0 is the null
-    block."""
+    block. Dimension 0 holds keys and values (one of them for a latent cache)."""
 
     def __init__(
         self,

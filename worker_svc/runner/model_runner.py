@@ -100,6 +100,7 @@ class ModelRunner:
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=backend.kv_cache_dtype,
+            num_halves=backend.kv_cache_shape(1, 1)[0],
         )
         self.kv_cache: PagedKVCache | None = None
         self.batch: InputBatch | None = None

@@ -36,6 +36,8 @@ from worker_svc.worker import Worker
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[3]
 FAMILY_OF = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Glm4ForCausalLM": "glm4",

@@ -91,6 +91,8 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "Olmo2ForCausalLM",
         "Glm4ForCausalLM",
         "GptOssForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
     } == set(SUPPORTED_ARCHITECTURES)
 
 
