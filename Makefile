@@ -157,7 +157,7 @@ bench: setup-dev bytecode
 bench-spec: setup-dev bytecode
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.spec_decode $(BENCH_SPEC_ARGS)
 
-# A decode step of each of issue 41's families (SmolLM3, OLMo 2, GLM-4, gpt-oss) against a
+# A decode step of each of issue 41's families (SmolLM3, OLMo 2, GLM-4, gpt-oss, DeepSeek-V3) against a
 # same-size Llama's on one worker rank, 3 rounds, about 3 minutes (benchmarks/worker_families.py).
 bench-families: setup-dev bytecode
 	$(PY) -m benchmarks.worker_families $(BENCH_FAMILIES_ARGS)
