@@ -70,15 +70,6 @@ CASES = [
 LAYOUTS = {"tp2": (2, 1, False), "ep2": (2, 1, True), "pp2": (1, 2, False)}
 
 
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedRanks]:
-    ranks = SpawnedRanks(world_size=2)
-    try:
-        yield ranks
-    finally:
-        ranks.close()
-
-
 @contextmanager
 def serving(group: SpawnedRanks, path: Path, layout: str, max_model_len: int) -> Iterator[None]:
     tp, pp, enable_expert_parallel = LAYOUTS[layout]

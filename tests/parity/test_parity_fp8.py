@@ -134,15 +134,6 @@ def test_per_tensor_fp8_matmuls_stay_close(
         rank.close()
 
 
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedRanks]:
-    ranks = SpawnedRanks(world_size=2)
-    try:
-        yield ranks
-    finally:
-        ranks.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "enable_expert_parallel"),

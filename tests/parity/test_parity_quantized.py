@@ -14,7 +14,6 @@ float32 logits of every computed position within 1e-4, greedy tokens equal to `g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,6 @@ BLOCK_SIZE = 4
 TOLERANCE = 1e-4
 WIDE = {"hidden_size": 256, "intermediate_size": 512}
 SCHEMES = {"int8": INT8_PER_ROW, "int4": INT4_GROUPS}
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedRanks]:
-    ranks = SpawnedRanks(world_size=2)
-    try:
-        yield ranks
-    finally:
-        ranks.close()
 
 
 def quantized_reference(path: Path, scheme: OnlineScheme) -> Any:

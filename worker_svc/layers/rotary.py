@@ -51,10 +51,10 @@ def attention_scaling(rope: RopeConfig) -> float:
         return rope.attention_factor
     if rope.rope_type == "yarn":
         if rope.mscale and rope.mscale_all_dim:
-            return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(
+            return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(
                 rope.factor, rope.mscale_all_dim
             )
-        return _yarn_mscale(rope.factor)
+        return yarn_mscale(rope.factor)
     if rope.rope_type == "longrope" and rope.factor > 1.0:
         return math.sqrt(
             1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings)
@@ -62,7 +62,8 @@ def attention_scaling(rope: RopeConfig) -> float:
     return 1.0
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's mscale of a scaling `factor` (1 when not scaled up)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

@@ -37,7 +37,7 @@ from worker_svc.attention.backend import AttentionBackend, AttentionOptions
 from worker_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.moe import FusedExperts, MoeConfig, MoeRouter
 from worker_svc.layers.rmsnorm import RMSNorm
-from worker_svc.layers.rotary import Rotation
+from worker_svc.layers.rotary import Rotation, yarn_mscale
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
 from worker_svc.models.decoder import BuildContext, DecoderForCausalLM, StepContext, join_prefix
 from worker_svc.models.deepseek_routing import RoutingConfig, route_deepseek
@@ -108,15 +108,11 @@ def read_mla_config(hf: Any) -> MlaConfig:
 
 def softmax_scale(hf: Any, qk_head_dim: int) -> float:
     """qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared."""
-    import math
-
     scale = qk_head_dim**-0.5
     params = dict(getattr(hf, "rope_parameters", None) or {})
     all_dim = params.get("mscale_all_dim") or 0
-    factor = float(params.get("factor", 1.0))
-    if params.get("rope_type", "default") != "default" and all_dim and factor > 1:
-        mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
-        scale *= mscale * mscale
+    if params.get("rope_type", "default") != "default" and all_dim:
+        scale *= yarn_mscale(float(params.get("factor", 1.0)), float(all_dim)) ** 2
     return scale
 
 
