@@ -5,6 +5,7 @@ options (CoreConfig: its flags) and what the ranks reported (ModelFacts)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from core_svc.config import CoreConfig
@@ -16,6 +17,8 @@ from core_svc.sched.scheduler_config import CacheConfig, SchedulerConfig
 from core_svc.structured_output.manager import StructuredOutputsConfig
 from core_svc.worker_pool import ModelFacts
 from splitserve_runtime.model_spec import served_model_name as default_served_name
+
+logger = logging.getLogger(__name__)
 
 
 def served_model_name(config: CoreConfig) -> str:
@@ -44,11 +47,41 @@ def is_encoder_only(facts: ModelFacts) -> bool:
 
 def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
     """The paged KV cache the ranks allocated; an encoder-only model's blocks hold no KV (its
-    attention does not use the cache), so nothing of them is cached for other requests."""
+    attention does not use the cache), so nothing of them is cached for other requests. A model
+    with state layers keeps prefix caching off (vLLM's mamba_cache_mode "none"): its state is one
+    per request, after its last computed token, not per block, so a cached prefix's blocks
+    could not restore it."""
     cache = config.options.cache
     if is_encoder_only(facts):
         cache = replace(cache, enable_prefix_caching=False)
-    return CacheConfig(facts.num_kv_blocks, cache, facts.sliding_window)
+    if facts.num_state_slots and cache.enable_prefix_caching:
+        logger.info(
+            "prefix caching is off for %s: its state layers keep one state per request (after "
+            "its last computed token), which cached KV blocks of a prefix cannot restore",
+            facts.architecture,
+        )
+        cache = replace(cache, enable_prefix_caching=False)
+    return CacheConfig(
+        facts.num_kv_blocks, cache, facts.sliding_window, num_state_slots=facts.num_state_slots
+    )
+
+
+def refuse_state_layer_conflicts(config: CoreConfig, facts: ModelFacts) -> None:
+    """ValueError for what a model with state layers cannot run with yet: a KV connector
+    (its transfers move KV blocks, not the per-request state) and speculative decoding (a
+    rejected draft would need the state from before it)."""
+    if not facts.num_state_slots:
+        return
+    if config.options.kv_transfer is not None:
+        raise ValueError(
+            f"--kv-transfer-config is not supported for {facts.architecture}: its state layers' "
+            "per-request state does not travel with KV blocks; serve it without a KV connector"
+        )
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"--speculative-config is not supported for {facts.architecture}: its state layers "
+            "cannot roll a rejected draft token back; serve it without speculative decoding"
+        )
 
 
 def build_engine(
@@ -57,6 +90,7 @@ def build_engine(
     """The engine core stepping `executor`; it suspends on a lost rank when recovery is on;
     a grammar compiled off its loop wakes the loop through `inbox`; its KV connector is the one
     the options' kv_transfer names (core_svc/kv_connector/factory.py)."""
+    refuse_state_layer_conflicts(config, facts)
     return EngineCore(
         scheduler_config(config, facts),
         cache_config(config, facts),

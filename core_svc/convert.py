@@ -202,6 +202,7 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
         if new_req.pooling_task:
             new_msg.pooling_params.task = new_req.pooling_task
         new_msg.lora_id = new_req.lora_id
+        new_msg.state_slot = new_req.state_slot
     cached, cached_msg = output.scheduled_cached_reqs, msg.scheduled_cached_reqs
     cached_msg.req_handles.extend(cached.req_handles)
     cached_msg.num_computed_tokens.extend(cached.num_computed_tokens)
@@ -212,6 +213,7 @@ def scheduler_output_to_proto(output: SchedulerOutput) -> worker_pb2.SchedulerOu
     cached_msg.resumed_req_handles.extend(cached.resumed_req_handles)
     cached_msg.num_resumed_token_ids.extend(cached.num_resumed_token_ids)
     cached_msg.resumed_all_token_ids.extend(cached.resumed_all_token_ids)
+    cached_msg.resumed_state_slots.extend(cached.resumed_state_slots)
     msg.num_scheduled_tokens.extend(output.num_scheduled_tokens)
     if output.num_spec_tokens:
         msg.num_spec_tokens.extend(output.num_spec_tokens)

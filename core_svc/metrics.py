@@ -125,6 +125,15 @@ class CoreMetrics:
         self.waiting_capacity = by_reason.labels(*self._values, "capacity")
         self.waiting_deferred = by_reason.labels(*self._values, "deferred")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.kv_group_usage = Gauge(
+            "splitserve:kv_cache_group_usage_perc",
+            "Usage of each KV cache group (attention blocks; state slots of a model with state "
+            "layers). vllm:kv_cache_usage_perc is the fuller group's. 1 means 100 percent.",
+            [*LABELS, "kv_cache_group"],
+            registry=self._registry,
+        )
+        self.attention_usage = self.kv_group_usage.labels(*self._values, "attention")
+        self.state_usage = self.kv_group_usage.labels(*self._values, "state")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -216,6 +225,8 @@ class CoreMetrics:
         self.waiting_capacity.set(stats.num_waiting_reqs)
         self.waiting_deferred.set(stats.num_waiting_deferred)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.attention_usage.set(stats.num_used_blocks / max(1, stats.num_total_blocks))
+        self.state_usage.set(stats.num_used_state_slots / max(1, stats.num_total_state_slots))
         if stats.prefix_cache_queries > last.prefix_cache_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         if stats.prefix_cache_hits > last.prefix_cache_hits:

@@ -61,6 +61,8 @@ class ModelFacts:
     num_kv_blocks: int
     kv_cache_bytes_per_rank: int
     sliding_window: int = 0
+    num_state_slots: int = 0
+    """State slots on every rank (a model with state layers), the null slot included."""
     device_type: str = ""
     """Rank 0's device ("cpu", "cuda"), from Describe."""
     max_tokens_per_mm_item: int = 0
@@ -214,7 +216,10 @@ class WorkerPool:
         capacities = await self._call_all("GetKvCapacity", [capacity_req] * world, 600.0)
         num_blocks = min(c.num_blocks for c in capacities)  # type: ignore[attr-defined]
         _check_fits(num_blocks, config.options.cache.block_size, max_model_len)
-        init = worker_pb2.InitializeKvCacheRequest(num_blocks=num_blocks)
+        num_state_slots = min(c.num_state_slots for c in capacities)  # type: ignore[attr-defined]
+        init = worker_pb2.InitializeKvCacheRequest(
+            num_blocks=num_blocks, num_state_slots=num_state_slots
+        )
         inited = await self._call_all("InitializeKvCache", [init] * world, 600.0)
         kv_bytes = max(r.kv_cache_bytes for r in inited)  # type: ignore[attr-defined]
         return ModelFacts(
@@ -226,6 +231,7 @@ class WorkerPool:
             num_blocks,
             kv_bytes,
             sliding_window=min(r.sliding_window for r in loaded),  # type: ignore[attr-defined]
+            num_state_slots=num_state_slots,
             max_tokens_per_mm_item=first.max_tokens_per_mm_item,
             pooler_config=output_convert.pooler_config_from_proto(first.pooler_config)
             if first.HasField("pooler_config")

@@ -130,6 +130,8 @@ def scheduler_stats_to_proto(
     msg.kv_transfer_seconds = record.kv_transfer_seconds
     msg.kv_transfer_num_loads = record.kv_transfer_num_loads
     msg.kv_transfer_num_failed_loads = record.kv_transfer_num_failed_loads
+    msg.num_used_state_slots = record.num_used_state_slots
+    msg.num_total_state_slots = record.num_total_state_slots
     return msg
 
 
@@ -167,6 +169,8 @@ def scheduler_stats_from_proto(msg: core_pb2.SchedulerStats) -> t.SchedulerStats
         kv_transfer_seconds=msg.kv_transfer_seconds,
         kv_transfer_num_loads=msg.kv_transfer_num_loads,
         kv_transfer_num_failed_loads=msg.kv_transfer_num_failed_loads,
+        num_used_state_slots=msg.num_used_state_slots,
+        num_total_state_slots=msg.num_total_state_slots,
     )
 
 

@@ -290,6 +290,14 @@ class SchedulerStats:
     kv_transfer_num_failed_loads: int = 0
     """Loads that failed (the engine computed those prompts itself), cumulative."""
 
+    num_used_state_slots: int = 0
+    """State slots held by requests (the state cache group of a model with state layers: one per
+    running request; kv_cache_usage is the fuller group's).
+    """
+
+    num_total_state_slots: int = 0
+    """State slots in total (0: the model has no state layers)."""
+
 
 @dataclass(slots=True)
 class StepTimings:

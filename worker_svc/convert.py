@@ -77,6 +77,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
         lora_id=req.lora_id,
         trace=_trace(req.trace_context),
         pooling_task=req.pooling_params.task if req.HasField("pooling_params") else "",
+        state_slot=req.state_slot,
     )
 
 
@@ -91,6 +92,7 @@ def cached_requests_from_proto(cached: pb.CachedRequestData) -> CachedRequestDat
         resumed_req_handles=_column(cached.resumed_req_handles),
         num_resumed_token_ids=_column(cached.num_resumed_token_ids),
         resumed_all_token_ids=_column(cached.resumed_all_token_ids),
+        resumed_state_slots=_column(cached.resumed_state_slots),
     )
 
 
@@ -200,6 +202,8 @@ def kv_capacity_to_proto(c: KvCapacity) -> pb.GetKvCapacityResponse:
         available_bytes=c.available_bytes,
         bytes_per_block=c.bytes_per_block,
         num_blocks=c.num_blocks,
+        num_state_slots=c.num_state_slots,
+        bytes_per_state_slot=c.bytes_per_state_slot,
     )
 
 

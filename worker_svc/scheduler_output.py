@@ -66,6 +66,8 @@ class NewRequestData:
     pooling_task: str = ""
     """A pooling request's task: pooled over its prompt, never sampled ("": a generation
     request)."""
+    state_slot: int = 0
+    """Its state slot (a model with state layers: zeroed before its first step; 0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,8 @@ class CachedRequestData:
     resumed_req_handles: IntArray = field(default_factory=_empty)
     num_resumed_token_ids: IntArray = field(default_factory=_empty)
     resumed_all_token_ids: IntArray = field(default_factory=_empty)
+    resumed_state_slots: IntArray = field(default_factory=_empty)
+    """The state slot of each resumed request (a model with state layers; else empty)."""
 
     @property
     def num_reqs(self) -> int:

@@ -222,7 +222,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def InitializeKvCache(
         self, request: pb.InitializeKvCacheRequest, context: grpc.ServicerContext
     ) -> pb.InitializeKvCacheResponse:
-        nbytes = self._as_owner(context, self._worker.initialize_kv_cache, request.num_blocks)
+        nbytes = self._as_owner(
+            context, self._worker.initialize_kv_cache, request.num_blocks, request.num_state_slots
+        )
         return pb.InitializeKvCacheResponse(kv_cache_bytes=nbytes)
 
     def LoadLoraAdapter(

@@ -39,6 +39,10 @@ def check_step_shape(step: SchedulerOutput) -> None:
             int(cached.num_resumed_token_ids.sum()) != len(cached.resumed_all_token_ids),
             "resumed_all_token_ids",
         ),
+        (
+            len(cached.resumed_state_slots) not in (0, len(cached.resumed_req_handles)),
+            "resumed_state_slots",
+        ),
     ]
     for is_wrong, column in problems:
         if is_wrong:
@@ -79,4 +83,7 @@ def select_cached(cached: CachedRequestData, keep: BoolArray) -> CachedRequestDa
         resumed_all_token_ids=cached.resumed_all_token_ids[
             np.repeat(keep_resumed, cached.num_resumed_token_ids)
         ],
+        resumed_state_slots=cached.resumed_state_slots[keep_resumed]
+        if len(cached.resumed_state_slots)
+        else cached.resumed_state_slots,
     )

@@ -8,10 +8,8 @@ Calls out of that order raise `WorkerStateError`; bad arguments raise `ValueErro
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
 import socket
 import time
 
@@ -24,6 +22,7 @@ from splitserve_runtime.model_source import resolve_model
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.kv_quant import kv_cache_torch_dtype
 from worker_svc.attention.selector import available_backends, select_backend
+from worker_svc.device import cpu_name, keep_freed_host_memory, resolve_device
 from worker_svc.distributed import ParallelState, Rendezvous, init_parallel_state
 from worker_svc.kv_connector.rank_connector import RankKvConnector
 from worker_svc.kv_connector.step_hooks import run_step_with_connector
@@ -52,7 +51,7 @@ from worker_svc.model_loader.weights import (
 from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.runner.cpu_kv_budget import EngineShape, cpu_kv_budget
-from worker_svc.runner.kv_cache import KvCapacity, kv_capacity
+from worker_svc.runner.kv_cache import KvCapacity, kv_capacity, reserve_state_slots
 from worker_svc.runner.model_runner import ModelRunner
 from worker_svc.runner.pooler import Pooler
 from worker_svc.sample.grammar_bitmask import GrammarSource
@@ -66,32 +65,6 @@ DEFAULT_PROFILE_TOKENS = 8192
 
 class WorkerStateError(RuntimeError):
     """A call arrived out of the Describe/LoadModel/.../Execute order."""
-
-
-def resolve_device(requested: str, rank: int = 0) -> torch.device:
-    """ "auto" is CUDA when available (one device per local rank), else CPU."""
-    if requested in ("", "auto"):
-        if torch.cuda.is_available():
-            return torch.device("cuda", rank % torch.cuda.device_count())
-        return torch.device("cpu")
-    device = torch.device(requested)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {requested!r}; use auto, cpu or cuda")
-    return device
-
-
-def keep_freed_host_memory() -> None:
-    """Ask glibc to keep freed memory instead of returning it to the OS at once: per-step
-    temporaries of several MB otherwise cost page faults on every allocation (measured: the
-    KV gather of a 256-request decode step 4-6x slower)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD
 
 
 class Worker:
@@ -125,7 +98,7 @@ class Worker:
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-            name = _cpu_name()
+            name = cpu_name()
         return WorkerDescription(
             device_type=self.device.type,
             device_name=name,
@@ -251,6 +224,24 @@ class Worker:
     def get_kv_capacity(
         self, gpu_memory_utilization: float, kv_cache_memory_bytes: int
     ) -> KvCapacity:
+        """The blocks (and a model with state layers' state slots: one per sequence the engine
+        runs at once, and the null slot, reserved first) that fit the budget."""
+        capacity = self._kv_capacity(gpu_memory_utilization, kv_cache_memory_bytes)
+        runner = self._require_runner()
+        if not runner.state_specs:
+            return capacity
+        assert self.config is not None
+        max_num_seqs = self.config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        block_size = self.config.options.cache.block_size
+        return reserve_state_slots(
+            capacity,
+            runner.kv_cache_spec,
+            block_size,
+            max_num_seqs + 1,
+            runner.state_bytes_per_slot,
+        )
+
+    def _kv_capacity(self, gpu_memory_utilization: float, kv_cache_memory_bytes: int) -> KvCapacity:
         runner = self._require_runner()
         assert self.config is not None
         block_size = self.config.options.cache.block_size
@@ -310,13 +301,22 @@ class Worker:
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
         return int(utilization * total) - used - non_torch
 
-    def initialize_kv_cache(self, num_blocks: int) -> int:
-        """Allocate the cache (block 0 is the null block); returns its bytes on this rank."""
+    def initialize_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> int:
+        """Allocate the cache (block 0 is the null block; slot 0 of a state cache the null
+        slot); returns its bytes on this rank."""
         runner = self._require_runner()
         if self.is_kv_cache_ready:
             raise WorkerStateError("the KV cache is already initialized")
         assert self.config is not None
-        nbytes = runner.initialize_kv_cache(num_blocks, self.config.options.cache.block_size)
+        max_num_seqs = self.config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        if runner.state_specs and not 2 <= num_state_slots <= max_num_seqs + 1:
+            raise ValueError(
+                f"num_state_slots must be in 2..{max_num_seqs + 1} for this model's state layers, "
+                f"got {num_state_slots}"
+            )
+        nbytes = runner.initialize_kv_cache(
+            num_blocks, self.config.options.cache.block_size, num_state_slots
+        )
         runner.warm_up()
         self.kv.start(self.config.options, runner)
         self.is_kv_cache_ready = True
@@ -375,14 +375,3 @@ def _activation_estimate(
         (config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS) * model.vocab_size * 4 * 3
     )
     return tokens * width * 4 + logits
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"

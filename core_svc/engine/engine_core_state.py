@@ -52,6 +52,7 @@ class EngineCoreState:
             max_model_len=scheduler_config.max_model_len,
             enable_caching=cache_config.cache.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
+            num_state_slots=cache_config.num_state_slots,
         )
         scheduler_class = (
             AsyncScheduler if scheduler_config.scheduler.async_scheduling else Scheduler

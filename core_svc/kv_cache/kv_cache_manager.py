@@ -1,5 +1,10 @@
-"""Which KV blocks each request holds, and the prefix-cache lookups (vLLM's KVCacheManager
-for a single KV-cache group: full attention, or a sliding window that every layer shares).
+"""Which KV blocks each request holds, and the prefix-cache lookups (vLLM's KVCacheManager).
+
+The cache groups (vLLM's hybrid allocator, with a pool per group): the attention group, whose
+blocks every attention layer shares (full attention, or a sliding window every attention layer
+has), and for a model with state layers the state group (state_group.py: one slot per request).
+A request's blocks and its slot are allocated together (all or nothing), freed and preempted
+together; `usage` is the fuller group's.
 
 With a sliding window w, a running request's blocks that hold only tokens no future query can
 see (positions below num_computed_tokens - w + 1) are freed before each allocation and their
@@ -17,6 +22,7 @@ from itertools import islice
 
 from core_svc.kv_cache.block_pool import BlockPool, KVCacheBlock
 from core_svc.kv_cache.kv_events import KVEventRecorder
+from core_svc.kv_cache.state_group import StateSlotPool
 from core_svc.request import Request
 
 _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
@@ -65,6 +71,7 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool,
         sliding_window: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -76,10 +83,30 @@ class KVCacheManager:
         self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[int, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.num_state_slots = num_state_slots
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        """The state group (None: the model has no state layers)."""
+        if self.state_slots is not None and enable_caching:
+            raise ValueError("prefix caching cannot be on for a model with state layers")
 
     @property
     def usage(self) -> float:
-        return self.block_pool.get_usage()
+        """The fuller group's usage (the one that limits admission)."""
+        usage = self.block_pool.get_usage()
+        if self.state_slots is not None:
+            usage = max(usage, self.state_slots.get_usage())
+        return usage
+
+    def group_usages(self) -> dict[str, float]:
+        """Each cache group's usage, by group name."""
+        usages = {"attention": self.block_pool.get_usage()}
+        if self.state_slots is not None:
+            usages["state"] = self.state_slots.get_usage()
+        return usages
+
+    def get_state_slot(self, request: Request) -> int:
+        """The request's state slot (0: none, or the model has no state layers)."""
+        return 0 if self.state_slots is None else self.state_slots.get(request.req_handle)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest chain of cached blocks matching the request's prefix, and the tokens they
@@ -114,6 +141,9 @@ class KVCacheManager:
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
             full_sequence_must_fit,
         )  # fmt: skip
+        state = self.state_slots
+        if state is not None and state.num_needed(request.req_handle) > state.num_free_slots:
+            return False
         return num_needed <= self.block_pool.get_num_free_blocks()
 
     def allocate_slots(
@@ -153,6 +183,8 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.req_handle] = []
             self.num_cached_blocks[request.req_handle] = 0
+        if self.state_slots is not None:
+            self.state_slots.allocate(request.req_handle)
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
@@ -221,6 +253,8 @@ class KVCacheManager:
         longest prefixes) are evicted before the shared head of the sequence."""
         blocks = self.req_to_blocks.pop(request.req_handle, None)
         self.num_cached_blocks.pop(request.req_handle, None)
+        if self.state_slots is not None:
+            self.state_slots.free(request.req_handle)
         if blocks:
             null_block = self.block_pool.null_block
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null_block)
@@ -244,3 +278,5 @@ class KVCacheManager:
         self.kv_events.reset(num_blocks)
         self.block_pool = BlockPool(num_blocks, self.enable_caching, self.kv_events)
         self.num_cached_blocks.clear()
+        if self.state_slots is not None:
+            self.state_slots = StateSlotPool(self.num_state_slots)

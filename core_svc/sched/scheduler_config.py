@@ -93,14 +93,23 @@ class CacheConfig:
     sliding_window: int = 0
     """When > 0, every layer attends only to this many latest tokens: blocks that fall out of
     the window are freed while the request runs (0: the model needs all of its KV)."""
+    num_state_slots: int = 0
+    """State slots on every rank, the null slot included: the state group of a model with state
+    layers (Mamba2, gated DeltaNet), one slot per request it runs; 0: no state layers."""
 
     @classmethod
-    def of(cls, num_blocks: int, sliding_window: int = 0, **options: Any) -> Self:
+    def of(
+        cls, num_blocks: int, sliding_window: int = 0, num_state_slots: int = 0, **options: Any
+    ) -> Self:
         """A cache config from flat option names (`CacheConfig.of(64, block_size=4)`: tests,
         benchmarks)."""
-        return cls(num_blocks, replace(CacheOptions(), **options), sliding_window)
+        return cls(num_blocks, replace(CacheOptions(), **options), sliding_window, num_state_slots)
 
     def __post_init__(self) -> None:
+        if self.num_state_slots == 1 or self.num_state_slots < 0:
+            raise ValueError(
+                f"num_state_slots must be 0 or >= 2 (slot 0 is reserved), got {self.num_state_slots}"
+            )
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_blocks < 2:

@@ -34,6 +34,8 @@ class NewRequestData:
     """The core's span of the request, for the workers' spans (None: not traced)."""
     pooling_task: str = ""
     """A pooling request's task: the ranks pool its prompt instead of sampling."""
+    state_slot: int = 0
+    """Its state slot (a model with state layers; 0: none)."""
 
 
 @dataclass(slots=True)
@@ -55,11 +57,20 @@ class CachedRequestData:
     resumed_req_handles: list[int] = field(default_factory=list)
     num_resumed_token_ids: list[int] = field(default_factory=list)
     resumed_all_token_ids: list[int] = field(default_factory=list)
+    resumed_state_slots: list[int] = field(default_factory=list)
+    """The state slot of each resumed request (a model with state layers; else empty)."""
 
     def add_resumed(
-        self, req_handle: int, num_computed_tokens: int, block_ids: list[int], token_ids: list[int]
+        self,
+        req_handle: int,
+        num_computed_tokens: int,
+        block_ids: list[int],
+        token_ids: list[int],
+        state_slot: int = 0,
     ) -> None:
         """Append a resumed request: all its block ids and all its token ids."""
+        if state_slot:
+            self.resumed_state_slots.append(state_slot)
         self.req_handles.append(req_handle)
         self.num_computed_tokens.append(num_computed_tokens)
         self.num_new_block_ids.append(len(block_ids))

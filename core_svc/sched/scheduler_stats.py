@@ -18,10 +18,11 @@ def make_scheduler_stats(
     spec = scheduler.spec_stats
     grammars = structured.manager
     loads = scheduler.kv_loads
+    state = kv_cache_manager.state_slots
     return SchedulerStats(
         num_running_reqs=len(scheduler.running),
         num_waiting_reqs=len(scheduler.waiting),
-        kv_cache_usage=pool.get_usage(),
+        kv_cache_usage=kv_cache_manager.usage,
         prefix_cache_queries=prefix_cache_stats.queries,
         prefix_cache_hits=prefix_cache_stats.hits,
         num_preemptions=scheduler.num_preemptions,
@@ -52,4 +53,6 @@ def make_scheduler_stats(
         kv_transfer_seconds=loads.seconds,
         kv_transfer_num_loads=loads.num_loads,
         kv_transfer_num_failed_loads=loads.num_failed,
+        num_used_state_slots=0 if state is None else state.num_held,
+        num_total_state_slots=0 if state is None else state.num_usable_slots,
     )

@@ -103,8 +103,11 @@ class StepBuilder:
         del self._running_reqs[index]
         return self._num_running.pop(index)
 
-    def add_new(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
-        """A request the workers have never seen: sent in full, once."""
+    def add_new(
+        self, request: Request, num_new_tokens: int, block_ids: list[int], state_slot: int = 0
+    ) -> None:
+        """A request the workers have never seen: sent in full, once (with its state slot, a
+        model with state layers)."""
         self.output.scheduled_new_reqs.append(
             NewRequestData(
                 req_handle=request.req_handle,
@@ -120,6 +123,7 @@ class StepBuilder:
                 lora_id=0 if request.lora is None else request.lora.lora_id,
                 trace=request.trace.for_workers if request.trace is not None else None,
                 pooling_task=request.pooling_task,
+                state_slot=state_slot,
             )
         )
         request.is_known_to_workers = True
@@ -127,10 +131,17 @@ class StepBuilder:
         self._new_reqs.append(request)
         self._num_new.append(num_new_tokens)
 
-    def add_resumed(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
-        """A request back from preemption: its block list and all its tokens are replaced."""
+    def add_resumed(
+        self, request: Request, num_new_tokens: int, block_ids: list[int], state_slot: int = 0
+    ) -> None:
+        """A request back from preemption: its block list (and state slot) and all its tokens
+        are replaced."""
         self.output.scheduled_cached_reqs.add_resumed(
-            request.req_handle, request.num_computed_tokens, block_ids, request.all_token_ids
+            request.req_handle,
+            request.num_computed_tokens,
+            block_ids,
+            request.all_token_ids,
+            state_slot,
         )
         request.num_sent_token_ids = len(request.all_token_ids)
         self._resumed_reqs.append(request)

@@ -109,7 +109,8 @@ class WaitingPass(KVTransfers):
         if request.lora is not None:
             self.lora.acquire(request)
         block_ids = kv.get_block_ids(request)
+        state_slot = kv.get_state_slot(request)
         if request.is_known_to_workers:
-            step.add_resumed(request, num_new, block_ids)
+            step.add_resumed(request, num_new, block_ids, state_slot)
         else:
-            step.add_new(request, num_new, block_ids)
+            step.add_new(request, num_new, block_ids, state_slot)

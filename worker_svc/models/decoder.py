@@ -29,6 +29,7 @@ from worker_svc.layers.linear import UNQUANTIZED, LinearArgs, LinearMethods, lin
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rope_config import RopeConfig
 from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.state_cache import LayerCache, StateMetadata
 from worker_svc.layers.tensor_source import TensorSource, row_range
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.weight_names import PACKED_MODULES, WeightTarget, resolve_weight_name
@@ -42,6 +43,8 @@ class StepContext:
     sin: torch.Tensor
     attn_metadata: object
     positions: torch.Tensor | None = None  # the step's positions (the CPU kernels rotate by them)
+    state: StateMetadata | None = None
+    """The requests' state slots, for a model with state layers (layers/state_cache.py)."""
 
 
 M = TypeVar("M")
@@ -202,7 +205,7 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor | None,
         ctx: StepContext,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[LayerCache],
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -62,7 +62,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         local = None
         if self.local_rotary is not None:
             local = StepContext(*self.local_rotary.cos_sin(positions), attn_metadata, positions)
-        return LocalRopeContext(cos, sin, attn_metadata, positions, local)
+        return LocalRopeContext(cos, sin, attn_metadata, positions, local=local)
 
     def layer_contexts(self, ctx: StepContext) -> Sequence[StepContext]:
         if not isinstance(ctx, LocalRopeContext) or ctx.local is None:

@@ -17,13 +17,14 @@ The hooks the next features build on are part of `CausalLM`:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import nn
 
 from worker_svc.attention.backend import AttentionInputs
+from worker_svc.layers.state_cache import LayerCache, StateSpec
 from worker_svc.layers.tensor_source import TensorSource
 from worker_svc.models.model_config import ModelConfig
 from worker_svc.models.weight_names import WeightTarget
@@ -70,7 +71,7 @@ class CausalLM(Protocol):
         self,
         input_ids: torch.Tensor | None,
         ctx: StepContext,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[LayerCache],
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -160,3 +161,22 @@ class EncoderOnly(Protocol):
 def is_encoder_only(model: object) -> TypeGuard[EncoderOnly]:
     """Whether `model` (or a model class) is an encoder-only model."""
     return getattr(model, "is_encoder_only", False) is True
+
+
+@runtime_checkable
+class IsHybrid(Protocol):
+    """A model some of whose layers keep a fixed-size state per request instead of KV (vLLM's
+    IsHybrid: Mamba2, gated DeltaNet layers beside attention layers). `state_specs` has one
+    entry per layer of this pipeline stage: the layer's StateSpec, or None for an attention
+    layer, which keeps paged KV. The forward's per-layer caches follow that list: a state
+    layer gets its state tensors (layers/state_cache.py), an attention layer its KV tensor."""
+
+    is_hybrid: ClassVar[Literal[True]]
+
+    @property
+    def state_specs(self) -> Sequence[StateSpec | None]: ...
+
+
+def is_hybrid(model: object) -> TypeGuard[IsHybrid]:
+    """Whether `model` (or a model class) has state layers."""
+    return getattr(model, "is_hybrid", False) is True

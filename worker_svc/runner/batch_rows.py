@@ -32,8 +32,12 @@ class BatchRows:
         capacity: int,
         sampling: SamplingStates,
         is_pooling: bool = False,
+        num_state_slots: int = 0,
     ) -> None:
         self.is_pooling = is_pooling
+        self.num_state_slots = num_state_slots
+        """State slots of the rank's state cache (a model with state layers), slot 0 the null
+        slot; 0: the model has no state layers, and requests carry no slot."""
         """The rank serves a pooling model: it takes pooling requests only (and the reverse)."""
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -55,6 +59,8 @@ class BatchRows:
         self.num_blocks = np.zeros(0, np.int64)
         self.lora_ids = np.zeros(0, np.int64)
         """The LoRA adapter each row runs with (0: the base model)."""
+        self.state_slots = np.zeros(0, np.int64)
+        """The state slot each row reads and writes (0: none)."""
         self._grow(capacity)
 
     @property
@@ -71,6 +77,7 @@ class BatchRows:
             "num_computed_tokens",
             "num_blocks",
             "lora_ids",
+            "state_slots",
         ):
             array = getattr(self, name)
             grown = np.zeros((capacity, *array.shape[1:]), array.dtype)
@@ -105,6 +112,7 @@ class BatchRows:
         self.num_blocks[row] = len(new.block_ids)
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.lora_ids[row] = new.lora_id
+        self.state_slots[row] = new.state_slot
         self.sampling.add(row, new.sampling, new.stop_token_ids, new.min_tokens, num_outputs)
         return row
 
@@ -124,6 +132,21 @@ class BatchRows:
         keep = ragged_cols(np.zeros(len(counts), np.int64), counts) < np.repeat(room, counts)
         append_runs(self.token_ids, self.num_tokens, rows, np.minimum(counts, room),
                      token_ids[keep])  # fmt: skip
+
+    def state_slot_problem(self, slot: int, num_computed: int, handle: int) -> str | None:
+        """Why request `handle` cannot take state slot `slot` starting at `num_computed`, or
+        None: a model with state layers needs a slot of its own (not 0, none another live
+        request holds) and starts from the first token (its state cannot skip a prefix)."""
+        if not self.num_state_slots:
+            return None if slot == 0 else f"state slot {slot} for a model without state layers"
+        if not 0 < slot < self.num_state_slots:
+            return f"state slot {slot} outside 1..{self.num_state_slots - 1}"
+        if num_computed:
+            return f"{num_computed} computed tokens: a request with a state starts at its first"
+        for other, row in self.handle_to_row.items():
+            if other != handle and self.state_slots[row] == slot:
+                return f"state slot {slot} is held by request {other}"
+        return None
 
     def num_used_blocks(self) -> int:
         """Distinct blocks holding at least one computed token of a live request."""

@@ -37,7 +37,9 @@ class InputBatch(BatchRows):
         keep = np.ones(step.num_reqs, np.bool_)
         new_rows: list[int] = []
         for i, new in enumerate(step.scheduled_new_reqs):
-            problem = self._new_request_problem(new)
+            problem = self._new_request_problem(new) or self.state_slot_problem(
+                new.state_slot, new.num_computed_tokens, new.req_handle
+            )
             if problem is None:
                 new_rows.append(self._add_request(new))
             else:
@@ -53,7 +55,14 @@ class InputBatch(BatchRows):
         fresh_ids = np.unique(np.concatenate(fresh)) if fresh else np.zeros(0, np.int64)
         num_spec = step.num_spec_tokens[keep] if len(step.num_spec_tokens) else None
         plan = StepPlan(rows, step.num_scheduled_tokens[keep], fresh_ids, failed, num_spec)
+        if self.num_state_slots:
+            plan.fresh_state_slots = self._fresh_state_slots(new_rows, cached)
         return self._check_schedule(plan)
+
+    def _fresh_state_slots(self, new_rows: list[int], cached: CachedRequestData) -> IntArray:
+        """The slots of the step's new and resumed requests, which start from a zero state."""
+        resumed = [self.handle_to_row[h] for h in cached.resumed_req_handles.tolist()]
+        return self.state_slots[np.asarray([*new_rows, *resumed], np.int64)]
 
     def _fresh_blocks(self, row: int) -> IntArray:
         """A new request's blocks past its prefix-cache hit: they hold no computed token."""
@@ -132,6 +141,7 @@ class InputBatch(BatchRows):
                 "a resumed request's token ids are empty, too many or outside the vocabulary",
             ),
             (cached.num_computed_tokens < 0, "negative num_computed_tokens"),
+            (self._resumed_slot_problems(cached, handles), "its resumed state slot is wrong"),
         ]
         keep = np.ones(len(handles), np.bool_)
         for is_bad, reason in checks:
@@ -141,12 +151,27 @@ class InputBatch(BatchRows):
                     self._remove(handles[i])
         return keep
 
+    def _resumed_slot_problems(self, cached: CachedRequestData, handles: list[int]) -> BoolArray:
+        """Resumed requests whose state slot does not fit (see state_slot_problem)."""
+        is_bad = np.zeros(len(handles), np.bool_)
+        if not self.num_state_slots and not len(cached.resumed_state_slots):
+            return is_bad
+        slots = cached.resumed_state_slots.tolist()
+        for j, handle in enumerate(cached.resumed_req_handles.tolist()):
+            i = handles.index(handle)
+            slot = slots[j] if j < len(slots) else 0
+            computed = int(cached.num_computed_tokens[i])
+            is_bad[i] = self.state_slot_problem(slot, computed, handle) is not None
+        return is_bad
+
     def _update_cached(self, rows: IntArray, cached: CachedRequestData) -> IntArray:
         """Apply checked diffs; returns the new block ids that hold no computed token."""
         resumed = np.asarray(
             [self.handle_to_row[h] for h in cached.resumed_req_handles.tolist()], np.int64
         )
         self.num_blocks[resumed] = 0  # resumed requests replace their block list
+        if len(cached.resumed_state_slots):
+            self.state_slots[resumed] = cached.resumed_state_slots
         # A running request's count may run ahead of this rank's by draft slots it rejected
         # (async scheduling schedules as if every draft were accepted): the lower one holds.
         own = np.where(

@@ -42,11 +42,14 @@ class KvCacheSpec:
 
 @dataclass(frozen=True, slots=True)
 class KvCapacity:
-    """How many blocks fit: available_bytes // bytes_per_block."""
+    """How many blocks fit: available_bytes // bytes_per_block, after the state slots (a model
+    with state layers: `num_state_slots` of `bytes_per_state_slot`, reserved first)."""
 
     available_bytes: int
     bytes_per_block: int
     num_blocks: int
+    num_state_slots: int = 0
+    bytes_per_state_slot: int = 0
 
 
 def kv_capacity(spec: KvCacheSpec, block_size: int, available_bytes: int) -> KvCapacity:
@@ -56,6 +59,26 @@ def kv_capacity(spec: KvCacheSpec, block_size: int, available_bytes: int) -> KvC
     per_block = spec.bytes_per_block(block_size)
     available_bytes = max(0, available_bytes)
     return KvCapacity(available_bytes, per_block, available_bytes // per_block)
+
+
+def reserve_state_slots(
+    capacity: KvCapacity,
+    spec: KvCacheSpec,
+    block_size: int,
+    num_state_slots: int,
+    bytes_per_state_slot: int,
+) -> KvCapacity:
+    """`capacity` with `num_state_slots` state slots taken out of its bytes first (a model with
+    state layers), the blocks counted in what is left."""
+    state_bytes = num_state_slots * bytes_per_state_slot
+    left = kv_capacity(spec, block_size, capacity.available_bytes - state_bytes)
+    return KvCapacity(
+        capacity.available_bytes,
+        left.bytes_per_block,
+        left.num_blocks,
+        num_state_slots,
+        bytes_per_state_slot,
+    )
 
 
 NULL_BLOCK_ID = 0

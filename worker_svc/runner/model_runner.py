@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,8 +32,9 @@ from splitserve_contracts.spec_decode import SpeculativeConfig
 from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.kernels.cpu_kernels import CpuKernels
+from worker_svc.layers.state_cache import LayerCache
 from worker_svc.lora.manager import LoraManager
-from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
+from worker_svc.models.interfaces import CausalLM, is_encoder_only, is_hybrid, supports_images
 from worker_svc.runner.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.runner.input_batch import InputBatch
 from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
@@ -42,8 +43,9 @@ from worker_svc.runner.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.runner.runner_inputs import apply_lora_slots, attention_inputs, group_by_adapter
 from worker_svc.runner.runner_output import Sampled, add_sampled, leave_sampled, step_output
 from worker_svc.runner.spec_decode import SpecDecoder
+from worker_svc.runner.state_cache import StateCache, state_bytes_per_slot
 from worker_svc.runner.step_inputs import StepInputs
-from worker_svc.runner.warm_up import dummy_step_inputs, warm_up_steps
+from worker_svc.runner.warm_up import dummy_step, scratch_state, warm_up_steps
 from worker_svc.sample.grammar_bitmask import GrammarSource, apply_grammar_bitmask
 from worker_svc.sample.sampler import Sampler
 from worker_svc.sample.sampling_metadata import SamplingStates
@@ -95,8 +97,13 @@ class ModelRunner:
         )
         """Speculative decoding: proposes drafts into the draft slots and verifies them."""
         start, end = model.layer_range
+        self.state_specs = list(model.state_specs) if is_hybrid(model) else []
+        """Per layer of the stage, its state (None: an attention layer); empty: no state layers."""
+        self.state_bytes_per_slot = state_bytes_per_slot(self.state_specs)
+        self.state_cache: StateCache | None = None
+        num_state_layers = len(self.state_specs) - self.state_specs.count(None)
         self.kv_cache_spec = KvCacheSpec(
-            num_layers=0 if is_encoder_only(model) else end - start,  # it keeps no KV
+            num_layers=0 if is_encoder_only(model) else end - start - num_state_layers,
             num_kv_heads=backend.num_kv_heads,
             head_dim=backend.head_dim,
             dtype=backend.kv_cache_dtype,
@@ -122,11 +129,20 @@ class ModelRunner:
         if supports_images(model):
             self.encoder_runner = EncoderRunner(model, device)
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> int:
-        """Allocate the cache and the per-request tables; returns the cache's bytes."""
+    def initialize_kv_cache(
+        self, num_blocks: int, block_size: int, num_state_slots: int = 0
+    ) -> int:
+        """Allocate the cache (and the state cache of a model with state layers: `num_state_slots`
+        slots) and the per-request tables; returns the caches' bytes."""
+        if bool(num_state_slots) != bool(self.state_specs):
+            raise ValueError(
+                f"{num_state_slots} state slots for {len(self.state_specs)} state specs"
+            )
         self.kv_cache = PagedKVCache(
             self.backend, self.kv_cache_spec, num_blocks, block_size, self.device
         )
+        if self.state_specs:
+            self.state_cache = StateCache(self.state_specs, num_state_slots, self.device)
         self.batch = InputBatch(
             max_model_len=self.max_model_len,
             block_size=block_size,
@@ -135,8 +151,10 @@ class ModelRunner:
             capacity=max(self.max_num_seqs, 1),
             sampling=SamplingStates(max(self.max_num_seqs, 1), self.vocab_size, self.device),
             is_pooling=self.pooler is not None,
+            num_state_slots=num_state_slots,
         )
-        return self.kv_cache.nbytes
+        state_bytes = 0 if self.state_cache is None else self.state_cache.nbytes
+        return self.kv_cache.nbytes + state_bytes
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -148,7 +166,9 @@ class ModelRunner:
         if self.parallel.world_size > 1:
             return
         block_size = self.kv_cache.block_size
-        steps = warm_up_steps(block_size, self.kv_cache.num_blocks, self.is_async_scheduling)
+        steps = warm_up_steps(
+            block_size, self.kv_cache.num_blocks, self.is_async_scheduling, self.state_cache
+        )
         if steps and self.pooler is None and self.spec is None:
             for step in steps:
                 self.execute(step)
@@ -158,35 +178,21 @@ class ModelRunner:
             self.backend, self.kv_cache_spec, 2 + 9 // block_size, block_size, self.device
         )
         scratch.zero_blocks(np.arange(scratch.num_blocks))
-        self._dummy_step(scratch, 0, 8, num_logits=1)
-        self._dummy_step(scratch, 8, 9, num_logits=1)
+        state = scratch_state(self)
+        dummy_step(self, scratch, state, 0, 8, num_logits=1)
+        dummy_step(self, scratch, state, 8, 9, num_logits=1)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, block_size: int) -> int:
         """Run one dummy step of `num_tokens` tokens (and `max_num_seqs` logits rows) in a
         scratch cache, for peak-memory profiling; returns the scratch cache's bytes."""
+        num_blocks = 1 - (-num_tokens // block_size)
         scratch = PagedKVCache(
-            self.backend,
-            self.kv_cache_spec,
-            1 - (-num_tokens // block_size),
-            block_size,
-            self.device,
+            self.backend, self.kv_cache_spec, num_blocks, block_size, self.device
         )
-        self._dummy_step(scratch, 0, num_tokens, num_logits=min(num_tokens, self.max_num_seqs))
+        num_logits = min(num_tokens, self.max_num_seqs)
+        dummy_step(self, scratch, scratch_state(self), 0, num_tokens, num_logits)
         return scratch.nbytes
-
-    def _dummy_step(self, cache: PagedKVCache, start: int, end: int, num_logits: int) -> None:
-        """Forward positions [start, end) of one request whose first `start` tokens sit in
-        blocks 1, 2, ... of `cache` (block 0 is the null block); then logits and an argmax for
-        the last `num_logits`."""
-        if self.lora is not None:
-            self.lora.batch.clear()
-        inputs = dummy_step_inputs(start, end, cache.block_size)
-        hidden = self._forward(inputs, cache)
-        assert hidden is not None
-        if self.pooler is not None:
-            return
-        self.model.compute_logits(hidden[-num_logits:]).softmax(dim=-1).argmax(dim=-1)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -215,6 +221,8 @@ class ModelRunner:
             self.pooler.forget(gone)
         if len(step_plan.fresh_block_ids):
             self.kv_cache.zero_blocks(step_plan.fresh_block_ids)
+        if self.state_cache is not None:
+            self.state_cache.zero_slots(step_plan.fresh_state_slots)
         self._failed = step_plan.failed
         if not len(step_plan.rows):
             return self._output(step, started, None, None, {}, StepTimings())
@@ -229,7 +237,10 @@ class ModelRunner:
         mm = None
         if self.encoder_runner is not None and self.parallel.is_first_stage:
             mm = self.encoder_runner.step_embeddings(step, inputs)
-        hidden = self._forward(inputs, self.kv_cache, mm)
+        state = None
+        if self.state_cache is not None:
+            state = self.state_cache, batch.state_slots[inputs.rows]
+        hidden = self.forward_step(inputs, self.kv_cache, mm, state)
         batch.finish_step(inputs)
         if hidden is None:  # not the last pipeline stage
             return None
@@ -328,14 +339,23 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(
-        self, inputs: StepInputs, kv_cache: PagedKVCache, mm: MmEmbeddings | None = None
+    def forward_step(
+        self,
+        inputs: StepInputs,
+        kv_cache: PagedKVCache,
+        mm: MmEmbeddings | None = None,
+        state: tuple[StateCache, np.ndarray] | None = None,
     ) -> torch.Tensor | None:
         """This stage's forward; returns final hidden states on the last stage, else None.
-        `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings."""
+        `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings;
+        `state` is a model with state layers' cache and the slot of each request of `inputs`."""
         positions = self._to_device(inputs.positions)
         metadata = self._attention_metadata(attention_inputs(inputs, kv_cache))
         ctx = self.model.step_context(positions, metadata)
+        caches: Sequence[LayerCache] = kv_cache.layers
+        if state is not None:
+            ctx = state[0].with_state(ctx, inputs, state[1], self.device)
+            caches = state[0].layer_caches(kv_cache.layers)
         parallel = self.parallel
         hidden = residual = None
         input_ids = None
@@ -346,7 +366,7 @@ class ModelRunner:
         else:
             shape = (inputs.num_tokens, self.model.config.hidden_size)
             hidden, residual = parallel.recv_from_prev_stage(2, shape, self.dtype, self.device)
-        hidden, residual = self.model(input_ids, ctx, kv_cache.layers, hidden, residual)
+        hidden, residual = self.model(input_ids, ctx, caches, hidden, residual)
         if parallel.is_last_stage:
             return hidden
         assert residual is not None

@@ -4,7 +4,7 @@ per token (worker_svc/runner/input_batch.py fills them from the rank's per-reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +52,8 @@ class StepPlan:
     """Draft slots per row (speculative decoding; None: none in this step). Once the drafts are
     proposed (worker_svc/runner/spec_decode.py), the drafts each row verifies: its
     num_scheduled_tokens are then 1 + that."""
+    fresh_state_slots: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """State slots given to requests in this step (new or resumed): zeroed before it runs."""
 
     def reordered(self, order: IntArray) -> StepPlan:
         """The same step with its rows in `order` (a permutation of their indices)."""
@@ -62,6 +64,7 @@ class StepPlan:
             self.fresh_block_ids,
             self.failed,
             num_spec,
+            self.fresh_state_slots,
         )
 
 

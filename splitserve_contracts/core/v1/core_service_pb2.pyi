@@ -1471,6 +1471,8 @@ class SchedulerStats(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_NUM_LOADS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_NUM_FAILED_LOADS_FIELD_NUMBER: _builtins.int
+    NUM_USED_STATE_SLOTS_FIELD_NUMBER: _builtins.int
+    NUM_TOTAL_STATE_SLOTS_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """Requests holding KV blocks and being scheduled."""
     num_waiting_reqs: _builtins.int
@@ -1562,6 +1564,12 @@ class SchedulerStats(_message.Message):
     """Loads that failed (the engine computed those prompts itself),
     cumulative.
     """
+    num_used_state_slots: _builtins.int
+    """State slots held by requests (the state cache group of a model with state
+    layers: one per running request; kv_cache_usage is the fuller group's).
+    """
+    num_total_state_slots: _builtins.int
+    """State slots in total (0: the model has no state layers)."""
     @_builtins.property
     def running_lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the LoRA adapters of the running requests, sorted (vLLM's
@@ -1615,10 +1623,12 @@ class SchedulerStats(_message.Message):
         kv_transfer_seconds: _builtins.float = ...,
         kv_transfer_num_loads: _builtins.int = ...,
         kv_transfer_num_failed_loads: _builtins.int = ...,
+        num_used_state_slots: _builtins.int = ...,
+        num_total_state_slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "external_prefix_cache_hits", b"external_prefix_cache_hits", "external_prefix_cache_queries", b"external_prefix_cache_queries", "kv_cache_usage", b"kv_cache_usage", "kv_transfer_num_failed_loads", b"kv_transfer_num_failed_loads", "kv_transfer_num_loads", b"kv_transfer_num_loads", "kv_transfer_received_bytes", b"kv_transfer_received_bytes", "kv_transfer_seconds", b"kv_transfer_seconds", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_sending_reqs", b"num_sending_reqs", "num_total_blocks", b"num_total_blocks", "num_used_blocks", b"num_used_blocks", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_for_remote_kvs", b"num_waiting_for_remote_kvs", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "structured_output_cache_hits", b"structured_output_cache_hits", "structured_output_cache_queries", b"structured_output_cache_queries", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_cache_hits", b"encoder_cache_hits", "encoder_cache_queries", b"encoder_cache_queries", "external_prefix_cache_hits", b"external_prefix_cache_hits", "external_prefix_cache_queries", b"external_prefix_cache_queries", "kv_cache_usage", b"kv_cache_usage", "kv_transfer_num_failed_loads", b"kv_transfer_num_failed_loads", "kv_transfer_num_loads", b"kv_transfer_num_loads", "kv_transfer_received_bytes", b"kv_transfer_received_bytes", "kv_transfer_seconds", b"kv_transfer_seconds", "num_generation_tokens", b"num_generation_tokens", "num_preemptions", b"num_preemptions", "num_prompt_tokens", b"num_prompt_tokens", "num_running_reqs", b"num_running_reqs", "num_scheduled_tokens", b"num_scheduled_tokens", "num_sending_reqs", b"num_sending_reqs", "num_total_blocks", b"num_total_blocks", "num_total_state_slots", b"num_total_state_slots", "num_used_blocks", b"num_used_blocks", "num_used_state_slots", b"num_used_state_slots", "num_waiting_deferred", b"num_waiting_deferred", "num_waiting_for_remote_kvs", b"num_waiting_for_remote_kvs", "num_waiting_reqs", b"num_waiting_reqs", "num_waiting_tokens", b"num_waiting_tokens", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "running_lora_adapters", b"running_lora_adapters", "spec_decode_num_accepted_tokens", b"spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", b"spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_draft_tokens", b"spec_decode_num_draft_tokens", "spec_decode_num_drafts", b"spec_decode_num_drafts", "step_id", b"step_id", "structured_output_cache_hits", b"structured_output_cache_hits", "structured_output_cache_queries", b"structured_output_cache_queries", "waiting_lora_adapters", b"waiting_lora_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

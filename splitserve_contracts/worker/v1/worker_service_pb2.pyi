@@ -292,6 +292,8 @@ class GetKvCapacityResponse(_message.Message):
     AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_STATE_SLOTS_FIELD_NUMBER: _builtins.int
+    BYTES_PER_STATE_SLOT_FIELD_NUMBER: _builtins.int
     available_bytes: _builtins.int
     """Bytes available for the KV cache."""
     bytes_per_block: _builtins.int
@@ -300,16 +302,25 @@ class GetKvCapacityResponse(_message.Message):
     """Blocks that fit: available_bytes / bytes_per_block. Block 0 among them is
     the null block, which the engine core never hands to a request.
     """
+    num_state_slots: _builtins.int
+    """State slots (a model with state layers: Mamba2, gated DeltaNet), slot 0
+    (the null slot) included; reserved out of available_bytes before the
+    blocks. 0: the model has no state layers.
+    """
+    bytes_per_state_slot: _builtins.int
+    """Bytes one state slot takes across all of this rank's state layers."""
     def __init__(
         self,
         *,
         available_bytes: _builtins.int = ...,
         bytes_per_block: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
+        num_state_slots: _builtins.int = ...,
+        bytes_per_state_slot: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "bytes_per_block", b"bytes_per_block", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "bytes_per_block", b"bytes_per_block", "bytes_per_state_slot", b"bytes_per_state_slot", "num_blocks", b"num_blocks", "num_state_slots", b"num_state_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -324,16 +335,23 @@ class InitializeKvCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_STATE_SLOTS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """Number of blocks, block 0 (the null block) included; at least 2."""
+    num_state_slots: _builtins.int
+    """Number of state slots, slot 0 (the null slot) included: 0 for a model
+    without state layers, else at least 2 and at most what GetKvCapacity
+    reported.
+    """
     def __init__(
         self,
         *,
         num_blocks: _builtins.int = ...,
+        num_state_slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_state_slots", b"num_state_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -841,6 +859,7 @@ class NewRequestData(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     LORA_ID_FIELD_NUMBER: _builtins.int
     POOLING_PARAMS_FIELD_NUMBER: _builtins.int
+    STATE_SLOT_FIELD_NUMBER: _builtins.int
     req_handle: _builtins.int
     """Engine-core handle of the request."""
     request_id: _builtins.str
@@ -854,6 +873,10 @@ class NewRequestData(_message.Message):
     lora_id: _builtins.int
     """The LoRA adapter the request runs with (a lora_id of a slot of the
     step's, see SchedulerOutput.lora_slots); 0: the base model.
+    """
+    state_slot: _builtins.int
+    """The request's state slot (a model with state layers), never 0; the ranks
+    zero it before the request's first step. 0: the model has none.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -922,10 +945,11 @@ class NewRequestData(_message.Message):
         trace_context: _types_pb2.TraceContext | None = ...,
         lora_id: _builtins.int = ...,
         pooling_params: _types_pb2.PoolingParams | None = ...,
+        state_slot: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pooling_params", b"pooling_params", "sampler_params", b"sampler_params", "trace_context", b"trace_context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lora_id", b"lora_id", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lora_id", b"lora_id", "min_tokens", b"min_tokens", "mm_features", b"mm_features", "num_computed_tokens", b"num_computed_tokens", "output_token_ids", b"output_token_ids", "pooling_params", b"pooling_params", "prompt_token_ids", b"prompt_token_ids", "req_handle", b"req_handle", "request_id", b"request_id", "sampler_params", b"sampler_params", "state_slot", b"state_slot", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -949,6 +973,7 @@ class CachedRequestData(_message.Message):
     RESUMED_REQ_HANDLES_FIELD_NUMBER: _builtins.int
     NUM_RESUMED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     RESUMED_ALL_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    RESUMED_STATE_SLOTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def req_handles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Handles of the requests."""
@@ -993,6 +1018,12 @@ class CachedRequestData(_message.Message):
         resumed_req_handles order.
         """
 
+    @_builtins.property
+    def resumed_state_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The state slot of each resumed request, in resumed_req_handles order
+        (a model with state layers; zeroed before the step); empty: none.
+        """
+
     def __init__(
         self,
         *,
@@ -1005,10 +1036,11 @@ class CachedRequestData(_message.Message):
         resumed_req_handles: _abc.Iterable[_builtins.int] | None = ...,
         num_resumed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         resumed_all_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        resumed_state_slots: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "new_token_ids", b"new_token_ids", "num_computed_tokens", b"num_computed_tokens", "num_new_block_ids", b"num_new_block_ids", "num_new_token_ids", b"num_new_token_ids", "num_resumed_token_ids", b"num_resumed_token_ids", "req_handles", b"req_handles", "resumed_all_token_ids", b"resumed_all_token_ids", "resumed_req_handles", b"resumed_req_handles"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "new_token_ids", b"new_token_ids", "num_computed_tokens", b"num_computed_tokens", "num_new_block_ids", b"num_new_block_ids", "num_new_token_ids", b"num_new_token_ids", "num_resumed_token_ids", b"num_resumed_token_ids", "req_handles", b"req_handles", "resumed_all_token_ids", b"resumed_all_token_ids", "resumed_req_handles", b"resumed_req_handles", "resumed_state_slots", b"resumed_state_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -255,6 +255,7 @@ def make_engine(
     adaptive_prefill_chunk: int = 0,
     kv_connector: KVConnectorScheduler | None = None,
     executor_class: type[FakeExecutor] | None = None,
+    num_state_slots: int = 0,
     **limits: int,
 ) -> tuple[EngineCore, FakeExecutor]:
     """An engine on the FakeExecutor (or `executor_class`, one of its kind); the adaptive
@@ -272,7 +273,10 @@ def make_engine(
         **limits,
     )
     cache_config = CacheConfig.of(
-        num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        num_blocks,
+        num_state_slots=num_state_slots,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
     )
     executor = (executor_class or FakeExecutor)(
         block_size, num_blocks, feeds_sampled=async_scheduling
