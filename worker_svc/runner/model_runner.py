@@ -33,7 +33,12 @@ from worker_svc.attention.backend import AttentionBackend, AttentionInputs
 from worker_svc.distributed import ParallelState
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.lora.manager import LoraManager
-from worker_svc.models.interfaces import CausalLM, is_encoder_only, supports_images
+from worker_svc.models.interfaces import (
+    CausalLM,
+    is_encoder_only,
+    supports_images,
+    uses_mrope,
+)
 from worker_svc.runner.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.runner.input_batch import InputBatch
 from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
@@ -328,12 +333,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _positions(self, inputs: StepInputs) -> np.ndarray:
+        """The step's positions: [3, num_tokens] for an M-RoPE model, else [num_tokens]."""
+        if self.encoder_runner is not None and uses_mrope(self.model):
+            return self.encoder_runner.mrope_positions(inputs)
+        return inputs.positions
+
     def _forward(
         self, inputs: StepInputs, kv_cache: PagedKVCache, mm: MmEmbeddings | None = None
     ) -> torch.Tensor | None:
         """This stage's forward; returns final hidden states on the last stage, else None.
         `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings."""
-        positions = self._to_device(inputs.positions)
+        positions = self._to_device(self._positions(inputs))
         metadata = self._attention_metadata(attention_inputs(inputs, kv_cache))
         ctx = self.model.step_context(positions, metadata)
         parallel = self.parallel
