@@ -121,7 +121,9 @@ def test_every_architecture_is_a_causal_lm_whose_linears_are_chosen_by_path(
     architecture: str, llava_model_dir: Path, qwen2_5_vl_model_dir: Path
 ) -> None:
     methods = RecordingMethods()
-    image_dirs = dict(zip(IMAGE_ARCHITECTURES, (llava_model_dir, qwen2_5_vl_model_dir)))
+    image_dirs = dict(
+        zip(IMAGE_ARCHITECTURES, (llava_model_dir, qwen2_5_vl_model_dir), strict=True)
+    )
     model = build(architecture, image_dirs, linear_methods=methods)
     assert isinstance(model, CausalLM)
     assert supports_images(model) == (architecture in IMAGE_ARCHITECTURES)
