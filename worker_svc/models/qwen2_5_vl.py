@@ -70,6 +70,8 @@ def qwen2_5_vl_config(hf: Any) -> Qwen2_5_VLConfig:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     fields["architecture"] = "Qwen2_5_VLForConditionalGeneration"
     fields["checkpoint_dtype"] = config.checkpoint_dtype or _stored_dtype(hf)
+    # transformers 5 keeps tie_word_embeddings on the outer config (the 3B ties, 7B does not)
+    fields["tie_word_embeddings"] = bool(getattr(hf, "tie_word_embeddings", False))
     vision = qwen_vision_config(hf.vision_config)
     if vision.out_hidden_size != config.hidden_size:
         raise ValueError(
