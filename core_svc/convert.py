@@ -67,7 +67,14 @@ def request_from_proto(
         priority=msg.priority,
         arrival_time=arrival_time,
         mm_features=tuple(
-            MultiModalFeatureSpec(f.identifier, f.offset, f.length, f.SerializeToString())
+            MultiModalFeatureSpec(
+                f.identifier,
+                f.offset,
+                f.length,
+                f.SerializeToString(),
+                tuple(f.grid_thw),
+                f.pixel_values.shape[0] if f.pixel_values.shape else 0,
+            )
             for f in msg.mm_features
         ),
         structured_output=structured,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve_contracts.mm_features import grid_problem
+
 
 @dataclass(frozen=True, slots=True)
 class MultiModalFeatureSpec:
@@ -20,6 +22,10 @@ class MultiModalFeatureSpec:
     length: int
     serialized: bytes = b""
     """The whole common.v1.MultiModalFeature, as the frontend sent it."""
+    grid_thw: tuple[int, ...] = ()
+    """A dynamic-resolution image's patch grid (empty: fixed size), checked against the rows
+    of its pixel values (`num_patches`)."""
+    num_patches: int = 0
 
     @property
     def end(self) -> int:
@@ -43,6 +49,9 @@ def mm_features_problem(
                 f"mm_features[{i}] has {feature.length} placeholder tokens; the model's items "
                 f"take 1..{max_tokens_per_item}"
             )
+        problem = grid_problem(feature.grid_thw, feature.num_patches)
+        if problem is not None:
+            return f"mm_features[{i}]: {problem}"
         if feature.offset < previous_end or feature.end > num_prompt_tokens:
             return f"mm_features[{i}]'s placeholders overlap another item or leave the prompt"
         previous_end = feature.end

@@ -115,6 +115,8 @@ class MultiModalFeature:
     data: bytes
     shape: tuple[int, ...]
     dtype: str
+    grid_thw: tuple[int, ...] = ()
+    """The patch grid (temporal, height, width) of a dynamic-resolution image; empty: none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,14 +19,32 @@ IMAGE = "image"
 """The one modality served so far."""
 
 
-def feature_identifier(dtype: str, shape: Sequence[int], data: bytes) -> str:
-    """Hex SHA-256 of the encoder input: dtype, shape and bytes (the shape too, so two tensors
-    with the same bytes in other shapes never share an identifier; vLLM's CVE-2025-46722)."""
+def feature_identifier(
+    dtype: str, shape: Sequence[int], data: bytes, grid_thw: Sequence[int] = ()
+) -> str:
+    """Hex SHA-256 of the encoder input: dtype, shape, patch grid (when it has one) and bytes
+    (the shape and grid too, so two tensors with the same bytes laid out otherwise never share
+    an identifier; vLLM's CVE-2025-46722)."""
     h = hashlib.sha256(b"splitserve.mm-feature.v1\0")
     h.update(dtype.encode() + b"\0")
     h.update(",".join(str(int(d)) for d in shape).encode() + b"\0")
+    if grid_thw:
+        h.update(b"grid:" + ",".join(str(int(d)) for d in grid_thw).encode() + b"\0")
     h.update(data)
     return h.hexdigest()
+
+
+def grid_problem(grid_thw: Sequence[int], num_patches: int) -> str | None:
+    """Why a patch grid (temporal, height, width) does not fit pixel values of `num_patches`
+    rows, or None; an empty grid (a fixed-size image) always fits."""
+    if not grid_thw:
+        return None
+    if len(grid_thw) != 3 or any(int(d) <= 0 for d in grid_thw):
+        return f"grid_thw {list(grid_thw)} is not three positive numbers"
+    t, h, w = (int(d) for d in grid_thw)
+    if t * h * w != num_patches:
+        return f"grid_thw {list(grid_thw)} makes {t * h * w} patches, the pixel values have {num_patches}"
+    return None
 
 
 def tensor_problem(dtype: str, shape: Sequence[int], data: bytes) -> str | None:

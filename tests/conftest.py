@@ -57,6 +57,15 @@ def llava_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2.5-VL checkpoint (tests/fixtures/qwen2_5_vl_checkpoint.py), built
+    once per test session."""
+    from tests.fixtures.qwen2_5_vl_checkpoint import make_qwen2_5_vl_checkpoint
+
+    return make_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny-qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a Qwen3-style tokenizer and chat template (tools, <tool_call>,
     <think>): tests/fixtures/tool_model.py."""

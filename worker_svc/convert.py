@@ -70,6 +70,7 @@ def new_request_from_proto(req: pb.NewRequestData) -> NewRequestData:
                 data=f.pixel_values.data,
                 shape=tuple(f.pixel_values.shape),
                 dtype=f.pixel_values.dtype,
+                grid_thw=tuple(f.grid_thw),
             )
             for f in req.mm_features
         ),

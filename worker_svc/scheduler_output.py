@@ -33,6 +33,8 @@ class MultiModalInput:
     data: bytes
     shape: tuple[int, ...]
     dtype: str
+    grid_thw: tuple[int, ...] = ()
+    """The patch grid (temporal, height, width) of a dynamic-resolution image; empty: none."""
 
     @property
     def end(self) -> int:

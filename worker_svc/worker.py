@@ -212,7 +212,7 @@ class Worker:
             num_kv_heads=backend.num_kv_heads,
             head_dim=config.head_dim,
             sliding_window=config.kv_sliding_window or 0,
-            max_tokens_per_mm_item=model.num_image_tokens if supports_images(model) else 0,
+            max_tokens_per_mm_item=model.max_image_tokens if supports_images(model) else 0,
             pooler_config=self.pooler_config,
         )
 

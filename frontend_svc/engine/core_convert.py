@@ -100,6 +100,7 @@ def engine_request_to_proto(handle: int, req: EngineRequest) -> core_pb2.EngineC
         entry.pixel_values.data = feature.data
         entry.pixel_values.shape.extend(feature.shape)
         entry.pixel_values.dtype = feature.dtype
+        entry.grid_thw.extend(feature.grid_thw)
     return msg
 
 

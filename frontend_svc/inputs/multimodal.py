@@ -20,6 +20,7 @@ is resized), which give freed memory back to the system after each image.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ import numpy as np
 from frontend_svc.errors import InvalidRequest
 from frontend_svc.inputs.media import EncodedImage, ImageLoader, MediaLimits, release_freed_memory
 from frontend_svc.requests import ChatTurn, ImageInput, MultiModalFeature
-from splitserve_contracts.mm_features import IMAGE, feature_identifier
+from splitserve_contracts.mm_features import IMAGE, feature_identifier, grid_problem
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -51,11 +52,22 @@ class ImageModelSpec:
     patch_size: int
     keeps_cls_token: bool
     """vision_feature_select_strategy "full" keeps the vision tower's CLS row."""
+    merge_size: int = 0
+    """Dynamic resolution (Qwen2-VL): an image of patch grid (t, h, w) takes t*h*w /
+    merge_size^2 placeholders; 0: fixed-size images (image_size)."""
 
     @property
     def num_image_tokens(self) -> int:
-        """Placeholder tokens of one image: one per patch (+ CLS)."""
+        """Placeholder tokens of one fixed-size image: one per patch (+ CLS); 0: dynamic."""
+        if self.merge_size:
+            return 0
         return (self.image_size // self.patch_size) ** 2 + int(self.keeps_cls_token)
+
+    def tokens_of(self, grid_thw: tuple[int, ...]) -> int:
+        """Placeholder tokens of an image with this grid (empty: fixed size)."""
+        if not grid_thw:
+            return self.num_image_tokens
+        return math.prod(grid_thw) // self.merge_size**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,8 @@ class ProcessedImage:
     where: str
     pixel_values: np.ndarray
     identifier: str
+    grid_thw: tuple[int, ...] = ()
+    """The patch grid of a dynamic-resolution image; empty: fixed size."""
 
 
 def read_image_model_spec(hf_config: Any, tokenizer: Any) -> ImageModelSpec:
@@ -83,13 +97,15 @@ def read_image_model_spec(hf_config: Any, tokenizer: Any) -> ImageModelSpec:
     token = tokenizer.convert_ids_to_tokens(int(token_id))
     if not isinstance(token, str):
         raise ValueError(f"the tokenizer has no token for the image token id {token_id}")
+    merge_size = int(getattr(vision, "spatial_merge_size", 0) or 0)
     return ImageModelSpec(
         architecture=architectures[0],
         image_token_id=int(token_id),
         image_token=token,
-        image_size=int(vision.image_size),
+        image_size=0 if merge_size else int(vision.image_size),
         patch_size=int(vision.patch_size),
         keeps_cls_token=getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
+        merge_size=merge_size,
     )
 
 
@@ -135,17 +151,31 @@ class MultiModalProcessor:
         """Fail at start-up when the image processor's output does not fit the vision tower."""
         from PIL import Image
 
-        pixels = self._pixel_values(Image.new("RGB", (7, 5)))
+        pixels, grid = self._pixel_values(Image.new("RGB", (7, 5)))
         size = self.spec.image_size
+        if self.spec.merge_size:
+            problem = grid_problem(grid, pixels.shape[0]) if grid else "no image_grid_thw"
+            if problem is not None or math.prod(grid) % self.spec.merge_size**2:
+                raise ValueError(
+                    f"the image processor's output does not fit the vision tower ({problem or 'grid not a multiple of the merge size'}); check preprocessor_config.json"
+                )
+            return
         if pixels.shape[1:] != (size, size):
             raise ValueError(
                 f"the image processor makes {tuple(pixels.shape)} pixel values but the vision "
                 f"tower takes {size}x{size} images; check preprocessor_config.json"
             )
 
-    def _pixel_values(self, image: Any) -> np.ndarray:
+    def _pixel_values(self, image: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+        """One image's pixel values, and its patch grid (dynamic resolution: the processor's
+        pixel values are then the image's patches [t*h*w, C*T*P*P])."""
         out = self.image_processor(images=[image], return_tensors="np")
-        return np.ascontiguousarray(np.asarray(out["pixel_values"][0], dtype=np.float32))
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if not self.spec.merge_size:
+            return np.ascontiguousarray(pixels[0]), ()
+        grids = out.get("image_grid_thw")
+        grid = () if grids is None else tuple(int(d) for d in np.asarray(grids)[0])
+        return np.ascontiguousarray(pixels), grid
 
     def process_images(self, images: Sequence[ImageInput]) -> list[ProcessedImage]:
         """Decode, process and hash each image, in order; InvalidRequest names the bad part."""
@@ -167,12 +197,12 @@ class MultiModalProcessor:
     def _process(self, image: EncodedImage, opened: Image) -> ProcessedImage:
         """Decode, process and hash one image (on an image thread)."""
         try:
-            pixels = self._pixel_values(self.loader.decode(opened, image))
+            pixels, grid = self._pixel_values(self.loader.decode(opened, image))
         finally:
             opened.close()
             release_freed_memory()
-        identifier = feature_identifier("float32", pixels.shape, pixels.tobytes())
-        return ProcessedImage(image.where, pixels, identifier)
+        identifier = feature_identifier("float32", pixels.shape, pixels.tobytes(), grid)
+        return ProcessedImage(image.where, pixels, identifier, grid)
 
     def expand(
         self, token_ids: list[int], images: Sequence[ProcessedImage]
@@ -189,12 +219,12 @@ class MultiModalProcessor:
             )
         if not images:
             return token_ids, ()
-        num = self.spec.num_image_tokens
         expanded: list[int] = []
         features = []
         previous = 0
         for start, image in zip(starts, images, strict=True):
             expanded += token_ids[previous:start]
+            num = self.spec.tokens_of(image.grid_thw)
             features.append(
                 MultiModalFeature(
                     modality=IMAGE,
@@ -204,6 +234,7 @@ class MultiModalProcessor:
                     data=image.pixel_values.tobytes(),
                     shape=tuple(int(d) for d in image.pixel_values.shape),
                     dtype="float32",
+                    grid_thw=image.grid_thw,
                 )
             )
             expanded += [token_id] * num
@@ -223,7 +254,7 @@ def load_multimodal_processor(
 
     hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
     spec = read_image_model_spec(hf_config, tokenizer)
-    if spec.num_image_tokens != num_image_tokens:
+    if not spec.merge_size and spec.num_image_tokens != num_image_tokens:
         raise ValueError(
             f"the engine's model takes {num_image_tokens} placeholder tokens per image, the "
             f"model at {model_path} {spec.num_image_tokens}: serve the same model on both"

@@ -37,6 +37,9 @@ class RopeConfig:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    mrope_section: tuple[int, ...] = ()
+    """M-RoPE (Qwen2-VL): how many of the rotated frequencies follow each position row
+    (temporal, height, width); empty: one position row (plain rope)."""
     is_neox_style: bool = True
     """Which dimensions rotate together: the two halves of the rotated part (neox, Llama) or
     adjacent pairs (GPT-J style, GLM-4: vLLM's is_neox_style=False); a family sets it."""
@@ -66,6 +69,8 @@ def rope_config(hf: Any, params: dict[str, Any] | None = None) -> RopeConfig:
     if params is None:
         params = rope_parameters(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope":  # transformers 4's name for Qwen2-VL's default-frequency M-RoPE
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported rope types: "
@@ -95,6 +100,7 @@ def rope_config(hf: Any, params: dict[str, Any] | None = None) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        mrope_section=tuple(int(n) for n in params.get("mrope_section") or ()),
     )
 
 

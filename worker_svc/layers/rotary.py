@@ -205,6 +205,55 @@ class RotaryEmbedding(CustomOp):
         return torch.addcmul(x * cos, swapped, sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL's multimodal rope): each token has three positions (temporal, height,
+    width), and the rotated frequencies are cut into `mrope_section` runs, run i rotating by
+    position row i. Text tokens have three equal positions, which is plain rope; one row of
+    positions [num_tokens] is taken as that."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope: RopeConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        context_len: int | None = None,
+    ) -> None:
+        super().__init__(
+            head_dim, max_positions, rope, dtype=dtype, device=device, context_len=context_len
+        )
+        if sum(rope.mrope_section) != self.half_dim or len(rope.mrope_section) != 3:
+            raise ValueError(
+                f"mrope_section {list(rope.mrope_section)} must be three runs summing to "
+                f"{self.half_dim} (half the rotated head width)"
+            )
+        row = torch.repeat_interleave(torch.arange(3), torch.tensor(rope.mrope_section))
+        self.row_of_frequency = row.to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As RotaryEmbedding's, from positions [3, num_tokens] (or [num_tokens])."""
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        columns = torch.arange(self.half_dim, device=positions.device)
+        picked = positions[self.row_of_frequency].T  # [num_tokens, half]: frequency j's row
+        cos, sin = self.cos_cache[picked, columns], self.sin_cache[picked, columns]
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
+            1
+        )
+
+    def forward_cpu_kernels(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The kernels rotate by one position row; M-RoPE rotates by the gathered cos/sin."""
+        return self.rotate(x, cos, sin)
+
+
 class NoPositionEmbedding(nn.Module):
     """NoPE: a layer whose queries and keys are not rotated (SmolLM3's every fourth layer);
     it stands where a `RotaryEmbedding` would."""
@@ -222,5 +271,5 @@ class NoPositionEmbedding(nn.Module):
         return x
 
 
-Rotation = RotaryEmbedding | NoPositionEmbedding
+Rotation = RotaryEmbedding | MRotaryEmbedding | NoPositionEmbedding
 """What a layer's attention positions its queries and keys with."""

@@ -19,6 +19,8 @@ def vision_activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
     if name == "gelu":
         return F.gelu(x)
+    if name == "silu":
+        return F.silu(x)
     if name in ("gelu_new", "gelu_pytorch_tanh"):
         return F.gelu(x, approximate="tanh")
     raise ValueError(

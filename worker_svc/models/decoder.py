@@ -28,7 +28,7 @@ from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import UNQUANTIZED, LinearArgs, LinearMethods, linear_layers
 from worker_svc.layers.rmsnorm import RMSNorm
 from worker_svc.layers.rope_config import RopeConfig
-from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from worker_svc.layers.state_cache import LayerCache, StateMetadata
 from worker_svc.layers.tensor_source import TensorSource, row_range
 from worker_svc.models.model_config import ModelConfig
@@ -96,7 +96,9 @@ class BuildContext:
         }
 
     def rotary(self, rope: RopeConfig) -> RotaryEmbedding:
-        return RotaryEmbedding(
+        """The rotary embedding of `rope` (M-RoPE where it has an mrope_section)."""
+        cls = MRotaryEmbedding if rope.mrope_section else RotaryEmbedding
+        return cls(
             self.config.rope_head_dim or self.config.head_dim,
             self.max_positions,
             rope,

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -116,27 +118,52 @@ class CausalLM(Protocol):
 
 @runtime_checkable
 class SupportsImages(Protocol):
-    """A model whose prompts may carry images (vLLM's SupportsMultiModal): each image is
-    `image_input_shape` pixel values that `encode_images` turns into `num_image_tokens`
+    """A model whose prompts may carry images (vLLM's SupportsMultiModal): each image is pixel
+    values (and, for dynamic-resolution encoders, a patch grid) that `encode_images` turns into
     embedding rows, which replace the rows of its placeholder tokens in `embed_input_ids`."""
 
     supports_images: ClassVar[Literal[True]]
 
     @property
-    def image_input_shape(self) -> tuple[int, int, int]:
-        """(channels, height, width) of one image's pixel values."""
+    def max_image_tokens(self) -> int:
+        """Most placeholder tokens (= embedding rows) one image may take."""
         ...
 
-    @property
-    def num_image_tokens(self) -> int:
-        """Placeholder tokens (= embedding rows) of one image."""
+    def image_problem(
+        self, shape: tuple[int, ...], grid_thw: tuple[int, ...], num_tokens: int
+    ) -> str | None:
+        """Why pixel values of `shape` with patch grid `grid_thw` (empty: none) cannot be an
+        image of `num_tokens` placeholders for this model, or None."""
         ...
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Embeddings [images, num_image_tokens, hidden] of pixel values [images, C, H, W]."""
+    def encode_images(
+        self, pixel_values: Sequence[torch.Tensor], grids: Sequence[tuple[int, ...]]
+    ) -> list[torch.Tensor]:
+        """Embeddings [num_tokens, hidden] of each image (checked by `image_problem`)."""
         ...
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SupportsMRope(Protocol):
+    """A model whose rotary embedding takes three position rows (M-RoPE, Qwen2-VL): its
+    images' placeholders get 2D positions and the text after an image continues past them
+    (vLLM's SupportsMRoPE)."""
+
+    uses_mrope: ClassVar[Literal[True]]
+
+    def mrope_positions(
+        self, num_prompt_tokens: int, images: Sequence[tuple[int, tuple[int, ...]]]
+    ) -> tuple[npt.NDArray[np.int64], int]:
+        """Positions [3, num_prompt_tokens] of a prompt whose images (first placeholder, grid)
+        are `images`, and the delta of every later token (position + delta on all rows)."""
+        ...
+
+
+def uses_mrope(model: object) -> TypeGuard[SupportsMRope]:
+    """Whether `model` positions its tokens with M-RoPE."""
+    return getattr(model, "uses_mrope", False) is True and isinstance(model, SupportsMRope)
 
 
 def supports_images(model: object) -> TypeGuard[SupportsImages]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -173,15 +173,35 @@ class LlavaForConditionalGeneration(nn.Module):
     def num_image_tokens(self) -> int:
         return self.vision_config.num_image_tokens
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Embeddings [images, num_image_tokens, hidden] of pixel values [images, C, H, W]."""
+    @property
+    def max_image_tokens(self) -> int:
+        return self.num_image_tokens
+
+    def image_problem(
+        self, shape: tuple[int, ...], grid_thw: tuple[int, ...], num_tokens: int
+    ) -> str | None:
+        if grid_thw:
+            return f"grid_thw {list(grid_thw)}: LLaVA's images have a fixed size and no grid"
+        if shape != self.image_input_shape or num_tokens != self.num_image_tokens:
+            return (
+                f"{list(shape)} pixels for {num_tokens} placeholders; the model takes "
+                f"{list(self.image_input_shape)} for {self.num_image_tokens}"
+            )
+        return None
+
+    def encode_images(
+        self, pixel_values: Sequence[torch.Tensor], grids: Sequence[tuple[int, ...]]
+    ) -> list[torch.Tensor]:
+        """Embeddings [num_image_tokens, hidden] of each image's pixel values [C, H, W]."""
         assert self.vision_tower is not None and self.multi_modal_projector is not None
         vision = self.vision_config
         dtype = self.vision_tower.pre_layrnorm.weight.dtype
-        states = self.vision_tower(pixel_values.to(dtype), vision.hidden_state_indices)
+        states = self.vision_tower(
+            torch.stack(list(pixel_values)).to(dtype), vision.hidden_state_indices
+        )
         if not vision.keeps_cls_token:
             states = [s[:, 1:] for s in states]
-        return self.multi_modal_projector(torch.cat(states, dim=-1))
+        return list(self.multi_modal_projector(torch.cat(states, dim=-1)))
 
     # -- the language model's ----------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+SUPPORTED_VISION_ACTIVATIONS = ("quick_gelu", "gelu", "silu", "gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from splitserve_contracts.mm_features import feature_identifier, tensor_problem
-from worker_svc.models.interfaces import SupportsImages
+from worker_svc.models.interfaces import SupportsImages, uses_mrope
 from worker_svc.runner.encoder_cache import EncoderCache
 from worker_svc.runner.step_inputs import StepInputs
 from worker_svc.scheduler_output import MultiModalInput, NewRequestData, SchedulerOutput
@@ -41,9 +41,9 @@ class EncoderRunner:
     def __init__(self, model: SupportsImages, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.pixel_shape = model.image_input_shape
-        self.num_tokens = model.num_image_tokens
         self.features: dict[int, tuple[MultiModalInput, ...]] = {}
+        self.mrope: dict[int, tuple[np.ndarray, int]] = {}
+        """M-RoPE models: each request with images' prompt positions [3, prompt] and delta."""
         self.cache = EncoderCache()
         self.num_on_demand = 0
         """Items encoded although the step did not schedule them (see the module docstring)."""
@@ -69,14 +69,12 @@ class EncoderRunner:
             problem = tensor_problem(f.dtype, f.shape, f.data)
             if problem is not None:
                 return f"mm_features[{i}]: {problem}"
-            if f.shape != self.pixel_shape or f.length != self.num_tokens:
-                return (
-                    f"mm_features[{i}]: {list(f.shape)} pixels for {f.length} placeholders; the "
-                    f"model takes {list(self.pixel_shape)} for {self.num_tokens}"
-                )
+            problem = self.model.image_problem(f.shape, f.grid_thw, f.length)
+            if problem is not None:
+                return f"mm_features[{i}]: {problem}"
             if f.offset < previous_end or f.end > len(new.prompt_token_ids):
                 return f"mm_features[{i}]: placeholders overlap or leave the prompt"
-            if feature_identifier(f.dtype, f.shape, f.data) != f.identifier:
+            if feature_identifier(f.dtype, f.shape, f.data, f.grid_thw) != f.identifier:
                 return f"mm_features[{i}]: the identifier is not the hash of its data"
             previous_end = f.end
         return None
@@ -85,9 +83,14 @@ class EncoderRunner:
         """Forget finished and refused requests, keep new ones' items, drop freed entries."""
         for handle in [*step.finished_req_handles.tolist(), *failed]:
             self.features.pop(handle, None)
+            self.mrope.pop(handle, None)
         for new in step.scheduled_new_reqs:
             if new.mm_features and new.req_handle not in failed:
                 self.features[new.req_handle] = new.mm_features
+                if uses_mrope(self.model):
+                    images = [(f.offset, f.grid_thw) for f in new.mm_features]
+                    num_prompt = len(new.prompt_token_ids)
+                    self.mrope[new.req_handle] = self.model.mrope_positions(num_prompt, images)
         self.cache.free(step.free_encoder_mm_hashes)
 
     # -- the step ------------------------------------------------------------------------------
@@ -128,13 +131,31 @@ class EncoderRunner:
             return None
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(rows)
 
+    def mrope_positions(self, inputs: StepInputs) -> np.ndarray:
+        """The step's M-RoPE positions [3, num_tokens]: a prompt's from its table, a later
+        token's (and every token of a request without images) its position + delta."""
+        positions = inputs.positions
+        out = np.broadcast_to(positions, (3, len(positions))).copy()
+        qsl = inputs.query_start_loc
+        for k, handle in enumerate(inputs.req_handles.tolist()):
+            if handle not in self.mrope:
+                continue
+            table, delta = self.mrope[handle]
+            run = slice(int(qsl[k]), int(qsl[k + 1]))
+            p = positions[run]
+            in_prompt = p < table.shape[1]
+            out[:, run] = np.where(
+                in_prompt, table[:, np.minimum(p, table.shape[1] - 1)], p + delta
+            )
+        return out
+
     def _encode(self, items: list[MultiModalInput]) -> None:
         """Run the vision encoder once over every item not cached yet (duplicates once)."""
         todo = list({f.identifier: f for f in items if f.identifier not in self.cache}.values())
         if not todo:
             return
-        pixels = torch.stack([_tensor(f) for f in todo]).to(self.device)
-        embeddings = self.model.encode_images(pixels)
+        pixels = [_tensor(f).to(self.device) for f in todo]
+        embeddings = self.model.encode_images(pixels, [f.grid_thw for f in todo])
         for f, rows in zip(todo, embeddings, strict=True):
             self.cache.put(f.identifier, rows)
 

@@ -34,14 +34,20 @@ from worker_svc.distributed import ParallelState
 from worker_svc.kernels.cpu_kernels import CpuKernels
 from worker_svc.layers.state_cache import LayerCache
 from worker_svc.lora.manager import LoraManager
-from worker_svc.models.interfaces import CausalLM, is_encoder_only, is_hybrid, supports_images
+from worker_svc.models.interfaces import (
+    CausalLM,
+    is_encoder_only,
+    is_hybrid,
+    supports_images,
+    uses_mrope,
+)
 from worker_svc.runner.encoder_runner import EncoderRunner, MmEmbeddings
 from worker_svc.runner.input_batch import InputBatch
 from worker_svc.runner.kv_cache import KvCacheSpec, PagedKVCache
 from worker_svc.runner.pooler import Pooler
 from worker_svc.runner.prompt_logprobs import PromptLogprobsCollector
 from worker_svc.runner.runner_inputs import apply_lora_slots, attention_inputs, group_by_adapter
-from worker_svc.runner.runner_output import Sampled, add_sampled, leave_sampled, step_output
+from worker_svc.runner.runner_output import Sampled, add_sampled, append_sampled, step_output
 from worker_svc.runner.spec_decode import SpecDecoder
 from worker_svc.runner.state_cache import StateCache, state_bytes_per_slot
 from worker_svc.runner.step_inputs import StepInputs
@@ -88,10 +94,6 @@ class ModelRunner:
         """A pooling model's pooler (--runner pooling): its requests finish their prompt with
         a pooled vector instead of a sampled token; None for a generative model."""
         self.is_async_scheduling = async_scheduling
-        self._keep_sampled = self._append_sampled if async_scheduling else leave_sampled
-        """What a sampling rank does with its sampled tokens: append them to its requests
-        (async scheduling: the next step takes them as inputs before the core knows them), or
-        leave them to the next step's diff."""
         self.spec = (
             None if speculative_config is None else SpecDecoder(speculative_config, max_model_len)
         )
@@ -300,7 +302,8 @@ class ModelRunner:
             num_rejected = inputs.num_drafts - (verified.num_sampled - 1)
             batch.num_computed_tokens[inputs.rows[inputs.sampling_reqs]] -= num_rejected
         sampled = Sampled(sampler_output, verified)
-        self._keep_sampled(inputs, sampled)
+        if self.is_async_scheduling:  # the next step takes them as its inputs at once
+            append_sampled(batch, inputs, sampled)
         return sampled
 
     def _pool(
@@ -322,22 +325,18 @@ class ModelRunner:
             output.pooler_outputs = pooled
         return output
 
-    def _append_sampled(self, inputs: StepInputs, sampled: Sampled) -> None:
-        assert self.batch is not None
-        rows = inputs.rows[inputs.sampling_reqs]
-        if sampled.verified is not None:
-            verified = sampled.verified
-            self.batch.append_sampled(rows, verified.token_ids, verified.num_sampled)
-        else:
-            tokens = sampled.output.sampled_token_ids.cpu().numpy()
-            self.batch.append_sampled(rows, tokens)
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _positions(self, inputs: StepInputs) -> np.ndarray:
+        """The step's positions: [3, num_tokens] for an M-RoPE model, else [num_tokens]."""
+        if self.encoder_runner is not None and uses_mrope(self.model):
+            return self.encoder_runner.mrope_positions(inputs)
+        return inputs.positions
 
     def forward_step(
         self,
@@ -349,7 +348,7 @@ class ModelRunner:
         """This stage's forward; returns final hidden states on the last stage, else None.
         `mm` (first stage) replaces placeholder tokens' embeddings with image embeddings;
         `state` is a model with state layers' cache and the slot of each request of `inputs`."""
-        positions = self._to_device(inputs.positions)
+        positions = self._to_device(self._positions(inputs))
         metadata = self._attention_metadata(attention_inputs(inputs, kv_cache))
         ctx = self.model.step_context(positions, metadata)
         caches: Sequence[LayerCache] = kv_cache.layers

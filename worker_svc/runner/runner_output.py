@@ -35,8 +35,16 @@ class Sampled:
     verified: Verified | None = None
 
 
-def leave_sampled(inputs: StepInputs, sampled: Sampled) -> None:
-    """Lockstep scheduling: the next step's diff brings the sampled tokens."""
+def append_sampled(batch: InputBatch, inputs: StepInputs, sampled: Sampled) -> None:
+    """Async scheduling: a sampling rank appends its sampled tokens to its requests at once
+    (the next step takes them as inputs before the core knows them); in lockstep the next
+    step's diff brings them."""
+    rows = inputs.rows[inputs.sampling_reqs]
+    if sampled.verified is not None:
+        verified = sampled.verified
+        batch.append_sampled(rows, verified.token_ids, verified.num_sampled)
+    else:
+        batch.append_sampled(rows, sampled.output.sampled_token_ids.cpu().numpy())
 
 
 def step_output(

@@ -670,6 +670,7 @@ class MultiModalFeature(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     PIXEL_VALUES_FIELD_NUMBER: _builtins.int
+    GRID_THW_FIELD_NUMBER: _builtins.int
     modality: _builtins.str
     """The item's kind: "image"."""
     identifier: _builtins.str
@@ -686,7 +687,15 @@ class MultiModalFeature(_message.Message):
     @_builtins.property
     def pixel_values(self) -> Global___TensorData:
         """The encoder's input, e.g. pixel values [channels, height, width] as the
-        model's image processor made them.
+        model's image processor made them, or a dynamic-resolution image's patches
+        [grid_thw product, channels * temporal patch * patch * patch].
+        """
+
+    @_builtins.property
+    def grid_thw(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The patch grid of a dynamic-resolution image (Qwen2-VL): temporal, height
+        and width in patches, three values; empty for a fixed-size image. Part of
+        the identifier's hash.
         """
 
     def __init__(
@@ -697,10 +706,11 @@ class MultiModalFeature(_message.Message):
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
         pixel_values: Global___TensorData | None = ...,
+        grid_thw: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pixel_values", b"pixel_values"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identifier", b"identifier", "length", b"length", "modality", b"modality", "offset", b"offset", "pixel_values", b"pixel_values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grid_thw", b"grid_thw", "identifier", b"identifier", "length", b"length", "modality", b"modality", "offset", b"offset", "pixel_values", b"pixel_values"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

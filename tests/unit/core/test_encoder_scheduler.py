@@ -4,6 +4,8 @@ multimodal checks of a request, driven through EngineCore with the FakeExecutor.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from core_svc import convert
@@ -155,6 +157,12 @@ def test_the_same_text_with_another_image_misses_the_prefix_cache() -> None:
         (ITEM, (image("x", 2), image("y", 10)), "overlap"),
         (ITEM, (image("x", 25),), "leave the prompt"),
         (ITEM, (image("x", 2, ITEM + 1),), "placeholder tokens"),
+        (
+            ITEM,
+            (dataclasses.replace(image("x", 2), grid_thw=(1, 4, 4), num_patches=15),),
+            "makes 16",
+        ),
+        (ITEM, (dataclasses.replace(image("x", 2), grid_thw=(4, 4), num_patches=16),), "three"),
     ],
 )
 def test_bad_multimodal_features_are_refused_alone(
@@ -172,9 +180,11 @@ def test_features_travel_untouched_from_the_frontend_to_the_workers() -> None:
     msg = core_pb2.EngineCoreRequest(request_handle=5, prompt_token_ids=[1] * 20, max_tokens=2)
     feature = msg.mm_features.add(modality="image", identifier="abc", offset=3, length=4)
     feature.pixel_values.CopyFrom(
-        types_pb2.TensorData(data=b"\x01" * 8, shape=[2], dtype="float32")
+        types_pb2.TensorData(data=b"\x01" * 8, shape=[2, 1], dtype="float32")
     )
+    feature.grid_thw.extend([1, 1, 2])
     request = convert.request_from_proto(msg, client_id=1)
+    assert request.mm_features[0].grid_thw == (1, 1, 2)
     engine, executor = mm_engine()
     engine.add_request(request)
     engine.step()

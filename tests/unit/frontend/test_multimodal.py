@@ -5,6 +5,7 @@ with a message naming its part; text-only models refuse images; remote URLs off 
 from __future__ import annotations
 
 import base64
+import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -291,3 +292,29 @@ def test_image_support_is_the_engines_fact(llava_dir: Path, tmp_path: Path) -> N
         text_only.multimodal_processor(NUM_IMAGE_TOKENS)
     with pytest.raises(ValueError, match="GGUF"):
         ModelFiles(tokenizer, (), {}, None, LIMITS).multimodal_processor(NUM_IMAGE_TOKENS)
+
+
+def test_dynamic_resolution_images_carry_their_grid_from_the_checkpoints_processor(
+    qwen2_5_vl_model_dir: Path,
+) -> None:
+    """Qwen2.5-VL: each image's patches and grid are what transformers' processor makes of it;
+    its placeholders are grid / merge^2; the grid is part of the identifier."""
+    from transformers import AutoImageProcessor
+
+    from tests.fixtures.qwen2_5_vl_checkpoint import MERGE_SIZE, qwen_prompt
+
+    images = [png_bytes(1, (32, 24)), png_bytes(2, (40, 24))]
+    ids, features, reference = qwen_prompt(qwen2_5_vl_model_dir, "hi", images)
+    hf = AutoImageProcessor.from_pretrained(str(qwen2_5_vl_model_dir), backend="pil")
+    from PIL import Image
+
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    expected = hf(images=pictures, return_tensors="np")
+    assert [f.grid_thw for f in features] == [tuple(g) for g in expected["image_grid_thw"]]
+    assert np.array_equal(reference["pixel_values"].numpy(), expected["pixel_values"])
+    assert [f.length for f in features] == [
+        int(np.prod(g)) // MERGE_SIZE**2 for g in expected["image_grid_thw"]
+    ]
+    for f in features:
+        assert f.identifier == feature_identifier(f.dtype, f.shape, f.data, f.grid_thw)
+        assert f.identifier != feature_identifier(f.dtype, f.shape, f.data)

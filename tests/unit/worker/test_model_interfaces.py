@@ -69,17 +69,20 @@ class RecordingMethods:
         return None
 
 
-def architecture_config(architecture: str, llava_dir: Path) -> Any:
-    if architecture == "LlavaForConditionalGeneration":
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def architecture_config(architecture: str, image_dirs: dict[str, Path]) -> Any:
+    if architecture in image_dirs:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(llava_dir), local_files_only=True)
+        return AutoConfig.from_pretrained(str(image_dirs[architecture]), local_files_only=True)
     return hf_config(FAMILY_OF[architecture], architectures=[architecture])
 
 
-def build(architecture: str, llava_dir: Path, **changes: Any) -> nn.Module:
+def build(architecture: str, image_dirs: dict[str, Path], **changes: Any) -> nn.Module:
     cls = model_class(architecture)
-    config = cls.read_config(architecture_config(architecture, llava_dir))
+    config = cls.read_config(architecture_config(architecture, image_dirs))
     backend = backend_class("torch")(
         config.num_heads, config.num_kv_heads, config.head_dim, dtype=torch.float32, device=CPU
     )
@@ -115,24 +118,27 @@ def test_the_registry_imports_a_family_only_when_asked() -> None:
 
 @pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
 def test_every_architecture_is_a_causal_lm_whose_linears_are_chosen_by_path(
-    architecture: str, llava_model_dir: Path
+    architecture: str, llava_model_dir: Path, qwen2_5_vl_model_dir: Path
 ) -> None:
     methods = RecordingMethods()
-    model = build(architecture, llava_model_dir, linear_methods=methods)
+    image_dirs = dict(
+        zip(IMAGE_ARCHITECTURES, (llava_model_dir, qwen2_5_vl_model_dir), strict=True)
+    )
+    model = build(architecture, image_dirs, linear_methods=methods)
     assert isinstance(model, CausalLM)
-    assert supports_images(model) == (architecture == "LlavaForConditionalGeneration")
+    assert supports_images(model) == (architecture in IMAGE_ARCHITECTURES)
     paths = [path for path, _ in linear_layers(model)]
     assert paths and sorted(methods.prefixes) == sorted(paths)
 
 
-def test_ops_take_the_cpu_kernels_only_when_built_with_them(llava_model_dir: Path) -> None:
+def test_ops_take_the_cpu_kernels_only_when_built_with_them() -> None:
     kernels = CpuKernels.load()
     assert kernels is not None, "the CPU kernels did not build (is g++ installed?)"
-    with_kernels = build("GraniteForCausalLM", llava_model_dir, cpu_kernels=kernels)
+    with_kernels = build("GraniteForCausalLM", {}, cpu_kernels=kernels)
     ops = [m for m in with_kernels.modules() if isinstance(m, CustomOp) and m.has_cpu_kernels]
     assert {type(m).__name__ for m in ops} == {"RMSNorm", "RotaryEmbedding", "SiluAndMul"}
     assert {m.implementation for m in ops} == {"cpu_kernels"}
-    plain = build("GraniteForCausalLM", llava_model_dir)
+    plain = build("GraniteForCausalLM", {})
     assert {m.implementation for m in plain.modules() if isinstance(m, CustomOp)} == {"native"}
 
 

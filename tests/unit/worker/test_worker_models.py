@@ -86,6 +86,7 @@ def test_unknown_architecture_is_refused_with_supported_list(tmp_path: Path) -> 
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "LlavaForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
         "Qwen3MoeForCausalLM",
         "SmolLM3ForCausalLM",
         "Olmo2ForCausalLM",
