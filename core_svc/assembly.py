@@ -52,15 +52,14 @@ def cache_config(config: CoreConfig, facts: ModelFacts) -> CacheConfig:
     per request, after its last computed token, not per block, so a cached prefix's blocks
     could not restore it."""
     cache = config.options.cache
-    if is_encoder_only(facts):
-        cache = replace(cache, enable_prefix_caching=False)
     if facts.num_state_slots and cache.enable_prefix_caching:
         logger.info(
             "prefix caching is off for %s: its state layers keep one state per request (after "
             "its last computed token), which cached KV blocks of a prefix cannot restore",
             facts.architecture,
         )
-        cache = replace(cache, enable_prefix_caching=False)
+    enable = facts.serves_prefix_caching(cache.enable_prefix_caching)
+    cache = replace(cache, enable_prefix_caching=enable)
     return CacheConfig(
         facts.num_kv_blocks, cache, facts.sliding_window, num_state_slots=facts.num_state_slots
     )

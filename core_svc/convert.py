@@ -315,7 +315,9 @@ def engine_info_to_proto(
         vocab_size=facts.vocab_size,
         num_kv_blocks=facts.num_kv_blocks,
         dtype=facts.dtype,
-        enable_prefix_caching=config.options.cache.enable_prefix_caching,
+        enable_prefix_caching=facts.serves_prefix_caching(
+            config.options.cache.enable_prefix_caching
+        ),
         engine_id=config.engine_id,
         max_concurrency=usable_tokens / facts.max_model_len,
         max_tokens_per_mm_item=facts.max_tokens_per_mm_item,

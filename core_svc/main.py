@@ -81,7 +81,9 @@ def cache_config_labels(config: CoreConfig, facts: ModelFacts) -> dict[str, str]
         "engine": config.engine_id,
         "block_size": str(config.options.cache.block_size),
         "cache_dtype": config.options.cache.kv_cache_dtype,
-        "enable_prefix_caching": str(config.options.cache.enable_prefix_caching),
+        "enable_prefix_caching": str(
+            facts.serves_prefix_caching(config.options.cache.enable_prefix_caching)
+        ),
         "gpu_memory_utilization": str(config.options.cache.gpu_memory_utilization),
         "num_gpu_blocks": str(facts.num_kv_blocks),
         "kv_cache_memory_bytes": str(facts.kv_cache_bytes_per_rank),

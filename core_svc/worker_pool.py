@@ -70,6 +70,13 @@ class ModelFacts:
     pooler_config: PoolerConfig | None = None
     """How the model pools when the ranks serve it as a pooling model; None: generative."""
 
+    def serves_prefix_caching(self, requested: bool) -> bool:
+        """Whether the engine caches prefixes when `requested` (--enable-prefix-caching): not
+        for an encoder-only model (its blocks hold no KV) nor a model with state layers (its
+        state is one per request, after its last token, which no cached block restores)."""
+        is_encoder_only = self.pooler_config is not None and self.pooler_config.is_encoder_only
+        return requested and not is_encoder_only and not self.num_state_slots
+
 
 class WorkerPool:
     """One channel per rank, in rank order.

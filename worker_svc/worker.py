@@ -8,6 +8,7 @@ Calls out of that order raise `WorkerStateError`; bad arguments raise `ValueErro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -233,12 +234,13 @@ class Worker:
         assert self.config is not None
         max_num_seqs = self.config.options.scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         block_size = self.config.options.cache.block_size
+        num_slots, slot_bytes = max_num_seqs + 1, runner.state_bytes_per_slot
+        if runner.kv_cache_spec.num_layers == 0:  # a stage of state layers only: no KV here
+            return dataclasses.replace(
+                capacity, num_state_slots=num_slots, bytes_per_state_slot=slot_bytes
+            )
         return reserve_state_slots(
-            capacity,
-            runner.kv_cache_spec,
-            block_size,
-            max_num_seqs + 1,
-            runner.state_bytes_per_slot,
+            capacity, runner.kv_cache_spec, block_size, num_slots, slot_bytes
         )
 
     def _kv_capacity(self, gpu_memory_utilization: float, kv_cache_memory_bytes: int) -> KvCapacity:

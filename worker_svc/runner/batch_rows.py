@@ -133,19 +133,17 @@ class BatchRows:
         append_runs(self.token_ids, self.num_tokens, rows, np.minimum(counts, room),
                      token_ids[keep])  # fmt: skip
 
-    def state_slot_problem(self, slot: int, num_computed: int, handle: int) -> str | None:
-        """Why request `handle` cannot take state slot `slot` starting at `num_computed`, or
-        None: a model with state layers needs a slot of its own (not 0, none another live
-        request holds) and starts from the first token (its state cannot skip a prefix)."""
+    def state_slot_problem(self, slot: int, num_computed: int) -> str | None:
+        """Why a request cannot take state slot `slot` starting at `num_computed`, or None: a
+        model with state layers needs a slot (not 0) and starts from the first token (its
+        state cannot skip a prefix). That no two requests of a step share one is checked with
+        the step (a preempted request keeps its row, but its slot went back to the core)."""
         if not self.num_state_slots:
             return None if slot == 0 else f"state slot {slot} for a model without state layers"
         if not 0 < slot < self.num_state_slots:
             return f"state slot {slot} outside 1..{self.num_state_slots - 1}"
         if num_computed:
             return f"{num_computed} computed tokens: a request with a state starts at its first"
-        for other, row in self.handle_to_row.items():
-            if other != handle and self.state_slots[row] == slot:
-                return f"state slot {slot} is held by request {other}"
         return None
 
     def num_used_blocks(self) -> int:

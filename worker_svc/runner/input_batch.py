@@ -38,7 +38,7 @@ class InputBatch(BatchRows):
         new_rows: list[int] = []
         for i, new in enumerate(step.scheduled_new_reqs):
             problem = self._new_request_problem(new) or self.state_slot_problem(
-                new.state_slot, new.num_computed_tokens, new.req_handle
+                new.state_slot, new.num_computed_tokens
             )
             if problem is None:
                 new_rows.append(self._add_request(new))
@@ -161,7 +161,7 @@ class InputBatch(BatchRows):
             i = handles.index(handle)
             slot = slots[j] if j < len(slots) else 0
             computed = int(cached.num_computed_tokens[i])
-            is_bad[i] = self.state_slot_problem(slot, computed, handle) is not None
+            is_bad[i] = self.state_slot_problem(slot, computed) is not None
         return is_bad
 
     def _update_cached(self, rows: IntArray, cached: CachedRequestData) -> IntArray:
@@ -211,9 +211,10 @@ class InputBatch(BatchRows):
             is_decode = num_known - num_computed == 1
             is_bad |= (seq_lens - num_spec > num_known) | ((num_spec > 0) & ~is_decode)
             is_bad |= (num_spec < 0) | (num_spec >= num_scheduled)
-        if not is_bad.any():
+        shared = self._shared_state_slots(rows)
+        if not is_bad.any() and not shared:
             return plan
-        reasons = {
+        reasons = shared | {
             i: (
                 f"{int(num_scheduled[i])} tokens scheduled after "
                 f"{self.num_computed_tokens[rows[i]]}, but it has "
@@ -223,6 +224,18 @@ class InputBatch(BatchRows):
             for i in np.flatnonzero(is_bad).tolist()
         }
         return self.refuse(plan, reasons)
+
+    def _shared_state_slots(self, rows: IntArray) -> dict[int, str]:
+        """Entries whose state slot an earlier request of the step has (each reads and writes
+        its own; a preempted request's row keeps a slot the core has taken back, harmlessly)."""
+        if not self.num_state_slots or not len(rows):
+            return {}
+        slots = self.state_slots[rows]
+        _, first = np.unique(slots, return_index=True)
+        shared = np.setdiff1d(np.arange(len(rows)), first)
+        return {
+            int(i): f"state slot {int(slots[i])} is another request's in this step" for i in shared
+        }
 
     def refuse(self, plan: StepPlan, reasons: dict[int, str]) -> StepPlan:
         """The plan without its entries `reasons` names (by index), whose requests are
@@ -240,6 +253,7 @@ class InputBatch(BatchRows):
             plan.fresh_block_ids,
             plan.failed,
             None if num_spec is None else num_spec[keep],
+            plan.fresh_state_slots,
         )
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:

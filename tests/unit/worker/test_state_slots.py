@@ -59,10 +59,22 @@ def test_new_requests_take_their_own_slots_and_a_wrong_slot_fails_only_its_reque
     plan = batch.update_states(
         step([new(1, 2, [1, 2]), new(2, 2, [3, 4]), new(3, 0, [5, 6]), new(4, 4, [7, 8])])
     )
-    assert plan.fresh_state_slots.tolist() == [2]
-    assert "held by request 1" in plan.failed[2]
+    assert plan.fresh_state_slots.tolist() == [2, 2]
+    assert "state slot 2 is another request's in this step" in plan.failed[2]
+    assert plan.rows.tolist() == [batch.handle_to_row[1]]
     assert "outside 1..3" in plan.failed[3] and "outside 1..3" in plan.failed[4]
     assert batch.state_slots[batch.handle_to_row[1]] == 2
+
+
+def test_a_preempted_requests_slot_may_go_to_a_new_request() -> None:
+    """The core took the slot back when it preempted request 1 (the rank keeps its row until it
+    resumes with a new slot); a new request given that slot runs, and so does 1 resumed."""
+    batch = make_batch(num_state_slots=4)
+    batch.update_states(step([new(1, 1, [1, 2])]))
+    plan = batch.update_states(step([new(2, 1, [3, 4])]))
+    assert not plan.failed and plan.fresh_state_slots.tolist() == [1]
+    plan = batch.update_states(step([], resumed(1, [2])))
+    assert not plan.failed and plan.fresh_state_slots.tolist() == [2]
 
 
 def test_a_request_with_state_starts_at_its_first_token() -> None:
