@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -32,6 +33,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
 }
 """Architecture -> (module under worker_svc/models, class)."""

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from tests.fixtures.checkpoints import CheckpointCache, hf_config
+from tests.fixtures.hybrid_checkpoints import hybrid_config
+from tests.fixtures.qwen3_next_checkpoint import QWEN3_NEXT
 from worker_svc.attention.selector import backend_class
 from worker_svc.distributed import ParallelState
 from worker_svc.kernels.cpu_kernels import CpuKernels
@@ -72,7 +74,21 @@ class RecordingMethods:
 IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
+def hybrid_hf_config(architecture: str) -> Any:
+    """The hybrid families' configs (their fixtures' own modules)."""
+    import transformers
+
+    if architecture == "GraniteMoeHybridForCausalLM":
+        return hybrid_config(architectures=[architecture])
+    return transformers.Qwen3NextConfig(**QWEN3_NEXT, architectures=[architecture])
+
+
+HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
+
+
 def architecture_config(architecture: str, image_dirs: dict[str, Path]) -> Any:
+    if architecture in HYBRID_ARCHITECTURES:
+        return hybrid_hf_config(architecture)
     if architecture in image_dirs:
         from transformers import AutoConfig
 
