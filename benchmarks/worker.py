@@ -56,13 +56,15 @@ def copy_bandwidth(num_bytes: int = 1 << 28, repeats: int = 10) -> float:
 
 
 def bench_decode(session: Session, batch_size: int, context: int, steps: int) -> dict[str, float]:
-    """B requests whose `context - 1` tokens are 'cached' (a prefix hit), then decode steps."""
+    """B requests whose `context - 1` tokens are 'cached' (a prefix hit), then decode steps; a
+    model with state layers computes the whole context first (a state has no prefix hits)."""
     rng = np.random.default_rng(batch_size)
+    num_cached = 0 if session.num_state_slots else context - 1
     news = [
-        session.new_request(rng.integers(3, VOCAB_SIZE, context), context - 1, steps + 4)
+        session.new_request(rng.integers(3, VOCAB_SIZE, context), num_cached, steps + 4)
         for _ in range(batch_size)
     ]
-    out, _ = session.execute(news, [1] * batch_size)
+    out, _ = session.execute(news, [context - num_cached] * batch_size)
     handles = [n.req_handle for n in news]
     times: list[float] = []
     parts: list[StepTimings] = []

@@ -8,7 +8,12 @@ fourth layer NoPE), OLMo 2 (post-norms, whole-projection q/k norms), GLM-4 (sand
 GPT-J rotary on half of each head, intermediate 2048), gpt-oss (attention sinks, sliding 128 on
 every other layer, 8 experts of 1024 with top-2: the same active MLP width as Llama's 2048),
 DeepSeek-V3 (MLA: a 256 + 16 latent per token, heads of 48 + 16; a dense first layer, then 8
-experts of 768 with top-2 and one shared: an active width of 2304).
+experts of 768 with top-2 and one shared: an active width of 2304), and the hybrids, three
+state layers to one attention layer: GraniteMoeHybrid (Mamba2: 24 heads of 64, state 128, one
+group, conv 4; the dense shared MLP of 2048) and Qwen3-Next (gated DeltaNet: 6 key and 12 value
+heads of 64; gated attention with a quarter rotary; 8 experts of 512 with top-2 and a shared
+one of 1024: an active width of 2048). A hybrid's requests compute their 256 tokens first (a
+state has no prefix hit); the decode steps are timed as for the others.
 Reports, as JSON lines, the median decode step (`benchmarks.worker`'s `bench_decode`: batch B
 with 256 cached tokens each) and its ratio to Llama's in the same run; the target is 1.3x.
 `llama_torch_attention` is the same Llama on the torch attention backend, which models with
@@ -56,6 +61,38 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": (
         "GptOssConfig",
         {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 1024},
+    ),
+    "granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 3,
+            "mamba_n_heads": 24,
+            "mamba_d_head": 64,
+            "mamba_d_state": 128,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 256,
+            "num_local_experts": 0,
+            "shared_intermediate_size": BENCH_CONFIG["intermediate_size"],
+            "position_embedding_type": "rope",
+        },
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 3,
+            "partial_rotary_factor": 0.25,
+            "linear_num_key_heads": 6,
+            "linear_num_value_heads": 12,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 1024,
+        },
     ),
     "deepseek_v3": (
         "DeepseekV3Config",
@@ -106,10 +143,12 @@ def family_steps(family: str, batch_sizes: Sequence[int], steps: int) -> dict[in
     )
     worker.load_model(config)
     num_blocks = max(batch_sizes) * (256 + steps + 8) // BLOCK_SIZE + 64
-    worker.initialize_kv_cache(num_blocks)
-    assert worker.runner is not None and worker.runner.kv_cache is not None
+    assert worker.runner is not None
+    num_state_slots = max(batch_sizes) + 1 if worker.runner.state_specs else 0
+    worker.initialize_kv_cache(num_blocks, num_state_slots)
+    assert worker.runner.kv_cache is not None
     worker.runner.kv_cache.zero_blocks(np.arange(num_blocks))
-    session = Session(worker, num_blocks)
+    session = Session(worker, num_blocks, num_state_slots)
     try:
         return {b: bench_decode(session, b, 256, steps)["step_ms"] for b in batch_sizes}
     finally:

@@ -29,12 +29,14 @@ def arr(values: Sequence[int] | np.ndarray) -> np.ndarray:
 class Session:
     """A loaded worker plus the bookkeeping of an engine core that never frees blocks."""
 
-    def __init__(self, worker: Worker, num_blocks: int) -> None:
+    def __init__(self, worker: Worker, num_blocks: int, num_state_slots: int = 0) -> None:
         self.worker = worker
         self.step_id = 0
         self.next_block = 1  # block 0 is the null block
         self.next_handle = 0
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots
+        """A model with state layers: its slots (slot 0 the null one), handed out in turn."""
 
     def blocks(self, num_tokens: int) -> np.ndarray:
         count = -(-num_tokens // BLOCK_SIZE)
@@ -69,7 +71,12 @@ class Session:
         return out, elapsed
 
     def new_request(self, prompt: np.ndarray, num_computed: int, reserve: int) -> NewRequestData:
+        """A request whose first `num_computed` tokens count as cached (0 with state layers:
+        a state starts at the first token); a state slot of its own, if the model has them."""
         self.next_handle += 1
+        slot = 0
+        if self.num_state_slots:
+            slot = 1 + (self.next_handle - 1) % (self.num_state_slots - 1)
         return NewRequestData(
             self.next_handle,
             f"b{self.next_handle}",
@@ -77,6 +84,7 @@ class Session:
             GREEDY,
             self.blocks(len(prompt) + reserve),
             num_computed,
+            state_slot=slot,
         )
 
 
