@@ -96,11 +96,14 @@ def test_async_scheduling_gives_the_outputs_of_lockstep(
         stack.stop()
 
 
+@pytest.mark.extended
 def test_a_killed_or_hung_rank_resumes_every_request_with_async_scheduling(
     tiny_model_dir: Path,
 ) -> None:
     """SIGKILL (the rank is restarted), then SIGSTOP (the step watchdog, whose clock starts
-    when the step before answered, finds the rank hung; SIGCONT brings it back)."""
+    when the step before answered, finds the rank hung; SIGCONT brings it back). Extended:
+    async scheduling is on by default, so make test's tests/e2e/test_recovery.py (a killed
+    and a stopped rank at TP=2) covers the same ground."""
     flags = [*CORE_FLAGS, "--async-scheduling"]
     stack = Stack(tiny_model_dir, tp=2, core_flags=flags, supervise=True).start()
     try:

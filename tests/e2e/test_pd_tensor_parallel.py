@@ -37,6 +37,7 @@ def engines(tiny_model_dir: Path) -> Iterator[tuple[Stack, Stack]]:
         yield prefill, decode
 
 
+@pytest.mark.extended  # make test's P/D tests (test_pd_gateway, test_pd_serve) run at TP=1
 def test_each_rank_pulls_its_part_and_the_answer_is_the_same(
     engines: tuple[Stack, Stack],
 ) -> None:

@@ -181,6 +181,7 @@ def test_a_stranger_without_the_launchers_secret_is_refused(plaintext_up: Up) ->
     assert len(completion.token_ids) == 4
 
 
+@pytest.mark.extended  # the same supervisor restarts ranks in make test's test_recovery.py
 def test_up_restarts_a_killed_worker_and_the_stream_in_flight_resumes(plaintext_up: Up) -> None:
     resumed_before = _resumed(plaintext_up.core_metrics)
     old_worker = plaintext_up.children()["worker"]
