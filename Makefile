@@ -91,8 +91,9 @@ test: setup-dev bytecode lint proto-check
 	$(PY) -m pytest -m "not extended" --durations=30 $(PYTEST_ARGS)
 
 # The launch tests make test leaves out to stay within 30 minutes on 2 cores: the chart's other
-# CI layouts (PP=2 on a hostPath, a TP group from a fake Hub) and a TP group's restart, and two
-# engine groups behind the gateway (pytest marker `extended`; about 4 minutes).
+# CI layouts (PP=2 on a hostPath, a TP group from a fake Hub) and a TP group's restart, two
+# engine groups behind the gateway, P/D at TP=2, the async-scheduling kill/hang run, `up`'s
+# worker restart and four families served end to end (pytest marker `extended`; about 6 minutes).
 test-extended: setup-dev bytecode
 	$(PY) -m pytest -m extended $(PYTEST_ARGS)
 

@@ -135,6 +135,7 @@ def test_make_run_answers_paris_and_the_gguf_file_agrees(
         rank.close()
 
 
+@pytest.mark.extended  # make test: the GGUF reader's parity (tests/parity/test_parity_gguf.py) and the make-run answer from this file
 def test_the_real_gguf_file_matches_transformers_logits(
     gguf_file: Path, prompt_ids: list[int], quantized_rank: LocalRank
 ) -> None:

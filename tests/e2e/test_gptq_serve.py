@@ -30,6 +30,7 @@ PROMPT = [5, 9, 33, 7, 100, 200, 3]
 NUM_TOKENS = 8
 
 
+@pytest.mark.extended  # make test: GPTQ parity (TP=1); AWQ, compressed-tensors served
 def test_a_gptq_checkpoint_serves_end_to_end_at_tp2(tmp_path: Path) -> None:
     source = CheckpointCache(tmp_path / "checkpoints").get("llama")
     folder, weights = make_gptq_checkpoint(source, tmp_path / "tiny-gptq", 4, desc_act=True)

@@ -171,6 +171,7 @@ def settled(urls: list[str], check: Any, timeout: float = 15.0) -> list[dict[str
         time.sleep(0.2)
 
 
+@pytest.mark.extended  # make test: three frontends' counts in tests/metrics/test_metrics_sum.py
 def test_three_frontends_interleaved_are_correct_and_counted_consistently(
     frontends: tuple[Stack, list[Child]], hf_model: Any, tokenizer: Any
 ) -> None:
