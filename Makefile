@@ -161,7 +161,8 @@ bench-spec: setup-dev bytecode
 # A decode step of each of issue 41's families (SmolLM3, OLMo 2, GLM-4, gpt-oss, DeepSeek-V3, and the
 # hybrids GraniteMoeHybrid and Qwen3-Next) against a same-size Llama's on one worker rank, 3 rounds
 # (benchmarks/worker_families.py): 3 minutes without the hybrids; they add about 3 minutes a round
-# each (their 32 x 256-token contexts are computed, a state having no prefix hit), under 20 all told.
+# each (their 32 x 256-token contexts are computed, a state having no prefix hit): about 20 minutes
+# all told, estimated from one round (not yet timed whole).
 bench-families: setup-dev bytecode
 	$(PY) -m benchmarks.worker_families $(BENCH_FAMILIES_ARGS)
 
