@@ -28,6 +28,7 @@ from torch import nn
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
 from worker_svc.models.clip import ClipVisionTower, vision_activation
 from worker_svc.models.decoder import BuildContext, StepContext, join_prefix
+from worker_svc.models.language_model_wrapper import WrapsLanguageModel
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.model_config import ModelConfig, parse_dtype
 from worker_svc.models.vision_config import ClipVisionConfig, LlavaVisionConfig
@@ -130,7 +131,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(vision_activation(self.act, self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrapsLanguageModel):
     """One pipeline stage of a LLaVA model; see the module docstring."""
 
     supports_images: ClassVar[Literal[True]] = True
@@ -208,19 +209,6 @@ class LlavaForConditionalGeneration(nn.Module):
     def step_context(self, positions: torch.Tensor, attn_metadata: object) -> StepContext:
         return self.language_model.step_context(positions, attn_metadata)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The language model's forward (the images are in the embeddings already)."""
-        return self.language_model(*args, **kwargs)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def process_weights_after_loading(self) -> None:
-        self.language_model.process_weights_after_loading()
-
     # -- weights -------------------------------------------------------------------------------
 
     def resolve_weight_name(self, name: str) -> list[WeightTarget]:
@@ -229,10 +217,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if name.startswith(_VISION_PREFIXES):
             return []
         return self.language_model.resolve_weight_name(name)
-
-    def target_path(self, target: WeightTarget) -> str | None:
-        path = self.language_model.target_path(target)
-        return None if path is None else f"language_model.{path}"
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Vision tensors go to the replicated vision modules (on the first stage); the rest

@@ -28,10 +28,10 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import nn
 
 from worker_svc.layers.tensor_source import TensorSource, copy_checked
 from worker_svc.models.decoder import BuildContext, StepContext, join_prefix
+from worker_svc.models.language_model_wrapper import WrapsLanguageModel
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.models.model_config import ModelConfig, parse_dtype
 from worker_svc.models.qwen2_5_vl_vision import (
@@ -119,7 +119,7 @@ def mrope_positions(
     return table, delta
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):  # noqa: N801 (transformers' name)
+class Qwen2_5_VLForConditionalGeneration(WrapsLanguageModel):  # noqa: N801 (transformers' name)
     """One pipeline stage of a Qwen2.5-VL model; see the module docstring."""
 
     supports_images: ClassVar[Literal[True]] = True
@@ -192,19 +192,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):  # noqa: N801 (transformers
         cos, sin = self.language_model.rotary.cos_sin(positions)
         return StepContext(cos, sin, attn_metadata, None)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The language model's forward (the images are in the embeddings already)."""
-        return self.language_model(*args, **kwargs)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def process_weights_after_loading(self) -> None:
-        self.language_model.process_weights_after_loading()
-
     # -- weights -------------------------------------------------------------------------------
 
     def resolve_weight_name(self, name: str) -> list[WeightTarget]:
@@ -212,10 +199,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):  # noqa: N801 (transformers
         if name.startswith(_VISION_PREFIX):
             return []
         return self.language_model.resolve_weight_name(name)
-
-    def target_path(self, target: WeightTarget) -> str | None:
-        path = self.language_model.target_path(target)
-        return None if path is None else f"language_model.{path}"
 
     def load_weights(self, weights: Iterable[tuple[str, TensorSource]]) -> None:
         """Vision tensors to the replicated tower (first stage), the rest to the language
