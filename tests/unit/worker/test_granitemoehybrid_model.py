@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.hybrid_checkpoints import make_hybrid_checkpoint
-from tests.fixtures.hybrid_engine import HybridEngine, expected, sequence
+from tests.fixtures.hybrid_engine import HybridEngine, max_plan_diff, sequence
 from worker_svc.attention.selector import backend_class
 from worker_svc.distributed import ParallelState
 from worker_svc.layers.linear import (
@@ -95,7 +95,6 @@ def test_chunked_steps_match_transformers(checkpoint: Path, reference: Any) -> N
     """Request 0: chunks 19, 1, 13 then decodes; request 1 prefills beside them."""
     engine = Engine(checkpoint)
     first, second = sequence(37, seed=1), sequence(30, seed=2)
-    outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     plan = [
         [(0, first[:19], 0)],
         [(0, first[19:20], 19), (1, second[:21], 0)],
@@ -104,12 +103,8 @@ def test_chunked_steps_match_transformers(checkpoint: Path, reference: Any) -> N
         [(1, second[26:30], 26), (0, first[34:35], 34)],
         [(0, first[35:37], 35)],
     ]
-    for runs in plan:
-        for (j, _, _), logits in zip(runs, engine.step(runs), strict=True):
-            outs[j].append(logits)
-    for j, ids in ((0, first), (1, second)):
-        diff = float((torch.cat(outs[j]) - expected(reference, ids)).abs().max())
-        assert diff < TOLERANCE, (j, diff)
+    diffs = max_plan_diff(engine, reference, {0: first, 1: second}, plan)
+    assert max(diffs.values()) < TOLERANCE, diffs
 
 
 @pytest.mark.parametrize(

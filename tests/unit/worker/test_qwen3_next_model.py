@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.fixtures.hybrid_engine import HybridEngine, expected, sequence
+from tests.fixtures.hybrid_engine import HybridEngine, max_plan_diff, sequence
 from tests.fixtures.qwen3_next_checkpoint import make_qwen3_next_checkpoint
 from worker_svc.models.model_config import read_hf_config
 from worker_svc.models.qwen3_next import Qwen3NextForCausalLM
@@ -48,7 +48,6 @@ def test_chunked_steps_match_transformers(checkpoint: Path, reference: Any) -> N
     """Request 0: chunks 70, 1, 29 then decodes; request 1 prefills beside them."""
     engine = Engine(checkpoint)
     first, second = sequence(104, seed=1), sequence(75, seed=2)
-    outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     plan = [
         [(0, first[:70], 0)],
         [(0, first[70:71], 70), (1, second[:66], 0)],
@@ -57,12 +56,8 @@ def test_chunked_steps_match_transformers(checkpoint: Path, reference: Any) -> N
         [(1, second[71:75], 71), (0, first[101:102], 101)],
         [(0, first[102:104], 102)],
     ]
-    for runs in plan:
-        for (j, _, _), logits in zip(runs, engine.step(runs), strict=True):
-            outs[j].append(logits)
-    for j, ids in ((0, first), (1, second)):
-        diff = float((torch.cat(outs[j]) - expected(reference, ids)).abs().max())
-        assert diff < TOLERANCE, (j, diff)
+    diffs = max_plan_diff(engine, reference, {0: first, 1: second}, plan)
+    assert max(diffs.values()) < TOLERANCE, diffs
 
 
 def test_refuses_unimplemented_features(checkpoint: Path) -> None:
