@@ -273,10 +273,7 @@ class GatedDeltaNet(nn.Module):
         conv_state: torch.Tensor, recurrent_state: torch.Tensor, out: torch.Tensor,
     ) -> None:  # fmt: skip
         """Every one-token request in one batched conv and recurrent step."""
-        rows = meta.decode_rows
-        tokens = torch.tensor([meta.query_start_loc[i] for i in rows], device=mixed.device)
-        slots = meta.slots[rows] if len(rows) < meta.num_reqs else meta.slots
-        fresh = torch.tensor([meta.context_lens[i] == 0 for i in rows], device=mixed.device)
+        tokens, slots, fresh = meta.decode_tokens, meta.decode_slots, meta.decode_fresh
         conv = conv_state[slots].masked_fill(fresh[:, None, None], 0.0)
         window = torch.cat([conv, mixed[tokens].to(conv.dtype).unsqueeze(-1)], dim=-1)
         conv_state[slots] = window[..., 1:]

@@ -198,14 +198,10 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         y = torch.empty_like(z)
         if state.decode_rows:
-            rows = torch.tensor(
-                [state.query_start_loc[i] for i in state.decode_rows], device=hidden.device
+            rows = state.decode_tokens
+            y[rows] = self.decode(
+                xbc[rows], dt[rows], state.decode_slots, state.decode_fresh, cache
             )
-            slots = state.slots[state.decode_rows]
-            fresh = torch.tensor(
-                [state.context_lens[i] == 0 for i in state.decode_rows], device=hidden.device
-            )
-            y[rows] = self.decode(xbc[rows], dt[rows], slots, fresh, cache)
         for i in state.prefill_rows:
             start, end = state.query_start_loc[i], state.query_start_loc[i + 1]
             if end > start:

@@ -47,7 +47,10 @@ class StateMetadata:
     `query_start_loc[i]:query_start_loc[i + 1]` are request i's tokens in the flattened step;
     `context_lens[i]` its tokens computed before this step (0: its state is the zero state);
     `slots[i]` (`slot_list[i]` on the host) its state slot. `decode_rows` are the requests with
-    exactly one token (the batched recurrent step), `prefill_rows` the others, both ascending.
+    exactly one token (the batched recurrent step), `prefill_rows` the others, both ascending;
+    for the decode rows, built once a step for every state layer: their tokens' indices in the
+    step (`decode_tokens`), their slots (`decode_slots`) and whether each starts from the zero
+    state (`decode_fresh`).
     """
 
     query_start_loc: list[int]
@@ -56,6 +59,9 @@ class StateMetadata:
     slots: torch.Tensor
     decode_rows: list[int]
     prefill_rows: list[int]
+    decode_tokens: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_fresh: torch.Tensor
 
     @classmethod
     def of(
@@ -63,13 +69,21 @@ class StateMetadata:
         device: torch.device,
     ) -> StateMetadata:  # fmt: skip
         lengths = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
+        decode_rows = [i for i, n in enumerate(lengths) if n == 1]
         return cls(
             query_start_loc,
             context_lens,
             slots,
             torch.tensor(slots, dtype=torch.int64, device=device),
-            [i for i, n in enumerate(lengths) if n == 1],
+            decode_rows,
             [i for i, n in enumerate(lengths) if n != 1],
+            torch.tensor(
+                [query_start_loc[i] for i in decode_rows], dtype=torch.int64, device=device
+            ),
+            torch.tensor([slots[i] for i in decode_rows], dtype=torch.int64, device=device),
+            torch.tensor(
+                [context_lens[i] == 0 for i in decode_rows], dtype=torch.bool, device=device
+            ),
         )
 
     @property

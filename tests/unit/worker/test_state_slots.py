@@ -141,3 +141,5 @@ def test_state_metadata_splits_decodes_from_prefills() -> None:
     meta = StateMetadata.of([0, 1, 4, 5], [7, 0, 3], [2, 1, 3], torch.device("cpu"))
     assert meta.decode_rows == [0, 2] and meta.prefill_rows == [1]
     assert meta.slots.tolist() == [2, 1, 3] and meta.num_reqs == 3
+    assert meta.decode_tokens.tolist() == [0, 4] and meta.decode_slots.tolist() == [2, 3]
+    assert meta.decode_fresh.tolist() == [False, False]
